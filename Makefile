@@ -1,0 +1,36 @@
+# The two commands users run: `make reproduce` and `make test`. Each sets itself up from a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.dlo_fn-installed
+NB_SANITIZE = notebooks/sanitize.cfg
+
+.PHONY: setup test test-py test-nb reproduce demo notebooks figures clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,test,notebooks]'
+	$(PY) -m ipykernel install --prefix $(VENV) --name python3 >/dev/null
+	@touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+	$(PY) -m pytest --nbval --sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
+
+test-py: $(STAMP)
+	$(PY) -m pytest tests
+
+test-nb: $(STAMP)
+	$(PY) -m pytest --nbval --sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
+
+# The main job: the embedded demo (2 CPU ranks over gloo, a generated checkpoint), then every notebook
+# executed in place and every figure regenerated.
+reproduce: $(STAMP)
+	$(PY) -m dlo_fn demo
+	$(PY) -m dlo_fn figures --execute-notebooks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,35 @@
+"""One function per figure, used by the notebooks and by `python -m dlo_fn figures`.
+
+Each figure module defines ``FIGURES: dict[str, Callable[[pathlib.Path], list[pathlib.Path]]]``: a figure
+name mapped to a function that takes the output folder (``figures/``), writes the PNG (and GIF) plus the data
+behind it under ``figures/data/``, and returns the paths it wrote. Output is deterministic: see ``style``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+import pathlib
+
+# Figure modules; each contributes FIGURES.
+FIGURE_MODULES = (
+    "dlo_fn.figures.timeline",
+    "dlo_fn.figures.memory",
+    "dlo_fn.figures.minimax",
+    "dlo_fn.figures.cold_start",
+    "dlo_fn.figures.bench",
+    "dlo_fn.figures.waves",
+)
+
+
+def all_figures() -> dict[str, Callable[[pathlib.Path], list[pathlib.Path]]]:
+    figures: dict[str, Callable[[pathlib.Path], list[pathlib.Path]]] = {}
+    for name in FIGURE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # figure module not built yet
+        figures.update(module.FIGURES)
+    return figures
