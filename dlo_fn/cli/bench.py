@@ -1,0 +1,27 @@
+"""`python -m dlo_fn bench {load,step,waves}`: each benchmark lives in :mod:`dlo_fn.bench`."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHES = ("load", "step", "waves")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks that write JSON/CSV under figures/data/",
+        description=(
+            "Benchmarks. Each writes its results (with machine, command and date) as JSON/CSV, by default "
+            "under figures/data/. Performance is measured here, never asserted in timed tests."
+        ),
+    )
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name in BENCHES:
+        try:
+            module = importlib.import_module(f"dlo_fn.bench.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"dlo_fn.bench.{name}":
+                raise
+            continue  # benchmark not built yet
+        module.register(sub)
