@@ -1,0 +1,290 @@
+"""Flat block layouts and shard layouts.
+
+**Flat block layout.** All stored tensors of a block (parameters and persistent buffers; mixed dtypes allowed,
+e.g. bf16 weights with fp32 norms) are packed, in the block spec's order, into one byte buffer. Tensor ``i``
+starts at ``offset_i = align_up(end_{i-1}, A)`` with alignment ``A`` (default 256 bytes: a multiple of every
+itemsize, and of the 128-byte transaction size of GPU copies). Each tensor is contiguous, so a weight is a
+view ``buffer[offset : offset + nbytes].view(dtype).view(shape)`` of the slot it was gathered into.
+
+**Shard layout.** For a shard group of ``W`` ranks, a block of ``n`` bytes is cut into ``W`` equal shards of
+
+    s = align_up(ceil(n / W), A)
+
+bytes (``all_gather_into_tensor`` needs equal sizes); rank ``r`` owns bytes ``[r*s, (r+1)*s)`` of the padded
+buffer of ``W*s`` bytes, whose tail ``W*s - n < W*A`` is zero padding. Each rank copies only the tensor bytes
+that fall in its range, as a list of :class:`Piece` (tensor source slice -> shard destination slice).
+
+Example: a block with ``q.weight`` (bf16, 64 x 16 = 2048 bytes) and ``norm.weight`` (fp32, 64 = 256 bytes),
+``A = 256``, ``W = 3``: ``n = 2304``, ``s = align_up(768, 256) = 768``, padded ``2304``, padding ``0``.
+
+    ====  ===========  ==========================================
+    rank  range        tensors (source bytes -> shard bytes)
+    ====  ===========  ==========================================
+    0     [0, 768)     q.weight[0:768] -> [0:768]
+    1     [768, 1536)  q.weight[768:1536] -> [0:768]
+    2     [1536, 2304) q.weight[1536:2048] -> [0:512];
+                       norm.weight[0:256] -> [512:768]
+    ====  ===========  ==========================================
+
+A :class:`ModelLayout` holds the shard layout of every block and a digest that ranks compare at start-up: two
+ranks that disagree on any offset, shape, dtype, shard size or world size get different digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dlo_fn.plan.spec import BlockSpec, ModelSpec
+
+__all__ = [
+    "DEFAULT_ALIGNMENT_BYTES",
+    "TensorPlacement",
+    "BlockLayout",
+    "Piece",
+    "ShardLayout",
+    "ModelLayout",
+    "align_up",
+    "block_layout",
+    "shard_layout",
+    "model_layout",
+]
+
+DEFAULT_ALIGNMENT_BYTES = 256
+
+
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def _check_alignment(alignment_bytes: int) -> None:
+    if alignment_bytes <= 0 or alignment_bytes & (alignment_bytes - 1):
+        raise ValueError(f"alignment_bytes must be a power of two, got {alignment_bytes}")
+    if alignment_bytes < 8:
+        raise ValueError(f"alignment_bytes must be >= 8 (the largest itemsize), got {alignment_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlacement:
+    """Where one tensor lives inside its block's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    offset_bytes: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.offset_bytes % self.dtype.itemsize:
+            raise ValueError(f"{self.name}: offset {self.offset_bytes} not a multiple of itemsize")
+
+    @property
+    def end_bytes(self) -> int:
+        return self.offset_bytes + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """All tensors of one block packed into ``nbytes`` bytes (the last tensor's end; no tail padding)."""
+
+    name: str
+    placements: tuple[TensorPlacement, ...]
+    nbytes: int
+    alignment_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_alignment(self.alignment_bytes)
+        end = 0
+        for p in self.placements:
+            if p.offset_bytes < end or p.offset_bytes % self.alignment_bytes:
+                raise ValueError(f"block {self.name}: tensor {p.name} overlaps or is misaligned")
+            end = p.end_bytes
+        if end != self.nbytes:
+            raise ValueError(f"block {self.name}: nbytes {self.nbytes} != end of last tensor {end}")
+
+    def placement(self, name: str) -> TensorPlacement:
+        for p in self.placements:
+            if p.name == name:
+                return p
+        raise KeyError(f"block {self.name} has no tensor {name!r}")
+
+
+def block_layout(block: BlockSpec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> BlockLayout:
+    """Pack ``block``'s tensors in order, each at the next multiple of ``alignment_bytes``."""
+    _check_alignment(alignment_bytes)
+    if block.nbytes == 0:
+        raise ValueError(
+            f"block {block.name!r} stores no bytes: nothing to offload; leave it out of the block list "
+            f"or keep it resident"
+        )
+    placements, offset = [], 0
+    for t in block.tensors:
+        offset = align_up(offset, alignment_bytes)
+        placements.append(
+            TensorPlacement(t.name, t.shape, _contiguous_stride(t.shape), t.dtype, offset, t.nbytes)
+        )
+        offset += t.nbytes
+    return BlockLayout(block.name, tuple(placements), offset, alignment_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Copy ``tensor``'s bytes ``[src_start, src_stop)`` into the rank's shard at ``[dst_start, dst_stop)``."""
+
+    tensor: str
+    src_start: int
+    src_stop: int
+    dst_start: int
+    dst_stop: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.src_start < self.src_stop and self.src_stop - self.src_start == self.dst_stop - self.dst_start):
+            raise ValueError(f"bad piece {self}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.src_stop - self.src_start
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """A block cut into ``world_size`` equal shards of ``shard_bytes``; ``pieces[r]`` fills rank r's shard."""
+
+    block: BlockLayout
+    world_size: int
+    shard_bytes: int
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if len(self.pieces) != self.world_size:
+            raise ValueError("one piece list per rank is required")
+        if self.padded_bytes < self.block.nbytes or self.shard_bytes % self.block.alignment_bytes:
+            raise ValueError(f"shard_bytes {self.shard_bytes} does not cover block {self.block.name}")
+
+    @property
+    def padded_bytes(self) -> int:
+        return self.world_size * self.shard_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.padded_bytes - self.block.nbytes
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
+        return rank * self.shard_bytes, (rank + 1) * self.shard_bytes
+
+    def table(self) -> str:
+        """The rank | range | tensors table of the module docstring, for this block."""
+        lines = ["rank  range                 tensors"]
+        for r in range(self.world_size):
+            a, b = self.rank_range(r)
+            parts = "; ".join(
+                f"{p.tensor}[{p.src_start}:{p.src_stop}] -> [{p.dst_start}:{p.dst_stop}]" for p in self.pieces[r]
+            )
+            lines.append(f"{r:<5} [{a}, {b})".ljust(28) + (parts or "(padding only)"))
+        return "\n".join(lines)
+
+
+def shard_layout(layout: BlockLayout, world_size: int) -> ShardLayout:
+    """Cut ``layout`` into ``world_size`` equal, aligned shards (see the module docstring)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    a = layout.alignment_bytes
+    shard = align_up(math.ceil(layout.nbytes / world_size), a)
+    per_rank = []
+    for r in range(world_size):
+        lo, hi = r * shard, (r + 1) * shard
+        pieces = []
+        for p in layout.placements:
+            start, stop = max(lo, p.offset_bytes), min(hi, p.end_bytes)
+            if start < stop:
+                pieces.append(Piece(p.name, start - p.offset_bytes, stop - p.offset_bytes, start - lo, stop - lo))
+        per_rank.append(tuple(pieces))
+    return ShardLayout(layout, world_size, shard, tuple(per_rank))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """Shard layouts of every block of a model for one shard group. ``world_size == 1`` is the rank-local
+    layout (whole blocks)."""
+
+    name: str
+    shards: tuple[ShardLayout, ...]
+    world_size: int
+    alignment_bytes: int
+
+    def __post_init__(self) -> None:
+        if any(s.world_size != self.world_size for s in self.shards):
+            raise ValueError("every block must be sharded over the same world_size")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.shards)
+
+    @property
+    def max_block_bytes(self) -> int:
+        """Slot size: the largest padded (gathered) block."""
+        return max(s.padded_bytes for s in self.shards)
+
+    @property
+    def max_shard_bytes(self) -> int:
+        """Landing-buffer size: the largest local shard."""
+        return max(s.shard_bytes for s in self.shards)
+
+    @property
+    def shard_bytes_per_rank(self) -> int:
+        """Host bytes of one rank's shards (every rank holds the same amount)."""
+        return sum(s.shard_bytes for s in self.shards)
+
+    @property
+    def total_block_bytes(self) -> int:
+        return sum(s.block.nbytes for s in self.shards)
+
+    @property
+    def shard_offsets(self) -> tuple[int, ...]:
+        """Offset of each block's local shard in a rank's packed host arena."""
+        offsets, acc = [], 0
+        for s in self.shards:
+            offsets.append(acc)
+            acc += s.shard_bytes
+        return tuple(offsets)
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of everything that must agree across ranks (names, shapes, dtypes, offsets, sizes)."""
+        doc = {
+            "world_size": self.world_size,
+            "alignment_bytes": self.alignment_bytes,
+            "blocks": [
+                [
+                    s.block.name,
+                    s.block.nbytes,
+                    s.shard_bytes,
+                    [[p.name, list(p.shape), str(p.dtype), p.offset_bytes] for p in s.block.placements],
+                ]
+                for s in self.shards
+            ],
+        }
+        return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_layout(spec: ModelSpec, world_size: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ModelLayout:
+    """Flat layout of every block of ``spec``, sharded over ``world_size`` ranks."""
+    shards = tuple(shard_layout(block_layout(b, alignment_bytes), world_size) for b in spec.blocks)
+    return ModelLayout(spec.name, shards, world_size, alignment_bytes)
