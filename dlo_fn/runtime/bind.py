@@ -1,0 +1,166 @@
+"""Building the meta model and installing checkpoint tensors in it (the mechanics behind ``load``).
+
+``meta_params()`` builds a model whose *parameters* are on ``meta`` while buffers and all other tensors are
+created on the CPU as usual, so non-persistent buffers (rotary tables, ...) are computed by the model's own
+init and persistent ones are small until they are replaced. ``bind_targets`` fetches every tensor first (a
+view, a clone, or a cast) and only then installs them, so a failure leaves the module untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
+
+__all__ = ["BindTarget", "meta_params", "bind_targets", "rollback", "model_from_config", "meta_module_from_header"]
+
+DLO_MODEL_TYPE = "dlo_fn-video-dit"
+
+
+@dataclass(frozen=True, slots=True)
+class BindTarget:
+    """One module tensor to bind: its dotted name, the checkpoint key it comes from, where it lives and the
+    dtype it must have once bound."""
+
+    name: str
+    key: str
+    module: nn.Module
+    attr: str
+    kind: str  # "param" | "buffer"
+    dtype: torch.dtype
+    is_parameter: bool = True
+
+
+@contextlib.contextmanager
+def meta_params() -> Iterator[None]:
+    """While active, every parameter registered on any module is moved to ``meta`` (with its class and
+    ``requires_grad``); buffers stay where they were created. A parameter created with data (``randn``)
+    exists on the CPU for an instant, one at a time."""
+    original = nn.Module.register_parameter
+
+    def register_meta_parameter(module: nn.Module, name: str, param) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            p = module._parameters[name]
+            kwargs = dict(p.__dict__)
+            kwargs["requires_grad"] = p.requires_grad
+            module._parameters[name] = type(p)(p.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_meta_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def bind_targets(
+    ckpt: Checkpoint, targets: Sequence[BindTarget], *, copy: bool, progress: bool | None = None
+) -> list[tuple[torch.Tensor, bool]]:
+    """Fetch then install every target; returns ``[(installed tensor, was cast)]`` in target order.
+
+    A fetched tensor is ``safe_open(file).get_tensor(key)``: a view into one copy-on-write mmap per file
+    (one handle per file, so one mapping). ``copy=True`` clones it into private memory (the naive loader);
+    a dtype change casts it (also private). Tied names share one installed tensor."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    by_key: dict[tuple[str, torch.dtype], tuple[torch.Tensor, bool]] = {}
+    handles = {}
+    total = sum(ckpt.entries[k].nbytes for k in dict.fromkeys(t.key for t in targets))
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="bind" if not copy else "copy",
+                  disable=None if progress is None else not progress, leave=False) as bar:
+            for t in targets:
+                if (t.key, t.dtype) in by_key:
+                    continue
+                entry = ckpt.entries[t.key]
+                if entry.file not in handles:
+                    handles[entry.file] = safe_open(str(entry.file), framework="pt", device="cpu")
+                view = handles[entry.file].get_tensor(t.key)
+                was_cast = view.dtype != t.dtype
+                tensor = view.to(t.dtype) if was_cast else (view.clone() if copy else view)
+                by_key[(t.key, t.dtype)] = (tensor, was_cast)
+                bar.update(entry.nbytes)
+    finally:
+        handles.clear()  # views keep their mapping alive; copies let it go
+    installed: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+    out = []
+    for t in targets:
+        tensor, was_cast = by_key[(t.key, t.dtype)]
+        value = installed.get((t.key, t.dtype))
+        if value is None:
+            value = nn.Parameter(tensor, requires_grad=False) if t.is_parameter else tensor
+            installed[(t.key, t.dtype)] = value
+        if t.kind == "param":
+            t.module._parameters[t.attr] = value
+        else:
+            t.module._buffers[t.attr] = value
+        out.append((value, was_cast))
+    return out
+
+
+def rollback(saved: Sequence[tuple[nn.Module, str, str, torch.Tensor]]) -> None:
+    """Put the original tensors back (``saved`` as ``(module, attr, kind, tensor)``)."""
+    for module, attr, kind, tensor in saved:
+        (module._parameters if kind == "param" else module._buffers)[attr] = tensor
+
+
+def model_from_config(ckpt: Checkpoint) -> nn.Module:
+    """The reference DiT described by the checkpoint's dlo_fn ``config.json``, parameters on ``meta``."""
+    config = ckpt.config
+    where = ckpt.root / CONFIG_FILE
+    if config is None:
+        raise CheckpointError("no config.json next to the weights, so the model is unknown: pass model_or_factory=",
+                              file=where)
+    if not isinstance(config, dict) or config.get("model_type") != DLO_MODEL_TYPE:
+        kind = config.get("model_type") if isinstance(config, dict) else None
+        raise CheckpointError(f"config.json has model_type {kind!r}, not {DLO_MODEL_TYPE!r}: pass "
+                              "model_or_factory= to build the model yourself", file=where)
+    from dlo_fn import models
+
+    try:
+        cfg = models.load_config(where)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"bad dlo_fn config ({exc}): write the checkpoint again", file=where) from None
+    dtype = _dtype(config.get("dtype"), where)
+    with meta_params():
+        return models.build_model(cfg, device="cpu", dtype=dtype)
+
+
+def _dtype(name, where) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, str(name)), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"config.json dtype {name!r} is not a torch dtype: write it again", file=where)
+    return dtype
+
+
+def meta_module_from_header(header: Mapping[str, Mapping]) -> nn.Module:
+    """A module tree with one meta parameter per header key (``a.b.w`` -> ``model.a.b.w``): a stand-in model
+    for checkpoints with no model class (benchmarks, inspection)."""
+    from dlo_fn.plan.spec import dtype_from_safetensors
+
+    root = nn.Module()
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        *path, attr = key.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        dtype = dtype_from_safetensors(entry["dtype"])
+        module.register_parameter(
+            attr, nn.Parameter(torch.empty(entry["shape"], dtype=dtype, device="meta"), requires_grad=False)
+        )
+    return root
+

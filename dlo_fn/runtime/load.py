@@ -1,0 +1,272 @@
+"""Meta-device init + zero-copy mmap binding of safetensors checkpoints (technique 1).
+
+The model is built with its parameters on the ``meta`` device (no storage), then every parameter and
+persistent buffer is bound to ``safe_open(file, "pt").get_tensor(key)``: a view into a private (copy-on-write)
+``mmap`` of the file. Every process that maps the same file shares one page-cache copy, so N ranks cost
+
+    host memory ~= model + N x constant          (mmap, ``mode="mmap"``)
+    host memory ~= N x (model + constant) + model page cache   (``mode="copy"``: the naive private copies)
+
+Binding is all-or-nothing: keys, shapes and dtypes are checked against the headers before any tensor is
+touched, and if binding still fails the module gets its original (meta) tensors back.
+
+Dtype policy: a checkpoint dtype that differs from the module's declared dtype is a :class:`CheckpointError`
+naming the tensor. ``cast_dtype=True`` casts such tensors to the module's dtype; ``cast_dtype=<dtype>`` casts
+every floating-point tensor to that dtype. A cast tensor is a private copy: it is logged and counted in
+``LoadReport.private_copy_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+from torch import nn
+
+from dlo_fn.runtime.bind import BindTarget, bind_targets, meta_params, rollback
+from dlo_fn.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from dlo_fn.runtime.memstat import file_mappings, in_mappings
+
+__all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "MODES"]
+
+log = logging.getLogger(__name__)
+MODES = ("mmap", "copy")
+KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What a load did. ``mapped_bytes`` are zero-copy views inside a file mapping (checked against
+    ``/proc/self/maps`` when ``verified``); ``private_copy_bytes`` live in this process's own memory."""
+
+    source: str
+    mode: str
+    files: tuple[str, ...]
+    num_tensors: int
+    mapped_bytes: int
+    private_copy_bytes: int
+    cast_tensors: tuple[str, ...] = ()
+    ignored_keys: tuple[str, ...] = ()  # checkpoint keys the key map dropped on purpose
+    recomputed_buffers: tuple[str, ...] = ()  # non-persistent buffers: the model's own, never loaded
+    verified: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"LoadReport.mode must be one of {MODES}, got {self.mode!r}")
+        if min(self.num_tensors, self.mapped_bytes, self.private_copy_bytes) < 0:
+            raise ValueError("LoadReport counts must be >= 0")
+
+    @property
+    def total_bytes(self) -> int:
+        return self.mapped_bytes + self.private_copy_bytes
+
+
+class LoadResult(NamedTuple):
+    model: nn.Module
+    report: LoadReport
+
+
+def load_model(checkpoint: str | os.PathLike, model_or_factory: nn.Module | Callable[[], nn.Module] | None = None,
+               **kwargs) -> nn.Module:
+    """:func:`load_checkpoint` returning the model only."""
+    return load_checkpoint(checkpoint, model_or_factory, **kwargs).model
+
+
+def load_checkpoint(
+    checkpoint: str | os.PathLike | Checkpoint,
+    model_or_factory: nn.Module | Callable[[], nn.Module] | None = None,
+    *,
+    mode: str = "mmap",
+    key_map: KeyMap | None = None,
+    cast_dtype: torch.dtype | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    subfolder: str | None = None,
+    progress: bool | None = None,
+) -> LoadResult:
+    """Load ``checkpoint`` (directory, ``.safetensors`` file, index file, or cached HF repo id) into a model.
+
+    ``model_or_factory``: a module whose parameters are usually on ``meta`` (its non-persistent buffers must
+    be real, or the module must define ``init_non_persistent_buffers()``); or a zero-argument factory, called
+    with parameters created on ``meta`` and buffers on the CPU (so non-persistent buffers are computed by the
+    model's own init); or ``None`` to build the reference DiT from the checkpoint's ``config.json``.
+    ``key_map`` maps a checkpoint key to the module's name (a callable returning ``None`` drops the key).
+    ``progress``: a tqdm bar on stderr (``None``: only on a terminal).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
+        checkpoint, cache_dir=cache_dir, revision=revision, subfolder=subfolder
+    )
+    model = _build(ckpt, model_or_factory)
+    targets, ignored = _plan_targets(ckpt, model, key_map, cast_dtype)
+    recomputed, on_meta = _non_persistent(model)
+    saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]
+    try:
+        bound = bind_targets(ckpt, targets, copy=(mode == "copy"), progress=progress)
+        _recompute(model, on_meta)
+        report = _report(ckpt, mode, targets, bound, ignored, recomputed)
+    except BaseException:
+        rollback(saved)
+        raise
+    if report.cast_tensors:
+        log.warning("cast %d tensor(s) to another dtype; they are private copies (%d bytes), not shared "
+                    "page cache: %s", len(report.cast_tensors), report.private_copy_bytes,
+                    ", ".join(report.cast_tensors[:5]) + (" ..." if len(report.cast_tensors) > 5 else ""))
+    log.info("loaded %s (%s): %d tensors, %d bytes mapped, %d bytes private", ckpt.source, mode,
+             report.num_tensors, report.mapped_bytes, report.private_copy_bytes)
+    return LoadResult(model, report)
+
+
+def _build(ckpt: Checkpoint, model_or_factory) -> nn.Module:
+    if isinstance(model_or_factory, nn.Module):
+        return model_or_factory
+    if model_or_factory is None:
+        from dlo_fn.runtime.bind import model_from_config
+
+        return model_from_config(ckpt)
+    if not callable(model_or_factory):
+        raise TypeError(f"model_or_factory must be an nn.Module, a factory or None, got {type(model_or_factory)}")
+    with meta_params():
+        model = model_or_factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _map_key(key_map: KeyMap | None, key: str) -> str | None:
+    if key_map is None:
+        return key
+    if isinstance(key_map, Mapping):
+        return key_map.get(key, key)
+    return key_map(key)
+
+
+def _plan_targets(ckpt: Checkpoint, model: nn.Module, key_map, cast_dtype):
+    """Match module tensors to checkpoint entries and check names, shapes and dtypes from headers alone."""
+    from dlo_fn.plan.spec import dtype_from_safetensors
+
+    wanted: dict[str, tuple[nn.Module, str, str, torch.Tensor]] = {}
+    aliases: dict[int, list[str]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, t in module._parameters.items():
+            if t is not None:
+                wanted[prefix + attr] = (module, attr, "param", t)
+                aliases.setdefault(id(t), []).append(prefix + attr)
+        for attr, t in module._buffers.items():
+            if t is not None and attr not in module._non_persistent_buffers_set:
+                wanted[prefix + attr] = (module, attr, "buffer", t)
+                aliases.setdefault(id(t), []).append(prefix + attr)
+    names: dict[str, str] = {}  # module name -> checkpoint key
+    ignored = []
+    for key in ckpt.entries:
+        name = _map_key(key_map, key)
+        if name is None:
+            ignored.append(key)
+            continue
+        if name in names:
+            raise CheckpointError(f"the key map sends this key and {names[name]!r} to the same module tensor "
+                                  f"{name!r}: fix the key map", file=ckpt.entries[key].file, key=key)
+        names[name] = key
+    unexpected = sorted(names[n] for n in names if n not in wanted)
+    if unexpected:
+        key = unexpected[0]
+        raise CheckpointError(
+            f"unexpected key: {len(unexpected)} checkpoint tensor(s) match no parameter or persistent buffer of "
+            f"the module ({', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}); pass key_map= to "
+            "rename them (or map them to None to skip them), or build the matching model",
+            file=ckpt.entries[key].file, key=key,
+        )
+    # A tied tensor (one object under several names) needs one of its names in the checkpoint.
+    missing = [n for n in wanted if n not in names and not any(a in names for a in aliases[id(wanted[n][3])])]
+    if missing:
+        raise CheckpointError(
+            f"missing key: {len(missing)} module tensor(s) have no checkpoint entry ({', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}); check the checkpoint matches the model, or pass key_map=",
+            file=ckpt.files[0] if len(ckpt.files) == 1 else ckpt.root, key=missing[0],
+        )
+    targets = []
+    for name, (module, attr, kind, t) in wanted.items():
+        key = names.get(name) or next(names[a] for a in aliases[id(t)] if a in names)
+        entry = ckpt.entries[key]
+        if tuple(t.shape) != entry.shape:
+            raise CheckpointError(f"shape mismatch: checkpoint {list(entry.shape)} vs module {name!r} "
+                                  f"{list(t.shape)}; build the model with the checkpoint's config",
+                                  file=entry.file, key=key)
+        stored = dtype_from_safetensors(entry.dtype)
+        target = t.dtype
+        if cast_dtype is not None and cast_dtype is not False and stored.is_floating_point:
+            target = t.dtype if cast_dtype is True else cast_dtype
+        if stored != target and (cast_dtype is None or cast_dtype is False or not stored.is_floating_point):
+            raise CheckpointError(
+                f"dtype mismatch: checkpoint {stored} vs module {name!r} {t.dtype}; build the model in "
+                f"{stored}, or pass cast_dtype=True (cast to the module's dtype: a private copy, not shared)",
+                file=entry.file, key=key,
+            )
+        targets.append(BindTarget(name, key, module, attr, kind, target, isinstance(t, nn.Parameter)))
+    return tuple(targets), tuple(ignored)
+
+
+def _non_persistent(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(names of all non-persistent buffers, those on meta)``; fails (before any binding) when some are on
+    meta and the model has no ``init_non_persistent_buffers()`` to recompute them."""
+    names, on_meta = [], []
+    for mod_name, module in model.named_modules():
+        for attr in sorted(module._non_persistent_buffers_set):
+            t = module._buffers.get(attr)
+            if t is not None:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                names.append(name)
+                if t.is_meta:
+                    on_meta.append(name)
+    if on_meta and not callable(getattr(model, "init_non_persistent_buffers", None)):
+        raise CheckpointError(
+            f"non-persistent buffer(s) {', '.join(on_meta[:5])} are on the meta device and checkpoints do not store "
+            "them: pass a factory instead of a meta module (buffers are then built on the CPU), or give the model "
+            "an init_non_persistent_buffers() method", key=on_meta[0],
+        )
+    return tuple(names), tuple(on_meta)
+
+
+def _recompute(model: nn.Module, on_meta: tuple[str, ...]) -> None:
+    if not on_meta:
+        return
+    model.init_non_persistent_buffers()
+    still = [n for n in on_meta if model.get_buffer(n).is_meta]
+    if still:
+        raise CheckpointError(f"init_non_persistent_buffers() left {', '.join(still[:5])} on meta", key=still[0])
+
+
+def _report(ckpt: Checkpoint, mode: str, targets, bound, ignored, recomputed) -> LoadReport:
+    files = tuple(str(f) for f in ckpt.files)
+    try:
+        ranges = file_mappings(files)
+        verified = True
+    except OSError:  # no /proc: trust the construction
+        ranges, verified = {}, False
+    mapped = private = 0
+    cast = []
+    seen = set()
+    for target, (tensor, was_cast) in zip(targets, bound):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if was_cast:
+            cast.append(target.name)
+        nbytes = tensor.numel() * tensor.element_size()
+        file = str(pathlib.Path(ckpt.entries[target.key].file).resolve())
+        inside = in_mappings(ranges.get(file, []), tensor.data_ptr(), nbytes) if verified else not was_cast
+        if mode == "mmap" and not was_cast and not inside and nbytes:
+            raise RuntimeError(f"{target.name}: the safetensors view is not inside a mapping of {file}; "
+                               "this safetensors build copies on load, so mmap sharing is lost")
+        if inside or (not verified and mode == "mmap" and not was_cast):
+            mapped += nbytes
+        else:
+            private += nbytes
+    return LoadReport(ckpt.source, mode, files, len(seen), mapped, private, tuple(cast), ignored, recomputed,
+                      verified)
