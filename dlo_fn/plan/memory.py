@@ -1,0 +1,341 @@
+"""Host memory models: cold-start peak, pinned weights per rank, and what the cgroup sees vs physical RAM.
+
+Notation (bytes unless stated):
+
+=========  =================================================================================
+``M``      checkpoint bytes (every offloaded block + the resident tensors), the file size
+``n_b``    flat bytes of block ``b`` (:mod:`dlo_fn.plan.layout`); ``R`` resident (non-block) bytes
+``N``      ranks (processes) on the host; ``W`` ranks in the shard group (``W = N`` by default)
+``A``      per-tensor / per-shard alignment (256)
+``c``      framework bytes per rank (Python + torch + comm library), a calibrated constant
+``t``      load-time transient bytes (an explicit input, 0 by default)
+=========  =================================================================================
+
+**Cold start** (the cgroup-visible peak while N ranks load one checkpoint)::
+
+    private copies (param.data.copy_):  N*M (private) + M (page cache of the file read) + N*c + t
+    meta init + mmap views:                               M (shared page cache)        + N*c + t
+
+and a rank's high-water mark (VmHWM) is the file or copy bytes it *touches* plus ``c``: ``M`` with private
+copies or rank-local mmap views, its shards ``sum_b s_b + R`` with mmap + AllGather (each rank copies only its
+own 1/W of each block out of the mapping).
+
+**Pinned weights per rank** (host arena the H2D copies read)::
+
+    allgather        sum_b s_b,   s_b = align_up(ceil(n_b / W), A)      (~ M / W; total over ranks ~ M)
+    rank-local       sum_b n_b    (a private pinned copy of every block: N x model in total)
+    rank-local-mmap  0            (blocks streamed, pageable, from the shared page cache)
+
+**cgroup vs physical RAM** in the steady state. Physical = page cache ``M`` (while not reclaimed) + ``N*c`` +
+``N * pinned``. On CUDA the pinned arena is page-locked anonymous memory of the process: the cgroup counts it.
+On Ascend, ``pin_memory()`` allocates through ``/dev/davinci_manager`` in kernel DMA memory that the cgroup
+memory controller does not see (the published Figure 6): cgroup = ``M + N*c``, physical = cgroup + pinned.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from dlo_fn.plan.calibration import FRAMEWORK_HOST_BYTES_PER_RANK
+from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, align_up
+
+__all__ = [
+    "GB",
+    "GIB",
+    "LOADINGS",
+    "HOST_MODES",
+    "PLATFORMS",
+    "parse_bytes",
+    "ModelSizes",
+    "ColdStart",
+    "cold_start",
+    "pinned_host_bytes_per_rank",
+    "HostSteadyState",
+    "host_steady_state",
+    "HostCapacity",
+    "host_capacity",
+]
+
+GB = 10**9
+GIB = 2**30
+LOADINGS = ("mmap", "private-copy")
+HOST_MODES = ("allgather", "rank-local", "rank-local-mmap")
+PLATFORMS = ("cuda", "ascend")
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"124GB"`` -> 124e9, ``"33e9"`` -> 33e9, ``"1.5TiB"``, ``"512MiB"``, ``"1000"``; GB = 1e9, GiB = 2**30."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _SIZE.match(str(text))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(
+                f"cannot read {text!r} as a size: write a number with an optional unit "
+                f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024), e.g. 124GB or 33e9"
+            )
+        value, unit = float(m.group(1)), m.group(2).upper()
+    n = value * _UNITS[unit]
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"size {text!r} must be a finite, non-negative number of bytes")
+    return round(n)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSizes:
+    """The only model facts the memory models need: each block's flat bytes and the resident bytes.
+
+    ``source`` says where the sizes come from (a config, a checkpoint header, or a published description).
+    """
+
+    name: str
+    block_bytes: tuple[int, ...]
+    resident_bytes: int = 0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.block_bytes:
+            raise ValueError(f"model {self.name!r}: at least one block is needed")
+        if any(not isinstance(n, int) or n < 1 for n in self.block_bytes):
+            raise ValueError(f"model {self.name!r}: every block needs a positive int byte count")
+        if not isinstance(self.resident_bytes, int) or self.resident_bytes < 0:
+            raise ValueError(f"model {self.name!r}: resident_bytes must be a non-negative int")
+
+    @classmethod
+    def uniform(cls, name: str, total_bytes: int, num_blocks: int, resident_bytes: int = 0,
+                source: str = "") -> "ModelSizes":
+        """``num_blocks`` equal blocks (within one byte) holding ``total_bytes - resident_bytes``."""
+        _check_positive("num_blocks", num_blocks)
+        block_total = total_bytes - resident_bytes
+        if block_total < num_blocks:
+            raise ValueError(
+                f"model {name!r}: {total_bytes} bytes minus {resident_bytes} resident cannot fill {num_blocks} blocks"
+            )
+        q, r = divmod(block_total, num_blocks)
+        return cls(name, (q + 1,) * r + (q,) * (num_blocks - r), resident_bytes, source)
+
+    @classmethod
+    def from_max_block(cls, name: str, total_bytes: int, max_block_bytes: int, resident_bytes: int = 0,
+                       source: str = "") -> "ModelSizes":
+        """As many ``max_block_bytes`` blocks as fit, plus one smaller block for the remainder."""
+        _check_positive("max_block_bytes", max_block_bytes)
+        block_total = total_bytes - resident_bytes
+        if block_total < 1:
+            raise ValueError(f"model {name!r}: no block bytes left after {resident_bytes} resident bytes")
+        full, rest = divmod(block_total, max_block_bytes)
+        return cls(name, (max_block_bytes,) * full + ((rest,) if rest else ()), resident_bytes, source)
+
+    @classmethod
+    def from_spec(cls, spec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, source: str = "") -> "ModelSizes":
+        """Exact flat block sizes of a :class:`~dlo_fn.plan.spec.ModelSpec` (tensors packed at ``A``)."""
+        from dlo_fn.plan.layout import block_layout
+
+        blocks = tuple(block_layout(b, alignment_bytes).nbytes for b in spec.blocks)
+        return cls(spec.name, blocks, spec.resident_bytes, source or f"ModelSpec {spec.name!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_bytes)
+
+    @property
+    def total_block_bytes(self) -> int:
+        return sum(self.block_bytes)
+
+    @property
+    def max_block_bytes(self) -> int:
+        return max(self.block_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_block_bytes + self.resident_bytes
+
+    def shard_bytes(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> tuple[int, ...]:
+        """``s_b = align_up(ceil(n_b / W), A)`` per block (:func:`dlo_fn.plan.layout.shard_layout`)."""
+        _check_positive("shard_world", shard_world)
+        return tuple(align_up(-(-n // shard_world), alignment_bytes) for n in self.block_bytes)
+
+    def shard_bytes_per_rank(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+        return sum(self.shard_bytes(shard_world, alignment_bytes))
+
+    def max_shard_bytes(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+        """Landing-buffer size: the largest local shard."""
+        return max(self.shard_bytes(shard_world, alignment_bytes))
+
+    def max_padded_block_bytes(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+        """Slot size: the largest block padded to ``W`` equal shards (``W = 1``: aligned whole block)."""
+        return shard_world * self.max_shard_bytes(shard_world, alignment_bytes)
+
+
+def pinned_host_bytes_per_rank(sizes: ModelSizes, shard_world: int, mode: str = "allgather",
+                               alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+    """Host bytes of one rank's weight arena (see the module docstring)."""
+    _check_choice("mode", mode, HOST_MODES)
+    if mode == "allgather":
+        return sizes.shard_bytes_per_rank(shard_world, alignment_bytes)
+    if mode == "rank-local":
+        return sizes.total_block_bytes
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class ColdStart:
+    """The cgroup-visible host peak while ``num_ranks`` ranks load one checkpoint, term by term."""
+
+    loading: str
+    num_ranks: int
+    page_cache_bytes: int
+    private_copy_bytes: int
+    framework_bytes: int
+    transient_bytes: int
+    touched_bytes_per_rank: int
+    framework_bytes_per_rank: int
+
+    @property
+    def cgroup_peak_bytes(self) -> int:
+        return self.page_cache_bytes + self.private_copy_bytes + self.framework_bytes + self.transient_bytes
+
+    @property
+    def rss_bytes(self) -> int:
+        """Anonymous (non page-cache) part of the peak."""
+        return self.private_copy_bytes + self.framework_bytes + self.transient_bytes
+
+    @property
+    def hwm_bytes_per_rank(self) -> int:
+        """One rank's high-water mark: the weight bytes it touches plus the framework constant."""
+        return self.touched_bytes_per_rank + self.framework_bytes_per_rank
+
+
+def cold_start(sizes: ModelSizes, num_ranks: int, loading: str = "mmap", mode: str = "allgather", *,
+               framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK, transient_bytes: int = 0,
+               alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ColdStart:
+    """``N*M (private copies only) + M + N*c + t``; ``mode`` only changes the pages each rank touches."""
+    _check_positive("num_ranks", num_ranks)
+    _check_choice("loading", loading, LOADINGS)
+    _check_choice("mode", mode, HOST_MODES)
+    m = sizes.total_bytes
+    if loading == "private-copy" or mode != "allgather":
+        touched = m
+    else:
+        touched = sizes.shard_bytes_per_rank(num_ranks, alignment_bytes) + sizes.resident_bytes
+    return ColdStart(
+        loading=loading,
+        num_ranks=num_ranks,
+        page_cache_bytes=m,
+        private_copy_bytes=num_ranks * m if loading == "private-copy" else 0,
+        framework_bytes=num_ranks * framework_bytes_per_rank,
+        transient_bytes=transient_bytes,
+        touched_bytes_per_rank=touched,
+        framework_bytes_per_rank=framework_bytes_per_rank,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HostSteadyState:
+    """Host memory once every rank holds its weight arena: what the cgroup sees and what RAM must hold."""
+
+    platform: str
+    mode: str
+    num_ranks: int
+    page_cache_bytes: int
+    framework_bytes: int
+    pinned_bytes_per_rank: int
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.num_ranks * self.pinned_bytes_per_rank
+
+    @property
+    def cgroup_invisible_bytes(self) -> int:
+        """Ascend: pinned memory comes from the driver's kernel DMA pool, outside the memory cgroup."""
+        return self.pinned_bytes if self.platform == "ascend" else 0
+
+    @property
+    def physical_bytes(self) -> int:
+        return self.page_cache_bytes + self.framework_bytes + self.pinned_bytes
+
+    @property
+    def cgroup_bytes(self) -> int:
+        return self.physical_bytes - self.cgroup_invisible_bytes
+
+    @property
+    def rss_bytes(self) -> int:
+        """cgroup-visible anonymous memory: framework, plus the pinned arena on CUDA."""
+        return self.cgroup_bytes - self.page_cache_bytes
+
+
+def host_steady_state(sizes: ModelSizes, num_ranks: int, platform: str = "cuda", mode: str = "allgather", *,
+                      shard_world: int | None = None,
+                      framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK,
+                      page_cache_retained: bool = True,
+                      alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostSteadyState:
+    """Steady-state host accounting; ``shard_world`` defaults to ``num_ranks`` (every rank shards).
+
+    ``page_cache_retained``: the mapped file stays in the page cache after the views are dropped until the
+    kernel reclaims it (the published cgroup numbers still show it); pass False for a host under pressure.
+    """
+    _check_positive("num_ranks", num_ranks)
+    _check_choice("platform", platform, PLATFORMS)
+    w = num_ranks if shard_world is None else shard_world
+    cached = sizes.total_bytes if page_cache_retained or mode == "rank-local-mmap" else 0
+    return HostSteadyState(
+        platform=platform,
+        mode=mode,
+        num_ranks=num_ranks,
+        page_cache_bytes=cached,
+        framework_bytes=num_ranks * framework_bytes_per_rank,
+        pinned_bytes_per_rank=pinned_host_bytes_per_rank(sizes, w, mode, alignment_bytes),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HostCapacity:
+    """One row of the host-capacity table: the cgroup-visible peak and the physical RAM a host needs."""
+
+    model_bytes: int
+    num_ranks: int
+    platform: str
+    cgroup_peak_bytes: int
+    physical_bytes: int
+    private_copy_peak_bytes: int
+    host_ram_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.physical_bytes <= self.host_ram_bytes
+
+
+def host_capacity(sizes: ModelSizes, num_ranks: int, platform: str = "ascend", *, host_ram_bytes: int = 2 * 10**12,
+                  framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK,
+                  alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostCapacity:
+    """mmap + AllGather: cgroup peak = max(cold start, steady state); physical = steady state (page cache +
+    framework + pinned shards), which is also the cold-start peak plus the shards being filled. The
+    private-copy peak (no mmap) is given beside it for contrast."""
+    steady = host_steady_state(sizes, num_ranks, platform, "allgather",
+                               framework_bytes_per_rank=framework_bytes_per_rank, alignment_bytes=alignment_bytes)
+    start = cold_start(sizes, num_ranks, "mmap", framework_bytes_per_rank=framework_bytes_per_rank)
+    copies = cold_start(sizes, num_ranks, "private-copy", framework_bytes_per_rank=framework_bytes_per_rank)
+    return HostCapacity(
+        model_bytes=sizes.total_bytes,
+        num_ranks=num_ranks,
+        platform=platform,
+        cgroup_peak_bytes=max(start.cgroup_peak_bytes, steady.cgroup_bytes),
+        physical_bytes=max(start.cgroup_peak_bytes, steady.physical_bytes),
+        private_copy_peak_bytes=copies.cgroup_peak_bytes,
+        host_ram_bytes=host_ram_bytes,
+    )
