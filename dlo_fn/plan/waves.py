@@ -73,8 +73,17 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, float):
         return float(value)
     if isinstance(value, (Mapping, list, tuple)):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str, allow_nan=True)
+        return json.dumps(_plain(value), sort_keys=True, separators=(",", ":"), default=repr, allow_nan=True)
     return repr(value)
+
+
+def _plain(value: Any) -> Any:
+    """Mappings (e.g. a read-only ``MappingProxyType``) -> dicts and tuples -> lists, recursively, for JSON."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _request_items(request: Any) -> tuple[tuple[str, Any], ...]:
