@@ -1,0 +1,156 @@
+"""`python -m dlo_fn memory`: host and HBM accounting for any model size and DP degree (size a server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+TERMS_HELP = """\
+terms (N = --dp ranks, all sharding: W = N; M = --model-bytes; n_b = block bytes; A = --alignment):
+  host: cold start     what the cgroup sees while N ranks load one checkpoint
+    page cache           M: the file, read once and shared by every rank (mmap) or read by each copy
+    private copies       N x M with --loading private-copy (param.data.copy_), 0 with mmap views
+    framework            N x c: Python + torch + comm library per rank (c calibrated: 3.5 GB, Figure 6)
+    transient            --transient-bytes (load-time scratch; 0 by default)
+    cgroup peak          the sum of the four terms above
+    per-rank HWM         the weight bytes a rank touches (its shards with mmap + allgather, else M) + c
+  host: steady state   once every rank holds its weight arena
+    pinned per rank      allgather: sum_b align_up(ceil(n_b / W), A) (~ M / W); rank-local: every block
+                         (a private pinned copy); rank-local-mmap: 0 (pageable, from the page cache)
+    cgroup-invisible     ascend: all pinned bytes (pinned through the driver, /dev/davinci_manager, in kernel
+                         DMA memory the memory cgroup does not charge); cuda: 0
+    cgroup-visible       page cache + framework + pinned - invisible
+    physical RAM         page cache + framework + pinned: what the server must really hold
+  hbm per card
+    slots                S x the largest block padded to W equal shards (independent of depth)
+    landing buffers      L x the largest shard (allgather only)
+    resident tensors     --resident-bytes: tensors outside the block lists, kept on every card
+    device context       runtime context + comm buffers + other modules (calibrated: Nano DP4 idle HBM)
+    idle / peak          idle = slots + landing + resident + context; peak adds --activation-bytes and
+                         --communication-bytes, which depend on the workload: measure them once
+
+sizes accept units: 124GB, 33e9, 1.5TiB, 512MiB (GB = 1e9 bytes, GiB = 2^30).
+examples:
+  python -m dlo_fn memory --model-bytes 124GB --dp 4 --num-blocks 128 --platform ascend
+  python -m dlo_fn memory --model cosmos3-nano --dp 2 --activation-bytes 11.6GB --json
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "memory",
+        help="host and HBM accounting for any model size and DP degree",
+        description=(
+            "Host memory (cold start, pinned weights, cgroup-visible vs physical RAM per platform) and HBM per "
+            "card for Distributed Layerwise Offload, term by term, with the formula of each term. Give the "
+            "model as --model-bytes plus its block size (--num-blocks or --max-block-bytes), or as --model "
+            "(a named config or a checkpoint path, read from headers only)."
+        ),
+        epilog=TERMS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-bytes", metavar="SIZE", help="checkpoint bytes M (blocks + resident), e.g. 124GB")
+    src.add_argument("--model", metavar="NAME_OR_CHECKPOINT",
+                     help="named config (e.g. cosmos3-super) or checkpoint path: exact block sizes")
+    p.add_argument("--dp", type=int, required=True, metavar="N", help="ranks on the host, all in the shard group")
+    p.add_argument("--platform", choices=("cuda", "ascend"), default="cuda",
+                   help="cuda: pinned memory is charged to the cgroup; ascend: it is not (default cuda)")
+    blocks = p.add_mutually_exclusive_group()
+    blocks.add_argument("--num-blocks", type=int, metavar="K", help="K equal blocks (with --model-bytes)")
+    blocks.add_argument("--max-block-bytes", metavar="SIZE", help="largest block (with --model-bytes)")
+    p.add_argument("--resident-bytes", default="0", metavar="SIZE",
+                   help="bytes outside the blocks, kept on every card (with --model-bytes; default 0)")
+    p.add_argument("--mode", choices=("allgather", "rank-local", "rank-local-mmap"), default="allgather",
+                   help="host weights: shards + AllGather, a full pinned copy per rank, or shared mmap")
+    p.add_argument("--loading", choices=("mmap", "private-copy"), default="mmap",
+                   help="cold start: meta init + mmap views, or a private copy per rank")
+    p.add_argument("--slots", type=int, default=2, help="device slots (2 = the published double buffer)")
+    p.add_argument("--landing", type=int, default=2, help="landing buffers for the local shard (allgather)")
+    p.add_argument("--activation-bytes", default="0", metavar="SIZE", help="activations per card (workload)")
+    p.add_argument("--communication-bytes", default="0", metavar="SIZE",
+                   help="communication buffers per card (workload)")
+    p.add_argument("--transient-bytes", default="0", metavar="SIZE", help="load-time transient host bytes")
+    p.add_argument("--framework-bytes-per-rank", default=None, metavar="SIZE",
+                   help="host bytes per rank without weights (default: the calibrated 3.5 GB)")
+    p.add_argument("--device-context-bytes", default=None, metavar="SIZE",
+                   help="device bytes besides weights and workload (default: the calibrated Ascend value)")
+    p.add_argument("--host-ram-bytes", default=None, metavar="SIZE", help="say whether physical RAM fits")
+    p.add_argument("--hbm-bytes", default=None, metavar="SIZE", help="say whether the HBM peak fits")
+    p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def _sizes(args: argparse.Namespace, parse_bytes):
+    from dlo_fn.plan.memory import ModelSizes
+
+    if args.model:
+        if args.num_blocks or args.max_block_bytes or parse_bytes(args.resident_bytes):
+            raise SystemExit("--model gives exact block sizes: leave out --num-blocks/--max-block-bytes/"
+                             "--resident-bytes")
+        from dlo_fn.runtime.sources import spec_for
+
+        return ModelSizes.from_spec(spec_for(args.model), args.alignment), True
+    total, resident = parse_bytes(args.model_bytes), parse_bytes(args.resident_bytes)
+    name = f"{args.model_bytes} model"
+    if args.num_blocks:
+        return ModelSizes.uniform(name, total, args.num_blocks, resident, "--num-blocks"), True
+    if args.max_block_bytes:
+        return ModelSizes.from_max_block(name, total, parse_bytes(args.max_block_bytes), resident,
+                                         "--max-block-bytes"), True
+    # No block size: host terms treat the blocks as one buffer (shards = ceil(M / W)); HBM needs blocks.
+    return ModelSizes(name, (total - resident,), resident, "no block size given"), False
+
+
+def run(args: argparse.Namespace) -> int:
+    from dlo_fn.plan import calibration
+    from dlo_fn.plan.accounting import memory_accounting
+    from dlo_fn.plan.memory import parse_bytes
+
+    if args.dp < 1:
+        raise SystemExit(f"--dp must be >= 1, got {args.dp}")
+    try:
+        sizes, with_hbm = _sizes(args, parse_bytes)
+        opt = {k: parse_bytes(v) for k, v in (("framework_bytes_per_rank", args.framework_bytes_per_rank),
+                                              ("context_bytes", args.device_context_bytes)) if v is not None}
+        rows = memory_accounting(
+            sizes, args.dp, platform=args.platform, mode=args.mode, loading=args.loading, num_slots=args.slots,
+            num_landing=args.landing, activation_bytes=parse_bytes(args.activation_bytes),
+            communication_bytes=parse_bytes(args.communication_bytes),
+            transient_bytes=parse_bytes(args.transient_bytes), alignment_bytes=args.alignment,
+            with_hbm=with_hbm, **opt)
+    except ValueError as exc:
+        raise SystemExit(f"dlo_fn memory: {exc}") from None
+    verdicts = {}
+    totals = {(r.section, r.item): r.value_bytes for r in rows}
+    if args.host_ram_bytes:
+        verdicts["fits_host_ram"] = totals[("host: steady state", "physical RAM")] <= parse_bytes(args.host_ram_bytes)
+    if args.hbm_bytes and with_hbm:
+        verdicts["fits_hbm"] = totals[("hbm per card", "peak")] <= parse_bytes(args.hbm_bytes)
+    notes = [] if with_hbm else ["no block size given: HBM needs --num-blocks or --max-block-bytes"]
+    if args.json:
+        doc = {"model": sizes.name, "source": sizes.source, "num_blocks": sizes.num_blocks if with_hbm else None,
+               "dp": args.dp, "platform": args.platform, "mode": args.mode, "loading": args.loading,
+               "constants": {"framework_bytes_per_rank": opt.get(
+                   "framework_bytes_per_rank", calibration.FRAMEWORK_HOST_BYTES_PER_RANK),
+                   "device_context_bytes": opt.get("context_bytes", calibration.DEVICE_CONTEXT_BYTES)},
+               "rows": [r.to_dict() for r in rows], **verdicts, "notes": notes}
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{sizes.name}: {sizes.total_bytes / 1e9:.3f} GB"
+          + (f" in {sizes.num_blocks} blocks (max {sizes.max_block_bytes / 1e9:.3f} GB)" if with_hbm else "")
+          + f", dp {args.dp}, {args.platform}, {args.mode}, {args.loading} loading")
+    section = None
+    for r in rows:
+        if r.section != section:
+            section = r.section
+            print(f"\n{section}\n  {'item':26s} {'formula':58s} {'value':>12s}")
+        print(f"  {r.item:26s} {r.formula:58s} {r.value_bytes / 1e9:9.3f} GB")
+    if verdicts or notes:
+        print()
+    for k, v in verdicts.items():
+        print(f"{k}: {v}")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
