@@ -1,0 +1,315 @@
+"""Slot schedule: golden schedules (string lists), op-string round trip, and properties over generated cases.
+
+The property tests check every schedule two ways: with :func:`check_schedule` (vector clocks over the
+dependencies) and with an independent replay in time: simulate it with random positive durations and check,
+from the spans alone, that no buffer is written while an op still reads it and that every read sees its load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dlo_fn.plan.schedule import (
+    AG, C, H2D, Op, Schedule, add_dependencies, build_schedule, check_schedule, compute_order, next_landing_offset,
+    next_schedule, next_slot_offset,
+)
+from dlo_fn.plan.schedule_check import ScheduleError
+from dlo_fn.plan.timeline import simulate
+
+
+def _lines(schedule: Schedule) -> list[str]:
+    return [str(op) + (" <- " + ",".join(map(str, d)) if d else "") for op, d in zip(schedule.ops, schedule.deps)]
+
+
+def _assert_golden(schedule: Schedule, golden: list[str]) -> None:
+    got = _lines(schedule) if any("<-" in g for g in golden) else list(schedule.to_strs())
+    for i, (g, w) in enumerate(zip(got, golden)):
+        assert g == w, f"op {i}: got {g!r}, expected {w!r}\nwhole schedule:\n{schedule.describe()}"
+    assert len(got) == len(golden), f"{len(got)} ops, expected {len(golden)}\nwhole schedule:\n{schedule.describe()}"
+    check_schedule(schedule)
+
+
+def test_golden_allgather_two_slots_with_waits():
+    # Two blocks, two steps: the ring wraps from block 1 of step 0 to block 0 of step 1 (load k2) with no stall.
+    _assert_golden(build_schedule(2, 2), [
+        "H2D k0 b0>l0",
+        "AG k0 b0 l0>s0 <- 0",
+        "H2D k1 b1>l1",
+        "AG k1 b1 l1>s1 <- 2",
+        "C k0 b0@s0 r0 <- 1",
+        "H2D k2 b0>l0 <- 1",       # landing l0 is free once AG k0 has read it
+        "AG k2 b0 l0>s0 <- 4,5",   # slot s0 is free once C k0 is done
+        "C k1 b1@s1 r0 <- 3",
+        "H2D k3 b1>l1 <- 3",
+        "AG k3 b1 l1>s1 <- 7,8",
+        "C k2 b0@s0 r0 <- 6",
+        "C k3 b1@s1 r0 <- 9",
+    ])
+
+
+def test_golden_rank_local():
+    # No landing buffers: each H2D writes the whole block straight into its slot, once the slot is free.
+    _assert_golden(build_schedule(3, 1, mode="rank-local"), [
+        "H2D k0 b0>s0",
+        "H2D k1 b1>s1",
+        "C k0 b0@s0 r0 <- 0",
+        "H2D k2 b2>s0 <- 2",
+        "C k1 b1@s1 r0 <- 1",
+        "C k2 b2@s0 r0 <- 3",
+    ])
+
+
+def test_golden_three_slots():
+    _assert_golden(build_schedule(3, 1, num_slots=3), [
+        "H2D k0 b0>l0", "AG k0 b0 l0>s0", "H2D k1 b1>l1", "AG k1 b1 l1>s1", "H2D k2 b2>l0", "AG k2 b2 l0>s2",
+        "C k0 b0@s0 r0", "C k1 b1@s1 r0", "C k2 b2@s2 r0",
+    ])
+
+
+def test_golden_two_requests_per_load():
+    # Block-major: each loaded block serves r0 then r1; the slot is refilled after the last of them (r1).
+    _assert_golden(build_schedule(3, 1, requests_per_load=2), [
+        "H2D k0 b0>l0",
+        "AG k0 b0 l0>s0 <- 0",
+        "H2D k1 b1>l1",
+        "AG k1 b1 l1>s1 <- 2",
+        "C k0 b0@s0 r0 <- 1",
+        "C k0 b0@s0 r1",           # no wait of its own: r0 waited for the load, and one stream runs in order
+        "H2D k2 b2>l0 <- 1",
+        "AG k2 b2 l0>s0 <- 5,6",
+        "C k1 b1@s1 r0 <- 3",
+        "C k1 b1@s1 r1",
+        "C k2 b2@s0 r0 <- 7",
+        "C k2 b2@s0 r1",
+    ])
+
+
+def test_golden_prefetch_next_then_warm_start():
+    # Run A ends by loading block 0 of the next run (k2) into the slot its last compute does not use; run B
+    # starts warm from it on the continued ring (slot offset 0, landing offset 0) and never reloads block 0.
+    a = build_schedule(2, 1, prefetch_next=True)
+    _assert_golden(a, [
+        "H2D k0 b0>l0", "AG k0 b0 l0>s0", "H2D k1 b1>l1", "AG k1 b1 l1>s1", "C k0 b0@s0 r0",
+        "H2D k2 b0>l0", "AG k2 b0 l0>s0", "C k1 b1@s1 r0",
+    ])
+    assert (next_slot_offset(a), next_landing_offset(a)) == (0, 0)
+    b = next_schedule(a, 1, prefetch_next=False)
+    _assert_golden(b, ["H2D k1 b1>l1", "AG k1 b1 l1>s1", "C k0 b0@s0 r0", "C k1 b1@s1 r0"])
+    # Cross-run waits: B's first use of each buffer waits for A's last use of it.
+    assert a.last_use == (("l0", 6), ("l1", 3), ("s0", 6), ("s1", 7))
+    assert b.first_use == (("l1", 0), ("s0", 2), ("s1", 1))
+    check_schedule(b, prev=a)
+
+
+def test_golden_chain_with_odd_length_continues_the_ring():
+    a = build_schedule(3, 1, prefetch_next=True)     # loads k0..k2, prefetch k3 -> slot (0 + 3) % 2 = 1
+    b = next_schedule(a, 1)
+    assert (b.slot_offset, b.landing_offset, b.warm_start) == (1, 1, True)
+    _assert_golden(b, [
+        "H2D k1 b1>l0", "AG k1 b1 l0>s0", "C k0 b0@s1 r0", "H2D k2 b2>l1", "AG k2 b2 l1>s1",
+        "C k1 b1@s0 r0", "H2D k3 b0>l0", "AG k3 b0 l0>s0", "C k2 b2@s1 r0",
+    ])
+    check_schedule(b, prev=a)
+
+
+def test_compute_order_wraps_steps_block_major():
+    order = compute_order(2, 2, requests_per_load=2)
+    assert [(i.load, i.block, i.step, i.request) for i in order] == [
+        (0, 0, 0, 0), (0, 0, 0, 1), (1, 1, 0, 0), (1, 1, 0, 1),
+        (2, 0, 1, 0), (2, 0, 1, 1), (3, 1, 1, 0), (3, 1, 1, 1),
+    ]
+
+
+@pytest.mark.parametrize("text", [
+    "H2D k0 b0>l0", "H2D k12 b3>s1", "AG k5 b3 l1>s1", "C k5 b3@s1 r0", "C k100 b99@s3 r2",
+])
+def test_op_string_round_trip(text):
+    op = Op.from_str(text)
+    assert str(op) == text and Op.from_str(str(op)) == op
+
+
+@pytest.mark.parametrize("text", [
+    "", "H2D k0 b0", "H2D k0 b0>x1", "AG k0 b0 >s1", "C k0 b0@s1", "C k0 b0@s1 r0 ", "C k-1 b0@s1 r0",
+    "X k0 b0@s1 r0", "H2D  k0 b0>l0", "C k05 b0@s1 r0", "AG k1 b1 l+1>s0", "C k1 b1@s\u0661 r0",
+])
+def test_op_from_str_rejects_malformed(text):
+    with pytest.raises(ValueError, match="grammar"):
+        Op.from_str(text)
+
+
+def test_op_rejects_inconsistent_fields():
+    with pytest.raises(ValueError, match="grammar"):
+        Op(C, 0, 0, slot=0)                       # compute without request
+    with pytest.raises(ValueError, match="grammar"):
+        Op(H2D, 0, 0, slot=0, landing=1)          # H2D to both
+    with pytest.raises(ValueError, match="non-negative"):
+        Op(AG, -1, 0, slot=0, landing=0)
+
+
+def test_bad_parameters_are_named():
+    with pytest.raises(ValueError, match="num_slots"):
+        build_schedule(4, 1, num_slots=0)
+    with pytest.raises(ValueError, match="num_landing"):
+        build_schedule(4, 1, mode="rank-local", num_landing=2)
+    with pytest.raises(ValueError, match="num_landing"):
+        build_schedule(4, 1, num_landing=0)
+    with pytest.raises(ValueError, match="mode"):
+        build_schedule(4, 1, mode="ring")
+    with pytest.raises(ValueError, match="slot_offset"):
+        build_schedule(4, 1, slot_offset=2)
+    with pytest.raises(ValueError, match="num_steps"):
+        build_schedule(4, 0)
+
+
+# --- the checker must catch broken schedules -------------------------------------------------------------------
+
+def _with_deps(s: Schedule, i: int, deps: tuple[int, ...]) -> Schedule:
+    return dataclasses.replace(s, deps=s.deps[:i] + (deps,) + s.deps[i + 1:])
+
+
+def test_checker_catches_refill_before_compute_done():
+    s = build_schedule(2, 2)
+    i = s.to_strs().index("AG k2 b0 l0>s0")
+    with pytest.raises(ScheduleError, match="overwrite s0 while op 4"):
+        check_schedule(_with_deps(s, i, (5,)))
+
+
+def test_checker_catches_landing_reuse_before_gather():
+    s = build_schedule(2, 2)
+    i = s.to_strs().index("H2D k2 b0>l0")
+    with pytest.raises(ScheduleError, match="overwrite l0 while op 1"):
+        check_schedule(_with_deps(s, i, ()))
+
+
+def test_checker_catches_compute_before_load():
+    s = build_schedule(2, 2, requests_per_load=2)
+    i = s.to_strs().index("C k0 b0@s0 r0")
+    with pytest.raises(ScheduleError, match="before op 1 has written"):
+        check_schedule(_with_deps(s, i, ()))
+
+
+def test_checker_catches_wrong_slot_and_late_prefetch_and_bad_waits():
+    s = build_schedule(3, 1)
+    ops = list(s.ops)
+    ops[s.to_strs().index("C k1 b1@s1 r0")] = Op(C, 1, 1, slot=0, request=0)
+    with pytest.raises(ScheduleError, match="compute-only order"):
+        check_schedule(dataclasses.replace(s, ops=tuple(ops)))
+    # Issue the loads of k2 after compute k1: prefetch depth lost.
+    ops = list(s.ops)
+    j = s.to_strs().index("H2D k2 b2>l0")
+    moved = ops[j:j + 2]
+    del ops[j:j + 2]
+    ops[len(ops) - 1:len(ops) - 1] = moved
+    late = dataclasses.replace(s, ops=tuple(ops), deps=add_dependencies(tuple(ops)))
+    with pytest.raises(ScheduleError, match="prefetch depth"):
+        check_schedule(late)
+    with pytest.raises(ScheduleError, match="earlier ops"):
+        check_schedule(_with_deps(s, 1, (1,)))
+    with pytest.raises(ScheduleError, match="first_use"):
+        check_schedule(dataclasses.replace(s, first_use=s.first_use[1:]))
+
+
+def test_checker_catches_broken_chain():
+    a = build_schedule(3, 1, prefetch_next=True)
+    with pytest.raises(ScheduleError, match="slot_offset"):
+        check_schedule(build_schedule(3, 1, warm_start=True), prev=a)
+    with pytest.raises(ScheduleError, match="warm_start"):
+        check_schedule(build_schedule(3, 1, slot_offset=1, landing_offset=1), prev=a)
+    with pytest.raises(ScheduleError, match="num_slots"):
+        check_schedule(build_schedule(3, 1, num_slots=3, warm_start=True, slot_offset=1, landing_offset=1),
+                       prev=a)
+
+
+# --- properties ----------------------------------------------------------------------------------------------
+
+cases = st.fixed_dictionaries({
+    "num_blocks": st.integers(1, 12),
+    "num_steps": st.integers(1, 3),
+    "num_slots": st.integers(2, 4),
+    "num_landing": st.integers(1, 3),
+    "requests_per_load": st.integers(1, 3),
+    "mode": st.sampled_from(("allgather", "rank-local")),
+    "warm_start": st.booleans(),
+    "prefetch_next": st.booleans(),
+    "slot_offset": st.integers(0, 3),
+    "landing_offset": st.integers(0, 2),
+})
+
+
+def _build(case: dict) -> Schedule:
+    kw = dict(case)
+    kw["slot_offset"] %= kw["num_slots"]
+    if kw["mode"] == "rank-local":
+        kw["num_landing"], kw["landing_offset"] = 0, 0
+    else:
+        kw["landing_offset"] %= kw["num_landing"]
+    return build_schedule(kw.pop("num_blocks"), kw.pop("num_steps"), **kw)
+
+
+def _replay_in_time(s: Schedule, seed: int) -> None:
+    """Independent oracle: random positive durations, then check buffer contents from the spans alone."""
+    rng = random.Random(seed)
+    cost = {}
+    tl = simulate(s, lambda op: cost.setdefault(str(op), float(rng.randint(1, 9))))
+    spans = tl.spans
+    writes: dict[str, list[tuple[float, float, int]]] = {}
+    for op, span in zip(s.ops, spans):
+        for buf in op.writes:
+            writes.setdefault(buf, []).append((span.start_s, span.end_s, op.load))
+    initial = {f"s{(s.slot_offset + j) % s.num_slots}": j for j in range(s.num_slots - 1)} if s.warm_start else {}
+    for buf, ws in writes.items():
+        ws.sort()
+        for (a0, b0, _), (a1, _, _) in zip(ws, ws[1:]):
+            assert b0 <= a1, f"two writes of {buf} overlap in time\n{s.describe()}"
+    for op, span in zip(s.ops, spans):
+        for buf in op.reads:
+            for a, b, load in writes.get(buf, []):
+                assert b <= span.start_s or a >= span.end_s, f"{op} reads {buf} while it is written\n{s.describe()}"
+            done = [(b, load) for a, b, load in writes.get(buf, []) if b <= span.start_s]
+            seen = max(done)[1] if done else initial.get(buf)
+            assert seen == op.load, f"{op} reads {buf} holding load {seen}\n{s.describe()}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases, st.integers(0, 2**31))
+def test_every_generated_schedule_is_valid_and_hazard_free(case, seed):
+    s = _build(case)
+    check_schedule(s)
+    _replay_in_time(s, seed)
+    # Topological issue order; every compute preceded by the load of its block into its slot.
+    loaded: dict[int, int] = {}
+    for i, (op, deps) in enumerate(zip(s.ops, s.deps)):
+        assert all(d < i for d in deps)
+        if op.kind != C and (op.kind == AG or s.mode == "rank-local"):
+            loaded[op.load] = op.slot
+        if op.kind == C and not (s.warm_start and op.load < s.num_slots - 1):
+            assert loaded.get(op.load) == op.slot, s.describe()
+    # Round trip of every op string.
+    assert all(Op.from_str(text) == op for text, op in zip(s.to_strs(), s.ops))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases, st.data())
+def test_every_wait_is_needed(case, data):
+    s = _build(case)
+    waits = [(i, d) for i, deps in enumerate(s.deps) for d in deps]
+    if not waits:
+        return
+    i, d = data.draw(st.sampled_from(waits))
+    with pytest.raises(ScheduleError):
+        check_schedule(_with_deps(s, i, tuple(x for x in s.deps[i] if x != d)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases, st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(0, 2**31))
+def test_chained_runs_stay_valid(case, steps, seed):
+    prev = _build(dict(case, prefetch_next=True))
+    for num_steps in steps:
+        nxt = next_schedule(prev, num_steps, prefetch_next=True)
+        check_schedule(nxt, prev=prev)
+        _replay_in_time(nxt, seed)
+        prev = nxt
