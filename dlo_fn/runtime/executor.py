@@ -1,0 +1,419 @@
+"""The executor: device slots and landing buffers, three streams, events; it interprets the planner's schedule.
+
+State (all allocated once, in ``__init__``):
+
+* ``num_slots`` slots of ``ModelLayout.max_block_bytes`` (a gathered block) and, in allgather mode,
+  ``num_landing`` landing buffers of ``max_shard_bytes`` (a local shard): device weight bytes are
+  ``S x max_block + N x max_shard``, whatever the depth;
+* typed weight views per (slot, block layout), and per (op kind, block, buffer) byte views, built per
+  schedule when it is first compiled and reused every time that schedule runs;
+* a copy stream (H2D), a communication stream (all-gather); compute runs on the caller's current stream.
+
+A *run* is one :class:`~dlo_fn.plan.schedule.Schedule` (``num_steps`` passes over the blocks, ``R`` requests
+per load). Every run prefetches the first loads of the next one and the next run is built with
+:func:`~dlo_fn.plan.schedule.next_schedule`, so the ring of loads never stops: block 0 of the next step or
+request is loaded during the last block. The executor walks the ops in issue order: each op waits on the events
+of its ``deps`` (and, for a buffer's first use in the run, on the previous run's last use of it), is launched on
+its stream and records its event. There is no host synchronisation in the steady state.
+
+A block proxy's call advances the cursor to the next compute op, issuing the loads in front of it (the
+schedule puts the loads of block k+1 before the compute of block k), checks that it is the expected block,
+and runs the block on its slot's views. Runs start implicitly (one step, R = 1) when a proxy is called with no
+run open, which makes any ``model(...)`` call work; engines open explicit runs with :meth:`Executor.run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.schedule import AG, H2D, Schedule, build_schedule, next_schedule
+from dlo_fn.plan.timeline import Timeline
+from dlo_fn.runtime.blocks import layout_key, make_caller, make_views
+from dlo_fn.runtime.dist import all_gather_bytes
+from dlo_fn.runtime.host_store import HostStore
+from dlo_fn.runtime.platform import Platform
+
+__all__ = ["Executor", "ExecutorStats", "ScheduleError"]
+
+_H2D, _AG, _C = 0, 1, 2
+
+
+class ScheduleError(RuntimeError):
+    """The model called blocks in an order the schedule does not have (or too few / too many)."""
+
+
+@dataclass
+class ExecutorStats:
+    """Host-side counters (seconds, from ``time.perf_counter``). ``issue_s`` is the host time the executor
+    spends outside the blocks' own calls (issuing loads, waits, records, bookkeeping)."""
+
+    computes: int = 0
+    loads: int = 0
+    runs: int = 0
+    issue_s: float = 0.0
+    call_s: float = 0.0
+
+    def reset(self) -> None:
+        self.computes = self.loads = self.runs = 0
+        self.issue_s = self.call_s = 0.0
+
+    @property
+    def issue_us_per_compute(self) -> float:
+        return 1e6 * self.issue_s / max(self.computes, 1)
+
+
+@dataclass
+class _Program:
+    """A schedule compiled against this executor's buffers; events are reused each time it runs."""
+
+    schedule: Schedule
+    kinds: tuple[int, ...]
+    streams: tuple[Any, ...]
+    waits: tuple[tuple[int, ...], ...]
+    carry: tuple[tuple[str, ...], ...]  # buffers whose previous-run last use this op must wait for
+    args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: (out, inp); C: (block, caller)
+    next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
+    events: list[Any]
+    last_use: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass
+class _Run:
+    program: _Program
+    events: list[Any]
+    starts: list[Any] | None
+    compute: bool
+    implicit: bool
+    stream: Any
+    cursor: int = 0
+    index: int = 0
+
+
+class Executor:
+    """Runs offloaded blocks from a :class:`HostStore` through device slots, following planner schedules.
+
+    ``blocks[b]`` is block ``b``'s module with meta weights (see :func:`~dlo_fn.runtime.blocks.strip_block`),
+    ``aliases[b]`` its tied-weight names. ``group`` is the shard group (None: a single process, the
+    "all-gather" of one rank is a copy). ``async_collectives`` (CPU/gloo) issues all-gathers with
+    ``async_op=True`` and waits for them at their dependents, overlapping communication with compute on CPU.
+    """
+
+    def __init__(self, platform: Platform, layout: ModelLayout, store: HostStore, blocks: Sequence[nn.Module],
+                 aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None, *, group: Any = None,
+                 mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
+                 block_call: str = "functional_call", async_collectives: bool = False,
+                 record_timeline: bool = False, rank: int = 0) -> None:
+        if mode not in ("allgather", "rank-local"):
+            raise ValueError(f"executor mode must be 'allgather' or 'rank-local', got {mode!r}")
+        if len(blocks) != layout.num_blocks:
+            raise ValueError(f"{len(blocks)} block modules for a layout of {layout.num_blocks} blocks")
+        if mode == "rank-local" and layout.world_size != 1:
+            raise ValueError("rank-local mode streams whole blocks: build its layout with world_size=1")
+        if group is None and layout.world_size != 1:
+            raise ValueError(f"a layout sharded over {layout.world_size} ranks needs a process group")
+        self.platform, self.layout, self.store, self.group = platform, layout, store, group
+        self.mode, self.rank, self.block_call = mode, rank, block_call
+        self.num_slots = num_slots
+        self.num_landing = (2 if num_landing is None else num_landing) if mode == "allgather" else 0
+        self.async_collectives = async_collectives and not platform.is_accelerator
+        self.record_timeline = record_timeline
+        self.blocks = tuple(blocks)
+        self.aliases = tuple(aliases) if aliases is not None else tuple({} for _ in blocks)
+        build_schedule(layout.num_blocks, 1, num_slots=num_slots, num_landing=self.num_landing, mode=mode)
+        dev = platform.device
+        before = platform.memory_allocated()
+        self.slots = tuple(torch.empty(layout.max_block_bytes, dtype=torch.uint8, device=dev)
+                           for _ in range(num_slots))
+        self.landing = tuple(torch.empty(layout.max_shard_bytes, dtype=torch.uint8, device=dev)
+                             for _ in range(self.num_landing))
+        self.measured_device_bytes = platform.memory_allocated() - before
+        self.h2d_stream = platform.new_stream("h2d")
+        self.allgather_stream = platform.new_stream("allgather")
+        # Views: one dict per (slot, distinct block layout); one caller per (block, slot).
+        shared: dict[tuple, list[dict[str, torch.Tensor]]] = {}
+        self._callers: list[tuple[Any, ...]] = []
+        for b, shard in enumerate(layout.shards):
+            key = layout_key(shard.block, dict(self.aliases[b]))
+            if key not in shared:
+                shared[key] = [make_views(slot, shard.block, dict(self.aliases[b])) for slot in self.slots]
+            self._callers.append(tuple(make_caller(block_call, self.blocks[b], shared[key][s])
+                                       for s in range(num_slots)))
+        self.num_view_sets = len(shared) * num_slots
+        self._programs: dict[tuple, _Program] = {}
+        self._prev: Schedule | None = None
+        self._carry: dict[str, Any] = {}
+        self._run: _Run | None = None
+        self._records: list[tuple[str, str, Any, Any]] = []
+        self._origin: Any = None
+        self._run_count = 0
+        self.stats = ExecutorStats()
+        if group is not None and mode == "allgather":
+            self._warm_up_collective()
+
+    # -- memory --------------------------------------------------------------------------------------------
+    @property
+    def device_weight_bytes(self) -> int:
+        """Bytes of the slots and landing buffers (their storages): the executor's whole weight footprint."""
+        return sum(t.untyped_storage().nbytes() for t in self.slots + self.landing)
+
+    @property
+    def planned_device_weight_bytes(self) -> int:
+        return self.num_slots * self.layout.max_block_bytes + self.num_landing * self.layout.max_shard_bytes
+
+    # -- schedules ------------------------------------------------------------------------------------------
+    def _warm_up_collective(self) -> None:
+        """Create the communicator now (NCCL/HCCL do it lazily on the first collective, with allocations)."""
+        n = self.layout.shards[0].shard_bytes
+        with self.platform.use_stream(self.allgather_stream):
+            all_gather_bytes(self.slots[0][: n * self.layout.world_size], self.landing[0][:n], self.group)
+        self.platform.synchronize()
+
+    def next_schedule(self, num_steps: int = 1, requests_per_load: int = 1) -> Schedule:
+        """The schedule the next run will follow (cold for the first run or after an error)."""
+        if self._prev is None:
+            return build_schedule(self.layout.num_blocks, num_steps, requests_per_load=requests_per_load,
+                                  num_slots=self.num_slots, num_landing=self.num_landing, mode=self.mode,
+                                  prefetch_next=True)
+        return next_schedule(self._prev, num_steps, requests_per_load=requests_per_load, prefetch_next=True)
+
+    def _program(self, num_steps: int, requests_per_load: int) -> _Program:
+        prev = self._prev
+        if prev is None:
+            key: tuple = (num_steps, requests_per_load, None)
+        else:
+            key = (num_steps, requests_per_load, (prev.slot_offset + prev.num_loads) % prev.num_slots,
+                   (prev.landing_offset + prev.num_loads) % prev.num_landing if prev.num_landing else 0)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._compile(self.next_schedule(num_steps, requests_per_load))
+        return program
+
+    def _compile(self, sch: Schedule) -> _Program:
+        kinds, streams, args = [], [], []
+        for op in sch.ops:
+            shard = self.layout.shards[op.block]
+            if op.kind == H2D:
+                kinds.append(_H2D)
+                streams.append(self.h2d_stream)
+                dst = self.slots[op.slot] if op.slot is not None else self.landing[op.landing]
+                args.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
+                                  for s in self.store.sources[op.block]))
+            elif op.kind == AG:
+                kinds.append(_AG)
+                streams.append(self.allgather_stream)
+                n = shard.shard_bytes
+                args.append((self.slots[op.slot][: n * self.layout.world_size], self.landing[op.landing][:n]))
+            else:
+                kinds.append(_C)
+                streams.append(None)
+                args.append((op.block, self._callers[op.block][op.slot]))
+        carry: list[list[str]] = [[] for _ in sch.ops]
+        for buf, i in sch.first_use:
+            carry[i].append(buf)
+        nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
+        for i in range(len(sch.ops), -1, -1):
+            if i < len(sch.ops) and kinds[i] == _C:
+                upcoming = i
+            nxt[i] = upcoming
+        events = [self.platform.new_event() for _ in sch.ops]
+        return _Program(sch, tuple(kinds), tuple(streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
+                        tuple(nxt), events, sch.last_use)
+
+    # -- runs -----------------------------------------------------------------------------------------------
+    @property
+    def in_run(self) -> bool:
+        return self._run is not None
+
+    def begin_run(self, num_steps: int = 1, requests_per_load: int = 1, *, compute: bool = True,
+                  _implicit: bool = False) -> Schedule:
+        """Open a run of ``num_steps`` passes over the blocks with ``requests_per_load`` computes per loaded
+        block (block-major). ``compute=False``: take part in every load and all-gather, compute nothing (an
+        idle rank of a partial wave); the ops are issued by :meth:`end_run`."""
+        if self._run is not None:
+            raise ScheduleError("a run is already open: end it (end_run / leave the `with run()` block) first")
+        program = self._program(num_steps, requests_per_load)
+        if self.record_timeline:
+            events = [self.platform.new_event(timing=True) for _ in program.kinds]
+            starts = [self.platform.new_event(timing=True) for _ in program.kinds]
+            if self._origin is None:
+                self._origin = self.platform.new_event(timing=True)
+                self._origin.record(self.platform.current_stream())
+        else:
+            events, starts = program.events, None
+        self._run = _Run(program, events, starts, compute, _implicit, self.platform.current_stream(),
+                         index=self._run_count)
+        self._run_count += 1
+        self.stats.runs += 1
+        return program.schedule
+
+    def end_run(self) -> None:
+        """Issue what is left (all of it for ``compute=False``) and hand the buffers to the next run."""
+        run = self._run
+        if run is None:
+            raise ScheduleError("no run is open")
+        n = len(run.program.kinds)
+        if run.compute and run.program.next_compute[run.cursor] < n:
+            left = sum(1 for k in run.program.kinds[run.cursor:] if k == _C)
+            self.abort()
+            raise ScheduleError(f"run ended with {left} block computes not done: the model called fewer blocks "
+                                f"than the schedule's {run.program.schedule.num_steps} step(s) x "
+                                f"{run.program.schedule.num_blocks} blocks x {run.program.schedule.requests_per_load}")
+        self._issue_until(run, n)
+        self._carry = {buf: run.events[i] for buf, i in run.program.last_use}
+        self._prev = run.program.schedule
+        if run.starts is not None:
+            self._records.extend(
+                (f"run{run.index} {op}", op.stream, run.starts[i], run.events[i])
+                for i, op in enumerate(run.program.schedule.ops))
+        self._run = None
+
+    @contextlib.contextmanager
+    def run(self, num_steps: int = 1, requests_per_load: int = 1, *, compute: bool = True) -> Iterator[Schedule]:
+        """``with executor.run(T, R): ...`` around the model calls of one run (see :meth:`begin_run`)."""
+        schedule = self.begin_run(num_steps, requests_per_load, compute=compute)
+        try:
+            yield schedule
+        except BaseException:
+            self.abort()
+            raise
+        self.end_run()
+
+    def idle(self, num_steps: int = 1) -> None:
+        """A run with no compute: this rank serves its shards to the all-gathers and nothing else."""
+        with self.run(num_steps, 1, compute=False):
+            pass
+
+    def abort(self) -> None:
+        """Drop the open run after an error: wait for the device, forget the ring (the next run starts cold)."""
+        run, self._run = self._run, None
+        if run is not None:
+            for ev in run.events:
+                if hasattr(ev, "work") and ev.work is not None:
+                    ev.wait()
+        self.platform.synchronize()
+        self._prev, self._carry = None, {}
+
+    def synchronize(self) -> None:
+        """Wait for everything issued so far (tests, timing, shutdown); never called in the steady state."""
+        if self._run is not None:
+            for ev in self._run.events:
+                if hasattr(ev, "work") and ev.work is not None:
+                    ev.wait()
+        for ev in self._carry.values():
+            if hasattr(ev, "work") and ev.work is not None:
+                ev.wait()
+        self.platform.synchronize()
+
+    # -- issuing --------------------------------------------------------------------------------------------
+    def _issue_until(self, run: _Run, stop: int) -> None:
+        """Issue ops ``run.cursor .. stop-1``; compute ops among them only when the run has no compute."""
+        p, events, starts, use_stream = run.program, run.events, run.starts, self.platform.use_stream
+        for i in range(run.cursor, stop):
+            kind = p.kinds[i]
+            stream = p.streams[i] if kind != _C else run.stream
+            with use_stream(stream):
+                for d in p.waits[i]:
+                    stream.wait_event(events[d])
+                for buf in p.carry[i]:
+                    ev = self._carry.get(buf)
+                    if ev is not None:
+                        stream.wait_event(ev)
+                if starts is not None:
+                    starts[i].record(stream)
+                if kind == _H2D:
+                    for dst, src in p.args[i]:
+                        dst.copy_(src, non_blocking=True)
+                    self.stats.loads += 1
+                elif kind == _AG:
+                    out, inp = p.args[i]
+                    if self.group is None:
+                        out.copy_(inp, non_blocking=True)
+                    else:
+                        work = all_gather_bytes(out, inp, self.group, async_op=self.async_collectives)
+                        if work is not None:
+                            events[i].work = work
+                            if starts is not None:
+                                self._stamp_on_completion(work, events[i])
+                                continue
+                elif run.compute:
+                    raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
+                events[i].record(stream)
+        run.cursor = max(run.cursor, stop)
+
+    @staticmethod
+    def _stamp_on_completion(work: Any, event: Any) -> None:
+        event.record()
+        try:
+            work.get_future().add_done_callback(lambda _f: event.record())
+        except (AttributeError, RuntimeError):
+            pass
+
+    def compute(self, block_index: int, args: tuple, kwargs: dict) -> Any:
+        """Run block ``block_index`` for the next compute op of the open (or an implicit) run."""
+        t0 = time.perf_counter()
+        run = self._run
+        if run is None:
+            self.begin_run(1, 1, _implicit=True)
+            run = self._run
+        elif not run.compute:
+            raise ScheduleError("block called during a compute=False run: this rank must not run the model")
+        p = run.program
+        i = p.next_compute[run.cursor]
+        if i >= len(p.kinds):
+            self.abort()
+            raise ScheduleError(f"block {block_index} called but the run's {p.schedule.num_blocks} x "
+                                f"{p.schedule.num_steps} x {p.schedule.requests_per_load} computes are all done: "
+                                f"open a run with more steps or requests")
+        expected, caller = p.args[i]
+        if expected != block_index:
+            op = p.schedule.ops[i]
+            self.abort()
+            raise ScheduleError(f"block {block_index} ({self.layout.shards[block_index].block.name}) called, but "
+                                f"the schedule expects block {expected} ({self.layout.shards[expected].block.name}) "
+                                f"next ({op}): the model must call every block of the block list(s) once per "
+                                f"pass, in order (and, for R requests, each block R times in a row)")
+        self._issue_until(run, i)
+        stream, events = run.stream, run.events
+        for d in p.waits[i]:
+            stream.wait_event(events[d])
+        for buf in p.carry[i]:
+            ev = self._carry.get(buf)
+            if ev is not None:
+                stream.wait_event(ev)
+        if run.starts is not None:
+            run.starts[i].record(stream)
+        t1 = time.perf_counter()
+        out = caller(args, kwargs)
+        t2 = time.perf_counter()
+        events[i].record(stream)
+        run.cursor = i + 1
+        if run.implicit and p.next_compute[run.cursor] >= len(p.kinds):
+            self.end_run()
+        st = self.stats
+        st.computes += 1
+        st.call_s += t2 - t1
+        st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
+        return out
+
+    # -- measured timeline ----------------------------------------------------------------------------------
+    def take_timeline(self, meta: Sequence[tuple[str, str]] = ()) -> Timeline:
+        """The ops of every run since the last call, with measured start/end (seconds from the first run's
+        start; device events on CUDA/NPU, host clocks on CPU). Synchronises. Needs ``record_timeline``."""
+        if not self.record_timeline:
+            raise ValueError("construct the executor with record_timeline=True to measure a timeline")
+        self.synchronize()
+        origin = self._origin
+        recs = [(op, stream, origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3, self.rank)
+                for op, stream, s, e in self._records]
+        self._records = []
+        base = (("source", "measured"), ("platform", self.platform.kind), ("mode", self.mode),
+                ("num_blocks", str(self.layout.num_blocks)), ("num_slots", str(self.num_slots)),
+                ("num_landing", str(self.num_landing)), ("world_size", str(self.layout.world_size)))
+        return Timeline.from_records(recs, base + tuple(meta))

@@ -1,0 +1,205 @@
+"""Per-rank host store of block weights: one exact-size arena of this rank's shards (technique 2).
+
+**Sharded (allgather mode).** Rank ``r`` allocates ONE buffer of ``ModelLayout.shard_bytes_per_rank`` bytes
+and copies into it, for every block ``b``, the pieces ``layout.shards[b].pieces[r]`` (tensor bytes ->
+``shard_offsets[b] + dst``). It reads only the pages of the mmap'd checkpoint that hold its ``1/W`` of each
+block; gaps (alignment between tensors, tail padding) are zeroed so every gathered byte is defined. The caller
+then drops the mmap views (the block modules go to the meta device).
+
+**Exact-size pinning.** ``torch.empty(n, pin_memory=True)`` goes through the caching host allocator, which
+rounds every request up to a power of two (a 13.8 GB arena would pin 16 GB; per-block pinning of 1.2 GiB
+blocks costs 2 GiB each). On CUDA we allocate ``n`` pageable bytes and page-lock exactly those pages with
+``cudaHostRegister`` (``torch.cuda.cudart()``); pinned bytes = ``n`` rounded up to the page size. The
+registration is undone when the store is closed or collected. On NPU the driver's host allocator is used
+(``pin_memory=True`` on one arena); its pages are invisible to the cgroup (DESIGN.md, Figure 6). CPU has no
+pinned memory: the arena is plain (pageable) memory.
+
+**Rank-local mode** (``layout.world_size == 1``): every rank streams whole blocks. Two sources:
+
+=============  ===========================================  ===============================================
+source         host memory per node (W ranks, model M)      H2D
+=============  ===========================================  ===============================================
+``"pinned"``   W x M private pinned (each rank its copy)    pinned: full PCIe rate (~55 GB/s on H200)
+``"mmap"``     M shared page cache (views kept, no copy)    pageable: ~5.5-7.6 GB/s on H200, one copy per
+                                                            tensor through a staging buffer
+=============  ===========================================  ===============================================
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.runtime.platform import Platform
+
+__all__ = ["HostStore", "H2DSource", "alloc_host", "build_host_store", "tensor_bytes", "SOURCES"]
+
+log = logging.getLogger(__name__)
+SOURCES = ("pinned", "mmap")
+
+
+@dataclass(frozen=True, slots=True)
+class H2DSource:
+    """Copy ``src`` (uint8, host) to bytes ``[dst_start, dst_start + src.numel())`` of the destination buffer."""
+
+    src: torch.Tensor
+    dst_start: int
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 view (no copy)."""
+    if not t.is_contiguous():
+        raise ValueError(f"tensor of shape {tuple(t.shape)} is not contiguous; cannot take a byte view")
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _register_cuda(buf: torch.Tensor) -> None:
+    cudart = torch.cuda.cudart()
+    rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if rc != cudart.cudaError.success:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed with {rc}: not enough lockable "
+                           f"host memory (check `ulimit -l` and the container's memory limit)")
+
+
+def _unregister_cuda(buf: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    except Exception:  # interpreter shutdown: the driver releases the registration with the process
+        pass
+
+
+def alloc_host(nbytes: int, platform: Platform, pin: bool = True) -> tuple[torch.Tensor, str, object | None]:
+    """One uint8 host buffer of exactly ``nbytes`` bytes; returns (buffer, how, finalizer).
+
+    ``how`` is ``"cudaHostRegister"`` (exact pinned), ``"pin_memory"`` (driver allocator, NPU) or
+    ``"pageable"``.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if not pin or not platform.supports_pinned or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8), "pageable", None
+    if platform.kind == "cuda":
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        _register_cuda(buf)
+        return buf, "cudaHostRegister", weakref.finalize(buf, _unregister_cuda, buf)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pin_memory", None
+
+
+class HostStore:
+    """The host side of the offload: for each block, the :class:`H2DSource` list its H2D op copies.
+
+    Built by :func:`build_host_store`. ``arena`` is None for the rank-local ``"mmap"`` source.
+    """
+
+    def __init__(self, layout: ModelLayout, rank: int, sources: tuple[tuple[H2DSource, ...], ...],
+                 arena: torch.Tensor | None, how: str, finalizer: object | None = None) -> None:
+        if len(sources) != layout.num_blocks:
+            raise ValueError(f"{len(sources)} source lists for {layout.num_blocks} blocks")
+        self.layout = layout
+        self.rank = rank
+        self.sources = sources
+        self.arena = arena
+        self.how = how
+        self._finalizer = finalizer
+
+    @property
+    def pinned(self) -> bool:
+        return self.how in ("cudaHostRegister", "pin_memory")
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes this rank allocated for weights (0 for the shared-mmap source)."""
+        return 0 if self.arena is None else self.arena.numel()
+
+    def shard(self, block: int) -> torch.Tensor:
+        """Rank-local shard of ``block`` in the arena (a view)."""
+        if self.arena is None:
+            raise ValueError("the mmap source has no arena; use .sources")
+        start = self.layout.shard_offsets[block]
+        return self.arena[start : start + self.layout.shards[block].shard_bytes]
+
+    def close(self) -> None:
+        """Unpin and drop the arena (views taken from it stay valid as pageable memory)."""
+        if self._finalizer is not None:
+            self._finalizer()  # type: ignore[operator]
+        self.arena = None
+        self.sources = tuple(() for _ in self.sources)
+
+
+def _gaps(pieces: Sequence, size: int) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    for p in sorted(pieces, key=lambda p: p.dst_start):
+        if p.dst_start > pos:
+            out.append((pos, p.dst_start))
+        pos = max(pos, p.dst_stop)
+    if pos < size:
+        out.append((pos, size))
+    return out
+
+
+def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None) -> torch.Tensor:
+    block = layout.shards[b].block
+    if t is None:
+        raise ValueError(f"block {block.name}: tensor {name!r} is missing from the module")
+    pl = block.placement(name)
+    if tuple(t.shape) != pl.shape or t.dtype != pl.dtype:
+        raise ValueError(f"block {block.name}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
+                         f"{pl.shape} {pl.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"block {block.name}: tensor {name!r} is on the meta device: load the checkpoint "
+                         f"(dlo_fn.runtime.load.load_model) before offloading")
+    return t.detach()
+
+
+def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Mapping[str, torch.Tensor]],
+                     platform: Platform, *, source: str = "pinned", progress: bool = False) -> HostStore:
+    """Fill this rank's store from the block tensors (typically zero-copy mmap views).
+
+    ``block_tensors[b]`` maps each tensor name of block ``b`` (relative, as in the layout) to its tensor.
+    ``source="mmap"`` is for rank-local layouts only: nothing is copied, the H2D ops read the views.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    if len(block_tensors) != layout.num_blocks:
+        raise ValueError(f"got tensors for {len(block_tensors)} blocks, the layout has {layout.num_blocks}")
+    if not 0 <= rank < layout.world_size and layout.world_size > 1:
+        raise ValueError(f"rank {rank} outside the shard group of {layout.world_size}")
+    shard_rank = rank if layout.world_size > 1 else 0
+    if source == "mmap":
+        if layout.world_size != 1:
+            raise ValueError("source='mmap' streams whole blocks: it needs a rank-local (world_size 1) layout")
+        sources = []
+        for b, shard in enumerate(layout.shards):
+            sources.append(tuple(
+                H2DSource(tensor_bytes(_check_tensor(layout, b, p.name, block_tensors[b].get(p.name))),
+                          p.offset_bytes)
+                for p in shard.block.placements))
+        return HostStore(layout, rank, tuple(sources), None, "mmap")
+    arena, how, fin = alloc_host(layout.shard_bytes_per_rank, platform, pin=True)
+    offsets = layout.shard_offsets
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=layout.shard_bytes_per_rank, unit="B", unit_scale=True, desc=f"pinning shards ({how})")
+    sources = []
+    for b, shard in enumerate(layout.shards):
+        base = offsets[b]
+        pieces = shard.pieces[shard_rank]
+        for p in pieces:
+            t = _check_tensor(layout, b, p.tensor, block_tensors[b].get(p.tensor))
+            arena[base + p.dst_start : base + p.dst_stop].copy_(tensor_bytes(t)[p.src_start : p.src_stop])
+        for lo, hi in _gaps(pieces, shard.shard_bytes):
+            arena[base + lo : base + hi].zero_()
+        sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
+        if bar is not None:
+            bar.update(shard.shard_bytes)
+    if bar is not None:
+        bar.close()
+    log.debug("host store: rank %d, %d bytes, %s", rank, arena.numel(), how)
+    return HostStore(layout, rank, tuple(sources), arena, how, fin)

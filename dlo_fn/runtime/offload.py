@@ -1,0 +1,162 @@
+"""Wrap any ``nn.Module`` for layerwise offload, given the dotted path(s) of its block list(s).
+
+``offload(model, block_paths, ctx, mode=...)`` does, in order:
+
+1. describe the model (:func:`~dlo_fn.plan.spec.spec_from_module`) and lay it out for the shard group
+   (``W`` = world size in allgather mode, 1 in rank-local mode); compare the layout digest across ranks;
+2. fill this rank's :class:`~dlo_fn.runtime.host_store.HostStore` from the block tensors (mmap views when the
+   model came from :func:`dlo_fn.runtime.load.load_model`): each rank copies only its pieces;
+3. strip the blocks to meta (dropping those views) and put a :class:`~dlo_fn.runtime.blocks.BlockProxy` in
+   each block list entry; move everything else (resident tensors) to the device once;
+4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once).
+
+``mode="resident"`` is the no-offload baseline: the whole model moves to the device, nothing else happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
+from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
+from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
+from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
+from dlo_fn.runtime.executor import Executor
+from dlo_fn.runtime.host_store import HostStore, build_host_store
+
+__all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
+
+log = logging.getLogger(__name__)
+MODES = ("allgather", "rank-local", "resident")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadOptions:
+    """Everything that selects how weights move. ``mode`` is the one switch between the three variants."""
+
+    mode: str = "allgather"
+    num_slots: int = 2
+    num_landing: int | None = None  # allgather default 2
+    rank_local_source: str = "pinned"  # "pinned": private pinned copy; "mmap": stream from the shared mmap
+    block_call: str = "functional_call"  # or "swap" (see dlo_fn.runtime.blocks.make_caller)
+    async_collectives: bool = False  # CPU/gloo: overlap all-gathers with compute
+    record_timeline: bool = False
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.rank_local_source not in ("pinned", "mmap"):
+            raise ValueError(f"rank_local_source must be 'pinned' or 'mmap', got {self.rank_local_source!r}")
+
+
+@dataclass
+class Offloaded:
+    """The wrapped model and its runtime pieces (``executor``/``store``/``layout`` are None when resident)."""
+
+    model: nn.Module
+    ctx: DistContext
+    options: OffloadOptions
+    spec: ModelSpec
+    layout: ModelLayout | None
+    store: HostStore | None
+    executor: Executor | None
+
+    @property
+    def mode(self) -> str:
+        return self.options.mode
+
+    @contextlib.contextmanager
+    def run(self, num_steps: int = 1, requests_per_load: int = 1, *, compute: bool = True) -> Iterator[Any]:
+        """An explicit run (see :meth:`Executor.run`); a no-op context when resident."""
+        if self.executor is None:
+            yield None
+            return
+        with self.executor.run(num_steps, requests_per_load, compute=compute) as schedule:
+            yield schedule
+
+    def idle(self, num_steps: int = 1) -> None:
+        """Serve this rank's shards for a run without computing (partial waves); nothing when resident or
+        rank-local (no collectives to keep in step)."""
+        if self.executor is not None and self.executor.mode == "allgather":
+            self.executor.idle(num_steps)
+
+    def synchronize(self) -> None:
+        if self.executor is not None:
+            self.executor.synchronize()
+        else:
+            self.ctx.platform.synchronize()
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """Device bytes held for block weights: slots + landing buffers, or every block when resident."""
+        if self.executor is not None:
+            return self.executor.device_weight_bytes
+        return self.spec.total_block_bytes
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        return self.store.arena_bytes if self.store is not None and self.store.pinned else 0
+
+
+def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module, int]]:
+    out = []
+    for path in paths:
+        lst = model.get_submodule(path)
+        out.extend((lst, i) for i in range(len(lst)))
+    return out
+
+
+def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext,
+            options: OffloadOptions | None = None, **overrides: Any) -> Offloaded:
+    """Prepare ``model`` (in place) for offloaded execution on ``ctx``'s device; see the module docstring.
+
+    ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
+    """
+    options = options or OffloadOptions()
+    if overrides:
+        import dataclasses
+
+        options = dataclasses.replace(options, **overrides)
+    paths = normalize_block_paths(block_paths)
+    platform = ctx.platform
+    spec = spec_from_module(model, paths, name=type(model).__name__)
+    if options.mode == "resident":
+        model.to(platform.device)
+        return Offloaded(model, ctx, options, spec, None, None, None)
+    world = ctx.world_size if options.mode == "allgather" else 1
+    layout = model_layout(spec, world, options.alignment_bytes)
+    check_same_across_ranks(layout.digest, ctx.group, platform, f"shard layout digest ({options.mode})")
+    entries = _block_lists(model, paths)
+    states = [block_state(lst[i]) for lst, i in entries]
+    source = options.rank_local_source if options.mode == "rank-local" else "pinned"
+    store = build_host_store(layout, ctx.rank, [t for t, _ in states], platform, source=source,
+                             progress=options.progress and ctx.is_main)
+    aliases = [a for _, a in states]
+    del states  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
+    blocks = []
+    for lst, i in entries:
+        block = lst[i]
+        strip_block(block, platform.device)
+        blocks.append(block)
+    group = ctx.group if options.mode == "allgather" else None
+    executor = Executor(platform, layout, store, blocks, aliases, group=group,
+                        mode=options.mode, num_slots=options.num_slots, num_landing=options.num_landing,
+                        block_call=options.block_call, async_collectives=options.async_collectives,
+                        record_timeline=options.record_timeline, rank=ctx.rank)
+    for b, (lst, i) in enumerate(entries):
+        lst[i] = BlockProxy(executor.compute, b, blocks[b])
+    model.to(platform.device)
+    log.info("offload %s: %d blocks, mode %s, W=%d, host store %d bytes (%s), device weights %d bytes",
+             spec.name, layout.num_blocks, options.mode, world, store.arena_bytes, store.how,
+             executor.device_weight_bytes)
+    return Offloaded(model, ctx, options, spec, layout, store, executor)

@@ -1,0 +1,145 @@
+"""Host store: one exact-size arena per rank, each rank's pieces only, shards reassemble every tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlo_fn.plan.layout import model_layout
+from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
+from dlo_fn.runtime.host_store import alloc_host, build_host_store, tensor_bytes
+from dlo_fn.runtime.platform import platform_for
+
+CPU = platform_for("cpu")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn)
+
+
+def _random_tensor(shape, dtype, gen):
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(shape)
+
+
+def _model(block_shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks, tensors = [], []
+    for b, shapes in enumerate(block_shapes):
+        specs, values = [], {}
+        for i, (shape, dtype) in enumerate(shapes):
+            name = f"t{i}.weight"
+            specs.append(TensorSpec(name, shape, dtype))
+            values[name] = _random_tensor(shape, dtype, gen)
+        blocks.append(BlockSpec(f"blocks.{b}", tuple(sorted(specs, key=lambda s: s.name))))
+        tensors.append(values)
+    return ModelSpec("m", tuple(blocks)), tensors
+
+
+def _reassemble(layout, stores, b):
+    shard = layout.shards[b]
+    return torch.cat([stores[r].shard(b) for r in range(layout.world_size)])[: shard.block.nbytes]
+
+
+shapes_st = st.lists(
+    st.lists(st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), st.sampled_from(DTYPES)),
+             min_size=1, max_size=5),
+    min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=shapes_st, world=st.integers(1, 5))
+def test_shards_reassemble_every_tensor_exactly(shapes, world):
+    spec, tensors = _model(shapes)
+    layout = model_layout(spec, world)
+    stores = [build_host_store(layout, r, tensors, CPU) for r in range(world)]
+    for store in stores:
+        assert store.arena_bytes == layout.shard_bytes_per_rank  # one exact-size allocation per rank
+        assert store.arena.untyped_storage().nbytes() == layout.shard_bytes_per_rank
+        assert store.how == "pageable" and not store.pinned
+    for b, shard in enumerate(layout.shards):
+        flat = _reassemble(layout, stores, b)
+        for p in shard.block.placements:
+            assert torch.equal(flat[p.offset_bytes : p.end_bytes], tensor_bytes(tensors[b][p.name]))
+        # Padding and alignment gaps are zero, so every gathered byte is defined.
+        covered = torch.zeros(shard.padded_bytes, dtype=torch.bool)
+        for p in shard.block.placements:
+            covered[p.offset_bytes : p.end_bytes] = True
+        full = torch.cat([stores[r].shard(b) for r in range(world)])
+        assert not full[~covered].any()
+
+
+def test_each_rank_reads_only_its_pieces():
+    """Rank r gets tensors whose bytes outside its own pieces are poisoned: its shard is still exact, so
+    it reads nothing else (each rank touches only its 1/W of the mmap'd pages)."""
+    spec, tensors = _model([[((64, 8), torch.float32), ((8,), torch.float32), ((5, 3), torch.bfloat16)]] * 3)
+    layout = model_layout(spec, 4)
+    for rank in range(4):
+        poisoned = []
+        for b, shard in enumerate(layout.shards):
+            values = {}
+            for name, t in tensors[b].items():
+                raw = torch.full((t.numel() * t.element_size(),), 0xAB, dtype=torch.uint8)
+                for pc in shard.pieces[rank]:
+                    if pc.tensor == name:
+                        raw[pc.src_start : pc.src_stop] = tensor_bytes(t)[pc.src_start : pc.src_stop]
+                values[name] = raw.view(t.dtype).view(t.shape)
+            poisoned.append(values)
+        store = build_host_store(layout, rank, poisoned, CPU)
+        for b, shard in enumerate(layout.shards):
+            lo, hi = shard.rank_range(rank)
+            flat = torch.zeros(shard.padded_bytes, dtype=torch.uint8)
+            for p in shard.block.placements:
+                flat[p.offset_bytes : p.end_bytes] = tensor_bytes(tensors[b][p.name])
+            assert torch.equal(store.shard(b), flat[lo:hi])
+            assert sum(pc.nbytes for pc in shard.pieces[rank]) <= shard.shard_bytes
+
+
+def test_mmap_source_keeps_views_and_copies_nothing():
+    spec, tensors = _model([[((16, 4), torch.bfloat16), ((4,), torch.float32)]] * 2)
+    layout = model_layout(spec, 1)
+    store = build_host_store(layout, 0, tensors, CPU, source="mmap")
+    assert store.arena is None and store.arena_bytes == 0 and store.how == "mmap"
+    for b in range(2):
+        ptrs = {s.src.data_ptr() for s in store.sources[b]}
+        assert ptrs == {t.data_ptr() for t in tensors[b].values()}  # zero-copy
+    with pytest.raises(ValueError, match="rank-local"):
+        build_host_store(model_layout(spec, 2), 0, tensors, CPU, source="mmap")
+
+
+def test_bad_block_tensors_are_named():
+    spec, tensors = _model([[((4, 4), torch.float32)]])
+    layout = model_layout(spec, 2)
+    with pytest.raises(ValueError, match=r"blocks.0.*t0.weight.*missing"):
+        build_host_store(layout, 0, [{}], CPU)
+    bad = [{"t0.weight": torch.zeros(4, 5)}]
+    with pytest.raises(ValueError, match=r"t0.weight.*layout says"):
+        build_host_store(layout, 0, bad, CPU)
+    meta = [{"t0.weight": torch.zeros(4, 4, device="meta")}]
+    with pytest.raises(ValueError, match="meta device"):
+        build_host_store(layout, 0, meta, CPU)
+    with pytest.raises(ValueError, match="source"):
+        build_host_store(layout, 0, tensors, CPU, source="disk")
+
+
+def test_alloc_host_is_exact_size():
+    for n in (1, 4097, 3 * 2**20 + 5):
+        buf, how, _ = alloc_host(n, CPU)
+        assert buf.numel() == n and buf.untyped_storage().nbytes() == n and how == "pageable"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_arena_is_pinned_exactly_by_host_register():
+    cuda = platform_for("cuda", 0)
+    n = (1 << 30) + 12345  # a caching-allocator pin would round this to 2 GiB
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) if hasattr(
+        torch.cuda, "host_memory_stats") else 0
+    buf, how, fin = alloc_host(n, cuda)
+    assert how == "cudaHostRegister" and buf.numel() == n and buf.is_pinned()
+    if hasattr(torch.cuda, "host_memory_stats"):  # the caching host allocator saw nothing
+        assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    buf[-1] = 7
+    dev.copy_(buf, non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(dev[-1]) == 7
+    fin()
