@@ -1,0 +1,158 @@
+"""Executor in one process (W = 1, CPU): bit-exactness, the memory bound, views built once, schedule checks,
+explicit runs (R requests, compute=False), the measured timeline."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import dlo_fn.runtime.executor as executor_mod
+from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
+from dlo_fn.runtime.blocks import BlockProxy
+from dlo_fn.runtime.dist import DistContext
+from dlo_fn.runtime.executor import ScheduleError
+from dlo_fn.runtime.offload import offload
+from dlo_fn.runtime.platform import platform_for
+
+CTX = DistContext(0, 1, 0, platform_for("cpu"), None)
+
+
+class ToyBlock(nn.Module):
+    """kwargs, a tuple return, a tied weight, mixed dtypes and a non-persistent buffer: the awkward cases."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.gate = nn.Linear(d, d, bias=False).to(torch.bfloat16)
+        self.gate_again = nn.Linear(d, d, bias=False)
+        self.gate_again.weight = self.gate.weight  # tied
+        self.register_buffer("scale", torch.full((d,), 0.5))
+        self.register_buffer("table", torch.linspace(0, 1, d), persistent=False)
+
+    def forward(self, x: torch.Tensor, *, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.down(torch.relu(self.up(self.norm(x)))) * self.scale + self.table
+        g = self.gate_again(x.to(torch.bfloat16)).float()
+        return x + h * torch.sigmoid(g), ctx * 0.9
+
+
+class ToyDiT(nn.Module):
+    def __init__(self, d: int = 16, num_blocks: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(ToyBlock(d) for _ in range(num_blocks))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, ctx = self.embed(x), x
+        for block in self.blocks:
+            x, ctx = block(x, ctx=ctx)
+        return self.head(x + ctx)
+
+
+def toy(num_blocks: int = 5, seed: int = 0) -> ToyDiT:
+    torch.manual_seed(seed)
+    return ToyDiT(num_blocks=num_blocks).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode,opts", [
+    ("allgather", {}), ("allgather", {"block_call": "swap"}), ("allgather", {"num_slots": 3, "num_landing": 1}),
+    ("rank-local", {}), ("rank-local", {"rank_local_source": "mmap"}), ("rank-local", {"num_slots": 1}),
+    ("resident", {}),
+])
+def test_offloaded_equals_resident_over_passes(mode, opts):
+    ref = toy()
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode=mode, **opts)
+    for seed in range(4):  # several passes = several denoising steps / requests on one ring
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(o.model(x), ref(x))
+    if mode != "resident":
+        assert o.executor.stats.computes == 4 * 5 and o.executor.stats.runs == 4
+        assert all(isinstance(b, BlockProxy) for b in o.model.blocks)
+
+
+def test_weight_device_bytes_independent_of_depth():
+    sizes = {}
+    for n in (4, 16):
+        o = offload(toy(n), "blocks", CTX)
+        ex = o.executor
+        sizes[n] = ex.device_weight_bytes
+        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == 2 * o.layout.max_block_bytes + 2 * (
+            o.layout.max_shard_bytes)
+        assert o.store.arena_bytes == o.layout.shard_bytes_per_rank == n * o.layout.shards[0].shard_bytes
+    assert sizes[4] == sizes[16]
+
+
+def test_blocks_lose_their_storage_and_views_are_built_once(monkeypatch):
+    calls = []
+    real = executor_mod.make_views
+    monkeypatch.setattr(executor_mod, "make_views", lambda *a: calls.append(1) or real(*a))
+    o = offload(toy(6), "blocks", CTX, num_slots=2)
+    assert len(calls) == 2 and o.executor.num_view_sets == 2  # one set per slot: all blocks share a layout
+    for proxy in o.model.blocks:
+        for name, t in list(proxy.block.named_parameters()) + list(proxy.block.named_buffers()):
+            assert t.is_meta or name == "table", name  # the non-persistent table stays real
+    for _ in range(5):
+        o.model(torch.randn(2, 16))
+    assert len(calls) == 2
+    assert len(o.executor._programs) <= 2  # cold start + the warm ring (6 blocks on 2 slots: one offset)
+
+
+def test_wrong_block_order_is_an_error_and_the_ring_recovers():
+    ref = toy()
+    o = offload(copy.deepcopy(ref), "blocks", CTX)
+    x = torch.randn(2, 16)
+    with pytest.raises(ScheduleError, match=r"block 2 .*expects block 0"):
+        o.model.blocks[2](x, ctx=x)
+    assert not o.executor.in_run
+    assert torch.equal(o.model(x), ref(x))  # cold restart, still exact
+    with pytest.raises(ScheduleError, match="fewer blocks"):
+        with o.run(num_steps=1):
+            o.model.blocks[0](x, ctx=x)
+    assert torch.equal(o.model(x), ref(x))
+
+
+def test_explicit_runs_block_major_requests_and_idle_passes():
+    ref = toy()
+    o = offload(copy.deepcopy(ref), "blocks", CTX)
+    xs = [torch.randn(2, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    with o.run(num_steps=2, requests_per_load=3) as schedule:
+        assert schedule.requests_per_load == 3 and schedule.num_steps == 2
+        for _step in range(2):
+            hs = [(o.model.embed(x), x) for x in xs]
+            for block in o.model.blocks:  # block-major: one load serves the three requests
+                hs = [block(h, ctx=c) for h, c in hs]
+            outs = [o.model.head(h + c) for h, c in hs]
+            for x, out in zip(xs, outs):
+                assert torch.equal(out, ref(x))
+    loads_before = o.executor.stats.loads
+    o.executor.idle(num_steps=2)  # serve the loads of a 2-step run without computing
+    assert o.executor.stats.loads - loads_before == 2 * 5
+    assert torch.equal(o.model(xs[0]), ref(xs[0]))
+    with pytest.raises(ScheduleError, match="compute=False"):
+        with o.run(compute=False):
+            o.model(xs[0])
+
+
+def test_measured_timeline_matches_schedule_and_exports_trace(tmp_path):
+    o = offload(toy(4), "blocks", CTX, record_timeline=True)
+    schedules = []
+    for _ in range(2):
+        schedules.append(o.executor.next_schedule())
+        o.model(torch.randn(2, 16))
+    tl = o.executor.take_timeline()
+    want = [f"run{j} {op}" for j, s in enumerate(schedules) for op in s.to_strs()]
+    assert [s.op for s in tl.spans] == want
+    assert {s.stream for s in tl.spans} == {"h2d", "allgather", "compute"}
+    assert all(s.end_s >= s.start_s >= 0 for s in tl.spans)
+    computes = [s for s in tl.spans if s.stream == "compute"]
+    assert all(a.end_s <= b.start_s for a, b in zip(computes, computes[1:]))
+    assert dict(tl.meta)["source"] == "measured"
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(to_chrome_trace(tl)))
+    assert from_chrome_trace(json.loads(path.read_text())) == tl
