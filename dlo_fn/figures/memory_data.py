@@ -201,7 +201,7 @@ def approach_rows(name: str = "cosmos3-super", cards: int = FIG_CARDS) -> list[d
         a = approach_memory(sizes, cards, approach, activation_bytes=act)
         h = a.hbm
         rows.append({"approach": approach, "cards": cards, "context_gb": h.context_bytes / GB,
-                     "weights_gb": (h.weight_bytes + h.resident_bytes) / GB,
+                     "resident_weights_gb": h.resident_bytes / GB, "slot_weights_gb": h.weight_bytes / GB,
                      "activations_comm_gb": (h.activation_bytes + h.communication_bytes) / GB,
                      "hbm_per_card_gb": h.peak_bytes / GB,
                      "host_weights_per_rank_gb": a.host_weight_bytes_per_rank / GB,

@@ -43,7 +43,7 @@ def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cud
                                alignment_bytes=alignment_bytes)
     cs, ss = "host: cold start", "host: steady state"
     pinned_formula = {"allgather": "sum_b align_up(ceil(n_b / W), A), W = N",
-                      "rank-local": "sum_b n_b (a private pinned copy per rank)",
+                      "rank-local": "sum_b align_up(n_b, A) (a private pinned copy per rank)",
                       "rank-local-mmap": "0 (blocks stream from the shared page cache)"}[mode]
     touched = "M" if loading == "private-copy" or mode != "allgather" else "own shards + R"
     invisible = "N x pinned (driver DMA memory, not charged)" if platform == "ascend" else "0 (CUDA charges pinned)"

@@ -23,7 +23,7 @@ own 1/W of each block out of the mapping).
 **Pinned weights per rank** (host arena the H2D copies read)::
 
     allgather        sum_b s_b,   s_b = align_up(ceil(n_b / W), A)      (~ M / W; total over ranks ~ M)
-    rank-local       sum_b n_b    (a private pinned copy of every block: N x model in total)
+    rank-local       sum_b align_up(n_b, A)   (a private pinned copy of every block: N x model in total)
     rank-local-mmap  0            (blocks streamed, pageable, from the shared page cache)
 
 **cgroup vs physical RAM** in the steady state. Physical = page cache ``M`` (while not reclaimed) + ``N*c`` +
@@ -189,7 +189,7 @@ def pinned_host_bytes_per_rank(sizes: ModelSizes, shard_world: int, mode: str = 
     if mode == "allgather":
         return sizes.shard_bytes_per_rank(shard_world, alignment_bytes)
     if mode == "rank-local":
-        return sizes.total_block_bytes
+        return sizes.shard_bytes_per_rank(1, alignment_bytes)  # whole blocks, each at an aligned offset
     return 0
 
 
