@@ -1,6 +1,6 @@
 """Real gloo ranks on CPU: offloaded outputs are bit-identical to the resident model for W in {1, 2, 4},
 allgather and rank-local, over several steps and two requests in a row, with the reference DiT (checkpoint
-written by its writer, loaded through the mmap binding) and a third-party DiT (diffusers Wan); partial waves,
+written by its writer, loaded through the mmap binding) and third-party DiTs (diffusers Wan, Flux); partial waves,
 R requests per rank, the memory bound and the cross-rank digest check, all in one spawn per world size."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from dlo_fn.runtime.dist import DistContext, run_ranks
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
+from test_third_party import FLUX_BLOCKS, flux, flux_inputs, wan, wan_inputs
 
 SIZE = {"height": 32, "width": 32, "num_frames": 5}
 
@@ -56,21 +57,6 @@ def _staged_block_major(o, requests):
     return [finish(s) for s in states]
 
 
-def _wan(seed: int = 0):
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-                                 out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=3,
-                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
-
-
-def _wan_inputs(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([100 * seed + 7]),
-                encoder_hidden_states=torch.randn(1, 6, 16, generator=g), return_dict=False)
-
-
 @torch.no_grad()
 def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
     """Everything one rank checks; returns a dict of named booleans and numbers (asserted by the parent)."""
@@ -109,16 +95,19 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
             got2 = _staged_block_major(o, [reqs[0], _requests(ctx.rank + 100)[0]])
             out["block_major_exact"] = torch.equal(got2[0].latents, expected[0].latents)
             out["after_exact"] = torch.equal(generate(o.model, reqs[1]).latents, expected[1].latents)
-    # Third-party DiT: diffusers Wan, two "steps" of two "requests".
-    ref = _wan()
-    want = [ref(**_wan_inputs(s))[0] for s in range(4)]
-    for mode in ("allgather", "rank-local"):
-        o = offload(_wan(), "blocks", ctx, mode=mode)
-        out[f"wan_exact[{mode}]"] = all(torch.equal(o.model(**_wan_inputs(s))[0], w) for s, w in enumerate(want))
+    # Third-party DiTs (diffusers): four passes with different inputs per rank.
+    cases = (("wan", wan, wan_inputs, "blocks"),) + ((("flux", flux, flux_inputs, FLUX_BLOCKS),) if full else ())
+    for name, build, inputs, paths in cases:
+        ref = build()
+        want = [ref(**inputs(10 * ctx.rank + s))[0] for s in range(4)]
+        for mode in ("allgather", "rank-local"):
+            o = offload(build(), paths, ctx, mode=mode)
+            out[f"{name}_exact[{mode}]"] = all(torch.equal(o.model(**inputs(10 * ctx.rank + s))[0], w)
+                                              for s, w in enumerate(want))
     if full and ctx.group is not None:
         # Shard layouts that differ across ranks are refused on every rank, naming the ranks.
         try:
-            offload(_wan(), "blocks", ctx, alignment_bytes=256 if ctx.rank == 0 else 512)
+            offload(wan(), "blocks", ctx, alignment_bytes=256 if ctx.rank == 0 else 512)
             out["digest_error"] = ""
         except RuntimeError as exc:
             out["digest_error"] = str(exc)
