@@ -111,34 +111,23 @@ def rollback(saved: Sequence[tuple[nn.Module, str, str, torch.Tensor]]) -> None:
 
 
 def model_from_config(ckpt: Checkpoint) -> nn.Module:
-    """The reference DiT described by the checkpoint's dlo_fn ``config.json``, parameters on ``meta``."""
-    config = ckpt.config
+    """The reference DiT described by the checkpoint's dlo_fn ``config.json``, built on ``meta``
+    (``dlo_fn.models.build_model``); the loader then binds it and calls its ``init_buffers()``."""
     where = ckpt.root / CONFIG_FILE
-    if config is None:
+    if ckpt.config is None:
         raise CheckpointError("no config.json next to the weights, so the model is unknown: pass model_or_factory=",
                               file=where)
-    if not isinstance(config, dict) or config.get("model_type") != DLO_MODEL_TYPE:
-        kind = config.get("model_type") if isinstance(config, dict) else None
+    kind = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None
+    if kind != DLO_MODEL_TYPE:
         raise CheckpointError(f"config.json has model_type {kind!r}, not {DLO_MODEL_TYPE!r}: pass "
                               "model_or_factory= to build the model yourself", file=where)
     from dlo_fn import models
 
     try:
-        cfg = models.load_config(where)
+        config, dtype = models.load_config(where)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"bad dlo_fn config ({exc}): write the checkpoint again", file=where) from None
-    dtype = _dtype(config.get("dtype"), where)
-    with meta_params():
-        return models.build_model(cfg, device="cpu", dtype=dtype)
-
-
-def _dtype(name, where) -> torch.dtype | None:
-    if name is None:
-        return None
-    dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, str(name)), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"config.json dtype {name!r} is not a torch dtype: write it again", file=where)
-    return dtype
+    return models.build_model(config, device="meta", dtype=dtype)
 
 
 def meta_module_from_header(header: Mapping[str, Mapping]) -> nn.Module:

@@ -104,11 +104,11 @@ def load_checkpoint(
     )
     model = _build(ckpt, model_or_factory)
     targets, ignored = _plan_targets(ckpt, model, key_map, cast_dtype)
-    recomputed, on_meta = _non_persistent(model)
+    recomputed, _ = _non_persistent(model)
     saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]
     try:
         bound = bind_targets(ckpt, targets, copy=(mode == "copy"), progress=progress)
-        _recompute(model, on_meta)
+        _recompute(model, recomputed)
         report = _report(ckpt, mode, targets, bound, ignored, recomputed)
     except BaseException:
         rollback(saved)
@@ -212,9 +212,22 @@ def _plan_targets(ckpt: Checkpoint, model: nn.Module, key_map, cast_dtype):
     return tuple(targets), tuple(ignored)
 
 
+# Model methods that (re)compute non-persistent buffers after binding, first found wins:
+# dlo_fn.models.VideoDiT.init_buffers(device=None), or a generic init_non_persistent_buffers().
+BUFFER_HOOKS = ("init_non_persistent_buffers", "init_buffers")
+
+
+def _buffer_hook(model: nn.Module):
+    for name in BUFFER_HOOKS:
+        hook = getattr(model, name, None)
+        if callable(hook):
+            return hook
+    return None
+
+
 def _non_persistent(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(names of all non-persistent buffers, those on meta)``; fails (before any binding) when some are on
-    meta and the model has no ``init_non_persistent_buffers()`` to recompute them."""
+    meta and the model has no hook (:data:`BUFFER_HOOKS`) to recompute them."""
     names, on_meta = [], []
     for mod_name, module in model.named_modules():
         for attr in sorted(module._non_persistent_buffers_set):
@@ -224,7 +237,7 @@ def _non_persistent(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]
                 names.append(name)
                 if t.is_meta:
                     on_meta.append(name)
-    if on_meta and not callable(getattr(model, "init_non_persistent_buffers", None)):
+    if on_meta and _buffer_hook(model) is None:
         raise CheckpointError(
             f"non-persistent buffer(s) {', '.join(on_meta[:5])} are on the meta device and checkpoints do not store "
             "them: pass a factory instead of a meta module (buffers are then built on the CPU), or give the model "
@@ -233,13 +246,15 @@ def _non_persistent(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]
     return tuple(names), tuple(on_meta)
 
 
-def _recompute(model: nn.Module, on_meta: tuple[str, ...]) -> None:
-    if not on_meta:
+def _recompute(model: nn.Module, names: tuple[str, ...]) -> None:
+    """Run the model's buffer hook (when it has non-persistent buffers); none may stay on meta."""
+    hook = _buffer_hook(model)
+    if not names or hook is None:
         return
-    model.init_non_persistent_buffers()
-    still = [n for n in on_meta if model.get_buffer(n).is_meta]
+    hook()
+    still = [n for n in names if model.get_buffer(n).is_meta]
     if still:
-        raise CheckpointError(f"init_non_persistent_buffers() left {', '.join(still[:5])} on meta", key=still[0])
+        raise CheckpointError(f"{hook.__name__}() left {', '.join(still[:5])} on meta", key=still[0])
 
 
 def _report(ckpt: Checkpoint, mode: str, targets, bound, ignored, recomputed) -> LoadReport:

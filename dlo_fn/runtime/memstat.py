@@ -34,6 +34,7 @@ __all__ = [
     "parse_kv_stat",
     "file_mappings",
     "in_mappings",
+    "mapped_file_memory",
     "host_description",
     "format_bytes",
 ]
@@ -229,6 +230,26 @@ def file_mappings(paths: Sequence[str | os.PathLike], pid: int | None = None) ->
             start, stop = (int(x, 16) for x in parts[0].split("-"))
             out[parts[5]].append((start, stop))
     return {p: sorted(r) for p, r in out.items()}
+
+
+def mapped_file_memory(paths: Sequence[str | os.PathLike], pid: int | None = None) -> dict[str, int]:
+    """``{"rss_bytes", "pss_bytes"}`` of the mappings of ``paths`` only (``/proc/PID/smaps``): how much of a
+    process's footprint is those files' pages."""
+    wanted = {str(pathlib.Path(p).resolve()) for p in paths}
+    pid = os.getpid() if pid is None else int(pid)
+    rss = pss = 0
+    inside = False
+    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split(None, 5)
+        if parts and "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+            inside = len(parts) == 6 and parts[5] in wanted
+        elif inside and parts[0] in ("Rss:", "Pss:"):
+            value = int(parts[1]) * KIB
+            if parts[0] == "Rss:":
+                rss += value
+            else:
+                pss += value
+    return {"rss_bytes": rss, "pss_bytes": pss}
 
 
 def in_mappings(ranges: Sequence[tuple[int, int]], start: int, nbytes: int) -> bool:
