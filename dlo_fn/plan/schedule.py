@@ -56,6 +56,7 @@ __all__ = [
 # Two landing buffers let the H2D of load k+1 overlap the all-gather of load k (see "Landing buffers" above).
 DEFAULT_NUM_LANDING = 2
 
+
 @dataclass(frozen=True, slots=True)
 class ComputeItem:
     """One entry of the compute-only order: load ``load`` (block ``block`` of step ``step``) for ``request``."""
@@ -230,7 +231,7 @@ class Schedule:
         lines = []
         for i, (op, deps) in enumerate(zip(self.ops, self.deps)):
             wait = " <- " + ",".join(map(str, deps)) if deps else ""
-            lines.append(f"{i:4d}  {str(op):18s}{wait}")
+            lines.append(f"{i:4d}  {str(op):18s}{wait}".rstrip())
         return "\n".join(lines)
 
     def validate(self, prev: "Schedule | None" = None) -> "Schedule":

@@ -23,7 +23,7 @@ Checked, in order (the first failure raises :class:`ScheduleError` with the op a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore
 from dlo_fn.plan.schedule import (
@@ -31,7 +31,7 @@ from dlo_fn.plan.schedule import (
 )
 
 if TYPE_CHECKING:
-    from dlo_fn.plan.schedule import Op, Schedule
+    from dlo_fn.plan.schedule import Schedule
 
 __all__ = ["ScheduleError", "check_schedule", "final_slot_contents"]
 
@@ -42,7 +42,7 @@ class ScheduleError(ValueError):
     """A schedule breaks an invariant; the message names the op and shows the schedule around it."""
 
 
-def _fail(schedule: "Schedule", i: int | None, message: str) -> None:
+def _fail(schedule: "Schedule", i: int | None, message: str) -> NoReturn:
     if i is None:
         where, lo, hi = "schedule", 0, 2 * _CONTEXT_OPS
     else:
@@ -73,7 +73,8 @@ def _check_ops(s: "Schedule") -> None:
         if s.mode == "rank-local" and op.kind == AG:
             _fail(s, i, "rank-local mode has no all-gather")
         if op.kind == H2D and (op.slot is None) != (s.mode == "allgather"):
-            _fail(s, i, f"in {s.mode} mode an H2D writes {'a landing buffer' if s.mode == 'allgather' else 'a slot'}")
+            target = "a landing buffer" if s.mode == "allgather" else "a slot"
+            _fail(s, i, f"in {s.mode} mode an H2D writes {target}")
 
 
 def _check_order(s: "Schedule") -> None:
@@ -97,7 +98,7 @@ def _check_order(s: "Schedule") -> None:
         for i, op in issued:
             if op.kind == AG or s.mode == "rank-local":
                 if op.slot != (s.slot_offset + op.load) % s.num_slots:
-                    _fail(s, i, f"load k must go to slot (slot_offset + k) % num_slots")
+                    _fail(s, i, "load k must go to slot (slot_offset + k) % num_slots")
             if op.landing is not None and op.landing != (s.landing_offset + op.load) % s.num_landing:
                 _fail(s, i, "load k must use landing buffer (landing_offset + k) % num_landing")
             before = first_compute.get(op.load - s.num_slots + 1)

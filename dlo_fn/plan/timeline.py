@@ -91,7 +91,8 @@ class Timeline:
         for n, rec in enumerate(records):
             if len(rec) not in (4, 5):
                 raise ValueError(f"record {n}: expected (op, stream, start_s, end_s[, rank]), got {rec!r}")
-            spans.append(Span(str(rec[0]), str(rec[1]), float(rec[2]), float(rec[3]), int(rec[4]) if len(rec) == 5 else 0))
+            rank = int(rec[4]) if len(rec) == 5 else 0
+            spans.append(Span(str(rec[0]), str(rec[1]), float(rec[2]), float(rec[3]), rank))
         return Timeline(tuple(spans), tuple((str(k), str(v)) for k, v in meta))
 
     @property

@@ -1,0 +1,264 @@
+"""The three-stream timeline on H200 ceilings: video hides PCIe behind compute, image is bound by it.
+
+Every timeline here is *simulated* (:func:`dlo_fn.plan.timeline.simulate`) from the measured H200 ceilings in
+:mod:`dlo_fn.plan.ceilings` (DESIGN.md section 6): pinned H2D 54.7 GB/s, per-block compute 26.4 ms (832x480x29
+video, CFG) and 6.1 ms (1024^2 image, CFG), the 604 MB reference block, one GPU (so the all-gather of the
+allgather-mode schedule is a device copy). The measured 24-block pass is the comparison (:func:`prediction_rows`).
+
+* ``timeline_three_streams``: static Gantt of both cases (PNG) + the spans as CSV.
+* ``timeline_animation``: the first blocks of both cases, drawn as time advances, with the event waits of each
+  compute (GIF, fixed palette, deterministic bytes).
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+
+from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
+from dlo_fn.plan.ceilings import (
+    H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES, REF_PASS_NUM_BLOCKS,
+    VIDEO_832X480X29_CFG, Workload, h200_durations,
+)
+from dlo_fn.plan.ops import Op
+from dlo_fn.plan.schedule import build_schedule
+from dlo_fn.plan.timeline import Timeline, simulate
+
+__all__ = [
+    "CASES", "h200_pass", "bound_of", "prediction_rows", "sweep_rows", "sweep_grid", "nano_super_rows",
+    "text_table", "draw_gantt", "plot_three_streams", "fig_timeline_three_streams", "fig_timeline_animation", "FIGURES",
+]
+
+CASES = (VIDEO_832X480X29_CFG, IMAGE_1024_CFG)  # compute-bound, then transfer-bound
+MACHINE = "simulated on H200 ceilings (DESIGN.md section 6), one GPU"
+ROWS = (("h2d", "H2D\n(copy stream)"), ("allgather", "all-gather\n(W=1: copy)"), ("compute", "compute"))
+ANIMATION_BLOCKS = 6
+ANIMATION_FRAMES = 36
+ANIMATION_FRAME_MS = 90
+ANIMATION_HOLD_MS = 1500
+ANIMATION_DPI = 90
+
+
+def h200_pass(workload: Workload, *, num_blocks: int = REF_PASS_NUM_BLOCKS, num_steps: int = 1,
+              num_slots: int = 2, requests_per_load: int = 1, mode: str = "allgather") -> Timeline:
+    """Simulated pass(es) over reference blocks on one H200, cold start."""
+    schedule = build_schedule(num_blocks, num_steps, num_slots=num_slots, requests_per_load=requests_per_load,
+                              mode=mode)
+    return simulate(schedule, h200_durations(num_blocks, workload, mode=mode),
+                    meta=(("workload", workload.name), ("machine", MACHINE)))
+
+
+def bound_of(timeline: Timeline) -> str:
+    """The stream that is busy longest: what bounds the timeline."""
+    busy = {name: timeline.busy_s(name) for name in ("compute", "h2d", "allgather")}
+    return {"compute": "compute", "h2d": "PCIe", "allgather": "all-gather"}[max(busy, key=busy.get)]
+
+
+def prediction_rows() -> list[dict]:
+    """The measured 24-block pass (DESIGN.md section 6) beside the simulation of the same variant.
+
+    resident = ``24 c``; ideal = ``max(24 c, 24 n / B_h2d)``; double buffer = rank-local schedule, 2 slots;
+    synchronous = rank-local, 1 slot (every copy waits for the previous compute).
+    """
+    rows = []
+    for w in CASES:
+        ideal_s = H200_PASS[(w.name, "ideal")].seconds
+        predicted = {
+            "resident": REF_PASS_NUM_BLOCKS * w.block_compute_s,
+            "ideal": REF_PASS_NUM_BLOCKS * max(w.block_compute_s, REF_BLOCK_BYTES / H200_PINNED_H2D_BYTES_PER_S),
+            "double buffer": h200_pass(w, mode="rank-local").makespan_s,
+            "synchronous": h200_pass(w, mode="rank-local", num_slots=1).makespan_s,
+        }
+        for variant, value in predicted.items():
+            m = H200_PASS[(w.name, variant)]
+            measured = m.seconds if m.seconds is not None else ideal_s * m.ratio_to_ideal
+            rows.append({"workload": w.name, "variant": variant, "predicted_s": round(value, 4),
+                         "measured_s": round(measured, 4),
+                         "rel_error_pct": round(100 * (value - measured) / measured, 1)})
+    return rows
+
+
+def sweep_rows(workload: Workload = IMAGE_1024_CFG, slots: tuple[int, ...] = (1, 2, 3, 4),
+               requests: tuple[int, ...] = (1, 2, 3, 4), num_steps: int = 4) -> list[dict]:
+    """Seconds per pass per request over ``num_steps`` passes, for slots x requests per load (allgather, W=1)."""
+    rows = []
+    for num_slots in slots:
+        for r in requests:
+            tl = h200_pass(workload, num_steps=num_steps, num_slots=num_slots, requests_per_load=r)
+            rows.append({"num_slots": num_slots, "requests_per_load": r,
+                         "ms_per_pass_per_request": round(1e3 * tl.makespan_s / (num_steps * r), 1),
+                         "exposed_transfer_ms": round(1e3 * tl.exposed_transfer_s(), 1), "bound": bound_of(tl)})
+    return rows
+
+
+def nano_super_rows(world_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
+    """Per rank, for the Nano and Super configs: H2D time of the largest block's shard (the compute per block,
+    times requests per load, that hides it) and of one denoising step's shards, at the H200 pinned ceiling."""
+    from dlo_fn.models import BLOCK_PATHS, CONFIGS, build_model
+    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.plan.spec import spec_from_module
+
+    rows = []
+    for name in ("cosmos3-nano", "cosmos3-super"):
+        spec = spec_from_module(build_model(CONFIGS[name], device="meta"), BLOCK_PATHS, name=name)
+        for w in world_sizes:
+            layout = model_layout(spec, w)
+            rows.append({"model": name, "W": w, "num_blocks": layout.num_blocks,
+                         "max_shard_MB": round(layout.max_shard_bytes / 1e6, 1),
+                         "h2d_ms_per_block": round(1e3 * layout.max_shard_bytes / H200_PINNED_H2D_BYTES_PER_S, 2),
+                         "h2d_s_per_step": round(layout.shard_bytes_per_rank / H200_PINNED_H2D_BYTES_PER_S, 3)})
+    return rows
+
+
+def draw_gantt(ax, timeline: Timeline, *, until_s: float | None = None, arrows: bool = False,
+               labels: bool = True, slots: bool = False) -> None:
+    """Three rows (H2D, all-gather, compute); spans cut at ``until_s``; ``arrows``: the event wait of each
+    compute on its load, drawn once the compute has started; ``slots``: label computes ``b<block>@s<slot>``."""
+    y_of = {stream: len(ROWS) - 1 - i for i, (stream, _) in enumerate(ROWS)}
+    color = {"h2d": COLORS["h2d"], "allgather": COLORS["allgather"], "compute": COLORS["compute"]}
+    loaded_at: dict[int, float] = {}
+    for span in timeline.spans:
+        op = Op.from_str(span.op)
+        if op.kind != "C":
+            loaded_at[op.load] = span.end_s
+    for span in timeline.spans:
+        end = span.end_s if until_s is None else min(span.end_s, until_s)
+        if end <= span.start_s and not (until_s is None and span.end_s == span.start_s):
+            continue
+        y = y_of[span.stream]
+        # Bars under 1% of the axis get an edge of their own colour so that they stay visible.
+        narrow = end - span.start_s < 0.01 * timeline.makespan_s
+        ax.barh(y, 1e3 * (end - span.start_s), left=1e3 * span.start_s, height=0.62, color=color[span.stream],
+                edgecolor=color[span.stream] if narrow else "white", linewidth=0.8 if narrow else 0.6)
+        op = Op.from_str(span.op)
+        wide = span.duration_s > (0.07 if slots else 0.03) * timeline.makespan_s
+        if labels and end == span.end_s and wide:
+            text = f"b{op.block}@s{op.slot}" if op.kind == "C" and slots else f"b{op.block}"
+            ax.text(1e3 * (span.start_s + span.end_s) / 2, y, text, ha="center", va="center", fontsize=6.5,
+                    color="white")
+        if arrows and op.kind == "C" and op.load in loaded_at:
+            ax.annotate("", xy=(1e3 * span.start_s, y + 0.31),
+                        xytext=(1e3 * loaded_at[op.load], y_of["allgather"] - 0.31),
+                        arrowprops={"arrowstyle": "->", "color": COLORS["published"], "linestyle": "--",
+                                    "linewidth": 0.8})
+    ax.set_yticks([y_of[s] for s, _ in ROWS], [label for _, label in ROWS])
+    ax.set_ylim(-0.6, len(ROWS) - 0.4)
+    ax.set_xlim(0, 1e3 * timeline.makespan_s * 1.01)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="y", visible=False)
+
+
+def _caption(workload: Workload, tl: Timeline) -> str:
+    bound = bound_of(tl)
+    stream = "compute" if bound == "compute" else "h2d"
+    return (f"{workload.name}: {bound}-bound, {REF_PASS_NUM_BLOCKS} blocks in {1e3 * tl.makespan_s:.0f} ms "
+            f"({'H2D' if stream == 'h2d' else stream} busy {100 * tl.busy_s(stream) / tl.makespan_s:.0f}%, "
+            f"exposed transfer {1e3 * tl.exposed_transfer_s():.1f} ms)")
+
+
+def _span_rows(cases: dict[str, Timeline]) -> list[dict]:
+    return [{"case": name, "op": s.op, "stream": s.stream, "start_ms": 1e3 * s.start_s, "end_ms": 1e3 * s.end_s}
+            for name, tl in cases.items() for s in tl.spans]
+
+
+def plot_three_streams(cases: dict[str, Timeline] | None = None):
+    """The static figure: one Gantt per case (default: both H200 cases); returns the matplotlib Figure."""
+    import matplotlib.pyplot as plt
+
+    cases = cases or {w.name: h200_pass(w) for w in CASES}
+    workloads = {w.name: w for w in CASES}
+    with figure_style():
+        fig, axes = plt.subplots(len(cases), 1, figsize=(10, 2.6 * len(cases)), squeeze=False)
+        for ax, (name, tl) in zip(axes[:, 0], cases.items()):
+            draw_gantt(ax, tl)
+            ax.set_title(_caption(workloads[name], tl), loc="left")
+        fig.suptitle("Two slots on one H200, 24 blocks of 604 MB: video hides the PCIe copies, image is bound by "
+                     "them", fontsize=10)
+        fig.tight_layout()
+    return fig
+
+
+def fig_timeline_three_streams(out_dir: pathlib.Path) -> list[pathlib.Path]:
+    out_dir = pathlib.Path(out_dir)
+    cases = {w.name: h200_pass(w) for w in CASES}
+    with figure_style():
+        png = save_png(plot_three_streams(cases), out_dir / "timeline_three_streams.png")
+    csv = write_csv(out_dir / "data" / "timeline_three_streams.csv", _span_rows(cases),
+                    ("case", "op", "stream", "start_ms", "end_ms"))
+    return [png, csv]
+
+
+def text_table(rows: list[dict]) -> str:
+    """Rows of equal keys as an aligned text table (for notebooks: stable, diffable output)."""
+    keys = list(rows[0])
+    cells = [keys] + [[str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths)))
+             for line in cells]
+    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
+
+
+def sweep_grid(rows: list[dict]) -> str:
+    """:func:`sweep_rows` as a grid: slots down, requests per load across; ``P`` = PCIe-bound, ``C`` = compute."""
+    slots = sorted({r["num_slots"] for r in rows})
+    reqs = sorted({r["requests_per_load"] for r in rows})
+    at = {(r["num_slots"], r["requests_per_load"]): r for r in rows}
+    grid = [{"slots \\ R": s, **{f"R={q}": f"{at[s, q]['ms_per_pass_per_request']} {at[s, q]['bound'][0].upper()}"
+                                 for q in reqs}} for s in slots]
+    return text_table(grid)
+
+
+def _palette_image():
+    from PIL import Image
+
+    colors = ["#ffffff", "#000000", "#262626", "#4d4d4d", "#808080", "#b3b3b3", "#d9d9d9", "#ebebeb"]
+    colors += [COLORS[k] for k in ("h2d", "allgather", "compute", "published")]
+    rgb: list[int] = []
+    for c in colors:
+        rgb += [int(c[i:i + 2], 16) for i in (1, 3, 5)]
+    # Tints of the stream colours for anti-aliased edges.
+    for c in colors[8:]:
+        base = [int(c[i:i + 2], 16) for i in (1, 3, 5)]
+        for t in (0.25, 0.5, 0.75):
+            rgb += [round(v + (255 - v) * t) for v in base]
+    palette = Image.new("P", (1, 1))
+    palette.putpalette(rgb + [0] * (768 - len(rgb)))
+    return palette
+
+
+def fig_timeline_animation(out_dir: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    out_dir = pathlib.Path(out_dir)
+    cases = {w.name: h200_pass(w, num_blocks=ANIMATION_BLOCKS) for w in CASES}
+    palette = _palette_image()
+    frames = []
+    with figure_style():
+        for n in range(ANIMATION_FRAMES + 1):
+            fig, axes = plt.subplots(2, 1, figsize=(8.0, 4.4), dpi=ANIMATION_DPI)
+            for ax, w in zip(axes, CASES):
+                tl = cases[w.name]
+                draw_gantt(ax, tl, until_s=tl.makespan_s * n / ANIMATION_FRAMES, arrows=True, slots=True)
+                ax.set_title(f"{w.name}: {bound_of(tl)}-bound", loc="left")
+            fig.suptitle("Slots refill while the other computes; dashed: compute waits for its load", fontsize=9)
+            fig.tight_layout()
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=ANIMATION_DPI, metadata={"Software": None})
+            plt.close(fig)
+            buf.seek(0)
+            frames.append(Image.open(buf).convert("RGB").quantize(palette=palette, dither=Image.Dither.NONE))
+    path = out_dir / "timeline_animation.gif"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    durations = [ANIMATION_FRAME_MS] * ANIMATION_FRAMES + [ANIMATION_HOLD_MS]
+    frames[0].save(path, format="GIF", save_all=True, append_images=frames[1:], duration=durations, loop=0,
+                   optimize=False, disposal=1)
+    csv = write_csv(out_dir / "data" / "timeline_animation.csv", _span_rows(cases),
+                    ("case", "op", "stream", "start_ms", "end_ms"))
+    return [path, csv]
+
+
+FIGURES = {
+    "timeline_three_streams": fig_timeline_three_streams,
+    "timeline_animation": fig_timeline_animation,
+}
