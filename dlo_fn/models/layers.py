@@ -1,0 +1,131 @@
+"""Building blocks shared by the DiT and its text encoder, written for bit-exact reproducibility.
+
+Precision policy (the same in every dtype): linear and embedding weights are stored in the checkpoint dtype
+(bf16 or fp32); norm weights are always fp32, so a bf16 block holds tensors of two dtypes (what the runtime
+must pack into one flat buffer). Norms, modulation, rotary positions and the residual stream are computed in
+fp32; matmuls and attention run in the weight dtype (attention accumulates its softmax in fp32 internally).
+
+Determinism: everything here is a fixed sequence of torch ops whose result depends only on the input values,
+not on the thread count or on where the weights live (the runtime runs blocks from views into a flat slot
+buffer at arbitrary 256-byte-aligned offsets). Two measured exceptions (fp32 MKL paths for a few short row
+counts) are worked around in :func:`linear` and :func:`attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "linear",
+    "RMSNorm",
+    "layer_norm",
+    "modulate",
+    "apply_rope",
+    "rope_angles",
+    "timestep_features",
+    "attention",
+]
+
+# MKL's fp32 sgemm (torch 2.13 CPU) gives thread-count-dependent bits for 5..11 rows (measured: rows 5, 6, 7,
+# 9, 10, 11 differ between 1 and 2 threads for K in 16..1024); 16 rows and more, and bf16 (oneDNN), do not.
+# Padding short fp32 inputs to 16 rows keeps the result a function of the values only.
+_MIN_FP32_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` in the weight's dtype, thread-count independent on CPU (see ``_MIN_FP32_ROWS``)."""
+    x = x.to(weight.dtype)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and 0 < rows < _MIN_FP32_ROWS:
+        flat = x.reshape(rows, x.shape[-1])
+        padded = torch.cat([flat, flat.new_zeros(_MIN_FP32_ROWS - rows, flat.shape[-1])])
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` routed through :func:`linear`; ``init_gain`` scales its random init (see init.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, init_gain: float = 1.0, **kw):
+        super().__init__(in_features, out_features, bias=bias, **kw)
+        self.init_gain = init_gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` in fp32; the weight is always fp32, whatever the checkpoint dtype."""
+
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Affine-free LayerNorm in fp32 (the adaLN shift / scale supply the affine part)."""
+    return F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN: ``x * (1 + scale) + shift`` with per-sample [B, D] shift / scale over [B, L, D] tokens."""
+    return x * (1.0 + scale[:, None, :]) + shift[:, None, :]
+
+
+def rope_inv_freq(rope_dims: tuple[int, int, int], theta: float) -> torch.Tensor:
+    """Concatenated per-axis inverse frequencies ``theta^(-2i/d_a)``, i < d_a/2, for axes (t, h, w): [head_dim/2]."""
+    parts = [theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) for d in rope_dims]
+    return torch.cat(parts).to(torch.float32)
+
+
+def rope_angles(
+    grid: tuple[int, int, int], rope_dims: tuple[int, int, int], inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Rotation angles [L, head_dim/2] of a (T, H, W) token grid, tokens in row-major (t, h, w) order:
+    angle[l, i] = pos_a(l) * inv_freq[i] where a is the axis channel pair i belongs to."""
+    device = inv_freq.device
+    t, h, w = (torch.arange(n, device=device, dtype=torch.float32) for n in grid)
+    pos = torch.stack(torch.meshgrid(t, h, w, indexing="ij"), dim=-1).reshape(-1, 3)  # [L, 3]
+    axis = torch.repeat_interleave(
+        torch.arange(3, device=device), torch.tensor([d // 2 for d in rope_dims], device=device)
+    )
+    return pos[:, axis] * inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of x [B, heads, L, head_dim] (fp32) by the angles behind cos / sin [L, head_dim/2]."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def timestep_features(timestep: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal features [B, dim] of timesteps [B] (fp32): (cos(t f_i), sin(t f_i)), f_i = max_period^(-i/(dim/2))."""
+    half = dim // 2
+    freqs = torch.exp(
+        -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
+    )
+    angles = timestep.float()[:, None] * freqs[None, :]
+    return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over [B, heads, L, head_dim] inputs, unmasked; returns [B, L, heads * head_dim].
+
+    fp32 SDPA on CPU gives thread-count-dependent bits for 1 or 3 queries against a longer key sequence
+    (measured, torch 2.13); queries are independent rows, so short ones are zero-padded to 16 and cut back."""
+    n = q.shape[-2]
+    if q.device.type == "cpu" and q.dtype == torch.float32 and 0 < n < _MIN_FP32_ROWS:
+        pad = q.new_zeros(*q.shape[:-2], _MIN_FP32_ROWS - n, q.shape[-1])
+        out = F.scaled_dot_product_attention(torch.cat([q, pad], dim=-2), k, v)[..., :n, :]
+    else:
+        out = F.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).flatten(2)
