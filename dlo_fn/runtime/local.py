@@ -1,0 +1,178 @@
+"""Serve requests on W local CPU ranks (gloo) that this call spawns: the demo's, the tests' and the bench's way in.
+
+:func:`serve_local` starts W fresh processes (``spawn``; ``torch.set_num_threads(threads_per_rank)`` in each)
+joined by a ``file://`` rendezvous whose process-group timeout is the engine's ``timeout_s``. Each rank runs
+one or more :class:`Phase` in order; per phase it maps the checkpoint (mmap, zero-copy), wraps the model for the
+phase's mode, builds an :class:`~dlo_fn.runtime.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the
+reports back pickled; then the followers get ``grace_s`` to exit and anything still running (a stalled rank)
+is killed. Every rank's exit code is returned, so a test can see the rank that died.
+
+Under ``torchrun`` the same per-rank code is :func:`open_model` + :class:`~dlo_fn.runtime.engine.Engine`
+(see ``dlo_fn.cli.generate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from dlo_fn.runtime.serving import EngineOptions, ServeReport, Submission
+
+__all__ = ["Phase", "LocalRun", "serve_local", "open_model"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One engine run: ``mode`` (allgather / rank-local / resident), what to serve, how.
+    ``forced``: caller-formed waves (indices into ``submissions``) for :meth:`Engine.serve_forced`."""
+
+    mode: str
+    submissions: tuple[Submission, ...]
+    options: EngineOptions = field(default_factory=EngineOptions)
+    forced: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRun:
+    """``reports[k]`` is phase k's report, or the text of the exception rank 0 raised (e.g. a rejected forced
+    wave); ``exitcodes[r]`` is rank r's exit code (negative: killed by that signal; -9 = killed by us)."""
+
+    reports: tuple[ServeReport | str, ...]
+    exitcodes: tuple[int | None, ...]
+    wall_s: float
+
+
+def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_timeline: bool = False,
+               progress: bool = False) -> tuple[Any, Any]:
+    """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``."""
+    from dlo_fn.models import VideoDiT, load_config
+    from dlo_fn.runtime.load import load_model
+    from dlo_fn.runtime.offload import offload
+
+    config, dtype = load_config(checkpoint)
+    model = load_model(checkpoint, lambda: VideoDiT(config, dtype=dtype), progress=progress)
+    model.eval()
+    model.init_buffers("cpu")
+    offloaded = offload(model, "blocks", ctx, mode=mode, record_timeline=record_timeline)
+    model.init_buffers(ctx.platform.device)
+    return model, offloaded
+
+
+def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: Sequence[Phase], threads: int,
+               out: Any, log_level: int) -> None:
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.runtime.engine import Engine
+    from dlo_fn.runtime.platform import platform_for
+
+    timeout_s = max((p.options.timeout_s for p in phases), default=60.0)
+    code, broken = 0, False
+    try:
+        ctx = init_distributed(platform_for("cpu"), timeout_s=timeout_s, init_method=f"file://{init_file}",
+                               rank=rank, world_size=world)
+        reports: list[Any] = []
+        for k, phase in enumerate(phases):
+            model, off = open_model(checkpoint, ctx, phase.mode, record_timeline=phase.options.trace)
+            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}")
+            if rank == 0:
+                try:
+                    if phase.forced is not None:
+                        waves = [[phase.submissions[i].request for i in w] for w in phase.forced]
+                        reports.append(engine.serve_forced(waves))
+                    else:
+                        reports.append(engine.serve(phase.submissions))
+                except Exception as exc:  # noqa: BLE001 - e.g. a forced mixed wave: reported, then carry on
+                    reports.append(f"{type(exc).__name__}: {exc}")
+                finally:
+                    engine.close()
+            else:
+                engine.follow()
+            if engine.stopped is not None:
+                broken = True
+                break
+        if rank == 0:
+            out.send((rank, "ok", pickle.dumps(reports)))
+        if not broken and ctx.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - report to the parent, which raises with the traceback
+        out.send((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        code = 1
+    out.close()
+    if code:
+        # A failed engine leaves gloo pairs broken: leave without destructors that could block on them.
+        os._exit(code)
+
+
+def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size: int, *,
+                threads_per_rank: int = 1, join_timeout_s: float = 300.0, grace_s: float = 10.0,
+                log_level: int = logging.WARNING) -> LocalRun:
+    """Run ``phases`` on ``dp_size`` spawned CPU ranks; see the module docstring. Raises ``RuntimeError`` with
+    rank 0's traceback if it failed outside the engine, ``TimeoutError`` if it gave no answer within
+    ``join_timeout_s`` (every process is then killed)."""
+    import multiprocessing as mp
+
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(dp_size)]  # pipes, not queues: no semaphores to leak
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dlo_fn_serve_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(r, dp_size, init_file, str(checkpoint), tuple(phases), threads_per_rank,
+                                   pipes[r][1], log_level))
+                 for r in range(dp_size)]
+        for p in procs:
+            p.start()
+        for _, w in pipes:
+            w.close()  # the children hold the write ends
+        answer = None
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + join_timeout_s
+        try:
+            while answer is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"serve_local: rank 0 gave no answer within {join_timeout_s:.0f} s")
+                for r, (conn, _) in enumerate(pipes):
+                    if r in errors or not conn.poll(0.1 if r == 0 else 0):
+                        continue
+                    try:
+                        rank, status, payload = conn.recv()
+                    except EOFError:  # the rank exited without a word (e.g. os._exit)
+                        errors[r] = f"exited with code {procs[r].exitcode} without a report"
+                        if r == 0:
+                            raise RuntimeError(f"serve_local: rank 0 {errors[0]}") from None
+                        continue
+                    if status == "error":
+                        errors[rank] = payload
+                        if rank == 0:
+                            raise RuntimeError(f"serve_local: rank 0 failed:\n{payload}")
+                    else:
+                        answer = pickle.loads(payload)
+            end = time.monotonic() + grace_s
+            for p in procs:
+                p.join(timeout=max(0.0, end - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            for conn, _ in pipes:
+                conn.close()
+        for r, text in errors.items():
+            log.error("rank %d failed:\n%s", r, text)
+        return LocalRun(tuple(answer), tuple(p.exitcode for p in procs), time.perf_counter() - t0)

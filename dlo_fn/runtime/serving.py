@@ -1,0 +1,238 @@
+"""What goes into the engine and what comes out: submissions, options, per-request results, per-wave records.
+
+A :class:`Submission` is one line of work: a request id and either a :class:`~dlo_fn.models.Request` or the
+reason there is none (a prompts-file line that did not parse). Every submission ends as exactly one
+:class:`RequestResult`: ``ok`` with a video and its SHA-256, or not ok with an ``error`` that says why (rejected
+before dispatch, the rank that raised, the wave that failed closed and which rank caused it, or "not
+dispatched" after the engine stopped). Results come back in submission order.
+
+Prompts file (``generate --prompts FILE.jsonl``): one JSON object per line with any
+:class:`~dlo_fn.models.Request` fields (``prompt`` required) plus an optional ``"id"``; blank lines and lines
+starting with ``#`` are skipped; fields not given take the command line's values, then the Request defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from dlo_fn.models.request import Request
+from dlo_fn.runtime.batch import Fault
+
+__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "ServeReport", "read_prompts",
+           "as_submissions", "ENGINE_MODES"]
+
+ENGINE_MODES = ("allgather", "rank-local", "resident")
+
+
+def to_wire(request: Request | None) -> dict[str, Any] | None:
+    """A request as a plain dict for pickling (a Request's read-only ``extra_args`` mapping cannot be pickled)."""
+    return None if request is None else request.to_dict()
+
+
+def from_wire(data: Mapping[str, Any] | None) -> Request | None:
+    return None if data is None else Request.from_dict(data)
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    request_id: str
+    request: Request | None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.request is None) == (self.error is None):
+            raise ValueError(f"submission {self.request_id!r}: give exactly one of request and error")
+
+    def __reduce__(self):
+        return (_submission, (self.request_id, to_wire(self.request), self.error))
+
+
+def _submission(request_id: str, request: dict | None, error: str | None) -> Submission:
+    return Submission(request_id, from_wire(request), error)
+
+
+def as_submissions(items: Iterable[Request | Submission]) -> list[Submission]:
+    """Requests get ids ``req0000``, ``req0001``, ... by position; submissions pass through."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, Submission):
+            out.append(item)
+        elif isinstance(item, Request):
+            out.append(Submission(f"req{i:04d}", item))
+        else:
+            raise TypeError(f"item {i}: expected a Request or Submission, got {type(item).__name__}")
+    ids = [s.request_id for s in out]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"duplicate request ids {dup}: every submission needs its own id")
+    return out
+
+
+def read_prompts(path: str | pathlib.Path, defaults: Mapping[str, Any] | None = None) -> list[Submission]:
+    """Parse a prompts file (see the module docstring). A bad line becomes a submission with an error that
+    names the file and line, so it is reported in the results instead of stopping the others."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: prompts file not found (JSON lines, one request per line)")
+    defaults = dict(defaults or {})
+    out: list[Submission] = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        rid = f"line{lineno:04d}"
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+            rid = str(data.pop("id", rid))
+            out.append(Submission(rid, Request.from_dict({**defaults, **data})))
+        except (ValueError, TypeError) as exc:
+            out.append(Submission(rid, None, f"{path}:{lineno}: {exc}"))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How the engine forms and guards waves.
+
+    ``timeout_s`` bounds every wait: it must equal the process group's timeout (pass the same value to
+    :func:`dlo_fn.runtime.dist.init_distributed`) and exceed one denoising step's compute time; a stalled or
+    dead rank fails its wave within about ``timeout_s + grace_s``.
+    """
+
+    requests_per_rank: int = 1
+    max_wait_s: float = 0.0
+    timeout_s: float = 300.0
+    grace_s: float = 3.0
+    fault: Fault | None = None
+    trace: bool = False  # record per-rank spans of each wave (Figure 5)
+    progress: bool | None = None  # tqdm on rank 0; None: only on a terminal
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.requests_per_rank, int) or self.requests_per_rank < 1:
+            raise ValueError(f"requests_per_rank must be an int >= 1, got {self.requests_per_rank!r}")
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """The end of one submission (see the module docstring). ``position``: place in its wave; ``timings``:
+    ``queued_s`` (serve start -> dispatch), ``wave_s`` (dispatch -> results at rank 0), ``compute_s``."""
+
+    index: int
+    request_id: str
+    request: Request | None
+    ok: bool
+    video: torch.Tensor | None = None
+    sha256: str | None = None
+    error: str | None = None
+    rank: int | None = None
+    wave_id: int | None = None
+    position: int | None = None
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        return tuple(self.video.shape) if self.video is not None else None
+
+    def __reduce__(self):
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        fields[2] = to_wire(self.request)
+        fields[-1] = dict(self.timings)
+        return (_request_result, tuple(fields))
+
+
+def _request_result(*fields: Any) -> "RequestResult":
+    fields = list(fields)
+    fields[2] = from_wire(fields[2])
+    return RequestResult(*fields)
+
+
+@dataclass(frozen=True, slots=True)
+class WaveRecord:
+    """One dispatched wave: who ran what, how long it took, how it ended (``ok`` / ``partial`` / ``failed``).
+    ``trace``: ``(rank, lane, label, start_s, end_s)`` spans relative to the dispatch (with ``trace=True``)."""
+
+    wave_id: int
+    key: str
+    rank_indices: tuple[tuple[int, ...], ...]
+    num_steps: int
+    latency_s: float
+    status: str
+    error: str | None = None
+    trace: tuple[tuple[int, str, str, float, float], ...] = ()
+    lockstep: bool = True  # False: an independent replica's batch (rank-local / resident)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(i) for i in self.rank_indices)
+
+    @property
+    def idle_ranks(self) -> tuple[int, ...]:
+        """Ranks that served all-gathers without computing (none outside lockstep: the others just ran
+        their own queues)."""
+        return tuple(r for r, i in enumerate(self.rank_indices) if not i) if self.lockstep else ()
+
+
+@dataclass(frozen=True, slots=True)
+class ServeReport:
+    """What :meth:`Engine.serve` returns on rank 0: results in submission order and the waves run."""
+
+    results: tuple[RequestResult, ...]
+    waves: tuple[WaveRecord, ...]
+    mode: str
+    dp_size: int
+    requests_per_rank: int
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def by_id(self) -> dict[str, RequestResult]:
+        return {r.request_id: r for r in self.results}
+
+    def hashes(self) -> dict[str, str | None]:
+        return {r.request_id: r.sha256 for r in self.results}
+
+
+def wave_table(report: ServeReport) -> str:
+    """The per-wave table the demo prints: one line per wave, its requests per rank and its end."""
+    lines = [f"{'wave':>4}  {'key':<22} {'ranks (request ids)':<40} {'latency':>9}  status"]
+    ids = {r.index: r.request_id for r in report.results}
+    for w in report.waves:
+        if w.lockstep:
+            ranks = " | ".join(",".join(ids.get(i, str(i)) for i in idx) or "idle" for idx in w.rank_indices)
+        else:
+            ranks = " ".join(f"rank {r}: " + ",".join(ids.get(i, str(i)) for i in idx)
+                             for r, idx in enumerate(w.rank_indices) if idx)
+        lines.append(f"{w.wave_id:>4}  {w.key:<22} {ranks:<40} {w.latency_s:>8.3f}s  {w.status}"
+                     + (f": {w.error.splitlines()[0][:120]}" if w.error else ""))
+    return "\n".join(lines)
+
+
+def result_table(report: ServeReport) -> str:
+    lines = [f"{'request':<10} {'wave':>4} {'rank':>4}  {'shape':<20} sha256 / error"]
+    for r in report.results:
+        shape = "x".join(map(str, r.shape)) if r.shape else "-"
+        wave = "-" if r.wave_id is None else str(r.wave_id)
+        rank = "-" if r.rank is None else str(r.rank)
+        tail = r.sha256 if r.ok else f"ERROR {(r.error or '').splitlines()[0][:150]}"
+        lines.append(f"{r.request_id:<10} {wave:>4} {rank:>4}  {shape:<20} {tail}")
+    return "\n".join(lines)
+
+
+__all__ += ["wave_table", "result_table"]
