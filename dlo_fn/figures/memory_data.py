@@ -128,7 +128,7 @@ def hbm_comparisons() -> list[Comparison]:
     f4 = {name: hbm_per_card(model_sizes(name), FIG_CARDS, activation_bytes=workload_bytes(name, "720p10s-sp"))
           for name in ("cosmos3-nano", "cosmos3-super")}
     n4, s4 = f4["cosmos3-nano"], f4["cosmos3-super"]
-    rows += [_gb("fig4.nano.idle", n4.idle_bytes), _gb("fig4.nano.peak", n4.peak_bytes, calibrated=True),
+    rows += [_gb("fig4.nano.idle", n4.idle_bytes), _gb("fig4.nano.peak", n4.peak_bytes),
              _gb("fig4.super.idle", s4.idle_bytes), _gb("fig4.super.peak", s4.peak_bytes),
              compare("fig4.peak_growth_pct", 100 * (s4.peak_bytes / n4.peak_bytes - 1)),
              compare("fig4.idle_growth_pct", 100 * (s4.idle_bytes / n4.idle_bytes - 1))]
@@ -233,3 +233,55 @@ def measured_hbm_records(data_dir: pathlib.Path = DATA_DIR) -> list[dict]:
     for path in sorted(pathlib.Path(data_dir).glob("*.json")):
         walk(json.loads(path.read_text()), "", path)
     return found
+
+
+# -- notebook helpers: stable text tables ------------------------------------------------------------------
+
+
+def sizes_rows(names=("cosmos3-nano", "cosmos3-super")) -> list[dict]:
+    """The model sizes used as inputs, beside the published description, with their source."""
+    rows = []
+    for name in names:
+        s, m = model_sizes(name), MODELS[name]
+        rows.append({"model": name, "blocks": s.num_blocks, "total_gb": round(s.total_bytes / GB, 3),
+                     "published_gb": m.checkpoint_bytes / GB, "max_block_gb": round(s.max_block_bytes / GB, 4),
+                     "resident_gb": round(s.resident_bytes / GB, 4), "source": s.source})
+    return rows
+
+
+def comparison_rows(rows: list[Comparison]) -> list[dict]:
+    return [r.as_row() for r in rows]
+
+
+def misses(rows: list[Comparison], threshold: float = 0.10) -> list[str]:
+    """Keys whose prediction misses the published value by more than ``threshold`` (relative)."""
+    return [r.key for r in rows if abs(r.rel_error) > threshold]
+
+
+def accounting_rows(rows) -> list[dict]:
+    """:func:`dlo_fn.plan.accounting.memory_accounting` rows as item / formula / value (GB)."""
+    return [{"section": r.section, "item": r.item, "formula": r.formula, "value_gb": f"{r.value_bytes / GB:.3f}"}
+            for r in rows]
+
+
+def measured_host_arena_bytes(config: str = "tiny", world_size: int = 2) -> tuple[int, ...]:
+    """Build ``config`` on the CPU and each rank's real host store (the exact-size shard arena of
+    :mod:`dlo_fn.runtime.host_store`) in this process; return the bytes each rank allocated."""
+    from dlo_fn.models import BLOCK_PATHS, build_model
+    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.plan.spec import spec_from_module
+    from dlo_fn.runtime.host_store import build_host_store
+    from dlo_fn.runtime.platform import platform_for
+
+    model = build_model(config, device="cpu")
+    spec = spec_from_module(model, BLOCK_PATHS, name=config)
+    layout = model_layout(spec, world_size)
+    blocks = [dict(model.get_submodule(b.name).state_dict()) for b in spec.blocks]
+    platform = platform_for("cpu")
+    stores = [build_host_store(layout, r, blocks, platform) for r in range(world_size)]
+    return tuple(s.arena_bytes for s in stores)
+
+
+def rounded(rows: list[dict], ndigits: int = 2) -> list[dict]:
+    """Floats rounded for display (the CSVs keep full precision)."""
+    return [{k: round(v, ndigits) if isinstance(v, float) else v for k, v in r.items()} for r in rows]

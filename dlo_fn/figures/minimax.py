@@ -21,7 +21,8 @@ from dlo_fn.plan.published import compare, published
 
 __all__ = [
     "DATA_DIR", "TOPOLOGIES", "SELECTED", "Case", "Route", "PairedDelta",
-    "load_cases", "route", "selected_routes", "paired_delta", "paired_deltas", "frontier_comparisons",
+    "load_cases", "route", "selected_routes", "route_rows", "case_routes", "task_frontiers", "frontier_ordered",
+    "ordering_rows", "paired_delta", "paired_deltas", "frontier_comparisons",
     "fig7_minimax_frontier", "fig8_minimax_tasks", "FIGURES",
 ]
 
@@ -129,6 +130,24 @@ def selected_routes(cases: dict[str, Case], task: str = "t2va") -> tuple[Route, 
     return tuple(route(cases, task, SELECTED[t], *t) for t in TOPOLOGIES)
 
 
+def task_frontiers(cases: dict[str, Case]) -> dict[str, tuple[Route, ...]]:
+    """The selected route at each topology, per task, from the five-wave cases (what Figure 8 draws)."""
+    return {task: tuple(route(cases, task, SELECTED[t], *t, pool_soak=False) for t in TOPOLOGIES) for task in TASKS}
+
+
+def frontier_ordered(routes: tuple[Route, ...]) -> bool:
+    """Each step to more DP raises both wave latency and throughput."""
+    return all(a.p50_s < b.p50_s and a.videos_per_hour < b.videos_per_hour for a, b in zip(routes, routes[1:]))
+
+
+def ordering_rows(cases: dict[str, Case]) -> list[dict]:
+    rows = []
+    for task, rs in task_frontiers(cases).items():
+        rows.append({"task": task, **{r.label: f"{r.p50_s:.1f} s, {r.videos_per_hour:.1f} v/h" for r in rs},
+                     "ordered": frontier_ordered(rs)})
+    return rows
+
+
 def paired_delta(cases: dict[str, Case], dp: int, sp: int) -> PairedDelta:
     ag = route(cases, "t2va", "allgather", dp, sp, pool_soak=False)
     rl = route(cases, "t2va", "ranklocal", dp, sp, pool_soak=False)
@@ -164,6 +183,21 @@ def _route_row(r: Route, selected: bool) -> dict:
             "waves": len(r.waves_s), "wave_p50_s": r.p50_s, "wave_p95_s": r.p95_s,
             "videos_per_hour": r.videos_per_hour, "energy_wh_per_video": r.energy_wh_per_video,
             "peak_gib": r.peak_gib}
+
+
+def route_rows(routes, ndigits: int = 2) -> list[dict]:
+    """Routes as display rows (rounded; the figure CSVs keep full precision)."""
+    rows = []
+    for r in routes:
+        row = _route_row(r, SELECTED.get((r.dp, r.sp)) == r.mode)
+        del row["cases"]
+        rows.append({k: round(v, ndigits) if isinstance(v, float) else v for k, v in row.items()})
+    return rows
+
+
+def case_routes(cases: dict[str, Case]) -> tuple[Route, ...]:
+    """Every five-wave case as a route (soak repeats left out), in file order."""
+    return tuple(route(cases, c.task, c.mode, c.dp, c.sp, pool_soak=False) for c in cases.values() if not c.soak)
 
 
 def fig7_minimax_frontier(out_dir: pathlib.Path, data_dir: pathlib.Path = DATA_DIR) -> list[pathlib.Path]:
@@ -243,14 +277,10 @@ def fig8_minimax_tasks(out_dir: pathlib.Path, data_dir: pathlib.Path = DATA_DIR)
 
     out_dir = pathlib.Path(out_dir)
     cases = load_cases(data_dir)
-    routes = {task: tuple(route(cases, task, SELECTED[t], *t, pool_soak=False) for t in TOPOLOGIES)
-              for task in TASKS}
+    routes = task_frontiers(cases)
     rows = [_route_row(r, True) for rs in routes.values() for r in rs]
     paths = [write_csv(out_dir / "data" / "fig8_minimax_tasks.csv", rows, list(rows[0]))]
-    ordered = all(
-        all(a.p50_s < b.p50_s and a.videos_per_hour < b.videos_per_hour for a, b in zip(rs, rs[1:]))
-        for rs in routes.values()
-    )
+    ordered = all(frontier_ordered(rs) for rs in routes.values())
     colors = {"t2va": COLORS["compute"], "fl2va": COLORS["allgather"], "ref2va": COLORS["h2d"]}
     offsets = {"t2va": (6, -12), "fl2va": (-62, 6), "ref2va": (6, -4)}
     with figure_style():
