@@ -48,7 +48,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="a prompt (repeat for several); or give --prompts")
+    parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                        help="JSON lines, one request per line with any Request fields (+ optional \"id\"); "
+                             "served in waves of compatible requests by the DP engine (dlo_fn.runtime.engine); "
+                             "the flags above are the defaults for fields a line leaves out")
     parser.add_argument("--negative-prompt", default="", help="unconditional-branch prompt")
     parser.add_argument("--seed", type=int, default=0, help="noise seed (every prompt uses it)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: Request's 35)")
@@ -68,6 +73,9 @@ def register(subparsers) -> None:
     add_model_arguments(parser)
     add_request_arguments(parser)
     parser.add_argument("--out", required=True, help="output directory")
+    from dlo_fn.cli.generate_waves import add_engine_arguments
+
+    add_engine_arguments(parser)
     parser.set_defaults(func=run_generate)
 
 
@@ -179,6 +187,13 @@ def _request_row(index: int, request, result, rank: int, wave: int, mode: str, s
 
 def run_generate(args: argparse.Namespace) -> int:
     import torch
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise SystemExit("generate: give --prompt (one or more) or --prompts FILE.jsonl, not both")
+    if args.prompts is not None:
+        from dlo_fn.cli.generate_waves import run_prompts
+
+        return run_prompts(args)
 
     from dlo_fn.plan.trace import to_chrome_trace
     from dlo_fn.plan.timeline import Timeline
