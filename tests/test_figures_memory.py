@@ -45,6 +45,18 @@ def test_cli_private_copy_rank_local_cuda(capsys):
     assert v[("hbm per card", "landing buffers")] == 0 and v[("hbm per card", "slots")] == 2 * 10**9
 
 
+def test_cli_named_model_uses_exact_block_sizes(capsys):
+    from dlo_fn.plan.summary import plan_summary
+    from dlo_fn.runtime.sources import spec_for
+
+    v = _values(_json(capsys, "--model", "tiny", "--dp", "2"))
+    summary = plan_summary(spec_for("tiny"), 2)
+    assert v[("host: steady state", "pinned per rank")] == summary.pinned_host_bytes_per_rank
+    assert v[("hbm per card", "slots")] + v[("hbm per card", "landing buffers")] == summary.hbm_weight_bytes
+    with pytest.raises(SystemExit, match="exact block sizes"):
+        main(["memory", "--model", "tiny", "--dp", "2", "--num-blocks", "3"])
+
+
 def test_cli_without_block_sizes_omits_hbm(capsys):
     doc = _json(capsys, "--model-bytes", "400GB", "--dp", "8")
     assert doc["notes"] and not any(r["section"] == "hbm per card" for r in doc["rows"])

@@ -285,3 +285,9 @@ def measured_host_arena_bytes(config: str = "tiny", world_size: int = 2) -> tupl
 def rounded(rows: list[dict], ndigits: int = 2) -> list[dict]:
     """Floats rounded for display (the CSVs keep full precision)."""
     return [{k: round(v, ndigits) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+
+
+def calibration_rows() -> list[dict]:
+    """The named constants of :mod:`dlo_fn.plan.calibration` with the published numbers each was fitted to."""
+    return [{"constant": name, "GB": value / GB, "fitted to": " - ".join(keys)}
+            for name, (value, keys) in cal.CALIBRATIONS.items()]
