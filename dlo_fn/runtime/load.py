@@ -31,7 +31,7 @@ from dlo_fn.runtime.bind import BindTarget, bind_targets, meta_params, rollback
 from dlo_fn.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from dlo_fn.runtime.memstat import file_mappings, in_mappings
 
-__all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "MODES"]
+__all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "MODES", "BUFFER_HOOKS", "CheckpointError"]
 
 log = logging.getLogger(__name__)
 MODES = ("mmap", "copy")
@@ -90,12 +90,17 @@ def load_checkpoint(
 ) -> LoadResult:
     """Load ``checkpoint`` (directory, ``.safetensors`` file, index file, or cached HF repo id) into a model.
 
-    ``model_or_factory``: a module whose parameters are usually on ``meta`` (its non-persistent buffers must
-    be real, or the module must define ``init_non_persistent_buffers()``); or a zero-argument factory, called
-    with parameters created on ``meta`` and buffers on the CPU (so non-persistent buffers are computed by the
-    model's own init); or ``None`` to build the reference DiT from the checkpoint's ``config.json``.
-    ``key_map`` maps a checkpoint key to the module's name (a callable returning ``None`` drops the key).
+    ``model_or_factory``: a module whose parameters are usually on ``meta``; or a zero-argument factory,
+    called with parameters created on ``meta`` and buffers on the CPU (so non-persistent buffers are computed
+    by the model's own init); or ``None`` to build the reference DiT from the checkpoint's dlo_fn
+    ``config.json``. After binding, the model's buffer hook (:data:`BUFFER_HOOKS`: ``init_non_persistent_buffers()``
+    or ``init_buffers()``, as ``dlo_fn.models.VideoDiT`` has) recomputes non-persistent buffers; without a hook
+    they must already be real. ``key_map`` maps a checkpoint key to the module's name (a callable returning
+    ``None`` drops the key on purpose). ``mode="copy"`` is the naive loader (private clones) for comparison.
     ``progress``: a tqdm bar on stderr (``None``: only on a terminal).
+
+    Returns ``(model, LoadReport)``. Raises :class:`CheckpointError` (a ``ValueError`` naming file and key) for
+    bad input, before any tensor is bound; a failure while binding restores the module's original tensors.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
