@@ -1,0 +1,260 @@
+"""`python -m dlo_fn bench step`: one pass over the blocks (one denoising step), every offload variant side by side.
+
+The reference DiT at realistic size (config ``bench``: 24 blocks of ~0.56 GB bf16, random weights made on the
+device, no checkpoint) runs two workloads, both with CFG (batch 2): ``video`` 832x480x29 (2 x 12480 tokens,
+compute-bound on an H200) and ``image`` 1024^2 (2 x 4096 tokens, PCIe-bound). For each variant
+(:mod:`dlo_fn.bench.step_variants`) it reports, per workload:
+
+    step_s             median device time of one pass, passes back to back (steady state of a denoising loop)
+    ratio_to_resident  step_s / resident step_s
+    bound_s            max(resident step_s, H2D bytes per pass / pinned peak), the peak measured in this run
+    ratio_to_bound     step_s / bound_s (the target is <= 1.02)
+    h2d_bytes_per_s    H2D bytes per pass / step_s (and as a fraction of the pinned peak)
+    host_dispatch_us_per_block   (host time of a pass - host time of a resident pass) / blocks, each pass
+                       started on an idle device: the host work the offload adds per block
+    peak_device_bytes  torch.cuda.max_memory_allocated during the variant, and the planned weight bytes
+
+Results go to ``figures/data/bench_step_<machine>.json`` with the machine, command and date. ``--quick`` runs
+the tiny config with tiny workloads (a CPU smoke test for CI; written to ``..._quick.json`` unless ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import pathlib
+import re
+import statistics
+import subprocess
+
+log = logging.getLogger(__name__)
+
+WORKLOADS = {"video": (480, 832, 29), "image": (1024, 1024, 1)}  # height, width, frames; CFG on
+QUICK_WORKLOADS = {"video": (32, 32, 5), "image": (64, 64, 1)}
+
+
+def register(subparsers) -> None:
+    from dlo_fn.bench.step_variants import VARIANTS
+
+    p = subparsers.add_parser("step", help="one denoising pass: resident vs our offload vs diffusers vs naive",
+                              description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default="bench", help="reference DiT config")
+    p.add_argument("--workloads", default="video,image", help=f"comma list of {sorted(WORKLOADS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
+    p.add_argument("--warmup", type=int, default=2, help="untimed passes per variant and workload")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes (median reported)")
+    p.add_argument("--host-repeats", type=int, default=3, help="passes timed on the host from an idle device")
+    p.add_argument("--quick", action="store_true", help="tiny config and workloads, 1 warmup, 2 repeats (CPU smoke)")
+    p.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
+    p.add_argument("--out", default=None, help="JSON path (default figures/data/bench_step_<machine>.json)")
+    p.set_defaults(func=run)
+
+
+def apply_quick(args: argparse.Namespace) -> argparse.Namespace:
+    """``--quick``: 1 warm-up, 2 timed passes and 1 host-timed pass (tiny config and workloads elsewhere)."""
+    if args.quick:
+        args.warmup, args.repeats, args.host_repeats = 1, 2, 1
+    return args
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["python -m dlo_fn bench step", f"--config {args.config}", f"--workloads {args.workloads}",
+             f"--variants {args.variants}", f"--warmup {args.warmup}", f"--repeats {args.repeats}",
+             f"--host-repeats {args.host_repeats}"]
+    return " ".join(parts + (["--quick"] if args.quick else []) + ([f"--platform {args.platform}"] if args.platform else []))
+
+
+def machine(platform) -> dict:
+    import torch
+
+    from dlo_fn.runtime.memstat import host_description
+
+    out = dict(platform.describe(), cpu=host_description())
+    if platform.kind == "cuda":
+        try:
+            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            out["driver"] = "unknown"
+        out["gpu_memory_bytes"] = torch.cuda.get_device_properties(platform.device).total_memory
+    try:
+        import diffusers
+
+        out["diffusers"] = diffusers.__version__
+    except ImportError:
+        out["diffusers"] = "not installed"
+    return out
+
+
+def slug(platform) -> str:
+    name = platform.describe().get("device_name", platform.kind)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _inputs(model, height: int, width: int, frames: int, device):
+    import torch
+
+    from dlo_fn.models import latent_shape, tokenize
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn((2, *latent_shape(cfg, height, width, frames)), generator=gen).to(device)
+    timestep = torch.full((2,), 500.0, device=device)
+    tokens = tokenize(["a benchmark prompt", ""], cfg.text_len).to(device)
+    with torch.no_grad():
+        state = model.embed(latents, timestep, tokens)
+    return state.x, state.block_kwargs, int(state.x.shape[1])
+
+
+def run_step_bench(args: argparse.Namespace) -> dict:
+    import torch
+
+    from dlo_fn.bench import step_variants as sv
+    from dlo_fn.models import BLOCK_PATHS
+    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.plan.spec import spec_from_module
+    from dlo_fn.runtime.blocks import strip_block
+    from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.runtime.host_store import build_host_store
+    from dlo_fn.runtime.platform import detect_platform
+
+    apply_quick(args)
+    config = "tiny" if args.quick else args.config
+    table = QUICK_WORKLOADS if args.quick else WORKLOADS
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for name, known in (("workload", table), ("variant", sv.VARIANTS)):
+        bad = [x for x in (workloads if name == "workload" else variants) if x not in known]
+        if bad:
+            raise SystemExit(f"bench step: unknown {name}(s) {bad}; known: {sorted(known)}")
+    platform = detect_platform(prefer=args.platform)
+    ctx = init_distributed(platform, single_process_group="dlo-allgather" in variants)
+    own_group = ctx.group is not None
+    model = sv.random_model(config, platform.device)
+    inputs = {w: _inputs(model, *table[w], platform.device) for w in workloads}
+    spec = spec_from_module(model, BLOCK_PATHS, name=config)
+    layout = model_layout(spec, 1)
+    blocks = list(model.blocks)
+    results: dict[str, dict[str, sv.PassResult]] = {w: {} for w in workloads}
+    skipped: dict[str, str] = {}
+    kw = dict(warmup=args.warmup, repeats=args.repeats, host_repeats=args.host_repeats)
+
+    def measure(variant: str, run_pass, reset=None, extra=None) -> None:
+        for w in workloads:
+            x, kwargs, _ = inputs[w]
+            platform.reset_peak_memory_stats()
+            r = sv.time_passes(platform, run_pass, x, kwargs, reset=reset, **kw)
+            r.extra.update(extra() if callable(extra) else (extra or {}))
+            results[w][variant] = r
+            log.info("%s %s: %.4f s", w, variant, statistics.median(r.step_s))
+
+    def resident_pass(x, kwargs):
+        for block in blocks:
+            x = block(x, **kwargs)
+        return x
+
+    measure("resident", resident_pass, extra={"weight_device_bytes": layout.total_block_bytes,
+                                              "weight_device_bytes_planned": layout.total_block_bytes})
+    tensors, aliases = sv.block_states(blocks)
+    store = build_host_store(layout, 0, tensors, platform, progress=not args.quick)
+    del tensors
+    peak = sv.pinned_peak_bytes_per_s(platform, store, layout)
+    cpu = sv.cpu_blocks(blocks) if "diffusers" in variants else None
+    for block in blocks:
+        strip_block(block, platform.device)
+    sv.release(platform)
+    for variant in variants:
+        if variant.startswith("dlo-"):
+            mode = "allgather" if variant == "dlo-allgather" else "rank-local"
+            call = "swap" if variant.endswith("-swap") else "functional_call"
+            run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode=mode, group=ctx.group,
+                                            block_call=call)
+            measure(variant, run_pass, reset=ex.stats.reset, extra=lambda ex=ex: {
+                "executor_issue_us_per_block": ex.stats.issue_us_per_compute,
+                "weight_device_bytes": ex.measured_device_bytes or ex.device_weight_bytes,
+                "weight_device_bytes_planned": ex.planned_device_weight_bytes})
+            ex.synchronize()
+            del run_pass, ex
+        elif variant == "diffusers":
+            try:
+                run_pass, pinned = sv.diffusers_pass(platform, cpu)
+            except ImportError as exc:
+                skipped[variant] = str(exc)
+                log.warning("bench step: skipping %s: %s", variant, exc)
+                continue
+            measure(variant, run_pass, extra={"pinned_host_bytes": pinned})
+            del run_pass
+            cpu = None
+        elif variant == "naive-sync":
+            measure(variant, sv.naive_pass(platform, layout, store, blocks, aliases),
+                    extra={"weight_device_bytes_planned": layout.max_block_bytes})
+        sv.release(platform)
+    report = _report(args, platform, layout, store, peak, inputs, results)
+    report["skipped_variants"] = skipped
+    if own_group:
+        torch.distributed.destroy_process_group()
+    return report
+
+
+def _report(args, platform, layout, store, peak, inputs, results) -> dict:
+    h2d_bytes = sum(s.shard_bytes for s in layout.shards)  # per pass, every variant that offloads (W = 1)
+    out = {"machine": machine(platform), "command": _command(args),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "config": "tiny" if args.quick else args.config, "num_blocks": layout.num_blocks,
+           "max_block_bytes": layout.max_block_bytes, "total_block_bytes": layout.total_block_bytes,
+           "h2d_bytes_per_pass": h2d_bytes, "pinned_arena_bytes": store.arena_bytes, "pinning": store.how,
+           "pinned_h2d_peak_bytes_per_s": peak, "workloads": []}
+    for w, res in results.items():
+        x, _, tokens = inputs[w]
+        resident = res["resident"]
+        res_s, res_host = statistics.median(resident.step_s), statistics.median(resident.host_s)
+        bound = max(res_s, h2d_bytes / peak) if peak else res_s
+        rows = []
+        for name, r in res.items():
+            step = statistics.median(r.step_s)
+            moved = 0 if name == "resident" else h2d_bytes
+            rows.append({"variant": name, "step_s": step, "step_s_all": r.step_s, "host_s_all": r.host_s,
+                         "ratio_to_resident": step / res_s, "ratio_to_bound": step / bound,
+                         "h2d_bytes_per_s": moved / step, "h2d_fraction_of_peak": (moved / step / peak) if peak else 0,
+                         "host_dispatch_us_per_block": 1e6 * (statistics.median(r.host_s) - res_host) / layout.num_blocks,
+                         "peak_device_bytes": r.peak_device_bytes, **r.extra})
+        height, width, frames = (QUICK_WORKLOADS if args.quick else WORKLOADS)[w]
+        out["workloads"].append({"name": w, "height": height, "width": width, "frames": frames, "cfg": True,
+                                 "tokens_per_sample": tokens, "batch": int(x.shape[0]), "resident_s": res_s,
+                                 "transfer_s_at_peak": h2d_bytes / peak if peak else 0.0, "bound_s": bound,
+                                 "variants": rows})
+    return out
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{report['machine'].get('device_name', report['machine']['platform'])}: {report['num_blocks']} blocks, "
+             f"{report['total_block_bytes'] / 1e9:.2f} GB; pinned H2D peak "
+             f"{report['pinned_h2d_peak_bytes_per_s'] / 1e9:.1f} GB/s ({report['pinning']})"]
+    for w in report["workloads"]:
+        lines.append(f"\n{w['name']} {w['width']}x{w['height']}x{w['frames']} CFG: resident {w['resident_s']:.4f} s, "
+                     f"bound {w['bound_s']:.4f} s")
+        lines.append(f"{'variant':22s} {'step s':>9s} {'/resident':>9s} {'/bound':>7s} {'H2D GB/s':>9s} "
+                     f"{'dispatch us/blk':>15s} {'peak GB':>8s}")
+        for r in w["variants"]:
+            lines.append(f"{r['variant']:22s} {r['step_s']:9.4f} {r['ratio_to_resident']:9.3f} {r['ratio_to_bound']:7.3f} "
+                         f"{r['h2d_bytes_per_s'] / 1e9:9.2f} {r['host_dispatch_us_per_block']:15.1f} "
+                         f"{r['peak_device_bytes'] / 1e9:8.2f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dlo_fn.runtime.platform import detect_platform
+
+    report = run_step_bench(args)
+    if args.out:
+        path = pathlib.Path(args.out)
+    else:
+        name = slug(detect_platform(prefer=args.platform)) + ("_quick" if args.quick else "")
+        path = pathlib.Path("figures") / "data" / f"bench_step_{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    print(format_report(report))
+    print(f"\nwrote {path}")
+    return 0

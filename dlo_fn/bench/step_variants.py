@@ -1,0 +1,205 @@
+"""The variants of `bench step`, each a function ``pass(x, kwargs) -> x`` over the same blocks.
+
+=======================  =====================================================================================
+variant                  how the blocks' weights reach the device
+=======================  =====================================================================================
+``resident``             all on the device (the baseline; no weight traffic)
+``dlo-rank-local``       our executor, H2D of whole blocks from the pinned arena straight into 2 slots
+``dlo-allgather``        our executor, H2D into a landing buffer + a 1-rank all-gather into the slot
+``dlo-rank-local-swap``  as dlo-rank-local, blocks called through the pre-resolved swap (not functional_call)
+``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
+``naive-sync``           per block: synchronous copy from the pinned arena into one slot, then compute
+=======================  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.runtime.blocks import BlockProxy, block_state, make_caller, make_views
+from dlo_fn.runtime.executor import Executor
+from dlo_fn.runtime.host_store import HostStore
+from dlo_fn.runtime.platform import Platform
+
+__all__ = ["VARIANTS", "PassResult", "time_passes", "random_model", "cpu_blocks", "executor_pass",
+           "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s"]
+
+VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "diffusers", "naive-sync")
+PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
+
+
+@dataclass
+class PassResult:
+    step_s: list[float]  # device time of each timed pass (steady state: passes back to back)
+    host_s: list[float]  # host time of passes started on an idle device (dispatch cost)
+    peak_device_bytes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def time_passes(platform: Platform, run_pass: PassFn, x: torch.Tensor, kwargs: dict, *, warmup: int,
+                repeats: int, host_repeats: int, reset: Callable[[], None] | None = None) -> PassResult:
+    """Warm up, then ``repeats`` passes back to back timed with events on the compute stream (no host sync
+    between them), then ``host_repeats`` passes each started after a synchronize, timed on the host."""
+    for _ in range(warmup):
+        run_pass(x, kwargs)
+    platform.synchronize()
+    stream = platform.current_stream()
+    events = [(platform.new_event(timing=True), platform.new_event(timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record(stream)
+        run_pass(x, kwargs)
+        end.record(stream)
+    platform.synchronize()
+    step_s = [start.elapsed_time(end) / 1e3 for start, end in events]
+    if reset is not None:
+        reset()
+    host_s = []
+    for _ in range(host_repeats):
+        platform.synchronize()
+        t0 = time.perf_counter()
+        run_pass(x, kwargs)
+        host_s.append(time.perf_counter() - t0)
+    platform.synchronize()
+    return PassResult(step_s, host_s, platform.max_memory_allocated())
+
+
+def random_model(config_name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """The reference DiT with random weights made directly on ``device`` (fast; no checkpoint): N(0, 1/fan_in)
+    for matrices, N(1, 0.1) for norm weights, N(0, 0.02) for the rest."""
+    from dlo_fn.models import build_model
+
+    model = build_model(config_name, "meta", dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1, generator=gen)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def cpu_blocks(blocks: list[nn.Module]) -> nn.ModuleList:
+    """Pageable CPU copies of device blocks, one block at a time (what a CPU-offload library starts from)."""
+    out = nn.ModuleList()
+    for block in blocks:
+        cpu = copy.deepcopy(block).to("cpu")
+        out.append(cpu)
+    return out
+
+
+class _Stack(nn.Module):
+    """A container whose forward runs its blocks in order (diffusers learns the prefetch order from it)."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, **kwargs)
+        return x
+
+
+def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
+                  aliases: list[dict], *, mode: str, group: Any, block_call: str) -> tuple[PassFn, Executor]:
+    ex = Executor(platform, layout, store, blocks, aliases, group=group if mode == "allgather" else None,
+                  mode=mode, block_call=block_call)
+    proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
+
+    def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        for proxy in proxies:
+            x = proxy(x, **kwargs)
+        return x
+
+    return run_pass, ex
+
+
+def diffusers_pass(platform: Platform, blocks: nn.ModuleList) -> tuple[PassFn, int]:
+    """diffusers group offloading on ``blocks`` (CPU modules); returns the pass and the pinned host bytes it
+    allocated through the caching host allocator (rounded per tensor), as the process RSS grew."""
+    import psutil
+    from diffusers.hooks import apply_group_offloading
+    from diffusers.utils import is_accelerate_available
+
+    if not is_accelerate_available():  # group offloading's hooks call accelerate.utils.send_to_device
+        raise ImportError("diffusers group offloading needs the `accelerate` package")
+
+    rss0 = psutil.Process().memory_info().rss
+    stack = _Stack(blocks)
+    apply_group_offloading(stack, onload_device=platform.device, offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1,
+                           use_stream=platform.is_accelerator)
+    pinned = psutil.Process().memory_info().rss - rss0
+
+    def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        return stack(x, **kwargs)
+
+    return run_pass, pinned
+
+
+def naive_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
+               aliases: list[dict]) -> PassFn:
+    """Per block: blocking copy of the whole block from the pinned arena into one slot, then compute."""
+    slot = torch.empty(layout.max_block_bytes, dtype=torch.uint8, device=platform.device)
+    callers, srcs = [], []
+    for b, shard in enumerate(layout.shards):
+        callers.append(make_caller("swap", blocks[b], make_views(slot, shard.block, aliases[b])))
+        srcs.append((slot[: shard.shard_bytes], store.shard(b)))
+
+    def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        for (dst, src), call in zip(srcs, callers):
+            dst.copy_(src, non_blocking=False)
+            x = call((x,), kwargs)
+        return x
+
+    return run_pass
+
+
+def pinned_peak_bytes_per_s(platform: Platform, store: HostStore, layout: ModelLayout, reps: int = 3) -> float:
+    """Best of ``reps`` rounds of H2D copies of up to 8 consecutive shards from the arena into one buffer."""
+    dst = torch.empty(layout.max_shard_bytes, dtype=torch.uint8, device=platform.device)
+    n = min(8, layout.num_blocks)
+    stream = platform.current_stream()
+    best = 0.0
+    for _ in range(reps + 1):  # the first round warms up
+        start, end = platform.new_event(timing=True), platform.new_event(timing=True)
+        start.record(stream)
+        nbytes = 0
+        for b in range(n):
+            src = store.shard(b)
+            dst[: src.numel()].copy_(src, non_blocking=True)
+            nbytes += src.numel()
+        end.record(stream)
+        platform.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+        if seconds > 0:
+            best = max(best, nbytes / seconds)
+    del dst
+    return best
+
+
+def release(platform: Platform) -> None:
+    gc.collect()
+    if platform.kind == "cuda":
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch.cuda, "host_empty_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
+
+
+def block_states(blocks: list[nn.Module]) -> tuple[list[dict], list[dict]]:
+    states = [block_state(b) for b in blocks]
+    return [t for t, _ in states], [a for _, a in states]
