@@ -102,8 +102,7 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
             if engine.stopped is not None:
                 broken = True
                 break
-        if rank == 0:
-            out.send((rank, "ok", pickle.dumps(reports)))
+        out.send((rank, "ok", pickle.dumps(reports) if rank == 0 else None))
         if not broken and ctx.group is not None:
             import torch.distributed as dist
 
@@ -152,8 +151,8 @@ def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size:
                         continue
                     try:
                         rank, status, payload = conn.recv()
-                    except EOFError:  # the rank exited without a word (e.g. os._exit)
-                        errors[r] = f"exited with code {procs[r].exitcode} without a report"
+                    except EOFError:  # the rank exited without a word (a crash, os._exit, a kill)
+                        errors[r] = "exited without a report"
                         if r == 0:
                             raise RuntimeError(f"serve_local: rank 0 {errors[0]}") from None
                         continue
@@ -161,8 +160,10 @@ def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size:
                         errors[rank] = payload
                         if rank == 0:
                             raise RuntimeError(f"serve_local: rank 0 failed:\n{payload}")
-                    else:
+                    elif rank == 0:
                         answer = pickle.loads(payload)
+                    else:
+                        errors[rank] = ""  # reported fine; stop polling it
             end = time.monotonic() + grace_s
             for p in procs:
                 p.join(timeout=max(0.0, end - time.monotonic()))
@@ -174,5 +175,6 @@ def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size:
             for conn, _ in pipes:
                 conn.close()
         for r, text in errors.items():
-            log.error("rank %d failed:\n%s", r, text)
+            if text:
+                log.warning("rank %d (exit code %s): %s", r, procs[r].exitcode, text)
         return LocalRun(tuple(answer), tuple(p.exitcode for p in procs), time.perf_counter() - t0)
