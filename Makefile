@@ -18,13 +18,13 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest tests
-	$(PY) -m pytest --nbval --sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
+	$(PY) -m pytest --nbval --nbval-sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
 
 test-py: $(STAMP)
 	$(PY) -m pytest tests
 
 test-nb: $(STAMP)
-	$(PY) -m pytest --nbval --sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
+	$(PY) -m pytest --nbval --nbval-sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
 
 # The main job: the embedded demo (2 CPU ranks over gloo, a generated checkpoint), then every notebook
 # executed in place and every figure regenerated.

@@ -23,7 +23,7 @@ class TwoLists(nn.Module):
         super().__init__()
         self.embed = nn.Linear(4, 8)
         self.transformer_blocks = nn.ModuleList(Block(8) for _ in range(3))
-        self.single_transformer_blocks = nn.ModuleList(Block(8) for _ in range(2))
+        self.single_transformer_blocks = nn.ModuleList(Block(8) for _ in range(3))
         self.head = nn.Linear(8, 4)
 
 
@@ -36,15 +36,15 @@ def test_spec_from_module_concatenates_lists_and_skips_non_persistent():
     spec = spec_from_module(_meta(), ("transformer_blocks", "single_transformer_blocks"))
     assert [b.name for b in spec.blocks] == [
         "transformer_blocks.0", "transformer_blocks.1", "transformer_blocks.2",
-        "single_transformer_blocks.0", "single_transformer_blocks.1",
+        "single_transformer_blocks.0", "single_transformer_blocks.1", "single_transformer_blocks.2",
     ]
     names = [t.name for t in spec.blocks[0].tensors]
     assert names == ["norm.bias", "norm.weight", "proj.bias", "proj.weight", "scale"]
     assert {t.kind for t in spec.blocks[0].tensors} == {"param", "buffer"}
     assert [t.name for t in spec.resident] == ["embed.weight", "embed.bias", "head.weight", "head.bias"]
     block_bytes = 8 * 8 * 2 + 8 * 2 + 8 * 4 * 2 + 8 * 4
-    assert spec.block_bytes == (block_bytes,) * 5
-    assert spec.total_bytes == 5 * block_bytes + (4 * 8 + 8 + 8 * 4 + 4) * 4
+    assert spec.block_bytes == (block_bytes,) * 6
+    assert spec.total_bytes == 6 * block_bytes + (4 * 8 + 8 + 8 * 4 + 4) * 4
 
 
 def test_spec_from_header_matches_module_spec():

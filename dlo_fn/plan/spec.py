@@ -242,8 +242,9 @@ def _detect_block_paths(keys: Iterable[str]) -> tuple[str, ...]:
     if not counts:
         raise ValueError("no '<path>.<index>.<name>' keys in the checkpoint: pass block_paths explicitly")
     best = max(len(v) for v in counts.values())
-    # Keep every list that is at least a quarter as deep as the deepest (e.g. Flux's two lists).
-    return tuple(p for p, v in counts.items() if len(v) * 4 >= best)
+    # Keep every list at least a third as deep as the deepest (Flux: 19 double + 38 single blocks), but not
+    # shallow stacks such as a 2-layer text encoder next to 4 blocks.
+    return tuple(p for p, v in counts.items() if len(v) * 3 >= best and (len(v) >= 3 or len(v) == best))
 
 
 def spec_from_header(

@@ -1,0 +1,69 @@
+"""`python -m dlo_fn plan`: published sizes for Nano/Super, per-rank shard = total / W rounded up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dlo_fn.cli import main
+from dlo_fn.plan.layout import model_layout
+from dlo_fn.runtime.sources import spec_for
+
+
+def _plan(capsys, *args) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name,blocks,gb", [("cosmos3-nano", 72, 33.0), ("cosmos3-super", 128, 124.0)])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_published_sizes(capsys, name, blocks, gb, world):
+    plan = _plan(capsys, "--model", name, "--shard-world", str(world))
+    assert plan["num_blocks"] == blocks
+    assert abs(plan["total_bytes"] / 1e9 - gb) / gb < 0.02
+    block_total = plan["total_bytes"] - plan["resident_bytes"]
+    # Each block rounds up to W equal aligned shards: at most W * 256 bytes of padding per block.
+    assert block_total / world <= plan["shard_bytes_per_rank"] <= block_total / world + blocks * 256
+    assert plan["pinned_host_bytes_per_rank"] == plan["shard_bytes_per_rank"]
+    layout = model_layout(spec_for(name), world)
+    assert plan["hbm_weight_bytes"] == 2 * layout.max_block_bytes + 2 * layout.max_shard_bytes
+    assert plan["layout_digest"] == layout.digest
+
+
+def test_rank_local_holds_whole_blocks(capsys):
+    plan = _plan(capsys, "--model", "cosmos3-nano", "--shard-world", "4", "--mode", "rank-local", "--slots", "3")
+    whole = model_layout(spec_for("cosmos3-nano"), 1)
+    assert plan["num_landing"] == 0 and plan["shard_bytes_per_rank"] == 0
+    assert plan["pinned_host_bytes_per_rank"] == whole.shard_bytes_per_rank
+    assert plan["hbm_weight_bytes"] == 3 * whole.max_block_bytes
+
+
+def test_checkpoint_header_gives_the_same_plan_as_the_config(capsys, tmp_path):
+    from dlo_fn.models import write_checkpoint
+
+    write_checkpoint("tiny", tmp_path / "ckpt", seed=0)
+    from_ckpt = _plan(capsys, "--model", str(tmp_path / "ckpt"), "--shard-world", "3")
+    from_config = _plan(capsys, "--model", "tiny", "--shard-world", "3")
+    for key in ("num_blocks", "total_bytes", "max_block_bytes", "shard_bytes_per_rank", "hbm_weight_bytes",
+                "layout_digest"):
+        assert from_ckpt[key] == from_config[key], key
+
+
+def test_table_output_and_help():
+    out = subprocess.run([sys.executable, "-m", "dlo_fn", "plan", "--model", "tiny"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "shard_bytes_per_rank" in out and "GB)" in out.split("shard_bytes_per_rank")[1].splitlines()[0]
+    helptext = subprocess.run([sys.executable, "-m", "dlo_fn", "plan", "--help"], capture_output=True,
+                              text=True, check=True).stdout
+    for field in ("max_block_bytes", "pinned_host_bytes_per_rank", "hbm_weight_bytes", "layout_digest"):
+        assert field in helptext
+
+
+def test_unknown_model_is_named():
+    from dlo_fn.runtime.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="nano2"):
+        spec_for("nano2")
