@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 
 import pytest
 
@@ -66,6 +67,14 @@ def test_equality_hash_and_read_only_extra_args():
         a.extra_args["c"] = 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.seed = 3
+
+
+def test_pickles_for_torch_distributed_object_collectives():
+    req = dataclasses.replace(GOOD, extra_args={"k": [1, 2]})
+    again = pickle.loads(pickle.dumps(req))
+    assert again == req and hash(again) == hash(req)
+    with pytest.raises(TypeError):
+        again.extra_args.update(k=3)
 
 
 def test_json_round_trip():

@@ -63,7 +63,10 @@ CONFIGS: dict[str, DiTConfig] = {
                 "604 MB bf16). Ours adds cross-attention (2 D^2 + 2 D D_t = 41.9 M) and takes full-rank adaLN from a "
                 "1024-d timestep embedding (9 D x 1024 = 37.7 M, vs 6 D^2 = 100.7 M): 281.1 M params, 562 MB per "
                 "block (-7% bytes; +12% FLOPs per token at 832x480x29, +16% at 1024^2, from cross-attention). 24 blocks = 13.5 GB "
-                "of block weights, the measured 24-block pass"
+                "of block weights, the measured 24-block pass. One block on an H200 (torch 2.11, bf16, CFG): 8.9 ms at "
+                "1024^2 and 33.5 ms at 832x480x29 (vs 6.1 / 26.4 ms for the measured block: cross-attention plus the "
+                "fp32 residual, norm and rotary passes); a 562 MB block copies in ~10.3 ms at 54.6 GB/s, so images "
+                "stay PCIe-bound and video compute-bound"
             ),
         ),
         DiTConfig(

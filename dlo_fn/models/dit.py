@@ -31,7 +31,8 @@ from torch import nn
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.init import init_weights
 from dlo_fn.models.layers import (
-    Linear, RMSNorm, apply_rope, attention, layer_norm, modulate, rope_angles, rope_inv_freq, timestep_features,
+    Linear, RMSNorm, apply_rope, attention, gated_residual, layer_norm, modulate, rope_angles, rope_inv_freq,
+    timestep_features,
 )
 from dlo_fn.models.text import ByteTextEncoder
 
@@ -70,11 +71,11 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device=device)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, n, d = h.shape
-        q, k, v = self.qkv(h).view(b, n, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        # [B, L, heads, head_dim] views: the norms and rotations run on rows of contiguous head_dim channels.
+        q, k, v = self.qkv(h).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
         q = apply_rope(self.q_norm(q), cos, sin).to(v.dtype)
         k = apply_rope(self.k_norm(k), cos, sin).to(v.dtype)
-        return self.out(attention(q, k, v)).float()
+        return self.out(attention(q, k, v))
 
 
 class CrossAttention(nn.Module):
@@ -89,12 +90,9 @@ class CrossAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device=device)
 
     def forward(self, h: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        b, n, d = h.shape
-        heads, hd = self.num_heads, d // self.num_heads
-        q = self.q(h).view(b, n, heads, hd).transpose(1, 2)
-        k, v = self.kv(text).view(b, text.shape[1], 2, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        return self.out(attention(q, k, v)).float()
+        k, v = self.kv(text).unflatten(-1, (2, self.num_heads, -1)).unbind(2)
+        q = self.q_norm(self.q(h).unflatten(-1, (self.num_heads, -1))).to(v.dtype)
+        return self.out(attention(q, self.k_norm(k).to(v.dtype), v))
 
 
 class MLP(nn.Module):
@@ -104,12 +102,13 @@ class MLP(nn.Module):
         self.fc2 = Linear(hidden, dim, device=device, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(h), approximate="tanh")).float()
+        return self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
 
 
 class DiTBlock(nn.Module):
     """adaLN block: x += g1 attn(mod(norm x)); x += g2 xattn(mod(norm x), text); x += g3 mlp(mod(norm x)),
-    where (shift, scale, gate) x 3 = modulation(cond). All inputs and the residual stream are fp32."""
+    where (shift, scale, gate) x 3 = modulation(cond). All inputs and the residual stream are fp32; sublayers
+    return the weight dtype and are added in fp32 (``gated_residual``)."""
 
     def __init__(self, config: DiTConfig, device=None, dtype=None):
         super().__init__()
@@ -123,9 +122,9 @@ class DiTBlock(nn.Module):
         self, x: torch.Tensor, cond: torch.Tensor, text: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor
     ) -> torch.Tensor:
         m = self.modulation(cond).chunk(9, dim=-1)
-        x = x + m[2][:, None] * self.self_attn(modulate(layer_norm(x, self.eps), m[0], m[1]), rope_cos, rope_sin)
-        x = x + m[5][:, None] * self.cross_attn(modulate(layer_norm(x, self.eps), m[3], m[4]), text)
-        return x + m[8][:, None] * self.mlp(modulate(layer_norm(x, self.eps), m[6], m[7]))
+        x = gated_residual(x, m[2], self.self_attn(modulate(layer_norm(x, self.eps), m[0], m[1]), rope_cos, rope_sin))
+        x = gated_residual(x, m[5], self.cross_attn(modulate(layer_norm(x, self.eps), m[3], m[4]), text))
+        return gated_residual(x, m[8], self.mlp(modulate(layer_norm(x, self.eps), m[6], m[7])))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ __all__ = [
     "RMSNorm",
     "layer_norm",
     "modulate",
+    "gated_residual",
     "apply_rope",
     "rope_angles",
     "timestep_features",
@@ -67,8 +68,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
 
 
 def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,8 +77,14 @@ def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """adaLN: ``x * (1 + scale) + shift`` with per-sample [B, D] shift / scale over [B, L, D] tokens."""
-    return x * (1.0 + scale[:, None, :]) + shift[:, None, :]
+    """adaLN: ``x * (1 + scale) + shift`` with per-sample [B, D] shift / scale over [B, L, D] tokens (one kernel)."""
+    return torch.addcmul(shift[:, None, :], x, 1.0 + scale[:, None, :])
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x + gate * out`` for the fp32 residual stream x [B, L, D], per-sample gate [B, D] and a sublayer output
+    in the weight dtype, promoted to fp32 inside one kernel (no fp32 copy of ``out``)."""
+    return torch.addcmul(x, gate[:, None, :], out)
 
 
 def rope_inv_freq(rope_dims: tuple[int, int, int], theta: float) -> torch.Tensor:
@@ -102,9 +108,10 @@ def rope_angles(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) of x [B, heads, L, head_dim] (fp32) by the angles behind cos / sin [L, head_dim/2]."""
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    """Rotate channel pairs (2i, 2i+1) of x [B, L, heads, head_dim] by the angles behind cos / sin
+    [L, head_dim/2], in fp32: one complex multiply by cos + i sin."""
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * torch.complex(cos, sin)[:, None, :]).flatten(-2)
 
 
 def timestep_features(timestep: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -118,10 +125,11 @@ def timestep_features(timestep: torch.Tensor, dim: int, max_period: float = 1000
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over [B, heads, L, head_dim] inputs, unmasked; returns [B, L, heads * head_dim].
+    """Unmasked softmax attention over [B, L, heads, head_dim] inputs; returns [B, L, heads * head_dim].
 
     fp32 SDPA on CPU gives thread-count-dependent bits for 1 or 3 queries against a longer key sequence
     (measured, torch 2.13); queries are independent rows, so short ones are zero-padded to 16 and cut back."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     n = q.shape[-2]
     if q.device.type == "cpu" and q.dtype == torch.float32 and 0 < n < _MIN_FP32_ROWS:
         pad = q.new_zeros(*q.shape[:-2], _MIN_FP32_ROWS - n, q.shape[-1])

@@ -16,7 +16,7 @@ Fields (all compared by ``==`` and hashable, so wave grouping can key on them):
     outputs_per_prompt   1              yes: N videos from one noise generator, drawn in order
     quality              "default"      no: carried for serving / wave grouping
     lora, lora_scale     None, 1.0      lora must be None: the reference model has no adapters
-    extra_args           {}             no: read-only mapping of JSON scalars / tuples, carried as is
+    extra_args           {}             no: a read-only dict (FrozenDict) of JSON scalars / tuples, carried as is
 
 Defaults are the published Cosmos3-Nano workload (832 x 480, 29 frames, 35 steps).
 """
@@ -25,16 +25,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from dlo_fn.models.config import DiTConfig, check_video_shape
 
-__all__ = ["Request", "SAMPLERS"]
+__all__ = ["Request", "SAMPLERS", "FrozenDict"]
 
 SAMPLERS = ("flow_euler",)
 _SCALARS = (str, int, float, bool, type(None))
+
+
+class FrozenDict(dict):
+    """A read-only, hashable dict: still a ``dict`` for ``json.dumps``, ``==`` and pickling."""
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError("Request.extra_args is read-only: build a new Request with dataclasses.replace")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _readonly
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=lambda kv: str(kv[0]))))
+
+    def __reduce__(self):
+        return (FrozenDict, (dict(self),))
 
 
 def _freeze(value: Any) -> Any:
@@ -78,11 +92,7 @@ class Request:
         if not isinstance(self.extra_args, Mapping):
             raise ValueError(f"extra_args must be a mapping, got {type(self.extra_args).__name__}")
         frozen = {k: _freeze(v) for k, v in sorted(self.extra_args.items(), key=lambda kv: str(kv[0]))}
-        object.__setattr__(self, "extra_args", types.MappingProxyType(frozen))
-
-    def __hash__(self) -> int:
-        values = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra_args"]
-        return hash((*values, tuple(self.extra_args.items())))
+        object.__setattr__(self, "extra_args", FrozenDict(frozen))
 
     @property
     def cfg(self) -> bool:

@@ -57,9 +57,7 @@ class TextLayer(nn.Module):
         self.fc2 = Linear(config.text_mlp_dim, dim, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, n, 3, self.num_heads, d // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
         x = x + self.out(attention(q, k, v)).float()
         h = self.fc1(self.norm2(x))
         return x + self.fc2(nn.functional.gelu(h, approximate="tanh")).float()
