@@ -5,7 +5,7 @@ fp32 norm weights, GB = 1e9 bytes; ``tests/test_models_config.py`` re-checks the
 (``PUBLISHED_NUMBERS.md``)::
 
     name           blocks  hidden  params    bytes (bf16)   max block   published
-    tiny                4      64  0.27 M    0.54 MB        0.13 MB     -
+    tiny                4      64  0.32 M    0.65 MB        0.14 MB     -
     bench              24    4096  6.81 B    13.61 GB       0.562 GB    H200 block: 302 M params, 604 MB
     cosmos3-nano       72    3840  16.52 B   33.04 GB       0.456 GB    17 B params, 33 GB, 72 blocks
     cosmos3-super     128    5632  61.98 B   123.95 GB      0.966 GB    64 B params, 124 GB, 128 blocks
