@@ -7,9 +7,12 @@ import csv
 import pathlib
 from typing import Iterable, Iterator, Mapping, Sequence
 
+import sys
+
 import matplotlib
 
-matplotlib.use("Agg")
+if "ipykernel" not in sys.modules:  # scripts and tests render off-screen; notebooks keep their inline backend
+    matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 RC = {
