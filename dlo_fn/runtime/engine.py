@@ -29,6 +29,7 @@ board), the wave fails closed (every request in it gets an error naming the wave
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Iterable, Sequence
 
@@ -105,7 +106,8 @@ class Engine:
         self._next_wave += len(plan.waves)
         waves = self._dispatch(plan.waves, subs, results, t0)
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
-                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0)
+                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0,
+                           self._stats())
 
     def serve_forced(self, waves: Sequence[Sequence[Request]]) -> ServeReport:
         """Rank 0: dispatch caller-formed waves as given. Every wave is checked first
@@ -128,7 +130,17 @@ class Engine:
             start += len(w)
         records = self._dispatch(tuple(plans), subs, results, t0)
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(records), self.mode,
-                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0)
+                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0,
+                           self._stats())
+
+    def _stats(self) -> dict[str, float]:
+        """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""
+        ex = getattr(self.offloaded, "executor", None)
+        if ex is None:
+            return {}
+        st = ex.stats
+        return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
+                "issue_s": st.issue_s, "call_s": st.call_s}
 
     def close(self) -> None:
         """Rank 0: tell the followers to return (skipped when the engine failed: the group is broken)."""
@@ -181,17 +193,22 @@ class Engine:
         fault = self.options.fault
         fault = fault if fault is not None and fault.rank == self.rank and fault.wave == wave_id else None
         self.board.post("running", wave=wave_id, step=0)
+        spans: list | None = [] if trace is not None else None
         on_block = None
-        if trace is not None:
+        if spans is not None:
             def on_block(label: str, step: int, block: int, s: float, e: float) -> None:
-                trace.append((self.rank, "compute", f"{label} s{step} b{block}", s, e))
+                spans.append((self.rank, "compute", f"{label} s{step} b{block}", s, e))
+        positions = [p for p, _ in share]
         outcomes = run_batch(
-            self.model, self.offloaded, [from_wire(r) for _, r in share], [p for p, _ in share], num_steps=num_steps,
+            self.model, self.offloaded, [from_wire(r) for _, r in share], positions, num_steps=num_steps,
             rank=self.rank, fault=fault, on_block=on_block,
             on_step=lambda s: self._on_step(wave_id, s),
         )
         if trace is not None:
-            trace.extend(self._executor_spans())
+            measured = self._executor_spans(positions)
+            # The executor's compute spans start after the block's weights arrived; the engine's own spans
+            # (``on_block``) include that wait, so they are used only when there is no executor (resident).
+            trace.extend(measured if any(lane == "compute" for _, lane, *_ in measured) else spans + measured)
         return outcomes
 
     def _on_step(self, wave_id: int, step: int) -> None:
@@ -199,8 +216,9 @@ class Engine:
         if self.tick is not None:
             self.tick()
 
-    def _executor_spans(self) -> list[tuple[int, str, str, float, float]]:
-        """The executor's measured H2D / all-gather spans, on the same clock as the engine's spans."""
+    def _executor_spans(self, positions: Sequence[int]) -> list[tuple[int, str, str, float, float]]:
+        """The executor's measured spans of the last run(s), on the engine's clock (``time.perf_counter``);
+        compute ops relabelled ``p<wave position> s<step> b<block>``."""
         ex = getattr(self.offloaded, "executor", None)
         if ex is None or not ex.record_timeline:
             return []
@@ -208,9 +226,18 @@ class Engine:
         timeline = ex.take_timeline()
         if origin is None or not hasattr(origin, "time_ns"):
             return []  # device events: no host-clock origin to align with
-        base = origin.time_ns / 1e9
-        return [(self.rank, sp.stream, sp.op, base + sp.start_s, base + sp.end_s)
-                for sp in timeline.spans if sp.stream != "compute"]
+        base, num_blocks = origin.time_ns / 1e9, ex.layout.num_blocks
+        out = []
+        for sp in timeline.spans:
+            label = sp.op
+            if sp.stream == "compute":
+                m = re.search(r"C k(\d+) b(\d+)@s\d+ r(\d+)", sp.op)
+                if m is None or int(m.group(3)) >= len(positions):
+                    continue
+                k, b, r = (int(g) for g in m.groups())
+                label = f"p{positions[r]} s{k // num_blocks} b{b}"
+            out.append((self.rank, sp.stream, label, base + sp.start_s, base + sp.end_s))
+        return out
 
     def fail(self, wave_id: int | None, where: str, exc: BaseException, ranks: Sequence[int],
              what: str | None = None) -> str:

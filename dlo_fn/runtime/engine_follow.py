@@ -56,9 +56,6 @@ def _wave(engine: Any, msg: dict) -> bool:
     engine.board.post("error" if failed else "done", wave=wave_id,
                       **({"error": failed[0].error} if failed else {}))
     try:
-        s0 = time.perf_counter()
-        if trace is not None:
-            trace.append((rank, "control", "send", s0, s0))
         engine.channel.send({"wave": wave_id, "rank": rank, "outcomes": outcomes, "trace": trace})
     except Exception as exc:  # noqa: BLE001
         engine.board.post("collective-failed", wave=wave_id, error=f"sending results: {exc}")

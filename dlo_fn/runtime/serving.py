@@ -197,6 +197,7 @@ class ServeReport:
     dp_size: int
     requests_per_rank: int
     wall_s: float
+    stats: Mapping[str, float] = field(default_factory=dict)  # rank 0's executor counters (cumulative)
 
     @property
     def ok(self) -> bool:
