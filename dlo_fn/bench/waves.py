@@ -8,6 +8,8 @@ after one warm-up wave of the same kind:
 kind               what runs
 =================  ==================================================================================
 ``resident``       dp = 1 only, weights resident, one request per wave: the compute-only baseline
+``host``           dp = 1 only, in this process without a process group (the 1-rank "all-gather" is a copy):
+                   ``issue_wait_us_per_block`` is then pure host dispatch per block
 ``single``         allgather, one request per wave (forced), the other ranks idle (serve shards only)
 ``full``           allgather, waves of ``dp x R`` compatible requests, ``R`` per rank block-major
 =================  ==================================================================================
@@ -96,6 +98,32 @@ def _issue_us(report) -> float | str:
     return round(1e6 * st["issue_s"] / st["computes"], 2) if st.get("computes") else ""
 
 
+def host_point(args: argparse.Namespace, checkpoint: pathlib.Path, n: int) -> dict:
+    """One rank, no process group, one thread: the executor's own host time per block (no collective waits)."""
+    import torch
+
+    from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.runtime.engine import Engine
+    from dlo_fn.runtime.local import open_model
+    from dlo_fn.runtime.serving import EngineOptions
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, off = open_model(checkpoint, init_distributed(), "allgather")
+        engine = Engine(model, off, off.ctx, EngineOptions(progress=False))
+        engine.serve(_requests(1, args, 4000))  # warm-up
+        off.executor.stats.reset()
+        report = engine.serve(_requests(n - 1, args, 4001))
+    finally:
+        torch.set_num_threads(threads)
+    latency = statistics.median(w.latency_s for w in report.waves)
+    return {"dp": 1, "requests_per_rank": 1, "kind": "host", "mode": "allgather (no group)",
+            "outputs_per_wave": 1, "timed_waves": len(report.waves), "wave_latency_s": latency,
+            "outputs_per_s": 1 / latency, "frames_per_s": args.frames / latency,
+            "issue_wait_us_per_block": _issue_us(report)}
+
+
 def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]:
     from dlo_fn.models import get_config, tokens_for
     from dlo_fn.runtime.local import Phase, serve_local
@@ -106,6 +134,8 @@ def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]
     config = get_config("tiny") if args.checkpoint is None else None
     tokens = tokens_for(config, args.height, args.width, args.frames) if config is not None else ""
     rows: list[dict] = []
+    if 1 in _ints(args.dp):
+        rows.append(dict(host_point(args, checkpoint, n), num_frames=args.frames, tokens=tokens, steps=args.steps))
     for dp in _ints(args.dp):
         phases, kinds = [], []
         if dp == 1:
