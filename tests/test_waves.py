@@ -165,3 +165,38 @@ def test_wave_formation_invariants(pend, dp, r, now, wait):
         waiting = [by_index[i] for i in sched.waiting if by_index[i].key == key]
         if waiting:  # the partial chunk waits only while its oldest request is within the bound
             assert now - waiting[0].arrival_s < wait
+
+
+# ---- the wave timeline model (dlo_fn.plan.wave_model) -----------------------------------------------------------
+
+from dlo_fn.plan.wave_model import WaveCosts, host_for_fraction, predict_wave  # noqa: E402
+
+
+def test_hidden_transfers_give_the_ideal():
+    pred = predict_wave(WaveCosts(8, 4, compute_s=0.01, allgather_s=0.002, h2d_s=0.004), baseline_step_s=0.08)
+    assert pred.step_s == pytest.approx(0.08) and pred.speedup == pytest.approx(4.0)
+
+
+def test_host_work_on_the_compute_path_is_lost_from_the_ideal():
+    c = 0.012
+    h = host_for_fraction(0.8, c)
+    pred = predict_wave(WaveCosts(16, 4, compute_s=c, host_s=h, allgather_s=0.001), baseline_step_s=16 * c)
+    assert pred.fraction_of_ideal == pytest.approx(0.8)
+    assert pred.exposed_s_per_step == pytest.approx(16 * h)
+
+
+def test_requests_per_rank_amortise_a_transfer_bound_load():
+    # H2D of a block takes 3x one request's compute: R = 1 is transfer-bound, R = 4 compute-bound again.
+    one = predict_wave(WaveCosts(6, 1, compute_s=1.0, h2d_s=3.0), baseline_step_s=6.0)
+    four = predict_wave(WaveCosts(6, 1, compute_s=1.0, h2d_s=3.0, requests_per_rank=4), baseline_step_s=6.0)
+    assert one.step_s == pytest.approx(18.0) and one.fraction_of_ideal == pytest.approx(1 / 3)
+    assert four.step_s == pytest.approx(24.0) and four.fraction_of_ideal == pytest.approx(1.0)
+
+
+def test_published_overhead_split_reproduces_the_published_wave():
+    from dlo_fn.figures.waves_data import perf, reference_costs
+
+    pred = predict_wave(reference_costs(), baseline_step_s=0.870)
+    published_step = perf("perf.nano.dlo_ag_dp4_4req.ms_per_step").value / 1e3
+    assert abs(pred.step_s - published_step) / published_step < 0.02
+    assert abs(pred.speedup - perf("perf.nano.dlo_ag_dp4_4req.vs_hsdp").value) / 3.3 < 0.05
