@@ -126,3 +126,41 @@ def test_read_prompts(tmp_path):
     assert "unknown field(s) ['colour']" in subs[2].error
     with pytest.raises(FileNotFoundError, match="prompts file not found"):
         read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_stream_bounded_wait_fills_waves_then_gives_up(checkpoint, reference):
+    import queue
+    import threading
+    import time
+
+    engine, off = _engine(checkpoint, requests_per_rank=2, max_wait_s=1.0)
+    source: queue.Queue = queue.Queue()
+    reqs = [_req(seed=i) for i in range(4)] + [_req(height=48)]
+
+    def producer():
+        source.put(reqs[0])
+        source.put(reqs[4])  # another key: waits alone, then goes out partial
+        time.sleep(0.2)
+        source.put(reqs[1])  # fills reqs[0]'s wave within the bound
+        time.sleep(0.2)
+        source.put(Submission("bad", _req("")))
+        source.put(reqs[2])
+        time.sleep(2.5)  # longer than the bound: reqs[2] leaves alone
+        source.put(reqs[3])
+        source.put(None)
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    report = engine.serve_stream(source)
+    thread.join()
+    ids = [r.request_id for r in report.results]
+    assert ids == ["req0000", "req0001", "req0002", "bad", "req0004", "req0005"]
+    # Submission indices per wave: the pair filled within the bound, then the lone other key (due at 1 s),
+    # then reqs[2] alone (its bound passed before reqs[3] came), then reqs[3] at close.
+    assert [w.rank_indices[0] for w in report.waves] == [(0, 2), (1,), (4,), (5,)]
+    assert report.by_id()["bad"].error.startswith("rejected before dispatch")
+    arrived = [reqs[0], reqs[4], reqs[1], None, reqs[2], reqs[3]]
+    for res, req in zip(report.results, arrived):
+        assert res.ok == (req is not None)
+        if req is not None:
+            assert res.sha256 == reference(req).sha256

@@ -146,3 +146,16 @@ def test_rank_local_replica_death_keeps_the_other_replicas_results(checkpoint, e
     kept = [r for r in report.results if r.rank == 0]
     assert kept and all(r.ok and r.sha256 == expected[r.request_id].sha256 for r in kept)
     assert not res["req0004"].ok and "empty" in res["req0004"].error
+
+
+@pytest.mark.timeout(120)
+def test_stream_keeps_idle_followers_alive_past_the_timeout(checkpoint, expected):
+    # A 2 x TIMEOUT_S pause with no request: the followers wait in the wave broadcast the whole time and would
+    # time out without rank 0's keep-alive messages.
+    subs = (SUBS[0], SUBS[1], SUBS[3])
+    phase = Phase("allgather", subs, _options(max_wait_s=0.5), stream_gaps_s=(0.0, 2 * TIMEOUT_S, 0.0))
+    run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=5)
+    (report,) = run.reports
+    assert run.exitcodes == (0, 0)
+    assert [w.rank_indices for w in report.waves] == [((0,), ()), ((1,), (2,))]
+    assert all(r.ok and r.sha256 == expected[r.request_id].sha256 for r in report.results)

@@ -109,6 +109,13 @@ class Engine:
                            self.world_size, self.options.requests_per_rank, time.perf_counter() - t0,
                            self._stats())
 
+    def serve_stream(self, source: Any) -> ServeReport:
+        """Rank 0: serve submissions as they arrive on a ``queue.Queue`` (``None`` closes it), with the bounded
+        wait ``options.max_wait_s`` to fill a wave (see :mod:`dlo_fn.runtime.engine_stream`)."""
+        from dlo_fn.runtime.engine_stream import serve_stream
+
+        return serve_stream(self, source)
+
     def serve_forced(self, waves: Sequence[Sequence[Request]]) -> ServeReport:
         """Rank 0: dispatch caller-formed waves as given. Every wave is checked first
         (:func:`~dlo_fn.plan.waves.validate_wave`): a mixed one raises ``IncompatibleWaveError`` naming the

@@ -29,6 +29,8 @@ def follow(engine: Any) -> None:
         if kind == "stop":
             engine.board.post("idle")
             return
+        if kind == "idle":  # rank 0 is waiting for requests: nothing to do, wait again
+            continue
         if kind == "wave":
             last_wave = msg["wave"]
             ok = _wave(engine, msg)

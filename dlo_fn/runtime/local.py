@@ -34,12 +34,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Phase:
     """One engine run: ``mode`` (allgather / rank-local / resident), what to serve, how.
-    ``forced``: caller-formed waves (indices into ``submissions``) for :meth:`Engine.serve_forced`."""
+    ``forced``: caller-formed waves (indices into ``submissions``) for :meth:`Engine.serve_forced`;
+    ``stream_gaps_s``: feed the submissions one by one to :meth:`Engine.serve_stream` with these pauses."""
 
     mode: str
     submissions: tuple[Submission, ...]
     options: EngineOptions = field(default_factory=EngineOptions)
     forced: tuple[tuple[int, ...], ...] | None = None
+    stream_gaps_s: tuple[float, ...] | None = None  # serve as a stream: sleep gaps[i] before submission i
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,23 @@ def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_tim
     return model, offloaded
 
 
+def _feed(submissions: Sequence[Submission], gaps_s: Sequence[float]) -> Any:
+    """A queue that a thread fills with ``submissions``, sleeping ``gaps_s[i]`` before each, then ``None``."""
+    import queue
+    import threading
+
+    source: queue.Queue = queue.Queue()
+
+    def produce() -> None:
+        for sub, gap in zip(submissions, gaps_s):
+            time.sleep(gap)
+            source.put(sub)
+        source.put(None)
+
+    threading.Thread(target=produce, daemon=True).start()
+    return source
+
+
 def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: Sequence[Phase], threads: int,
                out: Any, log_level: int) -> None:
     torch.set_num_threads(threads)
@@ -91,6 +110,8 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
                     if phase.forced is not None:
                         waves = [[phase.submissions[i].request for i in w] for w in phase.forced]
                         reports.append(engine.serve_forced(waves))
+                    elif phase.stream_gaps_s is not None:
+                        reports.append(engine.serve_stream(_feed(phase.submissions, phase.stream_gaps_s)))
                     else:
                         reports.append(engine.serve(phase.submissions))
                 except Exception as exc:  # noqa: BLE001 - e.g. a forced mixed wave: reported, then carry on
@@ -111,7 +132,7 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
         out.send((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         code = 1
     out.close()
-    if code:
+    if broken or code:
         # A failed engine leaves gloo pairs broken: leave without destructors that could block on them.
         os._exit(code)
 
