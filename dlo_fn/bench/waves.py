@@ -55,10 +55,14 @@ def register(subparsers) -> None:
     p.add_argument("--requests-per-rank", default="1,2,4", help="comma list of R for full waves")
     p.add_argument("--waves", type=int, default=4, help="timed waves per point (after one warm-up wave)")
     p.add_argument("--repeats", type=int, default=3, help="sweeps; each point keeps its fastest median")
-    p.add_argument("--height", type=int, default=128)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--frames", type=int, default=17)
+    p.add_argument("--height", type=int, default=None, help="default 128 (CPU sweep), 1024 (--r-sweep)")
+    p.add_argument("--width", type=int, default=None, help="default 128 (CPU sweep), 1024 (--r-sweep)")
+    p.add_argument("--frames", type=int, default=None, help="default 17 (CPU sweep), 1 (--r-sweep)")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--r-sweep", action="store_true",
+                   help="per-output time vs R on one device against its bound (dlo_fn.bench.waves_r)")
+    p.add_argument("--config", default="bench", help="--r-sweep: reference DiT config (random weights)")
+    p.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="--r-sweep: default detect")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--out", default="figures/data/waves_cpu.csv")
     p.add_argument("--trace-out", default="figures/data/waves_fig5_trace.csv", help="'' to skip the trace")
@@ -205,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
     from dlo_fn.models import write_checkpoint
     from dlo_fn.runtime.memstat import host_description
 
+    if args.r_sweep:
+        return _run_r_sweep(args)
+    args.height, args.width, args.frames = args.height or 128, args.width or 128, args.frames or 17
+
     checkpoint = pathlib.Path(args.checkpoint or "runs/bench_waves/checkpoint")
     if args.checkpoint is None and not (checkpoint / "config.json").is_file():
         write_checkpoint("tiny", checkpoint, seed=0, progress=False)
@@ -223,4 +231,20 @@ def run(args: argparse.Namespace) -> int:
     if args.trace_out:
         trace = record_trace(args, checkpoint)
         print(f"wrote {write_csv(pathlib.Path(args.trace_out), trace, TRACE_FIELDS)} ({len(trace)} spans)")
+    return 0
+
+
+def _run_r_sweep(args: argparse.Namespace) -> int:
+    from dlo_fn.bench.waves_r import FIELDS as R_FIELDS, r_sweep
+    from dlo_fn.figures.style import write_csv
+
+    args.height, args.width, args.frames = args.height or 1024, args.width or 1024, args.frames or 1
+    if args.out == "figures/data/waves_cpu.csv":
+        args.out = "figures/data/waves_r_sweep.csv"
+    rows = r_sweep(args)
+    print(f"wrote {write_csv(pathlib.Path(args.out), rows, R_FIELDS)}")
+    for r in rows:
+        print(f"R {r['requests_per_rank']}: {r['per_output_step_s']:.4f} s per output-step, bound "
+              f"{r['bound_s']:.4f} s (resident {r['resident_step_s']:.4f}, transfer {r['transfer_step_s']:.4f}): "
+              f"{r['ratio_to_bound']:.3f}x; identical bytes {r['identical_to_resident']}")
     return 0
