@@ -35,7 +35,16 @@ def test_quick_bench_reports_every_variant(quick_report):
             if v["variant"].startswith("dlo-"):
                 # Weight memory of the executor is exactly its plan: 2 slots (+ 2 landing buffers).
                 assert v["weight_device_bytes"] == v["weight_device_bytes_planned"]
-                assert v["executor_issue_us_per_block"] > 0
+                assert v["proxy_host_us_per_block"] > 0 and v["load_issue_us_per_block"] > 0
+
+
+def test_quick_bench_measures_dispatch(quick_report):
+    d = quick_report["dispatch"]
+    assert d["tensors_per_block"] == 15 and d["resident_pass_host_s"] > 0
+    assert {"dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap"} <= set(d["variants"])
+    for row in d["variants"].values():
+        assert row["pass_host_s"] > 0
+    assert len(quick_report["pinned_h2d_peaks_bytes_per_s"]) == len(VARIANTS)  # one first, one per offload variant
 
 
 def test_bench_figure_from_report(quick_report, tmp_path):

@@ -10,8 +10,12 @@ compute-bound on an H200) and ``image`` 1024^2 (2 x 4096 tokens, PCIe-bound). Fo
     bound_s            max(resident step_s, H2D bytes per pass / pinned peak), the peak measured in this run
     ratio_to_bound     step_s / bound_s (the target is <= 1.02)
     h2d_bytes_per_s    H2D bytes per pass / step_s (and as a fraction of the pinned peak)
-    host_dispatch_us_per_block   (host time of a pass - host time of a resident pass) / blocks, each pass
-                       started on an idle device: the host work the offload adds per block
+    proxy_host_us_per_block   host time the executor spends per block outside the block's own call (issuing
+                       the H2D / all-gather ops, event waits and records, schedule bookkeeping), measured inside
+                       the proxy; ``block_call_us_per_block`` is the time inside the call (re-parametrisation
+                       + the block's kernel launches, which may block when the launch queue is full)
+    pass_host_delta_us_per_block  (host time of a pass - that of a resident pass) / blocks, each pass started
+                       on an idle device; confounded by launch-queue back-pressure once the GPU falls behind
     peak_device_bytes  torch.cuda.max_memory_allocated during the variant, and the planned weight bytes
 
 Results go to ``figures/data/bench_step_<machine>.json`` with the machine, command and date. ``--quick`` runs
@@ -44,7 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--workloads", default="video,image", help=f"comma list of {sorted(WORKLOADS)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
     p.add_argument("--warmup", type=int, default=2, help="untimed passes per variant and workload")
-    p.add_argument("--repeats", type=int, default=5, help="timed passes (median reported)")
+    p.add_argument("--repeats", type=int, default=7, help="timed passes (median reported)")
     p.add_argument("--host-repeats", type=int, default=3, help="passes timed on the host from an idle device")
     p.add_argument("--quick", action="store_true", help="tiny config and workloads, 1 warmup, 2 repeats (CPU smoke)")
     p.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
@@ -160,52 +164,63 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     tensors, aliases = sv.block_states(blocks)
     store = build_host_store(layout, 0, tensors, platform, progress=not args.quick)
     del tensors
-    peak = sv.pinned_peak_bytes_per_s(platform, store, layout)
+    peaks = [sv.pinned_peak_bytes_per_s(platform, store, layout)]
     cpu = sv.cpu_blocks(blocks) if "diffusers" in variants else None
     for block in blocks:
         strip_block(block, platform.device)
     sv.release(platform)
     for variant in variants:
+        if variant != "resident":  # PCIe varies over a run: measure the peak next to each variant
+            peaks.append(sv.pinned_peak_bytes_per_s(platform, store, layout))
         if variant.startswith("dlo-"):
             mode = "allgather" if variant == "dlo-allgather" else "rank-local"
             call = "swap" if variant.endswith("-swap") else "functional_call"
             run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode=mode, group=ctx.group,
                                             block_call=call)
             measure(variant, run_pass, reset=ex.stats.reset, extra=lambda ex=ex: {
-                "executor_issue_us_per_block": ex.stats.issue_us_per_compute,
+                "proxy_host_us_per_block": ex.stats.issue_us_per_compute,
+                "load_issue_us_per_block": 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1),
+                "block_call_us_per_block": 1e6 * ex.stats.call_s / max(ex.stats.computes, 1),
                 "weight_device_bytes": ex.measured_device_bytes or ex.device_weight_bytes,
                 "weight_device_bytes_planned": ex.planned_device_weight_bytes})
             ex.synchronize()
             del run_pass, ex
         elif variant == "diffusers":
             try:
-                run_pass, pinned = sv.diffusers_pass(platform, cpu)
+                run_pass = sv.diffusers_pass(platform, cpu)
             except ImportError as exc:
                 skipped[variant] = str(exc)
                 log.warning("bench step: skipping %s: %s", variant, exc)
                 continue
-            measure(variant, run_pass, extra={"pinned_host_bytes": pinned})
+            measure(variant, run_pass)
             del run_pass
             cpu = None
         elif variant == "naive-sync":
             measure(variant, sv.naive_pass(platform, layout, store, blocks, aliases),
                     extra={"weight_device_bytes_planned": layout.max_block_bytes})
         sv.release(platform)
-    report = _report(args, platform, layout, store, peak, inputs, results)
+    report = _report(args, platform, layout, store, peaks, inputs, results)
+    del store, cpu, model, blocks, inputs
+    sv.release(platform)
+    from dlo_fn.bench.step_dispatch import measure_dispatch
+
+    report["dispatch"] = measure_dispatch(config, platform, ctx.group, variants, args.quick)
     report["skipped_variants"] = skipped
+    report["pinning_overhead"] = sv.pinning_overhead(platform)
     if own_group:
         torch.distributed.destroy_process_group()
     return report
 
 
-def _report(args, platform, layout, store, peak, inputs, results) -> dict:
+def _report(args, platform, layout, store, peaks, inputs, results) -> dict:
     h2d_bytes = sum(s.shard_bytes for s in layout.shards)  # per pass, every variant that offloads (W = 1)
+    peak = statistics.median(peaks)  # the bound's peak; each measurement is kept in the report
     out = {"machine": machine(platform), "command": _command(args),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "config": "tiny" if args.quick else args.config, "num_blocks": layout.num_blocks,
            "max_block_bytes": layout.max_block_bytes, "total_block_bytes": layout.total_block_bytes,
            "h2d_bytes_per_pass": h2d_bytes, "pinned_arena_bytes": store.arena_bytes, "pinning": store.how,
-           "pinned_h2d_peak_bytes_per_s": peak, "workloads": []}
+           "pinned_h2d_peak_bytes_per_s": peak, "pinned_h2d_peaks_bytes_per_s": peaks, "workloads": []}
     for w, res in results.items():
         x, _, tokens = inputs[w]
         resident = res["resident"]
@@ -218,7 +233,7 @@ def _report(args, platform, layout, store, peak, inputs, results) -> dict:
             rows.append({"variant": name, "step_s": step, "step_s_all": r.step_s, "host_s_all": r.host_s,
                          "ratio_to_resident": step / res_s, "ratio_to_bound": step / bound,
                          "h2d_bytes_per_s": moved / step, "h2d_fraction_of_peak": (moved / step / peak) if peak else 0,
-                         "host_dispatch_us_per_block": 1e6 * (statistics.median(r.host_s) - res_host) / layout.num_blocks,
+                         "pass_host_delta_us_per_block": 1e6 * (statistics.median(r.host_s) - res_host) / layout.num_blocks,
                          "peak_device_bytes": r.peak_device_bytes, **r.extra})
         height, width, frames = (QUICK_WORKLOADS if args.quick else WORKLOADS)[w]
         out["workloads"].append({"name": w, "height": height, "width": width, "frames": frames, "cfg": True,
@@ -236,11 +251,19 @@ def format_report(report: dict) -> str:
         lines.append(f"\n{w['name']} {w['width']}x{w['height']}x{w['frames']} CFG: resident {w['resident_s']:.4f} s, "
                      f"bound {w['bound_s']:.4f} s")
         lines.append(f"{'variant':22s} {'step s':>9s} {'/resident':>9s} {'/bound':>7s} {'H2D GB/s':>9s} "
-                     f"{'dispatch us/blk':>15s} {'peak GB':>8s}")
+                     f"{'proxy us/blk':>12s} {'call us/blk':>11s} {'peak GB':>8s}")
         for r in w["variants"]:
             lines.append(f"{r['variant']:22s} {r['step_s']:9.4f} {r['ratio_to_resident']:9.3f} {r['ratio_to_bound']:7.3f} "
-                         f"{r['h2d_bytes_per_s'] / 1e9:9.2f} {r['host_dispatch_us_per_block']:15.1f} "
-                         f"{r['peak_device_bytes'] / 1e9:8.2f}")
+                         f"{r['h2d_bytes_per_s'] / 1e9:9.2f} {r.get('proxy_host_us_per_block', float('nan')):12.1f} "
+                         f"{r.get('block_call_us_per_block', float('nan')):11.1f} {r['peak_device_bytes'] / 1e9:8.2f}")
+    d = report.get("dispatch")
+    if d:
+        lines.append(f"\nhost dispatch ({d['config']}: same {d['tensors_per_block']} tensors per block, "
+                     f"{d['tokens_per_sample']} tokens; resident pass {d['resident_pass_host_s'] * 1e3:.2f} ms)")
+        for name, r in d["variants"].items():
+            lines.append(f"{name:22s} +{r['dispatch_us_per_block']:7.1f} us/block over resident"
+                         + (f"; executor {r['proxy_host_us_per_block']:.1f} us/block" if "proxy_host_us_per_block" in r
+                            else ""))
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,8 +30,8 @@ from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
 
-__all__ = ["VARIANTS", "PassResult", "time_passes", "random_model", "cpu_blocks", "executor_pass",
-           "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s"]
+__all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_s", "narrow_config", "random_model", "cpu_blocks",
+           "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "diffusers", "naive-sync")
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
@@ -42,6 +43,25 @@ class PassResult:
     host_s: list[float]  # host time of passes started on an idle device (dispatch cost)
     peak_device_bytes: int
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def host_pass_s(platform: Platform, run_pass: PassFn, x: torch.Tensor, kwargs: dict, *, warmup: int = 3,
+                repeats: int = 21, reset: Callable[[], None] | None = None) -> float:
+    """Median host time of one pass, each started on an idle device (use with small activations and blocks,
+    so the device keeps up and the host timer sees host work only). ``reset`` runs after the warm-up."""
+    for _ in range(warmup):
+        run_pass(x, kwargs)
+    if reset is not None:
+        reset()
+    times = []
+    for _ in range(repeats):
+        platform.synchronize()
+        t0 = time.perf_counter()
+        run_pass(x, kwargs)
+        times.append(time.perf_counter() - t0)
+    platform.synchronize()
+    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -72,7 +92,19 @@ def time_passes(platform: Platform, run_pass: PassFn, x: torch.Tensor, kwargs: d
     return PassResult(step_s, host_s, platform.max_memory_allocated())
 
 
-def random_model(config_name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+def narrow_config(config_name: str):
+    """``config_name`` with the same blocks (same modules, same tensors per block) at hidden 256: for host
+    dispatch timing, where the device must never fall behind the host (no launch-queue back-pressure)."""
+    import dataclasses
+
+    from dlo_fn.models import get_config
+
+    base = get_config(config_name)
+    return dataclasses.replace(base, name=f"{base.name}-narrow", hidden_dim=256, num_heads=2, mlp_dim=1024,
+                               cond_dim=256 if base.adaln_rank == 0 else base.cond_dim)
+
+
+def random_model(config_name, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     """The reference DiT with random weights made directly on ``device`` (fast; no checkpoint): N(0, 1/fan_in)
     for matrices, N(1, 0.1) for norm weights, N(0, 0.02) for the rest."""
     from dlo_fn.models import build_model
@@ -127,27 +159,23 @@ def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blo
     return run_pass, ex
 
 
-def diffusers_pass(platform: Platform, blocks: nn.ModuleList) -> tuple[PassFn, int]:
-    """diffusers group offloading on ``blocks`` (CPU modules); returns the pass and the pinned host bytes it
-    allocated through the caching host allocator (rounded per tensor), as the process RSS grew."""
-    import psutil
+def diffusers_pass(platform: Platform, blocks: nn.ModuleList) -> PassFn:
+    """diffusers group offloading on ``blocks`` (CPU modules; it pins a copy of every tensor at set-up)."""
     from diffusers.hooks import apply_group_offloading
     from diffusers.utils import is_accelerate_available
 
     if not is_accelerate_available():  # group offloading's hooks call accelerate.utils.send_to_device
         raise ImportError("diffusers group offloading needs the `accelerate` package")
 
-    rss0 = psutil.Process().memory_info().rss
     stack = _Stack(blocks)
     apply_group_offloading(stack, onload_device=platform.device, offload_device=torch.device("cpu"),
                            offload_type="block_level", num_blocks_per_group=1,
                            use_stream=platform.is_accelerator)
-    pinned = psutil.Process().memory_info().rss - rss0
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         return stack(x, **kwargs)
 
-    return run_pass, pinned
+    return run_pass
 
 
 def naive_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
@@ -189,6 +217,30 @@ def pinned_peak_bytes_per_s(platform: Platform, store: HostStore, layout: ModelL
             best = max(best, nbytes / seconds)
     del dst
     return best
+
+
+def pinning_overhead(platform: Platform, nbytes: int = int(1.2 * 2**30)) -> dict:
+    """Resident host bytes (RSS growth) of pinning ``nbytes`` through ``pin_memory()`` (the caching host
+    allocator: next power of two) and through our exact ``cudaHostRegister`` arena. CUDA only."""
+    if platform.kind != "cuda":
+        return {}
+    import psutil
+
+    from dlo_fn.runtime.host_store import alloc_host
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    rounded = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pin_memory_bytes = proc.memory_info().rss - before
+    del rounded
+    release(platform)
+    before = proc.memory_info().rss
+    exact, how, fin = alloc_host(nbytes, platform)
+    register_bytes = proc.memory_info().rss - before
+    fin()
+    del exact
+    return {"requested_bytes": nbytes, "pin_memory_rss_bytes": pin_memory_bytes,
+            "host_register_rss_bytes": register_bytes}
 
 
 def release(platform: Platform) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dlo_fn.plan.layout import ModelLayout
@@ -52,17 +53,19 @@ class ScheduleError(RuntimeError):
 @dataclass
 class ExecutorStats:
     """Host-side counters (seconds, from ``time.perf_counter``). ``issue_s`` is the host time the executor
-    spends outside the blocks' own calls (issuing loads, waits, records, bookkeeping)."""
+    spends outside the blocks' own calls (issuing loads, waits, records, bookkeeping), of which
+    ``load_issue_s`` issuing the H2D and all-gather ops; ``call_s`` is the time inside the block calls."""
 
     computes: int = 0
     loads: int = 0
     runs: int = 0
     issue_s: float = 0.0
+    load_issue_s: float = 0.0
     call_s: float = 0.0
 
     def reset(self) -> None:
         self.computes = self.loads = self.runs = 0
-        self.issue_s = self.call_s = 0.0
+        self.issue_s = self.load_issue_s = self.call_s = 0.0
 
     @property
     def issue_us_per_compute(self) -> float:
@@ -134,6 +137,8 @@ class Executor:
         self.landing = tuple(torch.empty(layout.max_shard_bytes, dtype=torch.uint8, device=dev)
                              for _ in range(self.num_landing))
         self.measured_device_bytes = platform.memory_allocated() - before
+        self._set_stream = platform.stream_setter()
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.h2d_stream = platform.new_stream("h2d")
         self.allgather_stream = platform.new_stream("allgather")
         # Views: one dict per (slot, distinct block layout); one caller per (block, slot).
@@ -313,12 +318,20 @@ class Executor:
 
     # -- issuing --------------------------------------------------------------------------------------------
     def _issue_until(self, run: _Run, stop: int) -> None:
-        """Issue ops ``run.cursor .. stop-1``; compute ops among them only when the run has no compute."""
-        p, events, starts, use_stream = run.program, run.events, run.starts, self.platform.use_stream
-        for i in range(run.cursor, stop):
-            kind = p.kinds[i]
-            stream = p.streams[i] if kind != _C else run.stream
-            with use_stream(stream):
+        """Issue ops ``run.cursor .. stop-1``; compute ops among them only when the run has no compute.
+        Streams are switched with one ``set_stream`` per change (the compute stream is restored at the end)."""
+        if run.cursor >= stop:
+            return
+        t0 = time.perf_counter()
+        p, events, starts, set_stream = run.program, run.events, run.starts, self._set_stream
+        current = run.stream
+        try:
+            for i in range(run.cursor, stop):
+                kind = p.kinds[i]
+                stream = p.streams[i] if kind != _C else run.stream
+                if stream is not current:
+                    set_stream(stream)
+                    current = stream
                 for d in p.waits[i]:
                     stream.wait_event(events[d])
                 for buf in p.carry[i]:
@@ -336,7 +349,7 @@ class Executor:
                     if self.group is None:
                         out.copy_(inp, non_blocking=True)
                     else:
-                        work = all_gather_bytes(out, inp, self.group, async_op=self.async_collectives)
+                        work = self._all_gather(out, inp, group=self.group, async_op=self.async_collectives)
                         if work is not None:
                             events[i].work = work
                             if starts is not None:
@@ -345,7 +358,11 @@ class Executor:
                 elif run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
                 events[i].record(stream)
-        run.cursor = max(run.cursor, stop)
+        finally:
+            if current is not run.stream:
+                set_stream(run.stream)
+            run.cursor = max(run.cursor, stop)
+            self.stats.load_issue_s += time.perf_counter() - t0
 
     @staticmethod
     def _stamp_on_completion(work: Any, event: Any) -> None:

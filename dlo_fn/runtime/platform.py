@@ -134,6 +134,16 @@ class Platform:
             return stream
         return self._module.stream(stream)
 
+    def stream_setter(self) -> Any:
+        """A function ``set(stream)`` making ``stream`` current (no context object, for the executor's hot
+        loop: one call per switch instead of an enter/exit pair); a no-op on CPU."""
+        if not self.is_accelerator:
+            return _no_op
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and hasattr(acc, "set_stream"):
+            return acc.set_stream
+        return self._module.set_stream
+
     def new_event(self, timing: bool = False) -> Any:
         if not self.is_accelerator:
             return HostEvent()
@@ -178,6 +188,10 @@ class Platform:
 
 
 _HOST_STREAM = HostStream("default")
+
+
+def _no_op(*_args: Any) -> None:
+    return None
 
 
 def _npu_available() -> bool:
