@@ -139,6 +139,20 @@ def test_explicit_runs_block_major_requests_and_idle_passes():
             o.model(xs[0])
 
 
+def test_drain_after_a_failed_compute_keeps_the_ring():
+    ref = toy()
+    o = offload(copy.deepcopy(ref), "blocks", CTX)
+    x = torch.randn(2, 16)
+    loads = o.executor.stats.loads
+    o.executor.begin_run(num_steps=2)
+    o.model.blocks[0](x, ctx=x)
+    with pytest.raises(RuntimeError):
+        o.model.blocks[1](torch.randn(2, 3), ctx=x)  # the block itself fails (bad shape)
+    o.executor.drain()  # the rest of the run's loads are still issued (collectives stay in step)
+    assert not o.executor.in_run and o.executor.stats.loads - loads == 2 * 5 + 1  # cold run + 1 prefetched
+    assert torch.equal(o.model(x), ref(x))
+
+
 def test_measured_timeline_matches_schedule_and_exports_trace(tmp_path):
     o = offload(toy(4), "blocks", CTX, record_timeline=True)
     schedules = []
@@ -153,6 +167,7 @@ def test_measured_timeline_matches_schedule_and_exports_trace(tmp_path):
     computes = [s for s in tl.spans if s.stream == "compute"]
     assert all(a.end_s <= b.start_s for a, b in zip(computes, computes[1:]))
     assert dict(tl.meta)["source"] == "measured"
+    assert o.executor.timeline_origin_s is not None  # CPU: spans are on the host clock
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(to_chrome_trace(tl)))
     assert from_chrome_trace(json.loads(path.read_text())) == tl

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -34,70 +33,15 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.plan.schedule import AG, H2D, Schedule, build_schedule, next_schedule
+from dlo_fn.plan.schedule import Schedule, build_schedule, next_schedule
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.blocks import layout_key, make_caller, make_views
 from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
+from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, RunState, ScheduleError, compile_schedule
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
-
-_H2D, _AG, _C = 0, 1, 2
-
-
-class ScheduleError(RuntimeError):
-    """The model called blocks in an order the schedule does not have (or too few / too many)."""
-
-
-@dataclass
-class ExecutorStats:
-    """Host-side counters (seconds, from ``time.perf_counter``). ``issue_s`` is the host time the executor
-    spends outside the blocks' own calls (issuing loads, waits, records, bookkeeping), of which
-    ``load_issue_s`` issuing the H2D and all-gather ops; ``call_s`` is the time inside the block calls."""
-
-    computes: int = 0
-    loads: int = 0
-    runs: int = 0
-    issue_s: float = 0.0
-    load_issue_s: float = 0.0
-    call_s: float = 0.0
-
-    def reset(self) -> None:
-        self.computes = self.loads = self.runs = 0
-        self.issue_s = self.load_issue_s = self.call_s = 0.0
-
-    @property
-    def issue_us_per_compute(self) -> float:
-        return 1e6 * self.issue_s / max(self.computes, 1)
-
-
-@dataclass
-class _Program:
-    """A schedule compiled against this executor's buffers; events are reused each time it runs."""
-
-    schedule: Schedule
-    kinds: tuple[int, ...]
-    streams: tuple[Any, ...]
-    waits: tuple[tuple[int, ...], ...]
-    carry: tuple[tuple[str, ...], ...]  # buffers whose previous-run last use this op must wait for
-    args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: (out, inp); C: (block, caller)
-    next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
-    events: list[Any]
-    last_use: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass
-class _Run:
-    program: _Program
-    events: list[Any]
-    starts: list[Any] | None
-    compute: bool
-    implicit: bool
-    stream: Any
-    cursor: int = 0
-    index: int = 0
-
 
 class Executor:
     """Runs offloaded blocks from a :class:`HostStore` through device slots, following planner schedules.
@@ -151,10 +95,10 @@ class Executor:
             self._callers.append(tuple(make_caller(block_call, self.blocks[b], shared[key][s])
                                        for s in range(num_slots)))
         self.num_view_sets = len(shared) * num_slots
-        self._programs: dict[tuple, _Program] = {}
+        self._programs: dict[tuple, Program] = {}
         self._prev: Schedule | None = None
         self._carry: dict[str, Any] = {}
-        self._run: _Run | None = None
+        self._run: RunState | None = None
         self._records: list[tuple[str, str, Any, Any]] = []
         self._origin: Any = None
         self._run_count = 0
@@ -188,7 +132,7 @@ class Executor:
                                   prefetch_next=True)
         return next_schedule(self._prev, num_steps, requests_per_load=requests_per_load, prefetch_next=True)
 
-    def _program(self, num_steps: int, requests_per_load: int) -> _Program:
+    def _program(self, num_steps: int, requests_per_load: int) -> Program:
         prev = self._prev
         if prev is None:
             key: tuple = (num_steps, requests_per_load, None)
@@ -200,36 +144,9 @@ class Executor:
             program = self._programs[key] = self._compile(self.next_schedule(num_steps, requests_per_load))
         return program
 
-    def _compile(self, sch: Schedule) -> _Program:
-        kinds, streams, args = [], [], []
-        for op in sch.ops:
-            shard = self.layout.shards[op.block]
-            if op.kind == H2D:
-                kinds.append(_H2D)
-                streams.append(self.h2d_stream)
-                dst = self.slots[op.slot] if op.slot is not None else self.landing[op.landing]
-                args.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
-                                  for s in self.store.sources[op.block]))
-            elif op.kind == AG:
-                kinds.append(_AG)
-                streams.append(self.allgather_stream)
-                n = shard.shard_bytes
-                args.append((self.slots[op.slot][: n * self.layout.world_size], self.landing[op.landing][:n]))
-            else:
-                kinds.append(_C)
-                streams.append(None)
-                args.append((op.block, self._callers[op.block][op.slot]))
-        carry: list[list[str]] = [[] for _ in sch.ops]
-        for buf, i in sch.first_use:
-            carry[i].append(buf)
-        nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
-        for i in range(len(sch.ops), -1, -1):
-            if i < len(sch.ops) and kinds[i] == _C:
-                upcoming = i
-            nxt[i] = upcoming
-        events = [self.platform.new_event() for _ in sch.ops]
-        return _Program(sch, tuple(kinds), tuple(streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
-                        tuple(nxt), events, sch.last_use)
+    def _compile(self, sch: Schedule) -> Program:
+        return compile_schedule(sch, self.layout, self.store, self.slots, self.landing, self._callers,
+                                (self.h2d_stream, self.allgather_stream), self.platform.new_event)
 
     # -- runs -----------------------------------------------------------------------------------------------
     @property
@@ -252,7 +169,7 @@ class Executor:
                 self._origin.record(self.platform.current_stream())
         else:
             events, starts = program.events, None
-        self._run = _Run(program, events, starts, compute, _implicit, self.platform.current_stream(),
+        self._run = RunState(program, events, starts, compute, _implicit, self.platform.current_stream(),
                          index=self._run_count)
         self._run_count += 1
         self.stats.runs += 1
@@ -295,6 +212,14 @@ class Executor:
         with self.run(num_steps, 1, compute=False):
             pass
 
+    def drain(self) -> None:
+        """End the open run without computing what is left: its remaining loads and all-gathers are issued, so
+        the other ranks' collectives complete (use after a compute failed mid-run; the ring stays intact)."""
+        if self._run is None:
+            raise ScheduleError("no run is open to drain")
+        self._run.compute = False
+        self.end_run()
+
     def abort(self) -> None:
         """Drop the open run after an error: wait for the device, forget the ring (the next run starts cold)."""
         run, self._run = self._run, None
@@ -317,7 +242,7 @@ class Executor:
         self.platform.synchronize()
 
     # -- issuing --------------------------------------------------------------------------------------------
-    def _issue_until(self, run: _Run, stop: int) -> None:
+    def _issue_until(self, run: RunState, stop: int) -> None:
         """Issue ops ``run.cursor .. stop-1``; compute ops among them only when the run has no compute.
         Streams are switched with one ``set_stream`` per change (the compute stream is restored at the end)."""
         if run.cursor >= stop:
@@ -418,6 +343,13 @@ class Executor:
         st.call_s += t2 - t1
         st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
+
+    @property
+    def timeline_origin_s(self) -> float | None:
+        """Host-clock time (``time.perf_counter`` seconds) of the timeline's zero on CPU; None on devices
+        (their spans are on the device clock) or before the first recorded run."""
+        origin = self._origin
+        return origin.time_ns / 1e9 if origin is not None and hasattr(origin, "time_ns") else None
 
     # -- measured timeline ----------------------------------------------------------------------------------
     def take_timeline(self, meta: Sequence[tuple[str, str]] = ()) -> Timeline:

@@ -1,0 +1,110 @@
+"""A schedule compiled against an executor's buffers, the state of an open run, and the executor's counters.
+
+Compiling resolves every op once (at the first run that uses the schedule) into what the hot loop needs: its
+kind, stream, the indices of the events it waits on, the buffers whose previous-run last use it waits on, and
+its arguments as ready-made byte views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing
+bytes); ``C``: (block index, caller bound to the slot's weight views)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.schedule import AG, H2D, Schedule
+from dlo_fn.runtime.host_store import HostStore
+
+__all__ = ["ScheduleError", "ExecutorStats", "Program", "RunState", "compile_schedule"]
+
+_H2D, _AG, _C = 0, 1, 2
+
+
+class ScheduleError(RuntimeError):
+    """The model called blocks in an order the schedule does not have (or too few / too many)."""
+
+
+@dataclass
+class ExecutorStats:
+    """Host-side counters (seconds, from ``time.perf_counter``). ``issue_s`` is the host time the executor
+    spends outside the blocks' own calls (issuing loads, waits, records, bookkeeping), of which
+    ``load_issue_s`` issuing the H2D and all-gather ops; ``call_s`` is the time inside the block calls."""
+
+    computes: int = 0
+    loads: int = 0
+    runs: int = 0
+    issue_s: float = 0.0
+    load_issue_s: float = 0.0
+    call_s: float = 0.0
+
+    def reset(self) -> None:
+        self.computes = self.loads = self.runs = 0
+        self.issue_s = self.load_issue_s = self.call_s = 0.0
+
+    @property
+    def issue_us_per_compute(self) -> float:
+        return 1e6 * self.issue_s / max(self.computes, 1)
+
+
+@dataclass
+class Program:
+    """A schedule compiled against this executor's buffers; events are reused each time it runs."""
+
+    schedule: Schedule
+    kinds: tuple[int, ...]
+    streams: tuple[Any, ...]
+    waits: tuple[tuple[int, ...], ...]
+    carry: tuple[tuple[str, ...], ...]  # buffers whose previous-run last use this op must wait for
+    args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: (out, inp); C: (block, caller)
+    next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
+    events: list[Any]
+    last_use: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass
+class RunState:
+    program: Program
+    events: list[Any]
+    starts: list[Any] | None
+    compute: bool
+    implicit: bool
+    stream: Any
+    cursor: int = 0
+    index: int = 0
+
+
+def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots: Sequence[torch.Tensor],
+                     landing: Sequence[torch.Tensor], callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
+                     new_event: Callable[[], Any]) -> Program:
+    """Resolve every op of ``sch`` against the buffers (``streams`` = (H2D stream, all-gather stream))."""
+    kinds, op_streams, args = [], [], []
+    for op in sch.ops:
+        shard = layout.shards[op.block]
+        if op.kind == H2D:
+            kinds.append(_H2D)
+            op_streams.append(streams[0])
+            dst = slots[op.slot] if op.slot is not None else landing[op.landing]
+            args.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
+                              for s in store.sources[op.block]))
+        elif op.kind == AG:
+            kinds.append(_AG)
+            op_streams.append(streams[1])
+            n = shard.shard_bytes
+            args.append((slots[op.slot][: n * layout.world_size], landing[op.landing][:n]))
+        else:
+            kinds.append(_C)
+            op_streams.append(None)
+            args.append((op.block, callers[op.block][op.slot]))
+    carry: list[list[str]] = [[] for _ in sch.ops]
+    for buf, i in sch.first_use:
+        carry[i].append(buf)
+    nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
+    for i in range(len(sch.ops), -1, -1):
+        if i < len(sch.ops) and kinds[i] == _C:
+            upcoming = i
+        nxt[i] = upcoming
+    events = [new_event() for _ in sch.ops]
+    return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
+                   tuple(nxt), events, sch.last_use)
