@@ -203,15 +203,16 @@ def run_batch(
                                   exc) from idle_exc
         dt = time.perf_counter() - t0
         return [Outcome(p, False, error=text, compute_s=dt) for p in positions]
-    compute_s = time.perf_counter() - t0
-    out = []
+    finished = []
     for p, s in zip(positions, states):
         try:
-            res = finish(s)
-            out.append(Outcome(p, True, res.video, res.sha256, compute_s=compute_s))
+            finished.append((p, finish(s), None))
         except Exception as exc:  # decoding one request must not lose the others
-            out.append(Outcome(p, False, error=f"rank {rank}: {_describe(exc)}", compute_s=compute_s))
-    return out
+            finished.append((p, None, f"rank {rank}: {_describe(exc)}"))
+    # After finish(): the latents came back to the host, so on an accelerator the device work is included.
+    compute_s = time.perf_counter() - t0
+    return [Outcome(p, True, res.video, res.sha256, compute_s=compute_s) if res is not None
+            else Outcome(p, False, error=err, compute_s=compute_s) for p, res, err in finished]
 
 
 def _drain(executor: Any, rank: int, cause: BaseException) -> None:
