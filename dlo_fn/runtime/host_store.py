@@ -10,7 +10,9 @@ then drops the mmap views (the block modules go to the meta device).
 rounds every request up to a power of two (a 13.8 GB arena would pin 16 GB; per-block pinning of 1.2 GiB
 blocks costs 2 GiB each). On CUDA we allocate ``n`` pageable bytes and page-lock exactly those pages with
 ``cudaHostRegister`` (``torch.cuda.cudart()``); pinned bytes = ``n`` rounded up to the page size. The
-registration is undone when the store is closed or collected. On NPU the driver's host allocator is used
+registration is undone when the store is closed or collected. Measured on one H200 machine (torch 2.11,
+``bench step``'s ``pinning_overhead``): pinning 1.2 GiB with ``pin_memory()`` grew the resident set by 2.0 GiB,
+with ``cudaHostRegister`` by 1.2 GiB; the 13.5 GB arena of 24 blocks then feeds H2D at 55.3 GB/s. On NPU the driver's host allocator is used
 (``pin_memory=True`` on one arena); its pages are invisible to the cgroup (DESIGN.md, Figure 6). CPU has no
 pinned memory: the arena is plain (pageable) memory.
 
