@@ -5,7 +5,9 @@ launch queue fills and every host timer also counts waits for queue space. Here 
 (the same modules and tensors per block, so the same host work per block) at hidden 256, with 2 x 64 tokens:
 H2D and compute per block take microseconds and the device keeps up. Reported per variant:
 
-    dispatch_us_per_block = (median host time of a pass - that of the resident pass) / num_blocks
+    dispatch_us_per_block = median over pairs of (host time of a pass - that of a resident pass) / num_blocks,
+                            the two passes of a pair timed back to back (host speed drifts by more than the
+                            differences measured here over a run)
     proxy_host_us_per_block = the executor's own timer: proxy time outside the block call, per block
 
 The first is everything the offload adds on the host (op issue, waits/records, re-parametrisation); the second
@@ -14,6 +16,7 @@ excludes the block call, so their difference is the cost of running a block on v
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -38,13 +41,15 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
     layout = model_layout(spec_from_module(model, BLOCK_PATHS), 1)
     reps = dict(warmup=2, repeats=3) if quick else dict(warmup=5, repeats=31)
 
+    resident_blocks = [copy.deepcopy(b) for b in blocks]  # the reference keeps its own weights on the device
+
     def resident_pass(x, kw):
-        for block in blocks:
+        for block in resident_blocks:
             x = block(x, **kw)
         return x
 
     with torch.no_grad():
-        resident = sv.host_pass_s(platform, resident_pass, x, kwargs, **reps)
+        resident, _ = sv.host_pass_delta_s(platform, resident_pass, resident_pass, x, kwargs, **reps)
         tensors, aliases = sv.block_states(blocks)
         store = build_host_store(layout, 0, tensors, platform)
         cpu = sv.cpu_blocks(blocks) if "diffusers" in variants else None
@@ -59,19 +64,21 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
                 call = "swap" if variant.endswith("-swap") else "functional_call"
                 run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode=mode, group=group,
                                                 block_call=call)
-                host = sv.host_pass_s(platform, run_pass, x, kwargs, reset=ex.stats.reset, **reps)
+                host, delta = sv.host_pass_delta_s(platform, run_pass, resident_pass, x, kwargs,
+                                                   reset=ex.stats.reset, **reps)
                 row["proxy_host_us_per_block"] = ex.stats.issue_us_per_compute
                 row["load_issue_us_per_block"] = 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1)
                 ex.synchronize()
             elif variant == "diffusers":
                 try:
-                    host = sv.host_pass_s(platform, sv.diffusers_pass(platform, cpu), x, kwargs, **reps)
+                    host, delta = sv.host_pass_delta_s(platform, sv.diffusers_pass(platform, cpu), resident_pass,
+                                                       x, kwargs, **reps)
                 except ImportError:
                     continue
             else:
                 continue  # resident is the reference; naive-sync waits for every copy by design
             row["pass_host_s"] = host
-            row["dispatch_us_per_block"] = 1e6 * (host - resident) / layout.num_blocks
+            row["dispatch_us_per_block"] = 1e6 * delta / layout.num_blocks
             out[variant] = row
     return {"config": getattr(cfg, "name", cfg), "num_blocks": layout.num_blocks,
             "tensors_per_block": len(layout.shards[0].block.placements), "tokens_per_sample": tokens,

@@ -30,7 +30,7 @@ from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
 
-__all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_s", "narrow_config", "random_model", "cpu_blocks",
+__all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow_config", "random_model", "cpu_blocks",
            "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "diffusers", "naive-sync")
@@ -46,22 +46,30 @@ class PassResult:
 
 
 @torch.no_grad()
-def host_pass_s(platform: Platform, run_pass: PassFn, x: torch.Tensor, kwargs: dict, *, warmup: int = 3,
-                repeats: int = 21, reset: Callable[[], None] | None = None) -> float:
-    """Median host time of one pass, each started on an idle device (use with small activations and blocks,
-    so the device keeps up and the host timer sees host work only). ``reset`` runs after the warm-up."""
+def host_pass_delta_s(platform: Platform, run_pass: PassFn, reference: PassFn, x: torch.Tensor, kwargs: dict, *,
+                      warmup: int = 3, repeats: int = 21, reset: Callable[[], None] | None = None
+                      ) -> tuple[float, float]:
+    """``(median host time of a pass, median of (pass - reference pass))``, the two timed alternately, each
+    pass started on an idle device, so drift of the host's speed cancels in the difference. Use small
+    activations and blocks, so the device keeps up and the host timer sees host work only. ``reset`` runs
+    after the warm-up."""
     for _ in range(warmup):
         run_pass(x, kwargs)
+        reference(x, kwargs)
     if reset is not None:
         reset()
-    times = []
+    times, deltas = [], []
     for _ in range(repeats):
-        platform.synchronize()
-        t0 = time.perf_counter()
-        run_pass(x, kwargs)
-        times.append(time.perf_counter() - t0)
+        pair = []
+        for fn in (reference, run_pass):
+            platform.synchronize()
+            t0 = time.perf_counter()
+            fn(x, kwargs)
+            pair.append(time.perf_counter() - t0)
+        times.append(pair[1])
+        deltas.append(pair[1] - pair[0])
     platform.synchronize()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(deltas)
 
 
 @torch.no_grad()
