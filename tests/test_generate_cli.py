@@ -3,7 +3,6 @@ the same bytes; each output's file hashes to the manifest's SHA-256; the trace h
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os

@@ -20,7 +20,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import torch
 from torch import nn
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
