@@ -13,7 +13,7 @@ from dlo_fn.plan.published import MODELS, PUBLISHED, Published, relative_error
 from dlo_fn.plan.wave_model import WaveCosts, predict_wave
 
 __all__ = ["PERF", "perf", "NANO_BLOCKS", "SHARD_H2D_BYTES_PER_S", "reference_costs", "published_rows",
-           "model_rows", "overhead_rows", "sensitivity_rows", "cpu_rows", "cpu_host_us", "trace_rows", "cost_rows", "demo_checkpoint"]
+           "model_rows", "overhead_rows", "sensitivity_rows", "cpu_rows", "cpu_host_us", "h200_r_rows", "trace_rows", "cost_rows", "demo_checkpoint"]
 
 _SRC = "seed (vLLM blog 'Distributed Layerwise Offload'): Ascend performance table (Nano, 832x480x29, 35 steps)"
 
@@ -150,6 +150,21 @@ def cpu_rows() -> list[dict]:
             row[k] = round(float(r[k]), 3) if r[k] else ""
         rows.append(row)
     return rows
+
+
+def h200_r_rows() -> list[dict]:
+    """``figures/data/waves_r_sweep_h200.csv``: per-output step vs R on one H200 (1024^2 image, CFG)."""
+    import csv
+
+    from dlo_fn.figures.waves import DATA
+
+    with open(DATA / "waves_r_sweep_h200.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{"R": r["requests_per_rank"], "per_output_step_ms": round(1e3 * float(r["per_output_step_s"]), 1),
+             "resident_step_ms": round(1e3 * float(r["resident_step_s"]), 1),
+             "transfer_step_ms": round(1e3 * float(r["transfer_step_s"]), 1),
+             "bound_ms": round(1e3 * float(r["bound_s"]), 1), "ratio_to_bound": round(float(r["ratio_to_bound"]), 3),
+             "same_bytes": r["identical_to_resident"]} for r in rows]
 
 
 def cpu_host_us() -> float:
