@@ -217,17 +217,11 @@ def run_batch(
 
 def _drain(executor: Any, rank: int, cause: BaseException) -> None:
     """Finish the open run without compute, so the other ranks' all-gathers complete (see module doc)."""
-    run = getattr(executor, "_run", None)
-    if run is None:
+    if not executor.in_run:
         raise WaveAborted(f"rank {rank}: the run was dropped after {_describe(cause)}; the wave cannot complete",
                           cause) from cause
     try:
-        drain = getattr(executor, "drain", None)
-        if drain is not None:
-            drain()
-        else:  # executor without a public drain: switch the open run to compute=False and issue the rest
-            run.compute = False
-            executor.end_run()
+        executor.drain()
     except Exception as exc:
         try:
             executor.abort()

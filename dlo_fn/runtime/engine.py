@@ -229,11 +229,11 @@ class Engine:
         ex = getattr(self.offloaded, "executor", None)
         if ex is None or not ex.record_timeline:
             return []
-        origin = getattr(ex, "_origin", None)
         timeline = ex.take_timeline()
-        if origin is None or not hasattr(origin, "time_ns"):
+        base = ex.timeline_origin_s
+        if base is None:
             return []  # device events: no host-clock origin to align with
-        base, num_blocks = origin.time_ns / 1e9, ex.layout.num_blocks
+        num_blocks = ex.layout.num_blocks
         out = []
         for sp in timeline.spans:
             label = sp.op
