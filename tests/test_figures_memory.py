@@ -133,11 +133,17 @@ def test_minimax_missing_waves_are_reported(tmp_path):
 
 def test_measured_hbm_records_are_read_from_bench_json(tmp_path):
     assert memory_data.measured_hbm_records(tmp_path) == []
-    doc = {"machine": "1x H200", "runs": [{"hbm_weight_bytes": 1000, "measured_device_bytes": 1010}, {"x": 1}]}
-    (tmp_path / "bench_step.json").write_text(json.dumps(doc))
+    variants = [{"variant": "resident", "weight_device_bytes": 5000, "weight_device_bytes_planned": 5000},
+                {"variant": "dlo-allgather", "weight_device_bytes": 1010, "weight_device_bytes_planned": 1000,
+                 "peak_device_bytes": 2000}]
+    doc = {"machine": {"device_name": "NVIDIA H200", "platform": "cuda"},
+           "workloads": [{"name": "video", "variants": variants}, {"name": "image", "variants": variants}]}
+    (tmp_path / "bench_step_h200.json").write_text(json.dumps(doc))
+    (tmp_path / "other.json").write_text(json.dumps(doc))  # only bench_step_*.json files are read
     (rec,) = memory_data.measured_hbm_records(tmp_path)
-    assert rec == {"file": "bench_step.json", "machine": "1x H200", "metric": "measured_device_bytes",
-                   "measured_bytes": 1010, "planned_bytes": 1000}
+    assert rec == {"file": "bench_step_h200.json", "machine": "NVIDIA H200", "variant": "dlo-allgather",
+                   "workload": "video", "metric": "weight_device_bytes", "measured_bytes": 1010,
+                   "planned_bytes": 1000, "peak_device_bytes": 2000}
 
 
 def test_every_memory_comparison_names_a_published_number():

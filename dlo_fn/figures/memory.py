@@ -182,8 +182,9 @@ def fig4_hbm(out_dir: pathlib.Path) -> list[pathlib.Path]:
                         label="measured" if i == 0 else None)
                 ax2.annotate(_err(m["planned_bytes"], m["measured_bytes"]), (i, m["measured_bytes"] / GB),
                              ha="center", textcoords="offset points", xytext=(0, 3), fontsize=7)
-            ax2.set(xticks=range(len(measured)), xticklabels=[m["machine"][:18] for m in measured],
-                    ylabel="weight HBM (GB)", title="measured weight HBM (figures/data)")
+            ax2.set(xticks=range(len(measured)), xticklabels=[m["variant"].removeprefix("dlo-") for m in measured],
+                    ylabel="weight HBM (GB)",
+                    title=f"measured weight HBM, bench config ({measured[0]['machine']})")
             ax2.legend(fontsize=7)
         else:
             ax1.text(4.4, 75, "no measured GPU HBM under figures/data/ yet:\npublished vs predicted only",

@@ -210,28 +210,27 @@ def approach_rows(name: str = "cosmos3-super", cards: int = FIG_CARDS) -> list[d
 
 
 def measured_hbm_records(data_dir: pathlib.Path = DATA_DIR) -> list[dict]:
-    """Measured device weight bytes from benchmark JSON under ``figures/data/`` (none until a GPU run is
-    committed). A record is any JSON object holding ``hbm_weight_bytes`` (the plan) and one of
-    ``measured_device_bytes`` / ``weight_device_bytes`` / ``peak_device_bytes``; ``machine`` is taken from
-    the record or the nearest enclosing object."""
+    """Measured device weight bytes of the offload variants in the committed ``bench_step_*.json`` files
+    (``python -m dlo_fn bench step`` on a GPU): per variant, the executor's planned weight bytes (slots +
+    landing buffers) and what it measured on the device allocator, from the first workload of each file (the
+    weight buffers do not depend on the workload)."""
     found = []
-
-    def walk(obj, machine, path):
-        if isinstance(obj, dict):
-            machine = obj.get("machine", machine)
-            measured = next((k for k in ("measured_device_bytes", "weight_device_bytes", "peak_device_bytes")
-                             if isinstance(obj.get(k), (int, float))), None)
-            if measured and isinstance(obj.get("hbm_weight_bytes"), (int, float)):
-                found.append({"file": path.name, "machine": str(machine), "metric": measured,
-                              "measured_bytes": int(obj[measured]), "planned_bytes": int(obj["hbm_weight_bytes"])})
-            for v in obj.values():
-                walk(v, machine, path)
-        elif isinstance(obj, list):
-            for v in obj:
-                walk(v, machine, path)
-
-    for path in sorted(pathlib.Path(data_dir).glob("*.json")):
-        walk(json.loads(path.read_text()), "", path)
+    for path in sorted(pathlib.Path(data_dir).glob("bench_step_*.json")):
+        doc = json.loads(path.read_text())
+        machine = doc.get("machine", {})
+        device = machine.get("device_name", "") if isinstance(machine, dict) else str(machine)
+        if machine.get("platform") == "cpu" if isinstance(machine, dict) else False:
+            continue
+        workloads = doc.get("workloads") or []
+        if not workloads:
+            continue
+        for v in workloads[0].get("variants", []):
+            planned, measured = v.get("weight_device_bytes_planned"), v.get("weight_device_bytes")
+            if str(v.get("variant", "")).startswith("dlo-") and isinstance(planned, int) and isinstance(measured, int):
+                found.append({"file": path.name, "machine": device, "variant": v["variant"],
+                              "workload": workloads[0].get("name", ""), "metric": "weight_device_bytes",
+                              "measured_bytes": measured, "planned_bytes": planned,
+                              "peak_device_bytes": v.get("peak_device_bytes")})
     return found
 
 
