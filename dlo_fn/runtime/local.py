@@ -57,15 +57,15 @@ class LocalRun:
 def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_timeline: bool = False,
                progress: bool = False) -> tuple[Any, Any]:
     """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``."""
-    from dlo_fn.models import VideoDiT, load_config
+    from dlo_fn.models import BLOCK_PATHS, build_model, load_config
     from dlo_fn.runtime.load import load_model
     from dlo_fn.runtime.offload import offload
 
     config, dtype = load_config(checkpoint)
-    model = load_model(checkpoint, lambda: VideoDiT(config, dtype=dtype), progress=progress)
+    model = load_model(checkpoint, lambda: build_model(config, "meta", dtype), progress=progress)
     model.eval()
     model.init_buffers("cpu")
-    offloaded = offload(model, "blocks", ctx, mode=mode, record_timeline=record_timeline)
+    offloaded = offload(model, BLOCK_PATHS, ctx, mode=mode, record_timeline=record_timeline)
     model.init_buffers(ctx.platform.device)
     return model, offloaded
 
