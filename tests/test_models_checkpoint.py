@@ -24,15 +24,6 @@ from dlo_fn.models.init import TensorInit, init_plan
 REQ = Request(prompt="a paper boat", seed=5, height=32, width=32, num_frames=5, num_inference_steps=3)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and OpenMP spinning on a shared 2-core machine is slow."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _read_all(directory) -> dict[str, torch.Tensor]:
     tensors = {}
     for name in sorted(os.listdir(directory)):

@@ -15,15 +15,6 @@ TINY = CONFIGS["tiny"]
 FULL_ADALN = dataclasses.replace(TINY, name="tiny-full-adaln", adaln_rank=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and OpenMP spinning on a shared 2-core machine is slow."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _inputs(model, cfg_scale=4.0, height=32, width=48, frames=5):
     req = Request(prompt="a lighthouse at dusk", seed=7, height=height, width=width, num_frames=frames,
                   num_inference_steps=2, guidance_scale=cfg_scale)

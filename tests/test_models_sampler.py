@@ -18,15 +18,6 @@ REQ = Request(prompt="a red fox in the snow", seed=11, height=32, width=48, num_
               num_inference_steps=4, guidance_scale=4.0, shift=3.0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and OpenMP spinning on a shared 2-core machine is slow."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model():
     return build_model(TINY, "cpu", torch.bfloat16)

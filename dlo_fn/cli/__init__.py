@@ -35,13 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"dlo_fn.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"dlo_fn.cli.{name}":
-                raise
-            continue  # command not built yet
-        module.register(sub)
+        importlib.import_module(f"dlo_fn.cli.{name}").register(sub)
     return parser
 
 

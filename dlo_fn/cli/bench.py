@@ -18,10 +18,4 @@ def register(subparsers) -> None:
     )
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name in BENCHES:
-        try:
-            module = importlib.import_module(f"dlo_fn.bench.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"dlo_fn.bench.{name}":
-                raise
-            continue  # benchmark not built yet
-        module.register(sub)
+        importlib.import_module(f"dlo_fn.bench.{name}").register(sub)

@@ -25,11 +25,5 @@ FIGURE_MODULES = (
 def all_figures() -> dict[str, Callable[[pathlib.Path], list[pathlib.Path]]]:
     figures: dict[str, Callable[[pathlib.Path], list[pathlib.Path]]] = {}
     for name in FIGURE_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue  # figure module not built yet
-        figures.update(module.FIGURES)
+        figures.update(importlib.import_module(name).FIGURES)
     return figures
