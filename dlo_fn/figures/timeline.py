@@ -26,7 +26,7 @@ from dlo_fn.plan.timeline import Timeline, simulate
 
 __all__ = [
     "CASES", "h200_pass", "bound_of", "prediction_rows", "sweep_rows", "sweep_grid", "nano_super_rows",
-    "text_table", "draw_gantt", "plot_three_streams", "fig_timeline_three_streams", "fig_timeline_animation", "FIGURES",
+    "text_table", "draw_gantt", "plot_three_streams", "plot_overlay", "fig_timeline_three_streams", "fig_timeline_animation", "FIGURES",
 ]
 
 CASES = (VIDEO_832X480X29_CFG, IMAGE_1024_CFG)  # compute-bound, then transfer-bound
@@ -174,6 +174,33 @@ def plot_three_streams(cases: dict[str, Timeline] | None = None):
             ax.set_title(_caption(workloads[name], tl), loc="left")
         fig.suptitle("Two slots on one H200, 24 blocks of 604 MB: video hides the PCIe copies, image is bound by "
                      "them", fontsize=10)
+        fig.tight_layout()
+    return fig
+
+
+def plot_overlay(measured: Timeline, predicted: Timeline, *, title: str | None = None):
+    """Measured (solid, upper half of each stream row) over predicted (light, lower half) on one time axis,
+    both from their own start; returns the matplotlib Figure (not saved: the measurement varies per run)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    y_of = {stream: len(ROWS) - 1 - i for i, (stream, _) in enumerate(ROWS)}
+    end_ms = 1e3 * max(measured.makespan_s, predicted.makespan_s)
+    with figure_style():
+        fig, ax = plt.subplots(figsize=(10, 3.0))
+        for tl, dy, alpha in ((measured, 0.19, 1.0), (predicted, -0.19, 0.45)):
+            for s in tl.spans:
+                color = COLORS[s.stream]
+                ax.barh(y_of[s.stream] + dy, 1e3 * s.duration_s, left=1e3 * (s.start_s - tl.start_s), height=0.34,
+                        color=color, alpha=alpha, edgecolor=color, linewidth=0.6)
+        ax.set_yticks([y_of[s] for s, _ in ROWS], [label for _, label in ROWS])
+        ax.set_ylim(-0.6, len(ROWS) - 0.4)
+        ax.set_xlim(0, end_ms * 1.01)
+        ax.set_xlabel("time from the run's first op (ms)")
+        ax.grid(axis="y", visible=False)
+        ax.legend(handles=[Patch(color="0.3", label="measured"), Patch(color="0.3", alpha=0.45, label="predicted")],
+                  loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2, fontsize=7, frameon=False)
+        ax.set_title(title or "Measured vs predicted (same schedule, median duration per op kind)", loc="left")
         fig.tight_layout()
     return fig
 
