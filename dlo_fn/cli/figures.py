@@ -45,9 +45,25 @@ def execute_notebooks(folder: pathlib.Path, timeout_s: int = 900) -> list[pathli
         client.execute()
         for cell in nb.cells:
             cell.metadata.pop("execution", None)
+            if cell.cell_type == "code":
+                cell.outputs = _coalesce_streams(cell.outputs)
         nbformat.write(nb, path)
         done.append(path)
     return done
+
+
+def _coalesce_streams(outputs: list) -> list:
+    """Merge consecutive stream outputs of the same name: how the kernel chunks stdout varies run to run, and
+    the committed bytes must not."""
+    merged: list = []
+    for out in outputs:
+        prev = merged[-1] if merged else None
+        if (out.get("output_type") == "stream" and prev is not None and prev.get("output_type") == "stream"
+                and prev.get("name") == out.get("name")):
+            prev["text"] = prev["text"] + out["text"]
+        else:
+            merged.append(out)
+    return merged
 
 
 def run(args: argparse.Namespace) -> int:
