@@ -19,6 +19,7 @@ FIGURE_MODULES = (
     "dlo_fn.figures.cold_start",
     "dlo_fn.figures.bench",
     "dlo_fn.figures.waves",
+    "dlo_fn.figures.b300",
 )
 
 

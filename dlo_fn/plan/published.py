@@ -89,6 +89,7 @@ _F1, _F2, _F3 = "Figure 1 / approach table", "Figure 2 (cold start, Nano DP4)", 
 _HT, _HBM, _F4 = "host memory table (cgroup peak)", "NPU HBM table", "Figure 4 (720p 10 s, dist_offload+SP)"
 _F6, _PERF, _CAP = "Figure 6 (Ascend accounting, Nano DP2)", "Ascend performance table", "host-capacity table"
 _B300, _MM = "B300 1024^2 T2I table", "MiniMax-H3 8x B300 study"
+_T2V, _WL = "B300 832x480x29 T2V table (35 steps)", "B300 workloads table (35 steps, DLO vs HSDP+USP4)"
 
 _ROWS = (
     # Platform.
@@ -176,6 +177,32 @@ _ROWS = (
     _p("b300.super.dlo_noag_dp4.pss", 532, "GiB", _B300),
     _p("b300.super.dlo_ag_dp4.hbm_per_card", 12.62, "GiB", _B300),
     _p("b300.super.dlo_noag_dp4.hbm_per_card", 11.43, "GiB", _B300),
+    # B300, Super: wave latencies and throughputs (4x B300 SXM6, torch 2.11.0+cu130).
+    _p("b300.t2i.dlo_ag_dp4.wave_s", 43.69, "s", _B300, note="4 outputs per wave, 50 steps"),
+    _p("b300.t2i.dlo_noag_dp4.wave_s", 112.96, "s", _B300, note="4 outputs per wave"),
+    _p("b300.t2i.hsdp_usp4.wave_s", 15.19, "s", _B300, note="1 output per wave"),
+    _p("b300.t2i.legacy_usp4.wave_s", 105.22, "s", _B300, note="1 output per wave"),
+    _p("b300.t2i.dlo_ag_dp4.outputs_per_s", 0.0915, "outputs/s", _B300),
+    _p("b300.t2i.dlo_noag_dp4.outputs_per_s", 0.0354, "outputs/s", _B300),
+    _p("b300.t2i.hsdp_usp4.outputs_per_s", 0.0658, "outputs/s", _B300),
+    _p("b300.t2i.dlo_ag_dp4.vs_hsdp", 1.39, "x", _B300, note="'1.39x HSDP+USP4 throughput at 30% of its HBM'"),
+    _p("b300.t2i.hsdp_usp4.hbm_per_card", 42.00, "GiB", _B300),
+    _p("b300.t2v.dlo_ag_dp4.wave_s", 38.79, "s", _T2V, note="4 outputs per wave"),
+    _p("b300.t2v.hsdp_usp4.wave_s", 15.38, "s", _T2V),
+    _p("b300.t2v.dlo_ag_usp4.wave_s", 30.79, "s", _T2V),
+    _p("b300.t2v.legacy_usp4.wave_s", 81.46, "s", _T2V),
+    _p("b300.t2v.dlo_ag_dp4.outputs_per_s", 0.1033, "outputs/s", _T2V),
+    _p("b300.t2v.hsdp_usp4.outputs_per_s", 0.0653, "outputs/s", _T2V),
+    _p("b300.t2v.dlo_ag_usp4.outputs_per_s", 0.0326, "outputs/s", _T2V),
+    _p("b300.workloads.480p_121f.dlo_wave_s", 102.58, "s", _WL, note="DLO+AG DP4, 4 outputs"),
+    _p("b300.workloads.480p_125f.hsdp_wave_s", 41.36, "s", _WL, note="HSDP ran 125 frames"),
+    _p("b300.workloads.480p_241f.dlo_wave_s", 226.70, "s", _WL, note="DLO+AG DP4, 4 outputs"),
+    _p("b300.workloads.480p_245f.hsdp_wave_s", 82.47, "s", _WL, note="HSDP ran 245 frames"),
+    _p("b300.workloads.720p_121f.dlo_wave_s", 288.29, "s", _WL, note="DLO+AG DP4, 4 outputs"),
+    _p("b300.workloads.720p_121f.hsdp_wave_s", 87.47, "s", _WL),
+    _p("b300.workloads.720p_241f.dlo_wave_s", 214.53, "s", _WL, note="DLO+AG+USP4, 1 output"),
+    _p("b300.workloads.720p_241f.hsdp_wave_s", 210.05, "s", _WL),
+    _p("b300.workloads.720p_241f.dlo_vs_hsdp_pct", 2.13, "%", _WL, note="'within 2.13% of HSDP at 47% of its HBM'"),
     # MiniMax-H3, 8x B300 (objective table and paired deltas).
     _p("minimax.t2va.dp1sp8.allgather.wave_p50", 34.55, "s", _MM),
     _p("minimax.t2va.dp1sp8.allgather.wave_p95", 35.25, "s", _MM),
