@@ -25,6 +25,8 @@ the tiny config with tiny workloads (a CPU smoke test for CI; written to ``..._q
 from __future__ import annotations
 
 import argparse
+
+from dlo_fn.cli import HelpFormatter
 import datetime
 import json
 import logging
@@ -43,7 +45,7 @@ def register(subparsers) -> None:
     from dlo_fn.bench.step_variants import VARIANTS
 
     p = subparsers.add_parser("step", help="one denoising pass: resident vs our offload vs diffusers vs naive",
-                              description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--config", default="bench", help="reference DiT config")
     p.add_argument("--workloads", default="video,image", help=f"comma list of {sorted(WORKLOADS)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")

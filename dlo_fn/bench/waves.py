@@ -33,6 +33,8 @@ span by span (broadcast, each rank's block computes, both ranks' H2D and all-gat
 from __future__ import annotations
 
 import argparse
+
+from dlo_fn.cli import HelpFormatter
 import datetime
 import logging
 import pathlib
@@ -49,7 +51,7 @@ TRACE_FIELDS = ("wave", "kind", "rank", "lane", "label", "start_s", "end_s")
 def register(subparsers) -> None:
     p = subparsers.add_parser("waves", help="DP wave throughput vs dp and R on CPU ranks; Figure 5's recorded wave",
                               description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", default=None, help="default: the tiny reference DiT under runs/bench_waves/")
     p.add_argument("--dp", default="1,2", help="comma list of DP sizes (CPU ranks)")
     p.add_argument("--requests-per-rank", default="1,2,4", help="comma list of R for full waves")

@@ -23,6 +23,19 @@ COMMANDS = (
 )
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows an option's default only when it says something (not None or False) and the help text does not
+    already state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default not in (None, False, argparse.SUPPRESS) and "default" not in text
+                and action.option_strings and action.nargs != 0):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dlo_fn",

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import argparse
+
+from dlo_fn.cli import HelpFormatter
 import logging
 import pathlib
 import time
@@ -28,7 +30,7 @@ SHAPE = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 4}
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo", help="end-to-end demo: 2 CPU ranks, mmap load, sharded all-gather, DP waves, hash check",
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the checkpoint and the outputs")
     parser.add_argument("--dp", type=int, default=2, help="CPU ranks to spawn")
     parser.add_argument("--requests-per-rank", type=int, default=1, help="R: requests per rank per wave")

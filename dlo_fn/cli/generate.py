@@ -19,6 +19,8 @@ Building blocks for richer drivers (the DP engine imports them): :func:`add_mode
 from __future__ import annotations
 
 import argparse
+
+from dlo_fn.cli import HelpFormatter
 import json
 import logging
 import pathlib
@@ -57,8 +59,8 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--negative-prompt", default="", help="unconditional-branch prompt")
     parser.add_argument("--seed", type=int, default=0, help="noise seed (every prompt uses it)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: Request's 35)")
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--height", type=int, default=None, help="pixel height, a multiple of 16 (default: the Request default, 480)")
+    parser.add_argument("--width", type=int, default=None, help="pixel width, a multiple of 16 (default: the Request default, 832)")
     parser.add_argument("--frames", type=int, default=None, help="pixel frames, 1 + 4k (1 = image)")
     parser.add_argument("--guidance", type=float, default=None, help="CFG scale (1 = off)")
     parser.add_argument("--shift", type=float, default=None, help="timestep shift")
@@ -69,7 +71,7 @@ def register(subparsers) -> None:
         "generate", help="generate videos with layerwise-offloaded weights (torchrun for several ranks)",
         description=__doc__.split("\n\n")[0] + " Run under torchrun --nproc-per-node N for N ranks; without "
         "torchrun it runs as one process. CPU ranks use gloo.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add_model_arguments(parser)
     add_request_arguments(parser)
     parser.add_argument("--out", required=True, help="output directory")

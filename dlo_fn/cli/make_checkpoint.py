@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dlo_fn.cli import HelpFormatter
+
 
 def register(subparsers) -> None:
     from dlo_fn.models.configs import CONFIGS
@@ -17,7 +19,7 @@ def register(subparsers) -> None:
             "config.json. Streams one tensor at a time: memory stays flat whatever the model size. Norm weights "
             "stay fp32 in bf16 checkpoints."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", required=True, choices=tuple(CONFIGS), help="named config")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
