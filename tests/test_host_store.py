@@ -143,3 +143,18 @@ def test_cuda_arena_is_pinned_exactly_by_host_register():
     torch.cuda.synchronize()
     assert int(dev[-1]) == 7
     fin()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_registration_is_undone_when_the_buffer_is_collected():
+    """Without close(): dropping the last reference unlocks the pages (the finalizer must not keep them)."""
+    import gc
+
+    buf, how, fin = alloc_host(3 * 2**20 + 5, platform_for("cuda", 0))
+    assert how == "cudaHostRegister" and buf.is_pinned() and fin.alive
+    ptr = buf.data_ptr()
+    del buf
+    gc.collect()
+    assert not fin.alive
+    cudart = torch.cuda.cudart()  # the registration is gone: unregistering again is refused
+    assert cudart.cudaHostUnregister(ptr) != cudart.cudaError.success

@@ -68,9 +68,10 @@ def _register_cuda(buf: torch.Tensor) -> None:
                            f"host memory (check `ulimit -l` and the container's memory limit)")
 
 
-def _unregister_cuda(buf: torch.Tensor) -> None:
+def _unregister_cuda(ptr: int) -> None:
     try:
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        torch.cuda.synchronize()  # no copy from these pages may still be in flight when they are unlocked
+        torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver releases the registration with the process
         pass
 
@@ -88,7 +89,8 @@ def alloc_host(nbytes: int, platform: Platform, pin: bool = True) -> tuple[torch
     if platform.kind == "cuda":
         buf = torch.empty(nbytes, dtype=torch.uint8)
         _register_cuda(buf)
-        return buf, "cudaHostRegister", weakref.finalize(buf, _unregister_cuda, buf)
+        # The finalizer must not hold ``buf`` (weakref.finalize keeps its arguments alive): pass the address.
+        return buf, "cudaHostRegister", weakref.finalize(buf, _unregister_cuda, buf.data_ptr())
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pin_memory", None
 
 
