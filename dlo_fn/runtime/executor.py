@@ -221,14 +221,15 @@ class Executor:
         self.end_run()
 
     def abort(self) -> None:
-        """Drop the open run after an error: wait for the device, forget the ring (the next run starts cold)."""
-        run, self._run = self._run, None
-        if run is not None:
-            for ev in run.events:
-                if hasattr(ev, "work") and ev.work is not None:
-                    ev.wait()
-        self.platform.synchronize()
-        self._prev, self._carry = None, {}
+        """Drop the open run after an error: wait for the device, forget the ring (the next run starts cold).
+
+        The previous run's prefetched all-gathers (held in the carried events) are waited for too: on CPU they
+        may still be writing a slot that the next, cold run reuses. The state is reset even if a wait raises."""
+        try:
+            self.synchronize()
+        finally:
+            self._run = None
+            self._prev, self._carry = None, {}
 
     def synchronize(self) -> None:
         """Wait for everything issued so far (tests, timing, shutdown); never called in the steady state."""
