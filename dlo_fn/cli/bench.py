@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ("load", "step", "waves")
+BENCHES = ("load", "step", "waves", "timeline")
 
 
 def register(subparsers) -> None:

@@ -26,7 +26,8 @@ from dlo_fn.plan.timeline import Timeline, simulate
 
 __all__ = [
     "CASES", "h200_pass", "bound_of", "prediction_rows", "sweep_rows", "sweep_grid", "nano_super_rows",
-    "text_table", "draw_gantt", "plot_three_streams", "plot_overlay", "fig_timeline_three_streams", "fig_timeline_animation", "FIGURES",
+    "text_table", "draw_gantt", "plot_three_streams", "plot_overlay", "fig_timeline_three_streams", "fig_timeline_animation",
+    "fig_timeline_measured_vs_predicted", "measured_vs_predicted", "FIGURES",
 ]
 
 CASES = (VIDEO_832X480X29_CFG, IMAGE_1024_CFG)  # compute-bound, then transfer-bound
@@ -285,7 +286,42 @@ def fig_timeline_animation(out_dir: pathlib.Path) -> list[pathlib.Path]:
     return [path, csv]
 
 
+MEASURED_TIMELINE = pathlib.Path(__file__).resolve().parents[2] / "figures" / "data" / "measured_timeline_cpu.json"
+
+
+def measured_vs_predicted(path: pathlib.Path = MEASURED_TIMELINE) -> tuple[Timeline, Timeline, dict]:
+    """``(measured, predicted, record)`` from a committed ``bench timeline`` recording: the prediction simulates
+    the recorded schedule with one duration per op kind, the median of the measured spans."""
+    import json
+
+    from dlo_fn.plan.compare import fit_durations, schedule_from_params
+    from dlo_fn.plan.trace import from_chrome_trace
+
+    record = json.loads(pathlib.Path(path).read_text())
+    measured = from_chrome_trace(record["trace"])
+    predicted = simulate(schedule_from_params(record["schedule"]), fit_durations(measured))
+    return measured, predicted, record
+
+
+def fig_timeline_measured_vs_predicted(out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The committed CPU recording (``python -m dlo_fn bench timeline``) over its replay by the simulator."""
+    out_dir = pathlib.Path(out_dir)
+    measured, predicted, record = measured_vs_predicted()
+    pred = {s.op: s for s in predicted.spans}
+    rows = [{"op": s.op, "stream": s.stream,
+             "measured_start_ms": 1e3 * (s.start_s - measured.start_s),
+             "measured_end_ms": 1e3 * (s.end_s - measured.start_s),
+             "predicted_start_ms": 1e3 * (pred[s.op].start_s - predicted.start_s),
+             "predicted_end_ms": 1e3 * (pred[s.op].end_s - predicted.start_s)} for s in measured.spans]
+    csv = write_csv(out_dir / "data" / "timeline_measured_vs_predicted.csv", rows,
+                    ("op", "stream", "measured_start_ms", "measured_end_ms", "predicted_start_ms", "predicted_end_ms"))
+    title = f"Measured on {record['machine'].split(',')[0].removeprefix('platform ')} vs predicted: tiny DiT, one rank"
+    png = save_png(plot_overlay(measured, predicted, title=title), out_dir / "timeline_measured_vs_predicted.png")
+    return [png, csv]
+
+
 FIGURES = {
+    "timeline_measured_vs_predicted": fig_timeline_measured_vs_predicted,
     "timeline_three_streams": fig_timeline_three_streams,
     "timeline_animation": fig_timeline_animation,
 }

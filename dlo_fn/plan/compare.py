@@ -145,3 +145,20 @@ def check_against_schedule(measured: Timeline, schedule: Schedule, rank: int | N
                 deps_respected = False
                 problems.append(f"{op} started {span.start_s - dep.end_s:.3g} s before {wanted[d]} ended")
     return ScheduleAgreement(len(ops), same_order, deps_respected, tuple(problems[:max_problems]))
+
+
+# What rebuilds a schedule: a measured run is stored with these (figures/data/measured_timeline_*.json) so the
+# prediction can be replayed from the committed file alone.
+SCHEDULE_FIELDS = ("num_blocks", "num_steps", "requests_per_load", "num_slots", "num_landing", "mode",
+                   "slot_offset", "landing_offset", "warm_start", "prefetch_next")
+
+
+def schedule_params(schedule: Schedule) -> dict:
+    return {f: getattr(schedule, f) for f in SCHEDULE_FIELDS}
+
+
+def schedule_from_params(params: dict) -> Schedule:
+    from dlo_fn.plan.schedule import build_schedule
+
+    rest = dict(params)
+    return build_schedule(rest.pop("num_blocks"), rest.pop("num_steps"), **rest)
