@@ -27,7 +27,8 @@ from dlo_fn.plan.timeline import Timeline, simulate
 __all__ = [
     "CASES", "h200_pass", "bound_of", "prediction_rows", "sweep_rows", "sweep_grid", "nano_super_rows",
     "text_table", "draw_gantt", "plot_three_streams", "plot_overlay", "fig_timeline_three_streams", "fig_timeline_animation",
-    "fig_timeline_measured_vs_predicted", "measured_vs_predicted", "FIGURES",
+    "fig_timeline_measured_vs_predicted", "fig_timeline_measured_vs_predicted_h200", "measured_vs_predicted",
+    "FIGURES",
 ]
 
 CASES = (VIDEO_832X480X29_CFG, IMAGE_1024_CFG)  # compute-bound, then transfer-bound
@@ -286,7 +287,9 @@ def fig_timeline_animation(out_dir: pathlib.Path) -> list[pathlib.Path]:
     return [path, csv]
 
 
-MEASURED_TIMELINE = pathlib.Path(__file__).resolve().parents[2] / "figures" / "data" / "measured_timeline_cpu.json"
+_DATA = pathlib.Path(__file__).resolve().parents[2] / "figures" / "data"
+MEASURED_TIMELINE = _DATA / "measured_timeline_cpu.json"
+MEASURED_TIMELINE_H200 = _DATA / "measured_timeline_cuda.json"
 
 
 def measured_vs_predicted(path: pathlib.Path = MEASURED_TIMELINE) -> tuple[Timeline, Timeline, dict]:
@@ -303,25 +306,39 @@ def measured_vs_predicted(path: pathlib.Path = MEASURED_TIMELINE) -> tuple[Timel
     return measured, predicted, record
 
 
-def fig_timeline_measured_vs_predicted(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """The committed CPU recording (``python -m dlo_fn bench timeline``) over its replay by the simulator."""
-    out_dir = pathlib.Path(out_dir)
-    measured, predicted, record = measured_vs_predicted()
-    pred = {s.op: s for s in predicted.spans}
-    rows = [{"op": s.op, "stream": s.stream,
-             "measured_start_ms": 1e3 * (s.start_s - measured.start_s),
-             "measured_end_ms": 1e3 * (s.end_s - measured.start_s),
-             "predicted_start_ms": 1e3 * (pred[s.op].start_s - predicted.start_s),
-             "predicted_end_ms": 1e3 * (pred[s.op].end_s - predicted.start_s)} for s in measured.spans]
-    csv = write_csv(out_dir / "data" / "timeline_measured_vs_predicted.csv", rows,
-                    ("op", "stream", "measured_start_ms", "measured_end_ms", "predicted_start_ms", "predicted_end_ms"))
-    title = f"Measured on {record['machine'].split(',')[0].removeprefix('platform ')} vs predicted: tiny DiT, one rank"
-    png = save_png(plot_overlay(measured, predicted, title=title), out_dir / "timeline_measured_vs_predicted.png")
-    return [png, csv]
+def _measured_figure(name: str, path: pathlib.Path, what: str):
+    def fig(out_dir: pathlib.Path) -> list[pathlib.Path]:
+        out_dir = pathlib.Path(out_dir)
+        measured, predicted, record = measured_vs_predicted(path)
+        pred = {s.op: s for s in predicted.spans}
+        rows = [{"op": s.op, "stream": s.stream,
+                 "measured_start_ms": 1e3 * (s.start_s - measured.start_s),
+                 "measured_end_ms": 1e3 * (s.end_s - measured.start_s),
+                 "predicted_start_ms": 1e3 * (pred[s.op].start_s - predicted.start_s),
+                 "predicted_end_ms": 1e3 * (pred[s.op].end_s - predicted.start_s)} for s in measured.spans]
+        csv = write_csv(out_dir / "data" / f"{name}.csv", rows, ("op", "stream", "measured_start_ms",
+                        "measured_end_ms", "predicted_start_ms", "predicted_end_ms"))
+        err_pct = 100 * (predicted.makespan_s / measured.makespan_s - 1)
+        title = (f"{what}:\nmeasured {1e3 * measured.makespan_s:.1f} ms, replayed {1e3 * predicted.makespan_s:.1f} ms "
+                 f"({err_pct:+.1f}%)")
+        png = save_png(plot_overlay(measured, predicted, title=title), out_dir / f"{name}.png")
+        return [png, csv]
+
+    fig.__name__ = f"fig_{name}"
+    fig.__doc__ = f"The committed recording {path.name} (`python -m dlo_fn bench timeline`) over its replay."
+    return fig
+
+
+fig_timeline_measured_vs_predicted = _measured_figure(
+    "timeline_measured_vs_predicted", MEASURED_TIMELINE, "tiny DiT on CPU (host clocks)")
+fig_timeline_measured_vs_predicted_h200 = _measured_figure(
+    "timeline_measured_vs_predicted_h200", MEASURED_TIMELINE_H200,
+    "bench DiT (24 x 0.56 GB) on one H200 (CUDA events)")
 
 
 FIGURES = {
     "timeline_measured_vs_predicted": fig_timeline_measured_vs_predicted,
+    "timeline_measured_vs_predicted_h200": fig_timeline_measured_vs_predicted_h200,
     "timeline_three_streams": fig_timeline_three_streams,
     "timeline_animation": fig_timeline_animation,
 }
