@@ -144,6 +144,8 @@ def test_stream_bounded_wait_fills_waves_then_gives_up(checkpoint, reference):
         source.put(reqs[1])  # fills reqs[0]'s wave within the bound
         time.sleep(0.2)
         source.put(Submission("bad", _req("")))
+        source.put("not a request")  # a bad item is an error result, not the end of the stream
+        source.put(Submission("bad", _req("dup")))  # a duplicate id likewise
         source.put(reqs[2])
         time.sleep(2.5)  # longer than the bound: reqs[2] leaves alone
         source.put(reqs[3])
@@ -154,12 +156,14 @@ def test_stream_bounded_wait_fills_waves_then_gives_up(checkpoint, reference):
     report = engine.serve_stream(source)
     thread.join()
     ids = [r.request_id for r in report.results]
-    assert ids == ["req0000", "req0001", "req0002", "bad", "req0004", "req0005"]
+    assert ids == ["req0000", "req0001", "req0002", "bad", "item0004", "bad#dup5", "req0006", "req0007"]
     # Submission indices per wave: the pair filled within the bound, then the lone other key (due at 1 s),
     # then reqs[2] alone (its bound passed before reqs[3] came), then reqs[3] at close.
-    assert [w.rank_indices[0] for w in report.waves] == [(0, 2), (1,), (4,), (5,)]
+    assert [w.rank_indices[0] for w in report.waves] == [(0, 2), (1,), (6,), (7,)]
     assert report.by_id()["bad"].error.startswith("rejected before dispatch")
-    arrived = [reqs[0], reqs[4], reqs[1], None, reqs[2], reqs[3]]
+    assert "is a str" in report.by_id()["item0004"].error
+    assert "duplicate request id 'bad'" in report.by_id()["bad#dup5"].error
+    arrived = [reqs[0], reqs[4], reqs[1], None, None, None, reqs[2], reqs[3]]
     for res, req in zip(report.results, arrived):
         assert res.ok == (req is not None)
         if req is not None:

@@ -23,12 +23,18 @@ __all__ = ["serve_stream"]
 
 
 def _submission(item: Any, index: int, seen: set[str]) -> Submission:
+    """A bad item becomes a submission that carries its error, so it gets an error result like any rejected
+    request and never stops the stream (results already served and requests still queued are kept)."""
     if isinstance(item, Request):
         item = Submission(f"req{index:04d}", item)
     if not isinstance(item, Submission):
-        raise TypeError(f"stream item {index}: expected a Request, a Submission or None, got {type(item).__name__}")
+        return Submission(f"item{index:04d}", None, error=(
+            f"rejected before dispatch: stream item {index} is a {type(item).__name__}; put a Request, a "
+            f"Submission, or None (end of stream) on the queue"))
     if item.request_id in seen:
-        raise ValueError(f"stream item {index}: duplicate request id {item.request_id!r}")
+        return Submission(f"{item.request_id}#dup{index}", None, error=(
+            f"rejected before dispatch: duplicate request id {item.request_id!r} (stream item {index}); give "
+            f"each submission its own id"))
     seen.add(item.request_id)
     return item
 
