@@ -13,6 +13,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from strategies import build_case, schedule_cases
+
 from dlo_fn.plan.schedule import (
     AG, C, H2D, Op, Schedule, add_dependencies, build_schedule, check_schedule, compute_order, next_landing_offset,
     next_schedule, next_slot_offset,
@@ -226,28 +228,10 @@ def test_checker_catches_broken_chain():
 
 # --- properties ----------------------------------------------------------------------------------------------
 
-cases = st.fixed_dictionaries({
-    "num_blocks": st.integers(1, 12),
-    "num_steps": st.integers(1, 3),
-    "num_slots": st.integers(1, 4),  # 1 = the no-overlap baseline; 2 = published
-    "num_landing": st.integers(1, 3),
-    "requests_per_load": st.integers(1, 3),
-    "mode": st.sampled_from(("allgather", "rank-local")),
-    "warm_start": st.booleans(),
-    "prefetch_next": st.booleans(),
-    "slot_offset": st.integers(0, 3),
-    "landing_offset": st.integers(0, 2),
-})
+cases = schedule_cases
 
 
-def _build(case: dict) -> Schedule:
-    kw = dict(case)
-    kw["slot_offset"] %= kw["num_slots"]
-    if kw["mode"] == "rank-local":
-        kw["num_landing"], kw["landing_offset"] = 0, 0
-    else:
-        kw["landing_offset"] %= kw["num_landing"]
-    return build_schedule(kw.pop("num_blocks"), kw.pop("num_steps"), **kw)
+_build = build_case
 
 
 def _replay_in_time(s: Schedule, seed: int) -> None:

@@ -8,6 +8,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from strategies import build_case, schedule_cases
+
 from dlo_fn.plan.ceilings import (
     H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES, REF_PASS_NUM_BLOCKS,
     VIDEO_832X480X29_CFG, h200_durations,
@@ -74,23 +76,10 @@ def test_one_slot_is_the_synchronous_baseline():
     assert double.makespan_s == 3 + 4 * 5
 
 
-cases = st.fixed_dictionaries({
-    "num_blocks": st.integers(1, 12),
-    "num_steps": st.integers(1, 3),
-    "num_slots": st.integers(1, 4),  # 1 = the no-overlap baseline; 2 = published
-    "num_landing": st.integers(1, 3),
-    "requests_per_load": st.integers(1, 3),
-    "mode": st.sampled_from(("allgather", "rank-local")),
-    "prefetch_next": st.booleans(),
-    "warm_start": st.booleans(),
-})
+cases = schedule_cases
 
 
-def _build(case: dict):
-    kw = dict(case)
-    if kw["mode"] == "rank-local":
-        kw["num_landing"] = 0
-    return build_schedule(kw.pop("num_blocks"), kw.pop("num_steps"), **kw)
+_build = build_case
 
 
 @settings(max_examples=80, deadline=None)

@@ -1,0 +1,32 @@
+"""Hypothesis strategies shared by the schedule and timeline property tests."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+# Every argument combination build_schedule accepts, small enough to check exhaustively per example.
+schedule_cases = st.fixed_dictionaries({
+    "num_blocks": st.integers(1, 12),
+    "num_steps": st.integers(1, 3),
+    "num_slots": st.integers(1, 4),  # 1 = the no-overlap baseline; 2 = published
+    "num_landing": st.integers(1, 3),
+    "requests_per_load": st.integers(1, 3),
+    "mode": st.sampled_from(("allgather", "rank-local")),
+    "warm_start": st.booleans(),
+    "prefetch_next": st.booleans(),
+    "slot_offset": st.integers(0, 3),
+    "landing_offset": st.integers(0, 2),
+})
+
+
+def build_case(case: dict):
+    """The schedule of a generated case, with offsets folded into range and no landing buffers in rank-local."""
+    from dlo_fn.plan.schedule import build_schedule
+
+    kw = dict(case)
+    kw["slot_offset"] %= kw["num_slots"]
+    if kw["mode"] == "rank-local":
+        kw["num_landing"], kw["landing_offset"] = 0, 0
+    else:
+        kw["landing_offset"] %= kw["num_landing"]
+    return build_schedule(kw.pop("num_blocks"), kw.pop("num_steps"), **kw)
