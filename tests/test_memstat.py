@@ -116,10 +116,18 @@ def test_cgroup_counts_page_cache(tmp_path):
     if before is None:
         pytest.skip("no readable cgroup memory controller on this machine")
     assert before.version in (1, 2) and before.current_bytes > 0
-    (tmp_path / "blob").write_bytes(os.urandom(32 * MB))  # new page cache, charged to our cgroup
-    after = cgroup_memory()
-    assert after.file_bytes - before.file_bytes > 24 * MB
-    assert after.current_bytes - before.current_bytes > 24 * MB
+    # The cgroup's counters are shared with everything else in it (other processes' page cache is reclaimed or
+    # written back at any moment), so one 32 MB write can be masked: try a few times with new files.
+    deltas = []
+    for attempt in range(4):
+        before = cgroup_memory()
+        (tmp_path / f"blob{attempt}").write_bytes(os.urandom(32 * MB))  # new page cache, charged to our cgroup
+        after = cgroup_memory()
+        deltas.append((after.file_bytes - before.file_bytes, after.current_bytes - before.current_bytes))
+        if deltas[-1][0] > 24 * MB and deltas[-1][1] > 24 * MB:
+            break
+    else:
+        pytest.fail(f"writing 32 MB never raised the cgroup's file and current bytes by 24 MB: {deltas}")
 
 
 def test_host_description_names_no_host():
