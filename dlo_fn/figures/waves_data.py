@@ -1,43 +1,18 @@
 """Tables for notebook 05 (DP concurrency): published performance, the wave timeline model, the AllGather
 overhead split, and our measured CPU waves (from the committed ``figures/data/waves_cpu.csv``).
 
-Published numbers are looked up in :data:`dlo_fn.plan.published.PUBLISHED`; the Ascend performance-table
-entries it does not hold yet are defined here, with the same type and source string, in :data:`PERF` (the
-lookup prefers ``PUBLISHED``, so adding them there changes nothing below).
+Published numbers (the Ascend performance table included) come from :mod:`dlo_fn.plan.published`, for the
+comparison columns only.
 """
 
 from __future__ import annotations
 
 from dlo_fn.figures.waves import read_scaling, read_trace
-from dlo_fn.plan.published import MODELS, PUBLISHED, Published, relative_error
+from dlo_fn.plan.published import MODELS, Published, published, relative_error
 from dlo_fn.plan.wave_model import WaveCosts, predict_wave
 
-__all__ = ["PERF", "perf", "NANO_BLOCKS", "SHARD_H2D_BYTES_PER_S", "reference_costs", "published_rows",
+__all__ = ["perf", "NANO_BLOCKS", "SHARD_H2D_BYTES_PER_S", "reference_costs", "published_rows",
            "model_rows", "overhead_rows", "sensitivity_rows", "cpu_rows", "cpu_host_us", "h200_r_rows", "trace_rows", "cost_rows", "demo_checkpoint"]
-
-_SRC = "seed (vLLM blog 'Distributed Layerwise Offload'): Ascend performance table (Nano, 832x480x29, 35 steps)"
-
-
-def _q(key: str, value: float, unit: str, approx: bool = False, note: str = "") -> Published:
-    return Published(key, value, unit, _SRC, approx, note)
-
-
-PERF = {p.key: p for p in (
-    _q("perf.nano.hsdp_sp.ms_per_step", 870, "ms"),
-    _q("perf.nano.dlo_ag_dp4_1req.ms_per_step", 1020, "ms"),
-    _q("perf.nano.dlo_ag_dp4_4req.ms_per_step", 1020, "ms"),
-    _q("perf.nano.dlo_noag_dp4.ms_per_step", 1877, "ms"),
-    _q("perf.nano.hsdp_sp.frames_per_s", 0.967, "frames/s"),
-    _q("perf.nano.dlo_ag_dp4_1req.frames_per_s", 0.806, "frames/s"),
-    _q("perf.nano.dlo_ag_dp4_4req.frames_per_s", 3.22, "frames/s"),
-    _q("perf.nano.dlo_noag_dp4.frames_per_s", 0.439, "frames/s"),
-    _q("perf.nano.dlo_ag_dp4_4req.vs_hsdp", 3.3, "x"),
-    _q("perf.nano.dlo_ag_dp4_4req.fraction_of_ideal", 83, "%", True),
-    _q("perf.nano.allgather_overhead.total", 150, "ms/step"),
-    _q("perf.nano.allgather_overhead.stream_switch", 72, "ms/step"),
-    _q("perf.nano.allgather_overhead.hccl", 10, "ms/step"),
-    _q("perf.nano.allgather_overhead.python_dispatch", 68, "ms/step"),
-)}
 
 NANO_BLOCKS = MODELS["cosmos3-nano"].num_blocks
 # Ascend 910B3 host-to-device bandwidth is not published; 25 GB/s (PCIe Gen4 x16 class) is an assumption, and
@@ -47,7 +22,7 @@ SHARD_H2D_BYTES_PER_S = 25e9
 
 
 def perf(key: str) -> Published:
-    return PUBLISHED.get(key) or PERF[key]
+    return published(key)
 
 
 def _ms(key: str) -> float:
