@@ -57,8 +57,10 @@ class Channel:
         if group is not None and backend != "gloo":
             import datetime
 
-            # Collective new_group: every rank constructs its Channel at the same point.
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            # Collective new_group: every rank constructs its Channel at the same point. Same members as the
+            # device group (all ranks for the default group); messages go over gloo on the host.
+            group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                                   timeout=datetime.timedelta(seconds=timeout_s))
         self.group = group
 
     def broadcast(self, obj: Any = None) -> Any:
