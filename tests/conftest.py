@@ -14,3 +14,16 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """The tiny reference DiT (bf16, seed 0) written once for the whole run; tests only read it."""
+    from dlo_fn.models import write_checkpoint
+
+    return str(write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0, progress=False))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tiny_checkpoint: str) -> str:
+    return tiny_checkpoint

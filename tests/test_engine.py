@@ -24,13 +24,6 @@ def _req(prompt="a red fox", seed=0, **kw) -> Request:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from dlo_fn.models import write_checkpoint
-
-    return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0, progress=False)
-
-
-@pytest.fixture(scope="module")
 def reference(checkpoint):
     """Each request generated alone by the resident model: what every engine run must reproduce bit for bit."""
     torch.set_num_threads(1)

@@ -34,13 +34,6 @@ SUBS = tuple(as_submissions(REQUESTS))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from dlo_fn.models import write_checkpoint
-
-    return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0, progress=False)
-
-
-@pytest.fixture(scope="module")
 def expected(checkpoint):
     torch.set_num_threads(1)
     model, _ = open_model(checkpoint, init_distributed(), "resident")

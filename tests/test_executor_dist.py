@@ -16,13 +16,6 @@ from test_third_party import FLUX_BLOCKS, flux, flux_inputs, wan, wan_inputs
 SIZE = {"height": 32, "width": 32, "num_frames": 5}
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    from dlo_fn.models import write_checkpoint
-
-    return str(write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt"), seed=0, dtype="bf16", progress=False))
-
-
 def load_reference(ckpt: str):
     """Meta-built reference DiT bound to zero-copy mmap views of the checkpoint."""
     from dlo_fn.models import build_model, load_config

@@ -19,13 +19,6 @@ PROMPTS = ("a fox", "an owl", "a cat")  # 3 requests on 2 ranks: wave 1 is parti
 COMMON = ["--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from dlo_fn.models import write_checkpoint
-
-    return str(write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt"), seed=0, dtype="bf16", progress=False))
-
-
 def _generate(ckpt, out, *extra, nproc=1, timeout=240):
     args = ["-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), *COMMON, *extra]
     for p in PROMPTS:
