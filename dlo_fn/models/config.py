@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["DiTConfig", "latent_shape", "tokens_for", "check_video_shape"]
+__all__ = ["DiTConfig", "latent_shape", "tokens_for", "check_video_shape", "check_known_fields"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +122,7 @@ class DiTConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DiTConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"DiTConfig.from_dict: unknown field(s) {unknown}; known: {sorted(known)}")
+        check_known_fields(cls, data)
         missing = sorted(
             f.name for f in dataclasses.fields(cls)
             if f.name not in data and f.default is dataclasses.MISSING
@@ -136,6 +133,14 @@ class DiTConfig:
         if "patch_size" in kwargs:
             kwargs["patch_size"] = tuple(kwargs["patch_size"])
         return cls(**kwargs)
+
+
+def check_known_fields(cls: type, data: Mapping[str, Any]) -> None:
+    """``ValueError`` naming every key of ``data`` that is not a field of dataclass ``cls``."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}.from_dict: unknown field(s) {unknown}; known: {sorted(known)}")
 
 
 def check_video_shape(config: DiTConfig, height: int, width: int, num_frames: int) -> None:

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from dlo_fn.models.config import DiTConfig, check_video_shape
+from dlo_fn.models.config import DiTConfig, check_known_fields, check_video_shape
 
 __all__ = ["Request", "SAMPLERS", "FrozenDict"]
 
@@ -159,8 +159,5 @@ class Request:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Request":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Request.from_dict: unknown field(s) {unknown}; known: {sorted(known)}")
+        check_known_fields(cls, data)
         return cls(**data)
