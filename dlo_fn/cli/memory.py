@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from dlo_fn.cli import HelpFormatter
+from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
+
 TERMS_HELP = """\
 terms (N = --dp ranks, all sharding: W = N; M = --model-bytes; n_b = block bytes; A = --alignment):
   host: cold start     what the cgroup sees while N ranks load one checkpoint
@@ -47,7 +50,7 @@ def register(subparsers) -> None:
             "(a named config or a checkpoint path, read from headers only)."
         ),
         epilog=TERMS_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-bytes", metavar="SIZE", help="checkpoint bytes M (blocks + resident), e.g. 124GB")
@@ -66,7 +69,8 @@ def register(subparsers) -> None:
     p.add_argument("--loading", choices=("mmap", "private-copy"), default="mmap",
                    help="cold start: meta init + mmap views, or a private copy per rank")
     p.add_argument("--slots", type=int, default=2, help="device slots (2 = the published double buffer)")
-    p.add_argument("--landing", type=int, default=2, help="landing buffers for the local shard (allgather)")
+    p.add_argument("--landing", type=int, default=DEFAULT_NUM_LANDING,
+                   help="landing buffers for the local shard (allgather)")
     p.add_argument("--activation-bytes", default="0", metavar="SIZE", help="activations per card (workload)")
     p.add_argument("--communication-bytes", default="0", metavar="SIZE",
                    help="communication buffers per card (workload)")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from dlo_fn.cli import HelpFormatter
+from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
+
 FIELD_HELP = """\
 fields:
   num_blocks                  offloaded blocks (entries of the block list(s), in forward order)
@@ -33,7 +36,7 @@ def register(subparsers) -> None:
             "(built on the meta device) or a checkpoint directory / .safetensors file (header only)."
         ),
         epilog=FIELD_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, metavar="NAME_OR_CHECKPOINT",
                    help="named config (tiny, cosmos3-nano, cosmos3-super, 400gb, bench) or checkpoint path")
@@ -42,7 +45,8 @@ def register(subparsers) -> None:
     p.add_argument("--mode", choices=("allgather", "rank-local"), default="allgather",
                    help="allgather: shard over W ranks and gather each block; rank-local: whole blocks per rank")
     p.add_argument("--slots", type=int, default=2, help="device slots (2 = the published double buffer)")
-    p.add_argument("--landing", type=int, default=2, help="landing buffers for the local shard (allgather)")
+    p.add_argument("--landing", type=int, default=DEFAULT_NUM_LANDING,
+                   help="landing buffers for the local shard (allgather)")
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
     p.add_argument("--block-paths", default=None,
                    help="comma-separated dotted paths of the block list(s) (checkpoints: auto-detected)")

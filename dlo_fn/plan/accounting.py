@@ -12,6 +12,7 @@ from dlo_fn.plan.calibration import DEVICE_CONTEXT_BYTES, FRAMEWORK_HOST_BYTES_P
 from dlo_fn.plan.hbm import hbm_per_card
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.memory import ModelSizes, cold_start, host_steady_state
+from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 __all__ = ["AccountingRow", "memory_accounting"]
 
@@ -28,7 +29,7 @@ class AccountingRow:
 
 
 def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cuda", mode: str = "allgather",
-                      loading: str = "mmap", num_slots: int = 2, num_landing: int = 2,
+                      loading: str = "mmap", num_slots: int = 2, num_landing: int = DEFAULT_NUM_LANDING,
                       activation_bytes: int = 0, communication_bytes: int = 0, transient_bytes: int = 0,
                       framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK,
                       context_bytes: int = DEVICE_CONTEXT_BYTES,

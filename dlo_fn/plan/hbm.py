@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from dlo_fn.plan.calibration import DEVICE_CONTEXT_BYTES
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.memory import ModelSizes, pinned_host_bytes_per_rank
+from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 __all__ = [
     "HBM_MODES",
@@ -77,7 +78,7 @@ class HbmPerCard:
 
 
 def hbm_per_card(sizes: ModelSizes, shard_world: int, mode: str = "allgather", *, num_slots: int = 2,
-                 num_landing: int = 2, activation_bytes: int = 0, communication_bytes: int = 0,
+                 num_landing: int = DEFAULT_NUM_LANDING, activation_bytes: int = 0, communication_bytes: int = 0,
                  context_bytes: int = DEVICE_CONTEXT_BYTES, include_resident: bool = True,
                  alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HbmPerCard:
     """DLO's HBM per card (module docstring). ``num_landing`` is ignored in rank-local mode (no shards)."""
@@ -128,7 +129,7 @@ class ApproachMemory:
 
 def approach_memory(sizes: ModelSizes, num_devices: int, approach: str, *, activation_bytes: int = 0,
                     communication_bytes: int = 0, context_bytes: int = DEVICE_CONTEXT_BYTES,
-                    num_slots: int = 2, num_landing: int = 2,
+                    num_slots: int = 2, num_landing: int = DEFAULT_NUM_LANDING,
                     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ApproachMemory:
     """One column of Figure 1; the table in the module docstring gives each term.
 

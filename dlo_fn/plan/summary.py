@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, model_layout
+from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 from dlo_fn.plan.spec import ModelSpec
 
 MODES = ("allgather", "rank-local")
@@ -53,7 +54,7 @@ def plan_summary(
     shard_world: int,
     mode: str = "allgather",
     num_slots: int = 2,
-    num_landing: int = 2,
+    num_landing: int = DEFAULT_NUM_LANDING,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
 ) -> PlanSummary:
     if mode not in MODES:
