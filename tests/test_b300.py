@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dlo_fn.figures import b300 as fb
-from dlo_fn.plan import b300
-from dlo_fn.plan.published import published
+from dlo_fn.repro import b300
+from dlo_fn.repro.published import published
 
 
 def _super_bytes() -> int:

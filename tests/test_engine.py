@@ -11,10 +11,10 @@ import torch
 from dlo_fn.models import Request, generate
 from dlo_fn.plan.waves import IncompatibleWaveError
 from dlo_fn.runtime.dist import init_distributed
-from dlo_fn.runtime.engine import Engine
-from dlo_fn.runtime.local import open_model
-from dlo_fn.runtime.outputs import read_manifest, video_sha256, write_outputs
-from dlo_fn.runtime.serving import EngineOptions, Submission, read_prompts, wave_table
+from dlo_fn.serve.engine import Engine
+from dlo_fn.serve.local import open_model
+from dlo_fn.serve.outputs import read_manifest, video_sha256, write_outputs
+from dlo_fn.serve.requests import EngineOptions, Submission, read_prompts, wave_table
 
 SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dlo_fn.models import Request, generate
-from dlo_fn.runtime.batch import FAULT_EXIT_CODE, Fault
+from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
 from dlo_fn.runtime.dist import init_distributed
-from dlo_fn.runtime.local import Phase, open_model, serve_local
-from dlo_fn.runtime.serving import EngineOptions, as_submissions
+from dlo_fn.serve.local import Phase, open_model, serve_local
+from dlo_fn.serve.requests import EngineOptions, as_submissions
 
 pytestmark = pytest.mark.slow
 

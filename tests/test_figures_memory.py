@@ -9,8 +9,9 @@ import pytest
 
 from dlo_fn.cli import main
 from dlo_fn.figures import memory as memory_figures
-from dlo_fn.figures import memory_data, minimax
-from dlo_fn.plan.published import PUBLISHED, published
+from dlo_fn.figures import minimax
+from dlo_fn.repro import memory_tables as memory_data
+from dlo_fn.repro.published import PUBLISHED, published
 
 FIGS = {**memory_figures.FIGURES, **minimax.FIGURES}
 

@@ -9,14 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo_fn.plan import calibration as cal
+from dlo_fn.repro import calibration as cal
 from dlo_fn.plan.accounting import memory_accounting
 from dlo_fn.plan.hbm import approach_memory, hbm_per_card, scale_activation_bytes
 from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.memory import (
     GB, ModelSizes, cold_start, host_capacity, host_steady_state, parse_bytes, pinned_host_bytes_per_rank,
 )
-from dlo_fn.plan.published import MODELS, PUBLISHED, compare, published, relative_error
+from dlo_fn.repro.published import MODELS, PUBLISHED, compare, published, relative_error
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 from dlo_fn.plan.summary import plan_summary
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from strategies import build_case, schedule_cases
 
-from dlo_fn.plan.ceilings import (
+from dlo_fn.repro.ceilings import (
     H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES, REF_PASS_NUM_BLOCKS,
     VIDEO_832X480X29_CFG, h200_durations,
 )

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from dlo_fn.runtime.dist import run_ranks
-from dlo_fn.runtime.wire import Channel
+from dlo_fn.serve.wire import Channel
 
 
 def _channel_rank(ctx):

@@ -1,6 +1,6 @@
 """`python -m dlo_fn bench waves`: DP wave throughput vs dp and vs R on CPU ranks (gloo), and Figure 5's wave.
 
-For each ``dp`` it spawns ``dp`` CPU ranks (one thread each, :func:`dlo_fn.runtime.local.serve_local`) on one
+For each ``dp`` it spawns ``dp`` CPU ranks (one thread each, :func:`dlo_fn.serve.local.serve_local`) on one
 checkpoint (``tiny`` by default, written under ``runs/`` if absent) and measures, over ``--waves`` timed waves
 after one warm-up wave of the same kind:
 
@@ -84,7 +84,7 @@ def _command(args: argparse.Namespace) -> str:
 
 def _requests(n: int, args: argparse.Namespace, start: int = 0):
     from dlo_fn.models import Request
-    from dlo_fn.runtime.serving import Submission
+    from dlo_fn.serve.requests import Submission
 
     return tuple(Submission(f"b{start + i:04d}", Request(prompt=f"bench prompt {start + i}", seed=start + i,
                                                          height=args.height, width=args.width,
@@ -109,9 +109,9 @@ def host_point(args: argparse.Namespace, checkpoint: pathlib.Path, n: int) -> di
     import torch
 
     from dlo_fn.runtime.dist import init_distributed
-    from dlo_fn.runtime.engine import Engine
-    from dlo_fn.runtime.local import open_model
-    from dlo_fn.runtime.serving import EngineOptions
+    from dlo_fn.serve.engine import Engine
+    from dlo_fn.serve.local import open_model
+    from dlo_fn.serve.requests import EngineOptions
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -132,8 +132,8 @@ def host_point(args: argparse.Namespace, checkpoint: pathlib.Path, n: int) -> di
 
 def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]:
     from dlo_fn.models import get_config, tokens_for
-    from dlo_fn.runtime.local import Phase, serve_local
-    from dlo_fn.runtime.serving import EngineOptions
+    from dlo_fn.serve.local import Phase, serve_local
+    from dlo_fn.serve.requests import EngineOptions
 
     n = args.waves + 1
     opts = dict(timeout_s=args.timeout_s, progress=False)
@@ -175,8 +175,8 @@ def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]
 
 def record_trace(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]:
     """One full wave (2 requests on 2 ranks) and one partial wave (1 request, rank 1 idle), 2 steps each."""
-    from dlo_fn.runtime.local import Phase, serve_local
-    from dlo_fn.runtime.serving import EngineOptions
+    from dlo_fn.serve.local import Phase, serve_local
+    from dlo_fn.serve.requests import EngineOptions
 
     subs = _requests(3, argparse.Namespace(**{**vars(args), "steps": 2}), 3000)
     run = serve_local(checkpoint, [Phase("allgather", subs, EngineOptions(timeout_s=args.timeout_s, trace=True,

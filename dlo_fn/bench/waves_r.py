@@ -52,10 +52,10 @@ def r_sweep(args: argparse.Namespace) -> list[dict]:
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.bench.step import machine
     from dlo_fn.runtime.dist import init_distributed
-    from dlo_fn.runtime.engine import Engine
+    from dlo_fn.serve.engine import Engine
     from dlo_fn.runtime.offload import offload
     from dlo_fn.runtime.platform import detect_platform
-    from dlo_fn.runtime.serving import EngineOptions
+    from dlo_fn.serve.requests import EngineOptions
 
     rs = [int(x) for x in args.requests_per_rank.split(",")]
     platform = detect_platform(prefer=args.platform)

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
 def demo_requests() -> list:
     """The mixed set: 3 compatible requests (a full and a partial wave), one of another shape, one empty."""
     from dlo_fn.models import Request
-    from dlo_fn.runtime.serving import Submission
+    from dlo_fn.serve.requests import Submission
 
     def req(prompt: str, seed: int, **kw) -> Request:
         return Request(prompt=prompt, seed=seed, **{**SHAPE, **kw})
@@ -68,9 +68,9 @@ def ensure_checkpoint(folder: pathlib.Path) -> pathlib.Path:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from dlo_fn.runtime.local import Phase, serve_local
-    from dlo_fn.runtime.outputs import write_outputs
-    from dlo_fn.runtime.serving import EngineOptions, result_table, wave_table
+    from dlo_fn.serve.local import Phase, serve_local
+    from dlo_fn.serve.outputs import write_outputs
+    from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
 
     t0 = time.perf_counter()
     out = pathlib.Path(args.out)

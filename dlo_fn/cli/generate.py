@@ -54,7 +54,7 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a prompt (repeat for several); or give --prompts")
     parser.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                         help="JSON lines, one request per line with any Request fields (+ optional \"id\"); "
-                             "served in waves of compatible requests by the DP engine (dlo_fn.runtime.engine); "
+                             "served in waves of compatible requests by the DP engine (dlo_fn.serve.engine); "
                              "the flags above are the defaults for fields a line leaves out")
     parser.add_argument("--negative-prompt", default="", help="unconditional-branch prompt")
     parser.add_argument("--seed", type=int, default=0, help="noise seed (every prompt uses it)")

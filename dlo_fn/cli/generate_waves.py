@@ -4,8 +4,8 @@ Under ``torchrun --nproc-per-node N`` every rank loads the checkpoint (mmap) and
 reads the file, rejects bad lines and invalid requests before dispatch, groups the rest into waves of up to
 ``N x --requests-per-rank`` compatible requests (allgather: lockstep waves; rank-local / resident: one queue
 per rank), and writes every video, its preview, ``manifest.jsonl`` and ``waves.jsonl`` under ``--out``
-(:mod:`dlo_fn.runtime.outputs`). Exit code 0 when every request produced an output, 1 otherwise (each failure is
-in the manifest with its reason). ``DLO_FN_FAULT`` injects a fault for tests (:mod:`dlo_fn.runtime.batch`).
+(:mod:`dlo_fn.serve.outputs`). Exit code 0 when every request produced an output, 1 otherwise (each failure is
+in the manifest with its reason). ``DLO_FN_FAULT`` injects a fault for tests (:mod:`dlo_fn.serve.batch`).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ def run_prompts(args: argparse.Namespace) -> int:
     import torch
 
     from dlo_fn.cli.generate import load_offloaded, options_from_args
-    from dlo_fn.runtime.batch import Fault
+    from dlo_fn.serve.batch import Fault
     from dlo_fn.runtime.dist import init_distributed
-    from dlo_fn.runtime.engine import Engine
-    from dlo_fn.runtime.outputs import write_outputs
+    from dlo_fn.serve.engine import Engine
+    from dlo_fn.serve.outputs import write_outputs
     from dlo_fn.runtime.platform import detect_platform
-    from dlo_fn.runtime.serving import EngineOptions, read_prompts, result_table, wave_table
+    from dlo_fn.serve.requests import EngineOptions, read_prompts, result_table, wave_table
 
     options = options_from_args(args)
     platform = detect_platform(prefer=args.platform)

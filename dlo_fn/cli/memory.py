@@ -108,7 +108,7 @@ def _sizes(args: argparse.Namespace, parse_bytes):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlo_fn.plan import calibration
+    from dlo_fn.repro import calibration
     from dlo_fn.plan.accounting import memory_accounting
     from dlo_fn.plan.memory import parse_bytes
 

@@ -1,4 +1,4 @@
-"""The published 4x B300 throughput tables beside the timeline model (:mod:`dlo_fn.plan.b300`).
+"""The published 4x B300 throughput tables beside the timeline model (:mod:`dlo_fn.repro.b300`).
 
 ``fig_b300_throughput``: per published (workload, strategy) row, the published and predicted wave latency and
 throughput, with the stream that bounds the predicted step named; pure model output, so regenerating changes
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pathlib
 
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
-from dlo_fn.plan import b300
-from dlo_fn.plan.published import compare
+from dlo_fn.repro import b300
+from dlo_fn.repro.published import compare
 
 __all__ = ["FIGURES", "FIGURES_DIR", "CASES", "comparison_rows", "headline_rows", "cost_rows", "fig_b300_throughput"]
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
 from dlo_fn.plan.memory import GB, cold_start
-from dlo_fn.plan.published import Comparison, compare, compare_bytes
+from dlo_fn.repro.published import Comparison, compare, compare_bytes
 
 __all__ = [
     "SWEEP_CSV", "NANO", "DP", "SweepFit", "nano_cold_starts", "term_rows", "nano_comparisons", "read_sweep",
@@ -39,7 +39,7 @@ MB = 10**6
 
 def nano_cold_starts() -> dict[str, object]:
     """``{"private-copy": ColdStart, "mmap": ColdStart}`` for Nano at DP4 (sizes as in notebook 04)."""
-    from dlo_fn.figures.memory_data import model_sizes
+    from dlo_fn.repro.memory_tables import model_sizes
 
     sizes = model_sizes(NANO)
     return {loading: cold_start(sizes, DP, loading) for loading in LOADINGS}

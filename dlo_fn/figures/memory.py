@@ -1,7 +1,7 @@
 """Memory figures of the seed (1, 3, 4, 6 and the host-capacity table), predicted by :mod:`dlo_fn.plan.memory`
 and :mod:`dlo_fn.plan.hbm` and drawn beside the published numbers with the relative error.
 
-The numbers come from :mod:`dlo_fn.figures.memory_data` (which states the deployment assumptions); each figure
+The numbers come from :mod:`dlo_fn.repro.memory_tables` (which states the deployment assumptions); each figure
 writes its data as CSV under ``figures/data/``. Titles state the finding.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pathlib
 
-from dlo_fn.figures.memory_data import (
+from dlo_fn.repro.memory_tables import (
     approach_rows, capacity_rows, measured_hbm_records, model_sizes, workload_bytes,
 )
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
 from dlo_fn.plan.hbm import approach_memory, hbm_per_card
 from dlo_fn.plan.memory import GB, host_steady_state, pinned_host_bytes_per_rank
-from dlo_fn.plan.published import published
+from dlo_fn.repro.published import published
 
 __all__ = ["fig1_offload_vs_parallel", "fig3_host_weights_per_rank", "fig4_hbm",
            "fig6_ascend_memory_accounting", "table_host_capacity", "FIGURES"]

@@ -1,7 +1,7 @@
 """Figures 7 and 8 of the seed: the MiniMax-H3 DLO route study on 8x B300, recomputed from its raw CSVs.
 
 Every number drawn here is computed from ``figures/data/minimax_h3_b300/`` (see its ``SOURCE.md``); the
-published values (:mod:`dlo_fn.plan.published`) are drawn beside them, with the relative error.
+published values (:mod:`dlo_fn.repro.published`) are drawn beside them, with the relative error.
 
 * ``fig7_minimax_frontier``: wave latency vs throughput of every T2VA topology x mode, energy per video, and the
   paired five-wave AllGather vs rank-local deltas (+129.4% at DP1xSP8, +2.2% at DP4xSP2, -4.1% at DP8xSP1).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
-from dlo_fn.plan.published import compare, published
+from dlo_fn.repro.published import compare, published
 
 __all__ = [
     "DATA_DIR", "TOPOLOGIES", "SELECTED", "Case", "Route", "PairedDelta",

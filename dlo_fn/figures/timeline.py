@@ -1,7 +1,7 @@
 """The three-stream timeline on H200 ceilings: video hides PCIe behind compute, image is bound by it.
 
 Every timeline here is *simulated* (:func:`dlo_fn.plan.timeline.simulate`) from the measured H200 ceilings in
-:mod:`dlo_fn.plan.ceilings` (DESIGN.md section 6): pinned H2D 54.7 GB/s, per-block compute 26.4 ms (832x480x29
+:mod:`dlo_fn.repro.ceilings` (DESIGN.md section 6): pinned H2D 54.7 GB/s, per-block compute 26.4 ms (832x480x29
 video, CFG) and 6.1 ms (1024^2 image, CFG), the 604 MB reference block, one GPU (so the all-gather of the
 allgather-mode schedule is a device copy). The measured 24-block pass is the comparison (:func:`prediction_rows`).
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 import io
 import pathlib
 
+from dlo_fn.repro.tables import text_table
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
-from dlo_fn.plan.ceilings import (
+from dlo_fn.repro.ceilings import (
     H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES, REF_PASS_NUM_BLOCKS,
     VIDEO_832X480X29_CFG, Workload, h200_durations,
 )
@@ -215,16 +216,6 @@ def fig_timeline_three_streams(out_dir: pathlib.Path) -> list[pathlib.Path]:
     csv = write_csv(out_dir / "data" / "timeline_three_streams.csv", _span_rows(cases),
                     ("case", "op", "stream", "start_ms", "end_ms"))
     return [png, csv]
-
-
-def text_table(rows: list[dict]) -> str:
-    """Rows of equal keys as an aligned text table (for notebooks: stable, diffable output)."""
-    keys = list(rows[0])
-    cells = [keys] + [[str(r[k]) for k in keys] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
-    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths)))
-             for line in cells]
-    return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
 
 
 def sweep_grid(rows: list[dict]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dlo_fn.plan.calibration import DEVICE_CONTEXT_BYTES, FRAMEWORK_HOST_BYTES_PER_RANK
+from dlo_fn.repro.calibration import DEVICE_CONTEXT_BYTES, FRAMEWORK_HOST_BYTES_PER_RANK
 from dlo_fn.plan.hbm import hbm_per_card
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.memory import ModelSizes, cold_start, host_steady_state

@@ -6,7 +6,7 @@ DLO holds a fixed double buffer of whole blocks plus landing buffers for the loc
         + L * max_b s_b                 landing buffers (allgather; rank-local: L = 0, W = 1)
         + R                             resident (non-block) tensors, kept on every card
         + a + k                         activations and communication buffers (workload inputs)
-        + c_dev                         device context (calibrated, :mod:`dlo_fn.plan.calibration`)
+        + c_dev                         device context (calibrated, :mod:`dlo_fn.repro.calibration`)
 
 with ``s_b = align_up(ceil(n_b / W), A)``. Only the first two terms depend on the blocks, and only through the
 *largest* block: HBM is independent of depth. ``idle`` excludes ``a + k``; ``peak`` includes them.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dlo_fn.plan.calibration import DEVICE_CONTEXT_BYTES
+from dlo_fn.repro.calibration import DEVICE_CONTEXT_BYTES
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.memory import ModelSizes, pinned_host_bytes_per_rank
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING

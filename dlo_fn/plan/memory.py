@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlo_fn.plan.calibration import FRAMEWORK_HOST_BYTES_PER_RANK
+from dlo_fn.repro.calibration import FRAMEWORK_HOST_BYTES_PER_RANK
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.sizes import GB, GIB, ModelSizes, _check_positive, parse_bytes  # re-exported: one entry point
 

@@ -8,7 +8,7 @@ dispatch), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, `
 for each wave:
 
 1. broadcasts it (one ``broadcast_object_list``): rank ``r`` runs the requests at positions ``r, r+W, ...``;
-2. every rank runs its share block-major (:func:`dlo_fn.runtime.batch.run_batch`); the per-block all-gathers
+2. every rank runs its share block-major (:func:`dlo_fn.serve.batch.run_batch`); the per-block all-gathers
    keep all ranks in lockstep, and a rank with nothing to do serves its shards without computing;
 3. each follower sends its outcomes to rank 0, which matches them to requests by wave position.
 
@@ -19,10 +19,10 @@ queue. A finished follower posts ``done`` on the status board and waits (on the 
 so no timeout fires while others are still busy) until rank 0 asks for its results.
 
 **Failing closed.** A rank that raises gets error results for its requests and keeps serving the wave's
-all-gathers (see :mod:`dlo_fn.runtime.batch`). A rank that stalls or dies breaks the collectives: every call
+all-gathers (see :mod:`dlo_fn.serve.batch`). A rank that stalls or dies breaks the collectives: every call
 is bounded by ``timeout_s`` (the process group's timeout; in independent mode also a progress watchdog on the
 board), the wave fails closed (every request in it gets an error naming the wave and the culprit rank, from
-:class:`~dlo_fn.runtime.wire.StatusBoard`), the engine stops, and every request not yet dispatched gets a
+:class:`~dlo_fn.serve.wire.StatusBoard`), the engine stops, and every request not yet dispatched gets a
 "not dispatched" error. Nothing hangs and nothing is dropped silently.
 """
 
@@ -35,11 +35,11 @@ from typing import Any, Iterable, Sequence
 
 from dlo_fn.models.request import Request
 from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validate_wave
-from dlo_fn.runtime.batch import Outcome, WaveAborted, run_batch
-from dlo_fn.runtime.serving import (
+from dlo_fn.serve.batch import Outcome, WaveAborted, run_batch
+from dlo_fn.serve.requests import (
     ENGINE_MODES, EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, from_wire,
 )
-from dlo_fn.runtime.wire import Channel, StatusBoard, culprits, default_store
+from dlo_fn.serve.wire import Channel, StatusBoard, culprits, default_store
 
 __all__ = ["Engine", "EngineStopped"]
 
@@ -111,8 +111,8 @@ class Engine:
 
     def serve_stream(self, source: Any) -> ServeReport:
         """Rank 0: serve submissions as they arrive on a ``queue.Queue`` (``None`` closes it), with the bounded
-        wait ``options.max_wait_s`` to fill a wave (see :mod:`dlo_fn.runtime.engine_stream`)."""
-        from dlo_fn.runtime.engine_stream import serve_stream
+        wait ``options.max_wait_s`` to fill a wave (see :mod:`dlo_fn.serve.engine_stream`)."""
+        from dlo_fn.serve.engine_stream import serve_stream
 
         return serve_stream(self, source)
 
@@ -164,7 +164,7 @@ class Engine:
         """Ranks != 0: serve waves (or queues) until rank 0 says stop or a wave fails."""
         if self.rank == 0:
             raise RuntimeError("rank 0 drives: call serve()/close() (or run()), not follow()")
-        from dlo_fn.runtime import engine_follow
+        from dlo_fn.serve import engine_follow
 
         engine_follow.follow(self)
 
@@ -177,7 +177,7 @@ class Engine:
 
     def _dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission],
                   results: dict[int, RequestResult], t0: float) -> list[WaveRecord]:
-        from dlo_fn.runtime import engine_drive
+        from dlo_fn.serve import engine_drive
 
         if self.stopped is not None:
             records: list[WaveRecord] = []

@@ -5,7 +5,7 @@ original, the vLLM blog post "Distributed Layerwise Offload", 2026-07-30), trans
 ``PUBLISHED_NUMBERS.md``; ``source`` names the figure or table. Units: ``GB`` = 1e9 bytes, ``GiB`` = 2**30
 bytes, as each source states them; ``approx`` marks values the source writes with "~".
 
-What is *not* here: the constants fitted to some of these numbers (:mod:`dlo_fn.plan.calibration`, each naming
+What is *not* here: the constants fitted to some of these numbers (:mod:`dlo_fn.repro.calibration`, each naming
 the one number it was fitted to), and the model sizes, which are inputs of the memory models, not results:
 :data:`MODELS` describes the published models for when the reference configs (:mod:`dlo_fn.models`) are not
 available, and says so in its ``source``.
@@ -250,7 +250,7 @@ def published(key: str) -> Published:
     try:
         return PUBLISHED[key]
     except KeyError:
-        raise KeyError(f"no published number {key!r}; see dlo_fn.plan.published.PUBLISHED") from None
+        raise KeyError(f"no published number {key!r}; see dlo_fn.repro.published.PUBLISHED") from None
 
 
 def relative_error(predicted: float, reference: float) -> float:

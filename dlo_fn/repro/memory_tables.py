@@ -1,9 +1,9 @@
 """The numbers behind the memory figures and notebook 04: every published memory number beside its prediction.
 
 Predictions come only from :mod:`dlo_fn.plan.memory` / :mod:`dlo_fn.plan.hbm`, the model sizes and the named
-constants of :mod:`dlo_fn.plan.calibration`; published values (:mod:`dlo_fn.plan.published`) fill only the
+constants of :mod:`dlo_fn.repro.calibration`; published values (:mod:`dlo_fn.repro.published`) fill only the
 *published* column. Each ``*_comparisons`` function returns a list of
-:class:`~dlo_fn.plan.published.Comparison`.
+:class:`~dlo_fn.repro.published.Comparison`.
 
 Deployment assumptions, stated once:
 
@@ -22,10 +22,10 @@ import json
 import pathlib
 from functools import lru_cache
 
-from dlo_fn.plan import calibration as cal
+from dlo_fn.repro import calibration as cal
 from dlo_fn.plan.hbm import approach_memory, hbm_per_card, scale_activation_bytes
 from dlo_fn.plan.memory import GB, GIB, ModelSizes, cold_start, host_capacity, host_steady_state
-from dlo_fn.plan.published import MODELS, PUBLISHED, Comparison, compare, compare_bytes, published
+from dlo_fn.repro.published import MODELS, PUBLISHED, Comparison, compare, compare_bytes, published
 
 __all__ = [
     "DATA_DIR", "CAPACITY_CASES", "model_sizes", "published_sizes", "workload_bytes",
@@ -287,6 +287,6 @@ def rounded(rows: list[dict], ndigits: int = 2) -> list[dict]:
 
 
 def calibration_rows() -> list[dict]:
-    """The named constants of :mod:`dlo_fn.plan.calibration` with the published numbers each was fitted to."""
+    """The named constants of :mod:`dlo_fn.repro.calibration` with the published numbers each was fitted to."""
     return [{"constant": name, "GB": value / GB, "fitted to": " - ".join(keys)}
             for name, (value, keys) in cal.CALIBRATIONS.items()]

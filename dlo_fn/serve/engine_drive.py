@@ -1,4 +1,4 @@
-"""Rank 0's side of :class:`~dlo_fn.runtime.engine.Engine`: lockstep waves and independent queues."""
+"""Rank 0's side of :class:`~dlo_fn.serve.engine.Engine`: lockstep waves and independent queues."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 from typing import Any, Iterator, Sequence
 
 from dlo_fn.plan.waves import WavePlan, assign_positions
-from dlo_fn.runtime.batch import Outcome, WaveAborted
-from dlo_fn.runtime.serving import RequestResult, Submission, WaveRecord, to_wire
+from dlo_fn.serve.batch import Outcome, WaveAborted
+from dlo_fn.serve.requests import RequestResult, Submission, WaveRecord, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _relative(trace: list, t_start: float) -> tuple:
 def _fill(engine: Any, subs, results, wave: WavePlan, outcomes: dict[int, list[Outcome]], *, queued_s: float,
           wave_s: float) -> str:
     """Match outcomes to requests by wave position; returns the wave status (ok / partial)."""
-    from dlo_fn.runtime.engine import request_result
+    from dlo_fn.serve.engine import request_result
 
     owner = {p: r for r, pos in enumerate(assign_positions(len(wave.indices), wave.dp_size)) for p in pos}
     got = {o.position: (rank, o) for rank, outs in outcomes.items() for o in outs}

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dlo_fn.runtime.serving import RequestResult, ServeReport
+from dlo_fn.serve.requests import RequestResult, ServeReport
 
 __all__ = ["write_outputs", "preview_strip", "video_sha256", "read_manifest"]
 

@@ -1,4 +1,4 @@
-"""The followers' side of :class:`~dlo_fn.runtime.engine.Engine` (ranks != 0)."""
+"""The followers' side of :class:`~dlo_fn.serve.engine.Engine` (ranks != 0)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from dlo_fn.runtime.batch import WaveAborted
+from dlo_fn.serve.batch import WaveAborted
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def _round(engine: Any, msg: dict) -> bool:
         try:
             results.append((wave_id, engine.run_share(wave_id, steps, share, trace)))
         except WaveAborted as exc:  # no collectives in this mode: report it as the batch's errors
-            from dlo_fn.runtime.batch import Outcome
+            from dlo_fn.serve.batch import Outcome
 
             results.append((wave_id, [Outcome(p, False, error=str(exc)) for p, _ in share]))
     board.post("done", round=round_id)

@@ -3,11 +3,11 @@
 :func:`serve_local` starts W fresh processes (``spawn``; ``torch.set_num_threads(threads_per_rank)`` in each)
 joined by a ``file://`` rendezvous whose process-group timeout is the engine's ``timeout_s``. Each rank runs
 one or more :class:`Phase` in order; per phase it maps the checkpoint (mmap, zero-copy), wraps the model for the
-phase's mode, builds an :class:`~dlo_fn.runtime.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the
+phase's mode, builds an :class:`~dlo_fn.serve.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the
 reports back pickled; then the followers get ``grace_s`` to exit and anything still running (a stalled rank)
 is killed. Every rank's exit code is returned, so a test can see the rank that died.
 
-Under ``torchrun`` the same per-rank code is :func:`open_model` + :class:`~dlo_fn.runtime.engine.Engine`
+Under ``torchrun`` the same per-rank code is :func:`open_model` + :class:`~dlo_fn.serve.engine.Engine`
 (see ``dlo_fn.cli.generate``).
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dlo_fn.runtime.serving import EngineOptions, ServeReport, Submission
+from dlo_fn.serve.requests import EngineOptions, ServeReport, Submission
 
 __all__ = ["Phase", "LocalRun", "serve_local", "open_model"]
 
@@ -93,7 +93,7 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from dlo_fn.runtime.dist import init_distributed
-    from dlo_fn.runtime.engine import Engine
+    from dlo_fn.serve.engine import Engine
     from dlo_fn.runtime.platform import platform_for
 
     timeout_s = max((p.options.timeout_s for p in phases), default=60.0)

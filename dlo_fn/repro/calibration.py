@@ -4,7 +4,7 @@ The memory models are sums of terms. Most terms follow from the model's bytes an
 ranks); the few that do not (what a framework process costs, what a device context costs, what one workload's
 activations cost) are constants measured on one deployment. Each constant below is a literal, fitted once; its
 docstring names the published number(s) it was fitted to and the arithmetic, and ``tests/test_memory.py``
-re-derives it from :mod:`dlo_fn.plan.published` so the literal cannot drift from its source. Comparisons
+re-derives it from :mod:`dlo_fn.repro.published` so the literal cannot drift from its source. Comparisons
 against the very number a constant was fitted to are flagged ``calibrated`` (agreement by construction).
 
 Fitting uses the *published* model sizes (Cosmos3-Nano: 33 GB in 72 blocks, resident bytes unknown so 0):

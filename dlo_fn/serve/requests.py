@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from dlo_fn.models.request import Request
-from dlo_fn.runtime.batch import Fault
+from dlo_fn.serve.batch import Fault
 
 __all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "ServeReport", "read_prompts",
            "as_submissions", "ENGINE_MODES"]

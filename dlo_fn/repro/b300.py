@@ -62,7 +62,7 @@ per GPU. Used only to judge :data:`B300_EFFECTIVE_FLOP_PER_S`, never as an input
 B300_PINNED_H2D_BYTES_PER_S = 54.734e9
 """Fitted to the DLO no-AG DP4 1024^2 T2I wave, 112.96 s over 50 steps (``b300.t2i.dlo_noag_dp4.wave_s``): every
 rank copies the whole model per step and nothing else is as long, so ``beta_h2d = N / (112.96 / 50)``. It lands
-on the H200's measured pinned H2D, 54.7 GB/s (PCIe Gen5 x16, :mod:`dlo_fn.plan.ceilings`)."""
+on the H200's measured pinned H2D, 54.7 GB/s (PCIe Gen5 x16, :mod:`dlo_fn.repro.ceilings`)."""
 
 B300_NVLINK_ALLGATHER_BYTES_PER_S = 305.27e9
 """Bytes a rank receives per second in the weight all-gather. Fitted to the HSDP+USP4 1024^2 T2I wave, 15.19 s over

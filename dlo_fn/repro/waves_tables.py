@@ -1,15 +1,15 @@
 """Tables for notebook 05 (DP concurrency): published performance, the wave timeline model, the AllGather
 overhead split, and our measured CPU waves (from the committed ``figures/data/waves_cpu.csv``).
 
-Published numbers (the Ascend performance table included) come from :mod:`dlo_fn.plan.published`, for the
+Published numbers (the Ascend performance table included) come from :mod:`dlo_fn.repro.published`, for the
 comparison columns only.
 """
 
 from __future__ import annotations
 
 from dlo_fn.figures.waves import read_scaling, read_trace
-from dlo_fn.plan.published import MODELS, Published, published, relative_error
-from dlo_fn.plan.wave_model import WaveCosts, predict_wave
+from dlo_fn.repro.published import MODELS, Published, published, relative_error
+from dlo_fn.repro.wave_model import WaveCosts, predict_wave
 
 __all__ = ["perf", "NANO_BLOCKS", "SHARD_H2D_BYTES_PER_S", "reference_costs", "published_rows",
            "model_rows", "overhead_rows", "sensitivity_rows", "cpu_rows", "cpu_host_us", "h200_r_rows", "trace_rows", "cost_rows", "demo_checkpoint"]

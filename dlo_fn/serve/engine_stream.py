@@ -1,7 +1,7 @@
-"""Rank 0 serving requests as they arrive: :meth:`~dlo_fn.runtime.engine.Engine.serve_stream`.
+"""Rank 0 serving requests as they arrive: :meth:`~dlo_fn.serve.engine.Engine.serve_stream`.
 
 Submissions arrive on a ``queue.Queue`` (a :class:`~dlo_fn.models.Request` or a
-:class:`~dlo_fn.runtime.serving.Submission`; ``None`` closes the stream). Each is validated on arrival (a bad
+:class:`~dlo_fn.serve.requests.Submission`; ``None`` closes the stream). Each is validated on arrival (a bad
 one gets its error result at once), then waits in :func:`dlo_fn.plan.waves.form_waves`: a wave goes out as soon
 as it is full, or when its oldest request has waited ``EngineOptions.max_wait_s`` (the bounded wait to fill a
 wave), or when the stream closes. While nothing is ready the followers, blocked in the wave broadcast, get an
@@ -17,7 +17,7 @@ from typing import Any
 
 from dlo_fn.models.request import Request
 from dlo_fn.plan.waves import Pending, compat_key, form_waves
-from dlo_fn.runtime.serving import RequestResult, ServeReport, Submission
+from dlo_fn.serve.requests import RequestResult, ServeReport, Submission
 
 __all__ = ["serve_stream"]
 
