@@ -33,10 +33,11 @@ def _generate(ckpt, out, *extra, nproc=1, timeout=240):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     for row in rows:
-        video = np.load(out / f"request-{row['request']}.npy")
+        npy, png = row["files"]
+        video = np.load(out / npy)
         assert hashlib.sha256(video.tobytes()).hexdigest() == row["sha256"]
-        assert (out / f"request-{row['request']}.png").stat().st_size > 0
-        assert list(video.shape) == row["shape"][1:]
+        assert (out / png).stat().st_size > 0
+        assert list(video.shape) == row["shape"]
     return rows
 
 

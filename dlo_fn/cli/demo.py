@@ -68,6 +68,7 @@ def ensure_checkpoint(folder: pathlib.Path) -> pathlib.Path:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from dlo_fn.plan.modes import MODES
     from dlo_fn.serve.local import Phase, serve_local
     from dlo_fn.serve.outputs import write_outputs
     from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
@@ -78,16 +79,16 @@ def run_demo(args: argparse.Namespace) -> int:
     subs = tuple(demo_requests())
     by_id = {s.request_id: i for i, s in enumerate(subs)}
     options = EngineOptions(requests_per_rank=args.requests_per_rank, timeout_s=args.timeout_s, progress=False)
+    others = tuple(m for m in MODES if m != "allgather")  # each must reproduce the allgather run's bytes
     phases = [
         Phase("allgather", subs, options),
         Phase("allgather", subs, options, forced=((by_id["fox"], by_id["tree"]),)),
-        Phase("rank-local", subs, options),
-        Phase("resident", subs, options),
+        *(Phase(mode, subs, options) for mode in others),
     ]
     print(f"demo: {args.dp} CPU ranks (gloo), checkpoint {ckpt}, {len(subs)} requests, "
           f"R = {args.requests_per_rank} per rank")
     run = serve_local(ckpt, phases, args.dp, join_timeout_s=max(120.0, 4 * args.timeout_s))
-    main, forced, local, resident = (list(run.reports) + [None] * 4)[:4]
+    main, forced, *compared = (list(run.reports) + [None] * len(phases))[:len(phases)]
     if not hasattr(main, "results"):
         print(f"demo FAILED: the allgather run did not complete: {main}")
         return 1
@@ -100,7 +101,7 @@ def run_demo(args: argparse.Namespace) -> int:
     manifest = write_outputs(out / "outputs", main)
     ok = True
     print("\nsame request and seed -> same bytes (SHA-256) in every mode:")
-    for name, rep in (("rank-local", local), ("resident", resident)):
+    for name, rep in zip(others, compared):
         if not hasattr(rep, "results"):
             print(f"  {name}: run failed: {rep}")
             ok = False

@@ -1,1 +1,17 @@
-"""DP serving over torch.distributed: requests and faults, the wire protocol, one Engine, outputs, local ranks."""
+"""DP serving over torch.distributed: requests and faults, the wire protocol, one Engine, outputs, local ranks.
+
+==============  ==================================================================================================
+module          what it owns
+==============  ==================================================================================================
+``requests``    submissions, engine options, per-request results, per-wave records, the report; prompts files
+``batch``       one rank's R requests run block-major (``run_batch``); failing closed inside a wave; faults
+``wire``        the control channel (gloo) and the status board (rendezvous store) the ranks talk through
+``share``       one rank's share of a wave: run it, post progress, measure its spans
+``driver``      rank 0's dispatch of formed waves: lockstep (allgather) or one queue per rank
+``follower``    the other ranks' side of the protocol
+``stream``      rank 0's intake of a live queue of submissions (bounded wait to fill a wave)
+``engine``      ``Engine``: validation, wave formation and numbering, the stop state; uses the four above
+``outputs``     videos, previews and the JSON-lines manifests under an output folder
+``local``       W spawned CPU ranks (gloo) serving phases: the demo's, the tests' and the benchmarks' way in
+==============  ==================================================================================================
+"""

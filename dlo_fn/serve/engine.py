@@ -3,6 +3,12 @@
 Every rank builds the same model and :class:`Engine`; rank 0 calls :meth:`Engine.serve` (then
 :meth:`Engine.close`), the others :meth:`Engine.follow`. :meth:`Engine.run` does the right one.
 
+The engine owns what lives across serves: the control channel and status board (:mod:`dlo_fn.serve.wire`),
+the wave numbering, validation before dispatch, and whether it stopped. Its collaborators own the rest and
+return what they did: :class:`~dlo_fn.serve.driver.Driver` (rank 0's dispatch),
+:class:`~dlo_fn.serve.follower.Follower` (the other ranks), :class:`~dlo_fn.serve.stream.StreamIntake` (a live
+queue of submissions) and :class:`~dlo_fn.serve.share.ShareRunner` (one rank's share of a wave).
+
 **Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one is rejected before any
 dispatch), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per rank), and
 for each wave:
@@ -29,48 +35,55 @@ board), the wave fails closed (every request in it gets an error naming the wave
 from __future__ import annotations
 
 import logging
-import re
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+from torch import nn
 
 from dlo_fn.models.request import Request
+from dlo_fn.plan.modes import MODES, check_mode
+from dlo_fn.plan.timeline import Timeline
 from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validate_wave
-from dlo_fn.serve.batch import Outcome, WaveAborted, run_batch
-from dlo_fn.serve.requests import (
-    ENGINE_MODES, EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, from_wire,
-)
-from dlo_fn.serve.wire import Channel, StatusBoard, culprits, default_store
+from dlo_fn.runtime.dist import DistContext
+from dlo_fn.runtime.offload import Offloaded
+from dlo_fn.serve.driver import Driver
+from dlo_fn.serve.follower import Follower
+from dlo_fn.serve.requests import EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions
+from dlo_fn.serve.share import ShareRunner, own_timeline
+from dlo_fn.serve.stream import StreamIntake
+from dlo_fn.serve.wire import Channel, StatusBoard, default_store
 
-__all__ = ["Engine", "EngineStopped"]
+__all__ = ["Engine"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineStopped(RuntimeError):
-    """The engine failed closed earlier; it dispatches nothing more."""
 
 
 class Engine:
     """One per rank. ``offloaded`` is what :func:`dlo_fn.runtime.offload.offload` returned for ``model``."""
 
-    def __init__(self, model: Any, offloaded: Any, ctx: Any, options: EngineOptions | None = None, *,
-                 session: str = "engine") -> None:
+    def __init__(self, model: nn.Module, offloaded: Offloaded, ctx: DistContext,
+                 options: EngineOptions | None = None, *, session: str = "engine") -> None:
         self.model, self.offloaded, self.ctx = model, offloaded, ctx
         self.options = options or EngineOptions()
-        self.mode = offloaded.mode
-        if self.mode not in ENGINE_MODES:
-            raise ValueError(f"engine mode must be one of {ENGINE_MODES}, got {self.mode!r}")
+        self.mode = check_mode(offloaded.mode, MODES, "engine mode")
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.lockstep = self.mode == "allgather" and self.world_size > 1
         self.channel = Channel(ctx.group, ctx.platform.backend, self.options.timeout_s)
         self.board = StatusBoard(default_store(), self.rank, self.world_size, session)
-        self.tick: Any = None  # rank 0's progress bar, set while serving
         self.config = getattr(model, "config", None)
-        self.stopped: str | None = None
+        self.stopped: str | None = None  # why the engine failed closed; it dispatches nothing more
+        runner = ShareRunner(model, offloaded, self.rank, self.board, self.options.fault)
+        self._driver = Driver(self.channel, self.board, runner, self.options, mode=self.mode,
+                              world_size=self.world_size, lockstep=self.lockstep)
+        self._follower = Follower(self.channel, self.board, runner, self.options, rank=self.rank)
         self._next_wave = 0
-        self._round = 0
         self._closed = False
         self.board.post("idle")
+
+    @property
+    def _width(self) -> int:
+        """Ranks per wave: all of them in lockstep, one otherwise (each replica runs its own batches)."""
+        return self.world_size if self.lockstep else 1
 
     # -- public API ------------------------------------------------------------------------------------------
     def run(self, submissions: Iterable[Request | Submission] | None = None) -> ServeReport | None:
@@ -101,32 +114,52 @@ class Engine:
                 results[i] = RequestResult(i, sub.request_id, sub.request, False, error=reason)
             else:
                 pending.append(Pending(i, compat_key(sub.request), 0.0))
-        width = self.world_size if self.lockstep else 1
-        plan = form_waves(pending, width, self.options.requests_per_rank, first_wave_id=self._next_wave)
+        plan = form_waves(pending, self._width, self.options.requests_per_rank, first_wave_id=self._next_wave)
         self._next_wave += len(plan.waves)
-        waves = self._dispatch(plan.waves, subs, results, t0)
-        return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
-                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0,
-                           self._stats())
+        done, waves = self._dispatch(plan.waves, subs, t0)
+        return self._report(subs, {**results, **done}, waves, t0)
 
     def serve_stream(self, source: Any) -> ServeReport:
         """Rank 0: serve submissions as they arrive on a ``queue.Queue`` (``None`` closes it), with the bounded
-        wait ``options.max_wait_s`` to fill a wave (see :mod:`dlo_fn.serve.engine_stream`)."""
-        from dlo_fn.serve.engine_stream import serve_stream
-
-        return serve_stream(self, source)
+        wait ``options.max_wait_s`` to fill a wave (see :mod:`dlo_fn.serve.stream`). While nothing is due the
+        followers get an ``idle`` message every ``timeout_s / 3``, so an empty queue never trips the
+        process-group timeout."""
+        self._require_driver()
+        opts = self.options
+        keepalive_s = opts.timeout_s / 3
+        t0 = time.perf_counter()
+        intake = StreamIntake(source, self.config, width=self._width, requests_per_rank=opts.requests_per_rank,
+                              max_wait_s=opts.max_wait_s)
+        results: dict[int, RequestResult] = {}
+        records: list[WaveRecord] = []
+        last_message = time.monotonic()
+        while True:
+            waves = intake.due_waves(self._next_wave)
+            if waves:
+                self._next_wave += len(waves)
+                done, dispatched = self._dispatch(waves, intake.submissions, t0)
+                results.update(done)
+                records.extend(dispatched)
+                last_message = time.monotonic()
+                continue
+            if intake.closed:
+                break
+            intake.receive(until_s=last_message + keepalive_s, stopped=self.stopped)
+            if self.lockstep and self.stopped is None and time.monotonic() - last_message >= keepalive_s:
+                self.channel.broadcast({"kind": "idle"})
+                last_message = time.monotonic()
+        return self._report(intake.submissions, {**results, **intake.rejected}, records, t0)
 
     def serve_forced(self, waves: Sequence[Sequence[Request]]) -> ServeReport:
         """Rank 0: dispatch caller-formed waves as given. Every wave is checked first
         (:func:`~dlo_fn.plan.waves.validate_wave`): a mixed one raises ``IncompatibleWaveError`` naming the
         differing fields before anything is dispatched."""
         self._require_driver()
-        width = self.world_size if self.lockstep else 1
+        width = self._width
         for w in waves:
             validate_wave(list(w), width, self.options.requests_per_rank)
         t0 = time.perf_counter()
         subs = as_submissions([r for w in waves for r in w])
-        results: dict[int, RequestResult] = {}
         plans, start = [], 0
         for w in waves:
             for r in w:
@@ -135,19 +168,8 @@ class Engine:
             plans.append(WavePlan(self._next_wave, compat_key(w[0]), idx, width, self.options.requests_per_rank))
             self._next_wave += 1
             start += len(w)
-        records = self._dispatch(tuple(plans), subs, results, t0)
-        return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(records), self.mode,
-                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0,
-                           self._stats())
-
-    def _stats(self) -> dict[str, float]:
-        """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""
-        ex = getattr(self.offloaded, "executor", None)
-        if ex is None:
-            return {}
-        st = ex.stats
-        return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
-                "issue_s": st.issue_s, "call_s": st.call_s}
+        done, records = self._dispatch(tuple(plans), subs, t0)
+        return self._report(subs, done, records, t0)
 
     def close(self) -> None:
         """Rank 0: tell the followers to return (skipped when the engine failed: the group is broken)."""
@@ -164,9 +186,27 @@ class Engine:
         """Ranks != 0: serve waves (or queues) until rank 0 says stop or a wave fails."""
         if self.rank == 0:
             raise RuntimeError("rank 0 drives: call serve()/close() (or run()), not follow()")
-        from dlo_fn.serve import engine_follow
+        reason = self._follower.follow()
+        if reason is not None:
+            self.stopped = reason
 
-        engine_follow.follow(self)
+    def gather_timeline(self, meta: Sequence[tuple[str, str]] = ()) -> Timeline:
+        """Rank 0, before :meth:`close`: every rank's measured executor timeline since the last call (needs
+        ``record_timeline``), in rank order, as one Timeline (empty when none was recorded). ``meta`` is added
+        to each rank's. Not after a failure (the group is broken): raises ``RuntimeError``."""
+        self._require_driver()
+        if self.stopped is not None:
+            raise RuntimeError(f"engine stopped ({self.stopped}): no timelines to gather")
+        timelines = [own_timeline(self.offloaded, meta)]
+        if self.world_size > 1:
+            self.channel.broadcast({"kind": "timeline", "meta": tuple(meta)})
+            timelines += [self.channel.recv(r) for r in range(1, self.world_size)]
+        spans, out_meta = [], ()
+        for timeline in timelines:
+            if timeline is not None:
+                spans.extend(timeline.spans)
+                out_meta = timeline.meta
+        return Timeline(tuple(spans), out_meta)
 
     # -- dispatch --------------------------------------------------------------------------------------------
     def _require_driver(self) -> None:
@@ -176,97 +216,36 @@ class Engine:
             raise RuntimeError("engine closed: build a new one")
 
     def _dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission],
-                  results: dict[int, RequestResult], t0: float) -> list[WaveRecord]:
-        from dlo_fn.serve import engine_drive
-
-        if self.stopped is not None:
-            records: list[WaveRecord] = []
-        elif self.lockstep:
-            records = engine_drive.lockstep(self, waves, subs, results, t0)
-        else:
-            records = engine_drive.independent(self, waves, subs, results, t0)
+                  t0: float) -> tuple[dict[int, RequestResult], list[WaveRecord]]:
+        """Results of every request in ``waves`` (a "not dispatched" error for those a failure kept from
+        running) and the records of the waves that ran."""
+        results: dict[int, RequestResult] = {}
+        records: list[WaveRecord] = []
+        if self.stopped is None:
+            done = self._driver.dispatch(waves, subs, t0)
+            results.update(done.results)
+            records.extend(done.waves)
+            if done.stopped is not None:
+                self.stopped = done.stopped
         for w in waves:  # whatever was not reached: the engine stopped before it
             for i in w.indices:
                 if i not in results:
                     results[i] = RequestResult(
                         i, subs[i].request_id, subs[i].request, False,
                         error=f"not dispatched: the engine stopped earlier ({self.stopped})")
-        return records
+        return results, records
 
-    # -- helpers shared by the drive / follow modules ---------------------------------------------------------
-    def run_share(self, wave_id: int, num_steps: int, share: Sequence[tuple[int, dict]],
-                  trace: list | None) -> list[Outcome]:
-        """Run this rank's ``(position, request as a dict)`` pairs of a wave, posting progress on the board."""
-        fault = self.options.fault
-        fault = fault if fault is not None and fault.rank == self.rank and fault.wave == wave_id else None
-        self.board.post("running", wave=wave_id, step=0)
-        spans: list | None = [] if trace is not None else None
-        on_block = None
-        if spans is not None:
-            def on_block(label: str, step: int, block: int, s: float, e: float) -> None:
-                spans.append((self.rank, "compute", f"{label} s{step} b{block}", s, e))
-        positions = [p for p, _ in share]
-        outcomes = run_batch(
-            self.model, self.offloaded, [from_wire(r) for _, r in share], positions, num_steps=num_steps,
-            rank=self.rank, fault=fault, on_block=on_block,
-            on_step=lambda s: self._on_step(wave_id, s),
-        )
-        if trace is not None:
-            measured = self._executor_spans(positions)
-            # The executor's compute spans start after the block's weights arrived; the engine's own spans
-            # (``on_block``) include that wait, so they are used only when there is no executor (resident).
-            trace.extend(measured if any(lane == "compute" for _, lane, *_ in measured) else spans + measured)
-        return outcomes
+    def _report(self, subs: Sequence[Submission], results: Mapping[int, RequestResult],
+                waves: Sequence[WaveRecord], t0: float) -> ServeReport:
+        return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
+                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0,
+                           self._stats())
 
-    def _on_step(self, wave_id: int, step: int) -> None:
-        self.board.post("running", wave=wave_id, step=step + 1)
-        if self.tick is not None:
-            self.tick()
-
-    def _executor_spans(self, positions: Sequence[int]) -> list[tuple[int, str, str, float, float]]:
-        """The executor's measured spans of the last run(s), on the engine's clock (``time.perf_counter``);
-        compute ops relabelled ``p<wave position> s<step> b<block>``."""
-        ex = getattr(self.offloaded, "executor", None)
-        if ex is None or not ex.record_timeline:
-            return []
-        timeline = ex.take_timeline()
-        base = ex.timeline_origin_s
-        if base is None:
-            return []  # device events: no host-clock origin to align with
-        num_blocks = ex.layout.num_blocks
-        out = []
-        for sp in timeline.spans:
-            label = sp.op
-            if sp.stream == "compute":
-                m = re.search(r"C k(\d+) b(\d+)@s\d+ r(\d+)", sp.op)
-                if m is None or int(m.group(3)) >= len(positions):
-                    continue
-                k, b, r = (int(g) for g in m.groups())
-                label = f"p{positions[r]} s{k // num_blocks} b{b}"
-            out.append((self.rank, sp.stream, label, base + sp.start_s, base + sp.end_s))
-        return out
-
-    def fail(self, wave_id: int | None, where: str, exc: BaseException, ranks: Sequence[int],
-             what: str | None = None) -> str:
-        """Record a failed wave (or ``what`` failed): diagnose the ``ranks`` on the board, stop the engine,
-        return the reason."""
-        verdicts = self.board.diagnose(ranks, wave_id, self.options.grace_s)
-        bad = culprits(verdicts)
-        blame = "; ".join(str(v) for v in bad) if bad else "no culprit found on the status board"
-        reason = (f"{what or f'wave {wave_id}'} failed closed: {blame}. Rank 0 saw, {where}: "
-                  f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-        log.error(reason)
-        self.stopped = reason
-        return reason
-
-
-def request_result(index: int, sub: Submission, outcome: Outcome | None, *, rank: int, wave_id: int,
-                   position: int, queued_s: float, wave_s: float, error: str | None = None) -> RequestResult:
-    """A result from a rank's outcome (or an error when there is none)."""
-    timings = {"queued_s": queued_s, "wave_s": wave_s}
-    if outcome is None or error is not None:
-        return RequestResult(index, sub.request_id, sub.request, False, error=error or "no outcome returned",
-                             rank=rank, wave_id=wave_id, position=position, timings=timings)
-    timings["compute_s"] = outcome.compute_s
-    return RequestResult(index, sub.request_id, sub.request, outcome.ok, outcome.video, outcome.sha256,
-                         outcome.error, rank, wave_id, position, timings)
+    def _stats(self) -> dict[str, float]:
+        """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""
+        ex = self.offloaded.executor
+        if ex is None:
+            return {}
+        st = ex.stats
+        return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
+                "issue_s": st.issue_s, "call_s": st.call_s}

@@ -7,8 +7,8 @@ phase's mode, builds an :class:`~dlo_fn.serve.engine.Engine` and serves (rank 0)
 reports back pickled; then the followers get ``grace_s`` to exit and anything still running (a stalled rank)
 is killed. Every rank's exit code is returned, so a test can see the rank that died.
 
-Under ``torchrun`` the same per-rank code is :func:`open_model` + :class:`~dlo_fn.serve.engine.Engine`
-(see ``dlo_fn.cli.generate``).
+Under ``torchrun`` each rank runs the same :class:`~dlo_fn.serve.engine.Engine` (see :mod:`dlo_fn.cli.generate`,
+which wraps the model with the command line's offload options).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What goes into the engine and what comes out: submissions, options, per-request results, per-wave records.
+"""What goes into the engine and what comes out: submissions, options, per-request results, per-wave records
+(and the two tables the CLIs print from a report).
 
 A :class:`Submission` is one line of work: a request id and either a :class:`~dlo_fn.models.Request` or the
 reason there is none (a prompts-file line that did not parse). Every submission ends as exactly one
@@ -25,10 +26,8 @@ import torch
 from dlo_fn.models.request import Request
 from dlo_fn.serve.batch import Fault
 
-__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "ServeReport", "read_prompts",
-           "as_submissions", "ENGINE_MODES"]
-
-ENGINE_MODES = ("allgather", "rank-local", "resident")
+__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "ServeReport",
+           "read_prompts", "as_submissions", "wave_table", "result_table"]
 
 
 def to_wire(request: Request | None) -> dict[str, Any] | None:
@@ -235,5 +234,3 @@ def result_table(report: ServeReport) -> str:
         lines.append(f"{r.request_id:<10} {wave:>4} {rank:>4}  {shape:<20} {tail}")
     return "\n".join(lines)
 
-
-__all__ += ["wave_table", "result_table"]

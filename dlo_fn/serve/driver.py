@@ -1,0 +1,284 @@
+"""Rank 0's dispatch of formed waves: lockstep waves (allgather) and independent queues (rank-local, resident).
+
+:meth:`Driver.dispatch` takes waves that :class:`~dlo_fn.serve.engine.Engine` formed (or a caller forced) and
+returns a :class:`Dispatched`: the results of the requests it reached, one :class:`WaveRecord` per wave, and
+the reason the engine must stop when a wave failed closed. It owns the round counter of independent mode and
+nothing of the engine's; see :mod:`dlo_fn.serve.engine` for the protocol and how failures close a wave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Sequence
+
+from dlo_fn.plan.waves import WavePlan, assign_positions
+from dlo_fn.serve.batch import Outcome, WaveAborted
+from dlo_fn.serve.requests import EngineOptions, RequestResult, Submission, WaveRecord, to_wire
+from dlo_fn.serve.share import ShareRunner, TraceSpan
+from dlo_fn.serve.wire import Channel, StatusBoard, culprits
+
+__all__ = ["Driver", "Dispatched", "request_result"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """What one dispatch produced: ``results`` by submission index (only the requests it reached), the waves'
+    records in wave order, and ``stopped``, the reason of the last wave that failed closed (None: none did)."""
+
+    results: Mapping[int, RequestResult]
+    waves: tuple[WaveRecord, ...]
+    stopped: str | None = None
+
+
+def request_result(index: int, sub: Submission, outcome: Outcome | None, *, rank: int, wave_id: int,
+                   position: int, queued_s: float, wave_s: float, error: str | None = None) -> RequestResult:
+    """A result from a rank's outcome (or an error when there is none)."""
+    timings = {"queued_s": queued_s, "wave_s": wave_s}
+    if outcome is None or error is not None:
+        return RequestResult(index, sub.request_id, sub.request, False, error=error or "no outcome returned",
+                             rank=rank, wave_id=wave_id, position=position, timings=timings)
+    timings["compute_s"] = outcome.compute_s
+    return RequestResult(index, sub.request_id, sub.request, outcome.ok, outcome.video, outcome.sha256,
+                         outcome.error, rank, wave_id, position, timings)
+
+
+class Driver:
+    """Rank 0's half of the protocol over ``channel``; ``runner`` runs rank 0's own shares."""
+
+    def __init__(self, channel: Channel, board: StatusBoard, runner: ShareRunner, options: EngineOptions, *,
+                 mode: str, world_size: int, lockstep: bool) -> None:
+        self.channel, self.board, self.runner, self.options = channel, board, runner, options
+        self.mode, self.world_size, self.lockstep = mode, world_size, lockstep
+        self._next_round = 0
+
+    def dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
+        """Run ``waves`` (indices into ``subs``); ``t0`` is when serving began (``time.perf_counter``)."""
+        return self._lockstep(waves, subs, t0) if self.lockstep else self._independent(waves, subs, t0)
+
+    # -- allgather: one wave at a time, every rank in it ------------------------------------------------------
+    def _lockstep(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
+        results: dict[int, RequestResult] = {}
+        records: list[WaveRecord] = []
+        stopped = None
+        world = self.world_size
+        with self._progress(sum(_steps(subs, w) for w in waves)) as tick:
+            for wave in waves:
+                steps, shares = _steps(subs, wave), _shares(subs, wave)
+                trace: list[TraceSpan] | None = [] if self.options.trace else None
+                t_start = time.perf_counter()
+                queued_s = t_start - t0
+                stage = "broadcasting the wave"
+                try:
+                    self.channel.broadcast({"kind": "wave", "wave": wave.wave_id, "steps": steps,
+                                            "shares": shares, "trace": trace is not None})
+                    if trace is not None:
+                        trace.append((0, "control", "broadcast", t_start, time.perf_counter()))
+                    stage = "running its own share"
+                    own = self.runner.run(wave.wave_id, steps, shares[0], trace=trace is not None, on_step=tick)
+                    if trace is not None:
+                        trace.extend(own.spans)
+                    outcomes = {0: own.outcomes}
+                    self.board.post("done", wave=wave.wave_id)
+                    for r in range(1, world):
+                        stage = f"receiving rank {r}'s results"
+                        c0 = time.perf_counter()
+                        reply = self.channel.recv(r)
+                        if trace is not None:
+                            trace.append((0, "control", f"recv r{r}", c0, time.perf_counter()))
+                            trace.extend(reply.get("trace") or ())
+                        if reply.get("wave") != wave.wave_id:
+                            raise RuntimeError(f"rank {r} answered for wave {reply.get('wave')}, not {wave.wave_id}")
+                        outcomes[r] = reply["outcomes"]
+                except Exception as exc:  # noqa: BLE001 - every failure ends the wave closed, with a reason
+                    if isinstance(exc, WaveAborted):
+                        self.board.post("collective-failed", wave=wave.wave_id, error=str(exc))
+                    stopped = self._fail(wave.wave_id, stage, exc, range(1, world))
+                    wave_s = time.perf_counter() - t_start
+                    results.update(_failed(subs, wave, stopped, queued_s=queued_s, wave_s=wave_s))
+                    records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
+                                              "failed", stopped))
+                    break
+                wave_s = time.perf_counter() - t_start
+                filled = _fill(subs, wave, outcomes, queued_s=queued_s, wave_s=wave_s)
+                results.update(filled)
+                status = "ok" if all(r.ok for r in filled.values()) else "partial"
+                errors = sorted({r.error for r in filled.values() if not r.ok})
+                records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
+                                          status, "; ".join(errors) or None,
+                                          _relative(trace, t_start) if trace is not None else ()))
+                log.info("wave %d: %d request(s) on %d rank(s), %s, %.3f s", wave.wave_id, len(wave.indices),
+                         world - len(wave.idle_ranks), status, wave_s)
+        return Dispatched(results, tuple(records), stopped)
+
+    # -- rank-local / resident: one queue per rank, results collected rank by rank ----------------------------
+    def _independent(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
+        world = self.world_size
+        queues: list[list[WavePlan]] = [[] for _ in range(world)]
+        for j, wave in enumerate(waves):
+            queues[j % world].append(wave)
+        round_id = self._next_round
+        self._next_round += 1
+        trace: list[TraceSpan] | None = [] if self.options.trace else None
+        msg_queues = [[(w.wave_id, _steps(subs, w), _shares(subs, w)[0]) for w in q] for q in queues]
+        t_start = time.perf_counter()
+        owner = {w.wave_id: r for r, q in enumerate(queues) for w in q}
+        by_id = {w.wave_id: w for w in waves}
+        results: dict[int, RequestResult] = {}
+        records: dict[int, WaveRecord] = {}
+        stopped = None
+        if world > 1 and waves:
+            try:
+                self.channel.broadcast({"kind": "round", "round": round_id, "queues": msg_queues,
+                                        "trace": trace is not None})
+            except Exception as exc:  # noqa: BLE001
+                stopped = self._fail(None, "broadcasting the queues", exc, range(1, world),
+                                     what=f"round {round_id} (waves {', '.join(str(w.wave_id) for w in waves)})")
+                for w in waves:
+                    results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=0.0, owner_rank=owner[w.wave_id]))
+                return Dispatched(results, (), stopped)
+        outcomes: dict[int, Sequence[Outcome]] = {}
+        with self._progress(sum(s for _, s, _ in msg_queues[0])) as tick:
+            for wave_id, steps, share in msg_queues[0]:
+                own = self.runner.run(wave_id, steps, share, trace=trace is not None, on_step=tick)
+                outcomes[wave_id] = own.outcomes
+                if trace is not None:
+                    trace.extend(own.spans)
+        self.board.post("done", round=round_id)
+        for r in range(1, world):
+            if not queues[r]:
+                continue
+            failure = self._await_done(r, round_id)
+            stage = f"collecting rank {r}'s queue"
+            if failure is None:
+                try:
+                    self.board.set_flag(f"go/{round_id}/{r}")
+                    reply = self.channel.recv(r)
+                    for wave_id, outs in reply["outcomes"]:
+                        outcomes[wave_id] = outs
+                    if trace is not None:
+                        trace.extend(reply.get("trace") or ())
+                    continue
+                except Exception as exc:  # noqa: BLE001
+                    failure = exc
+            stopped = self._fail(None, stage, failure, [r],
+                                 what=f"rank {r}'s queue (waves {', '.join(str(w.wave_id) for w in queues[r])})")
+            for w in queues[r]:
+                wave_s = time.perf_counter() - t_start
+                results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=wave_s, owner_rank=r))
+                records[w.wave_id] = WaveRecord(w.wave_id, w.key.short(), _spread(w, r, world), _steps(subs, w),
+                                                time.perf_counter() - t_start, "failed", stopped, lockstep=False)
+        for wave_id, outs in outcomes.items():
+            w, r = by_id[wave_id], owner[wave_id]
+            compute_s = max((o.compute_s for o in outs), default=0.0)
+            filled = _fill(subs, w, {0: outs}, queued_s=t_start - t0, wave_s=compute_s)
+            results.update({i: dataclasses.replace(res, rank=r) for i, res in filled.items()})  # ran on rank r
+            status = "ok" if all(res.ok for res in filled.values()) else "partial"
+            errors = sorted({res.error for res in filled.values() if not res.ok})
+            records[wave_id] = WaveRecord(wave_id, w.key.short(), _spread(w, r, world), _steps(subs, w),
+                                          compute_s, status, "; ".join(errors) or None, lockstep=False)
+        out = [records[k] for k in sorted(records)]
+        if trace is not None and out:
+            out[0] = dataclasses.replace(out[0], trace=_relative(trace, t_start))
+        return Dispatched(results, tuple(out), stopped)
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _progress(self, total_steps: int) -> Iterator[Callable[[], None]]:
+        """A tqdm bar of denoising steps on rank 0 (stderr; by default only on a terminal); yields its tick."""
+        from tqdm.auto import tqdm
+
+        enabled = self.options.progress
+        bar = tqdm(total=total_steps, unit="step", desc=f"{self.mode} W={self.world_size}",
+                   disable=None if enabled is None else not enabled, leave=False)
+        try:
+            yield lambda: bar.update(1)
+        finally:
+            bar.close()
+
+    def _fail(self, wave_id: int | None, where: str, exc: BaseException, ranks: Sequence[int],
+              what: str | None = None) -> str:
+        """The reason a wave (or ``what``) failed closed, with the culprits the board names among ``ranks``."""
+        verdicts = self.board.diagnose(ranks, wave_id, self.options.grace_s)
+        bad = culprits(verdicts)
+        blame = "; ".join(str(v) for v in bad) if bad else "no culprit found on the status board"
+        reason = (f"{what or f'wave {wave_id}'} failed closed: {blame}. Rank 0 saw, {where}: "
+                  f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        log.error(reason)
+        return reason
+
+    def _await_done(self, rank: int, round_id: int) -> BaseException | None:
+        """Wait on the board until ``rank`` finished its queue; a dead rank or no progress for ``timeout_s``
+        returns the failure (a ``TimeoutError``) instead."""
+        board, timeout_s = self.board, self.options.timeout_s
+        started = last_beat = time.monotonic()
+        while True:
+            rec = board.read(rank)
+            if rec is not None and rec.get("state") == "done" and rec.get("round") == round_id:
+                return None
+            if board.alive(rec) is False:
+                return RuntimeError(f"rank {rank}'s process exited before finishing its queue")
+            if board.store is None:
+                return None  # no board: fall back to the bounded recv
+            if rec is not None and board.age_s(rec) >= timeout_s:
+                return TimeoutError(f"rank {rank} made no progress for {board.age_s(rec):.1f} s "
+                                    f"(timeout_s {timeout_s})")
+            if rec is None and time.monotonic() - started >= timeout_s:
+                return TimeoutError(f"rank {rank} never posted a status within {timeout_s} s")
+            if time.monotonic() - last_beat >= 1.0:
+                board.post("collecting", round=round_id)  # keep rank 0 visibly alive for the waiting followers
+                last_beat = time.monotonic()
+            time.sleep(_POLL_S)
+
+
+def _steps(subs: Sequence[Submission], wave: WavePlan) -> int:
+    return subs[wave.indices[0]].request.num_inference_steps
+
+
+def _shares(subs: Sequence[Submission], wave: WavePlan) -> list[list[tuple[int, dict]]]:
+    return [[(p, to_wire(subs[wave.indices[p]].request)) for p in pos]
+            for pos in assign_positions(len(wave.indices), wave.dp_size)]
+
+
+def _owners(wave: WavePlan) -> dict[int, int]:
+    """Wave position -> the rank it was assigned to."""
+    return {p: r for r, pos in enumerate(assign_positions(len(wave.indices), wave.dp_size)) for p in pos}
+
+
+def _relative(trace: Sequence[TraceSpan], t_start: float) -> tuple[TraceSpan, ...]:
+    return tuple((r, lane, label, s - t_start, e - t_start) for r, lane, label, s, e in trace)
+
+
+def _spread(w: WavePlan, rank: int, world: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(w.indices if r == rank else () for r in range(world))
+
+
+def _fill(subs: Sequence[Submission], wave: WavePlan, outcomes: Mapping[int, Sequence[Outcome]], *,
+          queued_s: float, wave_s: float) -> dict[int, RequestResult]:
+    """Match outcomes to the wave's requests by wave position (a missing one becomes an error)."""
+    owner = _owners(wave)
+    got = {o.position: (rank, o) for rank, outs in outcomes.items() for o in outs}
+    out = {}
+    for p, i in enumerate(wave.indices):
+        rank, o = got.get(p, (owner[p], None))
+        err = None if o is not None else f"rank {owner[p]} returned no result for wave {wave.wave_id} position {p}"
+        out[i] = request_result(i, subs[i], o, rank=rank, wave_id=wave.wave_id, position=p,
+                                queued_s=queued_s, wave_s=wave_s, error=err)
+    return out
+
+
+def _failed(subs: Sequence[Submission], wave: WavePlan, reason: str, *, queued_s: float, wave_s: float,
+            owner_rank: int | None = None) -> dict[int, RequestResult]:
+    """Every request of a wave that failed closed gets ``reason``."""
+    owners = _owners(wave)
+    return {i: RequestResult(i, subs[i].request_id, subs[i].request, False, error=reason,
+                             rank=owner_rank if owner_rank is not None else owners[p], wave_id=wave.wave_id,
+                             position=p, timings={"queued_s": queued_s, "wave_s": wave_s})
+            for p, i in enumerate(wave.indices)}

@@ -1,0 +1,121 @@
+"""The followers' half of the engine's protocol (ranks != 0): serve rank 0's messages until it says stop.
+
+Messages (from :mod:`dlo_fn.serve.driver`, one ``broadcast`` each): ``wave`` (allgather: run this rank's share,
+post the result on the board, send the outcomes to rank 0), ``round`` (rank-local / resident: run this rank's
+queue, post ``done``, wait on the board for rank 0's go, send everything), ``timeline`` (send this rank's
+measured executor timeline), ``idle`` (rank 0 is waiting for requests: wait again) and ``stop``. :meth:`Follower.follow` returns why it stopped following when that was not
+a ``stop``: after a failed exchange the group is unusable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dlo_fn.serve.batch import Outcome, WaveAborted
+from dlo_fn.serve.requests import EngineOptions
+from dlo_fn.serve.share import ShareRunner, TraceSpan, own_timeline
+from dlo_fn.serve.wire import Channel, StatusBoard
+
+__all__ = ["Follower"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+
+
+class Follower:
+    """Rank ``rank``'s side of the protocol over ``channel``; ``runner`` runs its shares."""
+
+    def __init__(self, channel: Channel, board: StatusBoard, runner: ShareRunner, options: EngineOptions, *,
+                 rank: int) -> None:
+        self.channel, self.board, self.runner, self.options, self.rank = channel, board, runner, options, rank
+
+    def follow(self) -> str | None:
+        """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
+        last_wave = None
+        while True:
+            try:
+                msg = self.channel.broadcast(None)
+            except Exception as exc:  # noqa: BLE001 - rank 0 stopped answering: nothing more to serve
+                self.board.post("collective-failed", wave=None if last_wave is None else last_wave + 1,
+                                error=f"waiting for the next wave: {type(exc).__name__}: {exc}")
+                log.error("rank %d: lost rank 0 while waiting for work: %s", self.rank, exc)
+                return f"lost rank 0 while waiting for work: {exc}"
+            kind = msg.get("kind")
+            if kind == "stop":
+                self.board.post("idle")
+                return None
+            if kind == "idle":  # rank 0 is waiting for requests: nothing to do, wait again
+                continue
+            if kind == "wave":
+                last_wave = msg["wave"]
+                ok = self._wave(msg)
+            elif kind == "round":
+                ok = self._round(msg)
+            elif kind == "timeline":
+                self.channel.send(own_timeline(self.runner.offloaded, msg.get("meta") or ()))
+                continue
+            else:
+                raise RuntimeError(f"rank {self.rank}: unknown message kind {kind!r} from rank 0")
+            if not ok:
+                return f"rank {self.rank} stopped following after a failed exchange"
+
+    def _wave(self, msg: dict) -> bool:
+        wave_id, rank = msg["wave"], self.rank
+        trace: list[TraceSpan] | None = [] if msg.get("trace") else None
+        if trace is not None:
+            trace.append((rank, "control", "wave received", time.perf_counter(), time.perf_counter()))
+        try:
+            run = self.runner.run(wave_id, msg["steps"], msg["shares"][rank], trace=trace is not None)
+        except WaveAborted as exc:
+            self.board.post("collective-failed", wave=wave_id, error=str(exc))
+            log.error("rank %d: wave %d aborted: %s", rank, wave_id, exc)
+            return False
+        if trace is not None:
+            trace.extend(run.spans)
+        failed = [o for o in run.outcomes if not o.ok]
+        self.board.post("error" if failed else "done", wave=wave_id,
+                        **({"error": failed[0].error} if failed else {}))
+        try:
+            self.channel.send({"wave": wave_id, "rank": rank, "outcomes": run.outcomes, "trace": trace})
+        except Exception as exc:  # noqa: BLE001
+            self.board.post("collective-failed", wave=wave_id, error=f"sending results: {exc}")
+            log.error("rank %d: could not send wave %d's results: %s", rank, wave_id, exc)
+            return False
+        return True
+
+    def _round(self, msg: dict) -> bool:
+        """Independent mode: run this rank's queue, post done, wait for rank 0's go, send everything."""
+        round_id, rank, board = msg["round"], self.rank, self.board
+        queue = msg["queues"][rank]
+        if not queue:
+            return True
+        trace: list[TraceSpan] | None = [] if msg.get("trace") else None
+        results = []
+        for wave_id, steps, share in queue:
+            try:
+                run = self.runner.run(wave_id, steps, share, trace=trace is not None)
+            except WaveAborted as exc:  # no collectives in this mode: report it as the batch's errors
+                results.append((wave_id, tuple(Outcome(p, False, error=str(exc)) for p, _ in share)))
+                continue
+            results.append((wave_id, run.outcomes))
+            if trace is not None:
+                trace.extend(run.spans)
+        board.post("done", round=round_id)
+        timeout_s = self.options.timeout_s
+        while not board.has_flag(f"go/{round_id}/{rank}"):
+            rec = board.read(0)
+            if board.store is None:
+                break
+            if rec is not None and board.age_s(rec) >= timeout_s:
+                log.error("rank %d: rank 0 made no progress for %.1f s; giving up on round %d", rank,
+                          board.age_s(rec), round_id)
+                return False
+            time.sleep(_POLL_S)
+        try:
+            self.channel.send({"round": round_id, "rank": rank, "outcomes": results, "trace": trace})
+        except Exception as exc:  # noqa: BLE001
+            board.post("collective-failed", round=round_id, error=f"sending results: {exc}")
+            return False
+        return True
