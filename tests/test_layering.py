@@ -230,5 +230,6 @@ def test_planted_violations_are_caught(tmp_path, monkeypatch):
     assert [b.split(":")[0] for b in violations(edges)] == ["dlo_fn.figures.planted"] * 2
     circle = [Edge("dlo_fn.plan.a", "dlo_fn.plan.b", (), 1), Edge("dlo_fn.plan.b", "dlo_fn.plan.a", (), 1)]
     assert cycles(["dlo_fn.plan.a", "dlo_fn.plan.b", "dlo_fn.plan.c"], circle) == [["dlo_fn.plan.a", "dlo_fn.plan.b"]]
-    bench = [Edge("dlo_fn.bench.x", "dlo_fn.cli", ("HelpFormatter",), 1), Edge("dlo_fn.bench.x", "dlo_fn.cli", ("main",), 2)]
+    bench = [Edge("dlo_fn.bench.x", "dlo_fn.cli", ("HelpFormatter",), 1),
+             Edge("dlo_fn.bench.x", "dlo_fn.cli", ("main",), 2)]
     assert len(violations(bench)) == 1
