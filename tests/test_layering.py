@@ -191,8 +191,9 @@ def test_the_parser_sees_every_kind_of_arrow():
 
     assert "dlo_fn.figures.timeline" in targets("dlo_fn.figures")  # a module-name table for import_module
     assert targets("dlo_fn.__main__") == {"dlo_fn.cli"}  # module level
-    assert "dlo_fn.plan.spec" in targets("dlo_fn.runtime.bind")  # from a.b import c
-    assert "dlo_fn.models" in targets("dlo_fn.runtime.bind")  # from package import name: the package
+    assert "dlo_fn.models.specs" in targets("dlo_fn.repro.timeline_tables")  # inside a function
+    assert {"dlo_fn.plan.hbm", "dlo_fn.plan.memory"} <= targets("dlo_fn.repro.deployment")  # from pkg import mod
+    assert "dlo_fn.models" in targets("dlo_fn.repro.b300")  # from pkg import name: the package
     assert len(EDGES) > 200
 
 
