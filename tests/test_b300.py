@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dlo_fn.figures import b300 as fb
 from dlo_fn.repro import b300
+from dlo_fn.repro import b300_tables as fb
 from dlo_fn.repro.published import published
 
 

@@ -1,10 +1,10 @@
-"""Figure 2 data (dlo_fn.figures.cold_start): the model's Nano DP4 terms, the sweep reader and the slope fit."""
+"""Figure 2 data (dlo_fn.repro.cold_start): the model's Nano DP4 terms, the sweep reader and the slope fit."""
 
 from __future__ import annotations
 
 import pytest
 
-from dlo_fn.figures import cold_start as fig2
+from dlo_fn.repro import cold_start as fig2
 from dlo_fn.plan.memory import GB
 
 

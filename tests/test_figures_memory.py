@@ -9,11 +9,12 @@ import pytest
 
 from dlo_fn.cli import main
 from dlo_fn.figures import memory as memory_figures
-from dlo_fn.figures import minimax
+from dlo_fn.figures import minimax as minimax_figures
 from dlo_fn.repro import memory_tables as memory_data
+from dlo_fn.repro import minimax
 from dlo_fn.repro.published import PUBLISHED, published
 
-FIGS = {**memory_figures.FIGURES, **minimax.FIGURES}
+FIGS = {**memory_figures.FIGURES, **minimax_figures.FIGURES}
 
 
 def _json(capsys, *argv):

@@ -9,18 +9,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo_fn.repro import calibration as cal
 from dlo_fn.plan.accounting import memory_accounting
 from dlo_fn.plan.hbm import approach_memory, hbm_per_card, scale_activation_bytes
 from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.memory import (
     GB, ModelSizes, cold_start, host_capacity, host_steady_state, parse_bytes, pinned_host_bytes_per_rank,
 )
-from dlo_fn.repro.published import MODELS, PUBLISHED, compare, published, relative_error
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 from dlo_fn.plan.summary import plan_summary
+from dlo_fn.repro import calibration as cal
+from dlo_fn.repro import deployment
+from dlo_fn.repro.published import MODELS, PUBLISHED, compare, published, relative_error
 
 SMALL = ModelSizes("small", (100, 300, 200), resident_bytes=50)
+# The plan's models take the deployment's two constants as inputs; these tests pass the published calibration.
+FW, CTX = cal.FRAMEWORK_HOST_BYTES_PER_RANK, cal.DEVICE_CONTEXT_BYTES
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -77,20 +80,21 @@ def test_cold_start_small_numbers():
 @settings(max_examples=30, deadline=None)
 def test_monotonic_in_dp(n):
     s = ModelSizes.uniform("m", 10**9, 7, resident_bytes=10**6)
-    c = cal.FRAMEWORK_HOST_BYTES_PER_RANK
-    a, b = cold_start(s, n, "mmap"), cold_start(s, n + 1, "mmap")
+    c = FW
+    a, b = (cold_start(s, k, "mmap", framework_bytes_per_rank=FW) for k in (n, n + 1))
     assert b.cgroup_peak_bytes - a.cgroup_peak_bytes == c  # O(model + N x constant)
-    a, b = cold_start(s, n, "private-copy"), cold_start(s, n + 1, "private-copy")
+    a, b = (cold_start(s, k, "private-copy", framework_bytes_per_rank=FW) for k in (n, n + 1))
     assert b.cgroup_peak_bytes - a.cgroup_peak_bytes == s.total_bytes + c  # O(N x model)
     assert pinned_host_bytes_per_rank(s, n + 1) <= pinned_host_bytes_per_rank(s, n)
-    total = host_steady_state(s, n).pinned_bytes
+    total = host_steady_state(s, n, framework_bytes_per_rank=FW).pinned_bytes
     assert s.total_block_bytes <= total < s.total_block_bytes + n * s.num_blocks * 256
-    assert host_steady_state(s, n + 1, mode="rank-local").pinned_bytes > host_steady_state(s, n, mode="rank-local").pinned_bytes
+    a, b = (host_steady_state(s, k, mode="rank-local", framework_bytes_per_rank=FW) for k in (n, n + 1))
+    assert b.pinned_bytes > a.pinned_bytes
 
 
 @pytest.mark.parametrize("mode", ["allgather", "rank-local", "rank-local-mmap"])
 def test_ascend_hides_pinned_from_the_cgroup(mode):
-    cuda, asc = host_steady_state(SMALL, 4, "cuda", mode), host_steady_state(SMALL, 4, "ascend", mode)
+    cuda, asc = (host_steady_state(SMALL, 4, p, mode, framework_bytes_per_rank=FW) for p in ("cuda", "ascend"))
     assert cuda.physical_bytes == asc.physical_bytes
     assert cuda.cgroup_bytes == cuda.physical_bytes
     assert cuda.cgroup_bytes - asc.cgroup_bytes == asc.cgroup_invisible_bytes == 4 * asc.pinned_bytes_per_rank
@@ -98,8 +102,10 @@ def test_ascend_hides_pinned_from_the_cgroup(mode):
 
 
 def test_page_cache_can_be_reclaimed_except_in_mmap_streaming():
-    assert host_steady_state(SMALL, 2, page_cache_retained=False).page_cache_bytes == 0
-    assert host_steady_state(SMALL, 2, mode="rank-local-mmap", page_cache_retained=False).page_cache_bytes == 650
+    assert host_steady_state(SMALL, 2, page_cache_retained=False, framework_bytes_per_rank=FW).page_cache_bytes == 0
+    streamed = host_steady_state(SMALL, 2, mode="rank-local-mmap", page_cache_retained=False,
+                                 framework_bytes_per_rank=FW)
+    assert streamed.page_cache_bytes == 650
 
 
 def test_hbm_small_numbers():
@@ -110,9 +116,9 @@ def test_hbm_small_numbers():
     r = hbm_per_card(SMALL, 3, "rank-local", context_bytes=0, alignment_bytes=8)
     assert r.landing_bytes == 0 and r.slot_bytes == 2 * 304  # align_up(300, 8) = 304, whole blocks
     with pytest.raises(ValueError, match="num_slots"):
-        hbm_per_card(SMALL, 3, num_slots=1)
+        hbm_per_card(SMALL, 3, num_slots=1, context_bytes=CTX)
     with pytest.raises(ValueError, match="mode"):
-        hbm_per_card(SMALL, 3, "zero-copy")
+        hbm_per_card(SMALL, 3, "zero-copy", context_bytes=CTX)
 
 
 @given(st.integers(1, 500), st.integers(1, 16), st.integers(2, 4))
@@ -122,8 +128,8 @@ def test_hbm_independent_of_depth(num_blocks, w, slots):
     deep = ModelSizes("deep", (big,) + (1000,) * num_blocks)
     shallow = ModelSizes("shallow", (big,))
     for mode in ("allgather", "rank-local"):
-        a = hbm_per_card(deep, w, mode, num_slots=slots)
-        b = hbm_per_card(shallow, w, mode, num_slots=slots)
+        a = hbm_per_card(deep, w, mode, num_slots=slots, context_bytes=CTX)
+        b = hbm_per_card(shallow, w, mode, num_slots=slots, context_bytes=CTX)
         assert a.weight_bytes == b.weight_bytes and a.peak_bytes == b.peak_bytes
 
 
@@ -152,7 +158,7 @@ def test_agrees_with_layout_and_plan_summary(blocks, w):
     assert sizes.total_bytes - sizes.total_block_bytes == spec.resident_bytes == 60
     for mode in ("allgather", "rank-local"):
         summary = plan_summary(spec, w, mode)
-        assert hbm_per_card(sizes, w, mode).weight_bytes == summary.hbm_weight_bytes
+        assert hbm_per_card(sizes, w, mode, context_bytes=CTX).weight_bytes == summary.hbm_weight_bytes
         assert pinned_host_bytes_per_rank(sizes, w, mode) == summary.pinned_host_bytes_per_rank
 
 
@@ -171,7 +177,7 @@ def test_approaches_of_figure_1():
     # Only DLO is small on both sides.
     assert dlo.hbm.peak_bytes < hsdp.hbm.peak_bytes and dlo.host_weight_bytes_per_rank < lw.host_weight_bytes_per_rank
     with pytest.raises(ValueError, match="approach"):
-        approach_memory(s, 4, "pipeline")
+        approach_memory(s, 4, "pipeline", context_bytes=CTX)
 
 
 def test_host_capacity():
@@ -180,9 +186,24 @@ def test_host_capacity():
     assert c4.cgroup_peak_bytes == 400 * GB
     assert 800 * GB <= c4.physical_bytes < 800 * GB + 4 * 128 * 256
     assert c4.private_copy_peak_bytes == 5 * 400 * GB and c4.fits
-    assert not host_capacity(s, 4, host_ram_bytes=500 * GB).fits
-    cuda = host_capacity(s, 4, "cuda")
+    assert not host_capacity(s, 4, host_ram_bytes=500 * GB, framework_bytes_per_rank=FW).fits
+    cuda = host_capacity(s, 4, "cuda", framework_bytes_per_rank=FW)
     assert cuda.cgroup_peak_bytes == cuda.physical_bytes
+
+
+def test_the_deployment_constants_are_inputs_of_the_plan():
+    # The plan never picks a deployment's constants itself; repro.deployment binds the published ones.
+    with pytest.raises(TypeError, match="framework_bytes_per_rank"):
+        cold_start(SMALL, 2)
+    with pytest.raises(TypeError, match="context_bytes"):
+        hbm_per_card(SMALL, 2)
+    assert deployment.cold_start(SMALL, 2) == cold_start(SMALL, 2, framework_bytes_per_rank=FW)
+    assert deployment.host_steady_state(SMALL, 2, "ascend") == host_steady_state(SMALL, 2, "ascend",
+                                                                                 framework_bytes_per_rank=FW)
+    assert deployment.host_capacity(SMALL, 2) == host_capacity(SMALL, 2, framework_bytes_per_rank=FW)
+    assert deployment.hbm_per_card(SMALL, 2, activation_bytes=3) == hbm_per_card(SMALL, 2, activation_bytes=3,
+                                                                                 context_bytes=CTX)
+    assert deployment.approach_memory(SMALL, 2, "tp") == approach_memory(SMALL, 2, "tp", context_bytes=CTX)
 
 
 def test_scale_activation_bytes():
@@ -224,5 +245,6 @@ def test_accounting_rows_add_up():
     assert v[(ss, "physical RAM")] == v[(ss, "page cache")] + v[(ss, "framework")] + v[(ss, "pinned, all ranks")]
     assert v[(ss, "cgroup-visible")] == v[(ss, "physical RAM")] - v[(ss, "cgroup-invisible")]
     assert v[(hs, "peak")] == v[(hs, "idle")] + 9 and v[(hs, "device context")] == 100
-    assert not any(r.section == hs for r in memory_accounting(SMALL, 2, with_hbm=False))
+    assert not any(r.section == hs for r in memory_accounting(SMALL, 2, with_hbm=False, framework_bytes_per_rank=FW,
+                                                                   context_bytes=CTX))
     assert all(math.isfinite(r.value_bytes) for r in rows)

@@ -11,12 +11,13 @@ from hypothesis import given, settings, strategies as st
 from strategies import build_case, schedule_cases
 
 from dlo_fn.repro.ceilings import (
-    H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES, REF_PASS_NUM_BLOCKS,
-    VIDEO_832X480X29_CFG, h200_durations,
+    H200_BLOCK_COMPUTE_S, H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES,
+    REF_PASS_NUM_BLOCKS, VIDEO_832X480X29_CFG, h200_durations,
 )
 from dlo_fn.plan.schedule import AG, C, H2D, build_schedule, next_schedule
 from dlo_fn.plan.timeline import Span, Timeline, bandwidth_durations, block_summary, simulate, simulate_runs
 from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
+from dlo_fn.plan.workload import Workload
 
 
 def _kind_cost(h2d: float, ag: float, c: float):
@@ -180,8 +181,9 @@ def test_h200_video_is_compute_bound_and_image_is_pcie_bound():
     image = _h200_pass(IMAGE_1024_CFG)
     # Video: only the first load is exposed. Image: the H2D stream never idles; only the last compute sticks out.
     assert video.exposed_transfer_s() == pytest.approx(h2d_s)
-    assert video.makespan_s == pytest.approx(h2d_s + REF_PASS_NUM_BLOCKS * VIDEO_832X480X29_CFG.block_compute_s)
-    assert image.makespan_s == pytest.approx(REF_PASS_NUM_BLOCKS * h2d_s + IMAGE_1024_CFG.block_compute_s)
+    video_c, image_c = H200_BLOCK_COMPUTE_S[VIDEO_832X480X29_CFG.name], H200_BLOCK_COMPUTE_S[IMAGE_1024_CFG.name]
+    assert video.makespan_s == pytest.approx(h2d_s + REF_PASS_NUM_BLOCKS * video_c)
+    assert image.makespan_s == pytest.approx(REF_PASS_NUM_BLOCKS * h2d_s + image_c)
     assert image.busy_s("h2d") == pytest.approx(REF_PASS_NUM_BLOCKS * h2d_s)
 
 
@@ -191,6 +193,11 @@ def test_h200_all_gather_needs_a_bandwidth_beyond_one_rank():
     d = h200_durations(4, IMAGE_1024_CFG, world_size=4, allgather_bus_bytes_per_s=1e11)
     ag = next(op for op in build_schedule(4, 1).ops if op.kind == AG)
     assert d(ag) == pytest.approx(0.75 * REF_BLOCK_BYTES / 1e11)
+
+
+def test_h200_durations_need_a_measured_workload():
+    with pytest.raises(ValueError, match="no measured H200 block compute for workload 'other'"):
+        h200_durations(4, Workload("other", 4096))
 
 
 def test_prefetch_next_hides_block_zero_at_run_boundaries():

@@ -55,19 +55,8 @@ def demo_requests() -> list:
     ]
 
 
-def ensure_checkpoint(folder: pathlib.Path) -> pathlib.Path:
-    from dlo_fn.models import CONFIG_NAME, write_checkpoint
-
-    ckpt = folder / "checkpoint"
-    if (ckpt / CONFIG_NAME).is_file():
-        log.info("using the checkpoint in %s", ckpt)
-        return ckpt
-    log.info("writing the tiny reference checkpoint to %s", ckpt)
-    write_checkpoint("tiny", ckpt, seed=0, progress=False)
-    return ckpt
-
-
 def run_demo(args: argparse.Namespace) -> int:
+    from dlo_fn.models.checkpoint import ensure_checkpoint
     from dlo_fn.plan.modes import MODES
     from dlo_fn.serve.local import Phase, serve_local
     from dlo_fn.serve.outputs import write_outputs

@@ -6,6 +6,8 @@ import argparse
 import logging
 import pathlib
 
+from dlo_fn.repro.data import FIGURES_DIR
+
 log = logging.getLogger("dlo_fn.figures")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -21,7 +23,7 @@ def register(subparsers) -> None:
             "the committed CSV/JSON under figures/data/; they never re-measure."
         ),
     )
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "figures", help="output folder (default: figures/)")
+    p.add_argument("--out", type=pathlib.Path, default=FIGURES_DIR, help="output folder (default: figures/)")
     p.add_argument("--only", action="append", default=None, metavar="NAME", help="regenerate only this figure")
     p.add_argument("--list", action="store_true", help="list the figure names and exit")
     p.add_argument("--execute-notebooks", action="store_true",

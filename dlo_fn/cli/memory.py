@@ -108,22 +108,25 @@ def _sizes(args: argparse.Namespace, parse_bytes):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlo_fn.repro import calibration
     from dlo_fn.plan.accounting import memory_accounting
     from dlo_fn.plan.memory import parse_bytes
+    from dlo_fn.repro import calibration
 
     if args.dp < 1:
         raise SystemExit(f"--dp must be >= 1, got {args.dp}")
     try:
         sizes, with_hbm = _sizes(args, parse_bytes)
-        opt = {k: parse_bytes(v) for k, v in (("framework_bytes_per_rank", args.framework_bytes_per_rank),
-                                              ("context_bytes", args.device_context_bytes)) if v is not None}
+        # The two deployment constants: what the user measured, else the published deployment's calibration.
+        framework = (calibration.FRAMEWORK_HOST_BYTES_PER_RANK if args.framework_bytes_per_rank is None
+                     else parse_bytes(args.framework_bytes_per_rank))
+        context = (calibration.DEVICE_CONTEXT_BYTES if args.device_context_bytes is None
+                   else parse_bytes(args.device_context_bytes))
         rows = memory_accounting(
             sizes, args.dp, platform=args.platform, mode=args.mode, loading=args.loading, num_slots=args.slots,
             num_landing=args.landing, activation_bytes=parse_bytes(args.activation_bytes),
             communication_bytes=parse_bytes(args.communication_bytes),
             transient_bytes=parse_bytes(args.transient_bytes), alignment_bytes=args.alignment,
-            with_hbm=with_hbm, **opt)
+            framework_bytes_per_rank=framework, context_bytes=context, with_hbm=with_hbm)
     except ValueError as exc:
         raise SystemExit(f"dlo_fn memory: {exc}") from None
     verdicts = {}
@@ -136,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"model": sizes.name, "source": sizes.source, "num_blocks": sizes.num_blocks if with_hbm else None,
                "dp": args.dp, "platform": args.platform, "mode": args.mode, "loading": args.loading,
-               "constants": {"framework_bytes_per_rank": opt.get(
-                   "framework_bytes_per_rank", calibration.FRAMEWORK_HOST_BYTES_PER_RANK),
-                   "device_context_bytes": opt.get("context_bytes", calibration.DEVICE_CONTEXT_BYTES)},
+               "constants": {"framework_bytes_per_rank": framework, "device_context_bytes": context},
                "rows": [r.to_dict() for r in rows], **verdicts, "notes": notes}
         print(json.dumps(doc, indent=2))
         return 0

@@ -10,10 +10,10 @@ import json
 import pathlib
 
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
+from dlo_fn.repro.data import DATA_DIR
 
 __all__ = ["FIGURES", "fig_bench_step", "plot_bench_step", "bench_rows", "find_bench_json"]
 
-DATA = pathlib.Path(__file__).resolve().parents[2] / "figures" / "data"
 FIELDS = ("workload", "variant", "step_s", "ratio_to_resident", "ratio_to_bound", "h2d_GB_per_s",
           "h2d_fraction_of_peak", "proxy_host_us_per_block", "peak_device_GB", "weight_device_GB_planned")
 LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into 2 slots",
@@ -22,7 +22,7 @@ LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into
 COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "naive-sync": COLORS["measured"]}
 
 
-def find_bench_json(data_dir: pathlib.Path = DATA) -> pathlib.Path | None:
+def find_bench_json(data_dir: pathlib.Path = DATA_DIR) -> pathlib.Path | None:
     found = sorted(p for p in pathlib.Path(data_dir).glob("bench_step_*.json") if not p.stem.endswith("_quick"))
     return found[0] if found else None
 

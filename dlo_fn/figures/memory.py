@@ -1,20 +1,22 @@
 """Memory figures of the seed (1, 3, 4, 6 and the host-capacity table), predicted by :mod:`dlo_fn.plan.memory`
 and :mod:`dlo_fn.plan.hbm` and drawn beside the published numbers with the relative error.
 
-The numbers come from :mod:`dlo_fn.repro.memory_tables` (which states the deployment assumptions); each figure
-writes its data as CSV under ``figures/data/``. Titles state the finding.
+The numbers come from :mod:`dlo_fn.repro.memory_tables` (which states the deployment assumptions) and
+:mod:`dlo_fn.repro.memory_rows`; each figure writes its data as CSV under ``figures/data/``. Titles state the
+finding.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-from dlo_fn.repro.memory_tables import (
-    approach_rows, capacity_rows, measured_hbm_records, model_sizes, workload_bytes,
-)
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
-from dlo_fn.plan.hbm import approach_memory, hbm_per_card
-from dlo_fn.plan.memory import GB, host_steady_state, pinned_host_bytes_per_rank
+from dlo_fn.plan.memory import GB
+from dlo_fn.repro.memory_rows import (
+    ACCOUNTING_FIELDS, HOST_WEIGHTS_DPS, ascend_accounting_columns, ascend_accounting_rows, hbm_bars, hbm_rows,
+    host_weights_rows,
+)
+from dlo_fn.repro.memory_tables import approach_rows, capacity_rows, measured_hbm_records, model_sizes
 from dlo_fn.repro.published import published
 
 __all__ = ["fig1_offload_vs_parallel", "fig3_host_weights_per_rank", "fig4_hbm",
@@ -38,11 +40,6 @@ def _stack(ax, x, parts: dict[str, float], width=0.6):
         ax.bar(x, value, width, bottom=bottom, color=color, label=LABEL[name] if x == 0 else None)
         bottom += value
     return bottom
-
-
-def _hbm_parts(h) -> dict[str, float]:
-    return {"context": h.context_bytes / GB, "resident": h.resident_bytes / GB, "weights": h.weight_bytes / GB,
-            "workload": (h.activation_bytes + h.communication_bytes) / GB}
 
 
 def fig1_offload_vs_parallel(out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -95,14 +92,8 @@ def fig3_host_weights_per_rank(out_dir: pathlib.Path) -> list[pathlib.Path]:
     the total at one model and divides the per-rank share by DP."""
     import matplotlib.pyplot as plt
 
-    out_dir, dps = pathlib.Path(out_dir), range(1, 9)
-    rows = []
-    for name in ("cosmos3-nano", "cosmos3-super"):
-        s = model_sizes(name)
-        for dp in dps:
-            for mode in ("rank-local", "allgather"):
-                per = pinned_host_bytes_per_rank(s, dp, mode) / GB
-                rows.append({"model": name, "dp": dp, "mode": mode, "per_rank_gb": per, "total_gb": dp * per})
+    out_dir, dps = pathlib.Path(out_dir), HOST_WEIGHTS_DPS
+    rows = host_weights_rows(dps)
     paths = [write_csv(out_dir / "data" / "fig3_host_weights_per_rank.csv", rows, list(rows[0]))]
     pubs = (("per_rank_gb", "cosmos3-super", "fig3.super_dp4.dlo.pinned_per_rank", "allgather", (8, 6)),
             ("total_gb", "cosmos3-super", "fig3.super_dp4.dlo.pinned_total", "allgather", (8, -14)),
@@ -141,19 +132,8 @@ def fig4_hbm(out_dir: pathlib.Path) -> list[pathlib.Path]:
     import matplotlib.pyplot as plt
 
     out_dir = pathlib.Path(out_dir)
-    bars = []
-    for name, short in (("cosmos3-nano", "Nano"), ("cosmos3-super", "Super")):
-        h = hbm_per_card(model_sizes(name), 4, activation_bytes=workload_bytes(name, "720p10s-sp"))
-        idle = dict(_hbm_parts(h), workload=0.0)
-        bars += [(f"{short}\nDLO idle", idle, f"fig4.{short.lower()}.idle"),
-                 (f"{short}\nDLO peak", _hbm_parts(h), f"fig4.{short.lower()}.peak")]
-    hsdp = approach_memory(model_sizes("cosmos3-super"), 4, "hsdp",
-                           activation_bytes=workload_bytes("cosmos3-super", "720p10s-sp")).hbm
-    bars.append(("Super\nHSDP+SP peak", _hbm_parts(hsdp), "fig4.super.hsdp_sp.peak"))
-    rows = [{"bar": label.replace("\n", " "), **{f"{k}_gb": v for k, v in parts.items()},
-             "predicted_gb": sum(parts.values()), "published_gb": published(key).value,
-             "rel_error_pct": round(100 * (sum(parts.values()) / published(key).value - 1), 1)}
-            for label, parts, key in bars]
+    bars = hbm_bars()
+    rows = hbm_rows(bars)
     paths = [write_csv(out_dir / "data" / "fig4_hbm.csv", rows, list(rows[0]))]
     measured = measured_hbm_records()
     nano_w, super_w = bars[0][1]["weights"], bars[2][1]["weights"]
@@ -201,20 +181,11 @@ def fig6_ascend_memory_accounting(out_dir: pathlib.Path) -> list[pathlib.Path]:
     in driver DMA memory; physical RAM is cgroup + shards. On CUDA the same shards are charged to the cgroup."""
     import matplotlib.pyplot as plt
 
-    out_dir, nano = pathlib.Path(out_dir), model_sizes("cosmos3-nano")
-    asc, cuda = host_steady_state(nano, 2, "ascend"), host_steady_state(nano, 2, "cuda")
-    cols = [
-        ("published\nAscend cgroup", published("fig6.nano_dp2.page_cache").value, published("fig6.nano_dp2.rss").value,
-         0.0, 0.0),
-        ("predicted\nAscend cgroup", asc.page_cache_bytes / GB, asc.framework_bytes / GB, 0.0, 0.0),
-        ("predicted\nAscend physical", asc.page_cache_bytes / GB, asc.framework_bytes / GB, 0.0,
-         asc.cgroup_invisible_bytes / GB),
-        ("predicted\nCUDA cgroup = physical", cuda.page_cache_bytes / GB, cuda.framework_bytes / GB,
-         cuda.pinned_bytes / GB, 0.0),
-    ]
-    fields = ("page_cache_gb", "rss_gb", "pinned_visible_gb", "pinned_invisible_gb")
-    rows = [{"bar": c[0].replace("\n", " "), **dict(zip(fields, c[1:])), "total_gb": sum(c[1:])} for c in cols]
-    paths = [write_csv(out_dir / "data" / "fig6_ascend_memory_accounting.csv", rows, ["bar", *fields, "total_gb"])]
+    out_dir = pathlib.Path(out_dir)
+    cols = ascend_accounting_columns()
+    rows = ascend_accounting_rows(cols)
+    paths = [write_csv(out_dir / "data" / "fig6_ascend_memory_accounting.csv", rows,
+                       ["bar", *ACCOUNTING_FIELDS, "total_gb"])]
     style = (("page cache (safetensors, shared)", COLORS["h2d"], None),
              ("RSS (framework)", COLORS["compute"], None),
              ("pinned shards, charged to cgroup", COLORS["allgather"], None),

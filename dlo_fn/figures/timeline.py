@@ -1,9 +1,7 @@
 """The three-stream timeline on H200 ceilings: video hides PCIe behind compute, image is bound by it.
 
-Every timeline here is *simulated* (:func:`dlo_fn.plan.timeline.simulate`) from the measured H200 ceilings in
-:mod:`dlo_fn.repro.ceilings` (DESIGN.md section 6): pinned H2D 54.7 GB/s, per-block compute 26.4 ms (832x480x29
-video, CFG) and 6.1 ms (1024^2 image, CFG), the 604 MB reference block, one GPU (so the all-gather of the
-allgather-mode schedule is a device copy). The measured 24-block pass is the comparison (:func:`prediction_rows`).
+The timelines are simulated by :mod:`dlo_fn.repro.timeline_tables` from the measured H200 ceilings (DESIGN.md
+section 6); this module only draws them.
 
 * ``timeline_three_streams``: static Gantt of both cases (PNG) + the spans as CSV.
 * ``timeline_animation``: the first blocks of both cases, drawn as time advances, with the event waits of each
@@ -15,102 +13,26 @@ from __future__ import annotations
 import io
 import pathlib
 
-from dlo_fn.repro.tables import text_table
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
-from dlo_fn.repro.ceilings import (
-    H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES, REF_PASS_NUM_BLOCKS,
-    VIDEO_832X480X29_CFG, Workload, h200_durations,
-)
 from dlo_fn.plan.ops import Op
-from dlo_fn.plan.schedule import build_schedule
-from dlo_fn.plan.timeline import Timeline, simulate
+from dlo_fn.plan.timeline import Timeline
+from dlo_fn.plan.workload import Workload
+from dlo_fn.repro.ceilings import REF_PASS_NUM_BLOCKS
+from dlo_fn.repro.timeline_tables import (
+    CASES, MEASURED_TIMELINE, MEASURED_TIMELINE_H200, bound_of, h200_pass, measured_vs_predicted,
+)
 
 __all__ = [
-    "CASES", "h200_pass", "bound_of", "prediction_rows", "sweep_rows", "sweep_grid", "nano_super_rows",
-    "text_table", "draw_gantt", "plot_three_streams", "plot_overlay", "fig_timeline_three_streams", "fig_timeline_animation",
-    "fig_timeline_measured_vs_predicted", "fig_timeline_measured_vs_predicted_h200", "measured_vs_predicted",
-    "FIGURES",
+    "draw_gantt", "plot_three_streams", "plot_overlay", "fig_timeline_three_streams", "fig_timeline_animation",
+    "fig_timeline_measured_vs_predicted", "fig_timeline_measured_vs_predicted_h200", "FIGURES",
 ]
 
-CASES = (VIDEO_832X480X29_CFG, IMAGE_1024_CFG)  # compute-bound, then transfer-bound
-MACHINE = "simulated on H200 ceilings (DESIGN.md section 6), one GPU"
 ROWS = (("h2d", "H2D\n(copy stream)"), ("allgather", "all-gather\n(W=1: copy)"), ("compute", "compute"))
 ANIMATION_BLOCKS = 6
 ANIMATION_FRAMES = 36
 ANIMATION_FRAME_MS = 90
 ANIMATION_HOLD_MS = 1500
 ANIMATION_DPI = 90
-
-
-def h200_pass(workload: Workload, *, num_blocks: int = REF_PASS_NUM_BLOCKS, num_steps: int = 1,
-              num_slots: int = 2, requests_per_load: int = 1, mode: str = "allgather") -> Timeline:
-    """Simulated pass(es) over reference blocks on one H200, cold start."""
-    schedule = build_schedule(num_blocks, num_steps, num_slots=num_slots, requests_per_load=requests_per_load,
-                              mode=mode)
-    return simulate(schedule, h200_durations(num_blocks, workload, mode=mode),
-                    meta=(("workload", workload.name), ("machine", MACHINE)))
-
-
-def bound_of(timeline: Timeline) -> str:
-    """The stream that is busy longest: what bounds the timeline."""
-    busy = {name: timeline.busy_s(name) for name in ("compute", "h2d", "allgather")}
-    return {"compute": "compute", "h2d": "PCIe", "allgather": "all-gather"}[max(busy, key=busy.get)]
-
-
-def prediction_rows() -> list[dict]:
-    """The measured 24-block pass (DESIGN.md section 6) beside the simulation of the same variant.
-
-    resident = ``24 c``; ideal = ``max(24 c, 24 n / B_h2d)``; double buffer = rank-local schedule, 2 slots;
-    synchronous = rank-local, 1 slot (every copy waits for the previous compute).
-    """
-    rows = []
-    for w in CASES:
-        ideal_s = H200_PASS[(w.name, "ideal")].seconds
-        predicted = {
-            "resident": REF_PASS_NUM_BLOCKS * w.block_compute_s,
-            "ideal": REF_PASS_NUM_BLOCKS * max(w.block_compute_s, REF_BLOCK_BYTES / H200_PINNED_H2D_BYTES_PER_S),
-            "double buffer": h200_pass(w, mode="rank-local").makespan_s,
-            "synchronous": h200_pass(w, mode="rank-local", num_slots=1).makespan_s,
-        }
-        for variant, value in predicted.items():
-            m = H200_PASS[(w.name, variant)]
-            measured = m.seconds if m.seconds is not None else ideal_s * m.ratio_to_ideal
-            rows.append({"workload": w.name, "variant": variant, "predicted_s": round(value, 4),
-                         "measured_s": round(measured, 4),
-                         "rel_error_pct": round(100 * (value - measured) / measured, 1)})
-    return rows
-
-
-def sweep_rows(workload: Workload = IMAGE_1024_CFG, slots: tuple[int, ...] = (1, 2, 3, 4),
-               requests: tuple[int, ...] = (1, 2, 3, 4), num_steps: int = 4) -> list[dict]:
-    """Seconds per pass per request over ``num_steps`` passes, for slots x requests per load (allgather, W=1)."""
-    rows = []
-    for num_slots in slots:
-        for r in requests:
-            tl = h200_pass(workload, num_steps=num_steps, num_slots=num_slots, requests_per_load=r)
-            rows.append({"num_slots": num_slots, "requests_per_load": r,
-                         "ms_per_pass_per_request": round(1e3 * tl.makespan_s / (num_steps * r), 1),
-                         "exposed_transfer_ms": round(1e3 * tl.exposed_transfer_s(), 1), "bound": bound_of(tl)})
-    return rows
-
-
-def nano_super_rows(world_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
-    """Per rank, for the Nano and Super configs: H2D time of the largest block's shard (the compute per block,
-    times requests per load, that hides it) and of one denoising step's shards, at the H200 pinned ceiling."""
-    from dlo_fn.models import BLOCK_PATHS, CONFIGS, build_model
-    from dlo_fn.plan.layout import model_layout
-    from dlo_fn.plan.spec import spec_from_module
-
-    rows = []
-    for name in ("cosmos3-nano", "cosmos3-super"):
-        spec = spec_from_module(build_model(CONFIGS[name], device="meta"), BLOCK_PATHS, name=name)
-        for w in world_sizes:
-            layout = model_layout(spec, w)
-            rows.append({"model": name, "W": w, "num_blocks": layout.num_blocks,
-                         "max_shard_MB": round(layout.max_shard_bytes / 1e6, 1),
-                         "h2d_ms_per_block": round(1e3 * layout.max_shard_bytes / H200_PINNED_H2D_BYTES_PER_S, 2),
-                         "h2d_s_per_step": round(layout.shard_bytes_per_rank / H200_PINNED_H2D_BYTES_PER_S, 3)})
-    return rows
 
 
 def draw_gantt(ax, timeline: Timeline, *, until_s: float | None = None, arrows: bool = False,
@@ -218,16 +140,6 @@ def fig_timeline_three_streams(out_dir: pathlib.Path) -> list[pathlib.Path]:
     return [png, csv]
 
 
-def sweep_grid(rows: list[dict]) -> str:
-    """:func:`sweep_rows` as a grid: slots down, requests per load across; ``P`` = PCIe-bound, ``C`` = compute."""
-    slots = sorted({r["num_slots"] for r in rows})
-    reqs = sorted({r["requests_per_load"] for r in rows})
-    at = {(r["num_slots"], r["requests_per_load"]): r for r in rows}
-    grid = [{"slots \\ R": s, **{f"R={q}": f"{at[s, q]['ms_per_pass_per_request']} {at[s, q]['bound'][0].upper()}"
-                                 for q in reqs}} for s in slots]
-    return text_table(grid)
-
-
 def _palette_image():
     from PIL import Image
 
@@ -276,25 +188,6 @@ def fig_timeline_animation(out_dir: pathlib.Path) -> list[pathlib.Path]:
     csv = write_csv(out_dir / "data" / "timeline_animation.csv", _span_rows(cases),
                     ("case", "op", "stream", "start_ms", "end_ms"))
     return [path, csv]
-
-
-_DATA = pathlib.Path(__file__).resolve().parents[2] / "figures" / "data"
-MEASURED_TIMELINE = _DATA / "measured_timeline_cpu.json"
-MEASURED_TIMELINE_H200 = _DATA / "measured_timeline_cuda.json"
-
-
-def measured_vs_predicted(path: pathlib.Path = MEASURED_TIMELINE) -> tuple[Timeline, Timeline, dict]:
-    """``(measured, predicted, record)`` from a committed ``bench timeline`` recording: the prediction simulates
-    the recorded schedule with one duration per op kind, the median of the measured spans."""
-    import json
-
-    from dlo_fn.plan.compare import fit_durations, schedule_from_params
-    from dlo_fn.plan.trace import from_chrome_trace
-
-    record = json.loads(pathlib.Path(path).read_text())
-    measured = from_chrome_trace(record["trace"])
-    predicted = simulate(schedule_from_params(record["schedule"]), fit_durations(measured))
-    return measured, predicted, record
 
 
 def _measured_figure(name: str, path: pathlib.Path, what: str):

@@ -8,39 +8,22 @@
 * ``waves_cpu_scaling``: reads ``figures/data/waves_cpu.csv`` (same command) and plots outputs/s and the
   efficiency against ideal (dp x the resident single-request rate) vs R for each dp.
 
-Both only read committed measurements, so regenerating them changes no byte.
+Both only read committed measurements (through :mod:`dlo_fn.repro.waves_tables`), so regenerating them
+changes no byte.
 """
 
 from __future__ import annotations
 
-import csv
 import pathlib
 
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
+from dlo_fn.repro.waves_tables import TRACE_FIELDS, read_scaling, read_trace
 
-__all__ = ["FIGURES", "fig5_dp_waves", "waves_cpu_scaling", "read_trace", "read_scaling", "TRACE_CSV", "SCALING_CSV"]
+__all__ = ["FIGURES", "fig5_dp_waves", "waves_cpu_scaling"]
 
-DATA = pathlib.Path(__file__).resolve().parents[2] / "figures" / "data"
-TRACE_CSV = DATA / "waves_fig5_trace.csv"
-SCALING_CSV = DATA / "waves_cpu.csv"
-TRACE_FIELDS = ("wave", "kind", "rank", "lane", "label", "start_s", "end_s")
 LANES = ("control", "h2d", "allgather", "compute")
 LANE_NAMES = {"control": "control", "h2d": "H2D shard", "allgather": "all-gather", "compute": "compute"}
 REQUEST_COLORS = (COLORS["compute"], COLORS["predicted"], COLORS["measured"], COLORS["published"])
-
-
-def read_trace(path: pathlib.Path = TRACE_CSV) -> list[dict]:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        r["wave"], r["rank"] = int(r["wave"]), int(r["rank"])
-        r["start_s"], r["end_s"] = float(r["start_s"]), float(r["end_s"])
-    return rows
-
-
-def read_scaling(path: pathlib.Path = SCALING_CSV) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _plot_wave(ax, rows: list[dict], ranks: list[int]) -> None:

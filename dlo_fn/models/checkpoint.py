@@ -36,7 +36,7 @@ from dlo_fn.models.init import TensorInit, init_plan, init_tensor
 
 __all__ = [
     "MODEL_TYPE", "CONFIG_NAME", "SINGLE_FILE", "INDEX_FILE", "parse_size", "shard_tensors", "safetensors_header",
-    "write_checkpoint", "load_config",
+    "write_checkpoint", "ensure_checkpoint", "load_config",
 ]
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,19 @@ def write_checkpoint(
     meta = {"model_type": MODEL_TYPE, "dtype": dtype_name, "seed": int(seed), "config": config.to_dict()}
     (out / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def ensure_checkpoint(folder: str | os.PathLike, config: DiTConfig | str = "tiny", seed: int = 0) -> pathlib.Path:
+    """``<folder>/checkpoint``: the checkpoint already written there, else ``config`` written there from
+    ``seed`` (the demo's and the notebooks' checkpoint)."""
+    ckpt = pathlib.Path(folder) / "checkpoint"
+    if (ckpt / CONFIG_NAME).is_file():
+        log.info("using the checkpoint in %s", ckpt)
+        return ckpt
+    name = config if isinstance(config, str) else config.name
+    log.info("writing the %s reference checkpoint to %s", name, ckpt)
+    write_checkpoint(config, ckpt, seed=seed, progress=False)
+    return ckpt
 
 
 def load_config(checkpoint: str | os.PathLike) -> tuple[DiTConfig, torch.dtype]:

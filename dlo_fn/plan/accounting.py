@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dlo_fn.repro.calibration import DEVICE_CONTEXT_BYTES, FRAMEWORK_HOST_BYTES_PER_RANK
 from dlo_fn.plan.hbm import hbm_per_card
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.memory import ModelSizes, cold_start, host_steady_state
@@ -31,12 +30,14 @@ class AccountingRow:
 def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cuda", mode: str = "allgather",
                       loading: str = "mmap", num_slots: int = 2, num_landing: int = DEFAULT_NUM_LANDING,
                       activation_bytes: int = 0, communication_bytes: int = 0, transient_bytes: int = 0,
-                      framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK,
-                      context_bytes: int = DEVICE_CONTEXT_BYTES,
+                      framework_bytes_per_rank: int, context_bytes: int,
                       alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
                       with_hbm: bool = True) -> tuple[AccountingRow, ...]:
     """Rows of the host (cold start, steady state) and HBM accounting for ``num_ranks`` ranks sharding over
-    all of them (``W = N``). ``with_hbm=False`` leaves out the HBM rows (no block sizes known)."""
+    all of them (``W = N``). ``with_hbm=False`` leaves out the HBM rows (no block sizes known).
+
+    The two deployment constants are inputs: ``framework_bytes_per_rank`` (``c``, host bytes of a process
+    without weights) and ``context_bytes`` (``c_dev``, device bytes besides weights and workload)."""
     n, fw = num_ranks, framework_bytes_per_rank
     start = cold_start(sizes, n, loading, mode, framework_bytes_per_rank=fw, transient_bytes=transient_bytes,
                        alignment_bytes=alignment_bytes)

@@ -6,7 +6,7 @@ DLO holds a fixed double buffer of whole blocks plus landing buffers for the loc
         + L * max_b s_b                 landing buffers (allgather; rank-local: L = 0, W = 1)
         + R                             resident (non-block) tensors, kept on every card
         + a + k                         activations and communication buffers (workload inputs)
-        + c_dev                         device context (calibrated, :mod:`dlo_fn.repro.calibration`)
+        + c_dev                         device context (an input: measured on one deployment)
 
 with ``s_b = align_up(ceil(n_b / W), A)``. Only the first two terms depend on the blocks, and only through the
 *largest* block: HBM is independent of depth. ``idle`` excludes ``a + k``; ``peak`` includes them.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dlo_fn.repro.calibration import DEVICE_CONTEXT_BYTES
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.memory import ModelSizes, pinned_host_bytes_per_rank
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
@@ -79,9 +78,13 @@ class HbmPerCard:
 
 def hbm_per_card(sizes: ModelSizes, shard_world: int, mode: str = "allgather", *, num_slots: int = 2,
                  num_landing: int = DEFAULT_NUM_LANDING, activation_bytes: int = 0, communication_bytes: int = 0,
-                 context_bytes: int = DEVICE_CONTEXT_BYTES, include_resident: bool = True,
+                 context_bytes: int, include_resident: bool = True,
                  alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HbmPerCard:
-    """DLO's HBM per card (module docstring). ``num_landing`` is ignored in rank-local mode (no shards)."""
+    """DLO's HBM per card (module docstring). ``num_landing`` is ignored in rank-local mode (no shards).
+
+    ``context_bytes`` is ``c_dev``, a property of the device and its runtime: pass a measured value (0 for the
+    weight terms alone; the published Ascend deployment's is ``dlo_fn.repro.calibration.DEVICE_CONTEXT_BYTES``).
+    """
     if mode not in HBM_MODES:
         raise ValueError(f"mode must be one of {HBM_MODES}, got {mode!r}")
     if num_slots < 2:
@@ -128,7 +131,7 @@ class ApproachMemory:
 
 
 def approach_memory(sizes: ModelSizes, num_devices: int, approach: str, *, activation_bytes: int = 0,
-                    communication_bytes: int = 0, context_bytes: int = DEVICE_CONTEXT_BYTES,
+                    communication_bytes: int = 0, context_bytes: int,
                     num_slots: int = 2, num_landing: int = DEFAULT_NUM_LANDING,
                     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ApproachMemory:
     """One column of Figure 1; the table in the module docstring gives each term.

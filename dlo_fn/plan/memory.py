@@ -7,7 +7,7 @@ Notation (bytes unless stated):
 ``n_b``    flat bytes of block ``b`` (:mod:`dlo_fn.plan.layout`); ``R`` resident (non-block) bytes
 ``N``      ranks (processes) on the host; ``W`` ranks in the shard group (``W = N`` by default)
 ``A``      per-tensor / per-shard alignment (256)
-``c``      framework bytes per rank (Python + torch + comm library), a calibrated constant
+``c``      framework bytes per rank (Python + torch + comm library): an input, measured on one deployment
 ``t``      load-time transient bytes (an explicit input, 0 by default)
 =========  =================================================================================
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlo_fn.repro.calibration import FRAMEWORK_HOST_BYTES_PER_RANK
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.sizes import GB, GIB, ModelSizes, _check_positive, parse_bytes  # re-exported: one entry point
 
@@ -107,9 +106,12 @@ class ColdStart:
 
 
 def cold_start(sizes: ModelSizes, num_ranks: int, loading: str = "mmap", mode: str = "allgather", *,
-               framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK, transient_bytes: int = 0,
+               framework_bytes_per_rank: int, transient_bytes: int = 0,
                alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ColdStart:
-    """``N*M (private copies only) + M + N*c + t``; ``mode`` only changes the pages each rank touches."""
+    """``N*M (private copies only) + M + N*c + t``; ``mode`` only changes the pages each rank touches.
+
+    ``framework_bytes_per_rank`` is ``c``, a property of the deployment: pass a measured value (the published
+    deployment's is ``dlo_fn.repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK``)."""
     _check_positive("num_ranks", num_ranks)
     _check_choice("loading", loading, LOADINGS)
     _check_choice("mode", mode, HOST_MODES)
@@ -166,10 +168,11 @@ class HostSteadyState:
 
 def host_steady_state(sizes: ModelSizes, num_ranks: int, platform: str = "cuda", mode: str = "allgather", *,
                       shard_world: int | None = None,
-                      framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK,
+                      framework_bytes_per_rank: int,
                       page_cache_retained: bool = True,
                       alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostSteadyState:
-    """Steady-state host accounting; ``shard_world`` defaults to ``num_ranks`` (every rank shards).
+    """Steady-state host accounting; ``shard_world`` defaults to ``num_ranks`` (every rank shards);
+    ``framework_bytes_per_rank`` is ``c`` (see :func:`cold_start`).
 
     ``page_cache_retained``: the mapped file stays in the page cache after the views are dropped until the
     kernel reclaims it (the published cgroup numbers still show it); pass False for a host under pressure.
@@ -206,7 +209,7 @@ class HostCapacity:
 
 
 def host_capacity(sizes: ModelSizes, num_ranks: int, platform: str = "ascend", *, host_ram_bytes: int = 2 * 10**12,
-                  framework_bytes_per_rank: int = FRAMEWORK_HOST_BYTES_PER_RANK,
+                  framework_bytes_per_rank: int,
                   alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostCapacity:
     """mmap + AllGather: cgroup peak = max(cold start, steady state); physical = steady state (page cache +
     framework + pinned shards), which is also the cold-start peak plus the shards being filled. The

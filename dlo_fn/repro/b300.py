@@ -43,11 +43,12 @@ from dlo_fn.models import CONFIGS, tokens_for
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.plan.schedule import AG, C, H2D, Op, build_schedule
 from dlo_fn.plan.timeline import simulate
+from dlo_fn.plan.workload import Workload
 
 __all__ = [
     "B300_BF16_DENSE_FLOP_PER_S", "B300_PINNED_H2D_BYTES_PER_S", "B300_NVLINK_ALLGATHER_BYTES_PER_S",
     "B300_EFFECTIVE_FLOP_PER_S", "B300_CALIBRATIONS", "NUM_GPUS", "CFG_BRANCHES", "STRATEGIES",
-    "Workload", "WORKLOADS", "StepCosts", "Prediction",
+    "WORKLOADS", "StepCosts", "Prediction",
     "block_bytes", "step_flops", "step_costs", "simulate_step_s", "predict",
 ]
 
@@ -86,29 +87,21 @@ B300_CALIBRATIONS = {
 STRATEGIES = ("HSDP+USP4", "DLO+AG DP4", "DLO+AG+USP4", "DLO no-AG DP4")
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    name: str
-    height: int
-    width: int
-    num_frames: int
-    num_steps: int
-
-    @property
-    def tokens(self) -> int:
-        return tokens_for(SUPER, self.height, self.width, self.num_frames)
+def _video(name: str, height: int, width: int, num_frames: int, num_steps: int) -> Workload:
+    return Workload(name, tokens_for(SUPER, height, width, num_frames), num_steps, CFG_BRANCHES)
 
 
 WORKLOADS = {w.name: w for w in (
-    Workload("t2i 1024^2", 1024, 1024, 1, 50),
-    Workload("480p 29f", 480, 832, 29, 35),
-    Workload("480p 121f", 480, 832, 121, 35),
-    Workload("480p 125f", 480, 832, 125, 35),  # HSDP's run of the "~5 s" row
-    Workload("480p 241f", 480, 832, 241, 35),
-    Workload("480p 245f", 480, 832, 245, 35),  # HSDP's run of the "~10 s" row
-    Workload("720p 121f", 720, 1280, 121, 35),
-    Workload("720p 241f", 720, 1280, 241, 35),
+    _video("t2i 1024^2", 1024, 1024, 1, 50),
+    _video("480p 29f", 480, 832, 29, 35),
+    _video("480p 121f", 480, 832, 121, 35),
+    _video("480p 125f", 480, 832, 125, 35),  # HSDP's run of the "~5 s" row
+    _video("480p 241f", 480, 832, 241, 35),
+    _video("480p 245f", 480, 832, 245, 35),  # HSDP's run of the "~10 s" row
+    _video("720p 121f", 720, 1280, 121, 35),
+    _video("720p 241f", 720, 1280, 241, 35),
 )}
+"""The published workloads (height, width, frames, steps) as Super's tokens per CFG branch."""
 
 
 def block_bytes(config: DiTConfig = SUPER) -> int:

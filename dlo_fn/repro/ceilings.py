@@ -18,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlo_fn.plan.timeline import BandwidthDurations, bandwidth_durations
+from dlo_fn.plan.workload import Workload
 
 __all__ = [
     "H200_PINNED_H2D_BYTES_PER_S", "H200_PINNED_H2D_RANGE_BYTES_PER_S", "H200_PAGEABLE_H2D_RANGE_BYTES_PER_S",
     "H200_D2D_TRAFFIC_BYTES_PER_S", "H200_D2D_COPY_BYTES_PER_S", "H200_BF16_MATMUL_FLOP_PER_S",
     "H200_HOST_SECONDS_PER_BLOCK", "REF_BLOCK_HIDDEN", "REF_BLOCK_PARAMS", "REF_BLOCK_BYTES", "REF_PASS_NUM_BLOCKS",
-    "Workload", "IMAGE_1024_CFG", "VIDEO_832X480X29_CFG", "VIDEO_720P_10S", "WORKLOADS",
+    "IMAGE_1024_CFG", "VIDEO_832X480X29_CFG", "VIDEO_720P_10S", "WORKLOADS", "H200_BLOCK_COMPUTE_S",
     "MeasuredPass", "H200_PASS", "h200_durations", "dit_block_params",
 ]
 
@@ -56,20 +57,14 @@ REF_BLOCK_BYTES = 2 * REF_BLOCK_PARAMS  # bf16: 604,102,656 bytes = 576.1 MiB
 REF_PASS_NUM_BLOCKS = 24  # the measured pass: 24 reference blocks
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """One request's per-block compute on the H200 (CFG branches batched: ``tokens`` counts both)."""
-
-    name: str
-    block_compute_s: float
-    tokens: int
-    source: str = _SRC
-
-
-IMAGE_1024_CFG = Workload("image 1024^2 CFG", 6.1e-3, 2 * 4096)
-VIDEO_832X480X29_CFG = Workload("video 832x480x29 CFG", 26.4e-3, 2 * 12480)
-VIDEO_720P_10S = Workload("video 720p 10 s", 222e-3, 75600)
+# The measured workloads: one step (one pass over the blocks), CFG branches batched where the name says so.
+IMAGE_1024_CFG = Workload("image 1024^2 CFG", 4096, num_steps=1, cfg_branches=2)
+VIDEO_832X480X29_CFG = Workload("video 832x480x29 CFG", 12480, num_steps=1, cfg_branches=2)
+VIDEO_720P_10S = Workload("video 720p 10 s", 75600, num_steps=1, cfg_branches=1)
 WORKLOADS = {w.name: w for w in (IMAGE_1024_CFG, VIDEO_832X480X29_CFG, VIDEO_720P_10S)}
+
+# Measured compute of one reference block per step, by workload name (the DiT block row of DESIGN.md section 6).
+H200_BLOCK_COMPUTE_S = {IMAGE_1024_CFG.name: 6.1e-3, VIDEO_832X480X29_CFG.name: 26.4e-3, VIDEO_720P_10S.name: 222e-3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +98,8 @@ def h200_durations(num_blocks: int, workload: Workload, *, world_size: int = 1, 
                    block_bytes: float | tuple[float, ...] = REF_BLOCK_BYTES,
                    allgather_bus_bytes_per_s: float | None = None,
                    launch_latency_s: float = 0.0) -> BandwidthDurations:
-    """Op durations on H200s: H2D at the pinned ceiling, compute as measured, all-gather as below.
+    """Op durations on H200s: H2D at the pinned ceiling, compute as measured (:data:`H200_BLOCK_COMPUTE_S`),
+    all-gather as below.
 
     H2D moves the local shard ``ceil(n / W)`` (allgather) or the whole block ``n`` (rank-local). The all-gather
     of ``n`` output bytes takes ``((W - 1) / W) n / busbw`` (NCCL's bus-bandwidth convention; ``busbw`` must be
@@ -111,6 +107,9 @@ def h200_durations(num_blocks: int, workload: Workload, *, world_size: int = 1, 
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if workload.name not in H200_BLOCK_COMPUTE_S:
+        raise ValueError(f"no measured H200 block compute for workload {workload.name!r}; measured: "
+                         f"{', '.join(H200_BLOCK_COMPUTE_S)}")
     sizes = (float(block_bytes),) * num_blocks if isinstance(block_bytes, (int, float)) else tuple(block_bytes)
     if len(sizes) != num_blocks:
         raise ValueError(f"block_bytes has {len(sizes)} entries, expected num_blocks = {num_blocks}")
@@ -125,5 +124,6 @@ def h200_durations(num_blocks: int, workload: Workload, *, world_size: int = 1, 
         gathered = tuple((world_size - 1) / world_size * n for n in sizes)
         rate = allgather_bus_bytes_per_s
     return bandwidth_durations(num_blocks, h2d_bytes=h2d, allgather_bytes=gathered,
-                               compute_s=workload.block_compute_s, h2d_bytes_per_s=H200_PINNED_H2D_BYTES_PER_S,
+                               compute_s=H200_BLOCK_COMPUTE_S[workload.name],
+                               h2d_bytes_per_s=H200_PINNED_H2D_BYTES_PER_S,
                                allgather_bytes_per_s=rate, launch_latency_s=launch_latency_s)

@@ -1,8 +1,8 @@
 """The numbers behind the memory figures and notebook 04: every published memory number beside its prediction.
 
-Predictions come only from :mod:`dlo_fn.plan.memory` / :mod:`dlo_fn.plan.hbm`, the model sizes and the named
-constants of :mod:`dlo_fn.repro.calibration`; published values (:mod:`dlo_fn.repro.published`) fill only the
-*published* column. Each ``*_comparisons`` function returns a list of
+Predictions come only from :mod:`dlo_fn.plan.memory` / :mod:`dlo_fn.plan.hbm` with the named constants of
+:mod:`dlo_fn.repro.calibration` bound (:mod:`dlo_fn.repro.deployment`) and the model sizes; published values
+(:mod:`dlo_fn.repro.published`) fill only the *published* column. Each ``*_comparisons`` function returns a list of
 :class:`~dlo_fn.repro.published.Comparison`.
 
 Deployment assumptions, stated once:
@@ -22,18 +22,20 @@ import json
 import pathlib
 from functools import lru_cache
 
+from dlo_fn.plan.hbm import scale_activation_bytes
+from dlo_fn.plan.memory import GB, GIB, ModelSizes
 from dlo_fn.repro import calibration as cal
-from dlo_fn.plan.hbm import approach_memory, hbm_per_card, scale_activation_bytes
-from dlo_fn.plan.memory import GB, GIB, ModelSizes, cold_start, host_capacity, host_steady_state
+from dlo_fn.repro.deployment import approach_memory, cold_start, hbm_per_card, host_capacity, host_steady_state
+from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import MODELS, PUBLISHED, Comparison, compare, compare_bytes, published
 
 __all__ = [
-    "DATA_DIR", "CAPACITY_CASES", "model_sizes", "published_sizes", "workload_bytes",
+    "FIG_CARDS", "CAPACITY_CASES", "model_sizes", "published_sizes", "workload_bytes",
     "host_comparisons", "hbm_comparisons", "capacity_rows", "capacity_comparisons", "approach_rows",
-    "measured_hbm_records",
+    "measured_hbm_records", "sizes_rows", "comparison_rows", "misses", "accounting_rows", "rounded",
+    "calibration_rows",
 ]
 
-DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "figures" / "data"
 FIG_CARDS = 4
 CAPACITY_CASES = ((33, 4), (33, 8), (124, 4), (124, 8), (185, 4), (185, 8), (400, 4), (400, 8))
 
@@ -49,9 +51,9 @@ def model_sizes(name: str) -> ModelSizes:
     """Sizes of a named reference config, built on the meta device; the published description as fallback
     when :mod:`dlo_fn.models` is not importable. ``source`` says which one was used."""
     try:
-        from dlo_fn.runtime.sources import spec_for
+        from dlo_fn.models.specs import config_spec
 
-        spec = spec_for(name)
+        spec = config_spec(name)
     except ImportError:
         return published_sizes(name)
     return ModelSizes.from_spec(spec, source=f"dlo_fn.models.CONFIGS[{name!r}] (meta-built spec)")
@@ -261,24 +263,6 @@ def accounting_rows(rows) -> list[dict]:
     """:func:`dlo_fn.plan.accounting.memory_accounting` rows as item / formula / value (GB)."""
     return [{"section": r.section, "item": r.item, "formula": r.formula, "value_gb": f"{r.value_bytes / GB:.3f}"}
             for r in rows]
-
-
-def measured_host_arena_bytes(config: str = "tiny", world_size: int = 2) -> tuple[int, ...]:
-    """Build ``config`` on the CPU and each rank's real host store (the exact-size shard arena of
-    :mod:`dlo_fn.runtime.host_store`) in this process; return the bytes each rank allocated."""
-    from dlo_fn.models import BLOCK_PATHS, build_model
-    from dlo_fn.plan.layout import model_layout
-    from dlo_fn.plan.spec import spec_from_module
-    from dlo_fn.runtime.host_store import build_host_store
-    from dlo_fn.runtime.platform import platform_for
-
-    model = build_model(config, device="cpu")
-    spec = spec_from_module(model, BLOCK_PATHS, name=config)
-    layout = model_layout(spec, world_size)
-    blocks = [dict(model.get_submodule(b.name).state_dict()) for b in spec.blocks]
-    platform = platform_for("cpu")
-    stores = [build_host_store(layout, r, blocks, platform) for r in range(world_size)]
-    return tuple(s.arena_bytes for s in stores)
 
 
 def rounded(rows: list[dict], ndigits: int = 2) -> list[dict]:

@@ -1,5 +1,7 @@
 """Tables for notebook 05 (DP concurrency): published performance, the wave timeline model, the AllGather
-overhead split, and our measured CPU waves (from the committed ``figures/data/waves_cpu.csv``).
+overhead split, and our measured waves, read from committed files (``figures/data/waves_cpu.csv``, the
+recorded wave ``waves_fig5_trace.csv``, both written by ``python -m dlo_fn bench waves``, and the H200
+``waves_r_sweep_h200.csv``).
 
 Published numbers (the Ascend performance table included) come from :mod:`dlo_fn.repro.published`, for the
 comparison columns only.
@@ -7,18 +9,40 @@ comparison columns only.
 
 from __future__ import annotations
 
-from dlo_fn.figures.waves import read_scaling, read_trace
+import csv
+import pathlib
+
+from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import MODELS, Published, published, relative_error
 from dlo_fn.repro.wave_model import WaveCosts, predict_wave
 
-__all__ = ["perf", "NANO_BLOCKS", "SHARD_H2D_BYTES_PER_S", "reference_costs", "published_rows",
-           "model_rows", "overhead_rows", "sensitivity_rows", "cpu_rows", "cpu_host_us", "h200_r_rows", "trace_rows", "cost_rows", "demo_checkpoint"]
+__all__ = ["perf", "NANO_BLOCKS", "SHARD_H2D_BYTES_PER_S", "TRACE_CSV", "SCALING_CSV", "TRACE_FIELDS",
+           "read_trace", "read_scaling", "reference_costs", "published_rows", "model_rows", "overhead_rows",
+           "sensitivity_rows", "cpu_rows", "cpu_host_us", "h200_r_rows", "trace_rows", "cost_rows"]
+
+TRACE_CSV = DATA_DIR / "waves_fig5_trace.csv"
+SCALING_CSV = DATA_DIR / "waves_cpu.csv"
+TRACE_FIELDS = ("wave", "kind", "rank", "lane", "label", "start_s", "end_s")
 
 NANO_BLOCKS = MODELS["cosmos3-nano"].num_blocks
 # Ascend 910B3 host-to-device bandwidth is not published; 25 GB/s (PCIe Gen4 x16 class) is an assumption, and
 # the shard copy (33 GB / 72 blocks / 4 ranks = 115 MB, 4.6 ms) stays hidden behind 12 ms of compute for any
 # rate above ~10 GB/s, so the result does not depend on it.
 SHARD_H2D_BYTES_PER_S = 25e9
+
+
+def read_trace(path: pathlib.Path = TRACE_CSV) -> list[dict]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["wave"], r["rank"] = int(r["wave"]), int(r["rank"])
+        r["start_s"], r["end_s"] = float(r["start_s"]), float(r["end_s"])
+    return rows
+
+
+def read_scaling(path: pathlib.Path = SCALING_CSV) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def perf(key: str) -> Published:
@@ -129,11 +153,7 @@ def cpu_rows() -> list[dict]:
 
 def h200_r_rows() -> list[dict]:
     """``figures/data/waves_r_sweep_h200.csv``: per-output step vs R on one H200 (1024^2 image, CFG)."""
-    import csv
-
-    from dlo_fn.figures.waves import DATA
-
-    with open(DATA / "waves_r_sweep_h200.csv", newline="") as f:
+    with open(DATA_DIR / "waves_r_sweep_h200.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     return [{"R": r["requests_per_rank"], "per_output_step_ms": round(1e3 * float(r["per_output_step_s"]), 1),
              "resident_step_ms": round(1e3 * float(r["resident_step_s"]), 1),
@@ -145,19 +165,6 @@ def h200_r_rows() -> list[dict]:
 def cpu_host_us() -> float:
     """Our executor's host work per block, one CPU rank without a process group (the bench's ``host`` row)."""
     return float(next(r["issue_wait_us_per_block"] for r in read_scaling() if r["kind"] == "host"))
-
-
-def demo_checkpoint():
-    """The demo's tiny checkpoint in a fresh temporary folder (tqdm's notebook-widget warning silenced)."""
-    import pathlib
-    import tempfile
-    import warnings
-
-    from dlo_fn.cli.demo import ensure_checkpoint
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ensure_checkpoint(pathlib.Path(tempfile.mkdtemp(prefix="dlo_fn_nb05_")))
 
 
 def trace_rows() -> list[dict]:
