@@ -1,7 +1,8 @@
 """Ulysses SP on real gloo ranks: sp = 2 and 3 give latents ``torch.equal`` to (and the SHA-256 of) the single
 process, in bf16 and fp32, with CFG, for token counts that divide by sp and one that does not (35 tokens, which
 also puts 3 queries in the last SDPA block of the single process); staged == forward; blocks run through
-``functional_call`` with the sp argument; heads not divisible by sp fail with one clear line on every rank."""
+``functional_call`` with the sp argument, and as offloaded executor proxies (all-gathered weights); heads not
+divisible by sp fail with one clear line on every rank."""
 
 from __future__ import annotations
 
@@ -62,7 +63,17 @@ def _rank(ctx: DistContext) -> dict:
     """Three ranks (process start-up dominates this file): sp 2 on ranks {0, 1}, then sp 3 on all three."""
     pair = dist.new_group([0, 1])  # every rank creates every group
     out = {2: _check(SPContext.from_group(pair), TINY)} if ctx.rank < 2 else {}
-    out[3] = _check(SPContext.from_group(dist.group.WORLD), SIX_HEADS)
+    sp = SPContext.from_group(dist.group.WORLD)
+    out[3] = _check(sp, SIX_HEADS)
+    # Offloaded: blocks are executor proxies (weights sharded over the 3 ranks, all-gathered per block).
+    from dlo_fn.models import BLOCK_PATHS
+    from dlo_fn.runtime.offload import offload
+
+    req = _request(SHAPES[1], seed=5)
+    ref = generate(build_model(SIX_HEADS, "cpu", torch.float32), req)
+    o = offload(build_model(SIX_HEADS, "cpu", torch.float32), BLOCK_PATHS, ctx, mode="allgather")
+    got = generate(o.model, req, sp=sp)
+    out[3]["offloaded"] = torch.equal(got.latents, ref.latents) and got.sha256 == ref.sha256
     return out
 
 
@@ -79,9 +90,9 @@ def ranks(request, every_rank):
 
 def test_sp_latents_equal_single_process(ranks):
     sp, config, results = ranks
-    assert len(results) == sp
+    assert len(results) == sp and all(("offloaded" in res) == (sp == 3) for res in results)
     for r, res in enumerate(results):
-        bad = [k for k, v in res.items() if k.startswith(("exact", "staged")) and v is not True]
+        bad = [k for k, v in res.items() if k.startswith(("exact", "staged", "offloaded")) and v is not True]
         assert not bad, (sp, r, bad)
     # Every sp rank ends with the same whole result, and it is the parent's single-process result too.
     for dtype in DTYPES:
