@@ -18,11 +18,17 @@ Contract with the offload runtime (``dlo_fn.runtime``):
   ``out = model.head(x, state)``. ``forward`` is literally that sequence, so both agree bit for bit.
 * The only non-persistent buffer, ``rope_inv_freq``, lives outside the blocks and is recomputed by
   :meth:`VideoDiT.init_buffers` (call it after binding weights to a meta-built model; ``to_empty`` calls it).
+
+Sequence parallelism (Ulysses, :mod:`dlo_fn.models.sp`): ``forward`` / ``embed`` take ``sp=SPContext(...)``;
+``state.x`` then holds this rank's L_loc tokens, ``state.block_kwargs`` gains ``sp`` (a :class:`TokenShard`,
+the one non-tensor argument, passed through by the runtime's block calls), and ``head`` all-gathers the tokens
+so every sp rank returns the whole [B, C, T, H, W] velocity, equal bit for bit to the single process's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +40,7 @@ from dlo_fn.models.layers import (
     Linear, RMSNorm, apply_rope, attention, gated_residual, layer_norm, modulate, rope_angles, rope_inv_freq,
     timestep_features,
 )
+from dlo_fn.models.sp import SPContext, TokenShard, check_sp_heads
 from dlo_fn.models.text import ByteTextEncoder
 
 __all__ = ["BLOCK_PATHS", "DiTBlock", "EmbedState", "VideoDiT", "build_model", "DTYPES"]
@@ -70,12 +77,17 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, device=device)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device=device)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sp: TokenShard | None = None
+                ) -> torch.Tensor:
         # [B, L, heads, head_dim] views: the norms and rotations run on rows of contiguous head_dim channels.
         q, k, v = self.qkv(h).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
         q = apply_rope(self.q_norm(q), cos, sin).to(v.dtype)
         k = apply_rope(self.k_norm(k), cos, sin).to(v.dtype)
-        return self.out(attention(q, k, v))
+        if sp is None:
+            return self.out(attention(q, k, v))
+        # Ulysses: norms and rotary ran on this rank's tokens; attend over every token with 1/S of the heads.
+        q, k, v = sp.tokens_to_heads(torch.stack([q, k, v])).unbind(0)
+        return self.out(sp.heads_to_tokens(attention(q, k, v)))
 
 
 class CrossAttention(nn.Module):
@@ -119,10 +131,13 @@ class DiTBlock(nn.Module):
         self.mlp = MLP(config.hidden_dim, config.mlp_dim, device, dtype)
 
     def forward(
-        self, x: torch.Tensor, cond: torch.Tensor, text: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor
+        self, x: torch.Tensor, cond: torch.Tensor, text: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+        sp: TokenShard | None = None,
     ) -> torch.Tensor:
+        """x [B, L, D] (with ``sp``: this rank's [B, L_loc, D] and rotary rows); text is never split."""
         m = self.modulation(cond).chunk(9, dim=-1)
-        x = gated_residual(x, m[2], self.self_attn(modulate(layer_norm(x, self.eps), m[0], m[1]), rope_cos, rope_sin))
+        h = modulate(layer_norm(x, self.eps), m[0], m[1])
+        x = gated_residual(x, m[2], self.self_attn(h, rope_cos, rope_sin, sp))
         x = gated_residual(x, m[5], self.cross_attn(modulate(layer_norm(x, self.eps), m[3], m[4]), text))
         return gated_residual(x, m[8], self.mlp(modulate(layer_norm(x, self.eps), m[6], m[7])))
 
@@ -131,16 +146,21 @@ class DiTBlock(nn.Module):
 class EmbedState:
     """What :meth:`VideoDiT.embed` produces: the first hidden states and everything the blocks and the head read."""
 
-    x: torch.Tensor  # [B, L, D] fp32
+    x: torch.Tensor  # [B, L, D] fp32 ([B, L_loc, D] with sp)
     cond: torch.Tensor  # [B, D_c] fp32, already SiLU-activated
     text: torch.Tensor  # [B, text_len, D_t] fp32
-    rope_cos: torch.Tensor  # [L, head_dim / 2] fp32
+    rope_cos: torch.Tensor  # [L, head_dim / 2] fp32 ([L_loc, head_dim / 2] with sp)
     rope_sin: torch.Tensor
     grid: tuple[int, int, int]  # token grid (T / p_t, H / p_h, W / p_w)
+    sp: TokenShard | None = None  # this rank's tokens under sequence parallelism
 
     @property
-    def block_kwargs(self) -> dict[str, torch.Tensor]:
-        return {"cond": self.cond, "text": self.text, "rope_cos": self.rope_cos, "rope_sin": self.rope_sin}
+    def block_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"cond": self.cond, "text": self.text, "rope_cos": self.rope_cos,
+                                  "rope_sin": self.rope_sin}
+        if self.sp is not None:
+            kwargs["sp"] = self.sp
+        return kwargs
 
 
 class VideoDiT(nn.Module):
@@ -201,24 +221,36 @@ class VideoDiT(nn.Module):
         timestep: torch.Tensor,
         text_tokens: torch.Tensor,
         text_states: torch.Tensor | None = None,
+        *,
+        sp: SPContext | None = None,
     ) -> EmbedState:
-        """Everything before the blocks. ``text_states`` (from :meth:`encode_text`) skips re-encoding."""
+        """Everything before the blocks. ``text_states`` (from :meth:`encode_text`) skips re-encoding. With
+        ``sp`` (size > 1) the tokens and rotary rows are cut to this rank's share before the patch embedding."""
         if self.rope_inv_freq.is_meta and not latents.is_meta:
             raise RuntimeError(
                 "VideoDiT.rope_inv_freq is a non-persistent buffer still on the meta device: call "
                 "model.init_buffers(device) after binding the weights"
             )
         tokens, grid = self.patchify(latents)
+        angles = rope_angles(grid, self.config.rope_dims, self.rope_inv_freq)
+        cos, sin, shard = torch.cos(angles), torch.sin(angles), None
+        if sp is not None and sp.size > 1:
+            check_sp_heads(self.config.num_heads, sp.size)
+            shard = TokenShard(sp, tokens.shape[1])
+            # The small rotary tables are computed whole and then cut, so no vectorised-loop tail can differ.
+            tokens, cos, sin = shard.local(tokens, dim=1), shard.local(cos, dim=0), shard.local(sin, dim=0)
         x = self.patch_embed(tokens).float()
         cond = F.silu(self.time_fc2(F.silu(self.time_fc1(timestep_features(timestep, self.config.freq_dim)))).float())
         text = self.encode_text(text_tokens) if text_states is None else text_states
-        angles = rope_angles(grid, self.config.rope_dims, self.rope_inv_freq)
-        return EmbedState(x, cond, text.float(), torch.cos(angles), torch.sin(angles), grid)
+        return EmbedState(x, cond, text.float(), cos, sin, grid, shard)
 
     def head(self, x: torch.Tensor, state: EmbedState) -> torch.Tensor:
-        """Everything after the blocks: final adaLN norm, projection, unpatchify -> [B, C, T, H, W] fp32."""
+        """Everything after the blocks: final adaLN norm, projection, unpatchify -> [B, C, T, H, W] fp32 (with
+        sp: the tokens of every sp rank gathered, the same whole output on each)."""
         shift, scale = self.final_modulation(state.cond).chunk(2, dim=-1)
         out = self.final_linear(modulate(layer_norm(x, self.config.norm_eps), shift, scale)).float()
+        if state.sp is not None:
+            out = state.sp.gather(out)
         return self.unpatchify(out, state.grid)
 
     def forward(
@@ -227,8 +259,10 @@ class VideoDiT(nn.Module):
         timestep: torch.Tensor,
         text_tokens: torch.Tensor,
         text_states: torch.Tensor | None = None,
+        *,
+        sp: SPContext | None = None,
     ) -> torch.Tensor:
-        state = self.embed(latents, timestep, text_tokens, text_states)
+        state = self.embed(latents, timestep, text_tokens, text_states, sp=sp)
         x, kwargs = state.x, state.block_kwargs
         for block in self.blocks:
             x = block(x, **kwargs)

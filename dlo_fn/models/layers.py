@@ -7,8 +7,10 @@ fp32; matmuls and attention run in the weight dtype (attention accumulates its s
 
 Determinism: everything here is a fixed sequence of torch ops whose result depends only on the input values,
 not on the thread count or on where the weights live (the runtime runs blocks from views into a flat slot
-buffer at arbitrary 256-byte-aligned offsets). Two measured exceptions (fp32 MKL paths for a few short row
-counts) are worked around in :func:`linear` and :func:`attention`.
+buffer at arbitrary 256-byte-aligned offsets), nor on how many rows (tokens) come in one call, which is what
+lets a sequence-parallel rank compute a slice of the tokens with the single process's bits. The measured
+exceptions (short row counts in MKL's fp32 sgemm and in the CPU SDPA query blocks) are worked around in
+:func:`linear` and :func:`attention`.
 """
 
 from __future__ import annotations
@@ -124,15 +126,23 @@ def timestep_features(timestep: torch.Tensor, dim: int, max_period: float = 1000
     return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
 
 
+# CPU SDPA (flash kernel, torch 2.13) cuts the queries into blocks of 32 / 64 / 256 rows; a last block of 1-3
+# rows takes another path and gives other bits for the same query (fp32 at every head_dim; bf16 at head_dim 64),
+# so a query's result depended on how many queries came with it (measured: 67 queries vs 96, rows 64-66 differ;
+# fp32 1-3 queries also differ between 1 and 2 threads). Queries are independent rows: pad their count to a
+# multiple of 16 and every block is >= 16 rows, which measured row-count independent (n = 1..1000, keys 30..512).
+_QUERY_MULTIPLE = 16
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Unmasked softmax attention over [B, L, heads, head_dim] inputs; returns [B, L, heads * head_dim].
 
-    fp32 SDPA on CPU gives thread-count-dependent bits for 1 or 3 queries against a longer key sequence
-    (measured, torch 2.13); queries are independent rows, so short ones are zero-padded to 16 and cut back."""
+    On CPU each query's bits are a function of its values, k and v only, not of the number of queries in the
+    call (see ``_QUERY_MULTIPLE``): what lets sequence-parallel ranks attend with a slice of the queries."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     n = q.shape[-2]
-    if q.device.type == "cpu" and q.dtype == torch.float32 and 0 < n < _MIN_FP32_ROWS:
-        pad = q.new_zeros(*q.shape[:-2], _MIN_FP32_ROWS - n, q.shape[-1])
+    if q.device.type == "cpu" and n % _QUERY_MULTIPLE:
+        pad = q.new_zeros(*q.shape[:-2], _QUERY_MULTIPLE - n % _QUERY_MULTIPLE, q.shape[-1])
         out = F.scaled_dot_product_attention(torch.cat([q, pad], dim=-2), k, v)[..., :n, :]
     else:
         out = F.scaled_dot_product_attention(q, k, v)

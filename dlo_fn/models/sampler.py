@@ -17,6 +17,10 @@ Two ways to run it:
 * for engines that interleave requests: ``state = init_state(model, request)``; then while not
   ``finished(state)``: ``out = run(*model_inputs(state))``; ``state = update(state, out)``; finally
   ``finish(state) -> Result``. States are frozen; ``update`` returns a new one.
+
+Sequence parallel: ``generate(model, request, sp=ctx)``, or ``model(*model_inputs(state), sp=ctx)`` /
+``model.embed(*model_inputs(state), sp=ctx)`` in the stepping API; states stay whole and identical on every
+sp rank (the model returns the whole velocity there).
 """
 
 from __future__ import annotations
@@ -154,9 +158,13 @@ def finish(state: SamplerState) -> Result:
 
 
 @torch.no_grad()
-def generate(model, request: Request) -> Result:
-    """Run a whole request through ``model`` (a :class:`~dlo_fn.models.dit.VideoDiT`, possibly with offloaded blocks)."""
+def generate(model, request: Request, *, sp=None) -> Result:
+    """Run a whole request through ``model`` (a :class:`~dlo_fn.models.dit.VideoDiT`, possibly with offloaded blocks).
+
+    ``sp``: a :class:`~dlo_fn.models.sp.SPContext`; every rank of its group calls ``generate`` with the same
+    request (same seed, so the same noise), computes its share of the tokens and gets the whole result."""
     state = init_state(model, request)
+    kwargs = {} if sp is None else {"sp": sp}
     while not finished(state):
-        state = update(state, model(*model_inputs(state)))
+        state = update(state, model(*model_inputs(state), **kwargs))
     return finish(state)

@@ -1,0 +1,73 @@
+"""The (dp, sp) device mesh: ``torch.distributed.device_mesh.init_device_mesh`` with axes named dp and sp.
+
+Ranks fill the mesh row-major (torch's layout), so the sp partners of a DP replica are consecutive ranks (one
+host's fast links carry the all-to-alls)::
+
+    world 4, (dp, sp) = (2, 2)      rank   0  1  2  3          sp groups {0, 1} {2, 3}
+                                    dp     0  0  1  1          dp groups {0, 2} {1, 3}
+                                    sp     0  1  0  1
+
+The sp ranks of one replica run one request together (Ulysses, :mod:`dlo_fn.models.sp`); the dp replicas run
+different requests. Every rank still passes over the blocks in the same order, so the weight shard group can
+stay the whole world. Group creation, coordinates and sub-groups are torch's: this module only checks the
+sizes, names the axes and hands out what callers need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.device_mesh import init_device_mesh
+
+from dlo_fn.models.sp import SPContext
+from dlo_fn.runtime.dist import DistContext
+
+__all__ = ["AXES", "Mesh", "build_mesh"]
+
+AXES = ("dp", "sp")
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """This rank's view of the mesh. ``device_mesh`` and the groups are None for a single process without a
+    process group (dp = sp = 1)."""
+
+    device_mesh: Any  # torch.distributed.device_mesh.DeviceMesh
+    dp_size: int
+    sp_size: int
+    dp_rank: int
+    sp_rank: int
+    dp_group: Any
+    sp_group: Any
+
+    @property
+    def coordinate(self) -> tuple[int, int]:
+        """(dp_rank, sp_rank)."""
+        return (self.dp_rank, self.sp_rank)
+
+    @property
+    def sp(self) -> SPContext | None:
+        """What the model's ``sp=`` argument takes; None when sp is 1 (the single-process path)."""
+        return SPContext(self.sp_group, self.sp_size, self.sp_rank) if self.sp_size > 1 else None
+
+
+def build_mesh(ctx: DistContext, sp: int = 1, dp: int | None = None) -> Mesh:
+    """The (dp, sp) mesh over every rank of ``ctx`` (dp defaults to world / sp). Every rank must call it with
+    the same sizes (it creates process groups, a collective); ``ValueError`` for sizes that do not fit."""
+    world = ctx.world_size
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        raise ValueError(f"sp={sp!r}: must be a positive int")
+    if world % sp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"sp={sp} does not divide the world size {world}: use sp in {divisors} (dp = world / sp)")
+    if dp is None:
+        dp = world // sp
+    if dp * sp != world:
+        raise ValueError(f"dp={dp} x sp={sp} = {dp * sp} ranks, but the world has {world}: use dp = {world // sp}")
+    if ctx.group is None:  # a plain single process: nothing to split, no group to build
+        return Mesh(None, 1, 1, 0, 0, None, None)
+    device_mesh = init_device_mesh(ctx.platform.device.type, (dp, sp), mesh_dim_names=AXES)
+    dp_rank, sp_rank = device_mesh.get_coordinate()
+    return Mesh(device_mesh, dp, sp, dp_rank, sp_rank, device_mesh.get_group("dp"), device_mesh.get_group("sp"))
+
