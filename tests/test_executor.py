@@ -82,8 +82,8 @@ def test_weight_device_bytes_independent_of_depth():
         o = offload(toy(n), "blocks", CTX)
         ex = o.executor
         sizes[n] = ex.device_weight_bytes
-        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == 2 * o.layout.max_block_bytes + 2 * (
-            o.layout.max_shard_bytes)
+        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == (
+            2 * o.layout.max_padded_block_bytes + 2 * o.layout.max_shard_bytes)
         assert o.store.arena_bytes == o.layout.shard_bytes_per_rank == n * o.layout.shards[0].shard_bytes
     assert sizes[4] == sizes[16]
 

@@ -115,9 +115,9 @@ def test_shards_partition_every_byte_and_reassemble(block, world, alignment):
 def test_slot_and_landing_sizes_are_independent_of_depth(block, depth, world):
     one = model_layout(ModelSpec("m", (block,)), world)
     deep = model_layout(ModelSpec("m", tuple(BlockSpec(f"blocks.{i}", block.tensors) for i in range(depth))), world)
-    assert deep.max_block_bytes == one.max_block_bytes
+    assert deep.max_padded_block_bytes == one.max_padded_block_bytes
     assert deep.max_shard_bytes == one.max_shard_bytes
     assert deep.shard_bytes_per_rank == depth * one.shard_bytes_per_rank
     assert deep.shard_offsets[-1] == (depth - 1) * one.shards[0].shard_bytes
     packed = block_layout(block).nbytes
-    assert one.max_block_bytes == world * align_up(-(-packed // world), 256)
+    assert one.max_padded_block_bytes == world * align_up(-(-packed // world), 256)

@@ -1,5 +1,8 @@
 """A schedule compiled against an executor's buffers, the state of an open run, and the executor's counters.
 
+The schedule is the planner's (:mod:`dlo_fn.plan.schedule`), handed to the executor as is: compiling resolves
+buffers and streams, never reorders, adds or drops an op.
+
 Compiling resolves every op once (at the first run that uses the schedule) into what the hot loop needs: its
 kind, stream, the indices of the events it waits on, the buffers whose previous-run last use it waits on, and
 its arguments as ready-made byte views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing
@@ -17,13 +20,9 @@ from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.plan.schedule import AG, H2D, Schedule
 from dlo_fn.runtime.host_store import HostStore
 
-__all__ = ["ScheduleError", "ExecutorStats", "Program", "RunState", "compile_schedule"]
+__all__ = ["ExecutorStats", "Program", "RunState", "compile_schedule"]
 
 _H2D, _AG, _C = 0, 1, 2
-
-
-class ScheduleError(RuntimeError):
-    """The model called blocks in an order the schedule does not have (or too few / too many)."""
 
 
 @dataclass
@@ -92,7 +91,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             kinds.append(_AG)
             op_streams.append(streams[1])
             n = shard.shard_bytes
-            args.append((slots[op.slot][: n * layout.world_size], landing[op.landing][:n]))
+            args.append((slots[op.slot][: n * layout.num_shards], landing[op.landing][:n]))
         else:
             kinds.append(_C)
             op_streams.append(None)
