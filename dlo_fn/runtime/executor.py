@@ -44,7 +44,8 @@ from dlo_fn.runtime.blocks import layout_key, make_caller, make_views
 from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
-from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, RunState, compile_schedule
+from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule
+from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
 
@@ -103,12 +104,10 @@ class Executor:
             self._callers.append(tuple(make_caller(block_call, self.blocks[b], shared[key][s])
                                        for s in range(num_slots)))
         self.num_view_sets = len(shared) * num_slots
-        # Compiled schedules: the ring's by (ring, num_steps, requests_per_load), handed ones by themselves.
-        self._programs: dict[tuple | Schedule, Program] = {}
+        self._programs = Programs(self._compile)
         self._carry: dict[str, Any] = {}
         self._run: RunState | None = None
-        self._records: list[tuple[str, str, Any, Any]] = []
-        self._origin: Any = None
+        self._recorder = RunRecorder(platform, rank) if record_timeline else None
         self._run_count = 0
         self.stats = ExecutorStats()
         if group is not None and mode == "allgather":
@@ -136,27 +135,6 @@ class Executor:
         """The schedule the ring gives for the next run (cold for the first run or after an error)."""
         return self.ring.next_schedule(num_steps, requests_per_load)
 
-    def _program(self, num_steps: int | None, requests_per_load: int | None,
-                 schedule: Schedule | None) -> Program:
-        """The compiled program of the next run: ``schedule`` if handed (checked against the ring), else the
-        ring's next schedule for ``num_steps`` x ``requests_per_load`` (default 1 x 1)."""
-        if schedule is None:
-            key: tuple | Schedule = (self.ring, num_steps or 1, requests_per_load or 1)
-            program = self._programs.get(key)
-            if program is None:
-                program = self._programs[key] = self._compile(self.ring.next_schedule(key[1], key[2]))
-            return program
-        for name, value in (("num_steps", num_steps), ("requests_per_load", requests_per_load)):
-            if value is not None and value != getattr(schedule, name):
-                raise ScheduleError(f"{name}={value}, but the schedule handed has {name}="
-                                    f"{getattr(schedule, name)}: pass the schedule alone")
-        self.ring.check(schedule, "the executor's ring")
-        program = self._programs.get(schedule)
-        if program is None:
-            schedule.validate()  # once, before its first run: a hand-made schedule may break any invariant
-            program = self._programs[schedule] = self._compile(schedule)
-        return program
-
     def _compile(self, sch: Schedule) -> Program:
         return compile_schedule(sch, self.layout, self.store, self.slots, self.landing, self._callers,
                                 (self.h2d_stream, self.allgather_stream), self.platform.new_event)
@@ -174,13 +152,9 @@ class Executor:
         nothing (an idle rank of a partial wave); the ops are issued by :meth:`end_run`."""
         if self._run is not None:
             raise ScheduleError("a run is already open: end it (end_run / leave the `with run()` block) first")
-        program = self._program(num_steps, requests_per_load, schedule)
-        if self.record_timeline:
-            events = [self.platform.new_event(timing=True) for _ in program.kinds]
-            starts = [self.platform.new_event(timing=True) for _ in program.kinds]
-            if self._origin is None:
-                self._origin = self.platform.new_event(timing=True)
-                self._origin.record(self.platform.current_stream())
+        program = self._programs.get(self.ring, num_steps, requests_per_load, schedule)
+        if self._recorder is not None:
+            events, starts = self._recorder.run_events(len(program.kinds))
         else:
             events, starts = program.events, None
         self._run = RunState(program, events, starts, compute, _implicit, self.platform.current_stream(),
@@ -204,10 +178,8 @@ class Executor:
         self._issue_until(run, n)
         self._carry = {buf: run.events[i] for buf, i in run.program.last_use}
         self.ring = self.ring.after(run.program.schedule)
-        if run.starts is not None:
-            self._records.extend(
-                (f"run{run.index} {op}", op.stream, run.starts[i], run.events[i])
-                for i, op in enumerate(run.program.schedule.ops))
+        if self._recorder is not None:
+            self._recorder.add_run(run.index, run.program.schedule, run.starts, run.events)
         self._run = None
 
     @contextlib.contextmanager
@@ -295,7 +267,7 @@ class Executor:
                         if work is not None:
                             events[i].work = work
                             if starts is not None:
-                                self._stamp_on_completion(work, events[i])
+                                stamp_on_completion(work, events[i])
                                 continue
                 elif run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
@@ -305,14 +277,6 @@ class Executor:
                 set_stream(run.stream)
             run.cursor = max(run.cursor, stop)
             self.stats.load_issue_s += time.perf_counter() - t0
-
-    @staticmethod
-    def _stamp_on_completion(work: Any, event: Any) -> None:
-        event.record()
-        try:
-            work.get_future().add_done_callback(lambda _f: event.record())
-        except (AttributeError, RuntimeError):
-            pass
 
     def compute(self, block_index: int, args: tuple, kwargs: dict) -> Any:
         """Run block ``block_index`` for the next compute op of the open (or an implicit) run."""
@@ -361,26 +325,21 @@ class Executor:
         st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
 
+    # -- measured timeline ----------------------------------------------------------------------------------
     @property
     def timeline_origin_s(self) -> float | None:
         """Host-clock time (``time.perf_counter`` seconds) of the timeline's zero on CPU; None on devices
         (their spans are on the device clock) or before the first recorded run."""
-        origin = self._origin
-        return origin.time_ns / 1e9 if origin is not None and hasattr(origin, "time_ns") else None
+        return self._recorder.origin_s if self._recorder is not None else None
 
-    # -- measured timeline ----------------------------------------------------------------------------------
     def take_timeline(self, meta: Sequence[tuple[str, str]] = ()) -> Timeline:
         """The ops of every run since the last call, with measured start/end (seconds from the first run's
         start; device events on CUDA/NPU, host clocks on CPU). Synchronises. Needs ``record_timeline``."""
         if not self.record_timeline:
             raise ValueError("construct the executor with record_timeline=True to measure a timeline")
         self.synchronize()
-        origin = self._origin
-        recs = [(op, stream, origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3, self.rank)
-                for op, stream, s, e in self._records]
-        self._records = []
         base = (("source", "measured"), ("platform", self.platform.kind), ("mode", self.mode),
                 ("num_blocks", str(self.layout.num_blocks)), ("num_slots", str(self.num_slots)),
                 # "world_size": the key the committed measured timelines (figures/data) carry for num_shards.
                 ("num_landing", str(self.num_landing)), ("world_size", str(self.layout.num_shards)))
-        return Timeline.from_records(recs, base + tuple(meta))
+        return self._recorder.take(base + tuple(meta))
