@@ -33,6 +33,11 @@ def test_published_sizes(capsys, name, blocks, gb, world):
     assert plan["layout_digest"] == layout.digest
 
 
+def test_num_shards_flag_and_its_old_name_agree(capsys):
+    new = _plan(capsys, "--model", "tiny", "--num-shards", "3")
+    assert new == _plan(capsys, "--model", "tiny", "--shard-world", "3") and new["num_shards"] == 3
+
+
 def test_rank_local_holds_whole_blocks(capsys):
     plan = _plan(capsys, "--model", "cosmos3-nano", "--shard-world", "4", "--mode", "rank-local", "--slots", "3")
     whole = model_layout(spec_for("cosmos3-nano"), 1)
