@@ -46,7 +46,6 @@ __all__ = [
 DEFAULT_NUM_LANDING = 2
 
 
-
 class ScheduleError(ValueError, RuntimeError):
     """A schedule breaks an invariant or does not continue the ring it runs on, or the model called blocks in an
     order the schedule does not have. The message names the op or the field.
