@@ -4,6 +4,7 @@ explicit runs (R requests, compute=False), the measured timeline."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import dlo_fn.runtime.executor as executor_mod
+from dlo_fn.plan.schedule import Ring, build_schedule
 from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
 from dlo_fn.runtime.blocks import BlockProxy
 from dlo_fn.runtime.dist import DistContext
@@ -82,8 +84,8 @@ def test_weight_device_bytes_independent_of_depth():
         o = offload(toy(n), "blocks", CTX)
         ex = o.executor
         sizes[n] = ex.device_weight_bytes
-        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == 2 * o.layout.max_block_bytes + 2 * (
-            o.layout.max_shard_bytes)
+        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == (
+            2 * o.layout.max_padded_block_bytes + 2 * o.layout.max_shard_bytes)
         assert o.store.arena_bytes == o.layout.shard_bytes_per_rank == n * o.layout.shards[0].shard_bytes
     assert sizes[4] == sizes[16]
 
@@ -151,6 +153,28 @@ def test_drain_after_a_failed_compute_keeps_the_ring():
     o.executor.drain()  # the rest of the run's loads are still issued (collectives stay in step)
     assert not o.executor.in_run and o.executor.stats.loads - loads == 2 * 5 + 1  # cold run + 1 prefetched
     assert torch.equal(o.model(x), ref(x))
+
+
+def test_handed_schedules_run_and_ones_off_the_ring_are_refused():
+    ref = toy()
+    o = offload(copy.deepcopy(ref), "blocks", CTX)
+    ex, x = o.executor, torch.randn(2, 16)
+    assert ex.ring == Ring.cold(5)
+    handed = ex.ring.next_schedule(1, prefetch_next=False)  # the caller, not the executor, decides
+    with o.run(schedule=handed) as followed:
+        assert followed is handed
+        assert torch.equal(o.model(x), ref(x))
+    assert ex.ring == Ring(5, 2, 2, "allgather", slot_offset=1, landing_offset=1, warm=False)
+    with pytest.raises(ScheduleError, match=r"slot_offset = 0 \(the ring has 1\)"):
+        ex.begin_run(schedule=build_schedule(5, 1))  # a cold schedule on a ring that has moved on
+    with pytest.raises(ScheduleError, match="pass the schedule alone"):
+        ex.begin_run(2, schedule=ex.ring.next_schedule(1))
+    broken = ex.ring.next_schedule(1)
+    with pytest.raises(ScheduleError, match="before op"):  # checked in full before its first run
+        ex.begin_run(schedule=dataclasses.replace(broken, deps=((),) * len(broken.ops)))
+    assert not ex.in_run and ex.stats.runs == 1
+    assert torch.equal(o.model(x), ref(x))  # an implicit run on the ring's own next schedule, still exact
+    assert ex.ring.warm
 
 
 def test_measured_timeline_matches_schedule_and_exports_trace(tmp_path):

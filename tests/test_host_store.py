@@ -37,7 +37,7 @@ def _model(block_shapes, seed=0):
 
 def _reassemble(layout, stores, b):
     shard = layout.shards[b]
-    return torch.cat([stores[r].shard(b) for r in range(layout.world_size)])[: shard.block.nbytes]
+    return torch.cat([stores[r].shard(b) for r in range(layout.num_shards)])[: shard.block.nbytes]
 
 
 shapes_st = st.lists(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dlo_fn.plan.layout import align_up, block_layout, model_layout, shard_layout
+from dlo_fn.plan.layout import align_up, block_layout, equal_shard_bytes, model_layout, shard_layout
+from dlo_fn.plan.sizes import ModelSizes
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.float8_e4m3fn)
@@ -115,9 +116,19 @@ def test_shards_partition_every_byte_and_reassemble(block, world, alignment):
 def test_slot_and_landing_sizes_are_independent_of_depth(block, depth, world):
     one = model_layout(ModelSpec("m", (block,)), world)
     deep = model_layout(ModelSpec("m", tuple(BlockSpec(f"blocks.{i}", block.tensors) for i in range(depth))), world)
-    assert deep.max_block_bytes == one.max_block_bytes
+    assert deep.max_padded_block_bytes == one.max_padded_block_bytes
     assert deep.max_shard_bytes == one.max_shard_bytes
     assert deep.shard_bytes_per_rank == depth * one.shard_bytes_per_rank
     assert deep.shard_offsets[-1] == (depth - 1) * one.shards[0].shard_bytes
     packed = block_layout(block).nbytes
-    assert one.max_block_bytes == world * align_up(-(-packed // world), 256)
+    assert one.max_padded_block_bytes == world * align_up(-(-packed // world), 256)
+
+
+def test_shard_size_is_exact_above_2_to_the_53_bytes():
+    # n = 3 * 2^58 + 1: as a float, n / 3 is 2^58 (the 1/3 is below its precision), so a float ceil would
+    # leave the last byte in no shard; the integer formula gives 2^58 + 1, aligned up to 2^58 + 256.
+    n = 3 * 2**58 + 1
+    assert equal_shard_bytes(n, 3, 256) == 2**58 + 256
+    shards = shard_layout(block_layout(BlockSpec("huge", (TensorSpec("w", (n,), torch.uint8),))), 3)
+    assert shards.shard_bytes == 2**58 + 256 and shards.padded_bytes >= n
+    assert ModelSizes("huge", (n,)).shard_bytes(3) == (shards.shard_bytes,)  # one formula for both planners

@@ -154,7 +154,7 @@ def test_agrees_with_layout_and_plan_summary(blocks, w):
     layout = model_layout(spec, w)
     assert sizes.shard_bytes_per_rank(w) == layout.shard_bytes_per_rank
     assert sizes.max_shard_bytes(w) == layout.max_shard_bytes
-    assert sizes.max_padded_block_bytes(w) == layout.max_block_bytes
+    assert sizes.max_padded_block_bytes(w) == layout.max_padded_block_bytes
     assert sizes.total_bytes - sizes.total_block_bytes == spec.resident_bytes == 60
     for mode in ("allgather", "rank-local"):
         summary = plan_summary(spec, w, mode)

@@ -29,8 +29,13 @@ def test_published_sizes(capsys, name, blocks, gb, world):
     assert block_total / world <= plan["shard_bytes_per_rank"] <= block_total / world + blocks * 256
     assert plan["pinned_host_bytes_per_rank"] == plan["shard_bytes_per_rank"]
     layout = model_layout(spec_for(name), world)
-    assert plan["hbm_weight_bytes"] == 2 * layout.max_block_bytes + 2 * layout.max_shard_bytes
+    assert plan["hbm_weight_bytes"] == 2 * layout.max_padded_block_bytes + 2 * layout.max_shard_bytes
     assert plan["layout_digest"] == layout.digest
+
+
+def test_num_shards_flag_and_its_old_name_agree(capsys):
+    new = _plan(capsys, "--model", "tiny", "--num-shards", "3")
+    assert new == _plan(capsys, "--model", "tiny", "--shard-world", "3") and new["num_shards"] == 3
 
 
 def test_rank_local_holds_whole_blocks(capsys):
@@ -38,7 +43,7 @@ def test_rank_local_holds_whole_blocks(capsys):
     whole = model_layout(spec_for("cosmos3-nano"), 1)
     assert plan["num_landing"] == 0 and plan["shard_bytes_per_rank"] == 0
     assert plan["pinned_host_bytes_per_rank"] == whole.shard_bytes_per_rank
-    assert plan["hbm_weight_bytes"] == 3 * whole.max_block_bytes
+    assert plan["hbm_weight_bytes"] == 3 * whole.max_padded_block_bytes
 
 
 def test_checkpoint_header_gives_the_same_plan_as_the_config(capsys, tmp_path):
@@ -47,7 +52,7 @@ def test_checkpoint_header_gives_the_same_plan_as_the_config(capsys, tmp_path):
     write_checkpoint("tiny", tmp_path / "ckpt", seed=0)
     from_ckpt = _plan(capsys, "--model", str(tmp_path / "ckpt"), "--shard-world", "3")
     from_config = _plan(capsys, "--model", "tiny", "--shard-world", "3")
-    for key in ("num_blocks", "total_bytes", "max_block_bytes", "shard_bytes_per_rank", "hbm_weight_bytes",
+    for key in ("num_blocks", "total_bytes", "max_padded_block_bytes", "shard_bytes_per_rank", "hbm_weight_bytes",
                 "layout_digest"):
         assert from_ckpt[key] == from_config[key], key
 
@@ -58,7 +63,7 @@ def test_table_output_and_help():
     assert "shard_bytes_per_rank" in out and "GB)" in out.split("shard_bytes_per_rank")[1].splitlines()[0]
     helptext = subprocess.run([sys.executable, "-m", "dlo_fn", "plan", "--help"], capture_output=True,
                               text=True, check=True).stdout
-    for field in ("max_block_bytes", "pinned_host_bytes_per_rank", "hbm_weight_bytes", "layout_digest"):
+    for field in ("max_padded_block_bytes", "pinned_host_bytes_per_rank", "hbm_weight_bytes", "layout_digest"):
         assert field in helptext
 
 

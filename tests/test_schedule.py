@@ -16,8 +16,8 @@ from hypothesis import given, settings, strategies as st
 from strategies import build_case, schedule_cases
 
 from dlo_fn.plan.schedule import (
-    AG, C, H2D, Op, Schedule, add_dependencies, build_schedule, check_schedule, compute_order, next_landing_offset,
-    next_schedule, next_slot_offset,
+    AG, C, H2D, Op, Ring, Schedule, add_dependencies, build_schedule, check_schedule, compute_order,
+    next_landing_offset, next_schedule, next_slot_offset,
 )
 from dlo_fn.plan.schedule_check import ScheduleError
 from dlo_fn.plan.timeline import simulate
@@ -116,6 +116,56 @@ def test_golden_chain_with_odd_length_continues_the_ring():
         "C k1 b1@s0 r0", "H2D k3 b0>l0", "AG k3 b0 l0>s0", "C k2 b2@s1 r0",
     ])
     check_schedule(b, prev=a)
+
+
+def test_golden_ring_carries_offsets_and_prefetch_across_runs():
+    # The Ring is what one run leaves to the next: 3 blocks on 2 slots and 2 landing buffers.
+    ring = Ring.cold(3)
+    assert ring == Ring(3, 2, 2, "allgather", slot_offset=0, landing_offset=0, warm=False)
+    a = ring.next_schedule(1)  # prefetches by default: the ring never stops
+    _assert_golden(a, [
+        "H2D k0 b0>l0", "AG k0 b0 l0>s0", "H2D k1 b1>l1", "AG k1 b1 l1>s1", "C k0 b0@s0 r0",
+        "H2D k2 b2>l0", "AG k2 b2 l0>s0", "C k1 b1@s1 r0", "H2D k3 b0>l1", "AG k3 b0 l1>s1", "C k2 b2@s0 r0",
+    ])
+    assert a == build_schedule(3, 1, prefetch_next=True)
+    ring = ring.after(a)  # 3 loads later: slot 1, landing 1, block 0 already in s1
+    assert ring == Ring(3, 2, 2, "allgather", slot_offset=1, landing_offset=1, warm=True)
+    b = ring.next_schedule(1, prefetch_next=False)
+    _assert_golden(b, [
+        "H2D k1 b1>l0", "AG k1 b1 l0>s0", "C k0 b0@s1 r0", "H2D k2 b2>l1", "AG k2 b2 l1>s1",
+        "C k1 b1@s0 r0", "C k2 b2@s1 r0",
+    ])
+    check_schedule(b, prev=a)
+    assert b == next_schedule(a, 1, prefetch_next=False) and Ring.of(b) == ring
+    assert ring.after(b) == Ring(3, 2, 2, "allgather", slot_offset=0, landing_offset=0, warm=False)
+    assert ring.after(b).next_schedule(1, prefetch_next=False) == build_schedule(3, 1)  # cold again: offset 0
+    assert ring.restart() == Ring.cold(3)
+
+
+def test_golden_ring_rank_local_has_no_landing_buffers():
+    ring = Ring.cold(3, mode="rank-local", num_slots=2)
+    assert ring.num_landing == 0
+    a = ring.next_schedule(1)
+    _assert_golden(a, ["H2D k0 b0>s0", "H2D k1 b1>s1", "C k0 b0@s0 r0", "H2D k2 b2>s0", "C k1 b1@s1 r0",
+                       "H2D k3 b0>s1", "C k2 b2@s0 r0"])
+    assert ring.after(a) == Ring(3, 2, 0, "rank-local", slot_offset=1, landing_offset=0, warm=True)
+    _assert_golden(ring.after(a).next_schedule(1, prefetch_next=False),
+                   ["H2D k1 b1>s0", "C k0 b0@s1 r0", "H2D k2 b2>s1", "C k1 b1@s0 r0", "C k2 b2@s1 r0"])
+
+
+def test_ring_refuses_a_schedule_it_does_not_continue():
+    ring = Ring.cold(3).after(build_schedule(3, 1, prefetch_next=True))
+    with pytest.raises(ScheduleError, match=r"slot_offset = 0 \(the ring has 1\).*warm_start = False"):
+        ring.check(build_schedule(3, 1))
+    with pytest.raises(ScheduleError, match=r"num_slots = 3 \(the ring has 2\)"):
+        ring.after(build_schedule(3, 1, num_slots=3, slot_offset=1, landing_offset=1, warm_start=True))
+    assert issubclass(ScheduleError, ValueError) and issubclass(ScheduleError, RuntimeError)
+    with pytest.raises(ValueError, match="num_slots"):
+        Ring.cold(3, num_slots=0)
+    with pytest.raises(ValueError, match="mode"):
+        Ring.cold(3, mode="ring")
+    with pytest.raises(ValueError, match="num_landing"):
+        Ring.cold(3, mode="rank-local", num_landing=2)
 
 
 def test_compute_order_wraps_steps_block_major():
@@ -297,3 +347,16 @@ def test_chained_runs_stay_valid(case, steps, seed):
         check_schedule(nxt, prev=prev)
         _replay_in_time(nxt, seed)
         prev = nxt
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases, st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.booleans()), min_size=1, max_size=4))
+def test_a_ring_chains_any_runs_like_next_schedule(case, runs):
+    first = _build(case)
+    ring = Ring.of(first).after(first)
+    prev = first
+    for num_steps, requests, prefetch in runs:
+        nxt = ring.next_schedule(num_steps, requests, prefetch_next=prefetch)
+        assert nxt == next_schedule(prev, num_steps, requests_per_load=requests, prefetch_next=prefetch)
+        check_schedule(nxt, prev=prev)
+        ring, prev = ring.after(nxt), nxt

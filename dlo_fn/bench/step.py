@@ -199,7 +199,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
             cpu = None
         elif variant == "naive-sync":
             measure(variant, sv.naive_pass(platform, layout, store, blocks, aliases),
-                    extra={"weight_device_bytes_planned": layout.max_block_bytes})
+                    extra={"weight_device_bytes_planned": layout.max_padded_block_bytes})
         sv.release(platform)
     report = _report(args, platform, layout, store, peaks, inputs, results)
     del store, cpu, model, blocks, inputs
@@ -220,7 +220,8 @@ def _report(args, platform, layout, store, peaks, inputs, results) -> dict:
     out = {"machine": machine(platform), "command": _command(args),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "config": "tiny" if args.quick else args.config, "num_blocks": layout.num_blocks,
-           "max_block_bytes": layout.max_block_bytes, "total_block_bytes": layout.total_block_bytes,
+           # The committed reports' key for the slot size (W = 1: the largest block, aligned).
+           "max_block_bytes": layout.max_padded_block_bytes, "total_block_bytes": layout.total_block_bytes,
            "h2d_bytes_per_pass": h2d_bytes, "pinned_arena_bytes": store.arena_bytes, "pinning": store.how,
            "pinned_h2d_peak_bytes_per_s": peak, "pinned_h2d_peaks_bytes_per_s": peaks, "workloads": []}
     for w, res in results.items():

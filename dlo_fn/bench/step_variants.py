@@ -189,7 +189,7 @@ def diffusers_pass(platform: Platform, blocks: nn.ModuleList) -> PassFn:
 def naive_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
                aliases: list[dict]) -> PassFn:
     """Per block: blocking copy of the whole block from the pinned arena into one slot, then compute."""
-    slot = torch.empty(layout.max_block_bytes, dtype=torch.uint8, device=platform.device)
+    slot = torch.empty(layout.max_padded_block_bytes, dtype=torch.uint8, device=platform.device)
     callers, srcs = [], []
     for b, shard in enumerate(layout.shards):
         callers.append(make_caller("swap", blocks[b], make_views(slot, shard.block, aliases[b])))

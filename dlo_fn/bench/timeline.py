@@ -19,6 +19,7 @@ from typing import Any
 
 from dlo_fn.cli import HelpFormatter
 from dlo_fn.plan.compare import schedule_from_params, schedule_params
+from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.trace import to_chrome_trace
 from dlo_fn.plan.timeline import Timeline
@@ -31,7 +32,7 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--config", default="tiny", help="reference DiT config")
     p.add_argument("--steps", type=int, default=2, help="denoising steps of the measured run")
-    p.add_argument("--mode", choices=("allgather", "rank-local"), default="allgather", help="offload mode")
+    p.add_argument("--mode", choices=OFFLOAD_MODES, default="allgather", help="offload mode")
     p.add_argument("--platform", choices=("cuda", "npu", "cpu"), default="cpu", help="where to run")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="JSON path (default: figures/data/measured_timeline_<platform>.json)")

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from dlo_fn.cli import HelpFormatter
+from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 FIELD_HELP = """\
@@ -14,13 +15,15 @@ fields:
   num_params                  stored elements (parameters + persistent buffers)
   total_bytes                 bytes the checkpoint stores (blocks + resident tensors)
   resident_bytes              tensors outside the block lists: kept on every device
-  max_block_bytes             the largest block after packing and padding to W equal shards = one slot
+  num_shards                  ranks in the shard group (W; --num-shards)
+  max_padded_block_bytes      the largest block after packing and padding to W equal shards = one slot
   shard_bytes_per_rank        host bytes of one rank's shards: sum over blocks of align_up(ceil(n/W), A)
                               (allgather); 0 in rank-local mode (no sharding)
   pinned_host_bytes_per_rank  the rank's exact-size pinned arena: its shards (allgather), or every block
                               unsharded (rank-local with a private pinned copy)
-  hbm_weight_bytes            device bytes held for weights: slots x max_block_bytes + landing buffers x
-                              the largest shard (allgather); slots x max_block_bytes (rank-local).
+  hbm_weight_bytes            device bytes held for weights: slots x max_padded_block_bytes + landing
+                              buffers x the largest shard (allgather); slots x max_padded_block_bytes
+                              (rank-local).
                               Independent of the number of blocks.
   layout_digest               SHA-256 of the layout; ranks compare it at start-up
 """
@@ -40,9 +43,9 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", required=True, metavar="NAME_OR_CHECKPOINT",
                    help="named config (tiny, cosmos3-nano, cosmos3-super, 400gb, bench) or checkpoint path")
-    p.add_argument("--shard-world", type=int, default=1, metavar="W",
+    p.add_argument("--num-shards", "--shard-world", dest="num_shards", type=int, default=1, metavar="W",
                    help="ranks in the shard group (every rank that runs in lockstep); default 1")
-    p.add_argument("--mode", choices=("allgather", "rank-local"), default="allgather",
+    p.add_argument("--mode", choices=OFFLOAD_MODES, default="allgather",
                    help="allgather: shard over W ranks and gather each block; rank-local: whole blocks per rank")
     p.add_argument("--slots", type=int, default=2, help="device slots (2 = the published double buffer)")
     p.add_argument("--landing", type=int, default=DEFAULT_NUM_LANDING,
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     block_paths = tuple(args.block_paths.split(",")) if args.block_paths else None
     spec = spec_for(args.model, block_paths)
-    summary = plan_summary(spec, args.shard_world, args.mode, args.slots, args.landing, args.alignment)
+    summary = plan_summary(spec, args.num_shards, args.mode, args.slots, args.landing, args.alignment)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
         return 0

@@ -33,6 +33,7 @@ import torch
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.dit import DTYPES, build_model
 from dlo_fn.models.init import TensorInit, init_plan, init_tensor
+from dlo_fn.plan.sizes import parse_bytes
 
 __all__ = [
     "MODEL_TYPE", "CONFIG_NAME", "SINGLE_FILE", "INDEX_FILE", "parse_size", "shard_tensors", "safetensors_header",
@@ -47,22 +48,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(value: str | int | float) -> int:
-    """``"2GB"`` -> 2_000_000_000 (GB = 1e9, GiB = 2^30; also KB, MB, TB, KiB, MiB, plain bytes, ``"2e9"``)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-        if not match or match.group(2).upper() not in _UNITS:
-            raise ValueError(f"size {value!r}: expected a number with an optional unit ({', '.join(_UNITS)})")
-        size = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    """``"2GB"`` -> 2_000_000_000: :func:`dlo_fn.plan.sizes.parse_bytes` (GB = 1e9, GiB = 2^30, ``"2e9"``, ...),
+    and at least 1 byte (a shard limit of 0 would hold nothing)."""
+    size = parse_bytes(value)
     if size < 1:
         raise ValueError(f"size {value!r}: must be at least 1 byte")
-    return int(size)
+    return size
 
 
 def shard_tensors(tensors: Sequence[TensorInit], max_shard_bytes: int) -> tuple[tuple[TensorInit, ...], ...]:

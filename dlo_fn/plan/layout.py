@@ -6,11 +6,13 @@ starts at ``offset_i = align_up(end_{i-1}, A)`` with alignment ``A`` (default 25
 itemsize, and of the 128-byte transaction size of GPU copies). Each tensor is contiguous, so a weight is a
 view ``buffer[offset : offset + nbytes].view(dtype).view(shape)`` of the slot it was gathered into.
 
-**Shard layout.** For a shard group of ``W`` ranks, a block of ``n`` bytes is cut into ``W`` equal shards of
+**Shard layout.** For a shard group of ``W = num_shards`` ranks, a block of ``n`` bytes is cut into ``W`` equal
+shards of
 
     s = align_up(ceil(n / W), A)
 
-bytes (``all_gather_into_tensor`` needs equal sizes); rank ``r`` owns bytes ``[r*s, (r+1)*s)`` of the padded
+bytes (``all_gather_into_tensor`` needs equal sizes; :func:`equal_shard_bytes`, in integers so it stays exact
+above 2^53 bytes); rank ``r`` owns bytes ``[r*s, (r+1)*s)`` of the padded
 buffer of ``W*s`` bytes, whose tail ``W*s - n < W*A`` is zero padding. Each rank copies only the tensor bytes
 that fall in its range, as a list of :class:`Piece` (tensor source slice -> shard destination slice).
 
@@ -27,14 +29,18 @@ Example: a block with ``q.weight`` (bf16, 64 x 16 = 2048 bytes) and ``norm.weigh
     ====  ===========  ==========================================
 
 A :class:`ModelLayout` holds the shard layout of every block and a digest that ranks compare at start-up: two
-ranks that disagree on any offset, shape, dtype, shard size or world size get different digests.
+ranks that disagree on any offset, shape, dtype, shard size or number of shards get different digests.
+
+Sizes, named apart: ``BlockLayout.nbytes`` is a packed block (``n``); ``ShardLayout.padded_bytes`` is that block
+padded to ``W`` equal shards (``W*s``, what a slot holds); ``ModelLayout.max_padded_block_bytes`` is the slot size
+and ``max_shard_bytes`` the landing-buffer size. (``ModelSpec.max_block_bytes`` is the largest block's stored
+tensor bytes, before packing and padding.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +55,7 @@ __all__ = [
     "ShardLayout",
     "ModelLayout",
     "align_up",
+    "equal_shard_bytes",
     "block_layout",
     "shard_layout",
     "model_layout",
@@ -59,6 +66,15 @@ DEFAULT_ALIGNMENT_BYTES = 256
 
 def align_up(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
+
+
+def equal_shard_bytes(nbytes: int, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+    """``s = align_up(ceil(n / W), A)``: the size of each of ``W`` equal aligned shards of ``n`` bytes.
+
+    Integer arithmetic throughout (a float ``ceil(n / W)`` rounds wrongly above 2^53 bytes)."""
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    return align_up(-(-nbytes // num_shards), alignment_bytes)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -161,38 +177,39 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class ShardLayout:
-    """A block cut into ``world_size`` equal shards of ``shard_bytes``; ``pieces[r]`` fills rank r's shard."""
+    """A block cut into ``num_shards`` equal shards of ``shard_bytes``; ``pieces[r]`` fills rank r's shard."""
 
     block: BlockLayout
-    world_size: int
+    num_shards: int
     shard_bytes: int
     pieces: tuple[tuple[Piece, ...], ...]
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if len(self.pieces) != self.world_size:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if len(self.pieces) != self.num_shards:
             raise ValueError("one piece list per rank is required")
         if self.padded_bytes < self.block.nbytes or self.shard_bytes % self.block.alignment_bytes:
             raise ValueError(f"shard_bytes {self.shard_bytes} does not cover block {self.block.name}")
 
     @property
     def padded_bytes(self) -> int:
-        return self.world_size * self.shard_bytes
+        """The block padded to ``W`` equal shards: what a slot holds after the all-gather."""
+        return self.num_shards * self.shard_bytes
 
     @property
     def padding_bytes(self) -> int:
         return self.padded_bytes - self.block.nbytes
 
     def rank_range(self, rank: int) -> tuple[int, int]:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
+        if not 0 <= rank < self.num_shards:
+            raise ValueError(f"rank {rank} outside [0, {self.num_shards})")
         return rank * self.shard_bytes, (rank + 1) * self.shard_bytes
 
     def table(self) -> str:
         """The rank | range | tensors table of the module docstring, for this block."""
         lines = ["rank  range                 tensors"]
-        for r in range(self.world_size):
+        for r in range(self.num_shards):
             a, b = self.rank_range(r)
             parts = "; ".join(
                 f"{p.tensor}[{p.src_start}:{p.src_stop}] -> [{p.dst_start}:{p.dst_stop}]" for p in self.pieces[r]
@@ -201,14 +218,11 @@ class ShardLayout:
         return "\n".join(lines)
 
 
-def shard_layout(layout: BlockLayout, world_size: int) -> ShardLayout:
-    """Cut ``layout`` into ``world_size`` equal, aligned shards (see the module docstring)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    a = layout.alignment_bytes
-    shard = align_up(math.ceil(layout.nbytes / world_size), a)
+def shard_layout(layout: BlockLayout, num_shards: int) -> ShardLayout:
+    """Cut ``layout`` into ``num_shards`` equal, aligned shards (see the module docstring)."""
+    shard = equal_shard_bytes(layout.nbytes, num_shards, layout.alignment_bytes)
     per_rank = []
-    for r in range(world_size):
+    for r in range(num_shards):
         lo, hi = r * shard, (r + 1) * shard
         pieces = []
         for p in layout.placements:
@@ -216,30 +230,30 @@ def shard_layout(layout: BlockLayout, world_size: int) -> ShardLayout:
             if start < stop:
                 pieces.append(Piece(p.name, start - p.offset_bytes, stop - p.offset_bytes, start - lo, stop - lo))
         per_rank.append(tuple(pieces))
-    return ShardLayout(layout, world_size, shard, tuple(per_rank))
+    return ShardLayout(layout, num_shards, shard, tuple(per_rank))
 
 
 @dataclass(frozen=True, slots=True)
 class ModelLayout:
-    """Shard layouts of every block of a model for one shard group. ``world_size == 1`` is the rank-local
-    layout (whole blocks)."""
+    """Shard layouts of every block of a model for one shard group of ``num_shards`` ranks. ``num_shards == 1``
+    is the rank-local layout (whole blocks)."""
 
     name: str
     shards: tuple[ShardLayout, ...]
-    world_size: int
+    num_shards: int
     alignment_bytes: int
 
     def __post_init__(self) -> None:
-        if any(s.world_size != self.world_size for s in self.shards):
-            raise ValueError("every block must be sharded over the same world_size")
+        if any(s.num_shards != self.num_shards for s in self.shards):
+            raise ValueError("every block must be sharded over the same num_shards")
 
     @property
     def num_blocks(self) -> int:
         return len(self.shards)
 
     @property
-    def max_block_bytes(self) -> int:
-        """Slot size: the largest padded (gathered) block."""
+    def max_padded_block_bytes(self) -> int:
+        """Slot size: the largest block padded to ``W`` equal shards (gathered)."""
         return max(s.padded_bytes for s in self.shards)
 
     @property
@@ -269,7 +283,7 @@ class ModelLayout:
     def digest(self) -> str:
         """SHA-256 of everything that must agree across ranks (names, shapes, dtypes, offsets, sizes)."""
         doc = {
-            "world_size": self.world_size,
+            "world_size": self.num_shards,  # the digest's original key: renaming it would change every digest
             "alignment_bytes": self.alignment_bytes,
             "blocks": [
                 [
@@ -284,7 +298,7 @@ class ModelLayout:
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
-def model_layout(spec: ModelSpec, world_size: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ModelLayout:
-    """Flat layout of every block of ``spec``, sharded over ``world_size`` ranks."""
-    shards = tuple(shard_layout(block_layout(b, alignment_bytes), world_size) for b in spec.blocks)
-    return ModelLayout(spec.name, shards, world_size, alignment_bytes)
+def model_layout(spec: ModelSpec, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ModelLayout:
+    """Flat layout of every block of ``spec``, sharded over ``num_shards`` ranks."""
+    shards = tuple(shard_layout(block_layout(b, alignment_bytes), num_shards) for b in spec.blocks)
+    return ModelLayout(spec.name, shards, num_shards, alignment_bytes)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["H2D", "AG", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "MODES", "GRAMMAR", "Op", "HappensBefore"]
+__all__ = ["H2D", "AG", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "GRAMMAR", "Op", "HappensBefore"]
 
 H2D, AG, C = "H2D", "AG", "C"
 KINDS = (H2D, AG, C)
 STREAMS = ("h2d", "allgather", "compute")
 STREAM_OF_KIND = {H2D: "h2d", AG: "allgather", C: "compute"}
-MODES = ("allgather", "rank-local")
 
 # The whole grammar: one pattern per kind, matched in full; numbers in canonical form (no sign, no leading 0).
 _N = r"(?:0|[1-9][0-9]*)"

@@ -1,24 +1,9 @@
-"""Slot schedule: a compute-only order lowered by pure passes into ops on three streams.
+"""Slot schedule: one run's ops on three streams, and the :class:`Ring` that chains runs.
 
-**Compute-only order.** One *run* (a wave) computes ``T`` denoising steps over ``B`` blocks. Its block loads are
-numbered ``k = 0 .. L-1`` with ``L = T*B``: load ``k`` brings block ``k % B`` for step ``k // B``, so the ring
-wraps from the last block of a step to block 0 of the next. With ``R`` requests per load (block-major) every
-loaded block is computed for requests ``0 .. R-1`` in turn, so one weight load serves ``R`` requests
-(``R = 1`` is the published design).
-
-**Lowering.** :func:`place_computes` puts compute ``k`` on slot ``(o + k) % S``; :func:`add_loads` inserts the
-loads, H2D of the local shard into landing buffer ``(lo + k) % N`` then AG into slot ``(o + k) % S`` (rank-local
-mode: one H2D of the whole block straight into the slot); :func:`add_dependencies` derives the event waits from
-buffer hazards. The ops and their strings are in :mod:`dlo_fn.plan.ops`.
-
-Dependencies (each an event wait): AG after its H2D; C after its AG (rank-local: its H2D); a slot is refilled
-only after every compute of its previous occupant; a landing buffer is reused only after its AG. Waits already
-implied by "one stream runs in issue order" or by another wait are dropped: an AG waits on the *last* compute of
-the slot's previous occupant (after all ``R`` of them), and computes ``r > 0`` of a load wait on nothing.
-
-**Issue order.** The ops of load ``k + S - 1`` are issued before the first compute of load ``k``: that load's
-slot was freed by the computes of load ``k - 1``, so with ``S = 2`` the next block starts loading the moment the
-current one starts computing, and the H2D stream runs up to ``N`` loads ahead of the all-gathers.
+A :class:`Schedule` is built by the pure lowering passes of :mod:`dlo_fn.plan.lowering` (compute-only order ->
+place computes -> add loads -> add dependencies; the math of each is there) and is what the executor
+interprets, op by op. Load ``k`` of a run is block ``k % B`` of step ``k // B`` (``L = T*B`` loads) on slot
+``(o + k) % S`` and, in allgather mode, landing buffer ``(lo + k) % N``.
 
 **Landing buffers** (``N = num_landing``, default 2). With ``N = 1`` the H2D of load ``k+1`` must wait for the AG
 of load ``k`` to drain the landing buffer, so H2D and AG serialise and the load period is ``h + a`` per block;
@@ -27,11 +12,11 @@ absorb jitter, at ``max_shard_bytes`` of HBM each, so 2 is the default.
 
 **Runs chain into one ring.** Global load ``g`` is block ``g % B`` on slot ``g % S`` and landing ``g % N``; every
 run starts at a multiple of ``B``. A run with ``prefetch_next`` also loads ``k = L .. L+S-2`` (blocks
-``0 .. S-2`` of the next run) into the slots its last computes do not use; the next run, built with
-``warm_start`` and the offsets from :func:`next_slot_offset` / :func:`next_landing_offset` (or simply
-:func:`next_schedule`), computes from them without reloading block 0. Across runs the executor keeps, per
-buffer, the event of the previous run's ``last_use`` and makes this run's ``first_use`` op of that buffer wait
-on it; nothing else crosses a run boundary.
+``0 .. S-2`` of the next run) into the slots its last computes do not use; the next run starts ``warm_start``
+from them, at the offsets the :class:`Ring` carries (``ring.after(run).next_schedule(...)``, or
+:func:`next_schedule`), and computes without reloading block 0. Across runs the executor keeps, per buffer, the
+event of the previous run's ``last_use`` and makes this run's ``first_use`` op of that buffer wait on it;
+nothing else crosses a run boundary.
 
 Example (``B = 2``, ``T = 2``, ``S = 2``, ``N = 2``, allgather)::
 
@@ -42,13 +27,17 @@ Example (``B = 2``, ``T = 2``, ``S = 2``, ``N = 2``, allgather)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from dlo_fn.plan.ops import AG, C, H2D, KINDS, MODES, STREAM_OF_KIND, STREAMS, HappensBefore, Op
+from dlo_fn.plan.lowering import (
+    ComputeItem, add_dependencies, add_loads, buffer_uses, compute_order, place_computes,
+)
+from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
+from dlo_fn.plan.ops import AG, C, H2D, KINDS, STREAM_OF_KIND, STREAMS, Op
 
 __all__ = [
-    "H2D", "AG", "C", "KINDS", "STREAMS", "MODES", "STREAM_OF_KIND", "DEFAULT_NUM_LANDING",
-    "Op", "ComputeItem", "Schedule",
+    "H2D", "AG", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "DEFAULT_NUM_LANDING",
+    "Op", "ComputeItem", "Schedule", "Ring", "ScheduleError",
     "compute_order", "place_computes", "add_loads", "add_dependencies", "buffer_uses",
     "build_schedule", "next_slot_offset", "next_landing_offset", "next_schedule", "check_schedule",
 ]
@@ -57,116 +46,31 @@ __all__ = [
 DEFAULT_NUM_LANDING = 2
 
 
-@dataclass(frozen=True, slots=True)
-class ComputeItem:
-    """One entry of the compute-only order: load ``load`` (block ``block`` of step ``step``) for ``request``."""
+class ScheduleError(ValueError, RuntimeError):
+    """A schedule breaks an invariant or does not continue the ring it runs on, or the model called blocks in an
+    order the schedule does not have. The message names the op or the field.
 
-    load: int
-    block: int
-    step: int
-    request: int
+    Also a ``RuntimeError``: the executor's call-order errors were one before the two error classes merged, and
+    callers that catch either keep working."""
 
 
-def compute_order(num_blocks: int, num_steps: int, requests_per_load: int = 1) -> tuple[ComputeItem, ...]:
-    """Blocks x steps, block-major over requests: ``(k, r)`` for ``k < T*B``, ``r < R``; block ``k % B``."""
-    for name, value in (("num_blocks", num_blocks), ("num_steps", num_steps),
-                        ("requests_per_load", requests_per_load)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return tuple(ComputeItem(k, k % num_blocks, k // num_blocks, r)
-                 for k in range(num_blocks * num_steps) for r in range(requests_per_load))
-
-
-def place_computes(order: tuple[ComputeItem, ...], num_slots: int, slot_offset: int = 0) -> tuple[Op, ...]:
-    """Pass 1: compute ``k`` reads slot ``(slot_offset + k) % num_slots``."""
-    return tuple(Op(C, it.load, it.block, slot=(slot_offset + it.load) % num_slots, request=it.request)
-                 for it in order)
-
-
-def _load_ops(k: int, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-              slot_offset: int, landing_offset: int) -> tuple[Op, ...]:
-    block, slot = k % num_blocks, (slot_offset + k) % num_slots
-    if mode == "rank-local":
-        return (Op(H2D, k, block, slot=slot),)
-    landing = (landing_offset + k) % num_landing
-    return Op(H2D, k, block, landing=landing), Op(AG, k, block, slot=slot, landing=landing)
-
-
-def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-              slot_offset: int = 0, landing_offset: int = 0, warm_start: bool = False,
-              prefetch_next: bool = False) -> tuple[Op, ...]:
-    """Pass 2: insert the loads into the compute ops, giving the host issue order.
-
-    Loads ``first .. end-1`` are issued, ``first = S-1`` if ``warm_start`` (the previous run left loads
-    ``0 .. S-2`` in the slots) else 0, and ``end = L + S-1`` if ``prefetch_next`` else ``L``. The ops of load
-    ``j`` are issued before the first compute of load ``j - S + 1``, the earliest point where its slot's previous
-    occupant (load ``j - S``) has all its computes issued.
-    """
-    num_loads = 1 + max((op.load for op in computes), default=-1)
-    first = num_slots - 1 if warm_start else 0
-    end = num_loads + (num_slots - 1 if prefetch_next else 0)
-    ops: list[Op] = []
-    next_load = first
-    for op in computes:
-        if op.request == 0:
-            while next_load < end and next_load <= op.load + num_slots - 1:
-                ops.extend(_load_ops(next_load, num_blocks, num_slots, num_landing, mode, slot_offset,
-                                     landing_offset))
-                next_load += 1
-        ops.append(op)
-    for k in range(next_load, end):
-        ops.extend(_load_ops(k, num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset))
-    return tuple(ops)
-
-
-def add_dependencies(ops: tuple[Op, ...]) -> tuple[tuple[int, ...], ...]:
-    """Pass 3: the event waits of each op, from the buffer hazards in issue order.
-
-    Read-after-write waits on the buffer's last writer; write-after-read on every reader since that write (or
-    the last writer if none). Then only the waits not already implied are kept: implied by issue order on the
-    op's own stream (e.g. compute ``r1`` of a load needs no wait of its own: compute ``r0`` waited for the load)
-    or by another kept wait. Every remaining wait is necessary (``tests/test_schedule.py`` checks it).
-    """
-    last_write: dict[str, int] = {}
-    readers: dict[str, list[int]] = {}
-    clocks = HappensBefore()
-    deps: list[tuple[int, ...]] = []
-    for i, op in enumerate(ops):
-        needed: set[int] = set()
-        for buf in op.reads:
-            if buf in last_write:
-                needed.add(last_write[buf])
-        for buf in op.writes:
-            needed.update(readers.get(buf) or ([last_write[buf]] if buf in last_write else []))
-        base = clocks.base(op.stream)
-        candidates = sorted((d for d in needed if not clocks.covers(base, d)), reverse=True)
-        kept: list[int] = []
-        for n, d in enumerate(candidates):  # drop d if the others still kept imply it
-            others = base
-            for e in kept + candidates[n + 1:]:
-                others = clocks.merge(others, e)
-            if not clocks.covers(others, d):
-                kept.append(d)
-        kept.sort()
-        clocks.push(op.stream, tuple(kept))
-        deps.append(tuple(kept))
-        for buf in op.reads:
-            readers.setdefault(buf, []).append(i)
-        for buf in op.writes:
-            last_write[buf] = i
-            readers[buf] = []
-    return tuple(deps)
-
-
-def buffer_uses(ops: tuple[Op, ...]) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
-    """``(first_use, last_use)``: per buffer (sorted by name), the index of the first and the last op using it."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, op in enumerate(ops):
-        for buf in op.reads + op.writes:
-            first.setdefault(buf, i)
-            last[buf] = i
-    return tuple(sorted(first.items())), tuple(sorted(last.items()))
+def _check_ring_fields(owner: str, num_blocks: int, num_slots: int, num_landing: int, mode: str,
+                       slot_offset: int, landing_offset: int) -> None:
+    """The invariants a :class:`Ring` and a :class:`Schedule` share (``owner`` prefixes the field names)."""
+    check_mode(mode, OFFLOAD_MODES, f"{owner}mode")
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"{owner}num_blocks must be an int >= 1, got {num_blocks!r}")
+    if not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"{owner}num_slots must be an int >= 1 (2 = the published double buffer), got "
+                         f"{num_slots!r}")
+    if mode == "allgather" and num_landing < 1:
+        raise ValueError(f"allgather mode needs {owner}num_landing >= 1, got {num_landing}")
+    if mode == "rank-local" and num_landing != 0:
+        raise ValueError(f"rank-local mode has no landing buffers: {owner}num_landing must be 0, got {num_landing}")
+    if not 0 <= slot_offset < num_slots:
+        raise ValueError(f"{owner}slot_offset must be in [0, {num_slots}), got {slot_offset}")
+    if not 0 <= landing_offset < max(num_landing, 1):
+        raise ValueError(f"{owner}landing_offset must be in [0, {num_landing}), got {landing_offset}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,20 +98,11 @@ class Schedule:
     last_use: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"Schedule.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("num_blocks", "num_steps", "requests_per_load", "num_slots"):
+        _check_ring_fields("Schedule.", self.num_blocks, self.num_slots, self.num_landing, self.mode,
+                           self.slot_offset, self.landing_offset)
+        for name in ("num_steps", "requests_per_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Schedule.{name} must be >= 1, got {getattr(self, name)}")
-        if self.mode == "allgather" and self.num_landing < 1:
-            raise ValueError(f"allgather mode needs num_landing >= 1, got {self.num_landing}")
-        if self.mode == "rank-local" and self.num_landing != 0:
-            raise ValueError(f"rank-local mode has no landing buffers: num_landing must be 0, got "
-                             f"{self.num_landing}")
-        if not 0 <= self.slot_offset < self.num_slots:
-            raise ValueError(f"slot_offset must be in [0, {self.num_slots}), got {self.slot_offset}")
-        if not 0 <= self.landing_offset < max(self.num_landing, 1):
-            raise ValueError(f"landing_offset must be in [0, {self.num_landing}), got {self.landing_offset}")
         if len(self.deps) != len(self.ops):
             raise ValueError(f"Schedule has {len(self.ops)} ops but {len(self.deps)} dependency tuples")
 
@@ -240,55 +135,129 @@ class Schedule:
         return self
 
 
+_SCHEDULE_FIELD = {"warm": "warm_start"}  # Ring field -> the Schedule field that holds it
+
+
+@dataclass(frozen=True, slots=True)
+class Ring:
+    """What carries from one run to the next on one set of slots and landing buffers; pure.
+
+    A run that starts at global load ``g0`` (a multiple of ``B``) has ``slot_offset = g0 % S`` and
+    ``landing_offset = g0 % N``; ``warm`` says the previous run prefetched this run's loads ``0 .. S-2`` into the
+    slots (``prefetch_next``). After a run of ``L`` loads the ring is at ``g0 + L``:
+    ``slot_offset' = (slot_offset + L) % S``, ``landing_offset' = (landing_offset + L) % N`` (0 when
+    ``N = 0``), ``warm' = prefetch_next`` of that run. Runs of any length and ``R`` chain this way.
+
+    ========================  ========================================================
+    call                      gives
+    ========================  ========================================================
+    ``Ring.cold(B, ...)``     a ring with nothing in its buffers (the first run)
+    ``ring.next_schedule``    the schedule of the next run (prefetching by default)
+    ``ring.after(s)``         the ring once ``s`` has run (``s`` must start from it)
+    ``ring.check(s)``         ScheduleError unless ``s`` starts from this ring
+    ``ring.restart()``        the same buffers, cold (after an aborted run)
+    ``Ring.of(s)``            the ring ``s`` starts from
+    ========================  ========================================================
+    """
+
+    num_blocks: int
+    num_slots: int
+    num_landing: int
+    mode: str
+    slot_offset: int = 0
+    landing_offset: int = 0
+    warm: bool = False
+
+    def __post_init__(self) -> None:
+        _check_ring_fields("", self.num_blocks, self.num_slots, self.num_landing, self.mode, self.slot_offset,
+                           self.landing_offset)
+
+    @classmethod
+    def cold(cls, num_blocks: int, *, num_slots: int = 2, num_landing: int | None = None,
+             mode: str = "allgather") -> "Ring":
+        """``num_landing`` defaults to :data:`DEFAULT_NUM_LANDING` in allgather mode, 0 in rank-local mode."""
+        if num_landing is None:
+            num_landing = DEFAULT_NUM_LANDING if mode == "allgather" else 0
+        return cls(num_blocks, num_slots, num_landing, mode)
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> "Ring":
+        return cls(schedule.num_blocks, schedule.num_slots, schedule.num_landing, schedule.mode,
+                   schedule.slot_offset, schedule.landing_offset, schedule.warm_start)
+
+    def next_schedule(self, num_steps: int, requests_per_load: int = 1, *,
+                      prefetch_next: bool = True) -> Schedule:
+        """Compute order -> place computes -> add loads -> add dependencies, from this ring's state.
+
+        ``prefetch_next`` (default: the ring never stops) also loads blocks ``0 .. S-2`` of the next run."""
+        order = compute_order(self.num_blocks, num_steps, requests_per_load)
+        computes = place_computes(order, self.num_slots, self.slot_offset)
+        ops = add_loads(computes, num_blocks=self.num_blocks, num_slots=self.num_slots,
+                        num_landing=self.num_landing, mode=self.mode, slot_offset=self.slot_offset,
+                        landing_offset=self.landing_offset, warm_start=self.warm, prefetch_next=prefetch_next)
+        first_use, last_use = buffer_uses(ops)
+        return Schedule(ops, add_dependencies(ops), self.num_blocks, num_steps, requests_per_load, self.num_slots,
+                        self.num_landing, self.mode, self.slot_offset, self.landing_offset, self.warm,
+                        prefetch_next, first_use, last_use)
+
+    def check(self, schedule: Schedule, what: str = "the ring") -> None:
+        """Raise :class:`ScheduleError` naming every field in which ``schedule`` does not start from this ring."""
+        here = Ring.of(schedule)
+        bad = [f"{_SCHEDULE_FIELD.get(f.name, f.name)} = {getattr(here, f.name)!r} (the ring has "
+               f"{getattr(self, f.name)!r})" for f in fields(self) if getattr(here, f.name) != getattr(self, f.name)]
+        if bad:
+            raise ScheduleError(f"the schedule does not continue {what}: {', '.join(bad)}; ask the ring for the "
+                                f"next schedule (ring.next_schedule)")
+
+    def after(self, schedule: Schedule) -> "Ring":
+        """The ring once ``schedule`` (which must start from this ring) has run."""
+        self.check(schedule)
+        n = schedule.num_loads
+        return Ring(self.num_blocks, self.num_slots, self.num_landing, self.mode,
+                    (self.slot_offset + n) % self.num_slots,
+                    (self.landing_offset + n) % self.num_landing if self.num_landing else 0,
+                    schedule.prefetch_next)
+
+    def restart(self) -> "Ring":
+        """The same buffers with nothing known in them: the next run starts cold at offset 0."""
+        return Ring.cold(self.num_blocks, num_slots=self.num_slots, num_landing=self.num_landing, mode=self.mode)
+
+
 def build_schedule(num_blocks: int, num_steps: int, *, requests_per_load: int = 1, num_slots: int = 2,
                    num_landing: int | None = None, mode: str = "allgather", slot_offset: int = 0,
                    landing_offset: int = 0, warm_start: bool = False, prefetch_next: bool = False) -> Schedule:
-    """Compute order -> place computes -> add loads -> add dependencies.
+    """One run from any ring state (see :meth:`Ring.next_schedule`); by default a cold run that prefetches nothing.
 
     ``num_landing`` defaults to 2 in allgather mode and must be 0 (or None) in rank-local mode. ``num_slots = 1``
     is allowed as the no-overlap baseline (every load waits for the previous block's computes).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode, OFFLOAD_MODES)
     if num_landing is None:
         num_landing = DEFAULT_NUM_LANDING if mode == "allgather" else 0
-    if not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"num_slots must be an int >= 1 (2 = the published double buffer), got {num_slots!r}")
-    order = compute_order(num_blocks, num_steps, requests_per_load)
-    computes = place_computes(order, num_slots, slot_offset)
-    # Schedule.__post_init__ checks the remaining parameters before any op is built on them.
-    Schedule((), (), num_blocks, num_steps, requests_per_load, num_slots, num_landing, mode, slot_offset,
-             landing_offset, warm_start, prefetch_next)
-    ops = add_loads(computes, num_blocks=num_blocks, num_slots=num_slots, num_landing=num_landing, mode=mode,
-                    slot_offset=slot_offset, landing_offset=landing_offset, warm_start=warm_start,
-                    prefetch_next=prefetch_next)
-    first_use, last_use = buffer_uses(ops)
-    return Schedule(ops, add_dependencies(ops), num_blocks, num_steps, requests_per_load, num_slots, num_landing,
-                    mode, slot_offset, landing_offset, warm_start, prefetch_next, first_use, last_use)
+    compute_order(num_blocks, num_steps, requests_per_load)  # names a bad count before the ring's fields
+    ring = Ring(num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, warm_start)
+    return ring.next_schedule(num_steps, requests_per_load, prefetch_next=prefetch_next)
 
 
 def next_slot_offset(prev: Schedule) -> int:
     """Slot of the next run's load 0: the ring continues, ``(o + L) % S``."""
-    return (prev.slot_offset + prev.num_loads) % prev.num_slots
+    return Ring.of(prev).after(prev).slot_offset
 
 
 def next_landing_offset(prev: Schedule) -> int:
     """Landing buffer of the next run's load 0, ``(lo + L) % N`` (0 in rank-local mode)."""
-    return (prev.landing_offset + prev.num_loads) % prev.num_landing if prev.num_landing else 0
+    return Ring.of(prev).after(prev).landing_offset
 
 
 def next_schedule(prev: Schedule, num_steps: int, *, requests_per_load: int | None = None,
                   prefetch_next: bool = True) -> Schedule:
     """The run after ``prev`` on the same ring: warm if ``prev`` prefetched, offsets continued."""
-    return build_schedule(
-        prev.num_blocks, num_steps, requests_per_load=requests_per_load or prev.requests_per_load,
-        num_slots=prev.num_slots, num_landing=prev.num_landing, mode=prev.mode,
-        slot_offset=next_slot_offset(prev), landing_offset=next_landing_offset(prev),
-        warm_start=prev.prefetch_next, prefetch_next=prefetch_next)
+    return Ring.of(prev).after(prev).next_schedule(num_steps, requests_per_load or prev.requests_per_load,
+                                                   prefetch_next=prefetch_next)
 
 
 def check_schedule(schedule: Schedule, prev: Schedule | None = None) -> None:
-    """Raise ``ValueError`` naming the first broken invariant (see :mod:`dlo_fn.plan.schedule_check`)."""
+    """Raise :class:`ScheduleError` naming the first broken invariant (see :mod:`dlo_fn.plan.schedule_check`)."""
     from dlo_fn.plan.schedule_check import check_schedule as _check
 
     _check(schedule, prev)

@@ -3,7 +3,9 @@
 The memory models (:mod:`dlo_fn.plan.memory`, :mod:`dlo_fn.plan.hbm`) need only each block's flat bytes and the
 resident bytes: a :class:`ModelSizes` holds exactly that, built from a :class:`~dlo_fn.plan.spec.ModelSpec`
 (exact), from a total and a block count (equal blocks), or from a total and the largest block. Shard arithmetic
-is the layout planner's (:func:`dlo_fn.plan.layout.shard_layout`): ``s_b = align_up(ceil(n_b / W), A)``.
+is the layout planner's (:func:`dlo_fn.plan.layout.equal_shard_bytes`): ``s_b = align_up(ceil(n_b / W), A)``
+over ``W = num_shards`` ranks. ``max_block_bytes`` is the largest block unsharded and unpadded;
+``max_padded_block_bytes(W)`` the largest block padded to ``W`` equal shards (the slot size).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, align_up
+from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, equal_shard_bytes
 
 __all__ = ["GB", "GIB", "parse_bytes", "ModelSizes"]
 
@@ -24,9 +26,16 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """``"124GB"`` -> 124e9, ``"33e9"`` -> 33e9, ``"1.5TiB"``, ``"512MiB"``, ``"1000"``; GB = 1e9, GiB = 2**30."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
+    """``"124GB"`` -> 124e9, ``"33e9"`` -> 33e9, ``"1.5TiB"``, ``"512MiB"``, ``"1000"``; GB = 1e9, GiB = 2**30.
+
+    The one byte-size parser of the project (the checkpoint writer's ``parse_size`` is this plus ``>= 1``). An
+    int is taken exactly (no float round trip, so sizes above 2^53 bytes stay exact)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size {text!r} must be a finite, non-negative number of bytes")
+        return text
+    if isinstance(text, float):
+        value, unit = text, ""
     else:
         m = _SIZE.match(str(text))
         if not m or m.group(2).upper() not in _UNITS:
@@ -34,8 +43,11 @@ def parse_bytes(text: str | int | float) -> int:
                 f"cannot read {text!r} as a size: write a number with an optional unit "
                 f"(B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024), e.g. 124GB or 33e9"
             )
-        value, unit = float(m.group(1)), m.group(2).upper()
+        number, unit = m.group(1), m.group(2).upper()
+        value = int(number) if number.isdigit() else float(number)  # digits only: exact, whatever the size
     n = value * _UNITS[unit]
+    if isinstance(n, int):
+        return n
     if not math.isfinite(n) or n < 0:
         raise ValueError(f"size {text!r} must be a finite, non-negative number of bytes")
     return round(n)
@@ -108,24 +120,25 @@ class ModelSizes:
 
     @property
     def max_block_bytes(self) -> int:
+        """The largest block, unsharded and unpadded."""
         return max(self.block_bytes)
 
     @property
     def total_bytes(self) -> int:
         return self.total_block_bytes + self.resident_bytes
 
-    def shard_bytes(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> tuple[int, ...]:
-        """``s_b = align_up(ceil(n_b / W), A)`` per block (:func:`dlo_fn.plan.layout.shard_layout`)."""
-        _check_positive("shard_world", shard_world)
-        return tuple(align_up(-(-n // shard_world), alignment_bytes) for n in self.block_bytes)
+    def shard_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> tuple[int, ...]:
+        """``s_b = align_up(ceil(n_b / W), A)`` per block (:func:`dlo_fn.plan.layout.equal_shard_bytes`)."""
+        _check_positive("num_shards", num_shards)
+        return tuple(equal_shard_bytes(n, num_shards, alignment_bytes) for n in self.block_bytes)
 
-    def shard_bytes_per_rank(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
-        return sum(self.shard_bytes(shard_world, alignment_bytes))
+    def shard_bytes_per_rank(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+        return sum(self.shard_bytes(num_shards, alignment_bytes))
 
-    def max_shard_bytes(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+    def max_shard_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
         """Landing-buffer size: the largest local shard."""
-        return max(self.shard_bytes(shard_world, alignment_bytes))
+        return max(self.shard_bytes(num_shards, alignment_bytes))
 
-    def max_padded_block_bytes(self, shard_world: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+    def max_padded_block_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
         """Slot size: the largest block padded to ``W`` equal shards (``W = 1``: aligned whole block)."""
-        return shard_world * self.max_shard_bytes(shard_world, alignment_bytes)
+        return num_shards * self.max_shard_bytes(num_shards, alignment_bytes)

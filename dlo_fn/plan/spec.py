@@ -148,6 +148,8 @@ class ModelSpec:
 
     @property
     def max_block_bytes(self) -> int:
+        """The largest block's stored tensor bytes (before packing, sharding or padding; the slot size is
+        :attr:`dlo_fn.plan.layout.ModelLayout.max_padded_block_bytes`)."""
         return max(self.block_bytes)
 
     @property

@@ -1,17 +1,17 @@
 """The numbers `python -m dlo_fn plan` prints, computed from a :class:`~dlo_fn.plan.layout.ModelLayout`.
 
-For a shard group of ``W`` ranks, ``S`` slots and ``L`` landing buffers:
+For a shard group of ``W = num_shards`` ranks, ``S`` slots and ``L`` landing buffers:
 
 ==============================  ===============================================================
 field                           formula
 ==============================  ===============================================================
 num_blocks                      number of offloaded blocks
 total_bytes                     block bytes + resident bytes (what the checkpoint stores)
-max_block_bytes                 largest gathered block, padded to ``W`` equal shards (= slot size)
+max_padded_block_bytes          largest gathered block, padded to ``W`` equal shards (= slot size)
 shard_bytes_per_rank            ``sum_b align_up(ceil(n_b / W), A)`` (allgather); 0 (rank-local)
 pinned_host_bytes_per_rank      allgather: ``shard_bytes_per_rank`` (one exact-size arena);
                                 rank-local: every block, unsharded (a private pinned copy per rank)
-hbm_weight_bytes                ``S * max_block_bytes + L * max_shard_bytes`` (rank-local: ``L = 0``)
+hbm_weight_bytes                ``S * max_padded_block_bytes + L * max_shard_bytes`` (rank-local: ``L = 0``)
 resident_bytes                  tensors outside the block lists, kept on every device
 ==============================  ===============================================================
 """
@@ -21,17 +21,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, model_layout
+from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 from dlo_fn.plan.spec import ModelSpec
-
-MODES = ("allgather", "rank-local")
 
 
 @dataclass(frozen=True, slots=True)
 class PlanSummary:
     model: str
     mode: str
-    shard_world: int
+    num_shards: int
     num_slots: int
     num_landing: int
     alignment_bytes: int
@@ -39,7 +38,7 @@ class PlanSummary:
     num_params: int
     total_bytes: int
     resident_bytes: int
-    max_block_bytes: int
+    max_padded_block_bytes: int
     shard_bytes_per_rank: int
     pinned_host_bytes_per_rank: int
     hbm_weight_bytes: int
@@ -51,35 +50,34 @@ class PlanSummary:
 
 def plan_summary(
     spec: ModelSpec,
-    shard_world: int,
+    num_shards: int,
     mode: str = "allgather",
     num_slots: int = 2,
     num_landing: int = DEFAULT_NUM_LANDING,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
 ) -> PlanSummary:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode, OFFLOAD_MODES)
     if num_slots < 2:
         raise ValueError(f"num_slots must be >= 2 (one computing, one loading), got {num_slots}")
-    if shard_world < 1:
-        raise ValueError(f"shard_world must be >= 1, got {shard_world}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if mode == "allgather":
         if num_landing < 1:
             raise ValueError(f"allgather mode needs num_landing >= 1, got {num_landing}")
-        layout = model_layout(spec, shard_world, alignment_bytes)
+        layout = model_layout(spec, num_shards, alignment_bytes)
         shard_per_rank = layout.shard_bytes_per_rank
         pinned = shard_per_rank
-        hbm = num_slots * layout.max_block_bytes + num_landing * layout.max_shard_bytes
+        hbm = num_slots * layout.max_padded_block_bytes + num_landing * layout.max_shard_bytes
     else:
         layout = model_layout(spec, 1, alignment_bytes)
         num_landing = 0
         shard_per_rank = 0
         pinned = layout.shard_bytes_per_rank
-        hbm = num_slots * layout.max_block_bytes
+        hbm = num_slots * layout.max_padded_block_bytes
     return PlanSummary(
         model=spec.name,
         mode=mode,
-        shard_world=shard_world,
+        num_shards=num_shards,
         num_slots=num_slots,
         num_landing=num_landing,
         alignment_bytes=alignment_bytes,
@@ -87,7 +85,7 @@ def plan_summary(
         num_params=spec.num_params,
         total_bytes=spec.total_bytes,
         resident_bytes=spec.resident_bytes,
-        max_block_bytes=layout.max_block_bytes,
+        max_padded_block_bytes=layout.max_padded_block_bytes,
         shard_bytes_per_rank=shard_per_rank,
         pinned_host_bytes_per_rank=pinned,
         hbm_weight_bytes=hbm,

@@ -1,20 +1,24 @@
-"""The executor: device slots and landing buffers, three streams, events; it interprets the planner's schedule.
+"""The executor: device slots and landing buffers, three streams, events; it interprets the schedule it is handed.
 
 State (all allocated once, in ``__init__``):
 
-* ``num_slots`` slots of ``ModelLayout.max_block_bytes`` (a gathered block) and, in allgather mode,
+* ``num_slots`` slots of ``ModelLayout.max_padded_block_bytes`` (a gathered block) and, in allgather mode,
   ``num_landing`` landing buffers of ``max_shard_bytes`` (a local shard): device weight bytes are
-  ``S x max_block + N x max_shard``, whatever the depth;
+  ``S x max_padded_block + N x max_shard``, whatever the depth;
 * typed weight views per (slot, block layout), and per (op kind, block, buffer) byte views, built per
   schedule when it is first compiled and reused every time that schedule runs;
-* a copy stream (H2D), a communication stream (all-gather); compute runs on the caller's current stream.
+* a copy stream (H2D), a communication stream (all-gather); compute runs on the caller's current stream;
+* the :class:`~dlo_fn.plan.schedule.Ring` the next run continues (a frozen plan value: slot and landing
+  offsets, whether the last run prefetched), replaced after every run.
 
 A *run* is one :class:`~dlo_fn.plan.schedule.Schedule` (``num_steps`` passes over the blocks, ``R`` requests
-per load). Every run prefetches the first loads of the next one and the next run is built with
-:func:`~dlo_fn.plan.schedule.next_schedule`, so the ring of loads never stops: block 0 of the next step or
-request is loaded during the last block. The executor walks the ops in issue order: each op waits on the events
-of its ``deps`` (and, for a buffer's first use in the run, on the previous run's last use of it), is launched on
-its stream and records its event. There is no host synchronisation in the steady state.
+per load). The executor makes no scheduling decision: a run follows either a schedule the caller hands it (which
+must continue :attr:`Executor.ring`; checked in full when first compiled) or the one the ring gives
+(``ring.next_schedule(T, R)``, which prefetches the first loads of the next run, so the ring of loads never
+stops: block 0 of the next step or request is loaded during the last block). The executor compiles each
+schedule once, caches it, and walks its ops in issue order: each op waits on the events of its ``deps`` (and,
+for a buffer's first use in the run, on the previous run's last use of it), is launched on its stream and
+records its event. There is no host synchronisation in the steady state.
 
 A block proxy's call advances the cursor to the next compute op, issuing the loads in front of it (the
 schedule puts the loads of block k+1 before the compute of block k), checks that it is the expected block,
@@ -33,18 +37,22 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.plan.schedule import Schedule, build_schedule, next_schedule
+from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
+from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.blocks import layout_key, make_caller, make_views
 from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
-from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, RunState, ScheduleError, compile_schedule
+from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule
+from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
 
+
 class Executor:
-    """Runs offloaded blocks from a :class:`HostStore` through device slots, following planner schedules.
+    """Runs offloaded blocks from a :class:`HostStore` through device slots, interpreting the schedules it is
+    handed (or that its :class:`~dlo_fn.plan.schedule.Ring` gives).
 
     ``blocks[b]`` is block ``b``'s module with meta weights (see :func:`~dlo_fn.runtime.blocks.strip_block`),
     ``aliases[b]`` its tied-weight names. ``group`` is the shard group (None: a single process, the
@@ -57,26 +65,27 @@ class Executor:
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "functional_call", async_collectives: bool = False,
                  record_timeline: bool = False, rank: int = 0) -> None:
-        if mode not in ("allgather", "rank-local"):
-            raise ValueError(f"executor mode must be 'allgather' or 'rank-local', got {mode!r}")
+        check_mode(mode, OFFLOAD_MODES, "executor mode")
         if len(blocks) != layout.num_blocks:
             raise ValueError(f"{len(blocks)} block modules for a layout of {layout.num_blocks} blocks")
-        if mode == "rank-local" and layout.world_size != 1:
-            raise ValueError("rank-local mode streams whole blocks: build its layout with world_size=1")
-        if group is None and layout.world_size != 1:
-            raise ValueError(f"a layout sharded over {layout.world_size} ranks needs a process group")
+        if mode == "rank-local" and layout.num_shards != 1:
+            raise ValueError("rank-local mode streams whole blocks: build its layout with num_shards=1")
+        if group is None and layout.num_shards != 1:
+            raise ValueError(f"a layout sharded over {layout.num_shards} ranks needs a process group")
         self.platform, self.layout, self.store, self.group = platform, layout, store, group
         self.mode, self.rank, self.block_call = mode, rank, block_call
-        self.num_slots = num_slots
-        self.num_landing = (2 if num_landing is None else num_landing) if mode == "allgather" else 0
+        # The ring checks slots and landing buffers; rank-local has none, whatever num_landing says (one
+        # OffloadOptions carries it for both modes).
+        self.ring = Ring.cold(layout.num_blocks, num_slots=num_slots, mode=mode,
+                              num_landing=num_landing if mode == "allgather" else None)
+        self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.async_collectives = async_collectives and not platform.is_accelerator
         self.record_timeline = record_timeline
         self.blocks = tuple(blocks)
         self.aliases = tuple(aliases) if aliases is not None else tuple({} for _ in blocks)
-        build_schedule(layout.num_blocks, 1, num_slots=num_slots, num_landing=self.num_landing, mode=mode)
         dev = platform.device
         before = platform.memory_allocated()
-        self.slots = tuple(torch.empty(layout.max_block_bytes, dtype=torch.uint8, device=dev)
+        self.slots = tuple(torch.empty(layout.max_padded_block_bytes, dtype=torch.uint8, device=dev)
                            for _ in range(num_slots))
         self.landing = tuple(torch.empty(layout.max_shard_bytes, dtype=torch.uint8, device=dev)
                              for _ in range(self.num_landing))
@@ -95,12 +104,10 @@ class Executor:
             self._callers.append(tuple(make_caller(block_call, self.blocks[b], shared[key][s])
                                        for s in range(num_slots)))
         self.num_view_sets = len(shared) * num_slots
-        self._programs: dict[tuple, Program] = {}
-        self._prev: Schedule | None = None
+        self._programs = Programs(self._compile)
         self._carry: dict[str, Any] = {}
         self._run: RunState | None = None
-        self._records: list[tuple[str, str, Any, Any]] = []
-        self._origin: Any = None
+        self._recorder = RunRecorder(platform, rank) if record_timeline else None
         self._run_count = 0
         self.stats = ExecutorStats()
         if group is not None and mode == "allgather":
@@ -114,35 +121,19 @@ class Executor:
 
     @property
     def planned_device_weight_bytes(self) -> int:
-        return self.num_slots * self.layout.max_block_bytes + self.num_landing * self.layout.max_shard_bytes
+        return self.num_slots * self.layout.max_padded_block_bytes + self.num_landing * self.layout.max_shard_bytes
 
     # -- schedules ------------------------------------------------------------------------------------------
     def _warm_up_collective(self) -> None:
         """Create the communicator now (NCCL/HCCL do it lazily on the first collective, with allocations)."""
         n = self.layout.shards[0].shard_bytes
         with self.platform.use_stream(self.allgather_stream):
-            all_gather_bytes(self.slots[0][: n * self.layout.world_size], self.landing[0][:n], self.group)
+            all_gather_bytes(self.slots[0][: n * self.layout.num_shards], self.landing[0][:n], self.group)
         self.platform.synchronize()
 
     def next_schedule(self, num_steps: int = 1, requests_per_load: int = 1) -> Schedule:
-        """The schedule the next run will follow (cold for the first run or after an error)."""
-        if self._prev is None:
-            return build_schedule(self.layout.num_blocks, num_steps, requests_per_load=requests_per_load,
-                                  num_slots=self.num_slots, num_landing=self.num_landing, mode=self.mode,
-                                  prefetch_next=True)
-        return next_schedule(self._prev, num_steps, requests_per_load=requests_per_load, prefetch_next=True)
-
-    def _program(self, num_steps: int, requests_per_load: int) -> Program:
-        prev = self._prev
-        if prev is None:
-            key: tuple = (num_steps, requests_per_load, None)
-        else:
-            key = (num_steps, requests_per_load, (prev.slot_offset + prev.num_loads) % prev.num_slots,
-                   (prev.landing_offset + prev.num_loads) % prev.num_landing if prev.num_landing else 0)
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = self._compile(self.next_schedule(num_steps, requests_per_load))
-        return program
+        """The schedule the ring gives for the next run (cold for the first run or after an error)."""
+        return self.ring.next_schedule(num_steps, requests_per_load)
 
     def _compile(self, sch: Schedule) -> Program:
         return compile_schedule(sch, self.layout, self.store, self.slots, self.landing, self._callers,
@@ -153,20 +144,17 @@ class Executor:
     def in_run(self) -> bool:
         return self._run is not None
 
-    def begin_run(self, num_steps: int = 1, requests_per_load: int = 1, *, compute: bool = True,
-                  _implicit: bool = False) -> Schedule:
-        """Open a run of ``num_steps`` passes over the blocks with ``requests_per_load`` computes per loaded
-        block (block-major). ``compute=False``: take part in every load and all-gather, compute nothing (an
-        idle rank of a partial wave); the ops are issued by :meth:`end_run`."""
+    def begin_run(self, num_steps: int | None = None, requests_per_load: int | None = None, *,
+                  schedule: Schedule | None = None, compute: bool = True, _implicit: bool = False) -> Schedule:
+        """Open a run of ``num_steps`` passes over the blocks (default 1) with ``requests_per_load`` computes per
+        loaded block (block-major, default 1), following the ring's next schedule, or ``schedule`` if handed
+        (it must start from :attr:`ring`). ``compute=False``: take part in every load and all-gather, compute
+        nothing (an idle rank of a partial wave); the ops are issued by :meth:`end_run`."""
         if self._run is not None:
             raise ScheduleError("a run is already open: end it (end_run / leave the `with run()` block) first")
-        program = self._program(num_steps, requests_per_load)
-        if self.record_timeline:
-            events = [self.platform.new_event(timing=True) for _ in program.kinds]
-            starts = [self.platform.new_event(timing=True) for _ in program.kinds]
-            if self._origin is None:
-                self._origin = self.platform.new_event(timing=True)
-                self._origin.record(self.platform.current_stream())
+        program = self._programs.get(self.ring, num_steps, requests_per_load, schedule)
+        if self._recorder is not None:
+            events, starts = self._recorder.run_events(len(program.kinds))
         else:
             events, starts = program.events, None
         self._run = RunState(program, events, starts, compute, _implicit, self.platform.current_stream(),
@@ -189,17 +177,17 @@ class Executor:
                                 f"{run.program.schedule.num_blocks} blocks x {run.program.schedule.requests_per_load}")
         self._issue_until(run, n)
         self._carry = {buf: run.events[i] for buf, i in run.program.last_use}
-        self._prev = run.program.schedule
-        if run.starts is not None:
-            self._records.extend(
-                (f"run{run.index} {op}", op.stream, run.starts[i], run.events[i])
-                for i, op in enumerate(run.program.schedule.ops))
+        self.ring = self.ring.after(run.program.schedule)
+        if self._recorder is not None:
+            self._recorder.add_run(run.index, run.program.schedule, run.starts, run.events)
         self._run = None
 
     @contextlib.contextmanager
-    def run(self, num_steps: int = 1, requests_per_load: int = 1, *, compute: bool = True) -> Iterator[Schedule]:
-        """``with executor.run(T, R): ...`` around the model calls of one run (see :meth:`begin_run`)."""
-        schedule = self.begin_run(num_steps, requests_per_load, compute=compute)
+    def run(self, num_steps: int | None = None, requests_per_load: int | None = None, *,
+            schedule: Schedule | None = None, compute: bool = True) -> Iterator[Schedule]:
+        """``with executor.run(T, R): ...`` (or ``run(schedule=s)``) around the model calls of one run (see
+        :meth:`begin_run`)."""
+        schedule = self.begin_run(num_steps, requests_per_load, schedule=schedule, compute=compute)
         try:
             yield schedule
         except BaseException:
@@ -221,7 +209,7 @@ class Executor:
         self.end_run()
 
     def abort(self) -> None:
-        """Drop the open run after an error: wait for the device, forget the ring (the next run starts cold).
+        """Drop the open run after an error: wait for the device, restart the ring (the next run starts cold).
 
         The previous run's prefetched all-gathers (held in the carried events) are waited for too: on CPU they
         may still be writing a slot that the next, cold run reuses. The state is reset even if a wait raises."""
@@ -229,7 +217,7 @@ class Executor:
             self.synchronize()
         finally:
             self._run = None
-            self._prev, self._carry = None, {}
+            self.ring, self._carry = self.ring.restart(), {}
 
     def synchronize(self) -> None:
         """Wait for everything issued so far (tests, timing, shutdown); never called in the steady state."""
@@ -279,7 +267,7 @@ class Executor:
                         if work is not None:
                             events[i].work = work
                             if starts is not None:
-                                self._stamp_on_completion(work, events[i])
+                                stamp_on_completion(work, events[i])
                                 continue
                 elif run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
@@ -289,14 +277,6 @@ class Executor:
                 set_stream(run.stream)
             run.cursor = max(run.cursor, stop)
             self.stats.load_issue_s += time.perf_counter() - t0
-
-    @staticmethod
-    def _stamp_on_completion(work: Any, event: Any) -> None:
-        event.record()
-        try:
-            work.get_future().add_done_callback(lambda _f: event.record())
-        except (AttributeError, RuntimeError):
-            pass
 
     def compute(self, block_index: int, args: tuple, kwargs: dict) -> Any:
         """Run block ``block_index`` for the next compute op of the open (or an implicit) run."""
@@ -345,25 +325,21 @@ class Executor:
         st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
 
+    # -- measured timeline ----------------------------------------------------------------------------------
     @property
     def timeline_origin_s(self) -> float | None:
         """Host-clock time (``time.perf_counter`` seconds) of the timeline's zero on CPU; None on devices
         (their spans are on the device clock) or before the first recorded run."""
-        origin = self._origin
-        return origin.time_ns / 1e9 if origin is not None and hasattr(origin, "time_ns") else None
+        return self._recorder.origin_s if self._recorder is not None else None
 
-    # -- measured timeline ----------------------------------------------------------------------------------
     def take_timeline(self, meta: Sequence[tuple[str, str]] = ()) -> Timeline:
         """The ops of every run since the last call, with measured start/end (seconds from the first run's
         start; device events on CUDA/NPU, host clocks on CPU). Synchronises. Needs ``record_timeline``."""
         if not self.record_timeline:
             raise ValueError("construct the executor with record_timeline=True to measure a timeline")
         self.synchronize()
-        origin = self._origin
-        recs = [(op, stream, origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3, self.rank)
-                for op, stream, s, e in self._records]
-        self._records = []
         base = (("source", "measured"), ("platform", self.platform.kind), ("mode", self.mode),
                 ("num_blocks", str(self.layout.num_blocks)), ("num_slots", str(self.num_slots)),
-                ("num_landing", str(self.num_landing)), ("world_size", str(self.layout.world_size)))
-        return Timeline.from_records(recs, base + tuple(meta))
+                # "world_size": the key the committed measured timelines (figures/data) carry for num_shards.
+                ("num_landing", str(self.num_landing)), ("world_size", str(self.layout.num_shards)))
+        return self._recorder.take(base + tuple(meta))

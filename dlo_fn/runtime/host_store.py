@@ -16,7 +16,7 @@ with ``cudaHostRegister`` by 1.2 GiB; the 13.5 GB arena of 24 blocks then feeds 
 (``pin_memory=True`` on one arena); its pages are invisible to the cgroup (DESIGN.md, Figure 6). CPU has no
 pinned memory: the arena is plain (pageable) memory.
 
-**Rank-local mode** (``layout.world_size == 1``): every rank streams whole blocks. Two sources:
+**Rank-local mode** (``layout.num_shards == 1``): every rank streams whole blocks. Two sources:
 
 =============  ===========================================  ===============================================
 source         host memory per node (W ranks, model M)      H2D
@@ -171,12 +171,12 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if len(block_tensors) != layout.num_blocks:
         raise ValueError(f"got tensors for {len(block_tensors)} blocks, the layout has {layout.num_blocks}")
-    if not 0 <= rank < layout.world_size and layout.world_size > 1:
-        raise ValueError(f"rank {rank} outside the shard group of {layout.world_size}")
-    shard_rank = rank if layout.world_size > 1 else 0
+    if not 0 <= rank < layout.num_shards and layout.num_shards > 1:
+        raise ValueError(f"rank {rank} outside the shard group of {layout.num_shards}")
+    shard_rank = rank if layout.num_shards > 1 else 0
     if source == "mmap":
-        if layout.world_size != 1:
-            raise ValueError("source='mmap' streams whole blocks: it needs a rank-local (world_size 1) layout")
+        if layout.num_shards != 1:
+            raise ValueError("source='mmap' streams whole blocks: it needs a rank-local (num_shards 1) layout")
         sources = []
         for b, shard in enumerate(layout.shards):
             sources.append(tuple(

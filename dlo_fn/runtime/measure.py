@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dlo_fn.plan.compare import single_run
+from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.dist import init_distributed
@@ -40,9 +41,9 @@ def record_run(config: str = "tiny", steps: int = 2, mode: str = "allgather", *,
     from dlo_fn.models import BLOCK_PATHS, Request, build_model, generate
     from dlo_fn.runtime.offload import offload
 
-    if mode not in ("allgather", "rank-local"):
-        raise ValueError(f"record_run measures an offloaded schedule: mode must be 'allgather' or 'rank-local', "
-                         f"got {mode!r} (resident mode has no schedule to record)")
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"record_run measures an offloaded schedule: mode must be one of "
+                         f"{', '.join(OFFLOAD_MODES)}, got {mode!r} (resident mode has no schedule to record)")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not isinstance(warmup_steps, int) or warmup_steps < 0:

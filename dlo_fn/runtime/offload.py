@@ -3,12 +3,14 @@
 ``offload(model, block_paths, ctx, mode=...)`` does, in order:
 
 1. describe the model (:func:`~dlo_fn.plan.spec.spec_from_module`) and lay it out for the shard group
-   (``W`` = world size in allgather mode, 1 in rank-local mode); compare the layout digest across ranks;
+   (``W = num_shards`` = the world size in allgather mode, 1 in rank-local mode); compare the layout digest
+   across ranks;
 2. fill this rank's :class:`~dlo_fn.runtime.host_store.HostStore` from the block tensors (mmap views when the
    model came from :func:`dlo_fn.runtime.load.load_model`): each rank copies only its pieces;
 3. strip the blocks to meta (dropping those views) and put a :class:`~dlo_fn.runtime.blocks.BlockProxy` in
    each block list entry; move everything else (resident tensors) to the device once;
-4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once).
+4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once); it interprets
+   the schedules it is handed, or its ring's next one.
 
 ``mode="resident"`` is the no-offload baseline: the whole model moves to the device, nothing else happens.
 """
@@ -23,6 +25,8 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
+from dlo_fn.plan.modes import MODES, check_mode
+from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
@@ -32,7 +36,6 @@ from dlo_fn.runtime.host_store import HostStore, build_host_store
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
 log = logging.getLogger(__name__)
-MODES = ("allgather", "rank-local", "resident")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +53,7 @@ class OffloadOptions:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_mode(self.mode)
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.rank_local_source not in ("pinned", "mmap"):
@@ -75,13 +77,15 @@ class Offloaded:
         return self.options.mode
 
     @contextlib.contextmanager
-    def run(self, num_steps: int = 1, requests_per_load: int = 1, *, compute: bool = True) -> Iterator[Any]:
-        """An explicit run (see :meth:`Executor.run`); a no-op context when resident."""
+    def run(self, num_steps: int | None = None, requests_per_load: int | None = None, *,
+            schedule: Schedule | None = None, compute: bool = True) -> Iterator[Any]:
+        """An explicit run (see :meth:`Executor.run`: ``T`` x ``R`` on the executor's ring, default 1 x 1, or a
+        handed ``schedule``); a no-op context when resident."""
         if self.executor is None:
             yield None
             return
-        with self.executor.run(num_steps, requests_per_load, compute=compute) as schedule:
-            yield schedule
+        with self.executor.run(num_steps, requests_per_load, schedule=schedule, compute=compute) as followed:
+            yield followed
 
     def idle(self, num_steps: int = 1) -> None:
         """Serve this rank's shards for a run without computing (partial waves); nothing when resident or
@@ -132,8 +136,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
-    world = ctx.world_size if options.mode == "allgather" else 1
-    layout = model_layout(spec, world, options.alignment_bytes)
+    num_shards = ctx.world_size if options.mode == "allgather" else 1
+    layout = model_layout(spec, num_shards, options.alignment_bytes)
     check_same_across_ranks(layout.digest, ctx.group, platform, f"shard layout digest ({options.mode})")
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
@@ -156,6 +160,6 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)
     log.info("offload %s: %d blocks, mode %s, W=%d, host store %d bytes (%s), device weights %d bytes",
-             spec.name, layout.num_blocks, options.mode, world, store.arena_bytes, store.how,
+             spec.name, layout.num_blocks, options.mode, num_shards, store.arena_bytes, store.how,
              executor.device_weight_bytes)
     return Offloaded(model, ctx, options, spec, layout, store, executor)

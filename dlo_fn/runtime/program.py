@@ -1,5 +1,8 @@
 """A schedule compiled against an executor's buffers, the state of an open run, and the executor's counters.
 
+The schedule is the planner's (:mod:`dlo_fn.plan.schedule`), handed to the executor as is: compiling resolves
+buffers and streams, never reorders, adds or drops an op.
+
 Compiling resolves every op once (at the first run that uses the schedule) into what the hot loop needs: its
 kind, stream, the indices of the events it waits on, the buffers whose previous-run last use it waits on, and
 its arguments as ready-made byte views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing
@@ -14,16 +17,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.plan.schedule import AG, H2D, Schedule
+from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
 
-__all__ = ["ScheduleError", "ExecutorStats", "Program", "RunState", "compile_schedule"]
+__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule"]
 
 _H2D, _AG, _C = 0, 1, 2
-
-
-class ScheduleError(RuntimeError):
-    """The model called blocks in an order the schedule does not have (or too few / too many)."""
 
 
 @dataclass
@@ -63,6 +62,40 @@ class Program:
     last_use: tuple[tuple[str, int], ...] = ()
 
 
+class Programs:
+    """The programs one executor has compiled, each once: the ring's next schedules by ``(ring, T, R)`` (so a
+    steady ring builds no schedule per run), handed schedules by the schedule itself."""
+
+    def __init__(self, compile: Callable[[Schedule], Program]) -> None:
+        self._compile = compile
+        self._cache: dict[tuple | Schedule, Program] = {}
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def get(self, ring: Ring, num_steps: int | None, requests_per_load: int | None,
+            schedule: Schedule | None) -> Program:
+        """The program of the next run on ``ring``: ``schedule`` if handed (it must start from ``ring``; checked
+        in full before its first run), else the ring's next schedule for ``num_steps`` x ``requests_per_load``
+        (default 1 x 1)."""
+        if schedule is None:
+            key: tuple | Schedule = (ring, num_steps or 1, requests_per_load or 1)
+            program = self._cache.get(key)
+            if program is None:
+                program = self._cache[key] = self._compile(ring.next_schedule(key[1], key[2]))
+            return program
+        for name, value in (("num_steps", num_steps), ("requests_per_load", requests_per_load)):
+            if value is not None and value != getattr(schedule, name):
+                raise ScheduleError(f"{name}={value}, but the schedule handed has {name}="
+                                    f"{getattr(schedule, name)}: pass the schedule alone")
+        ring.check(schedule, "the executor's ring")
+        program = self._cache.get(schedule)
+        if program is None:
+            schedule.validate()  # a hand-made schedule may break any invariant: say which before it runs
+            program = self._cache[schedule] = self._compile(schedule)
+        return program
+
+
 @dataclass
 class RunState:
     program: Program
@@ -92,7 +125,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             kinds.append(_AG)
             op_streams.append(streams[1])
             n = shard.shard_bytes
-            args.append((slots[op.slot][: n * layout.world_size], landing[op.landing][:n]))
+            args.append((slots[op.slot][: n * layout.num_shards], landing[op.landing][:n]))
         else:
             kinds.append(_C)
             op_streams.append(None)

@@ -1,0 +1,143 @@
+"""Lowering passes: a compute-only order of one run, turned into ops on three streams with their event waits.
+
+**Compute-only order.** One *run* (a wave) computes ``T`` denoising steps over ``B`` blocks. Its block loads are
+numbered ``k = 0 .. L-1`` with ``L = T*B``: load ``k`` brings block ``k % B`` for step ``k // B``, so the ring
+wraps from the last block of a step to block 0 of the next. With ``R`` requests per load (block-major) every
+loaded block is computed for requests ``0 .. R-1`` in turn, so one weight load serves ``R`` requests
+(``R = 1`` is the published design).
+
+**Lowering.** :func:`place_computes` puts compute ``k`` on slot ``(o + k) % S``; :func:`add_loads` inserts the
+loads, H2D of the local shard into landing buffer ``(lo + k) % N`` then AG into slot ``(o + k) % S`` (rank-local
+mode: one H2D of the whole block straight into the slot); :func:`add_dependencies` derives the event waits from
+buffer hazards. The ops and their strings are in :mod:`dlo_fn.plan.ops`; the offsets ``o``, ``lo`` come from the
+:class:`~dlo_fn.plan.schedule.Ring`, which runs these passes.
+
+Dependencies (each an event wait): AG after its H2D; C after its AG (rank-local: its H2D); a slot is refilled
+only after every compute of its previous occupant; a landing buffer is reused only after its AG. Waits already
+implied by "one stream runs in issue order" or by another wait are dropped: an AG waits on the *last* compute of
+the slot's previous occupant (after all ``R`` of them), and computes ``r > 0`` of a load wait on nothing.
+
+**Issue order.** The ops of load ``k + S - 1`` are issued before the first compute of load ``k``: that load's
+slot was freed by the computes of load ``k - 1``, so with ``S = 2`` the next block starts loading the moment the
+current one starts computing, and the H2D stream runs up to ``N`` loads ahead of the all-gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
+
+__all__ = ["ComputeItem", "compute_order", "place_computes", "add_loads", "add_dependencies", "buffer_uses"]
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeItem:
+    """One entry of the compute-only order: load ``load`` (block ``block`` of step ``step``) for ``request``."""
+
+    load: int
+    block: int
+    step: int
+    request: int
+
+
+def compute_order(num_blocks: int, num_steps: int, requests_per_load: int = 1) -> tuple[ComputeItem, ...]:
+    """Blocks x steps, block-major over requests: ``(k, r)`` for ``k < T*B``, ``r < R``; block ``k % B``."""
+    for name, value in (("num_blocks", num_blocks), ("num_steps", num_steps),
+                        ("requests_per_load", requests_per_load)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return tuple(ComputeItem(k, k % num_blocks, k // num_blocks, r)
+                 for k in range(num_blocks * num_steps) for r in range(requests_per_load))
+
+
+def place_computes(order: tuple[ComputeItem, ...], num_slots: int, slot_offset: int = 0) -> tuple[Op, ...]:
+    """Pass 1: compute ``k`` reads slot ``(slot_offset + k) % num_slots``."""
+    return tuple(Op(C, it.load, it.block, slot=(slot_offset + it.load) % num_slots, request=it.request)
+                 for it in order)
+
+
+def _load_ops(k: int, num_blocks: int, num_slots: int, num_landing: int, mode: str,
+              slot_offset: int, landing_offset: int) -> tuple[Op, ...]:
+    block, slot = k % num_blocks, (slot_offset + k) % num_slots
+    if mode == "rank-local":
+        return (Op(H2D, k, block, slot=slot),)
+    landing = (landing_offset + k) % num_landing
+    return Op(H2D, k, block, landing=landing), Op(AG, k, block, slot=slot, landing=landing)
+
+
+def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_landing: int, mode: str,
+              slot_offset: int = 0, landing_offset: int = 0, warm_start: bool = False,
+              prefetch_next: bool = False) -> tuple[Op, ...]:
+    """Pass 2: insert the loads into the compute ops, giving the host issue order.
+
+    Loads ``first .. end-1`` are issued, ``first = S-1`` if ``warm_start`` (the previous run left loads
+    ``0 .. S-2`` in the slots) else 0, and ``end = L + S-1`` if ``prefetch_next`` else ``L``. The ops of load
+    ``j`` are issued before the first compute of load ``j - S + 1``, the earliest point where its slot's previous
+    occupant (load ``j - S``) has all its computes issued.
+    """
+    num_loads = 1 + max((op.load for op in computes), default=-1)
+    first = num_slots - 1 if warm_start else 0
+    end = num_loads + (num_slots - 1 if prefetch_next else 0)
+    ops: list[Op] = []
+    next_load = first
+    for op in computes:
+        if op.request == 0:
+            while next_load < end and next_load <= op.load + num_slots - 1:
+                ops.extend(_load_ops(next_load, num_blocks, num_slots, num_landing, mode, slot_offset,
+                                     landing_offset))
+                next_load += 1
+        ops.append(op)
+    for k in range(next_load, end):
+        ops.extend(_load_ops(k, num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset))
+    return tuple(ops)
+
+
+def add_dependencies(ops: tuple[Op, ...]) -> tuple[tuple[int, ...], ...]:
+    """Pass 3: the event waits of each op, from the buffer hazards in issue order.
+
+    Read-after-write waits on the buffer's last writer; write-after-read on every reader since that write (or
+    the last writer if none). Then only the waits not already implied are kept: implied by issue order on the
+    op's own stream (e.g. compute ``r1`` of a load needs no wait of its own: compute ``r0`` waited for the load)
+    or by another kept wait. Every remaining wait is necessary (``tests/test_schedule.py`` checks it).
+    """
+    last_write: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    clocks = HappensBefore()
+    deps: list[tuple[int, ...]] = []
+    for i, op in enumerate(ops):
+        needed: set[int] = set()
+        for buf in op.reads:
+            if buf in last_write:
+                needed.add(last_write[buf])
+        for buf in op.writes:
+            needed.update(readers.get(buf) or ([last_write[buf]] if buf in last_write else []))
+        base = clocks.base(op.stream)
+        candidates = sorted((d for d in needed if not clocks.covers(base, d)), reverse=True)
+        kept: list[int] = []
+        for n, d in enumerate(candidates):  # drop d if the others still kept imply it
+            others = base
+            for e in kept + candidates[n + 1:]:
+                others = clocks.merge(others, e)
+            if not clocks.covers(others, d):
+                kept.append(d)
+        kept.sort()
+        clocks.push(op.stream, tuple(kept))
+        deps.append(tuple(kept))
+        for buf in op.reads:
+            readers.setdefault(buf, []).append(i)
+        for buf in op.writes:
+            last_write[buf] = i
+            readers[buf] = []
+    return tuple(deps)
+
+
+def buffer_uses(ops: tuple[Op, ...]) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+    """``(first_use, last_use)``: per buffer (sorted by name), the index of the first and the last op using it."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for buf in op.reads + op.writes:
+            first.setdefault(buf, i)
+            last[buf] = i
+    return tuple(sorted(first.items())), tuple(sorted(last.items()))
