@@ -16,10 +16,10 @@ from hypothesis import given, settings, strategies as st
 from strategies import build_case, schedule_cases
 
 from dlo_fn.plan.schedule import (
-    AG, C, H2D, Op, Ring, Schedule, add_dependencies, build_schedule, check_schedule, compute_order,
+    AG, C, H2D, Op, Ring, Schedule, add_dependencies, build_schedule, compute_order,
     next_landing_offset, next_schedule, next_slot_offset,
 )
-from dlo_fn.plan.schedule_check import ScheduleError
+from dlo_fn.plan.schedule_check import ScheduleError, check_schedule
 from dlo_fn.plan.timeline import simulate
 
 

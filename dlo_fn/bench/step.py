@@ -99,21 +99,6 @@ def slug(platform) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def _inputs(model, height: int, width: int, frames: int, device):
-    import torch
-
-    from dlo_fn.models import latent_shape, tokenize
-
-    cfg = model.config
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn((2, *latent_shape(cfg, height, width, frames)), generator=gen).to(device)
-    timestep = torch.full((2,), 500.0, device=device)
-    tokens = tokenize(["a benchmark prompt", ""], cfg.text_len).to(device)
-    with torch.no_grad():
-        state = model.embed(latents, timestep, tokens)
-    return state.x, state.block_kwargs, int(state.x.shape[1])
-
-
 def run_step_bench(args: argparse.Namespace) -> dict:
     import torch
 
@@ -139,7 +124,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     ctx = init_distributed(platform, single_process_group="dlo-allgather" in variants)
     own_group = ctx.group is not None
     model = sv.random_model(config, platform.device)
-    inputs = {w: _inputs(model, *table[w], platform.device) for w in workloads}
+    inputs = {w: sv.block_inputs(model, *table[w], platform.device) for w in workloads}
     spec = spec_from_module(model, BLOCK_PATHS, name=config)
     layout = model_layout(spec, 1)
     blocks = list(model.blocks)

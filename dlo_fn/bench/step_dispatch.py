@@ -27,7 +27,7 @@ DISPATCH_SIZE = (128, 128, 1)  # height, width, frames: 64 tokens per CFG branch
 
 
 def measure_dispatch(config: str, platform, group: Any, variants: list[str], quick: bool) -> dict:
-    from dlo_fn.bench.step import _inputs
+    from dlo_fn.bench.step_variants import block_inputs
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.plan.layout import model_layout
     from dlo_fn.plan.spec import spec_from_module
@@ -36,7 +36,7 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
 
     cfg = sv.narrow_config(config) if not quick else config
     model = sv.random_model(cfg, platform.device)
-    x, kwargs, tokens = _inputs(model, *((32, 32, 1) if quick else DISPATCH_SIZE), platform.device)
+    x, kwargs, tokens = block_inputs(model, *((32, 32, 1) if quick else DISPATCH_SIZE), platform.device)
     blocks = list(model.blocks)
     layout = model_layout(spec_from_module(model, BLOCK_PATHS), 1)
     reps = dict(warmup=2, repeats=3) if quick else dict(warmup=5, repeats=31)

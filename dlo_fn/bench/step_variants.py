@@ -263,3 +263,16 @@ def release(platform: Platform) -> None:
 def block_states(blocks: list[nn.Module]) -> tuple[list[dict], list[dict]]:
     states = [block_state(b) for b in blocks]
     return [t for t, _ in states], [a for _, a in states]
+
+
+def block_inputs(model, height: int, width: int, frames: int, device):
+    from dlo_fn.models import latent_shape, tokenize
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn((2, *latent_shape(cfg, height, width, frames)), generator=gen).to(device)
+    timestep = torch.full((2,), 500.0, device=device)
+    tokens = tokenize(["a benchmark prompt", ""], cfg.text_len).to(device)
+    with torch.no_grad():
+        state = model.embed(latents, timestep, tokens)
+    return state.x, state.block_kwargs, int(state.x.shape[1])

@@ -76,7 +76,7 @@ class HbmPerCard:
         return self.idle_bytes + self.activation_bytes + self.communication_bytes
 
 
-def hbm_per_card(sizes: ModelSizes, shard_world: int, mode: str = "allgather", *, num_slots: int = 2,
+def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *, num_slots: int = 2,
                  num_landing: int = DEFAULT_NUM_LANDING, activation_bytes: int = 0, communication_bytes: int = 0,
                  context_bytes: int, include_resident: bool = True,
                  alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HbmPerCard:
@@ -91,7 +91,7 @@ def hbm_per_card(sizes: ModelSizes, shard_world: int, mode: str = "allgather", *
         raise ValueError(f"num_slots must be >= 2 (one computing, one loading), got {num_slots}")
     if mode == "allgather" and num_landing < 1:
         raise ValueError(f"allgather mode needs num_landing >= 1, got {num_landing}")
-    w = shard_world if mode == "allgather" else 1
+    w = num_shards if mode == "allgather" else 1
     return HbmPerCard(
         slot_bytes=num_slots * sizes.max_padded_block_bytes(w, alignment_bytes),
         landing_bytes=num_landing * sizes.max_shard_bytes(w, alignment_bytes) if mode == "allgather" else 0,

@@ -66,12 +66,12 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def pinned_host_bytes_per_rank(sizes: ModelSizes, shard_world: int, mode: str = "allgather",
+def pinned_host_bytes_per_rank(sizes: ModelSizes, num_shards: int, mode: str = "allgather",
                                alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
     """Host bytes of one rank's weight arena (see the module docstring)."""
     _check_choice("mode", mode, HOST_MODES)
     if mode == "allgather":
-        return sizes.shard_bytes_per_rank(shard_world, alignment_bytes)
+        return sizes.shard_bytes_per_rank(num_shards, alignment_bytes)
     if mode == "rank-local":
         return sizes.shard_bytes_per_rank(1, alignment_bytes)  # whole blocks, each at an aligned offset
     return 0
@@ -167,11 +167,11 @@ class HostSteadyState:
 
 
 def host_steady_state(sizes: ModelSizes, num_ranks: int, platform: str = "cuda", mode: str = "allgather", *,
-                      shard_world: int | None = None,
+                      num_shards: int | None = None,
                       framework_bytes_per_rank: int,
                       page_cache_retained: bool = True,
                       alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostSteadyState:
-    """Steady-state host accounting; ``shard_world`` defaults to ``num_ranks`` (every rank shards);
+    """Steady-state host accounting; ``num_shards`` defaults to ``num_ranks`` (every rank shards);
     ``framework_bytes_per_rank`` is ``c`` (see :func:`cold_start`).
 
     ``page_cache_retained``: the mapped file stays in the page cache after the views are dropped until the
@@ -179,7 +179,7 @@ def host_steady_state(sizes: ModelSizes, num_ranks: int, platform: str = "cuda",
     """
     _check_positive("num_ranks", num_ranks)
     _check_choice("platform", platform, PLATFORMS)
-    w = num_ranks if shard_world is None else shard_world
+    w = num_ranks if num_shards is None else num_shards
     cached = sizes.total_bytes if page_cache_retained or mode == "rank-local-mmap" else 0
     return HostSteadyState(
         platform=platform,

@@ -39,7 +39,7 @@ __all__ = [
     "H2D", "AG", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "DEFAULT_NUM_LANDING",
     "Op", "ComputeItem", "Schedule", "Ring", "ScheduleError",
     "compute_order", "place_computes", "add_loads", "add_dependencies", "buffer_uses",
-    "build_schedule", "next_slot_offset", "next_landing_offset", "next_schedule", "check_schedule",
+    "build_schedule", "next_slot_offset", "next_landing_offset", "next_schedule",
 ]
 
 # Two landing buffers let the H2D of load k+1 overlap the all-gather of load k (see "Landing buffers" above).
@@ -128,11 +128,6 @@ class Schedule:
             wait = " <- " + ",".join(map(str, deps)) if deps else ""
             lines.append(f"{i:4d}  {str(op):18s}{wait}".rstrip())
         return "\n".join(lines)
-
-    def validate(self, prev: "Schedule | None" = None) -> "Schedule":
-        """Check every invariant (see :func:`check_schedule`); return self."""
-        check_schedule(self, prev)
-        return self
 
 
 _SCHEDULE_FIELD = {"warm": "warm_start"}  # Ring field -> the Schedule field that holds it
@@ -254,10 +249,3 @@ def next_schedule(prev: Schedule, num_steps: int, *, requests_per_load: int | No
     """The run after ``prev`` on the same ring: warm if ``prev`` prefetched, offsets continued."""
     return Ring.of(prev).after(prev).next_schedule(num_steps, requests_per_load or prev.requests_per_load,
                                                    prefetch_next=prefetch_next)
-
-
-def check_schedule(schedule: Schedule, prev: Schedule | None = None) -> None:
-    """Raise :class:`ScheduleError` naming the first broken invariant (see :mod:`dlo_fn.plan.schedule_check`)."""
-    from dlo_fn.plan.schedule_check import check_schedule as _check
-
-    _check(schedule, prev)

@@ -31,9 +31,9 @@ def host_capacity(sizes: ModelSizes, num_ranks: int, platform: str = "ascend") -
     return memory.host_capacity(sizes, num_ranks, platform, framework_bytes_per_rank=FRAMEWORK_HOST_BYTES_PER_RANK)
 
 
-def hbm_per_card(sizes: ModelSizes, shard_world: int, mode: str = "allgather", *,
+def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *,
                  activation_bytes: int = 0) -> hbm.HbmPerCard:
-    return hbm.hbm_per_card(sizes, shard_world, mode, activation_bytes=activation_bytes,
+    return hbm.hbm_per_card(sizes, num_shards, mode, activation_bytes=activation_bytes,
                             context_bytes=DEVICE_CONTEXT_BYTES)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
 
@@ -91,7 +92,7 @@ class Programs:
         ring.check(schedule, "the executor's ring")
         program = self._cache.get(schedule)
         if program is None:
-            schedule.validate()  # a hand-made schedule may break any invariant: say which before it runs
+            check_schedule(schedule)  # a hand-made schedule may break any invariant: say which before it runs
             program = self._cache[schedule] = self._compile(schedule)
         return program
 
