@@ -17,7 +17,8 @@ from torch import nn
 
 from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
-__all__ = ["BindTarget", "meta_params", "bind_targets", "rollback", "model_from_config", "meta_module_from_header"]
+__all__ = ["BindTarget", "meta_params", "bind_targets", "rollback", "model_from_config", "meta_module_from_header",
+           "with_address_residues"]
 
 DLO_MODEL_TYPE = "dlo_fn-video-dit"
 
@@ -153,3 +154,31 @@ def meta_module_from_header(header: Mapping[str, Mapping]) -> nn.Module:
         )
     return root
 
+
+
+def with_address_residues(spec, model: nn.Module):
+    """``spec`` with every block tensor's ``residue_bytes`` set to where ``model`` holds it now: its address mod
+    ``KERNEL_ALIGNMENT_BYTES`` (:mod:`dlo_fn.plan.spec`).
+
+    For a CPU model these tensors are the resident ones (a file's mmap views sit at the file's offsets mod 64,
+    e.g. 8 mod 16 in diffusers files; a tensor torch allocated sits at 0 mod 64), and placing each weight in the
+    slots at the same residue lets the offloaded kernels see the alignment the resident model computes with. A
+    residue that is not a multiple of the itemsize (no kernel sees such a tensor aligned) or a tensor on meta
+    keeps residue 0."""
+    import dataclasses
+
+    from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES
+
+    blocks = []
+    for block in spec.blocks:
+        module = model.get_submodule(block.name)
+        tensors = []
+        for t in block.tensors:
+            path, _, attr = t.name.rpartition(".")
+            owner = module.get_submodule(path) if path else module
+            value = owner._parameters.get(attr)
+            value = owner._buffers.get(attr) if value is None else value
+            r = 0 if value is None or value.is_meta else value.data_ptr() % KERNEL_ALIGNMENT_BYTES
+            tensors.append(dataclasses.replace(t, residue_bytes=r if r % t.dtype.itemsize == 0 else 0))
+        blocks.append(dataclasses.replace(block, tensors=tuple(tensors)))
+    return dataclasses.replace(spec, blocks=tuple(blocks))

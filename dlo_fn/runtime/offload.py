@@ -24,6 +24,7 @@ from torch import nn
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
+from dlo_fn.runtime.bind import with_address_residues
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
 from dlo_fn.runtime.executor import Executor
@@ -129,6 +130,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
     paths = normalize_block_paths(block_paths)
     platform = ctx.platform
     spec = spec_from_module(model, paths, name=type(model).__name__)
+    if platform.device.type == "cpu":  # the resident model computes from these very tensors: keep their alignment
+        spec = with_address_residues(spec, model)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
