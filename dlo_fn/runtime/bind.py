@@ -116,12 +116,13 @@ def model_from_config(ckpt: Checkpoint) -> nn.Module:
     (``dlo_fn.models.build_model``); the loader then binds it and calls its ``init_buffers()``."""
     where = ckpt.root / CONFIG_FILE
     if ckpt.config is None:
-        raise CheckpointError("no config.json next to the weights, so the model is unknown: pass model_or_factory=",
-                              file=where)
+        raise CheckpointError("no config.json next to the weights, so the model is unknown: pass model_or_factory= "
+                              "(a module, a factory or a diffusers class)", file=where)
     kind = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None
     if kind != DLO_MODEL_TYPE:
-        raise CheckpointError(f"config.json has model_type {kind!r}, not {DLO_MODEL_TYPE!r}: pass "
-                              "model_or_factory= to build the model yourself", file=where)
+        raise CheckpointError(f"config.json is neither a dlo_fn config (model_type {kind!r}, not {DLO_MODEL_TYPE!r}) "
+                              "nor a diffusers one (_class_name): pass model_or_factory= to build the model yourself",
+                              file=where)
     from dlo_fn import models
 
     try:

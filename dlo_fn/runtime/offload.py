@@ -116,12 +116,20 @@ def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module
     return out
 
 
-def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext,
+def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ctx: DistContext | None = None,
             options: OffloadOptions | None = None, **overrides: Any) -> Offloaded:
     """Prepare ``model`` (in place) for offloaded execution on ``ctx``'s device; see the module docstring.
 
     ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
+    ``block_paths=None``: the model's own block lists (:func:`dlo_fn.runtime.diffusers_load.block_paths_for`:
+    the common diffusers DiTs, or the one top-level list of identical blocks): ``offload(transformer, ctx=ctx)``.
     """
+    if ctx is None:
+        raise TypeError("offload() needs ctx= (dlo_fn.runtime.dist.init_distributed())")
+    if block_paths is None:
+        from dlo_fn.runtime.diffusers_load import block_paths_for
+
+        block_paths = block_paths_for(model)
     options = options or OffloadOptions()
     if overrides:
         import dataclasses
