@@ -2,11 +2,11 @@
 
 A safetensors file is ``[8 bytes: N, little-endian u64][N bytes: JSON header][D data bytes]``; the header maps
 each key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the data bytes) plus an optional
-``"__metadata__"`` object of strings. :func:`parse_header` accepts exactly what safetensors 0.8 opens, so a
-header that passes here never fails later inside safetensors, and adds the tiling check the loader relies on:
+``"__metadata__"`` object of strings. :func:`parse_header` refuses every header safetensors 0.8 refuses, so a
+header that passes here never fails later inside safetensors, and adds what the loader relies on:
 
-* JSON (UTF-8) whose top level is an object; no key twice (Python's ``json`` keeps the last, safetensors
-  refuses); every number an unsigned integer (no ``-0``, no ``1.0``, no ``true`` for ``1``);
+* JSON (UTF-8) whose top level is an object; every number an unsigned integer (no ``-0``, no ``1.0``, no
+  ``true`` for ``1``); no key twice (safetensors keeps the last one silently: refused here, it is ambiguous);
 * ``__metadata__`` absent, ``null`` or an object whose values are strings;
 * each entry: a dtype name torch knows, ``shape`` a list of sizes with ``prod(shape) x itemsize x 8 < 2^64``
   (safetensors multiplies in 64 bits), ``data_offsets`` ``[begin, end]`` with ``begin <= end`` and

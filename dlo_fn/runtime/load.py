@@ -203,8 +203,8 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
         key = unexpected[0]
         raise CheckpointError(
             f"unexpected key: {len(unexpected)} checkpoint tensor(s) match no parameter or persistent buffer of "
-            f"the module ({', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}); pass key_map= to "
-            "rename them (or map them to None to skip them), or build the matching model",
+            f"the module ({', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}): a damaged header or "
+            "another model's checkpoint; build the matching model, or pass key_map= to rename them (None skips)",
             file=ckpt.entries[key].file, key=key,
         )
     # A tied tensor (one object under several names) needs one of its names in the checkpoint.
