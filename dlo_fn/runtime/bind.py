@@ -18,7 +18,7 @@ from torch import nn
 from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
 __all__ = ["BindTarget", "meta_params", "bind_targets", "rollback", "model_from_config", "meta_module_from_header",
-           "with_address_residues"]
+           "with_address_residues", "BUFFER_HOOKS", "buffer_hook", "non_persistent_buffers", "recompute_buffers"]
 
 DLO_MODEL_TYPE = "dlo_fn-video-dit"
 
@@ -155,6 +155,53 @@ def meta_module_from_header(header: Mapping[str, Mapping]) -> nn.Module:
         )
     return root
 
+
+
+# Model methods that (re)compute non-persistent buffers after binding, first found wins:
+# dlo_fn.models.VideoDiT.init_buffers(device=None), or a generic init_non_persistent_buffers().
+BUFFER_HOOKS = ("init_non_persistent_buffers", "init_buffers")
+
+
+def buffer_hook(model: nn.Module):
+    """The model's own method of :data:`BUFFER_HOOKS`, or None."""
+    for name in BUFFER_HOOKS:
+        hook = getattr(model, name, None)
+        if callable(hook):
+            return hook
+    return None
+
+
+def non_persistent_buffers(model: nn.Module, hook) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(names of all non-persistent buffers, those on meta)``; fails (before any binding) when some are on
+    meta and there is no ``hook`` (:data:`BUFFER_HOOKS`, or the loader's own for diffusers models) to
+    recompute them."""
+    names, on_meta = [], []
+    for mod_name, module in model.named_modules():
+        for attr in sorted(module._non_persistent_buffers_set):
+            t = module._buffers.get(attr)
+            if t is not None:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                names.append(name)
+                if t.is_meta:
+                    on_meta.append(name)
+    if on_meta and hook is None:
+        raise CheckpointError(
+            f"non-persistent buffer(s) {', '.join(on_meta[:5])} are on the meta device and checkpoints do not store "
+            "them: pass a factory instead of a meta module (buffers are then built on the CPU), or give the model "
+            "an init_non_persistent_buffers() method", key=on_meta[0],
+        )
+    return tuple(names), tuple(on_meta)
+
+
+def recompute_buffers(model: nn.Module, names: tuple[str, ...], hook) -> None:
+    """Run ``hook`` (when the model has non-persistent buffers); none may stay on meta."""
+    if not names or hook is None:
+        return
+    hook()
+    still = [n for n in names if model.get_buffer(n).is_meta]
+    if still:
+        what = getattr(hook, "__name__", "restore_buffers")
+        raise CheckpointError(f"{what}() left {', '.join(still[:5])} on meta", key=still[0])
 
 
 def with_address_residues(spec, model: nn.Module):

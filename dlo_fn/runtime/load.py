@@ -28,7 +28,8 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from dlo_fn.runtime.bind import BindTarget, bind_targets, meta_params, rollback
+from dlo_fn.runtime.bind import (BUFFER_HOOKS, BindTarget, bind_targets, buffer_hook, meta_params,
+                                 non_persistent_buffers, recompute_buffers, rollback)
 from dlo_fn.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from dlo_fn.runtime.memstat import file_mappings, in_mappings
 
@@ -118,11 +119,11 @@ def load_checkpoint(
     if built_by_diffusers and cast_dtype is None:
         cast_dtype = True  # from_pretrained casts every stored tensor to its module's dtype
     targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype)
-    recomputed, _ = _non_persistent(model)
+    recomputed, _ = non_persistent_buffers(model, _buffer_hook(model))
     saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]
     try:
         bound = bind_targets(ckpt, targets, copy=(mode == "copy"), progress=progress)
-        _recompute(model, recomputed)
+        recompute_buffers(model, recomputed, _buffer_hook(model))
         report = _report(ckpt, mode, targets, bound, ignored, recomputed)
     except BaseException:
         rollback(saved)
@@ -237,54 +238,15 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
     return tuple(targets), tuple(ignored)
 
 
-# Model methods that (re)compute non-persistent buffers after binding, first found wins:
-# dlo_fn.models.VideoDiT.init_buffers(device=None), or a generic init_non_persistent_buffers().
-BUFFER_HOOKS = ("init_non_persistent_buffers", "init_buffers")
-
-
 def _buffer_hook(model: nn.Module):
-    for name in BUFFER_HOOKS:
-        hook = getattr(model, name, None)
-        if callable(hook):
-            return hook
-    from dlo_fn.runtime import diffusers_load
+    """The model's :data:`BUFFER_HOOKS` method, else for a diffusers model a fresh build of its class."""
+    hook = buffer_hook(model)
+    if hook is None:
+        from dlo_fn.runtime import diffusers_load
 
-    if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
-        return functools.partial(diffusers_load.restore_buffers, model)
-    return None
-
-
-def _non_persistent(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(names of all non-persistent buffers, those on meta)``; fails (before any binding) when some are on
-    meta and the model has no hook (:data:`BUFFER_HOOKS`) to recompute them."""
-    names, on_meta = [], []
-    for mod_name, module in model.named_modules():
-        for attr in sorted(module._non_persistent_buffers_set):
-            t = module._buffers.get(attr)
-            if t is not None:
-                name = f"{mod_name}.{attr}" if mod_name else attr
-                names.append(name)
-                if t.is_meta:
-                    on_meta.append(name)
-    if on_meta and _buffer_hook(model) is None:
-        raise CheckpointError(
-            f"non-persistent buffer(s) {', '.join(on_meta[:5])} are on the meta device and checkpoints do not store "
-            "them: pass a factory instead of a meta module (buffers are then built on the CPU), or give the model "
-            "an init_non_persistent_buffers() method", key=on_meta[0],
-        )
-    return tuple(names), tuple(on_meta)
-
-
-def _recompute(model: nn.Module, names: tuple[str, ...]) -> None:
-    """Run the model's buffer hook (when it has non-persistent buffers); none may stay on meta."""
-    hook = _buffer_hook(model)
-    if not names or hook is None:
-        return
-    hook()
-    still = [n for n in names if model.get_buffer(n).is_meta]
-    if still:
-        what = getattr(hook, "__name__", "restore_buffers")
-        raise CheckpointError(f"{what}() left {', '.join(still[:5])} on meta", key=still[0])
+        if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
+            hook = functools.partial(diffusers_load.restore_buffers, model)
+    return hook
 
 
 def _report(ckpt: Checkpoint, mode: str, targets, bound, ignored, recomputed) -> LoadReport:
