@@ -180,3 +180,17 @@ def test_a_config_that_does_not_fit_the_weights_fails_before_binding(tmp_path):
         '"num_layers": 3', '"num_layers": 4'))
     with pytest.raises(CheckpointError, match=r"missing key: \d+ module tensor.*blocks\.3\."):
         load_model(tmp_path, progress=False)
+
+
+def test_a_model_whose_buffers_were_cast_gets_a_warning(tmp_path, caplog):
+    save_folder("wan", torch.bfloat16, tmp_path)
+    ref = diffusers.WanTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    model = diffusers.WanTransformer3DModel.from_config(ref.config).to(torch.bfloat16)  # the obvious way
+    assert model.rope.freqs_cos.dtype == torch.bfloat16 != ref.rope.freqs_cos.dtype
+    with caplog.at_level("WARNING", logger="dlo_fn.runtime.load"):
+        load_checkpoint(tmp_path, model, cast_dtype=True, progress=False)
+    assert "rope.freqs_cos, rope.freqs_sin are not in the dtype from_pretrained gives them" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dlo_fn.runtime.load"):
+        load_checkpoint(tmp_path, progress=False)
+    assert "from_pretrained gives them" not in caplog.text

@@ -34,7 +34,7 @@ from dlo_fn.runtime.bind import meta_params
 from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
 __all__ = ["is_diffusers_config", "is_diffusers_model", "model_class", "build_model", "keeps_fp32",
-           "restore_buffers", "block_paths_for"]
+           "restore_buffers", "cast_buffers", "block_paths_for"]
 
 
 def is_diffusers_config(config: Mapping | None) -> bool:
@@ -151,13 +151,25 @@ def restore_buffers(model: nn.Module) -> None:
     from_pretrained has them: taken from a fresh build of the same class and config (parameters on meta,
     default dtype = the model's main dtype), never cast."""
     wanted = [(mod, attr, f"{name}.{attr}" if name else attr)
-              for name, mod in model.named_modules() for attr in mod._non_persistent_buffers_set
+              for name, mod in model.named_modules() for attr in sorted(mod._non_persistent_buffers_set)
               if mod._buffers.get(attr) is not None and mod._buffers[attr].is_meta]
     if not wanted:
         return
     fresh = _meta_build(type(model), model.config, _main_dtype(model))
     for mod, attr, name in wanted:
         mod._buffers[attr] = fresh.get_buffer(name)
+
+
+def cast_buffers(model: nn.Module) -> tuple[str, ...]:
+    """Non-persistent buffers whose dtype differs from a fresh build's (``from_config(cfg).to(bf16)`` casts
+    Wan's fp32 rotary tables; from_pretrained never does): the loader warns about them."""
+    real = {f"{name}.{attr}" if name else attr: mod._buffers[attr]
+            for name, mod in model.named_modules() for attr in sorted(mod._non_persistent_buffers_set)
+            if mod._buffers.get(attr) is not None and not mod._buffers[attr].is_meta}
+    if not real:
+        return ()
+    fresh = dict(_meta_build(type(model), model.config, _main_dtype(model)).named_buffers())
+    return tuple(n for n, b in real.items() if n in fresh and fresh[n].dtype != b.dtype)
 
 
 def _lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:

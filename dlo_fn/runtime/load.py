@@ -118,6 +118,8 @@ def load_checkpoint(
     model, built_by_diffusers = build_for_checkpoint(ckpt, model_or_factory, torch_dtype)
     if built_by_diffusers and cast_dtype is None:
         cast_dtype = True  # from_pretrained casts every stored tensor to its module's dtype
+    elif isinstance(model_or_factory, nn.Module):
+        _warn_cast_buffers(model)
     targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype)
     recomputed, _ = non_persistent_buffers(model, _buffer_hook(model))
     saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]
@@ -236,6 +238,17 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
             )
         targets.append(BindTarget(name, key, module, attr, kind, target, isinstance(t, nn.Parameter)))
     return tuple(targets), tuple(ignored)
+
+
+def _warn_cast_buffers(model: nn.Module) -> None:
+    from dlo_fn.runtime import diffusers_load
+
+    if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
+        cast = diffusers_load.cast_buffers(model)
+        if cast:
+            log.warning("%s: buffer(s) %s are not in the dtype from_pretrained gives them (model.to(dtype) casts "
+                        "buffers too); load the folder without a model (load_model(folder, torch_dtype=...)) to "
+                        "get them as diffusers has them", type(model).__name__, ", ".join(cast[:5]))
 
 
 def _buffer_hook(model: nn.Module):
