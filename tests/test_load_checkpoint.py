@@ -110,7 +110,8 @@ def _fake_hf_cache(cache, repo_id, files: dict[str, bytes], commit="0123456789ab
     for name, data in files.items():
         digest = hashlib.sha256(data).hexdigest()
         (repo / "blobs" / digest).write_bytes(data)
-        os.symlink(os.path.join("..", "..", "blobs", digest), snap / name)
+        (snap / name).parent.mkdir(parents=True, exist_ok=True)  # "transformer/config.json" nests
+        os.symlink(os.path.relpath(repo / "blobs" / digest, (snap / name).parent), snap / name)
     return snap
 
 

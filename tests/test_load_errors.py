@@ -189,3 +189,128 @@ def test_failure_during_binding_rolls_back(ckpt, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         load_checkpoint(ckpt, model)
     assert _all_meta(model)
+
+
+# -- the reported cases (issue 11, items 4 and 8): each is the loader's CheckpointError, naming the right path --
+
+def test_non_string_metadata_value_is_refused_before_safetensors_sees_it(tmp_path):
+    path = tmp_path / "model.safetensors"
+    header = {"__metadata__": {"format": 1}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(CheckpointError, match="__metadata__ is not an object of strings") as info:
+        load_checkpoint(tmp_path, _meta())
+    assert info.value.file == str(path) and info.value.key == "__metadata__"
+
+
+def test_a_key_stored_twice_is_refused(tmp_path):
+    path = tmp_path / "x.safetensors"  # safetensors keeps the last entry silently
+    raw = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(CheckpointError, match="key 'a' appears twice"):
+        load_checkpoint(path, _meta())
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"a":{"dtype":"F32","shape":[true, 2],"data_offsets":[0,8]}}', "is not a list of sizes"),
+    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[-0,8]}}', "negative number -0"),
+    ('{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]},'
+     '"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', "overflows 64 bits"),
+    ('{"a":{"dtype":["F32"],"shape":[2],"data_offsets":[0,8]}}', "is not a name"),
+])
+def test_headers_safetensors_refuses_are_refused_here(tmp_path, text, match):
+    from safetensors import safe_open
+
+    path = tmp_path / "x.safetensors"
+    raw = text.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path, _meta())
+    with pytest.raises(Exception):  # what we mirror: safetensors itself refuses these
+        with safe_open(str(path), "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+
+
+def test_weights_name_that_is_a_directory_or_a_broken_symlink(tmp_path):
+    (tmp_path / "d" / "model.safetensors").mkdir(parents=True)
+    _fails(tmp_path / "d", _meta(), "model.safetensors is a directory, not a file", file=tmp_path / "d" / "model.safetensors")
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    _fails(tmp_path / "s", _meta(), r"is a broken symlink \(to .*gone.safetensors\)", file=tmp_path / "s" / "model.safetensors")
+
+
+def test_a_shard_that_is_a_directory(tmp_path):
+    state = _state()
+    save_file(state, str(tmp_path / "a.safetensors"))
+    (tmp_path / "b.safetensors").mkdir()
+    weight_map = {k: "a.safetensors" for k in state} | {"extra.weight": "b.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _fails(tmp_path, _meta(), "names shard b.safetensors, which is a directory", key="extra.weight")
+
+
+@pytest.mark.parametrize("name", ["../elsewhere.safetensors", "/abs.safetensors", ""])
+def test_index_shard_names_outside_the_folder(tmp_path, name):
+    save_file(_state(), str(tmp_path / "a.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"embed.weight": name}}))
+    _fails(tmp_path, _meta(), "not a file name beside the index", key="embed.weight")
+
+
+def test_a_path_under_an_existing_folder_is_a_path_not_a_repo_id(ckpt, monkeypatch):
+    monkeypatch.chdir(ckpt.parent)
+    _fails(f"{ckpt.name}/nothere", _meta(), "no such checkpoint directory or file", file=f"{ckpt.name}/nothere")
+    _fails(f"{ckpt.name}/model.safetensorz", _meta(), "no such checkpoint", file=f"{ckpt.name}/model.safetensorz")
+
+
+def test_missing_weights_file_of_a_dlo_checkpoint_names_that_file(tiny_checkpoint, tmp_path):
+    from dlo_fn.runtime.load import load_model
+
+    target = tmp_path / "ckpt" / "model.safetensors"
+    target.parent.mkdir()
+    with pytest.raises(CheckpointError, match="no such checkpoint directory or file") as info:
+        load_model(target)
+    assert info.value.file == str(target)
+
+
+def test_index_path_of_a_dlo_checkpoint_loads_and_plans(tiny_checkpoint, tmp_path):
+    import pathlib
+    import shutil
+
+    from dlo_fn.runtime.checkpoint import read_header
+    from dlo_fn.runtime.load import load_model
+    from dlo_fn.runtime.sources import spec_for
+
+    folder = pathlib.Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
+    keys = [k for k in read_header(folder / "model.safetensors") if k != "__metadata__"]
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in keys}}))
+    assert type(load_model(index, progress=False)).__name__ == "VideoDiT"
+    assert spec_for(index) == spec_for(folder)
+
+
+def test_plan_checks_the_header_against_the_config_model(tiny_checkpoint, tmp_path):
+    """One flipped byte (blocks.2.mlp -> blocus.2.mlp) changed the header-only plan; now the plan fails as the
+    loader does."""
+    import pathlib
+    import shutil
+
+    from dlo_fn.runtime.load import load_model
+    from dlo_fn.runtime.sources import spec_for
+
+    folder = pathlib.Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    at = data.index(b"blocks.2.mlp.fc2.weight")
+    data[at + 4] ^= ord("k") ^ ord("u")
+    path.write_bytes(bytes(data))
+    for call in (lambda: spec_for(folder), lambda: load_model(folder, progress=False)):
+        with pytest.raises(CheckpointError, match="unexpected key: 1 checkpoint tensor.*blocus.2.mlp.fc2.weight"):
+            call()
+    spec_for(folder, validate=False)  # headers alone: a plan, of another model
+
+
+def test_header_only_plan_errors_are_checkpoint_errors(tmp_path):
+    from dlo_fn.runtime.sources import spec_for
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="cannot plan from the headers alone: no '<path>.<index>.<name>' keys"):
+        spec_for(tmp_path)

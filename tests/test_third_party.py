@@ -1,6 +1,8 @@
 """Third-party DiTs (diffusers 0.42.1, tiny random configs): the executor wraps any nn.Module given its block
 list path(s). Wan has one list; Flux has two (``transformer_blocks`` then ``single_transformer_blocks``) whose
-blocks take keyword arguments and return tuples."""
+blocks take keyword arguments and return tuples. On W = 2 and 3 gloo ranks, Wan and Flux folders in fp32 and
+bf16 (weights at 8 mod 16 in the file) loaded with load_model and offloaded equal the plain from_pretrained
+model, allgather and rank-local."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from dlo_fn.runtime.dist import DistContext
+from dlo_fn.runtime.dist import DistContext, run_ranks
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
 
@@ -85,3 +87,60 @@ def test_flux_two_lists_keep_forward_order_and_layouts():
     assert o.executor.num_view_sets == 2 * 2
     # A proxy still answers attribute reads of the block it replaced (diffusers walks its processors).
     assert hasattr(o.model.transformer_blocks[0], "attn")
+
+
+# (folder name, builder, inputs, dtype, a tensor put at 8 mod 16 in the file)
+FOLDERS = (("wan-fp32", "wan", torch.float32, "blocks.0.attn1.to_q.weight"),
+           ("wan-bf16", "wan", torch.bfloat16, "blocks.0.attn1.to_q.weight"),
+           ("flux-fp32", "flux", torch.float32, "transformer_blocks.0.norm1.linear.weight"),
+           ("flux-bf16", "flux", torch.bfloat16, "transformer_blocks.0.norm1.linear.weight"))
+
+
+def _cast(inputs: dict, dtype) -> dict:
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
+            for k, v in inputs.items()}
+
+
+@torch.no_grad()
+def check_folders_rank(ctx: DistContext, root: str) -> dict:
+    """Each rank: the plain from_pretrained model's outputs on this rank's inputs, then the same folder through
+    load_model + offload in both modes (block lists detected), two passes each."""
+    import pathlib
+
+    from dlo_fn.runtime.load import load_model
+
+    out = {}
+    for folder, name, dtype, _ in FOLDERS:
+        path = pathlib.Path(root) / folder
+        build, inputs, _ = CASES[name]
+        cls = type(build())
+        ref = cls.from_pretrained(path, torch_dtype=dtype)
+        seeds = (10 * ctx.rank, 10 * ctx.rank + 1)
+        want = [ref(**_cast(inputs(s), dtype))[0] for s in seeds]
+        for mode in ("allgather", "rank-local"):
+            o = offload(load_model(path, progress=False), ctx=ctx, mode=mode)
+            got = [o.model(**_cast(inputs(s), dtype))[0] for s in seeds]
+            out[f"{folder}[{mode}]"] = all(torch.equal(g, w) for g, w in zip(got, want))
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from test_load_alignment import save_at_residue
+
+    root = tmp_path_factory.mktemp("third_party")
+    for folder, name, dtype, key in FOLDERS:
+        model = CASES[name][0]()
+        if dtype != torch.float32:  # as a published bf16 folder: the fp32 modules stay fp32
+            model.save_pretrained(root / "src" / folder)
+            model = type(model).from_pretrained(root / "src" / folder, torch_dtype=dtype)
+        save_at_residue(model, root / folder, key)
+    return str(root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_folders_offloaded_on_gloo_ranks_equal_from_pretrained(folders, world):
+    results = run_ranks(check_folders_rank, world, folders, timeout_s=240)
+    for rank, res in enumerate(results):
+        assert len(res) == 8 and all(res.values()), f"rank {rank}: {res}"

@@ -130,16 +130,11 @@ def submissions_from_args(args: argparse.Namespace) -> list:
 
 
 def load_offloaded(checkpoint: str, ctx, options):
-    """Meta-build the reference DiT from ``config.json``, bind mmap views, offload per ``options``."""
-    from dlo_fn.models import BLOCK_PATHS, build_model, load_config
+    """Load a checkpoint (its config names the model; mmap views, nothing copied) and offload per ``options``."""
     from dlo_fn.runtime.load import load_model
     from dlo_fn.runtime.offload import offload
 
-    config, dtype = load_config(checkpoint)
-    model = build_model(config, "meta", dtype)
-    model.init_buffers("cpu")
-    model = load_model(checkpoint, model, progress=False)
-    return offload(model, BLOCK_PATHS, ctx, options)
+    return offload(load_model(checkpoint, progress=False), ctx=ctx, options=options)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -6,6 +6,11 @@ starts at ``offset_i = align_up(end_{i-1}, A)`` with alignment ``A`` (default 25
 itemsize, and of the 128-byte transaction size of GPU copies). Each tensor is contiguous, so a weight is a
 view ``buffer[offset : offset + nbytes].view(dtype).view(shape)`` of the slot it was gathered into.
 
+A tensor with a non-zero ``residue_bytes`` ``r`` (its address mod ``K = KERNEL_ALIGNMENT_BYTES = 64`` in the
+resident model, :mod:`dlo_fn.plan.spec`) goes at ``offset_i = r + align_up(end_{i-1} - r, max(A, K))`` instead,
+so ``offset_i = r (mod K)``: slots are ``K``-aligned, so a kernel sees the weight at the residue the resident
+model computes with (at most ``max(A, K)`` bytes more per such tensor).
+
 **Shard layout.** For a shard group of ``W = num_shards`` ranks, a block of ``n`` bytes is cut into ``W`` equal
 shards of
 
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo_fn.plan.spec import BlockSpec, ModelSpec
+from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES, BlockSpec, ModelSpec
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
@@ -102,6 +107,7 @@ class TensorPlacement:
     dtype: torch.dtype
     offset_bytes: int
     nbytes: int
+    residue_bytes: int = 0  # offset_bytes = residue_bytes (mod KERNEL_ALIGNMENT_BYTES); see the module docstring
 
     def __post_init__(self) -> None:
         if self.offset_bytes % self.dtype.itemsize:
@@ -125,7 +131,8 @@ class BlockLayout:
         _check_alignment(self.alignment_bytes)
         end = 0
         for p in self.placements:
-            if p.offset_bytes < end or p.offset_bytes % self.alignment_bytes:
+            step = self.alignment_bytes if not p.residue_bytes else max(self.alignment_bytes, KERNEL_ALIGNMENT_BYTES)
+            if p.offset_bytes < end or (p.offset_bytes - p.residue_bytes) % step:
                 raise ValueError(f"block {self.name}: tensor {p.name} overlaps or is misaligned")
             end = p.end_bytes
         if end != self.nbytes:
@@ -139,7 +146,8 @@ class BlockLayout:
 
 
 def block_layout(block: BlockSpec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> BlockLayout:
-    """Pack ``block``'s tensors in order, each at the next multiple of ``alignment_bytes``."""
+    """Pack ``block``'s tensors in order, each at the next multiple of ``alignment_bytes`` (plus its residue, when
+    it has one: see the module docstring)."""
     _check_alignment(alignment_bytes)
     if block.nbytes == 0:
         raise ValueError(
@@ -148,9 +156,11 @@ def block_layout(block: BlockSpec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTE
         )
     placements, offset = [], 0
     for t in block.tensors:
-        offset = align_up(offset, alignment_bytes)
+        r = t.residue_bytes
+        offset = r + align_up(offset - r, max(alignment_bytes, KERNEL_ALIGNMENT_BYTES)) if r else align_up(
+            offset, alignment_bytes)
         placements.append(
-            TensorPlacement(t.name, t.shape, _contiguous_stride(t.shape), t.dtype, offset, t.nbytes)
+            TensorPlacement(t.name, t.shape, _contiguous_stride(t.shape), t.dtype, offset, t.nbytes, r)
         )
         offset += t.nbytes
     return BlockLayout(block.name, tuple(placements), offset, alignment_bytes)

@@ -12,6 +12,11 @@ Two sources, neither of which touches tensor data:
 
 Only persistent state is described: non-persistent buffers (e.g. rotary tables) are recomputed by the model
 and are never stored, offloaded or gathered.
+
+A tensor may also carry ``residue_bytes``: its address modulo :data:`KERNEL_ALIGNMENT_BYTES` in the resident
+model (``0`` unless the runtime says otherwise). CPU kernels can round differently for the same values at
+different alignments (MKL's one-row fp32 GEMV: a weight at 8 mod 16 and one at 0 mod 16 give different bits),
+so the flat layout places each tensor at the same residue the resident model computes with.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ __all__ = [
     "dtype_from_safetensors",
     "dtype_to_safetensors",
     "normalize_block_paths",
+    "KERNEL_ALIGNMENT_BYTES",
 ]
+
+# The widest alignment a kernel can branch on: a cache line, one AVX-512 vector, and the alignment of every CPU
+# allocation torch makes (so a tensor torch allocated itself has residue 0).
+KERNEL_ALIGNMENT_BYTES = 64
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -80,10 +90,14 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     kind: str = "param"
+    residue_bytes: int = 0  # address mod KERNEL_ALIGNMENT_BYTES in the resident model (see the module docstring)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("TensorSpec.name is empty")
+        if not 0 <= self.residue_bytes < KERNEL_ALIGNMENT_BYTES or self.residue_bytes % self.dtype.itemsize:
+            raise ValueError(f"TensorSpec {self.name!r}: residue_bytes must be a multiple of the itemsize in "
+                             f"[0, {KERNEL_ALIGNMENT_BYTES}), got {self.residue_bytes}")
         if self.kind not in TENSOR_KINDS:
             raise ValueError(f"TensorSpec {self.name!r}: kind must be one of {TENSOR_KINDS}, got {self.kind!r}")
         if any(int(d) < 0 for d in self.shape):

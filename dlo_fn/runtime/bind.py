@@ -17,7 +17,8 @@ from torch import nn
 
 from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
-__all__ = ["BindTarget", "meta_params", "bind_targets", "rollback", "model_from_config", "meta_module_from_header"]
+__all__ = ["BindTarget", "meta_params", "bind_targets", "rollback", "model_from_config", "meta_module_from_header",
+           "with_address_residues", "BUFFER_HOOKS", "buffer_hook", "non_persistent_buffers", "recompute_buffers"]
 
 DLO_MODEL_TYPE = "dlo_fn-video-dit"
 
@@ -115,12 +116,13 @@ def model_from_config(ckpt: Checkpoint) -> nn.Module:
     (``dlo_fn.models.build_model``); the loader then binds it and calls its ``init_buffers()``."""
     where = ckpt.root / CONFIG_FILE
     if ckpt.config is None:
-        raise CheckpointError("no config.json next to the weights, so the model is unknown: pass model_or_factory=",
-                              file=where)
+        raise CheckpointError("no config.json next to the weights, so the model is unknown: pass model_or_factory= "
+                              "(a module, a factory or a diffusers class)", file=where)
     kind = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None
     if kind != DLO_MODEL_TYPE:
-        raise CheckpointError(f"config.json has model_type {kind!r}, not {DLO_MODEL_TYPE!r}: pass "
-                              "model_or_factory= to build the model yourself", file=where)
+        raise CheckpointError(f"config.json is neither a dlo_fn config (model_type {kind!r}, not {DLO_MODEL_TYPE!r}) "
+                              "nor a diffusers one (_class_name): pass model_or_factory= to build the model yourself",
+                              file=where)
     from dlo_fn import models
 
     try:
@@ -153,3 +155,78 @@ def meta_module_from_header(header: Mapping[str, Mapping]) -> nn.Module:
         )
     return root
 
+
+
+# Model methods that (re)compute non-persistent buffers after binding, first found wins:
+# dlo_fn.models.VideoDiT.init_buffers(device=None), or a generic init_non_persistent_buffers().
+BUFFER_HOOKS = ("init_non_persistent_buffers", "init_buffers")
+
+
+def buffer_hook(model: nn.Module):
+    """The model's own method of :data:`BUFFER_HOOKS`, or None."""
+    for name in BUFFER_HOOKS:
+        hook = getattr(model, name, None)
+        if callable(hook):
+            return hook
+    return None
+
+
+def non_persistent_buffers(model: nn.Module, hook) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(names of all non-persistent buffers, those on meta)``; fails (before any binding) when some are on
+    meta and there is no ``hook`` (:data:`BUFFER_HOOKS`, or the loader's own for diffusers models) to
+    recompute them."""
+    names, on_meta = [], []
+    for mod_name, module in model.named_modules():
+        for attr in sorted(module._non_persistent_buffers_set):
+            t = module._buffers.get(attr)
+            if t is not None:
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                names.append(name)
+                if t.is_meta:
+                    on_meta.append(name)
+    if on_meta and hook is None:
+        raise CheckpointError(
+            f"non-persistent buffer(s) {', '.join(on_meta[:5])} are on the meta device and checkpoints do not store "
+            "them: pass a factory instead of a meta module (buffers are then built on the CPU), or give the model "
+            "an init_non_persistent_buffers() method", key=on_meta[0],
+        )
+    return tuple(names), tuple(on_meta)
+
+
+def recompute_buffers(model: nn.Module, names: tuple[str, ...], hook) -> None:
+    """Run ``hook`` (when the model has non-persistent buffers); none may stay on meta."""
+    if not names or hook is None:
+        return
+    hook()
+    still = [n for n in names if model.get_buffer(n).is_meta]
+    if still:
+        what = getattr(hook, "__name__", "restore_buffers")
+        raise CheckpointError(f"{what}() left {', '.join(still[:5])} on meta", key=still[0])
+
+
+def with_address_residues(spec, model: nn.Module):
+    """``spec`` with every block tensor's ``residue_bytes`` set to where ``model`` holds it now: its address mod
+    ``KERNEL_ALIGNMENT_BYTES`` (:mod:`dlo_fn.plan.spec`).
+
+    For a CPU model these tensors are the resident ones (a file's mmap views sit at the file's offsets mod 64,
+    e.g. 8 mod 16 in diffusers files; a tensor torch allocated sits at 0 mod 64), and placing each weight in the
+    slots at the same residue lets the offloaded kernels see the alignment the resident model computes with. A
+    residue that is not a multiple of the itemsize (no kernel sees such a tensor aligned) or a tensor on meta
+    keeps residue 0."""
+    import dataclasses
+
+    from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES
+
+    blocks = []
+    for block in spec.blocks:
+        module = model.get_submodule(block.name)
+        tensors = []
+        for t in block.tensors:
+            path, _, attr = t.name.rpartition(".")
+            owner = module.get_submodule(path) if path else module
+            value = owner._parameters.get(attr)
+            value = owner._buffers.get(attr) if value is None else value
+            r = 0 if value is None or value.is_meta else value.data_ptr() % KERNEL_ALIGNMENT_BYTES
+            tensors.append(dataclasses.replace(t, residue_bytes=r if r % t.dtype.itemsize == 0 else 0))
+        blocks.append(dataclasses.replace(block, tensors=tuple(tensors)))
+    return dataclasses.replace(spec, blocks=tuple(blocks))

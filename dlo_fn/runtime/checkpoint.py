@@ -9,20 +9,16 @@ A safetensors file is::
     [8 bytes: N, little-endian u64][N bytes: JSON header][data buffer]
 
 and the header maps each key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` with offsets relative to
-the data buffer. :func:`read_header` reads the first ``8 + N`` bytes only and checks everything the loader
-later relies on, so a plan (``dlo_fn.plan.spec.spec_from_header``) and every bad-input error can come from
-headers alone, before a byte of weights is mapped:
-
-* ``8 + N <= file size`` and ``N`` below safetensors' own 100 MB limit;
-* the tensors tile the data buffer exactly: sorted by ``begin`` they start at 0, each begins where the previous
-  ends, the last ends at ``file size - 8 - N`` (a shorter file is a truncated download);
-* ``prod(shape) * itemsize == end - begin`` and the dtype is one torch knows.
+the data buffer. :func:`read_header` reads the first ``8 + N`` bytes only and checks ``8 + N <= file size``,
+``N`` below safetensors' own 100 MB limit, and then everything :func:`dlo_fn.plan.header.parse_header` checks
+(what safetensors itself checks, and that the tensors tile the data buffer exactly), so a plan
+(``dlo_fn.plan.spec.spec_from_header``) and every bad-input error can come from headers alone, before a byte of
+weights is mapped.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import re
@@ -31,7 +27,7 @@ import types
 from dataclasses import dataclass
 from typing import Mapping
 
-from dlo_fn.plan.spec import dtype_from_safetensors
+from dlo_fn.plan.header import HeaderError, parse_header
 
 __all__ = [
     "CheckpointError",
@@ -49,6 +45,7 @@ WEIGHT_NAMES = (
     ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json"),
 )
 CONFIG_FILE = "config.json"
+PIPELINE_INDEX, PIPELINE_TRANSFORMER = "model_index.json", "transformer"  # a diffusers pipeline folder
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers too
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -136,61 +133,10 @@ def _read_header(path: pathlib.Path) -> tuple[dict, int]:
             )
         raw = f.read(header_bytes)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"corrupted header: not valid JSON ({exc}); {fix}", file=path) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"corrupted header: JSON is a {type(header).__name__}, not an object; {fix}", file=path)
-    _validate_entries(path, header, data_bytes=file_bytes - 8 - header_bytes)
+        header = parse_header(raw, data_bytes=file_bytes - 8 - header_bytes)
+    except HeaderError as exc:
+        raise CheckpointError(f"{exc}; {fix}", file=path, key=exc.key) from None
     return header, 8 + header_bytes
-
-
-def _validate_entries(path: pathlib.Path, header: dict, data_bytes: int) -> None:
-    fix = "the file is damaged: download or write it again"
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"corrupted header: __metadata__ is not an object; {fix}", file=path)
-    spans: list[tuple[int, int, str]] = []
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-            raise CheckpointError(f"corrupted header: entry lacks dtype/shape/data_offsets; {fix}", file=path, key=key)
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise CheckpointError(f"corrupted header: shape {shape!r} is not a list of sizes; {fix}", file=path, key=key)
-        if not (
-            isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        ):
-            raise CheckpointError(f"corrupted header: data_offsets {offsets!r} are not [begin, end]; {fix}",
-                                  file=path, key=key)
-        try:
-            itemsize = dtype_from_safetensors(entry["dtype"]).itemsize
-        except (ValueError, TypeError) as exc:
-            raise CheckpointError(f"{exc}; convert the checkpoint to a supported dtype", file=path, key=key) from None
-        if math.prod(shape) * itemsize != offsets[1] - offsets[0]:
-            raise CheckpointError(
-                f"corrupted header: shape {shape} x {itemsize} bytes != byte span {offsets[1] - offsets[0]}; {fix}",
-                file=path, key=key,
-            )
-        spans.append((offsets[0], offsets[1], key))
-    spans.sort()
-    end = 0
-    for begin, stop, key in spans:
-        if begin != end:
-            what = "overlaps the previous tensor" if begin < end else f"leaves a gap of {begin - end} bytes"
-            raise CheckpointError(f"corrupted header: data_offsets [{begin}, {stop}] {what}; {fix}", file=path, key=key)
-        end = stop
-    if end > data_bytes:
-        key = spans[-1][2]
-        raise CheckpointError(
-            f"truncated: tensors end at data byte {end} but the file holds only {data_bytes} data bytes "
-            f"(an incomplete download or copy?); {fix}",
-            file=path, key=key,
-        )
-    if end < data_bytes:
-        raise CheckpointError(f"corrupted: {data_bytes - end} bytes after the last tensor; {fix}", file=path)
 
 
 def resolve_checkpoint(
@@ -203,10 +149,12 @@ def resolve_checkpoint(
     """``(root, weight files, index file or None)`` for a directory, a file, or a cached Hugging Face repo id.
 
     A repo id is looked up with ``huggingface_hub.snapshot_download(local_files_only=True)`` in ``cache_dir``,
-    else ``$HF_HUB_CACHE`` (read now, not at import), else huggingface_hub's default. Nothing is downloaded."""
+    else ``$HF_HUB_CACHE`` (read now, not at import), else huggingface_hub's default. Nothing is downloaded.
+    ``owner/name`` is a repo id only when no such local path exists and ``owner`` is not a local directory. A
+    diffusers pipeline folder (``model_index.json``, no weights of its own) resolves to its ``transformer``."""
     text = os.fspath(checkpoint)
     path = pathlib.Path(text).expanduser()
-    if not path.exists() and _REPO_ID.match(text) and not text.startswith((".", "/", "~")):
+    if _is_repo_id(text, path):
         path = _from_hf_cache(text, cache_dir=cache_dir, revision=revision)
     if subfolder:
         path = path / subfolder
@@ -215,22 +163,43 @@ def resolve_checkpoint(
             return path.parent, _index_files(path), path
         return path.parent, (path,), None
     if not path.is_dir():
-        kind = "directory or file"
         raise CheckpointError(
-            f"no such checkpoint {kind}: pass a directory with model.safetensors (or an index), a .safetensors "
-            "file, or a Hugging Face repo id that is in the local cache",
+            f"no such checkpoint {_what_is_there(path)}: pass a directory with model.safetensors (or an index), a "
+            ".safetensors file, or a Hugging Face repo id that is in the local cache",
             file=path,
         )
     for single, index in WEIGHT_NAMES:
-        if (path / index).is_file():
-            return path, _index_files(path / index), path / index
-        if (path / single).is_file():
-            return path, (path / single,), None
-    found = sorted(p.name for p in path.glob("*.safetensors"))
+        for name in (index, single):
+            if (path / name).is_file():
+                return (path, _index_files(path / name), path / name) if name == index else (path, (path / name,), None)
+            if os.path.lexists(path / name):
+                raise CheckpointError(f"{name} is {_what_is_there(path / name)}, not a file: write or download the "
+                                      "checkpoint again", file=path / name)
+    found = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
     if len(found) == 1:
         return path, (path / found[0],), None
+    if not found and (path / PIPELINE_INDEX).is_file() and (path / PIPELINE_TRANSFORMER).is_dir():
+        return resolve_checkpoint(path / PIPELINE_TRANSFORMER)
     hint = f"found {found}: add a model.safetensors.index.json" if found else "it holds no .safetensors file"
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json here ({hint})", file=path)
+
+
+def _is_repo_id(text: str, path: pathlib.Path) -> bool:
+    if os.path.lexists(path) or not _REPO_ID.match(text) or text.startswith((".", "/", "~")):
+        return False
+    owner = path.parts[0]
+    return not os.path.isdir(owner) and not text.endswith((".safetensors", ".json"))
+
+
+def _what_is_there(path: pathlib.Path) -> str:
+    """``directory or file`` when nothing is at ``path``; else what is there instead of a file."""
+    if path.is_symlink() and not path.exists():
+        return f"a broken symlink (to {os.readlink(path)})"
+    if path.is_dir():
+        return "a directory"
+    if path.exists():
+        return "not a regular file"
+    return "directory or file"
 
 
 def _from_hf_cache(repo_id: str, *, cache_dir, revision) -> pathlib.Path:
@@ -265,7 +234,12 @@ def _read_index(index: pathlib.Path) -> dict[str, str]:
         raise CheckpointError(f"unreadable index ({exc}): write or download it again", file=index) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError("index has no weight_map of key -> shard file name: write it again", file=index)
+        raise CheckpointError("index has no weight_map of key -> shard file name: write it again (or pass the "
+                              "checkpoint directory)", file=index)
+    for key, name in weight_map.items():
+        if not name or pathlib.PurePath(name).name != name:
+            raise CheckpointError(f"the index names shard {name!r}, which is not a file name beside the index: "
+                                  "write or download the index again", file=index, key=key)
     return weight_map
 
 
@@ -282,10 +256,11 @@ def open_checkpoint(
     weight_map = _read_index(index) if index is not None else None
     entries: dict[str, TensorEntry] = {}
     for file in files:
-        if not file.is_file():
-            key = next(k for k, v in weight_map.items() if root / v == file) if weight_map else None
+        if index is not None and not file.is_file():
+            key = next(k for k, v in weight_map.items() if root / v == file)
+            what = "missing" if _what_is_there(file) == "directory or file" else _what_is_there(file)
             raise CheckpointError(
-                f"the index {index.name} names shard {file.name}, which is missing: download or copy the shard",
+                f"the index {index.name} names shard {file.name}, which is {what}: download or copy the shard",
                 file=file, key=key,
             )
         header, data_start = _read_header(file)
@@ -305,10 +280,16 @@ def open_checkpoint(
                     "disagree; write or download them again",
                     file=root / name, key=key,
                 )
+    if not entries:
+        raise CheckpointError("the checkpoint holds no tensors: write or download it again",
+                              file=index or (files[0] if files else root))
     config = None
     if (root / CONFIG_FILE).is_file():
         try:
             config = json.loads((root / CONFIG_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"unreadable config ({exc}): write it again", file=root / CONFIG_FILE) from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"config is a JSON {type(config).__name__}, not an object: write it again",
+                                  file=root / CONFIG_FILE)
     return Checkpoint(os.fspath(checkpoint), root, tuple(files), entries, config)

@@ -18,6 +18,7 @@ every floating-point tensor to that dtype. A cast tensor is a private copy: it i
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -27,11 +28,13 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from dlo_fn.runtime.bind import BindTarget, bind_targets, meta_params, rollback
+from dlo_fn.runtime.bind import (BUFFER_HOOKS, BindTarget, bind_targets, buffer_hook, meta_params,
+                                 non_persistent_buffers, recompute_buffers, rollback)
 from dlo_fn.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from dlo_fn.runtime.memstat import file_mappings, in_mappings
 
-__all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "MODES", "BUFFER_HOOKS", "CheckpointError"]
+__all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "build_for_checkpoint", "plan_targets", "MODES",
+           "BUFFER_HOOKS", "CheckpointError"]
 
 log = logging.getLogger(__name__)
 MODES = ("mmap", "copy")
@@ -86,16 +89,21 @@ def load_checkpoint(
     cache_dir: str | os.PathLike | None = None,
     revision: str | None = None,
     subfolder: str | None = None,
+    torch_dtype: torch.dtype | None = None,
     progress: bool | None = None,
 ) -> LoadResult:
     """Load ``checkpoint`` (directory, ``.safetensors`` file, index file, or cached HF repo id) into a model.
 
     ``model_or_factory``: a module whose parameters are usually on ``meta``; or a zero-argument factory,
     called with parameters created on ``meta`` and buffers on the CPU (so non-persistent buffers are computed
-    by the model's own init); or ``None`` to build the reference DiT from the checkpoint's dlo_fn
-    ``config.json``. After binding, the model's buffer hook (:data:`BUFFER_HOOKS`: ``init_non_persistent_buffers()``
-    or ``init_buffers()``, as ``dlo_fn.models.VideoDiT`` has) recomputes non-persistent buffers; without a hook
-    they must already be real. ``key_map`` maps a checkpoint key to the module's name (a callable returning
+    by the model's own init); or ``None`` to build the model ``config.json`` describes: the reference DiT (a
+    dlo_fn config) or the diffusers class it names, as ``from_pretrained(torch_dtype=...)`` builds it
+    (:mod:`dlo_fn.runtime.diffusers_load`: ``torch_dtype`` defaults to the checkpoint's own, fp32 modules stay
+    fp32, stored tensors are cast to their module's dtype as diffusers casts them). A diffusers model class
+    builds from the checkpoint's config too. After binding, the model's buffer hook (:data:`BUFFER_HOOKS`:
+    ``init_non_persistent_buffers()`` or ``init_buffers()``, as ``dlo_fn.models.VideoDiT`` has; for a diffusers
+    model, a fresh build of its class) recomputes non-persistent buffers left on meta; without a hook they must
+    already be real. ``key_map`` maps a checkpoint key to the module's name (a callable returning
     ``None`` drops the key on purpose). ``mode="copy"`` is the naive loader (private clones) for comparison.
     ``progress``: a tqdm bar on stderr (``None``: only on a terminal).
 
@@ -107,13 +115,17 @@ def load_checkpoint(
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
         checkpoint, cache_dir=cache_dir, revision=revision, subfolder=subfolder
     )
-    model = _build(ckpt, model_or_factory)
-    targets, ignored = _plan_targets(ckpt, model, key_map, cast_dtype)
-    recomputed, _ = _non_persistent(model)
+    model, built_by_diffusers = build_for_checkpoint(ckpt, model_or_factory, torch_dtype)
+    if built_by_diffusers and cast_dtype is None:
+        cast_dtype = True  # from_pretrained casts every stored tensor to its module's dtype
+    elif isinstance(model_or_factory, nn.Module):
+        _warn_cast_buffers(model)
+    targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype)
+    recomputed, _ = non_persistent_buffers(model, _buffer_hook(model))
     saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]
     try:
         bound = bind_targets(ckpt, targets, copy=(mode == "copy"), progress=progress)
-        _recompute(model, recomputed)
+        recompute_buffers(model, recomputed, _buffer_hook(model))
         report = _report(ckpt, mode, targets, bound, ignored, recomputed)
     except BaseException:
         rollback(saved)
@@ -127,20 +139,29 @@ def load_checkpoint(
     return LoadResult(model, report)
 
 
-def _build(ckpt: Checkpoint, model_or_factory) -> nn.Module:
+def build_for_checkpoint(ckpt: Checkpoint, model_or_factory=None,
+                         torch_dtype: torch.dtype | None = None) -> tuple[nn.Module, bool]:
+    """``(model, built from a diffusers config)``: the module :func:`load_checkpoint` binds (see there), with
+    no tensor read. A given module is returned as it is."""
+    from dlo_fn.runtime import diffusers_load
+
     if isinstance(model_or_factory, nn.Module):
-        return model_or_factory
+        return model_or_factory, False
     if model_or_factory is None:
+        if diffusers_load.is_diffusers_config(ckpt.config):
+            return diffusers_load.build_model(ckpt, torch_dtype=torch_dtype), True
         from dlo_fn.runtime.bind import model_from_config
 
-        return model_from_config(ckpt)
+        return model_from_config(ckpt), False
+    if diffusers_load.is_diffusers_model(model_or_factory) and isinstance(model_or_factory, type):
+        return diffusers_load.build_model(ckpt, cls=model_or_factory, torch_dtype=torch_dtype), True
     if not callable(model_or_factory):
         raise TypeError(f"model_or_factory must be an nn.Module, a factory or None, got {type(model_or_factory)}")
     with meta_params():
         model = model_or_factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-    return model
+    return model, False
 
 
 def _map_key(key_map: KeyMap | None, key: str) -> str | None:
@@ -151,8 +172,10 @@ def _map_key(key_map: KeyMap | None, key: str) -> str | None:
     return key_map(key)
 
 
-def _plan_targets(ckpt: Checkpoint, model: nn.Module, key_map, cast_dtype):
-    """Match module tensors to checkpoint entries and check names, shapes and dtypes from headers alone."""
+def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = None,
+                 cast_dtype: torch.dtype | bool | None = None) -> tuple[tuple[BindTarget, ...], tuple[str, ...]]:
+    """``(targets, ignored keys)``: module tensors matched to checkpoint entries, names, shapes and dtypes
+    checked from the headers alone (no tensor read); the :class:`CheckpointError` of every mismatch."""
     from dlo_fn.plan.spec import dtype_from_safetensors
 
     wanted: dict[str, tuple[nn.Module, str, str, torch.Tensor]] = {}
@@ -183,8 +206,8 @@ def _plan_targets(ckpt: Checkpoint, model: nn.Module, key_map, cast_dtype):
         key = unexpected[0]
         raise CheckpointError(
             f"unexpected key: {len(unexpected)} checkpoint tensor(s) match no parameter or persistent buffer of "
-            f"the module ({', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}); pass key_map= to "
-            "rename them (or map them to None to skip them), or build the matching model",
+            f"the module ({', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}): a damaged header or "
+            "another model's checkpoint; build the matching model, or pass key_map= to rename them (None skips)",
             file=ckpt.entries[key].file, key=key,
         )
     # A tied tensor (one object under several names) needs one of its names in the checkpoint.
@@ -217,49 +240,26 @@ def _plan_targets(ckpt: Checkpoint, model: nn.Module, key_map, cast_dtype):
     return tuple(targets), tuple(ignored)
 
 
-# Model methods that (re)compute non-persistent buffers after binding, first found wins:
-# dlo_fn.models.VideoDiT.init_buffers(device=None), or a generic init_non_persistent_buffers().
-BUFFER_HOOKS = ("init_non_persistent_buffers", "init_buffers")
+def _warn_cast_buffers(model: nn.Module) -> None:
+    from dlo_fn.runtime import diffusers_load
+
+    if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
+        cast = diffusers_load.cast_buffers(model)
+        if cast:
+            log.warning("%s: buffer(s) %s are not in the dtype from_pretrained gives them (model.to(dtype) casts "
+                        "buffers too); load the folder without a model (load_model(folder, torch_dtype=...)) to "
+                        "get them as diffusers has them", type(model).__name__, ", ".join(cast[:5]))
 
 
 def _buffer_hook(model: nn.Module):
-    for name in BUFFER_HOOKS:
-        hook = getattr(model, name, None)
-        if callable(hook):
-            return hook
-    return None
+    """The model's :data:`BUFFER_HOOKS` method, else for a diffusers model a fresh build of its class."""
+    hook = buffer_hook(model)
+    if hook is None:
+        from dlo_fn.runtime import diffusers_load
 
-
-def _non_persistent(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(names of all non-persistent buffers, those on meta)``; fails (before any binding) when some are on
-    meta and the model has no hook (:data:`BUFFER_HOOKS`) to recompute them."""
-    names, on_meta = [], []
-    for mod_name, module in model.named_modules():
-        for attr in sorted(module._non_persistent_buffers_set):
-            t = module._buffers.get(attr)
-            if t is not None:
-                name = f"{mod_name}.{attr}" if mod_name else attr
-                names.append(name)
-                if t.is_meta:
-                    on_meta.append(name)
-    if on_meta and _buffer_hook(model) is None:
-        raise CheckpointError(
-            f"non-persistent buffer(s) {', '.join(on_meta[:5])} are on the meta device and checkpoints do not store "
-            "them: pass a factory instead of a meta module (buffers are then built on the CPU), or give the model "
-            "an init_non_persistent_buffers() method", key=on_meta[0],
-        )
-    return tuple(names), tuple(on_meta)
-
-
-def _recompute(model: nn.Module, names: tuple[str, ...]) -> None:
-    """Run the model's buffer hook (when it has non-persistent buffers); none may stay on meta."""
-    hook = _buffer_hook(model)
-    if not names or hook is None:
-        return
-    hook()
-    still = [n for n in names if model.get_buffer(n).is_meta]
-    if still:
-        raise CheckpointError(f"{hook.__name__}() left {', '.join(still[:5])} on meta", key=still[0])
+        if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
+            hook = functools.partial(diffusers_load.restore_buffers, model)
+    return hook
 
 
 def _report(ckpt: Checkpoint, mode: str, targets, bound, ignored, recomputed) -> LoadReport:

@@ -28,6 +28,7 @@ from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layou
 from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
+from dlo_fn.runtime.bind import with_address_residues
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
 from dlo_fn.runtime.executor import Executor
@@ -119,12 +120,20 @@ def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module
     return out
 
 
-def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext,
+def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ctx: DistContext | None = None,
             options: OffloadOptions | None = None, **overrides: Any) -> Offloaded:
     """Prepare ``model`` (in place) for offloaded execution on ``ctx``'s device; see the module docstring.
 
     ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
+    ``block_paths=None``: the model's own block lists (:func:`dlo_fn.runtime.diffusers_load.block_paths_for`:
+    the common diffusers DiTs, or the one top-level list of identical blocks): ``offload(transformer, ctx=ctx)``.
     """
+    if ctx is None:
+        raise TypeError("offload() needs ctx= (dlo_fn.runtime.dist.init_distributed())")
+    if block_paths is None:
+        from dlo_fn.runtime.diffusers_load import block_paths_for
+
+        block_paths = block_paths_for(model)
     options = options or OffloadOptions()
     if overrides:
         import dataclasses
@@ -133,6 +142,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
     paths = normalize_block_paths(block_paths)
     platform = ctx.platform
     spec = spec_from_module(model, paths, name=type(model).__name__)
+    if platform.device.type == "cpu":  # the resident model computes from these very tensors: keep their alignment
+        spec = with_address_residues(spec, model)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
