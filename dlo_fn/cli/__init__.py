@@ -95,10 +95,30 @@ def _rank() -> int:
 
 def _say(command: str, message: str, *, rank_prefix: bool = False) -> None:
     where = f"rank {_rank()}: " if rank_prefix else ""
+    lines = []
     for line in str(message).strip().splitlines() or [type(message).__name__]:
         for prefix in (f"dlo_fn {command}: ", f"{command}: "):  # messages that already name the command
             line = line[len(prefix):] if line.startswith(prefix) else line
-        print(f"dlo_fn {command}: error: {where}{line}", file=sys.stderr)
+        lines.append(f"dlo_fn {command}: error: {where}{line}")
+        print(lines[-1], file=sys.stderr)
+    _torchrun_error_file("\n".join(lines))
+
+
+def _torchrun_error_file(text: str) -> None:
+    """Under torchrun, hand the message to its error file: its ChildFailedError summary then shows it as the
+    root cause's traceback instead of a pointer to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
 
 
 def _quiet_stdout() -> None:
