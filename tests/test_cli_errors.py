@@ -191,8 +191,9 @@ def test_partly_bad_prompts_file_runs_the_rest(checkpoint, tmp_path):
     assert err.index("skipping") < err.index("loaded ")  # named before the model was loaded
     assert "id 'x' is already used on line 2" in skipped[0] and "'frames'" in skipped[1]
     assert "2 of 4 request(s) produced no output" in err.splitlines()[-1]
-    assert "wave 0 line0001" in err  # the step bar of wave 0
-    assert f"timeline" in done.stdout and str(trace) in done.stdout
+    assert "wave 0 (2 in this dispatch): 1 request(s) [line0001], 2 step(s)" in err  # a line per wave
+    assert "wave 0 line0001" in err and "2/2" in err  # and the step bar of wave 0
+    assert "timeline" in done.stdout and str(trace) in done.stdout
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     tail = [e for e in events if e["name"].endswith("(prefetch for next run)")]
     assert tail and all(e["args"]["op"].split()[1] in ("H2D", "AG") for e in tail)
