@@ -151,6 +151,9 @@ def test_verbose_after_the_command_and_tiny_units(capsys):
     assert main(["plan", "--model", "tiny", "-v"]) == 0
     out = capsys.readouterr().out
     assert "0.000 GB" not in out and "KB)" in out
+    assert main(["plan", "--model", "tiny", "--alignment", "100", "-v"]) == 2  # -v after: the traceback too
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("dlo_fn plan: error: --alignment 100")
 
 
 def test_closed_stdout_is_quiet():

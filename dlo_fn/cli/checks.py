@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any, Mapping, Sequence
 
-from dlo_fn.cli import UsageError, _rank
+from dlo_fn.cli import UsageError, _rank, _torchrun_error_file
 
 __all__ = ["FLAG_OF_FIELD", "check_checkpoint", "check_engine_args", "check_prompts", "report_failures",
            "request_from_flags"]
@@ -127,6 +127,8 @@ def report_failures(report: Any, printed: Sequence[str] = ()) -> int:
         if r.error not in printed:
             _stderr(f"dlo_fn generate: {r.request_id} failed: {r.error}")
     if failed:
-        _stderr(f"dlo_fn generate: {len(failed)} of {len(report.results)} request(s) produced no output "
-                f"(reasons above and in manifest.jsonl): exit code 1")
+        summary = (f"dlo_fn generate: {len(failed)} of {len(report.results)} request(s) produced no output "
+                   f"(reasons above and in manifest.jsonl): exit code 1")
+        _stderr(summary)
+        _torchrun_error_file(summary)  # torchrun's failure summary names it as the root cause
     return 1 if failed else 0

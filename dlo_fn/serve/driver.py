@@ -208,8 +208,11 @@ class Driver:
         shown = ",".join(ids) if len(ids) <= 3 else f"{ids[0]},...,{ids[-1]}"
         bar = tqdm(total=steps, unit="step", desc=f"wave {wave.wave_id} {shown}",
                    disable=None if enabled is None else not enabled, leave=True)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         try:
-            yield lambda: bar.update(1)
+            with logging_redirect_tqdm():  # log lines during the wave print above the bar, not through it
+                yield lambda: bar.update(1)
         finally:
             bar.close()
 
