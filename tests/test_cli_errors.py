@@ -123,6 +123,13 @@ def test_make_checkpoint_mistakes(capsys, tmp_path):
     assert "--max-shard-size lots" in line
 
 
+def test_generate_help_says_what_the_hash_is_and_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "not of a file" in text and "file_sha256" in text and "exit codes: 0" in text and "noise" in text
+
+
 def test_make_checkpoint_help_lists_every_size():
     """The --help table is measured: each size equals the built model's tensor bytes in bf16."""
     from dlo_fn.cli.make_checkpoint import _config

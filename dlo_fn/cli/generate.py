@@ -85,11 +85,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bounded wait to fill a wave (a closed prompts file never waits)")
 
 
+EPILOG = """\
+outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.jsonl and waves.jsonl. The sha256
+  printed and in the manifest is the SHA-256 of the video's uint8 bytes (np.load(npy).tobytes()), not of a file:
+  it is the same in every mode and world size; the manifest's file_sha256 hashes each written file.
+exit codes: 0 every request produced an output; 1 some did not (each reason is printed and in the manifest);
+  2 a usage error, printed as one line before any model is loaded (nothing ran).
+example (a CPU, seconds; random weights, so the video is noise):
+  python -m dlo_fn make-checkpoint --model tiny --out ckpt/tiny
+  python -m dlo_fn generate --checkpoint ckpt/tiny --prompt "a red fox" --height 64 --width 64 --frames 5 \\
+      --steps 4 --out out/
+"""
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate videos with layerwise-offloaded weights (torchrun for several ranks)",
         description=__doc__.split("\n\n")[0] + " Run under torchrun --nproc-per-node N for N ranks; without "
-        "torchrun it runs as one process. CPU ranks use gloo.",
+        "torchrun it runs as one process. CPU ranks use gloo.", epilog=EPILOG,
         formatter_class=HelpFormatter)
     add_model_arguments(parser)
     add_request_arguments(parser)
