@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from dlo_fn.cli import build_parser
+from dlo_fn.cli import UsageError, build_parser
 from dlo_fn.cli.generate import mode_from_args, options_from_args
 
 PROMPTS = ("a fox", "an owl", "a cat")  # 3 requests on 2 ranks: wave 1 is partial
@@ -70,7 +70,7 @@ def test_mode_flags_and_options():
     assert mode_from_args(parser.parse_args(base)) == "allgather"
     assert mode_from_args(parser.parse_args(base + ["--no-allgather"])) == "rank-local"
     assert mode_from_args(parser.parse_args(base + ["--mode", "resident", "--resident"])) == "resident"
-    with pytest.raises(SystemExit, match="conflicting modes"):
+    with pytest.raises(UsageError, match="conflicting modes"):
         mode_from_args(parser.parse_args(base + ["--resident", "--no-allgather"]))
     opts = options_from_args(parser.parse_args(base + ["--slots", "3", "--trace", "t.json"]))
     assert opts.num_slots == 3 and opts.record_timeline and opts.mode == "allgather"

@@ -116,7 +116,7 @@ def test_hbm_small_numbers():
     r = hbm_per_card(SMALL, 3, "rank-local", context_bytes=0, alignment_bytes=8)
     assert r.landing_bytes == 0 and r.slot_bytes == 2 * 304  # align_up(300, 8) = 304, whole blocks
     with pytest.raises(ValueError, match="num_slots"):
-        hbm_per_card(SMALL, 3, num_slots=1, context_bytes=CTX)
+        hbm_per_card(SMALL, 3, num_slots=0, context_bytes=CTX)
     with pytest.raises(ValueError, match="mode"):
         hbm_per_card(SMALL, 3, "zero-copy", context_bytes=CTX)
 

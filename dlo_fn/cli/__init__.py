@@ -2,6 +2,15 @@
 
 Each command module defines ``register(subparsers)`` (adds its parser and sets ``func``) and keeps its heavy
 imports inside the function it runs, so ``--help`` stays fast.
+
+:func:`main` is the one error boundary of every command. A mistake in the command line or in a file it names
+(:class:`UsageError`, any ``ValueError`` such as :class:`~dlo_fn.runtime.checkpoint.CheckpointError`, a missing
+or existing file) prints one line ``dlo_fn <command>: error: ...`` on stderr and exits with 2; an ``OSError``
+while working exits with 1; Ctrl-C exits with 130; a closed stdout (``--json | head``) exits with 1 quietly.
+Under ``torchrun`` (``RANK`` set) usage errors, which every rank detects the same way before any model is
+loaded, are printed by rank 0 only; a runtime failure is printed by the rank that had it, prefixed with its
+rank. ``-v`` (before or after the command) shows the traceback as well. Other exceptions are bugs: they
+propagate with their traceback.
 """
 
 from __future__ import annotations
@@ -9,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import traceback
 
 # Command modules, in the order `--help` lists them.
 COMMANDS = (
@@ -21,6 +32,16 @@ COMMANDS = (
     "bench",
     "figures",
 )
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or in a file it names: :func:`main` prints the message as is (one line
+    per mistake, each naming the argument, file, key or line and what to do) and exits with 2."""
+
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -45,19 +66,105 @@ def build_parser() -> argparse.ArgumentParser:
             "weights, benchmark, and regenerate the figures."
         ),
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"dlo_fn.cli.{name}").register(sub)
+    _verbose_everywhere(sub)
     return parser
+
+
+def _verbose_everywhere(sub: argparse._SubParsersAction) -> None:
+    """``-v`` also after the command (``generate -v``, ``bench load -v``); SUPPRESS keeps the top-level one."""
+    for p in set(sub.choices.values()):
+        if not any("-v" in a.option_strings for a in p._actions):
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                           help="debug logging and tracebacks")
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _verbose_everywhere(action)
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 without)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _say(command: str, message: str, *, rank_prefix: bool = False) -> None:
+    where = f"rank {_rank()}: " if rank_prefix else ""
+    lines = []
+    for line in str(message).strip().splitlines() or [type(message).__name__]:
+        for prefix in (f"dlo_fn {command}: ", f"{command}: "):  # messages that already name the command
+            line = line[len(prefix):] if line.startswith(prefix) else line
+        lines.append(f"dlo_fn {command}: error: {where}{line}")
+        print(lines[-1], file=sys.stderr)
+    _torchrun_error_file("\n".join(lines))
+
+
+def _torchrun_error_file(text: str) -> None:
+    """Under torchrun, hand the message to its error file: its ChildFailedError summary then shows it as the
+    root cause's traceback instead of a pointer to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # argparse's own errors: its usage line, one error line, exit 2
+    verbose = getattr(args, "verbose", False)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return int(args.func(args) or 0)
+    command = args.command
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the boundary: a closed pipe surfaces here, not at exit
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        if _rank() == 0:
+            _say(command, "interrupted")
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # raise SystemExit("message") from a command: a usage error
+        if exc.code is None or isinstance(exc.code, int):
+            raise
+        if _rank() == 0:
+            _say(command, exc.code)
+        return EXIT_USAGE
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+        if verbose:
+            traceback.print_exc()
+        if _rank() == 0:
+            _say(command, str(exc) or type(exc).__name__)
+        return EXIT_USAGE
+    except OSError as exc:
+        if verbose:
+            traceback.print_exc()
+        _say(command, f"{type(exc).__name__}: {exc}", rank_prefix="RANK" in os.environ)
+        return EXIT_FAILURE

@@ -15,8 +15,17 @@ under ``--out`` (:mod:`dlo_fn.serve.outputs`):
     waves.jsonl                one JSON line per wave: who ran what, latency, status
     --trace FILE               every rank's measured three-stream timeline (Chrome / Perfetto)
 
-The same request and seed give the same sha256 in every mode and for any number of ranks. Exit code 0 when
-every request produced an output, 1 otherwise (each failure is in the manifest with its reason).
+The manifest's ``sha256`` is the SHA-256 of the video's uint8 bytes in C order (``np.load(npy).tobytes()``),
+not of any file: the same request and seed give the same sha256 in every mode and for any number of ranks, while
+the ``.npy`` and ``.png`` bytes also depend on numpy and PIL; ``file_sha256`` lists each written file's own hash.
+
+Everything the command line decides is checked before a model is loaded (:func:`check_generate_args`): a bad
+flag, checkpoint or request is one line on stderr and exit code 2. A ``--prompts`` line that cannot be
+parsed, repeats an id or fails validation is printed as one line naming ``FILE:LINE`` before loading; the other
+lines still run and the bad one gets a manifest line with its reason. Exit codes: 0 when every request produced
+an output, 1 when any failed or was rejected (so torchrun then prints its ChildFailedError summary for rank 0:
+the reasons are in the lines above it and in the manifest), 2 when nothing could run.
+Rank 0 shows a bar of denoising steps per wave and one line per wave on stderr.
 ``DLO_FN_FAULT`` injects a fault for tests (:mod:`dlo_fn.serve.batch`).
 """
 
@@ -27,7 +36,7 @@ import json
 import logging
 import pathlib
 
-from dlo_fn.cli import HelpFormatter
+from dlo_fn.cli import HelpFormatter, UsageError
 from dlo_fn.plan.modes import MODES
 
 log = logging.getLogger(__name__)
@@ -76,11 +85,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bounded wait to fill a wave (a closed prompts file never waits)")
 
 
+EPILOG = """\
+outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.jsonl and waves.jsonl. The sha256
+  printed and in the manifest is the SHA-256 of the video's uint8 bytes (np.load(npy).tobytes()), not of a file:
+  it is the same in every mode and world size; the manifest's file_sha256 hashes each written file.
+exit codes: 0 every request produced an output; 1 some did not (each reason is printed and in the manifest);
+  2 a usage error, printed as one line before any model is loaded (nothing ran).
+example (a CPU, seconds; random weights, so the video is noise):
+  python -m dlo_fn make-checkpoint --model tiny --out ckpt/tiny
+  python -m dlo_fn generate --checkpoint ckpt/tiny --prompt "a red fox" --height 64 --width 64 --frames 5 \\
+      --steps 4 --out out/
+"""
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate videos with layerwise-offloaded weights (torchrun for several ranks)",
         description=__doc__.split("\n\n")[0] + " Run under torchrun --nproc-per-node N for N ranks; without "
-        "torchrun it runs as one process. CPU ranks use gloo.",
+        "torchrun it runs as one process. CPU ranks use gloo.", epilog=EPILOG,
         formatter_class=HelpFormatter)
     add_model_arguments(parser)
     add_request_arguments(parser)
@@ -94,7 +116,7 @@ def mode_from_args(args: argparse.Namespace) -> str:
     if args.mode:
         chosen.add(args.mode)
     if len(chosen) > 1:
-        raise SystemExit(f"generate: conflicting modes {sorted(chosen)}: pick one of --mode, --no-allgather, "
+        raise UsageError(f"generate: conflicting modes {sorted(chosen)}: pick one of --mode, --no-allgather, "
                          f"--resident")
     return chosen.pop() if chosen else "allgather"
 
@@ -116,17 +138,38 @@ def _defaults(args: argparse.Namespace) -> dict:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def submissions_from_args(args: argparse.Namespace) -> list:
-    """``--prompt``s (ids ``req0000``, ...) or the ``--prompts`` file's lines, with the flags as defaults."""
-    from dlo_fn.models import Request
+def submissions_from_args(args: argparse.Namespace, config=None) -> list:
+    """``--prompt``s (ids ``req0000``, ...) or the ``--prompts`` file's lines, with the flags as defaults. With
+    ``config``, every request is validated against the model: a bad flag raises :class:`UsageError` naming it;
+    a bad, invalid or duplicate-id prompts line becomes an error submission naming ``FILE:LINE``."""
+    from dlo_fn.cli.checks import check_prompts, request_from_flags
     from dlo_fn.serve.requests import as_submissions, read_prompts
 
     if args.prompts is not None:
         try:
-            return read_prompts(args.prompts, _defaults(args))
-        except FileNotFoundError as exc:
-            raise SystemExit(f"generate: --prompts {exc}") from None
-    return as_submissions([Request.from_dict({**_defaults(args), "prompt": p}) for p in args.prompt])
+            subs = read_prompts(args.prompts, _defaults(args))
+        except (FileNotFoundError, OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"generate: --prompts {args.prompts}: {exc}") from None
+        return check_prompts(args.prompts, subs, config)
+    return as_submissions([request_from_flags(_defaults(args), p, config) for p in args.prompt])
+
+
+def check_generate_args(args: argparse.Namespace) -> tuple:
+    """``(options, submissions)`` from the command line, or :class:`UsageError` naming the flag, file or line:
+    run on every rank before any process group or model exists, so a mistake costs nothing and prints once."""
+    from dlo_fn.cli.checks import check_checkpoint, check_engine_args
+    from dlo_fn.cli.plan import check_layout_args
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise UsageError("generate: give --prompt (one or more) or --prompts FILE.jsonl, not both")
+    check_layout_args(args, "generate")
+    check_engine_args(args)
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        raise UsageError(f"generate: {exc}") from None
+    config = check_checkpoint(args.checkpoint)
+    return options, submissions_from_args(args, config)
 
 
 def load_offloaded(checkpoint: str, ctx, options):
@@ -148,9 +191,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from dlo_fn.serve.outputs import write_outputs
     from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
 
-    if (args.prompt is None) == (args.prompts is None):
-        raise SystemExit("generate: give --prompt (one or more) or --prompts FILE.jsonl, not both")
-    options = options_from_args(args)
+    from dlo_fn.cli.checks import report_failures
+
+    options, submissions = check_generate_args(args)
     platform = detect_platform(prefer=args.platform)
     ctx = init_distributed(platform, timeout_s=args.timeout)
     code = 0
@@ -159,11 +202,11 @@ def run_generate(args: argparse.Namespace) -> int:
         offloaded = load_offloaded(args.checkpoint, ctx, options)
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
-                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=None))
+                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=True))
         if ctx.is_main:
             timeline = None
             try:
-                report = engine.serve(submissions_from_args(args))
+                report = engine.serve(submissions)
                 if args.trace and engine.stopped is None:
                     timeline = engine.gather_timeline((("checkpoint", str(args.checkpoint)),))
             finally:
@@ -176,7 +219,7 @@ def run_generate(args: argparse.Namespace) -> int:
             if timeline is not None:
                 pathlib.Path(args.trace).write_text(json.dumps(to_chrome_trace(timeline)))
                 print(f"wrote every rank's measured timeline ({len(timeline.spans)} spans): {args.trace}")
-            code = 0 if report.ok else 1
+            code = report_failures(report, [s.error for s in submissions if s.error])
         else:
             engine.follow()
         offloaded.synchronize()

@@ -4,12 +4,46 @@ from __future__ import annotations
 
 import argparse
 
-from dlo_fn.cli import HelpFormatter
+from dlo_fn.cli import HelpFormatter, UsageError
+
+# Tensor bytes of each config in bf16, for --help (building every config to measure it would make --help take
+# seconds); tests/test_cli_errors.py checks each against the built model, so the table cannot drift.
+SIZES_BF16_BYTES = {
+    "tiny": 648_032,
+    "bench": 13_614_477_440,
+    "cosmos3-nano": 33_038_165_632,
+    "cosmos3-super": 123_952_864_384,
+    "400gb": 399_657_371_776,
+    "load-200mb": 215_849_088,
+    "load-1gb": 989_325_440,
+}
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def config_names() -> tuple[str, ...]:
+    """The named configs (:data:`dlo_fn.models.CONFIGS`) and the load benchmark's sizes (~200 MB, ~1 GB)."""
+    from dlo_fn.bench.load import LOAD_CONFIGS
+    from dlo_fn.models.configs import CONFIGS
+
+    return tuple(CONFIGS) + tuple(LOAD_CONFIGS)
+
+
+def _config(name: str):
+    from dlo_fn.bench.load import LOAD_CONFIGS, load_config
+    from dlo_fn.models.configs import CONFIGS
+
+    return load_config(name) if name in LOAD_CONFIGS else CONFIGS[name]
 
 
 def register(subparsers) -> None:
-    from dlo_fn.models.configs import CONFIGS
-
+    names = config_names()
+    sizes = "\n".join(f"  {n:14s} {_size(SIZES_BF16_BYTES[n]):>9s} in bf16 (fp32: about twice)" for n in names)
     parser = subparsers.add_parser(
         "make-checkpoint",
         help="write a random-initialised reference DiT checkpoint as safetensors",
@@ -17,11 +51,15 @@ def register(subparsers) -> None:
             "Write the named reference DiT's weights, initialised deterministically from --seed, as safetensors "
             "(one model.safetensors, or shards plus model.safetensors.index.json above --max-shard-size) and a "
             "config.json. Streams one tensor at a time: memory stays flat whatever the model size. Norm weights "
-            "stay fp32 in bf16 checkpoints."
+            "stay fp32 in bf16 checkpoints. The weights are random: `generate` from them is bit-exact and "
+            "repeatable but its videos are noise."
         ),
+        epilog=f"sizes (tensor bytes; the disk needs as much free):\n{sizes}\n\n"
+               "tiny generates on a CPU in seconds; load-1gb is a ~1 GB checkpoint for load and memory tests.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--model", required=True, choices=tuple(CONFIGS), help="named config")
+    parser.add_argument("--model", required=True, choices=names, metavar="NAME",
+                        help=f"named config: {', '.join(names)} (sizes below)")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, tensor name)")
     parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="linear weight dtype")
@@ -41,16 +79,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
     except ValueError as exc:
-        raise SystemExit(f"make-checkpoint: --max-shard-size: {exc}") from None
+        raise UsageError(f"--max-shard-size {args.max_shard_size}: {exc}") from None
+    config = _config(args.model)
     try:
         out = write_checkpoint(
-            args.model, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
+            config, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
             overwrite=args.overwrite, progress=not args.no_progress,
         )
     except FileExistsError as exc:
-        raise SystemExit(f"make-checkpoint: {exc}") from None
-    model = build_model(args.model, device="meta", dtype=DTYPES[args.dtype])
+        raise UsageError(f"--out {args.out}: {exc}") from None
+    except OSError as exc:  # e.g. a directory that cannot be created or written
+        raise UsageError(f"--out {args.out}: cannot write there ({exc.strerror or exc}): choose a writable "
+                         f"directory") from None
+    model = build_model(config, device="meta", dtype=DTYPES[args.dtype])
     total = sum(t.nbytes for t in init_plan(model))
     files = sorted(p.name for p in out.glob("*.safetensors"))
-    print(f"wrote {args.model} ({args.dtype}, seed {args.seed}) to {out}: {len(files)} file(s), {total:,} bytes of tensors")
+    print(f"wrote {args.model} ({args.dtype}, seed {args.seed}) to {out}: {len(files)} file(s), {total:,} bytes of "
+          f"tensors (random weights: generate makes noise from them)")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dlo_fn.cli import HelpFormatter
+from dlo_fn.cli import HelpFormatter, UsageError
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 TERMS_HELP = """\
@@ -90,30 +90,59 @@ def _sizes(args: argparse.Namespace, parse_bytes):
     from dlo_fn.plan.memory import ModelSizes
 
     if args.model:
-        if args.num_blocks or args.max_block_bytes or parse_bytes(args.resident_bytes):
-            raise SystemExit("--model gives exact block sizes: leave out --num-blocks/--max-block-bytes/"
+        if args.num_blocks is not None or args.max_block_bytes or parse_bytes(args.resident_bytes):
+            raise UsageError("--model gives exact block sizes: leave out --num-blocks/--max-block-bytes/"
                              "--resident-bytes")
         from dlo_fn.runtime.sources import spec_for
 
-        return ModelSizes.from_spec(spec_for(args.model), args.alignment), True
+        try:
+            spec = spec_for(args.model)
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"--model {args.model}: {exc}") from None
+        return ModelSizes.from_spec(spec, args.alignment), True
     total, resident = parse_bytes(args.model_bytes), parse_bytes(args.resident_bytes)
     name = f"{args.model_bytes} model"
-    if args.num_blocks:
+    if resident >= total:
+        raise UsageError(f"--resident-bytes {args.resident_bytes} is not below --model-bytes {args.model_bytes}: "
+                         f"the blocks need the rest")
+    if args.num_blocks is not None:
+        if args.num_blocks < 1:
+            raise UsageError(f"--num-blocks {args.num_blocks}: give >= 1 blocks")
         return ModelSizes.uniform(name, total, args.num_blocks, resident, "--num-blocks"), True
     if args.max_block_bytes:
-        return ModelSizes.from_max_block(name, total, parse_bytes(args.max_block_bytes), resident,
-                                         "--max-block-bytes"), True
+        block = parse_bytes(args.max_block_bytes)
+        if not 0 < block <= total - resident:
+            raise UsageError(f"--max-block-bytes {args.max_block_bytes}: must be > 0 and at most the block bytes "
+                             f"(--model-bytes minus --resident-bytes = {total - resident:,} B)")
+        return ModelSizes.from_max_block(name, total, block, resident, "--max-block-bytes"), True
     # No block size: host terms treat the blocks as one buffer (shards = ceil(M / W)); HBM needs blocks.
     return ModelSizes(name, (total - resident,), resident, "no block size given"), False
 
 
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.plan.accounting import memory_accounting
-    from dlo_fn.plan.memory import parse_bytes
+    from dlo_fn.plan.memory import parse_bytes as parse
     from dlo_fn.repro import calibration
 
+    def parse_bytes(text):  # a size the user wrote: an unreadable one names its flag
+        try:
+            return parse(text)
+        except ValueError as exc:
+            flag = next((k for k, v in vars(args).items() if v == text and k.endswith("bytes")), "size")
+            raise UsageError(f"--{flag.replace('_', '-')} {text}: {exc}") from None
+
     if args.dp < 1:
-        raise SystemExit(f"--dp must be >= 1, got {args.dp}")
+        raise UsageError(f"--dp {args.dp}: give >= 1 ranks")
+    if args.slots < 1 or args.landing < 1:
+        raise UsageError(f"--slots {args.slots} --landing {args.landing}: give >= 1 of each")
+    if args.alignment < 1 or args.alignment & (args.alignment - 1):
+        raise UsageError(f"--alignment {args.alignment}: must be a power of two (bytes), e.g. 256")
+    for flag in ("model_bytes", "resident_bytes", "max_block_bytes", "activation_bytes", "communication_bytes",
+                 "transient_bytes", "framework_bytes_per_rank", "device_context_bytes", "host_ram_bytes",
+                 "hbm_bytes"):
+        text = getattr(args, flag)
+        if text is not None and str(text).strip().startswith("-"):
+            raise UsageError(f"--{flag.replace('_', '-')} {text}: a size cannot be negative")
     try:
         sizes, with_hbm = _sizes(args, parse_bytes)
         # The two deployment constants: what the user measured, else the published deployment's calibration.
@@ -127,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
             communication_bytes=parse_bytes(args.communication_bytes),
             transient_bytes=parse_bytes(args.transient_bytes), alignment_bytes=args.alignment,
             framework_bytes_per_rank=framework, context_bytes=context, with_hbm=with_hbm)
+    except UsageError:
+        raise
     except ValueError as exc:
-        raise SystemExit(f"dlo_fn memory: {exc}") from None
+        raise UsageError(str(exc)) from None
     verdicts = {}
     totals = {(r.section, r.item): r.value_bytes for r in rows}
     if args.host_ram_bytes:
@@ -143,15 +174,18 @@ def run(args: argparse.Namespace) -> int:
                "rows": [r.to_dict() for r in rows], **verdicts, "notes": notes}
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"{sizes.name}: {sizes.total_bytes / 1e9:.3f} GB"
-          + (f" in {sizes.num_blocks} blocks (max {sizes.max_block_bytes / 1e9:.3f} GB)" if with_hbm else "")
+    # One unit for the whole table, from the model's size (tiny's terms would all read 0.000 GB).
+    unit, scale = next((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1))
+                       if sizes.total_bytes >= f or f == 1)
+    print(f"{sizes.name}: {sizes.total_bytes / scale:.3f} {unit}"
+          + (f" in {sizes.num_blocks} blocks (max {sizes.max_block_bytes / scale:.3f} {unit})" if with_hbm else "")
           + f", dp {args.dp}, {args.platform}, {args.mode}, {args.loading} loading")
     section = None
     for r in rows:
         if r.section != section:
             section = r.section
             print(f"\n{section}\n  {'item':26s} {'formula':58s} {'value':>12s}")
-        print(f"  {r.item:26s} {r.formula:58s} {r.value_bytes / 1e9:9.3f} GB")
+        print(f"  {r.item:26s} {r.formula:58s} {r.value_bytes / scale:9.3f} {unit}")
     if verdicts or notes:
         print()
     for k, v in verdicts.items():

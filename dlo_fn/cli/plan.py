@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dlo_fn.cli import HelpFormatter
+from dlo_fn.cli import HelpFormatter, UsageError
 from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
@@ -47,7 +47,8 @@ def register(subparsers) -> None:
                    help="ranks in the shard group (every rank that runs in lockstep); default 1")
     p.add_argument("--mode", choices=OFFLOAD_MODES, default="allgather",
                    help="allgather: shard over W ranks and gather each block; rank-local: whole blocks per rank")
-    p.add_argument("--slots", type=int, default=2, help="device slots (2 = the published double buffer)")
+    p.add_argument("--slots", type=int, default=2,
+                   help="device slots (2 = the published double buffer; 1 = load, then compute, no overlap)")
     p.add_argument("--landing", type=int, default=DEFAULT_NUM_LANDING,
                    help="landing buffers for the local shard (allgather)")
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
@@ -58,15 +59,35 @@ def register(subparsers) -> None:
 
 
 def _fmt_bytes(n: int) -> str:
-    return f"{n:,} B ({n / 1e9:.3f} GB)"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n:,} B ({n / scale:.3f} {unit})"
+    return f"{n:,} B"
+
+
+def check_layout_args(args: argparse.Namespace, command: str = "plan") -> None:
+    """The layout flags ``plan`` and ``generate`` share, checked before anything is built or loaded."""
+    if getattr(args, "num_shards", 1) < 1:
+        raise UsageError(f"{command}: --shard-world {args.num_shards}: give the number of ranks, >= 1")
+    if args.slots < 1:
+        raise UsageError(f"{command}: --slots {args.slots}: give >= 1 device slots (2 = double buffer)")
+    if args.landing is not None and args.landing < 1:
+        raise UsageError(f"{command}: --landing {args.landing}: give >= 1 landing buffers (default 2)")
+    alignment = getattr(args, "alignment", 256)
+    if alignment < 1 or alignment & (alignment - 1):
+        raise UsageError(f"{command}: --alignment {alignment}: must be a power of two (bytes), e.g. 256")
 
 
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.plan.summary import plan_summary
     from dlo_fn.runtime.sources import spec_for
 
+    check_layout_args(args)
     block_paths = tuple(args.block_paths.split(",")) if args.block_paths else None
-    spec = spec_for(args.model, block_paths)
+    try:
+        spec = spec_for(args.model, block_paths)
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"plan: --model {args.model}: {exc}") from exc
     summary = plan_summary(spec, args.num_shards, args.mode, args.slots, args.landing, args.alignment)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))

@@ -87,8 +87,8 @@ def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *,
     """
     if mode not in HBM_MODES:
         raise ValueError(f"mode must be one of {HBM_MODES}, got {mode!r}")
-    if num_slots < 2:
-        raise ValueError(f"num_slots must be >= 2 (one computing, one loading), got {num_slots}")
+    if num_slots < 1:  # as the schedule: 1 slot serialises load and compute, 2 is the double buffer
+        raise ValueError(f"num_slots must be >= 1 (2 = double buffer), got {num_slots}")
     if mode == "allgather" and num_landing < 1:
         raise ValueError(f"allgather mode needs num_landing >= 1, got {num_landing}")
     w = num_shards if mode == "allgather" else 1

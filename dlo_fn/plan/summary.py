@@ -57,8 +57,8 @@ def plan_summary(
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
 ) -> PlanSummary:
     check_mode(mode, OFFLOAD_MODES)
-    if num_slots < 2:
-        raise ValueError(f"num_slots must be >= 2 (one computing, one loading), got {num_slots}")
+    if num_slots < 1:  # as the schedule: 1 slot serialises load and compute, 2 is the double buffer
+        raise ValueError(f"num_slots must be >= 1 (2 = double buffer), got {num_slots}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if mode == "allgather":

@@ -6,18 +6,42 @@ metadata events name the rows. Each event also carries its exact ``start_s``/``e
 ``from_chrome_trace(to_chrome_trace(tl)) == tl`` bit for bit; a trace without them (written by another tool)
 is read from ``ts``/``dur``. The timeline's ``meta`` goes to ``otherData``. Open the file in
 https://ui.perfetto.dev or chrome://tracing.
+
+A run prefetches the first ``S - 1`` loads of the next run (``Schedule.prefetch_next``): an ``H2D`` or ``AG`` of
+``run<j>`` whose load index ``k`` is past the last load that run computes. Those events are named
+``"<op> (prefetch for next run)"`` with the op itself in ``args["op"]``, so the last run's trailing loads of
+block 0 are not mistaken for work of that run (the next ``generate`` or serve would start from them).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from dlo_fn.plan.schedule import STREAMS
 from dlo_fn.plan.timeline import Span, Timeline
 
-__all__ = ["to_chrome_trace", "from_chrome_trace"]
+__all__ = ["to_chrome_trace", "from_chrome_trace", "prefetch_spans", "PREFETCH_LABEL"]
 
 _US_PER_S = 1e6
+PREFETCH_LABEL = "prefetch for next run"
+_RUN_OP = re.compile(r"^run(\d+) (H2D|AG|C) k(\d+) ")
+
+
+def prefetch_spans(timeline: Timeline) -> frozenset[int]:
+    """Indices of the spans that load for the next run: per (rank, run), loads past the run's last compute."""
+    last: dict[tuple[int, str], int] = {}
+    loads: list[tuple[int, tuple[int, str], int]] = []
+    for i, s in enumerate(timeline.spans):
+        m = _RUN_OP.match(s.op)
+        if m is None:
+            continue
+        key, kind, k = (s.rank, m.group(1)), m.group(2), int(m.group(3))
+        if kind == "C":
+            last[key] = max(last.get(key, -1), k)
+        else:
+            loads.append((i, key, k))
+    return frozenset(i for i, key, k in loads if key in last and k > last[key])
 
 
 def _tids(timeline: Timeline) -> dict[str, int]:
@@ -36,10 +60,14 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
                        "args": {"name": stream}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tids[stream],
                        "args": {"sort_index": tids[stream]}})
-    for s in timeline.spans:
-        events.append({"ph": "X", "name": s.op, "cat": s.stream, "pid": s.rank, "tid": tids[s.stream],
-                       "ts": s.start_s * _US_PER_S, "dur": (s.end_s - s.start_s) * _US_PER_S,
-                       "args": {"start_s": s.start_s, "end_s": s.end_s}})
+    prefetch = prefetch_spans(timeline)
+    for i, s in enumerate(timeline.spans):
+        args: dict[str, Any] = {"start_s": s.start_s, "end_s": s.end_s}
+        name = s.op
+        if i in prefetch:
+            name, args["op"] = f"{s.op} ({PREFETCH_LABEL})", s.op
+        events.append({"ph": "X", "name": name, "cat": s.stream, "pid": s.rank, "tid": tids[s.stream],
+                       "ts": s.start_s * _US_PER_S, "dur": (s.end_s - s.start_s) * _US_PER_S, "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(timeline.meta)}
 
 
@@ -65,7 +93,7 @@ def from_chrome_trace(trace: Mapping[str, Any]) -> Timeline:
             else:
                 start = float(e["ts"]) / _US_PER_S
                 end = start + float(e["dur"]) / _US_PER_S
-            spans.append(Span(str(e["name"]), stream, start, end, int(e["pid"])))
+            spans.append(Span(str(args.get("op", e["name"])), stream, start, end, int(e["pid"])))
         except KeyError as exc:
             raise ValueError(f"trace event {n} lacks field {exc.args[0]!r}: {e!r}") from None
     meta = tuple((str(k), str(v)) for k, v in (trace.get("otherData") or {}).items())

@@ -69,9 +69,9 @@ class Driver:
         records: list[WaveRecord] = []
         stopped = None
         world = self.world_size
-        with self._progress(sum(_steps(subs, w) for w in waves)) as tick:
-            for wave in waves:
-                steps, shares = _steps(subs, wave), _shares(subs, wave)
+        for wave in waves:
+            steps, shares = _steps(subs, wave), _shares(subs, wave)
+            with self._progress(subs, wave, steps, len(waves)) as tick:
                 trace: list[TraceSpan] | None = [] if self.options.trace else None
                 t_start = time.perf_counter()
                 queued_s = t_start - t0
@@ -145,12 +145,15 @@ class Driver:
                     results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=0.0, owner_rank=owner[w.wave_id]))
                 return Dispatched(results, (), stopped)
         outcomes: dict[int, Sequence[Outcome]] = {}
-        with self._progress(sum(s for _, s, _ in msg_queues[0])) as tick:
-            for wave_id, steps, share in msg_queues[0]:
+        for (wave_id, steps, share), wave in zip(msg_queues[0], queues[0]):
+            with self._progress(subs, wave, steps, len(waves)) as tick:
                 own = self.runner.run(wave_id, steps, share, trace=trace is not None, on_step=tick)
-                outcomes[wave_id] = own.outcomes
-                if trace is not None:
-                    trace.extend(own.spans)
+            outcomes[wave_id] = own.outcomes
+            if trace is not None:
+                trace.extend(own.spans)
+        if world > 1 and any(queues[1:]):
+            log.info("rank 0's queue done; waiting for rank(s) %s to finish theirs",
+                     ", ".join(str(r) for r in range(1, world) if queues[r]))
         self.board.post("done", round=round_id)
         for r in range(1, world):
             if not queues[r]:
@@ -191,15 +194,25 @@ class Driver:
 
     # -- helpers ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _progress(self, total_steps: int) -> Iterator[Callable[[], None]]:
-        """A tqdm bar of denoising steps on rank 0 (stderr; by default only on a terminal); yields its tick."""
+    def _progress(self, subs: Sequence[Submission], wave: WavePlan, steps: int,
+                  num_waves: int) -> Iterator[Callable[[], None]]:
+        """One line when a wave starts (log, INFO) and a tqdm bar of its denoising steps, named by its request
+        ids, on rank 0 (stderr; ``options.progress`` None: only on a terminal); yields the bar's tick."""
         from tqdm.auto import tqdm
 
+        ids = [subs[i].request_id for i in wave.indices]
+        where = f"{self.world_size} rank(s) in lockstep" if self.lockstep else "rank 0"
+        log.info("wave %d (%d in this dispatch): %d request(s) [%s], %d step(s), on %s", wave.wave_id, num_waves,
+                 len(ids), ", ".join(ids), steps, where)
         enabled = self.options.progress
-        bar = tqdm(total=total_steps, unit="step", desc=f"{self.mode} W={self.world_size}",
-                   disable=None if enabled is None else not enabled, leave=False)
+        shown = ",".join(ids) if len(ids) <= 3 else f"{ids[0]},...,{ids[-1]}"
+        bar = tqdm(total=steps, unit="step", desc=f"wave {wave.wave_id} {shown}",
+                   disable=None if enabled is None else not enabled, leave=True)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         try:
-            yield lambda: bar.update(1)
+            with logging_redirect_tqdm():  # log lines during the wave print above the bar, not through it
+                yield lambda: bar.update(1)
         finally:
             bar.close()
 

@@ -6,11 +6,14 @@ Under ``out_dir``::
     <index>-<id>.png      preview: one row per output, up to 8 evenly spaced frames side by side
     manifest.jsonl        one line per submission, in submission order (errors included):
                           id, index, ok, error, settings (every Request field), seed, shape, sha256, rank,
-                          wave, position, timings, files, mode, dp_size, requests_per_rank
+                          wave, position, timings, files, file_sha256, mode, dp_size, requests_per_rank
     waves.jsonl           one line per wave: id, key, request ids per rank, idle ranks, steps, latency, status
 
 ``<id>`` is the request id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``; the index prefix keeps
-names unique. The manifest's ``sha256`` is recomputed from the written array and checked against the engine's.
+names unique. The manifest's ``sha256`` is the SHA-256 of the video's uint8 bytes in C order
+(``np.load(npy).tobytes()``), not of a file: it is what every mode and world size reproduce; it is recomputed
+from the written array and checked against the engine's. ``file_sha256`` maps each written file to the
+SHA-256 of its bytes (``sha256sum``), which also depend on the numpy and PIL versions that wrote them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def _stem(result: RequestResult) -> str:
     return f"{result.index:04d}-" + re.sub(r"[^A-Za-z0-9._-]", "_", result.request_id)[:80]
 
 
-def _row(result: RequestResult, report: ServeReport, files: list[str]) -> dict[str, Any]:
+def _row(result: RequestResult, report: ServeReport, files: list[str], out: pathlib.Path) -> dict[str, Any]:
     req = result.request
     return {
         "id": result.request_id,
@@ -62,6 +65,7 @@ def _row(result: RequestResult, report: ServeReport, files: list[str]) -> dict[s
         "position": result.position,
         "timings": {k: round(v, 6) for k, v in sorted(result.timings.items())},
         "files": files,
+        "file_sha256": {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in files},
         "mode": report.mode,
         "dp_size": report.dp_size,
         "requests_per_rank": report.requests_per_rank,
@@ -87,7 +91,7 @@ def write_outputs(out_dir: str | pathlib.Path, report: ServeReport, *, previews:
             if previews:
                 Image.fromarray(preview_strip(video)).save(out / f"{stem}.png", optimize=False)
                 files.append(f"{stem}.png")
-        rows.append(_row(result, report, files))
+        rows.append(_row(result, report, files, out))
     manifest = out / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     ids = {r.index: r.request_id for r in report.results}
