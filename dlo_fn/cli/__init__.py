@@ -15,6 +15,7 @@ import sys
 COMMANDS = (
     "plan",
     "memory",
+    "policy",
     "make_checkpoint",
     "generate",
     "demo",
