@@ -26,6 +26,7 @@ import traceback
 COMMANDS = (
     "plan",
     "memory",
+    "policy",
     "make_checkpoint",
     "generate",
     "demo",

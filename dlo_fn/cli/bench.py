@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ("load", "step", "waves", "timeline")
+BENCHES = ("load", "step", "waves", "timeline", "slots")
 
 
 def register(subparsers) -> None:

@@ -44,11 +44,12 @@ log = logging.getLogger(__name__)
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory or .safetensors file")
-    parser.add_argument("--mode", choices=MODES, default=None,
-                        help="weight placement (default allgather)")
+    parser.add_argument("--mode", choices=MODES + ("auto",), default=None,
+                        help="weight placement (default allgather; auto: the policy chooses from start-up probes)")
     parser.add_argument("--no-allgather", action="store_true", help="same as --mode rank-local")
     parser.add_argument("--resident", action="store_true", help="same as --mode resident (no offload)")
-    parser.add_argument("--slots", type=int, default=2, help="device slots (2 = double buffer)")
+    parser.add_argument("--slots", type=_slots_arg, default=2, help="device slots (2 = double buffer; auto: the "
+                        "policy chooses from start-up probes)")
     parser.add_argument("--landing", type=int, default=None, help="landing buffers (allgather; default 2)")
     parser.add_argument("--rank-local-source", choices=("pinned", "mmap"), default="pinned",
                         help="rank-local: private pinned copy (fast H2D) or stream from the shared mmap")
@@ -121,10 +122,54 @@ def mode_from_args(args: argparse.Namespace) -> str:
     return chosen.pop() if chosen else "allgather"
 
 
+# --- --mode auto / --slots auto (issue 14): probe at start-up, let the policy choose, log why -----------------
+def _slots_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slots takes an int >= 1 or 'auto', got {text!r}") from None
+
+
+def is_auto(args: argparse.Namespace) -> bool:
+    return args.mode == "auto" or (args.slots == "auto" and mode_from_args(args) != "resident")
+
+
+def choose_auto(args: argparse.Namespace, model, ctx):
+    """Probe this machine for the first request, ask the policy (rank 0 decides for every rank), log the choice
+    with the runner-up and the predicted step; returns the chosen :class:`~dlo_fn.plan.policy.PlanRow`."""
+    import torch
+
+    from dlo_fn.runtime.probe import choose, probe
+
+    request = next(s.request for s in submissions_from_args(args) if s.request is not None)
+    found = probe(model, ctx, request)
+    mode = None if args.mode == "auto" else mode_from_args(args)
+    result = choose(found, mode=mode, num_slots=None if args.slots == "auto" else args.slots,
+                    requests_per_rank=args.requests_per_rank)
+    chosen = [result.chosen]
+    if ctx.group is not None:
+        torch.distributed.broadcast_object_list(chosen, src=0, group=ctx.group)
+    if ctx.is_main:
+        log.info("auto: %s; predicted step %.1f ms (%s)", result.why(), 1e3 * chosen[0].step_s, chosen[0].bound)
+    return chosen[0]
+
+
+def log_predicted_vs_measured(report, chosen) -> None:
+    for wave in report.waves[:2]:
+        if wave.num_steps:
+            measured = wave.latency_s / wave.num_steps
+            log.info("auto: wave %s: measured %.1f ms per step, predicted %.1f ms (%+.1f%%)", wave.wave_id,
+                     1e3 * measured, 1e3 * chosen.step_s, 100 * (measured / chosen.step_s - 1))
+
+
 def options_from_args(args: argparse.Namespace):
     from dlo_fn.runtime.offload import OffloadOptions
 
-    return OffloadOptions(mode=mode_from_args(args), num_slots=args.slots, num_landing=args.landing,
+    mode = mode_from_args(args)
+    return OffloadOptions(mode="allgather" if mode == "auto" else mode,  # auto: replaced once probed
+                          num_slots=2 if args.slots == "auto" else args.slots, num_landing=args.landing,
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
                           progress=True)
@@ -172,12 +217,19 @@ def check_generate_args(args: argparse.Namespace) -> tuple:
     return options, submissions_from_args(args, config)
 
 
-def load_offloaded(checkpoint: str, ctx, options):
-    """Load a checkpoint (its config names the model; mmap views, nothing copied) and offload per ``options``."""
+def load_offloaded(checkpoint: str, ctx, options, auto=None):
+    """Load a checkpoint (its config names the model; mmap views, nothing copied) and offload per ``options``
+    (with ``auto``, a callable model -> PlanRow, its chosen mode and slots)."""
     from dlo_fn.runtime.load import load_model
     from dlo_fn.runtime.offload import offload
 
-    return offload(load_model(checkpoint, progress=False), ctx=ctx, options=options)
+    model = load_model(checkpoint, progress=False)
+    if auto is not None:
+        import dataclasses
+
+        chosen = auto(model).candidate
+        options = dataclasses.replace(options, mode=chosen.mode, num_slots=chosen.num_slots)
+    return offload(model, ctx=ctx, options=options)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -199,7 +251,9 @@ def run_generate(args: argparse.Namespace) -> int:
     code = 0
     engine = None
     try:
-        offloaded = load_offloaded(args.checkpoint, ctx, options)
+        picked = []
+        auto = (lambda m: picked.append(choose_auto(args, m, ctx)) or picked[-1]) if is_auto(args) else None
+        offloaded = load_offloaded(args.checkpoint, ctx, options, auto)
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
                                       timeout_s=args.timeout, fault=Fault.from_env(), progress=True))
@@ -207,6 +261,8 @@ def run_generate(args: argparse.Namespace) -> int:
             timeline = None
             try:
                 report = engine.serve(submissions)
+                if picked:
+                    log_predicted_vs_measured(report, picked[0])
                 if args.trace and engine.stopped is None:
                     timeline = engine.gather_timeline((("checkpoint", str(args.checkpoint)),))
             finally:

@@ -20,6 +20,7 @@ FIGURE_MODULES = (
     "dlo_fn.figures.bench",
     "dlo_fn.figures.waves",
     "dlo_fn.figures.b300",
+    "dlo_fn.figures.policy",
 )
 
 

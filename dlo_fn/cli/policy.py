@@ -1,0 +1,103 @@
+"""`python -m dlo_fn policy`: rank every (dp, sp, mode, shard group, slots, R) of a model on a topology.
+
+``--topology`` is a named machine (``1xH200``, ``4xB300``, ``8xB300``, ``4xAscend910B3``: every field with its
+source, :mod:`dlo_fn.repro.topologies`) or a JSON file with the same fields
+(:func:`dlo_fn.repro.topologies.topology_from_dict`). Prints the ranked table (the chosen plan first), the sources
+of the topology's fields, and one line saying why the choice won and what came second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+
+from dlo_fn.cli import HelpFormatter
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("policy", help="rank dp x sp, all-gather vs rank-local, slots and R on a topology",
+                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--model", default="bench", help="bench, cosmos3-super, cosmos3-nano, minimax-h3")
+    p.add_argument("--world", type=int, default=None, help="ranks (default: the topology's)")
+    p.add_argument("--topology", default="1xH200", help="a named topology or FILE.json")
+    p.add_argument("--workload", default=None, help="a named workload (default: the topology's own)")
+    p.add_argument("--objective", choices=("throughput", "latency"), default="throughput")
+    p.add_argument("--slots", default="2,3,4", help="comma list of slot counts")
+    p.add_argument("--requests-per-rank", default="1", help="comma list of R")
+    p.add_argument("--landing", type=int, default=2, help="landing buffers (1 = the reference's serial H2D->AG)")
+    p.add_argument("--limit", type=int, default=20, help="rows to print")
+    p.set_defaults(func=run)
+
+
+DEFAULT_WORKLOAD = {"1xH200": "image 1024^2 CFG, 24 steps", "4xB300": "t2i 1024^2",
+                    "8xB300": "minimax t2va 768x1344x124", "4xAscend910B3": "nano 832x480x29 CFG"}
+
+
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"policy: {flag} must be a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"policy: {flag} needs integers >= 1, got {text!r}")
+    return values
+
+
+def _topology(text: str):
+    from dlo_fn.repro import topologies
+
+    if text.endswith(".json"):
+        path = pathlib.Path(text)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise SystemExit(f"policy: --topology {text}: no such file") from None
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"policy: --topology {text}: not JSON ({exc})") from None
+        try:
+            return topologies.topology_from_dict(data, where=f"--topology {text}")
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"policy: {exc}") from None
+    try:
+        return topologies.topology(text)
+    except ValueError as exc:
+        raise SystemExit(f"policy: --topology: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from dlo_fn.plan.policy import plan
+    from dlo_fn.repro import topologies
+    from dlo_fn.repro.tables import text_table
+
+    topology = _topology(args.topology)
+    if args.world is not None:
+        if args.world < 1:
+            raise SystemExit(f"policy: --world must be >= 1, got {args.world}")
+        topology = dataclasses.replace(topology, num_ranks=args.world)
+    try:
+        model = topologies.model(args.model)
+        workload = topologies.workload(args.workload or DEFAULT_WORKLOAD.get(topology.name,
+                                                                             "image 1024^2 CFG, 24 steps"))
+    except ValueError as exc:
+        raise SystemExit(f"policy: {exc}") from None
+    result = plan(model, topology, workload, objective=args.objective, slots=_ints("--slots", args.slots),
+                  requests_per_rank=_ints("--requests-per-rank", args.requests_per_rank),
+                  num_landing=args.landing)
+    print(f"{model.name} on {topology.name} ({topology.num_ranks} ranks), {workload.name}: {workload.tokens} "
+          f"tokens x {workload.cfg_branches}, {workload.num_steps} steps; objective {args.objective}")
+    keep = ("rank", "plan", "step_s", "wave_s", "outputs_per_s", "bound", "exposed_ms_per_step", "hbm_gb",
+            "host_gb", "limiting_memory")
+    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in keep}
+            for r in result.table_rows(args.limit)]
+    print(text_table(rows) if rows else "(no plan fits)")
+    if result.dropped:
+        print(f"dropped {len(result.dropped)} plan(s) that do not fit, e.g. {result.dropped[0].candidate.label}: "
+              f"{result.dropped[0].limiting_memory}")
+    for field, source in topology.sources:
+        print(f"  {field}: {source}")
+    if not result.rows:
+        return 1
+    print("chosen:", result.why())
+    return 0

@@ -1,0 +1,300 @@
+"""Topology policy: enumerate (dp, sp, mode, shard group, slots, R) on a :class:`~dlo_fn.plan.topology.Topology`,
+predict each with the planner's own schedule, simulator and memory models, drop what does not fit, rank; pure.
+
+**Candidates.** ``dp x sp = N``; mode ``rank-local`` (``W = 1``) or ``allgather`` over the shard group ``mesh``
+(every rank in lockstep, ``W = dp sp``) or ``dp`` (the reference: SP partners hold identical shards, ``W = dp``);
+``S`` slots; ``R`` requests per rank run block-major through each loaded block.
+
+**Per-op durations** (block ``b``, one request; ``L`` tokens per branch, ``g`` branches)::
+
+    H2D   s_b / beta_h            (allgather: the local shard s_b = align_up(ceil(n_b / W), A); rank-local: n_b)
+    AG    ((W - 1) / W) W s_b / busbw        (W = 1: n_b / d2d, a device copy)
+    C     c(L, sp) + u + h        host serial (the reference)
+          max(c(L, sp) + u, h)    host runs ahead (ours)
+          + o(L, g) on block 0 of every step: the per-step work outside the blocks
+    u     k g ceil(L / sp) D e ((sp - 1) / sp) / beta_a2a      Ulysses (k all-to-alls per block, e bytes)
+
+One wave of ``min(T, 3)`` steps is simulated (:func:`~dlo_fn.plan.timeline.simulate` of
+:func:`~dlo_fn.plan.schedule.build_schedule`); the steady step ``t`` is the period between the ends of the first and
+the last step's computes, and ``wave = t_1 + (T - 1) t`` (``t_1``: the first step, cold ring). Per wave ``dp R``
+outputs; ``outputs_per_s = dp R / wave``; the per-output step is ``t / R`` per replica.
+
+**Bound** of a row: the stream busy >= 99.5% of the steady step (``h2d``, ``allgather``, ``h2d+allgather`` where
+one landing buffer serialises the two; ``compute``, or
+``host`` where the host term is the larger part of C), else ``exposed``: no stream is saturated, the ring cannot
+run ahead across the per-step work (a deeper ring, more slots, hides it).
+
+**Memory** per rank: HBM from :func:`~dlo_fn.plan.hbm.hbm_per_card` (slots, landing buffers, resident, activations
+``R g ceil(L/sp) a_tok``, all-to-all buffers ``2 R g ceil(L/sp) D e`` at ``sp > 1``, context); host from
+:func:`~dlo_fn.plan.memory.pinned_host_bytes_per_rank` plus the framework bytes. A row fits when both do; the
+limiting memory is the one nearer its capacity.
+
+**Choice.** ``objective="throughput"`` scores ``outputs_per_s``, ``"latency"`` scores ``1 / wave``. Among the
+fitting rows within ``min_gain`` (relative) of the best score, the cheapest is chosen: smallest R (latency), then
+least HBM (slots and landing buffers), then least host work per block, then fewest slots. So a request, a slot or
+a byte is spent only where it buys more than ``min_gain``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from dlo_fn.plan.hbm import hbm_per_card
+from dlo_fn.plan.memory import pinned_host_bytes_per_rank
+from dlo_fn.plan.ops import Op
+from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, H2D, build_schedule
+from dlo_fn.plan.timeline import simulate
+from dlo_fn.plan.topology import PolicyModel, Topology
+from dlo_fn.plan.workload import Workload
+
+__all__ = ["OBJECTIVES", "SHARD_GROUPS", "Candidate", "PlanRow", "PolicyResult", "candidates", "predict", "plan",
+           "all_to_all_s"]
+
+OBJECTIVES = ("throughput", "latency")
+SHARD_GROUPS = ("mesh", "dp")
+SATURATED = 0.995
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    dp: int
+    sp: int
+    mode: str
+    shard_group: str  # "mesh" / "dp" (allgather), "-" (rank-local)
+    num_slots: int
+    requests_per_rank: int
+    num_landing: int
+
+    @property
+    def num_shards(self) -> int:
+        if self.mode == "rank-local":
+            return 1
+        return self.dp * self.sp if self.shard_group == "mesh" else self.dp
+
+    @property
+    def label(self) -> str:
+        group = f" W{self.num_shards}" if self.mode == "allgather" else ""
+        return f"DP{self.dp}xSP{self.sp} {self.mode}{group} S{self.num_slots} R{self.requests_per_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    candidate: Candidate
+    step_s: float  # steady step of one replica (R requests through every block)
+    wave_latency_s: float
+    outputs_per_wave: int
+    bound: str
+    exposed_s_per_step: float  # step minus the compute stream's busy time
+    hbm_bytes: int
+    host_bytes: int
+    hbm_capacity_bytes: int
+    host_capacity_bytes: int
+
+    @property
+    def outputs_per_s(self) -> float:
+        return self.outputs_per_wave / self.wave_latency_s
+
+    @property
+    def per_output_step_s(self) -> float:
+        """Seconds of the device fleet per output per step: ``t / (dp R)``."""
+        return self.step_s / self.outputs_per_wave
+
+    @property
+    def fits(self) -> bool:
+        return self.hbm_bytes <= self.hbm_capacity_bytes and self.host_bytes <= self.host_capacity_bytes
+
+    @property
+    def limiting_memory(self) -> str:
+        hbm, host = self.hbm_bytes / self.hbm_capacity_bytes, self.host_bytes / self.host_capacity_bytes
+        which, used, cap = (("hbm", self.hbm_bytes, self.hbm_capacity_bytes) if hbm >= host
+                            else ("host", self.host_bytes, self.host_capacity_bytes))
+        return f"{which} {used / 1e9:.1f}/{cap / 1e9:.0f} GB"
+
+    def as_dict(self) -> dict:
+        c = self.candidate
+        return {"plan": c.label, "dp": c.dp, "sp": c.sp, "mode": c.mode, "shard_group": c.shard_group,
+                "num_shards": c.num_shards, "slots": c.num_slots, "R": c.requests_per_rank, "step_s": self.step_s,
+                "wave_s": self.wave_latency_s, "outputs_per_s": self.outputs_per_s,
+                "per_output_step_s": self.per_output_step_s, "bound": self.bound,
+                "exposed_ms_per_step": 1e3 * self.exposed_s_per_step, "hbm_gb": self.hbm_bytes / 1e9,
+                "host_gb": self.host_bytes / 1e9, "limiting_memory": self.limiting_memory, "fits": self.fits}
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_per_rank: tuple[int, ...] = (1,),
+               modes: tuple[str, ...] = ("allgather", "rank-local"), sps: tuple[int, ...] | None = None,
+               num_landing: int = DEFAULT_NUM_LANDING) -> tuple[Candidate, ...]:
+    """Every (dp, sp, mode, shard group, S, R) with ``dp sp = N``; shard groups that give the same ``W`` are one."""
+    out = []
+    for sp in (sps or _divisors(num_ranks)):
+        if num_ranks % sp:
+            raise ValueError(f"sp {sp} does not divide {num_ranks} ranks")
+        dp = num_ranks // sp
+        groups = []
+        if "allgather" in modes:
+            groups += [("allgather", g) for g in SHARD_GROUPS if g == "mesh" or dp != dp * sp]
+        if "rank-local" in modes:
+            groups.append(("rank-local", "-"))
+        for mode, group in groups:
+            for s in slots:
+                for r in requests_per_rank:
+                    out.append(Candidate(dp, sp, mode, group, s, r, num_landing if mode == "allgather" else 0))
+    return tuple(out)
+
+
+def all_to_all_s(model: PolicyModel, topology: Topology, workload: Workload, sp: int) -> float:
+    """``u``: Ulysses all-to-all seconds per block per request (module docstring); 0 at ``sp = 1``."""
+    if sp == 1:
+        return 0.0
+    sent = math.ceil(workload.tokens / sp) * model.hidden_dim * model.dtype_bytes * (sp - 1) / sp
+    return model.num_all_to_all_per_block * workload.cfg_branches * sent / topology.all_to_all_bytes_per_s
+
+
+def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate, step_overhead_s: float):
+    w = cand.num_shards
+    sizes = model.sizes
+    shards = sizes.shard_bytes(w)
+    if cand.mode == "rank-local":
+        h2d = sizes.shard_bytes(1)
+        ag = (0.0,) * sizes.num_blocks
+    elif w == 1:
+        h2d = shards
+        ag = tuple(n / topology.d2d_copy_bytes_per_s for n in sizes.block_bytes)
+    else:
+        h2d = shards
+        ag = tuple((w - 1) * s / topology.allgather_bus_bytes_per_s for s in shards)
+    h2d_s = tuple(n / topology.h2d_bytes_per_s for n in h2d)
+    device = (topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
+              + all_to_all_s(model, topology, workload, cand.sp))
+    host = topology.host_s(cand.mode)
+    comp = device + host if topology.host_serial else max(device, host)
+
+    def duration(op: Op) -> float:
+        if op.kind == H2D:
+            return h2d_s[op.block]
+        if op.kind == AG:
+            return ag[op.block]
+        return comp + (step_overhead_s if op.block == 0 else 0.0)
+
+    return duration, h2d_s, ag, device, host, comp
+
+
+def _memory(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[int, int]:
+    local_tokens = math.ceil(workload.tokens / cand.sp) * workload.cfg_branches * cand.requests_per_rank
+    comm = 2 * local_tokens * model.hidden_dim * model.dtype_bytes if cand.sp > 1 else 0
+    hbm = hbm_per_card(model.sizes, cand.num_shards, cand.mode, num_slots=cand.num_slots,
+                       num_landing=max(cand.num_landing, 1), activation_bytes=local_tokens * model.activation_bytes_per_token,
+                       communication_bytes=comm, context_bytes=topology.context_bytes)
+    host = pinned_host_bytes_per_rank(model.sizes, cand.num_shards, cand.mode) + topology.framework_host_bytes
+    return hbm.peak_bytes, host
+
+
+def predict(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate, *,
+            step_overhead_s: float | None = None) -> PlanRow:
+    """One candidate's row (module docstring). ``step_overhead_s`` defaults to the topology's
+    :meth:`~dlo_fn.plan.topology.Topology.step_overhead_s` for the workload."""
+    if cand.dp * cand.sp != topology.num_ranks:
+        raise ValueError(f"{cand.label}: dp x sp must equal the topology's {topology.num_ranks} ranks")
+    overhead = (topology.step_overhead_s(workload.tokens, workload.cfg_branches) if step_overhead_s is None
+                else step_overhead_s)
+    duration, h2d_s, ag, device, host, comp = _durations(model, topology, workload, cand, overhead)
+    b, r = model.sizes.num_blocks, cand.requests_per_rank
+    steps = min(workload.num_steps, 3)
+    schedule = build_schedule(b, steps, requests_per_load=r, num_slots=cand.num_slots,
+                              num_landing=cand.num_landing if cand.mode == "allgather" else None, mode=cand.mode)
+    ends = sorted(s.end_s for s in simulate(schedule, duration).spans if s.stream == "compute")
+    first = ends[b * r - 1]
+    if steps == 1:
+        step = first
+    else:
+        step = (ends[-1] - first) / (steps - 1)
+    wave = first + (workload.num_steps - 1) * step
+    busy = {"h2d": sum(h2d_s), "allgather": sum(ag), "compute": b * r * comp + r * overhead}
+    serial = cand.mode == "allgather" and cand.num_landing == 1
+    if serial and busy["h2d"] + busy["allgather"] >= SATURATED * step > max(busy["h2d"], busy["allgather"]):
+        bound = "h2d+allgather"
+    elif busy["h2d"] >= SATURATED * step or busy["allgather"] >= SATURATED * step:
+        bound = "h2d" if busy["h2d"] >= busy["allgather"] else "allgather"
+    elif busy["compute"] >= SATURATED * step:
+        bound = "host" if (host > device and not topology.host_serial) else "compute"
+    else:
+        bound = "exposed"
+    hbm, host_bytes = _memory(model, topology, workload, cand)
+    return PlanRow(cand, step, wave, cand.dp * r, bound, max(0.0, step - busy["compute"]), hbm, host_bytes,
+                   topology.hbm_bytes_per_rank, topology.host_bytes_per_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    objective: str
+    model: str
+    topology: str
+    workload: Workload
+    rows: tuple[PlanRow, ...]  # fitting rows, chosen first, then by score
+    dropped: tuple[PlanRow, ...]  # rows that do not fit
+    min_gain: float
+
+    @property
+    def chosen(self) -> PlanRow:
+        if not self.rows:
+            raise ValueError(f"no plan of {self.model} fits {self.topology}: {len(self.dropped)} dropped, e.g. "
+                             f"{self.dropped[0].candidate.label} needs {self.dropped[0].limiting_memory}")
+        return self.rows[0]
+
+    @property
+    def runner_up(self) -> PlanRow | None:
+        return self.rows[1] if len(self.rows) > 1 else None
+
+    def why(self) -> str:
+        c, n = self.chosen, self.runner_up
+        text = (f"{c.candidate.label}: {c.outputs_per_s * 3600:.1f} outputs/h, wave {c.wave_latency_s:.2f} s, "
+                f"step {1e3 * c.step_s:.1f} ms bound by {c.bound}, {c.limiting_memory}")
+        if n is not None:
+            text += (f"; runner-up {n.candidate.label}: {n.outputs_per_s * 3600:.1f} outputs/h, wave "
+                     f"{n.wave_latency_s:.2f} s, bound by {n.bound}")
+        return text
+
+    def table_rows(self, limit: int | None = None) -> list[dict]:
+        return [dict(rank=i + 1, **row.as_dict()) for i, row in enumerate(self.rows[:limit])]
+
+
+def _score(row: PlanRow, objective: str) -> float:
+    return row.outputs_per_s if objective == "throughput" else 1.0 / row.wave_latency_s
+
+
+def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objective: str = "throughput",
+         slots: tuple[int, ...] = (2, 3, 4), requests_per_rank: tuple[int, ...] = (1,),
+         modes: tuple[str, ...] = ("allgather", "rank-local"), sps: tuple[int, ...] | None = None,
+         num_landing: int = DEFAULT_NUM_LANDING, min_gain: float = 0.005) -> PolicyResult:
+    """Rank every candidate (module docstring); the chosen plan is ``result.rows[0]``."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
+    if not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+    rows = [predict(model, topology, workload, c)
+            for c in candidates(topology.num_ranks, slots=slots, requests_per_rank=requests_per_rank, modes=modes,
+                                sps=sps, num_landing=num_landing)]
+    fitting = [r for r in rows if r.fits]
+    dropped = tuple(r for r in rows if not r.fits)
+    cheap = lambda r: (r.candidate.requests_per_rank, r.hbm_bytes, topology.host_s(r.candidate.mode),  # noqa: E731
+                       r.candidate.num_slots, r.candidate.label)
+    ordered = sorted(fitting, key=lambda r: (-_score(r, objective),) + cheap(r))
+    if ordered:
+        best = _score(ordered[0], objective)
+        near = [r for r in ordered if _score(r, objective) >= best * (1 - min_gain)]
+        chosen = min(near, key=cheap)
+        ordered.remove(chosen)
+        ordered.insert(0, chosen)
+    return PolicyResult(objective, model.name, topology.name, workload, tuple(ordered), dropped, min_gain)
+
+
+def with_bandwidth(topology: Topology, factor: float) -> Topology:
+    """The same topology with every transfer rate times ``factor`` (the monotonicity property's input)."""
+    return replace(topology, h2d_bytes_per_s=topology.h2d_bytes_per_s * factor,
+                   allgather_bus_bytes_per_s=topology.allgather_bus_bytes_per_s * factor,
+                   all_to_all_bytes_per_s=topology.all_to_all_bytes_per_s * factor,
+                   d2d_copy_bytes_per_s=topology.d2d_copy_bytes_per_s * factor)

@@ -1,0 +1,55 @@
+"""`generate --mode auto --slots auto`: the start-up probe runs on every rank (a real gloo all-gather), rank 0's
+choice is broadcast, the choice is logged with its runner-up and predicted step, then predicted vs measured; the
+outputs are the resident model's bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dlo_fn.cli import build_parser
+from dlo_fn.cli.generate import is_auto, options_from_args
+from dlo_fn.runtime.dist import free_port
+
+COMMON = ["--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3", "--prompt", "a fox",
+          "--prompt", "an owl", "--prompt", "a cat"]
+
+
+def _generate(ckpt, out, *extra, nproc=1, log=None):
+    args = ["-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), *COMMON, *extra]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+                *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
+    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+
+
+def test_auto_arguments_parse():
+    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--out", "o", "--prompt", "x",
+                                      "--mode", "auto", "--slots", "auto"])
+    assert is_auto(args) and options_from_args(args).num_slots == 2
+    fixed = build_parser().parse_args(["generate", "--checkpoint", "c", "--out", "o", "--prompt", "x",
+                                       "--resident", "--slots", "auto"])
+    assert not is_auto(fixed)  # resident has no slots to choose
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--checkpoint", "c", "--out", "o", "--slots", "many"])
+
+
+@pytest.mark.slow
+def test_auto_on_two_gloo_ranks_gives_the_resident_bytes(checkpoint, tmp_path):
+    auto = _generate(checkpoint, tmp_path / "auto", "--mode", "auto", "--slots", "auto", nproc=2,
+                     log=tmp_path / "log.txt")
+    resident = _generate(checkpoint, tmp_path / "res", "--resident")
+    assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident]
+    log = (tmp_path / "log.txt").read_text()
+    assert "dlo_fn.runtime.probe: probe (" in log
+    assert "auto: DP2xSP1 " in log and "runner-up" in log and "predicted step" in log
+    assert "measured" in log and "predicted" in log.split("auto: wave", 1)[1]
