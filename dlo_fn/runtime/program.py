@@ -61,6 +61,9 @@ class Program:
     next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
     events: list[Any]
     last_use: tuple[tuple[str, int], ...] = ()
+    # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
+    # source), ...)); compute ops: None (they run on the caller's stream).
+    raw: tuple[Any, ...] | None = None
 
 
 class Programs:
@@ -107,12 +110,14 @@ class RunState:
     stream: Any
     cursor: int = 0
     index: int = 0
+    cstream: Any = None  # what compute ops wait and record on: ``stream``, or its RawStream
 
 
 def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots: Sequence[torch.Tensor],
                      landing: Sequence[torch.Tensor], callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
-                     new_event: Callable[[], Any]) -> Program:
-    """Resolve every op of ``sch`` against the buffers (``streams`` = (H2D stream, all-gather stream))."""
+                     new_event: Callable[[], Any], raw_stream: Callable[[Any], int] | None = None) -> Program:
+    """Resolve every op of ``sch`` against the buffers (``streams`` = (H2D stream, all-gather stream));
+    ``raw_stream`` (a stream's handle): also resolve the copies to pointers for the driver-call loop."""
     kinds, op_streams, args = [], [], []
     for op in sch.ops:
         shard = layout.shards[op.block]
@@ -140,5 +145,11 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             upcoming = i
         nxt[i] = upcoming
     events = [new_event() for _ in sch.ops]
+    raw = None
+    if raw_stream is not None:
+        raw = tuple(None if k == _C else (raw_stream(s), tuple(
+            (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
+            for dst, src in (a if k == _H2D else (a,))))
+            for k, s, a in zip(kinds, op_streams, args))
     return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
-                   tuple(nxt), events, sch.last_use)
+                   tuple(nxt), events, sch.last_use, raw)
