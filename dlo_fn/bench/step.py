@@ -25,6 +25,7 @@ the tiny config with tiny workloads (a CPU smoke test for CI; written to ``..._q
 from __future__ import annotations
 
 import argparse
+import copy
 
 from dlo_fn.cli import HelpFormatter
 import datetime
@@ -42,13 +43,13 @@ QUICK_WORKLOADS = {"video": (32, 32, 5), "image": (64, 64, 1)}
 
 
 def register(subparsers) -> None:
-    from dlo_fn.bench.step_variants import VARIANTS
+    from dlo_fn.bench.step_variants import DEFAULT_VARIANTS, VARIANTS
 
     p = subparsers.add_parser("step", help="one denoising pass: resident vs our offload vs diffusers vs naive",
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--config", default="bench", help="reference DiT config")
     p.add_argument("--workloads", default="video,image", help=f"comma list of {sorted(WORKLOADS)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--warmup", type=int, default=2, help="untimed passes per variant and workload")
     p.add_argument("--repeats", type=int, default=7, help="timed passes (median reported)")
     p.add_argument("--host-repeats", type=int, default=3, help="passes timed on the host from an idle device")
@@ -134,7 +135,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     skipped: dict[str, str] = {}
     kw = dict(warmup=args.warmup, repeats=args.repeats, host_repeats=args.host_repeats)
 
-    want: dict[str, torch.Tensor] = {}  # the resident output of each workload, for the byte-identity check
+    want: dict[tuple[str, str], torch.Tensor] = {}  # the resident output of each workload, for the byte-identity check
 
     def measure(variant: str, run_pass, reset=None, extra=None, warmup=None) -> None:
         for w in workloads:
@@ -145,9 +146,10 @@ def run_step_bench(args: argparse.Namespace) -> dict:
             r.extra.update(extra() if callable(extra) else (extra or {}))
             with torch.no_grad():
                 out = run_pass(x, kwargs)
-            if variant == "resident":
-                want[w] = out.clone()
-            r.extra["equal_to_resident"] = bool(torch.equal(out, want[w]))
+            ref = "resident-compile" if variant.endswith("-compile") else "resident"
+            if variant == ref:
+                want[(ref, w)] = out.clone()
+            r.extra["equal_to_resident"] = bool(torch.equal(out, want[(ref, w)])) if (ref, w) in want else None
             del out
             results[w][variant] = r
             log.info("%s %s: %.4f s", w, variant, statistics.median(r.step_s))
@@ -159,6 +161,19 @@ def run_step_bench(args: argparse.Namespace) -> dict:
 
     measure("resident", resident_pass, extra={"weight_device_bytes": layout.total_block_bytes,
                                               "weight_device_bytes_planned": layout.total_block_bytes})
+    if "resident-compile" in variants:  # compiled copies, so no other variant runs compiled code
+        compiled = [copy.deepcopy(b) for b in blocks]
+        for block in compiled:
+            block.compile()
+
+        def compiled_pass(x, kwargs):
+            for block in compiled:
+                x = block(x, **kwargs)
+            return x
+
+        measure("resident-compile", compiled_pass, warmup=3)
+        del compiled, compiled_pass
+        sv.release(platform)
     tensors, aliases = sv.block_states(blocks)
     store = build_host_store(layout, 0, tensors, platform, progress=not args.quick)
     del tensors
@@ -172,15 +187,19 @@ def run_step_bench(args: argparse.Namespace) -> dict:
             peaks.append(sv.pinned_peak_bytes_per_s(platform, store, layout))
         if variant.startswith("dlo-"):
             opts = sv.variant_options(variant)
-            run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, group=ctx.group, **opts)
-            measure(variant, run_pass, reset=ex.stats.reset, warmup=sv.GRAPH_WARMUP if opts["graph"] else 0,
+            own = [copy.deepcopy(b) for b in blocks] if opts["block_call"] == "compile" else blocks  # meta: cheap
+            run_pass, ex = sv.executor_pass(platform, layout, store, own, aliases, group=ctx.group, **opts)
+            measure(variant, run_pass, reset=ex.stats.reset,
+                    warmup=sv.GRAPH_WARMUP if opts["graph"] or opts["block_call"] == "compile" else 0,
                     extra=lambda ex=ex: {
                 "graph_replays": ex.graphs.replays if ex.graphs is not None else 0,
                 "proxy_host_us_per_block": ex.stats.issue_us_per_compute,
                 "load_issue_us_per_block": 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1),
                 "block_call_us_per_block": 1e6 * ex.stats.call_s / max(ex.stats.computes, 1),
-                "weight_device_bytes": ex.measured_device_bytes or ex.device_weight_bytes,
-                "weight_device_bytes_planned": ex.planned_device_weight_bytes})
+                # Graph / compile variants hold the same executor buffers as their eager variant: reported once.
+                **({"weight_buffers": "as the eager variant"} if opts["graph"] or opts["block_call"] == "compile" else
+                   {"weight_device_bytes": ex.measured_device_bytes or ex.device_weight_bytes,
+                    "weight_device_bytes_planned": ex.planned_device_weight_bytes})})
             ex.synchronize()
             del run_pass, ex
         elif variant == "diffusers":

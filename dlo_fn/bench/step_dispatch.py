@@ -59,7 +59,7 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
         out: dict[str, dict] = {}
         for variant in variants:
             row: dict[str, float] = {}
-            if variant.startswith("dlo-"):
+            if variant.startswith("dlo-") and not variant.endswith("-compile"):
                 run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, group=group,
                                                 **sv.variant_options(variant))
                 rp = dict(reps, warmup=max(reps["warmup"], sv.GRAPH_WARMUP))

@@ -9,6 +9,8 @@ variant                  how the blocks' weights reach the device
 ``dlo-rank-local-swap``  as dlo-rank-local, blocks called through the pre-resolved swap (not functional_call)
 ``dlo-*-graph``          as dlo-rank-local / dlo-allgather, each step captured as a CUDA graph and replayed
                          (eager where capture is unsupported, e.g. on CPU)
+``resident-compile``     resident, every block compiled with ``torch.compile`` (``nn.Module.compile``)
+``dlo-rank-local-compile``  dlo-rank-local on blocks compiled the same way (compared with resident-compile)
 ``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
 ``naive-sync``           per block: synchronous copy from the pinned arena into one slot, then compute
 =======================  =====================================================================================
@@ -36,14 +38,15 @@ __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow
            "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
-            "dlo-allgather-graph", "diffusers", "naive-sync")
+            "dlo-allgather-graph", "diffusers", "naive-sync", "resident-compile", "dlo-rank-local-compile")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith("-compile"))  # compiling takes minutes on a CPU
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
 
 
 def variant_options(variant: str) -> dict:
     """Executor options of a ``dlo-*`` variant."""
     return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
-            "block_call": "swap" if variant.endswith("-swap") else "functional_call",
+            "block_call": {"-swap": "swap", "-compile": "compile"}.get(variant[variant.rfind("-"):], "functional_call"),
             "graph": variant.endswith("-graph")}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 

@@ -175,6 +175,8 @@ class Executor:
         if self._run is not None:
             raise ScheduleError("a run is already open: end it (end_run / leave the `with run()` block) first")
         program = self._programs.get(self.ring, num_steps, requests_per_load, schedule)
+        if self.graphs is not None:
+            self.graphs.reset()
         if self._recorder is not None:
             events, starts = self._recorder.run_events(len(program.kinds))
         else:
