@@ -47,7 +47,8 @@ from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
-from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule
+from dlo_fn.runtime.program import (_AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule,
+                                    gather_one)
 from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
@@ -291,7 +292,7 @@ class Executor:
                 elif kind == _AG:
                     out, inp = p.args[i]
                     if self._gather_group is None:
-                        out.copy_(inp, non_blocking=True)
+                        gather_one(out, inp)
                     else:
                         work = self._all_gather(out, inp, group=self._gather_group,
                                                 async_op=self.async_collectives)
@@ -332,8 +333,13 @@ class Executor:
                     ev = carry.get(buf)
                     if ev is not None:
                         check(wait(h, ev.handle, 0), "cuStreamWaitEvent")
-                for dst, src, n, dev in copies:
-                    copy(dst, src, n, h, dev)
+                if copies is None:  # an all-gather of one rank: a kernel on its stream
+                    self._set_stream(p.streams[i])
+                    gather_one(*p.args[i])
+                    self._set_stream(run.stream)
+                else:
+                    for dst, src, n, dev in copies:
+                        copy(dst, src, n, h, dev)
                 loads += p.kinds[i] == _H2D
                 code = record(events[i].handle, h)
                 if code:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
+from dlo_fn.runtime.program import gather_one
 
 __all__ = ["StepGraphs", "graph_support"]
 
@@ -151,6 +152,7 @@ class StepGraphs:
     def __init__(self, executor: Any) -> None:
         self.ex = executor
         self._steps: dict[int, tuple[_Step, ...]] = {}
+        self._sig_ids: dict[tuple, int] = {}
         self._records: dict[tuple, _Record] = {}
         self._graphs: dict[tuple, _Graph] = {}
         self._eager: set[tuple] = set()
@@ -166,7 +168,10 @@ class StepGraphs:
     def steps_of(self, program: Any) -> tuple[_Step, ...]:
         steps = self._steps.get(id(program))
         if steps is None:
-            steps = self._steps[id(program)] = split_steps(program)
+            steps = split_steps(program)
+            for st in steps:  # a small id per distinct signature: the keys below are hashed once per step
+                st.key = self._sig_ids.setdefault(st.key, len(self._sig_ids))
+            self._steps[id(program)] = steps
         return steps
 
     def reset(self) -> None:
@@ -228,7 +233,7 @@ class StepGraphs:
             graph = self._capture(run, step, key, rec)
             if graph is None:
                 return _Live(step, "record", None)
-        return _Live(step, "replay", key, graph=graph)
+        return _Live(step, "replay", key, record=self._records[key], graph=graph)
 
     def _note(self, live: _Live, op: Any, flat: list[Any], structure: tuple) -> None:
         rec = live.record
@@ -297,7 +302,7 @@ class StepGraphs:
                     elif op.kind == AG:
                         out, inp = p.args[i]
                         if ex._gather_group is None:
-                            out.copy_(inp, non_blocking=True)
+                            gather_one(out, inp)
                         else:
                             ex._all_gather(out, inp, group=ex._gather_group)
                     else:
@@ -338,9 +343,8 @@ class StepGraphs:
             if r == R - 1:
                 self._launch(run, live)
         else:
-            rec = self._records[live.key]
             ins, outs = live.inputs0[r], g.out_flat[r]
-            for t, (src, j) in zip(flat, rec.wiring[(op.block, r)]):
+            for t, (src, j) in zip(flat, live.record.wiring[(op.block, r)]):
                 if t is not (outs[j] if src == "out" else ins[j]):
                     raise ScheduleError(f"cuda graph: block {op.block} (request {r}) was called with inputs wired "
                                         f"differently than when its step was captured: run this model with "
