@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dlo_fn.bench.step_variants import VARIANTS
+from dlo_fn.bench.step_variants import DEFAULT_VARIANTS as VARIANTS
 from dlo_fn.cli import build_parser
 from dlo_fn.figures.bench import bench_rows, plot_bench_step
 
@@ -32,9 +32,14 @@ def test_quick_bench_reports_every_variant(quick_report):
         assert res["ratio_to_resident"] == 1.0 and res["h2d_bytes_per_s"] == 0
         for v in w["variants"]:
             assert len(v["step_s_all"]) == 2 and v["step_s"] > 0 and v["ratio_to_bound"] > 0
+            assert v["equal_to_resident"] is True  # every variant's output is byte-identical to resident
+            assert v["host_s"] > 0
             if v["variant"].startswith("dlo-"):
                 # Weight memory of the executor is exactly its plan: 2 slots (+ 2 landing buffers).
-                assert v["weight_device_bytes"] == v["weight_device_bytes_planned"]
+                if v["variant"].endswith("-graph"):
+                    assert v["weight_buffers"] == "as the eager variant" and v["graph_replays"] == 0  # CPU: eager
+                else:
+                    assert v["weight_device_bytes"] == v["weight_device_bytes_planned"]
                 assert v["proxy_host_us_per_block"] > 0 and v["load_issue_us_per_block"] > 0
 
 

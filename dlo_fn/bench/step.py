@@ -25,6 +25,7 @@ the tiny config with tiny workloads (a CPU smoke test for CI; written to ``..._q
 from __future__ import annotations
 
 import argparse
+import copy
 
 from dlo_fn.cli import HelpFormatter
 import datetime
@@ -42,17 +43,18 @@ QUICK_WORKLOADS = {"video": (32, 32, 5), "image": (64, 64, 1)}
 
 
 def register(subparsers) -> None:
-    from dlo_fn.bench.step_variants import VARIANTS
+    from dlo_fn.bench.step_variants import DEFAULT_VARIANTS, VARIANTS
 
     p = subparsers.add_parser("step", help="one denoising pass: resident vs our offload vs diffusers vs naive",
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--config", default="bench", help="reference DiT config")
     p.add_argument("--workloads", default="video,image", help=f"comma list of {sorted(WORKLOADS)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of variants")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--warmup", type=int, default=2, help="untimed passes per variant and workload")
     p.add_argument("--repeats", type=int, default=7, help="timed passes (median reported)")
     p.add_argument("--host-repeats", type=int, default=3, help="passes timed on the host from an idle device")
     p.add_argument("--quick", action="store_true", help="tiny config and workloads, 1 warmup, 2 repeats (CPU smoke)")
+    p.add_argument("--no-dispatch", action="store_true", help="skip the host dispatch measurement (bench-narrow)")
     p.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     p.add_argument("--out", default=None, help="JSON path (default figures/data/bench_step_<machine>.json)")
     p.set_defaults(func=run)
@@ -69,6 +71,7 @@ def _command(args: argparse.Namespace) -> str:
     parts = ["python -m dlo_fn bench step", f"--config {args.config}", f"--workloads {args.workloads}",
              f"--variants {args.variants}", f"--warmup {args.warmup}", f"--repeats {args.repeats}",
              f"--host-repeats {args.host_repeats}"]
+    parts += ["--no-dispatch"] if getattr(args, "no_dispatch", False) else []
     return " ".join(parts + (["--quick"] if args.quick else []) + ([f"--platform {args.platform}"] if args.platform else []))
 
 
@@ -121,9 +124,9 @@ def run_step_bench(args: argparse.Namespace) -> dict:
         if bad:
             raise SystemExit(f"bench step: unknown {name}(s) {bad}; known: {sorted(known)}")
     platform = detect_platform(prefer=args.platform)
-    ctx = init_distributed(platform, single_process_group="dlo-allgather" in variants)
+    ctx = init_distributed(platform, single_process_group=any(v.startswith("dlo-allgather") for v in variants))
     own_group = ctx.group is not None
-    model = sv.random_model(config, platform.device)
+    model = sv.random_model(sv.bench_config(config), platform.device)
     inputs = {w: sv.block_inputs(model, *table[w], platform.device) for w in workloads}
     spec = spec_from_module(model, BLOCK_PATHS, name=config)
     layout = model_layout(spec, 1)
@@ -132,12 +135,22 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     skipped: dict[str, str] = {}
     kw = dict(warmup=args.warmup, repeats=args.repeats, host_repeats=args.host_repeats)
 
-    def measure(variant: str, run_pass, reset=None, extra=None) -> None:
+    want: dict[tuple[str, str], torch.Tensor] = {}  # the resident output of each workload, for the byte-identity check
+
+    def measure(variant: str, run_pass, reset=None, extra=None, warmup=None) -> None:
         for w in workloads:
             x, kwargs, _ = inputs[w]
             platform.reset_peak_memory_stats()
-            r = sv.time_passes(platform, run_pass, x, kwargs, reset=reset, **kw)
+            r = sv.time_passes(platform, run_pass, x, kwargs, reset=reset,
+                               **dict(kw, warmup=max(kw["warmup"], warmup or 0)))
             r.extra.update(extra() if callable(extra) else (extra or {}))
+            with torch.no_grad():
+                out = run_pass(x, kwargs)
+            ref = "resident-compile" if variant.endswith("-compile") else "resident"
+            if variant == ref:
+                want[(ref, w)] = out.clone()
+            r.extra["equal_to_resident"] = bool(torch.equal(out, want[(ref, w)])) if (ref, w) in want else None
+            del out
             results[w][variant] = r
             log.info("%s %s: %.4f s", w, variant, statistics.median(r.step_s))
 
@@ -148,6 +161,19 @@ def run_step_bench(args: argparse.Namespace) -> dict:
 
     measure("resident", resident_pass, extra={"weight_device_bytes": layout.total_block_bytes,
                                               "weight_device_bytes_planned": layout.total_block_bytes})
+    if "resident-compile" in variants:  # compiled copies, so no other variant runs compiled code
+        compiled = [copy.deepcopy(b) for b in blocks]
+        for block in compiled:
+            block.compile()
+
+        def compiled_pass(x, kwargs):
+            for block in compiled:
+                x = block(x, **kwargs)
+            return x
+
+        measure("resident-compile", compiled_pass, warmup=3)
+        del compiled, compiled_pass
+        sv.release(platform)
     tensors, aliases = sv.block_states(blocks)
     store = build_host_store(layout, 0, tensors, platform, progress=not args.quick)
     del tensors
@@ -160,16 +186,20 @@ def run_step_bench(args: argparse.Namespace) -> dict:
         if variant != "resident":  # PCIe varies over a run: measure the peak next to each variant
             peaks.append(sv.pinned_peak_bytes_per_s(platform, store, layout))
         if variant.startswith("dlo-"):
-            mode = "allgather" if variant == "dlo-allgather" else "rank-local"
-            call = "swap" if variant.endswith("-swap") else "functional_call"
-            run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode=mode, group=ctx.group,
-                                            block_call=call)
-            measure(variant, run_pass, reset=ex.stats.reset, extra=lambda ex=ex: {
+            opts = sv.variant_options(variant)
+            own = [copy.deepcopy(b) for b in blocks] if opts["block_call"] == "compile" else blocks  # meta: cheap
+            run_pass, ex = sv.executor_pass(platform, layout, store, own, aliases, group=ctx.group, **opts)
+            measure(variant, run_pass, reset=ex.stats.reset,
+                    warmup=sv.GRAPH_WARMUP if opts["graph"] or opts["block_call"] == "compile" else 0,
+                    extra=lambda ex=ex: {
+                "graph_replays": ex.graphs.replays if ex.graphs is not None else 0,
                 "proxy_host_us_per_block": ex.stats.issue_us_per_compute,
                 "load_issue_us_per_block": 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1),
                 "block_call_us_per_block": 1e6 * ex.stats.call_s / max(ex.stats.computes, 1),
-                "weight_device_bytes": ex.measured_device_bytes or ex.device_weight_bytes,
-                "weight_device_bytes_planned": ex.planned_device_weight_bytes})
+                # Graph / compile variants hold the same executor buffers as their eager variant: reported once.
+                **({"weight_buffers": "as the eager variant"} if opts["graph"] or opts["block_call"] == "compile" else
+                   {"weight_device_bytes": ex.measured_device_bytes or ex.device_weight_bytes,
+                    "weight_device_bytes_planned": ex.planned_device_weight_bytes})})
             ex.synchronize()
             del run_pass, ex
         elif variant == "diffusers":
@@ -187,11 +217,13 @@ def run_step_bench(args: argparse.Namespace) -> dict:
                     extra={"weight_device_bytes_planned": layout.max_padded_block_bytes})
         sv.release(platform)
     report = _report(args, platform, layout, store, peaks, inputs, results)
-    del store, cpu, model, blocks, inputs
+    del store, cpu, model, blocks, inputs, want
     sv.release(platform)
     from dlo_fn.bench.step_dispatch import measure_dispatch
 
-    report["dispatch"] = measure_dispatch(config, platform, ctx.group, variants, args.quick)
+    if not getattr(args, "no_dispatch", False):
+        report["dispatch"] = measure_dispatch(config.removesuffix("-small40"), platform, ctx.group, variants,
+                                              args.quick)
     report["skipped_variants"] = skipped
     report["pinning_overhead"] = sv.pinning_overhead(platform)
     if own_group:
@@ -219,6 +251,7 @@ def _report(args, platform, layout, store, peaks, inputs, results) -> dict:
             step = statistics.median(r.step_s)
             moved = 0 if name == "resident" else h2d_bytes
             rows.append({"variant": name, "step_s": step, "step_s_all": r.step_s, "host_s_all": r.host_s,
+                         "host_s": statistics.median(r.host_s),
                          "ratio_to_resident": step / res_s, "ratio_to_bound": step / bound,
                          "h2d_bytes_per_s": moved / step, "h2d_fraction_of_peak": (moved / step / peak) if peak else 0,
                          "pass_host_delta_us_per_block": 1e6 * (statistics.median(r.host_s) - res_host) / layout.num_blocks,

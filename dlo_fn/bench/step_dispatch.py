@@ -59,13 +59,14 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
         out: dict[str, dict] = {}
         for variant in variants:
             row: dict[str, float] = {}
-            if variant.startswith("dlo-"):
-                mode = "allgather" if variant == "dlo-allgather" else "rank-local"
-                call = "swap" if variant.endswith("-swap") else "functional_call"
-                run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode=mode, group=group,
-                                                block_call=call)
+            if variant.startswith("dlo-") and not variant.endswith("-compile"):
+                run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, group=group,
+                                                **sv.variant_options(variant))
+                rp = dict(reps, warmup=max(reps["warmup"], sv.GRAPH_WARMUP))
                 host, delta = sv.host_pass_delta_s(platform, run_pass, resident_pass, x, kwargs,
-                                                   reset=ex.stats.reset, **reps)
+                                                   reset=ex.stats.reset, **rp)
+                if ex.graphs is not None:
+                    row["graph_replays"] = ex.graphs.replays
                 row["proxy_host_us_per_block"] = ex.stats.issue_us_per_compute
                 row["load_issue_us_per_block"] = 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1)
                 ex.synchronize()

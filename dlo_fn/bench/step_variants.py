@@ -7,6 +7,10 @@ variant                  how the blocks' weights reach the device
 ``dlo-rank-local``       our executor, H2D of whole blocks from the pinned arena straight into 2 slots
 ``dlo-allgather``        our executor, H2D into a landing buffer + a 1-rank all-gather into the slot
 ``dlo-rank-local-swap``  as dlo-rank-local, blocks called through the pre-resolved swap (not functional_call)
+``dlo-*-graph``          as dlo-rank-local / dlo-allgather, each step captured as a CUDA graph and replayed
+                         (eager where capture is unsupported, e.g. on CPU)
+``resident-compile``     resident, every block compiled with ``torch.compile`` (``nn.Module.compile``)
+``dlo-rank-local-compile``  dlo-rank-local on blocks compiled the same way (compared with resident-compile)
 ``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
 ``naive-sync``           per block: synchronous copy from the pinned arena into one slot, then compute
 =======================  =====================================================================================
@@ -33,7 +37,17 @@ from dlo_fn.runtime.platform import Platform
 __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow_config", "random_model", "cpu_blocks",
            "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
-VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "diffusers", "naive-sync")
+VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
+            "dlo-allgather-graph", "diffusers", "naive-sync", "resident-compile", "dlo-rank-local-compile")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith("-compile"))  # compiling takes minutes on a CPU
+GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
+
+
+def variant_options(variant: str) -> dict:
+    """Executor options of a ``dlo-*`` variant."""
+    return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
+            "block_call": {"-swap": "swap", "-compile": "compile"}.get(variant[variant.rfind("-"):], "functional_call"),
+            "graph": variant.endswith("-graph")}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
@@ -100,6 +114,26 @@ def time_passes(platform: Platform, run_pass: PassFn, x: torch.Tensor, kwargs: d
     return PassResult(step_s, host_s, platform.max_memory_allocated())
 
 
+def small_config(config_name: str = "bench"):
+    """Many small blocks: 40 blocks of ~90 MB bf16 (hidden 1280, 10 heads of 128, MLP x4), so that at 1024^2 with
+    CFG a block computes in ~1-3 ms on an H200 and copies in ~1.6 ms: per-block host costs are not hidden."""
+    import dataclasses
+
+    from dlo_fn.models import get_config
+
+    base = get_config(config_name)
+    return dataclasses.replace(base, name=f"{base.name}-small40", num_blocks=40, hidden_dim=1280, num_heads=10,
+                               mlp_dim=5120)
+
+
+def bench_config(name: str):
+    """A named model config, or ``<base>-small40`` / ``<base>-narrow`` (see :func:`small_config`, :func:`narrow_config`)."""
+    for suffix, fn in (("-small40", small_config), ("-narrow", narrow_config)):
+        if name.endswith(suffix):
+            return fn(name[: -len(suffix)])
+    return name
+
+
 def narrow_config(config_name: str):
     """``config_name`` with the same blocks (same modules, same tensors per block) at hidden 256: for host
     dispatch timing, where the device must never fall behind the host (no launch-queue back-pressure)."""
@@ -154,9 +188,10 @@ class _Stack(nn.Module):
 
 
 def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
-                  aliases: list[dict], *, mode: str, group: Any, block_call: str) -> tuple[PassFn, Executor]:
+                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool = False
+                  ) -> tuple[PassFn, Executor]:
     ex = Executor(platform, layout, store, blocks, aliases, group=group if mode == "allgather" else None,
-                  mode=mode, block_call=block_call)
+                  mode=mode, block_call=block_call, graph=graph)
     proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:

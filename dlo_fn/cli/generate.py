@@ -57,6 +57,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how a block runs on its slot's views")
     parser.add_argument("--async-collectives", action="store_true",
                         help="CPU/gloo: overlap all-gathers with compute (async_op)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture each offloaded step as a CUDA graph and replay it (eager where unsupported)")
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
@@ -172,7 +174,7 @@ def options_from_args(args: argparse.Namespace):
                           num_slots=2 if args.slots == "auto" else args.slots, num_landing=args.landing,
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
-                          progress=True)
+                          progress=True, graph=args.cuda_graph)
 
 
 def _defaults(args: argparse.Namespace) -> dict:

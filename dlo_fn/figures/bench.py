@@ -12,18 +12,21 @@ import pathlib
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
 from dlo_fn.repro.data import DATA_DIR
 
-__all__ = ["FIGURES", "fig_bench_step", "plot_bench_step", "bench_rows", "find_bench_json"]
+__all__ = ["FIGURES", "fig_bench_step", "fig_bench_small40", "plot_bench_step", "bench_rows", "find_bench_json"]
 
 FIELDS = ("workload", "variant", "step_s", "ratio_to_resident", "ratio_to_bound", "h2d_GB_per_s",
-          "h2d_fraction_of_peak", "proxy_host_us_per_block", "peak_device_GB", "weight_device_GB_planned")
+          "h2d_fraction_of_peak", "proxy_host_us_per_block", "host_ms_per_step", "equal_to_resident", "peak_device_GB",
+          "weight_device_GB_planned")
 LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into 2 slots",
           "dlo-allgather": "ours: H2D + all-gather (W=1)", "dlo-rank-local-swap": "ours: swap call",
+          "dlo-rank-local-graph": "ours: 2 slots, CUDA graph", "dlo-allgather-graph": "ours: all-gather, CUDA graph",
+          "resident-compile": "resident, torch.compile", "dlo-rank-local-compile": "ours: 2 slots, torch.compile",
           "diffusers": "diffusers group offload", "naive-sync": "naive sync per block"}
 COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "naive-sync": COLORS["measured"]}
 
 
-def find_bench_json(data_dir: pathlib.Path = DATA_DIR) -> pathlib.Path | None:
-    found = sorted(p for p in pathlib.Path(data_dir).glob("bench_step_*.json") if not p.stem.endswith("_quick"))
+def find_bench_json(data_dir: pathlib.Path = DATA_DIR, pattern: str = "bench_step_*.json") -> pathlib.Path | None:
+    found = sorted(p for p in pathlib.Path(data_dir).glob(pattern) if not p.stem.endswith("_quick"))
     return found[0] if found else None
 
 
@@ -35,6 +38,8 @@ def bench_rows(report: dict) -> list[dict]:
                          "ratio_to_resident": r["ratio_to_resident"], "ratio_to_bound": r["ratio_to_bound"],
                          "h2d_GB_per_s": r["h2d_bytes_per_s"] / 1e9, "h2d_fraction_of_peak": r["h2d_fraction_of_peak"],
                          "proxy_host_us_per_block": r.get("proxy_host_us_per_block", ""),
+                         "host_ms_per_step": 1e3 * r["host_s"] if "host_s" in r else "",
+                         "equal_to_resident": r.get("equal_to_resident", ""),
                          "peak_device_GB": r["peak_device_bytes"] / 1e9,
                          "weight_device_GB_planned": r.get("weight_device_bytes_planned", 0) / 1e9})
     return rows
@@ -56,12 +61,12 @@ def _title(report: dict) -> str:
     return f"One pass over {report['num_blocks']} blocks on {device}: " + "; ".join(parts)
 
 
-def plot_bench_step(report: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
+def plot_bench_step(report: dict, out_dir: pathlib.Path, name: str = "fig_bench_step") -> list[pathlib.Path]:
     import matplotlib.pyplot as plt
 
     out_dir = pathlib.Path(out_dir)
     rows = bench_rows(report)
-    paths = [write_csv(out_dir / "data" / "fig_bench_step.csv", rows, FIELDS)]
+    paths = [write_csv(out_dir / "data" / f"{name}.csv", rows, FIELDS)]
     workloads = report["workloads"]
     with figure_style():
         fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 3.6), squeeze=False)
@@ -85,7 +90,7 @@ def plot_bench_step(report: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
             ax.set_xlabel("step time / bound  (dashed: +2% target)")
         fig.suptitle(_title(report), fontsize=9)
         fig.tight_layout()
-        paths.insert(0, save_png(fig, out_dir / "fig_bench_step.png"))
+        paths.insert(0, save_png(fig, out_dir / f"{name}.png"))
     return paths
 
 
@@ -97,4 +102,12 @@ def fig_bench_step(out_dir: pathlib.Path) -> list[pathlib.Path]:
     return plot_bench_step(json.loads(path.read_text()), out_dir)
 
 
-FIGURES = {"fig_bench_step": fig_bench_step}
+def fig_bench_small40(out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The same for many small blocks (40 x 75 MB, 1024^2 CFG), where host work per block is not hidden."""
+    path = find_bench_json(pattern="bench_small40_*.json")
+    if path is None:
+        return []
+    return plot_bench_step(json.loads(path.read_text()), out_dir, "fig_bench_small40")
+
+
+FIGURES = {"fig_bench_step": fig_bench_step, "fig_bench_small40": fig_bench_small40}

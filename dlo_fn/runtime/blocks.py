@@ -22,7 +22,7 @@ from dlo_fn.plan.layout import BlockLayout
 
 __all__ = ["block_state", "strip_block", "make_views", "BlockProxy", "layout_key", "CALLS", "make_caller"]
 
-CALLS = ("functional_call", "swap")
+CALLS = ("functional_call", "swap", "compile")
 
 
 def block_state(block: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
@@ -84,8 +84,14 @@ def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> 
 
     ``"functional_call"``: :func:`torch.func.functional_call` (resolves every name per call, ~20-40 us for a
     20-tensor block on a slow CPU). ``"swap"``: the same re-parametrisation with the (dict, key) pairs resolved
-    once here: assign the views, call, put the meta tensors back (~2 us).
+    once here: assign the views, call, put the meta tensors back (~2 us). ``"compile"``: ``functional_call`` of
+    the block compiled with ``torch.compile`` (``nn.Module.compile``, once per block): the views are the
+    compiled graph's weight inputs, so every block of one class and every slot share one compiled graph.
     """
+    if kind == "compile":
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile()
+        kind = "functional_call"
     if kind == "functional_call":
         from torch.func import functional_call
 

@@ -29,6 +29,7 @@ run open, which makes any ``model(...)`` call work; engines open explicit runs w
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -41,13 +42,18 @@ from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.blocks import layout_key, make_caller, make_views
+from dlo_fn.runtime.cuda_raw import RawStream, raw_cuda, stream_handle
 from dlo_fn.runtime.dist import all_gather_bytes
+from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
-from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule
+from dlo_fn.runtime.program import (_AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule,
+                                    gather_one)
 from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
+
+log = logging.getLogger(__name__)
 
 
 class Executor:
@@ -64,7 +70,7 @@ class Executor:
                  aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None, *, group: Any = None,
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "functional_call", async_collectives: bool = False,
-                 record_timeline: bool = False, rank: int = 0) -> None:
+                 record_timeline: bool = False, rank: int = 0, graph: bool = False) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
         if len(blocks) != layout.num_blocks:
             raise ValueError(f"{len(blocks)} block modules for a layout of {layout.num_blocks} blocks")
@@ -73,6 +79,9 @@ class Executor:
         if group is None and layout.num_shards != 1:
             raise ValueError(f"a layout sharded over {layout.num_shards} ranks needs a process group")
         self.platform, self.layout, self.store, self.group = platform, layout, store, group
+        # The all-gather of one rank is the identity: a device copy, not a collective call (~130 us of host work
+        # per block through NCCL on an H200 host).
+        self._gather_group = group if layout.num_shards > 1 else None
         self.mode, self.rank, self.block_call = mode, rank, block_call
         # The ring checks slots and landing buffers; rank-local has none, whatever num_landing says (one
         # OffloadOptions carries it for both modes).
@@ -104,14 +113,25 @@ class Executor:
             self._callers.append(tuple(make_caller(block_call, self.blocks[b], shared[key][s])
                                        for s in range(num_slots)))
         self.num_view_sets = len(shared) * num_slots
+        # Driver calls for the eager loop where every op is a copy or an event (W = 1, pinned arena, no recorder).
+        self._raw = (raw_cuda(platform) if self._gather_group is None and store.arena is not None
+                     and not record_timeline else None)
         self._programs = Programs(self._compile)
         self._carry: dict[str, Any] = {}
         self._run: RunState | None = None
         self._recorder = RunRecorder(platform, rank) if record_timeline else None
         self._run_count = 0
         self.stats = ExecutorStats()
-        if group is not None and mode == "allgather":
+        if self._gather_group is not None and mode == "allgather":
             self._warm_up_collective()
+        self.graphs = None
+        if graph:
+            why = graph_support(platform) or (store.arena is None and "the rank-local mmap source is pageable "
+                                              "memory, which a CUDA graph cannot copy from")
+            if why:
+                log.warning("cuda graph: %s; running eager", why)
+            else:
+                self.graphs = StepGraphs(self)
 
     # -- memory --------------------------------------------------------------------------------------------
     @property
@@ -136,8 +156,11 @@ class Executor:
         return self.ring.next_schedule(num_steps, requests_per_load)
 
     def _compile(self, sch: Schedule) -> Program:
+        raw = self._raw
         return compile_schedule(sch, self.layout, self.store, self.slots, self.landing, self._callers,
-                                (self.h2d_stream, self.allgather_stream), self.platform.new_event)
+                                (self.h2d_stream, self.allgather_stream),
+                                raw.new_event if raw is not None else self.platform.new_event,
+                                stream_handle if raw is not None else None)
 
     # -- runs -----------------------------------------------------------------------------------------------
     @property
@@ -153,12 +176,16 @@ class Executor:
         if self._run is not None:
             raise ScheduleError("a run is already open: end it (end_run / leave the `with run()` block) first")
         program = self._programs.get(self.ring, num_steps, requests_per_load, schedule)
+        if self.graphs is not None:
+            self.graphs.reset()
         if self._recorder is not None:
             events, starts = self._recorder.run_events(len(program.kinds))
         else:
             events, starts = program.events, None
-        self._run = RunState(program, events, starts, compute, _implicit, self.platform.current_stream(),
-                         index=self._run_count)
+        stream = self.platform.current_stream()
+        cstream = RawStream(self._raw, stream_handle(stream)) if self._raw is not None else stream
+        self._run = RunState(program, events, starts, compute, _implicit, stream, index=self._run_count,
+                             cstream=cstream)
         self._run_count += 1
         self.stats.runs += 1
         return program.schedule
@@ -218,6 +245,8 @@ class Executor:
         finally:
             self._run = None
             self.ring, self._carry = self.ring.restart(), {}
+            if self.graphs is not None:
+                self.graphs.reset()
 
     def synchronize(self) -> None:
         """Wait for everything issued so far (tests, timing, shutdown); never called in the steady state."""
@@ -236,6 +265,8 @@ class Executor:
         Streams are switched with one ``set_stream`` per change (the compute stream is restored at the end)."""
         if run.cursor >= stop:
             return
+        if self._raw is not None:
+            return self._issue_until_raw(run, stop)
         t0 = time.perf_counter()
         p, events, starts, set_stream = run.program, run.events, run.starts, self._set_stream
         current = run.stream
@@ -260,10 +291,11 @@ class Executor:
                     self.stats.loads += 1
                 elif kind == _AG:
                     out, inp = p.args[i]
-                    if self.group is None:
-                        out.copy_(inp, non_blocking=True)
+                    if self._gather_group is None:
+                        gather_one(out, inp)
                     else:
-                        work = self._all_gather(out, inp, group=self.group, async_op=self.async_collectives)
+                        work = self._all_gather(out, inp, group=self._gather_group,
+                                                async_op=self.async_collectives)
                         if work is not None:
                             events[i].work = work
                             if starts is not None:
@@ -276,6 +308,45 @@ class Executor:
             if current is not run.stream:
                 set_stream(run.stream)
             run.cursor = max(run.cursor, stop)
+            self.stats.load_issue_s += time.perf_counter() - t0
+
+    def _issue_until_raw(self, run: RunState, stop: int) -> None:
+        """:meth:`_issue_until` through driver calls: explicit stream handles, no stream switch, no copy_."""
+        t0 = time.perf_counter()
+        p, events, carry, cu = run.program, run.events, self._carry, self._raw
+        wait, record, copy, check = cu._wait, cu._record, cu.copy, cu.check
+        loads = 0
+        try:
+            for i in range(run.cursor, stop):
+                op = p.raw[i]
+                if op is None:
+                    if run.compute:
+                        raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
+                    events[i].record(run.cstream)
+                    continue
+                h, copies = op
+                for d in p.waits[i]:
+                    code = wait(h, events[d].handle, 0)
+                    if code:
+                        check(code, "cuStreamWaitEvent")
+                for buf in p.carry[i]:
+                    ev = carry.get(buf)
+                    if ev is not None:
+                        check(wait(h, ev.handle, 0), "cuStreamWaitEvent")
+                if copies is None:  # an all-gather of one rank: a kernel on its stream
+                    self._set_stream(p.streams[i])
+                    gather_one(*p.args[i])
+                    self._set_stream(run.stream)
+                else:
+                    for dst, src, n, dev in copies:
+                        copy(dst, src, n, h, dev)
+                loads += p.kinds[i] == _H2D
+                code = record(events[i].handle, h)
+                if code:
+                    check(code, "cuEventRecord")
+        finally:
+            run.cursor = max(run.cursor, stop)
+            self.stats.loads += loads
             self.stats.load_issue_s += time.perf_counter() - t0
 
     def compute(self, block_index: int, args: tuple, kwargs: dict) -> Any:
@@ -302,8 +373,17 @@ class Executor:
                                 f"the schedule expects block {expected} ({self.layout.shards[expected].block.name}) "
                                 f"next ({op}): the model must call every block of the block list(s) once per "
                                 f"pass, in order (and, for R requests, each block R times in a row)")
+        graphs = self.graphs
+        if graphs is not None:
+            handled, out = graphs.compute(run, i, args, kwargs)
+            if handled:
+                if run.implicit and p.next_compute[run.cursor] >= len(p.kinds):
+                    self.end_run()
+                self.stats.computes += 1
+                self.stats.issue_s += time.perf_counter() - t0
+                return out
         self._issue_until(run, i)
-        stream, events = run.stream, run.events
+        stream, events = run.cstream, run.events
         for d in p.waits[i]:
             stream.wait_event(events[d])
         for buf in p.carry[i]:
@@ -316,6 +396,8 @@ class Executor:
         out = caller(args, kwargs)
         t2 = time.perf_counter()
         events[i].record(stream)
+        if graphs is not None:
+            graphs.after_eager(run, i, out)
         run.cursor = i + 1
         if run.implicit and p.next_compute[run.cursor] >= len(p.kinds):
             self.end_run()

@@ -52,6 +52,7 @@ class OffloadOptions:
     record_timeline: bool = False
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
     progress: bool = False
+    graph: bool = False  # capture each offloaded step as a CUDA graph, replayed (see dlo_fn.runtime.graph)
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -166,7 +167,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     executor = Executor(platform, layout, store, blocks, aliases, group=group,
                         mode=options.mode, num_slots=options.num_slots, num_landing=options.num_landing,
                         block_call=options.block_call, async_collectives=options.async_collectives,
-                        record_timeline=options.record_timeline, rank=ctx.rank)
+                        record_timeline=options.record_timeline, rank=ctx.rank, graph=options.graph)
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)

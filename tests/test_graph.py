@@ -1,0 +1,103 @@
+"""CUDA-graph steps without a GPU: the option and its fallback, how a schedule splits into steps, and the
+recorded wiring; on CPU every capture falls back to eager (logged once) and stays bit-exact."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from dlo_fn.cli import build_parser
+from dlo_fn.cli.generate import options_from_args
+from dlo_fn.plan.ops import C
+from dlo_fn.runtime.graph import StepGraphs, graph_support, split_steps
+from dlo_fn.runtime.offload import OffloadOptions, offload
+from tests.test_executor import CTX, toy
+
+
+def test_option_and_cli_flag():
+    assert OffloadOptions().graph is False and OffloadOptions(graph=True).graph is True
+    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--prompt", "p", "--out", "o", "--cuda-graph"])
+    assert options_from_args(args).graph is True
+    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--prompt", "p", "--out", "o"])
+    assert options_from_args(args).graph is False
+
+
+def test_cpu_falls_back_to_eager_logged_once(caplog):
+    assert graph_support(CTX.platform) == "CUDA graphs need a CUDA device (platform 'cpu')"
+    ref = toy()
+    with caplog.at_level(logging.WARNING):
+        o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", graph=True)
+    assert o.executor.graphs is None
+    assert [r.getMessage() for r in caplog.records if "cuda graph" in r.getMessage()] == [
+        "cuda graph: CUDA graphs need a CUDA device (platform 'cpu'); running eager"]
+    for seed in range(3):
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(o.model(x), ref(x))
+
+
+@pytest.mark.parametrize("num_blocks,steps,r", [(4, 4, 1), (5, 3, 2), (4, 1, 3)])
+def test_steps_partition_the_run_and_steady_steps_share_a_key(num_blocks, steps, r):
+    o = offload(toy(num_blocks), "blocks", CTX, mode="allgather")
+    ex = o.executor
+    with ex.run(1):  # warm the ring: the next run starts from prefetched slots
+        x = torch.randn(2, 16)
+        o.model(x)
+    program = ex._programs.get(ex.ring, steps, r, None)
+    sch = program.schedule
+    parts = split_steps(program)
+    assert len(parts) == steps and parts[0].start == 0 and parts[-1].end == len(sch.ops)
+    assert all(a.end == b.start for a, b in zip(parts, parts[1:]))
+    for p in parts:
+        assert len(p.computes) == num_blocks * r and sch.ops[p.computes[0]].block == 0
+        assert all(sch.ops[i].kind == C for i in p.computes) and p.first_compute == p.computes[0]
+        assert all(d < p.start for d in p.ext_waits)
+    assert {i for _, i in sch.last_use} <= {i for p in parts for i in p.exported}
+    if num_blocks % 2 == 0 and steps > 2:  # even depth: the slots line up again every step
+        assert len({p.key for p in parts[1:-1]}) == 1
+
+
+def test_forced_capture_on_cpu_records_wiring_then_runs_eager(caplog):
+    """The graph path up to the capture runs on CPU (no CUDA graph exists there, so it fails and falls back)."""
+    ref = toy(4)
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="allgather")
+    ex = o.executor
+    ex.graphs = StepGraphs(ex)
+    with caplog.at_level(logging.WARNING):
+        for seed in range(5):
+            x = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(o.model(x), ref(x))
+    msgs = [r.getMessage() for r in caplog.records if "cuda graph" in r.getMessage()]
+    assert len(msgs) == 1 and msgs[0].startswith("cuda graph: capture failed")
+    wirings = {tuple(sorted(rec.wiring.items())) for rec in ex.graphs._records.values()}
+    # The toy block returns (x, ctx) and the model feeds both to the next block: outputs 0 and 1.
+    assert wirings == {tuple(((b, 0), (("out", 0), ("out", 1))) for b in range(1, 4))}
+    assert ex.graphs.captures == 0 and ex.graphs.replays == 0 and ex.graphs._eager
+
+
+class _Extra(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        x, ctx = self.inner.embed(x), x
+        for block in self.inner.blocks:
+            x, ctx = block(x, ctx=ctx + 0)  # work between blocks: not a chain of blocks
+        return self.inner.head(x + ctx)
+
+
+def test_work_between_blocks_is_not_captured(caplog):
+    ref = _Extra(toy(4))
+    o = offload(copy.deepcopy(ref), "inner.blocks", CTX, mode="rank-local")
+    o.executor.graphs = StepGraphs(o.executor)
+    with caplog.at_level(logging.WARNING):
+        for seed in range(4):
+            x = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(o.model(x), ref(x))
+    msgs = {r.getMessage() for r in caplog.records if "cuda graph" in r.getMessage()}
+    assert msgs == {"cuda graph: a block input is neither a block-0 input nor an output of the block before "
+                    "(the model does work between blocks); those steps run eager"}
+    assert not o.executor.graphs._records
