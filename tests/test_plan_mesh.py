@@ -139,11 +139,12 @@ DIMS = BlockDims(hidden_dim=64, mlp_dim=256, num_heads=4)
 def test_sp_activation_phases_golden():
     a = sp_activations(DIMS, tokens=768, sp=2)
     u = 384 * 64
-    got = {p.name: (p.activation_bytes - 4 * 384 * 16 - 0, p.communication_bytes) for p in a.phases}
-    assert got == {"qk norm + rotary": (24 * u, 0), "tokens -> heads": (30 * u, 12 * u),
-                   "heads -> tokens": (8 * u + 10 * u, 2 * u), "cross-attn q norm": (22 * u, 0),
-                   "mlp": (12 * u + 16 * u, 0)}
-    assert a.peak_phase.name == "tokens -> heads" and a.peak_bytes == 42 * u + 4 * 384 * 16
+    rotary = 4 * 768 * 16  # the whole cos and sin tables: each rank's rows are views of them
+    got = {p.name: (p.activation_bytes - rotary, p.communication_bytes) for p in a.phases}
+    assert got == {"qk norm + rotary": (28 * u, 0), "tokens -> heads": (34 * u, 12 * u),
+                   "heads -> tokens": (12 * u + 10 * u, 2 * u), "cross-attn q norm": (26 * u, 0),
+                   "mlp": (16 * u + 16 * u, 0)}
+    assert a.peak_phase.name == "tokens -> heads" and a.peak_bytes == 46 * u + rotary
     single = sp_activations(DIMS, tokens=768, sp=1)
     assert [p.name for p in single.phases] == ["qk norm + rotary", "attention", "cross-attn q norm", "mlp"]
     assert single.peak_phase.name == "mlp"
@@ -156,8 +157,9 @@ def test_sp_terms_are_linear_in_local_tokens(local, sp, batch):
     one, two = sp_activations(dims, local * sp, sp, batch), sp_activations(dims, 2 * local * sp, sp, batch)
     assert one.local_tokens == local and [p.name for p in one.phases] == [p.name for p in two.phases]
     for p, q in zip(one.phases, two.phases):
-        inputs_p, inputs_q = dict(p.activation_terms)["inputs"], dict(q.activation_terms)["inputs"]
-        assert q.total_bytes - inputs_q == 2 * (p.total_bytes - inputs_p)  # every other term is per local token
+        fixed_p = dict(p.activation_terms)["inputs"] + dict(p.activation_terms)["rotary tables"]
+        fixed_q = dict(q.activation_terms)["inputs"] + dict(q.activation_terms)["rotary tables"]
+        assert q.total_bytes - fixed_q == 2 * (p.total_bytes - fixed_p)  # every other term is per local token
     assert (one.communication_bytes > 0) == (sp > 1)
 
 

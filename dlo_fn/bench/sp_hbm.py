@@ -23,7 +23,6 @@ import dataclasses
 import datetime
 import json
 import pathlib
-import sys
 import time
 from dataclasses import dataclass
 
@@ -82,6 +81,8 @@ def register(subparsers) -> None:
     p.add_argument("--timeout-s", type=float, default=540.0)
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="JSON path (default: figures/data/sp_hbm_<device>.json)")
+    p.add_argument("--explain-peak", action="store_true",
+                   help="cuda: record rank 0's allocations and list those alive at its peak")
     p.add_argument("--partial-dir", type=pathlib.Path, default=None,
                    help="also write each record there as soon as it is measured")
     p.set_defaults(func=run)
@@ -97,6 +98,28 @@ def _cpu_peak_bytes(prof) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def _peak_allocations(snapshot: dict, top: int = 16) -> list[dict]:
+    """The device allocations alive at the peak of a ``torch.cuda.memory._snapshot()`` trace, largest first,
+    each with the innermost ``dlo_fn`` frame that made it (what the SP model's terms are checked against)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for trace in snapshot.get("device_traces", []):
+        for ev in trace:
+            if ev["action"] == "alloc":
+                frames = [f for f in ev.get("frames", []) if "dlo_fn" in f.get("filename", "")]
+                where = f"{frames[0]['filename'].split('dlo_fn/')[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
+                live[ev["addr"]] = (ev["size"], where)
+                total += ev["size"]
+                if total > best:
+                    best, at_peak = total, dict(live)
+            elif ev["action"] == "free_completed" and ev["addr"] in live:
+                total -= live.pop(ev["addr"])[0]
+    rows = sorted(at_peak.values(), key=lambda t: -t[0])
+    return [{"bytes": n, "where": w} for n, w in rows[:top]] + [{"bytes": sum(n for n, _ in rows[top:]),
+                                                                  "where": f"{max(0, len(rows) - top)} others"}]
 
 
 def _build(config, weights: str):
@@ -118,7 +141,8 @@ def _build(config, weights: str):
     return model
 
 
-def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_platform, weights: str) -> dict:
+def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_platform, weights: str,
+             explain: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -152,13 +176,19 @@ def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_p
     text_tokens = tokenize("a red fox in the snow", config.text_len).to(platform.device)
     sp = SPContext(grp, case.sp, rank)
     t1 = time.perf_counter()
+    explained = None
     platform.reset_peak_memory_stats()
     with torch.no_grad():
         if device == "cuda":
+            if explain and rank == 0:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
             with off.run(1):
                 out = model(latents, timestep, text_tokens, sp=sp)
             platform.synchronize()
             peak = platform.max_memory_allocated() - idle
+            if explain and rank == 0:
+                explained = _peak_allocations(torch.cuda.memory._snapshot())
+                torch.cuda.memory._record_memory_history(enabled=None)
         else:
             from torch.profiler import ProfilerActivity, profile
 
@@ -183,7 +213,9 @@ def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_p
         "activation_bytes_model": model_sp.activation_bytes,
         "communication_bytes_model": model_sp.communication_bytes,
         "output_shape": list(out.shape), "output_finite": bool(torch.isfinite(out).all()),
-        "weights": weights, "idle_device_bytes": idle - before, "setup_s": round(t1 - t0, 2), "pass_s": round(t2 - t1, 2),
+        "weights": weights, "idle_device_bytes": idle - before,
+        "setup_s": round(t1 - t0, 2), "pass_s": round(t2 - t1, 2),
+        **({"peak_allocations": explained} if explained else {}),
     }
     del out, off, model, latents
     if device == "cuda":
@@ -192,7 +224,7 @@ def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_p
 
 
 def _rank(ctx, cases: tuple[SPCase, ...], device: str, shape: tuple[int, int, int], weights: str = "random",
-          partial_dir: str | None = None) -> list[dict]:
+          partial_dir: str | None = None, explain: bool = False) -> list[dict]:
     """Every rank creates every case's group (a collective); the first ``sp`` ranks run the case. A failed case
     is recorded (with its error) and the next one runs; with ``partial_dir`` each record is also written as it
     is made, so a run cut short keeps what it measured."""
@@ -203,7 +235,7 @@ def _rank(ctx, cases: tuple[SPCase, ...], device: str, shape: tuple[int, int, in
         grp = dist.new_group(list(range(case.sp)))
         if ctx.rank < case.sp:
             try:
-                rec = _measure(grp, case, device, shape, ctx.platform, weights)
+                rec = _measure(grp, case, device, shape, ctx.platform, weights, explain)
             except Exception as exc:  # a record of the failure beats losing every other case
                 rec = {"case": case.label, "rank": ctx.rank, "error": f"{type(exc).__name__}: {exc}"}
             results.append(rec)
@@ -216,12 +248,13 @@ def _rank(ctx, cases: tuple[SPCase, ...], device: str, shape: tuple[int, int, in
 
 def measure(cases: tuple[SPCase, ...], device: str = "cuda", shape: tuple[int, int, int] = (720, 1280, 81), *,
             weights: str = "random", threads_per_rank: int = 2, timeout_s: float = 540.0,
-            partial_dir: str | None = None) -> list[dict]:
+            partial_dir: str | None = None, explain: bool = False) -> list[dict]:
     """Run every case on ``max(sp)`` local ranks (gloo); one record per (case, rank), in case order."""
     from dlo_fn.runtime.dist import run_ranks
 
     world = max(c.sp for c in cases)
-    per_rank = run_ranks(_rank, world, cases, device, shape, weights, partial_dir, timeout_s=timeout_s, platform="cpu",
+    per_rank = run_ranks(_rank, world, cases, device, shape, weights, partial_dir, explain, timeout_s=timeout_s,
+                         platform="cpu",
                          threads_per_rank=threads_per_rank)
     records = [r for rank_results in per_rank for r in rank_results]
     order = {c.label: i for i, c in enumerate(cases)}
@@ -238,12 +271,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("bench sp-hbm: --device cuda but torch.cuda.is_available() is False; use --device cpu")
     records = measure(cases, args.device, (args.height, args.width, args.frames),
                       weights=args.weights, threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s,
-                      partial_dir=str(args.partial_dir) if args.partial_dir else None)
+                      partial_dir=str(args.partial_dir) if args.partial_dir else None, explain=args.explain_peak)
     machine = {"host": pyplatform.node(), "torch": torch.__version__, "device": args.device,
                "backend": "gloo", "ranks_share_one_device": args.device == "cuda"}
     if args.device == "cuda":
         machine.update(device_name=torch.cuda.get_device_name(0), cuda=str(torch.version.cuda))
-    doc = {"machine": machine, "command": "python -m dlo_fn bench sp-hbm " + " ".join(sys.argv[3:]),
+    command = (f"python -m dlo_fn bench sp-hbm --cases {args.cases} --blocks {args.blocks} --height {args.height} "
+               f"--width {args.width} --frames {args.frames} --device {args.device} --weights {args.weights} "
+               f"--threads-per-rank {args.threads_per_rank}" + (" --explain-peak" if args.explain_peak else ""))
+    doc = {"machine": machine, "command": command,
            "date": datetime.date.today().isoformat(), "note": NOT_PERFORMANCE,
            "shape": {"height": args.height, "width": args.width, "frames": args.frames}, "records": records}
     out = args.out or pathlib.Path("figures/data") / f"sp_hbm_{args.device}.json"

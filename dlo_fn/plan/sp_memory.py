@@ -13,16 +13,20 @@ per pass (CFG branches), ``D`` hidden width, ``M`` MLP width, ``e`` weight items
     cross-attn q norm       x, h, modulated f u, q e u, q.float f u, rms(q) f u        -
     MLP                     x, h, modulated f u, fc1 e B l M, gelu e B l M             -
 
-``h`` (the first modulated input) stays alive for the whole block (a Python local of ``DiTBlock.forward``).
+``h`` (the first modulated input) stays alive for the whole block (a Python local of ``DiTBlock.forward``), and
+the embedding's output ``x0`` (``f u``) for the whole pass (``EmbedState.x``, held by ``VideoDiT.forward``).
 Bracketed terms exist only when a copy is made: the padded attention output when ``S l > L``; a separate send
 buffer for heads -> tokens only when ``B > 1`` (at ``B = 1`` the permute is already contiguous, so the padded
 output itself is sent). The attention output needs no flattening copy: SDPA returns it token-major. Checked on
-CPU with the profiler's allocation events: the live bytes at each all-to-all call match these terms.
-The peak is the largest phase; with ``S > 1`` it is the tokens -> heads all-to-all: ``(2f + 9e) u`` of
-activations plus ``6e u`` of send and receive buffers, ``42 B l D`` bytes at bf16 (vs the MLP's
-``(3f + 4e M / D) u ~ 28.5 u`` for Nano). Every term scales with ``l``: SP divides them by ``S``. Two small
-terms ride along in every phase: the rotary tables ``f l d_h`` (cos and sin of this rank's rows) and the inputs
-(the full latents ``f B L P`` on every sp rank, the text states ``f B T_t D_t``).
+CPU with the profiler's allocation events (the live bytes at each all-to-all call match these terms) and on one
+H200 (``bench sp-hbm --explain-peak``: the allocations alive at the measured peak are exactly the tokens ->
+heads terms, within 0.1%; ``figures/data/sp_hbm_nvidia-h200_explain.json``).
+The peak is the largest phase; with ``S > 1`` it is the tokens -> heads all-to-all: ``(3f + 9e) u`` of
+activations (``x0`` included) plus ``6e u`` of send and receive buffers, ``46 B l D`` bytes at bf16 (vs the MLP's
+``(4f + 4e M / D) u ~ 32.5 u`` for Nano). Every term scales with ``l``: SP divides them by ``S``. Two small
+terms ride along in every phase: the rotary tables ``f L d_h`` (this rank's rows of cos and sin are views of
+the whole tables, which therefore stay alive) and the inputs (the full latents ``f B L P`` on every sp rank, the
+text states ``f B T_t D_t``).
 
 A model, not a measurement: which kernels copy is a property of torch's implementation; the measured per-rank
 peak on one H200 is set beside it in notebook 08.
@@ -134,9 +138,9 @@ def sp_activations(dims: BlockDims, tokens: int, sp: int = 1, batch: int = 1) ->
     loc = -(-tokens // sp)
     u = batch * loc * dims.hidden_dim
     mlp = batch * loc * dims.mlp_dim
-    common = (("rotary tables", f * loc * dims.head_dim),
+    common = (("rotary tables", f * tokens * dims.head_dim),
               ("inputs", f * batch * (tokens * dims.patch_dim + dims.text_len * dims.text_dim)),
-              ("x (fp32 stream)", f * u), ("h (modulated)", f * u))
+              ("x0 (embedding, kept)", f * u), ("x (fp32 stream)", f * u), ("h (modulated)", f * u))
     qkv = common + (("qkv", 3 * e * u),)
     phases = [Phase("qk norm + rotary", qkv + (("q", e * u), ("k.float", f * u), ("rms(k)", f * u)))]
     if sp == 1:
