@@ -166,3 +166,58 @@ def test_sp_terms_are_linear_in_local_tokens(local, sp, batch):
 def test_sp_rejects_heads_that_do_not_split():
     with pytest.raises(ValueError, match="num_heads 30 is not divisible by sp 4"):
         sp_activations(BlockDims(3840, 15872, 30), 75600, 4)
+
+
+def _cli_json(capsys, *args) -> dict:
+    import json
+
+    from dlo_fn.cli import main
+
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_cli_mesh_terms_and_rank_table(capsys):
+    from dlo_fn.models import get_config
+    from dlo_fn.models.specs import config_spec
+    from dlo_fn.plan.mesh_memory import mesh_hbm
+
+    doc = _cli_json(capsys, "plan", "--model", "cosmos3-super", "--dp", "2", "--sp", "4")
+    sizes = ModelSizes.from_spec(config_spec("cosmos3-super"))
+    mesh = MeshPlan(2, 4)
+    assert doc["num_shards"] == doc["mesh"]["num_shards"] == 8
+    assert doc["pinned_host_bytes_per_rank"] == mesh.pinned_bytes_per_rank(sizes)
+    rows = {r["item"]: r["value_bytes"] for r in doc["mesh"]["rows"]}
+    sp = sp_activations(BlockDims.from_config(get_config("cosmos3-super")), 75600, 4)
+    assert (rows["activations"], rows["communication"]) == (sp.activation_bytes, sp.communication_bytes)
+    assert rows["hbm peak"] == mesh_hbm(sizes, mesh, sp).peak_bytes
+    assert rows["slots"] + rows["landing buffers"] == doc["hbm_weight_bytes"]
+    assert [(r["rank"], r["tokens"], r["heads"], r["shard_index"]) for r in doc["mesh"]["ranks"][3:5]] == [
+        (3, [56700, 75600], [33, 44], 3), (4, [0, 18900], [0, 11], 4)]
+    dp_group = _cli_json(capsys, "plan", "--model", "cosmos3-super", "--dp", "2", "--sp", "4", "--shard-group", "dp")
+    assert dp_group["num_shards"] == 2 and dp_group["layout_digest"] == _cli_json(
+        capsys, "plan", "--model", "cosmos3-super", "--num-shards", "2")["layout_digest"]
+
+
+def test_memory_cli_mesh_rows(capsys):
+    doc = _cli_json(capsys, "memory", "--model", "cosmos3-nano", "--dp", "2", "--sp", "3", "--shard-group", "sp",
+                    "--tokens", "75600")
+    rows = {(r["section"], r["item"]): r["value_bytes"] for r in doc["rows"]}
+    sizes = ModelSizes.from_spec(__import__("dlo_fn.models.specs", fromlist=["x"]).config_spec("cosmos3-nano"))
+    assert doc["num_shards"] == 3
+    assert rows[("host: steady state", "pinned per rank")] == sizes.shard_bytes_per_rank(3)
+    assert rows[("host: steady state", "pinned, all ranks")] == 6 * sizes.shard_bytes_per_rank(3)
+    assert rows[("mesh: per rank", "communication")] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["plan", "--model", "cosmos3-nano", "--sp", "4"], "num_heads 30 is not divisible by sp 4"),
+    (["plan", "--model", "tiny", "--dp", "0"], "--dp/--sp/--shard-group: dp=0"),
+    (["plan", "--model", "tiny", "--sp", "2", "--num-shards", "3"], "leave --num-shards out"),
+])
+def test_cli_mesh_errors_are_one_line(args, message):
+    from dlo_fn.cli import main
+
+    with pytest.raises(SystemExit, match=message.replace("(", "\\(")) as exc:
+        main(args)
+    assert "\n" not in str(exc.value)
