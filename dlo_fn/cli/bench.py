@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ("load", "step", "waves", "timeline", "sp_hbm")
+BENCHES = ("load", "step", "waves", "timeline", "sp_hbm", "mesh_host")
 
 
 def register(subparsers) -> None:
