@@ -27,7 +27,7 @@ from dlo_fn.repro.ceilings import VIDEO_720P_10S
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
-__all__ = ["TOKENS", "SP_HBM_FILE", "MESH_HOST_FILE", "rank_rows", "memory_rows", "host_rows", "phase_rows",
+__all__ = ["TOKENS", "SP_HBM_FILE", "MESH_HOST_FILE", "rank_rows", "group_rows", "memory_rows", "host_rows", "phase_rows",
            "hbm_rows", "fig4_sp_rows", "load"]
 
 TOKENS = VIDEO_720P_10S.tokens
@@ -60,6 +60,18 @@ def rank_rows(mesh: MeshPlan, name: str = "cosmos3-super", tokens: int = TOKENS)
                      "tokens": f"[{r.token_range[0]}, {r.token_range[1]})", "heads": f"[{r.head_range[0]}, {r.head_range[1]})",
                      "shard group": ",".join(map(str, r.shard_group)), "shard": f"{r.shard_index} / {r.num_shards}",
                      "weight GB": _gb(r.pinned_bytes)})
+    return rows
+
+
+def group_rows(dp: int, sp: int, name: str = "cosmos3-super") -> list[dict]:
+    """Pinned weight bytes per rank and in total for each shard group of a ``dp x sp`` mesh."""
+    sizes, rows = _sizes(name), []
+    for group in ("world", "dp", "sp"):
+        mesh = MeshPlan(dp, sp, group)
+        per = mesh.pinned_bytes_per_rank(sizes)
+        rows.append({"shard group": group, "W": mesh.num_shards, "groups": len(mesh.shard_groups),
+                     "per rank GB": _gb(per), "all ranks GB": _gb(mesh.world_size * per),
+                     "model copies": round(mesh.world_size * per / sizes.total_block_bytes, 3)})
     return rows
 
 
