@@ -71,7 +71,8 @@ block_bytes = st.lists(st.integers(1, 5000), min_size=1, max_size=4)
 
 
 def _spec(sizes: list[int]) -> ModelSpec:
-    return ModelSpec("m", tuple(BlockSpec(f"b.{i}", (TensorSpec("w", (n,), torch.uint8),)) for i, n in enumerate(sizes)))
+    blocks = (BlockSpec(f"b.{i}", (TensorSpec("w", (n,), torch.uint8),)) for i, n in enumerate(sizes))
+    return ModelSpec("m", tuple(blocks))
 
 
 @settings(max_examples=150, deadline=None)
@@ -203,7 +204,9 @@ def test_memory_cli_mesh_rows(capsys):
     doc = _cli_json(capsys, "memory", "--model", "cosmos3-nano", "--dp", "2", "--sp", "3", "--shard-group", "sp",
                     "--tokens", "75600")
     rows = {(r["section"], r["item"]): r["value_bytes"] for r in doc["rows"]}
-    sizes = ModelSizes.from_spec(__import__("dlo_fn.models.specs", fromlist=["x"]).config_spec("cosmos3-nano"))
+    from dlo_fn.models.specs import config_spec
+
+    sizes = ModelSizes.from_spec(config_spec("cosmos3-nano"))
     assert doc["num_shards"] == 3
     assert rows[("host: steady state", "pinned per rank")] == sizes.shard_bytes_per_rank(3)
     assert rows[("host: steady state", "pinned, all ranks")] == 6 * sizes.shard_bytes_per_rank(3)

@@ -110,7 +110,8 @@ def _peak_allocations(snapshot: dict, top: int = 16) -> list[dict]:
         for ev in trace:
             if ev["action"] == "alloc":
                 frames = [f for f in ev.get("frames", []) if "dlo_fn" in f.get("filename", "")]
-                where = f"{frames[0]['filename'].split('dlo_fn/')[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
+                f0 = frames[0] if frames else None
+                where = f"{f0['filename'].split('dlo_fn/')[-1]}:{f0['line']} {f0['name']}" if f0 else "?"
                 live[ev["addr"]] = (ev["size"], where)
                 total += ev["size"]
                 if total > best:
@@ -290,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['case']:24s} rank {r['rank']}: FAILED {r['error']}")
             continue
         print(f"{r['case']:24s} rank {r['rank']}: weights {r['weight_bytes']} (plan {r['weight_bytes_planned']}), "
-              f"workload peak {r['workload_peak_bytes'] / 1e9:.3f} GB (model {r['workload_peak_bytes_model'] / 1e9:.3f})")
+              f"workload peak {r['workload_peak_bytes'] / 1e9:.3f} GB "
+              f"(model {r['workload_peak_bytes_model'] / 1e9:.3f})")
     print(f"wrote {out}  ({NOT_PERFORMANCE})")
     return 0

@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         context = (calibration.DEVICE_CONTEXT_BYTES if args.device_context_bytes is None
                    else parse_bytes(args.device_context_bytes))
         rows = memory_accounting(
-            sizes, mesh.world_size, num_shards=mesh.num_shards, platform=args.platform, mode=args.mode, loading=args.loading, num_slots=args.slots,
+            sizes, mesh.world_size, num_shards=mesh.num_shards, platform=args.platform, mode=args.mode,
+            loading=args.loading, num_slots=args.slots,
             num_landing=args.landing, activation_bytes=parse_bytes(args.activation_bytes),
             communication_bytes=parse_bytes(args.communication_bytes),
             transient_bytes=parse_bytes(args.transient_bytes), alignment_bytes=args.alignment,

@@ -27,7 +27,8 @@ from dlo_fn.repro.ceilings import VIDEO_720P_10S
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
-__all__ = ["TOKENS", "SP_HBM_FILE", "MESH_HOST_FILE", "rank_rows", "group_rows", "memory_rows", "host_rows", "phase_rows",
+__all__ = ["TOKENS", "SP_HBM_FILE", "MESH_HOST_FILE", "rank_rows", "group_rows", "memory_rows", "host_rows",
+           "phase_rows",
            "hbm_rows", "fig4_sp_rows", "load"]
 
 TOKENS = VIDEO_720P_10S.tokens
@@ -57,7 +58,8 @@ def rank_rows(mesh: MeshPlan, name: str = "cosmos3-super", tokens: int = TOKENS)
     rows = []
     for r in mesh.rank_table(_sizes(name), tokens, get_config(name).num_heads):
         rows.append({"rank": r.rank, "(dp, sp)": f"({r.dp_rank}, {r.sp_rank})",
-                     "tokens": f"[{r.token_range[0]}, {r.token_range[1]})", "heads": f"[{r.head_range[0]}, {r.head_range[1]})",
+                     "tokens": f"[{r.token_range[0]}, {r.token_range[1]})",
+                     "heads": f"[{r.head_range[0]}, {r.head_range[1]})",
                      "shard group": ",".join(map(str, r.shard_group)), "shard": f"{r.shard_index} / {r.num_shards}",
                      "weight GB": _gb(r.pinned_bytes)})
     return rows
