@@ -6,10 +6,12 @@ import argparse
 import json
 
 from dlo_fn.cli import HelpFormatter, UsageError
+from dlo_fn.plan.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 TERMS_HELP = """\
-terms (N = --dp ranks, all sharding: W = N; M = --model-bytes; n_b = block bytes; A = --alignment):
+terms (N = --dp x --sp ranks, W = the shard group's ranks (N by default); M = --model-bytes; n_b = block bytes;
+A = --alignment):
   host: cold start     what the cgroup sees while N ranks load one checkpoint
     page cache           M: the file, read once and shared by every rank (mmap) or read by each copy
     private copies       N x M with --loading private-copy (param.data.copy_), 0 with mmap views
@@ -32,10 +34,15 @@ terms (N = --dp ranks, all sharding: W = N; M = --model-bytes; n_b = block bytes
     idle / peak          idle = slots + landing + resident + context; peak adds --activation-bytes and
                          --communication-bytes, which depend on the workload: measure them once
 
+  mesh: per rank (with --sp > 1, --shard-group dp|sp, or --tokens): shard / pinned per rank, HBM slots,
+    landing, resident, context, and with --model NAME --tokens L the Ulysses SP activations and all-to-all
+    buffers of the block's peak phase (dlo_fn.plan.sp_memory; ~ 46 B ceil(L / S) D bytes at sp > 1)
+
 sizes accept units: 124GB, 33e9, 1.5TiB, 512MiB (GB = 1e9 bytes, GiB = 2^30).
 examples:
   python -m dlo_fn memory --model-bytes 124GB --dp 4 --num-blocks 128 --platform ascend
   python -m dlo_fn memory --model cosmos3-nano --dp 2 --activation-bytes 11.6GB --json
+  python -m dlo_fn memory --model cosmos3-super --dp 1 --sp 4 --tokens 75600
 """
 
 
@@ -56,7 +63,15 @@ def register(subparsers) -> None:
     src.add_argument("--model-bytes", metavar="SIZE", help="checkpoint bytes M (blocks + resident), e.g. 124GB")
     src.add_argument("--model", metavar="NAME_OR_CHECKPOINT",
                      help="named config (e.g. cosmos3-super) or checkpoint path: exact block sizes")
-    p.add_argument("--dp", type=int, required=True, metavar="N", help="ranks on the host, all in the shard group")
+    p.add_argument("--dp", type=int, required=True, metavar="N",
+                   help="DP ranks (replicas) on the host; with --sp S the host runs N x S ranks")
+    p.add_argument("--sp", type=int, default=1, metavar="S", help="sequence-parallel ranks per replica (Ulysses)")
+    p.add_argument("--shard-group", choices=SHARD_GROUPS, default=DEFAULT_SHARD_GROUP,
+                   help="ranks that share one set of shards: world (all dp x sp), dp, or sp")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="with --model (a named config): add the per-rank SP activation and all-to-all terms at "
+                        "this many tokens per sequence (75600 = 720p 10 s)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per pass for the SP terms (2 with CFG)")
     p.add_argument("--platform", choices=("cuda", "ascend"), default="cuda",
                    help="cuda: pinned memory is charged to the cgroup; ascend: it is not (default cuda)")
     blocks = p.add_mutually_exclusive_group()
@@ -119,10 +134,20 @@ def _sizes(args: argparse.Namespace, parse_bytes):
     return ModelSizes(name, (total - resident,), resident, "no block size given"), False
 
 
+def _dims(args: argparse.Namespace):
+    from dlo_fn.models import CONFIGS
+    from dlo_fn.plan.sp_memory import BlockDims
+
+    return BlockDims.from_config(CONFIGS[args.model]) if args.model in CONFIGS else None
+
+
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.plan.accounting import memory_accounting
     from dlo_fn.plan.memory import parse_bytes as parse
     from dlo_fn.repro import calibration
+
+    from dlo_fn.plan.mesh import MeshPlan
+    from dlo_fn.plan.mesh_memory import mesh_memory_rows
 
     def parse_bytes(text):  # a size the user wrote: an unreadable one names its flag
         try:
@@ -144,18 +169,25 @@ def run(args: argparse.Namespace) -> int:
         if text is not None and str(text).strip().startswith("-"):
             raise UsageError(f"--{flag.replace('_', '-')} {text}: a size cannot be negative")
     try:
+        mesh = MeshPlan(args.dp, args.sp, args.shard_group)
         sizes, with_hbm = _sizes(args, parse_bytes)
+        dims = _dims(args)
         # The two deployment constants: what the user measured, else the published deployment's calibration.
         framework = (calibration.FRAMEWORK_HOST_BYTES_PER_RANK if args.framework_bytes_per_rank is None
                      else parse_bytes(args.framework_bytes_per_rank))
         context = (calibration.DEVICE_CONTEXT_BYTES if args.device_context_bytes is None
                    else parse_bytes(args.device_context_bytes))
         rows = memory_accounting(
-            sizes, args.dp, platform=args.platform, mode=args.mode, loading=args.loading, num_slots=args.slots,
+            sizes, mesh.world_size, num_shards=mesh.num_shards, platform=args.platform, mode=args.mode,
+            loading=args.loading, num_slots=args.slots,
             num_landing=args.landing, activation_bytes=parse_bytes(args.activation_bytes),
             communication_bytes=parse_bytes(args.communication_bytes),
             transient_bytes=parse_bytes(args.transient_bytes), alignment_bytes=args.alignment,
             framework_bytes_per_rank=framework, context_bytes=context, with_hbm=with_hbm)
+        if with_hbm and (mesh.sp > 1 or mesh.shard_group != DEFAULT_SHARD_GROUP or args.tokens):
+            rows += mesh_memory_rows(sizes, mesh, dims, args.tokens if dims else None, batch=args.batch,
+                                     num_slots=args.slots, num_landing=args.landing, context_bytes=context,
+                                     alignment_bytes=args.alignment)
     except UsageError:
         raise
     except ValueError as exc:
@@ -167,9 +199,12 @@ def run(args: argparse.Namespace) -> int:
     if args.hbm_bytes and with_hbm:
         verdicts["fits_hbm"] = totals[("hbm per card", "peak")] <= parse_bytes(args.hbm_bytes)
     notes = [] if with_hbm else ["no block size given: HBM needs --num-blocks or --max-block-bytes"]
+    if args.tokens and dims is None:
+        notes.append("--tokens: the SP terms need the block widths of a named config (--model NAME)")
     if args.json:
         doc = {"model": sizes.name, "source": sizes.source, "num_blocks": sizes.num_blocks if with_hbm else None,
-               "dp": args.dp, "platform": args.platform, "mode": args.mode, "loading": args.loading,
+               "dp": args.dp, "sp": args.sp, "shard_group": args.shard_group, "num_shards": mesh.num_shards,
+               "platform": args.platform, "mode": args.mode, "loading": args.loading,
                "constants": {"framework_bytes_per_rank": framework, "device_context_bytes": context},
                "rows": [r.to_dict() for r in rows], **verdicts, "notes": notes}
         print(json.dumps(doc, indent=2))
@@ -179,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
                        if sizes.total_bytes >= f or f == 1)
     print(f"{sizes.name}: {sizes.total_bytes / scale:.3f} {unit}"
           + (f" in {sizes.num_blocks} blocks (max {sizes.max_block_bytes / scale:.3f} {unit})" if with_hbm else "")
-          + f", dp {args.dp}, {args.platform}, {args.mode}, {args.loading} loading")
+          + f", dp {args.dp} x sp {args.sp} (W = {mesh.num_shards}, {args.shard_group}), {args.platform}, {args.mode},"
+          f" {args.loading} loading")
     section = None
     for r in rows:
         if r.section != section:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from dlo_fn.cli import HelpFormatter, UsageError
+from dlo_fn.plan.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
 from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
@@ -26,6 +27,13 @@ fields:
                               (rank-local).
                               Independent of the number of blocks.
   layout_digest               SHA-256 of the layout; ranks compare it at start-up
+
+mesh (--dp D --sp S): N = D x S ranks, row-major (rank = d x S + s); --shard-group picks the W ranks that
+share one set of shards: world (W = N, default), dp (W = D: the sp partners hold identical shards, as the
+reference), sp (W = S). Per rank: shard / pinned bytes sum_b align_up(ceil(n_b / W), A); HBM slots, landing
+buffers, resident tensors; and, for a named config, the Ulysses SP activations and all-to-all buffers of the
+block's peak phase at --tokens (dlo_fn.plan.sp_memory: ~ 46 B ceil(L / S) D bytes at sp > 1). A rank table
+gives each rank's coordinate, tokens, heads, shard group and shard index.
 """
 
 
@@ -54,8 +62,22 @@ def register(subparsers) -> None:
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
     p.add_argument("--block-paths", default=None,
                    help="comma-separated dotted paths of the block list(s) (checkpoints: auto-detected)")
+    p.add_argument("--dp", type=int, default=None, help="DP replicas of a (dp, sp) mesh (with --sp)")
+    p.add_argument("--sp", type=int, default=None, help="sequence-parallel ranks per replica (Ulysses)")
+    p.add_argument("--shard-group", choices=SHARD_GROUPS, default=DEFAULT_SHARD_GROUP,
+                   help="mesh ranks that share one set of shards (with --dp/--sp)")
+    p.add_argument("--tokens", type=int, default=75600,
+                   help="tokens of one sequence for the SP terms (75600 = 720p 10 s: 1280x720, 81 frames)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per pass for the SP terms (2 with CFG)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
+
+
+def _ranks(group: list[int]) -> str:
+    """``0-7`` for a run of consecutive ranks, else ``0,2``."""
+    if len(group) > 2 and group == list(range(group[0], group[-1] + 1)):
+        return f"{group[0]}-{group[-1]}"
+    return ",".join(map(str, group))
 
 
 def _fmt_bytes(n: int) -> str:
@@ -78,21 +100,88 @@ def check_layout_args(args: argparse.Namespace, command: str = "plan") -> None:
         raise UsageError(f"{command}: --alignment {alignment}: must be a power of two (bytes), e.g. 256")
 
 
+def _mesh(args: argparse.Namespace):
+    """The MeshPlan of --dp/--sp (None without them); SystemExit with one line for sizes that do not fit."""
+    from dlo_fn.plan.mesh import MeshPlan
+
+    if args.dp is None and args.sp is None:
+        return None
+    try:
+        mesh = MeshPlan(1 if args.dp is None else args.dp, 1 if args.sp is None else args.sp, args.shard_group)
+    except ValueError as exc:
+        raise UsageError(f"plan: --dp/--sp/--shard-group: {exc}") from None
+    if args.num_shards not in (1, mesh.num_shards):
+        raise UsageError(f"plan: --num-shards {args.num_shards} disagrees with the mesh's {args.shard_group!r} "
+                         f"shard group of {mesh.num_shards} ranks: leave --num-shards out with --dp/--sp")
+    return mesh
+
+
+def _dims(name: str):
+    """Block widths of a named config (None for a checkpoint: the SP terms are then left out)."""
+    from dlo_fn.models import CONFIGS
+    from dlo_fn.plan.sp_memory import BlockDims
+
+    return BlockDims.from_config(CONFIGS[name]) if name in CONFIGS else None
+
+
+def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
+    from dlo_fn.models import CONFIGS
+    from dlo_fn.plan.mesh_memory import mesh_memory_rows
+    from dlo_fn.plan.sizes import ModelSizes
+
+    sizes = ModelSizes.from_spec(spec, args.alignment)
+    dims = _dims(args.model)
+    try:
+        rows = mesh_memory_rows(sizes, mesh, dims, args.tokens if dims else None, batch=args.batch,
+                                num_slots=args.slots, num_landing=args.landing, alignment_bytes=args.alignment)
+        heads = CONFIGS[args.model].num_heads if dims else None
+        ranks = mesh.rank_table(sizes, args.tokens, heads, args.alignment) if heads else ()
+    except ValueError as exc:
+        raise UsageError(f"plan: {exc}") from None
+    notes = [] if dims else ["SP activation terms need the block widths: give a named config as --model"]
+    doc = {"dp": mesh.dp, "sp": mesh.sp, "shard_group": mesh.shard_group, "num_shards": mesh.num_shards,
+           "world_size": mesh.world_size, "tokens": args.tokens if dims else None, "batch": args.batch,
+           "rows": [r.to_dict() for r in rows],
+           "ranks": [{"rank": r.rank, "dp_rank": r.dp_rank, "sp_rank": r.sp_rank, "tokens": list(r.token_range),
+                      "pad_tokens": r.pad_tokens, "heads": list(r.head_range), "shard_group": list(r.shard_group),
+                      "shard_index": r.shard_index, "pinned_bytes": r.pinned_bytes} for r in ranks]}
+    return doc, notes
+
+
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.plan.summary import plan_summary
     from dlo_fn.runtime.sources import spec_for
 
     check_layout_args(args)
+    mesh = _mesh(args)
     block_paths = tuple(args.block_paths.split(",")) if args.block_paths else None
     try:
         spec = spec_for(args.model, block_paths)
     except (ValueError, OSError) as exc:
         raise UsageError(f"plan: --model {args.model}: {exc}") from exc
-    summary = plan_summary(spec, args.num_shards, args.mode, args.slots, args.landing, args.alignment)
+    num_shards = mesh.num_shards if mesh else args.num_shards
+    summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment)
+    mesh_doc, notes = _mesh_doc(args, spec, mesh) if mesh else (None, [])
     if args.json:
-        print(json.dumps(summary.to_dict(), indent=2))
+        print(json.dumps({**summary.to_dict(), **({"mesh": mesh_doc, "notes": notes} if mesh else {})}, indent=2))
         return 0
     for key, value in summary.to_dict().items():
         text = _fmt_bytes(value) if "_bytes" in key and key != "alignment_bytes" else str(value)
         print(f"{key:28s} {text}")
+    if mesh is None:
+        return 0
+    print(f"\nmesh dp {mesh.dp} x sp {mesh.sp} = {mesh.world_size} ranks, shard group {mesh.shard_group} "
+          f"(W = {mesh.num_shards})" + (f", {args.tokens} tokens x {args.batch}" if mesh_doc["tokens"] else ""))
+    for r in mesh_doc["rows"]:
+        print(f"  {r['item']:24s} {r['formula']:66s} {r['value_bytes'] / 1e9:9.3f} GB")
+    if mesh_doc["ranks"]:
+        print(f"\n  {'rank':>4s} {'(d, s)':8s} {'tokens':16s} {'heads':10s} {'shard group':18s} shard")
+        for r in mesh_doc["ranks"][:16]:
+            print(f"  {r['rank']:4d} ({r['dp_rank']}, {r['sp_rank']})".ljust(16)
+                  + f"[{r['tokens'][0]}, {r['tokens'][1]})".ljust(17) + f"[{r['heads'][0]}, {r['heads'][1]})".ljust(11)
+                  + _ranks(r["shard_group"]).ljust(19) + f"{r['shard_index']} / {mesh.num_shards}")
+        if len(mesh_doc["ranks"]) > 16:
+            print(f"  ... {len(mesh_doc['ranks']) - 16} more ranks (--json lists all)")
+    for note in notes:
+        print(f"note: {note}")
     return 0

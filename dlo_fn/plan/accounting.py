@@ -31,20 +31,22 @@ def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cud
                       loading: str = "mmap", num_slots: int = 2, num_landing: int = DEFAULT_NUM_LANDING,
                       activation_bytes: int = 0, communication_bytes: int = 0, transient_bytes: int = 0,
                       framework_bytes_per_rank: int, context_bytes: int,
-                      alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+                      alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, num_shards: int | None = None,
                       with_hbm: bool = True) -> tuple[AccountingRow, ...]:
     """Rows of the host (cold start, steady state) and HBM accounting for ``num_ranks`` ranks sharding over
-    all of them (``W = N``). ``with_hbm=False`` leaves out the HBM rows (no block sizes known).
+    ``num_shards`` of them (default all: ``W = N``; a (dp, sp) mesh may shard over its dp or sp groups).
+    ``with_hbm=False`` leaves out the HBM rows (no block sizes known).
 
     The two deployment constants are inputs: ``framework_bytes_per_rank`` (``c``, host bytes of a process
     without weights) and ``context_bytes`` (``c_dev``, device bytes besides weights and workload)."""
     n, fw = num_ranks, framework_bytes_per_rank
+    w = n if num_shards is None else num_shards
     start = cold_start(sizes, n, loading, mode, framework_bytes_per_rank=fw, transient_bytes=transient_bytes,
-                       alignment_bytes=alignment_bytes)
-    steady = host_steady_state(sizes, n, platform, mode, framework_bytes_per_rank=fw,
+                       num_shards=w, alignment_bytes=alignment_bytes)
+    steady = host_steady_state(sizes, n, platform, mode, num_shards=w, framework_bytes_per_rank=fw,
                                alignment_bytes=alignment_bytes)
     cs, ss = "host: cold start", "host: steady state"
-    pinned_formula = {"allgather": "sum_b align_up(ceil(n_b / W), A), W = N",
+    pinned_formula = {"allgather": "sum_b align_up(ceil(n_b / W), A), " + ("W = N" if w == n else f"W = {w}"),
                       "rank-local": "sum_b align_up(n_b, A) (a private pinned copy per rank)",
                       "rank-local-mmap": "0 (blocks stream from the shared page cache)"}[mode]
     touched = "M" if loading == "private-copy" or mode != "allgather" else "own shards + R"
@@ -70,7 +72,7 @@ def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cud
     if not with_hbm:
         return tuple(rows)
     hbm_mode = "allgather" if mode == "allgather" else "rank-local"
-    h = hbm_per_card(sizes, n, hbm_mode, num_slots=num_slots, num_landing=num_landing,
+    h = hbm_per_card(sizes, w, hbm_mode, num_slots=num_slots, num_landing=num_landing,
                      activation_bytes=activation_bytes, communication_bytes=communication_bytes,
                      context_bytes=context_bytes, alignment_bytes=alignment_bytes)
     hs = "hbm per card"

@@ -106,9 +106,10 @@ class ColdStart:
 
 
 def cold_start(sizes: ModelSizes, num_ranks: int, loading: str = "mmap", mode: str = "allgather", *,
-               framework_bytes_per_rank: int, transient_bytes: int = 0,
+               framework_bytes_per_rank: int, transient_bytes: int = 0, num_shards: int | None = None,
                alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ColdStart:
-    """``N*M (private copies only) + M + N*c + t``; ``mode`` only changes the pages each rank touches.
+    """``N*M (private copies only) + M + N*c + t``; ``mode`` only changes the pages each rank touches (its
+    shards over ``num_shards`` ranks, default ``num_ranks``: a mesh may shard over a sub-group).
 
     ``framework_bytes_per_rank`` is ``c``, a property of the deployment: pass a measured value (the published
     deployment's is ``dlo_fn.repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK``)."""
@@ -119,7 +120,8 @@ def cold_start(sizes: ModelSizes, num_ranks: int, loading: str = "mmap", mode: s
     if loading == "private-copy" or mode != "allgather":
         touched = m
     else:
-        touched = sizes.shard_bytes_per_rank(num_ranks, alignment_bytes) + sizes.resident_bytes
+        touched = sizes.shard_bytes_per_rank(num_ranks if num_shards is None else num_shards,
+                                             alignment_bytes) + sizes.resident_bytes
     return ColdStart(
         loading=loading,
         num_ranks=num_ranks,
