@@ -6,8 +6,11 @@ flags are the defaults). Under ``torchrun --nproc-per-node N`` every rank loads 
 it for ``--mode``; rank 0 rejects bad lines and invalid requests before dispatch and groups the rest into waves
 of up to ``N x --requests-per-rank`` compatible requests (:class:`dlo_fn.serve.engine.Engine`). In allgather
 mode the waves run in lockstep and a rank with no request in a wave serves its shards to the all-gathers
-without computing (a partial wave); rank-local and resident ranks work through their own queues. Rank 0 writes
-under ``--out`` (:mod:`dlo_fn.serve.outputs`):
+without computing (a partial wave); rank-local and resident ranks work through their own queues. With ``--sp S``
+the N ranks form a (N / S, S) mesh: waves go to the N / S replicas, the S ranks of each run its request together
+(Ulysses sequence parallelism) and ``--shard-group`` picks which ranks split the block weights (world: all N,
+each holding 1/N; dp: the reference's choice, 1/(N/S)). Rank 0 writes under ``--out``
+(:mod:`dlo_fn.serve.outputs`):
 
     <index>-<id>.npy           uint8 video [N, F, H, W, 3] (N = outputs per prompt)
     <index>-<id>.png           preview: one row per output, up to 8 evenly spaced frames side by side
@@ -50,6 +53,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
+    parser.add_argument("--sp", type=int, default=1, metavar="S",
+                        help="sequence-parallel ranks per replica (Ulysses); dp = ranks / S")
+    parser.add_argument("--shard-group", choices=("world", "dp", "sp"), default="world",
+                        help="allgather: the ranks that split the block weights (dp: as the reference)")
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +112,7 @@ def options_from_args(args: argparse.Namespace):
     return OffloadOptions(mode=mode_from_args(args), num_slots=args.slots, num_landing=args.landing,
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
-                          progress=True)
+                          progress=True, shard_group=args.shard_group)
 
 
 def _defaults(args: argparse.Namespace) -> dict:
@@ -129,17 +136,35 @@ def submissions_from_args(args: argparse.Namespace) -> list:
     return as_submissions([Request.from_dict({**_defaults(args), "prompt": p}) for p in args.prompt])
 
 
-def load_offloaded(checkpoint: str, ctx, options):
+def mesh_from_args(args: argparse.Namespace, ctx):
+    """The (dp, sp) mesh for ``--sp`` (dp = ranks / sp); a size that does not fit is one line, on every rank."""
+    from dlo_fn.runtime.mesh import build_mesh
+
+    if args.sp < 1 or ctx.world_size % args.sp:
+        divisors = [d for d in range(1, ctx.world_size + 1) if ctx.world_size % d == 0]
+        raise SystemExit(f"generate: --sp {args.sp} does not divide the {ctx.world_size} rank(s) "
+                         f"(torchrun --nproc-per-node): use --sp in {divisors}")
+    return build_mesh(ctx, sp=args.sp) if args.sp > 1 or args.shard_group != "world" else None
+
+
+def load_offloaded(checkpoint: str, ctx, options, mesh=None):
     """Meta-build the reference DiT from ``config.json``, bind mmap views, offload per ``options``."""
     from dlo_fn.models import BLOCK_PATHS, build_model, load_config
     from dlo_fn.runtime.load import load_model
     from dlo_fn.runtime.offload import offload
 
     config, dtype = load_config(checkpoint)
+    if mesh is not None and mesh.sp_size > 1:
+        from dlo_fn.models.sp import check_sp_heads
+
+        try:
+            check_sp_heads(config.num_heads, mesh.sp_size)
+        except ValueError as exc:
+            raise SystemExit(f"generate: --sp {mesh.sp_size}: {exc}") from None
     model = build_model(config, "meta", dtype)
     model.init_buffers("cpu")
     model = load_model(checkpoint, model, progress=False)
-    return offload(model, BLOCK_PATHS, ctx, options)
+    return offload(model, BLOCK_PATHS, ctx, options, mesh=mesh)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -161,10 +186,11 @@ def run_generate(args: argparse.Namespace) -> int:
     code = 0
     engine = None
     try:
-        offloaded = load_offloaded(args.checkpoint, ctx, options)
+        mesh = mesh_from_args(args, ctx)
+        offloaded = load_offloaded(args.checkpoint, ctx, options, mesh)
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
-                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=None))
+                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=None), mesh=mesh)
         if ctx.is_main:
             timeline = None
             try:

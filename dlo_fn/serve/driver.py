@@ -220,9 +220,14 @@ class Driver:
               what: str | None = None) -> str:
         """The reason a wave (or ``what``) failed closed, with the culprits the board names among ``ranks``."""
         verdicts = self.board.diagnose(ranks, wave_id, self.options.grace_s)
-        # A rank that raised inside a collective it cannot drain (an sp all-to-all) is the culprit too.
-        bad = culprits(verdicts) or tuple(v for v in verdicts if v.verdict == "error")
-        blame = "; ".join(str(v) for v in bad) if bad else "no culprit found on the status board"
+        bad = culprits(verdicts)
+        # No rank stalled or died: one raised where its peers could not go on without it (inside an sp
+        # all-to-all its partners wait for it, and its drain then waits for them); every rank's first error
+        # is in what it reported, so name those.
+        told = tuple(v for v in verdicts if v.verdict in ("error", "victim"))
+        blame = ("; ".join(str(v) for v in bad) if bad else
+                 "no rank stalled or died; reported: " + "; ".join(str(v) for v in told) if told
+                 else "no culprit found on the status board")
         reason = (f"{what or f'wave {wave_id}'} failed closed: {blame}. Rank 0 saw, {where}: "
                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         log.error(reason)

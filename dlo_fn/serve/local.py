@@ -2,11 +2,12 @@
 
 :func:`serve_local` starts W = dp x sp fresh processes (``spawn``; ``torch.set_num_threads(threads_per_rank)``
 in each; with ``sp_size`` > 1 they form a (dp, sp) mesh, :func:`dlo_fn.runtime.mesh.build_mesh`, and the sp
-ranks of each replica run its requests together) joined by a ``file://`` rendezvous whose process-group timeout is the engine's ``timeout_s``. Each rank runs
-one or more :class:`Phase` in order; per phase it maps the checkpoint (mmap, zero-copy), wraps the model for the
-phase's mode, builds an :class:`~dlo_fn.serve.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the
-reports back pickled; then the followers get ``grace_s`` to exit and anything still running (a stalled rank)
-is killed. Every rank's exit code is returned, so a test can see the rank that died.
+ranks of each replica run its requests together) joined by a ``file://`` rendezvous whose process-group timeout
+is the engine's ``timeout_s``. Each rank runs one or more :class:`Phase` in order; per phase it maps the
+checkpoint (mmap, zero-copy), wraps the model for the phase's mode (and shard group), builds an
+:class:`~dlo_fn.serve.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the reports back pickled;
+then the followers get ``grace_s`` to exit and anything still running (a stalled rank) is killed. Every rank's
+exit code is returned, so a test can see the rank that died.
 
 Under ``torchrun`` each rank runs the same :class:`~dlo_fn.serve.engine.Engine` (see :mod:`dlo_fn.cli.generate`,
 which wraps the model with the command line's offload options).
