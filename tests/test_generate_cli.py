@@ -74,3 +74,23 @@ def test_mode_flags_and_options():
         mode_from_args(parser.parse_args(base + ["--resident", "--no-allgather"]))
     opts = options_from_args(parser.parse_args(base + ["--slots", "3", "--trace", "t.json"]))
     assert opts.num_slots == 3 and opts.record_timeline and opts.mode == "allgather"
+    assert options_from_args(parser.parse_args(base + ["--shard-group", "dp"])).shard_group == "dp"
+
+
+@pytest.mark.slow
+def test_sp_under_torchrun_writes_the_resident_hashes(checkpoint, tmp_path):
+    """torchrun --nproc-per-node 2 generate --sp 2: one replica of 2 sp ranks runs every request (dp = 1)."""
+    sp = _generate(checkpoint, tmp_path / "sp", "--sp", "2", nproc=2)
+    resident = _generate(checkpoint, tmp_path / "res", "--resident")
+    assert [r["sha256"] for r in sp] == [r["sha256"] for r in resident]
+    assert [(r["rank"], r["wave"], r["dp_size"], r["sp_size"]) for r in sp] == [(0, w, 1, 2) for w in range(3)]
+
+
+def test_sp_that_does_not_divide_the_ranks_is_one_line(checkpoint, tmp_path):
+    cmd = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--out", str(tmp_path),
+           "--prompt", "a fox", "--sp", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "generate: --sp 2 does not divide the 1 rank(s) (torchrun --nproc-per-node): use --sp in [1]")

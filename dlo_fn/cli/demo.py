@@ -32,7 +32,8 @@ def register(subparsers) -> None:
         "demo", help="end-to-end demo: 2 CPU ranks, mmap load, sharded all-gather, DP waves, hash check",
         description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the checkpoint and the outputs")
-    parser.add_argument("--dp", type=int, default=2, help="CPU ranks to spawn")
+    parser.add_argument("--dp", type=int, default=2, help="DP replicas (CPU ranks to spawn: dp x sp)")
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per replica (Ulysses)")
     parser.add_argument("--requests-per-rank", type=int, default=1, help="R: requests per rank per wave")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="process-group / wave timeout")
     parser.set_defaults(func=run_demo)
@@ -74,9 +75,11 @@ def run_demo(args: argparse.Namespace) -> int:
         Phase("allgather", subs, options, forced=((by_id["fox"], by_id["tree"]),)),
         *(Phase(mode, subs, options) for mode in others),
     ]
-    print(f"demo: {args.dp} CPU ranks (gloo), checkpoint {ckpt}, {len(subs)} requests, "
-          f"R = {args.requests_per_rank} per rank")
-    run = serve_local(ckpt, phases, args.dp, join_timeout_s=max(120.0, 4 * args.timeout_s))
+    if args.dp < 1 or args.sp < 1:
+        raise SystemExit(f"demo: --dp {args.dp} and --sp {args.sp} must be >= 1")
+    print(f"demo: {args.dp * args.sp} CPU ranks (gloo; dp {args.dp} x sp {args.sp}), checkpoint {ckpt}, "
+          f"{len(subs)} requests, R = {args.requests_per_rank} per rank")
+    run = serve_local(ckpt, phases, args.dp, sp_size=args.sp, join_timeout_s=max(120.0, 4 * args.timeout_s))
     main, forced, *compared = (list(run.reports) + [None] * len(phases))[:len(phases)]
     if not hasattr(main, "results"):
         print(f"demo FAILED: the allgather run did not complete: {main}")

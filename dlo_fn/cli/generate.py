@@ -6,8 +6,11 @@ flags are the defaults). Under ``torchrun --nproc-per-node N`` every rank loads 
 it for ``--mode``; rank 0 rejects bad lines and invalid requests before dispatch and groups the rest into waves
 of up to ``N x --requests-per-rank`` compatible requests (:class:`dlo_fn.serve.engine.Engine`). In allgather
 mode the waves run in lockstep and a rank with no request in a wave serves its shards to the all-gathers
-without computing (a partial wave); rank-local and resident ranks work through their own queues. Rank 0 writes
-under ``--out`` (:mod:`dlo_fn.serve.outputs`):
+without computing (a partial wave); rank-local and resident ranks work through their own queues. With ``--sp S``
+the N ranks form a (N / S, S) mesh: waves go to the N / S replicas, the S ranks of each run its request together
+(Ulysses sequence parallelism) and ``--shard-group`` picks which ranks split the block weights (world: all N,
+each holding 1/N; dp: the reference's choice, 1/(N/S)). Rank 0 writes under ``--out``
+(:mod:`dlo_fn.serve.outputs`):
 
     <index>-<id>.npy           uint8 video [N, F, H, W, 3] (N = outputs per prompt)
     <index>-<id>.png           preview: one row per output, up to 8 evenly spaced frames side by side
@@ -62,6 +65,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
+    parser.add_argument("--sp", type=int, default=1, metavar="S",
+                        help="sequence-parallel ranks per replica (Ulysses); dp = ranks / S")
+    parser.add_argument("--shard-group", choices=("world", "dp", "sp"), default="world",
+                        help="allgather: the ranks that split the block weights (dp: as the reference)")
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,7 +181,7 @@ def options_from_args(args: argparse.Namespace):
                           num_slots=2 if args.slots == "auto" else args.slots, num_landing=args.landing,
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
-                          progress=True, graph=args.cuda_graph)
+                          progress=True, graph=args.cuda_graph, shard_group=args.shard_group)
 
 
 def _defaults(args: argparse.Namespace) -> dict:
@@ -201,6 +208,24 @@ def submissions_from_args(args: argparse.Namespace, config=None) -> list:
     return as_submissions([request_from_flags(_defaults(args), p, config) for p in args.prompt])
 
 
+def check_sp_args(args: argparse.Namespace, config) -> None:
+    """``--sp`` against the ranks torchrun starts (``WORLD_SIZE``) and the model's heads, before anything loads."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.sp < 1 or world % args.sp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise UsageError(f"generate: --sp {args.sp} does not divide the {world} rank(s) "
+                         f"(torchrun --nproc-per-node): use --sp in {divisors}")
+    if args.sp > 1 and config is not None and hasattr(config, "num_heads"):
+        from dlo_fn.models.sp import check_sp_heads
+
+        try:
+            check_sp_heads(config.num_heads, args.sp)
+        except ValueError as exc:
+            raise UsageError(f"generate: --sp {args.sp}: {exc}") from None
+
+
 def check_generate_args(args: argparse.Namespace) -> tuple:
     """``(options, submissions)`` from the command line, or :class:`UsageError` naming the flag, file or line:
     run on every rank before any process group or model exists, so a mistake costs nothing and prints once."""
@@ -216,12 +241,22 @@ def check_generate_args(args: argparse.Namespace) -> tuple:
     except ValueError as exc:
         raise UsageError(f"generate: {exc}") from None
     config = check_checkpoint(args.checkpoint)
+    check_sp_args(args, config)
     return options, submissions_from_args(args, config)
 
 
-def load_offloaded(checkpoint: str, ctx, options, auto=None):
+def mesh_from_args(args: argparse.Namespace, ctx):
+    """The (dp, sp) mesh for ``--sp`` (dp = ranks / sp), or None for the plain world."""
+    from dlo_fn.runtime.mesh import build_mesh
+
+    if args.sp < 1 or ctx.world_size % args.sp:
+        raise UsageError(f"generate: --sp {args.sp} does not divide the {ctx.world_size} rank(s)")
+    return build_mesh(ctx, sp=args.sp) if args.sp > 1 or args.shard_group != "world" else None
+
+
+def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None):
     """Load a checkpoint (its config names the model; mmap views, nothing copied) and offload per ``options``
-    (with ``auto``, a callable model -> PlanRow, its chosen mode and slots)."""
+    (with ``auto``, a callable model -> PlanRow, its chosen mode and slots) on ``mesh`` (None: the world)."""
     from dlo_fn.runtime.load import load_model
     from dlo_fn.runtime.offload import offload
 
@@ -231,7 +266,7 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None):
 
         chosen = auto(model).candidate
         options = dataclasses.replace(options, mode=chosen.mode, num_slots=chosen.num_slots)
-    return offload(model, ctx=ctx, options=options)
+    return offload(model, ctx=ctx, options=options, mesh=mesh)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -255,10 +290,11 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         picked = []
         auto = (lambda m: picked.append(choose_auto(args, m, ctx)) or picked[-1]) if is_auto(args) else None
-        offloaded = load_offloaded(args.checkpoint, ctx, options, auto)
+        mesh = mesh_from_args(args, ctx)
+        offloaded = load_offloaded(args.checkpoint, ctx, options, auto, mesh)
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
-                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=True))
+                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=True), mesh=mesh)
         if ctx.is_main:
             timeline = None
             try:

@@ -3,8 +3,9 @@
 ``offload(model, block_paths, ctx, mode=...)`` does, in order:
 
 1. describe the model (:func:`~dlo_fn.plan.spec.spec_from_module`) and lay it out for the shard group
-   (``W = num_shards`` = the world size in allgather mode, 1 in rank-local mode); compare the layout digest
-   across ranks;
+   (``W = num_shards``: in allgather mode the size of ``options.shard_group`` on ``mesh``, by default the
+   whole world, see :mod:`dlo_fn.runtime.mesh`; 1 in rank-local mode); compare the layout digest across every
+   rank (a rank started with another shard group or checkpoint fails here, not in a collective);
 2. fill this rank's :class:`~dlo_fn.runtime.host_store.HostStore` from the block tensors (mmap views when the
    model came from :func:`dlo_fn.runtime.load.load_model`): each rank copies only its pieces;
 3. strip the blocks to meta (dropping those views) and put a :class:`~dlo_fn.runtime.blocks.BlockProxy` in
@@ -33,6 +34,7 @@ from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
+from dlo_fn.runtime.mesh import Mesh, ShardGroup, check_shard_group, shard_group
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -53,9 +55,11 @@ class OffloadOptions:
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
     progress: bool = False
     graph: bool = False  # capture each offloaded step as a CUDA graph, replayed (see dlo_fn.runtime.graph)
+    shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
+        check_shard_group(self.shard_group)
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.rank_local_source not in ("pinned", "mmap"):
@@ -73,6 +77,7 @@ class Offloaded:
     layout: ModelLayout | None
     store: HostStore | None
     executor: Executor | None
+    shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
 
     @property
     def mode(self) -> str:
@@ -122,8 +127,10 @@ def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module
 
 
 def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ctx: DistContext | None = None,
-            options: OffloadOptions | None = None, **overrides: Any) -> Offloaded:
+            options: OffloadOptions | None = None, *, mesh: Mesh | None = None, **overrides: Any) -> Offloaded:
     """Prepare ``model`` (in place) for offloaded execution on ``ctx``'s device; see the module docstring.
+    ``mesh`` (:func:`dlo_fn.runtime.mesh.build_mesh`) is needed for the "dp" / "sp" shard groups; without one
+    the world is a (world, 1) mesh.
 
     ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
     ``block_paths=None``: the model's own block lists (:func:`dlo_fn.runtime.diffusers_load.block_paths_for`:
@@ -148,13 +155,16 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
-    num_shards = ctx.world_size if options.mode == "allgather" else 1
+    shards = shard_group(ctx, mesh, options.shard_group) if options.mode == "allgather" else ShardGroup(
+        "none", None, 1, 0)
+    num_shards = shards.size
     layout = model_layout(spec, num_shards, options.alignment_bytes)
-    check_same_across_ranks(layout.digest, ctx.group, platform, f"shard layout digest ({options.mode})")
+    what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
+    check_same_across_ranks(layout.digest, ctx.group, platform, what)
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
-    store = build_host_store(layout, ctx.rank, [t for t, _ in states], platform, source=source,
+    store = build_host_store(layout, shards.rank, [t for t, _ in states], platform, source=source,
                              progress=options.progress and ctx.is_main)
     aliases = [a for _, a in states]
     del states  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
@@ -163,15 +173,14 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
         block = lst[i]
         strip_block(block, platform.device)
         blocks.append(block)
-    group = ctx.group if options.mode == "allgather" else None
-    executor = Executor(platform, layout, store, blocks, aliases, group=group,
+    executor = Executor(platform, layout, store, blocks, aliases, group=shards.group,
                         mode=options.mode, num_slots=options.num_slots, num_landing=options.num_landing,
                         block_call=options.block_call, async_collectives=options.async_collectives,
                         record_timeline=options.record_timeline, rank=ctx.rank, graph=options.graph)
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)
-    log.info("offload %s: %d blocks, mode %s, W=%d, host store %d bytes (%s), device weights %d bytes",
-             spec.name, layout.num_blocks, options.mode, num_shards, store.arena_bytes, store.how,
+    log.info("offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes",
+             spec.name, layout.num_blocks, options.mode, num_shards, shards.name, store.arena_bytes, store.how,
              executor.device_weight_bytes)
-    return Offloaded(model, ctx, options, spec, layout, store, executor)
+    return Offloaded(model, ctx, options, spec, layout, store, executor, shards)

@@ -143,12 +143,15 @@ def run_batch(
     fault: Fault | None = None,
     on_step: Callable[[int], None] | None = None,
     on_block: Callable[[str, int, int, float, float], None] | None = None,
+    sp: Any = None,
 ) -> list[Outcome]:
     """Run ``requests`` (this rank's share, at wave ``positions``) block-major; see the module docstring.
 
     ``offloaded`` is a :class:`~dlo_fn.runtime.offload.Offloaded` (its executor is None when resident).
     ``on_step(step)`` is called after every denoising step (the status board); ``on_block(label, step, block,
-    start_s, end_s)`` records compute spans (``time.perf_counter`` seconds) for a wave trace.
+    start_s, end_s)`` records compute spans (``time.perf_counter`` seconds) for a wave trace. ``sp``: this
+    rank's :class:`~dlo_fn.models.sp.SPContext` when the sp ranks of a replica run the same share together
+    (Ulysses; each computes its tokens, all-to-alls inside the blocks keep them in step).
     Returns one :class:`Outcome` per request; raises :class:`WaveAborted` when the collectives could not be
     completed.
     """
@@ -162,6 +165,7 @@ def run_batch(
             raise WaveAborted(f"idle rank {rank} could not serve its all-gathers: {_describe(exc)}", exc) from exc
         return []
     t0 = time.perf_counter()
+    sp_kwargs = {"sp": sp} if sp is not None else {}
     states: list[Any] = []
     opened = False
     try:
@@ -174,7 +178,7 @@ def run_batch(
             opened = True
         blocks = model.blocks
         for step in range(num_steps):
-            embeds = [model.embed(*model_inputs(s)) for s in states]
+            embeds = [model.embed(*model_inputs(s), **sp_kwargs) for s in states]
             xs = [e.x for e in embeds]
             for b, block in enumerate(blocks):
                 for r, e in enumerate(embeds):

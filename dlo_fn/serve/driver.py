@@ -4,6 +4,8 @@
 returns a :class:`Dispatched`: the results of the requests it reached, one :class:`WaveRecord` per wave, and
 the reason the engine must stop when a wave failed closed. It owns the round counter of independent mode and
 nothing of the engine's; see :mod:`dlo_fn.serve.engine` for the protocol and how failures close a wave.
+Waves and queues go to replicas (``replicas[d]``: the global ranks of replica ``d``, its leader first); the
+results come from the leaders, and a request's ``rank`` is the leader of the replica that ran it.
 """
 
 from __future__ import annotations
@@ -54,9 +56,12 @@ class Driver:
     """Rank 0's half of the protocol over ``channel``; ``runner`` runs rank 0's own shares."""
 
     def __init__(self, channel: Channel, board: StatusBoard, runner: ShareRunner, options: EngineOptions, *,
-                 mode: str, world_size: int, lockstep: bool) -> None:
+                 mode: str, world_size: int, lockstep: bool,
+                 replicas: Sequence[Sequence[int]] | None = None) -> None:
         self.channel, self.board, self.runner, self.options = channel, board, runner, options
         self.mode, self.world_size, self.lockstep = mode, world_size, lockstep
+        self.replicas = tuple(tuple(r) for r in replicas) if replicas else tuple((r,) for r in range(world_size))
+        self.leaders = tuple(r[0] for r in self.replicas)
         self._next_round = 0
 
     def dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
@@ -68,7 +73,7 @@ class Driver:
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         stopped = None
-        world = self.world_size
+        world, leaders = self.world_size, self.leaders
         for wave in waves:
             steps, shares = _steps(subs, wave), _shares(subs, wave)
             with self._progress(subs, wave, steps, len(waves)) as tick:
@@ -87,7 +92,8 @@ class Driver:
                         trace.extend(own.spans)
                     outcomes = {0: own.outcomes}
                     self.board.post("done", wave=wave.wave_id)
-                    for r in range(1, world):
+                    for d in range(1, len(leaders)):
+                        r = leaders[d]
                         stage = f"receiving rank {r}'s results"
                         c0 = time.perf_counter()
                         reply = self.channel.recv(r)
@@ -96,34 +102,35 @@ class Driver:
                             trace.extend(reply.get("trace") or ())
                         if reply.get("wave") != wave.wave_id:
                             raise RuntimeError(f"rank {r} answered for wave {reply.get('wave')}, not {wave.wave_id}")
-                        outcomes[r] = reply["outcomes"]
+                        outcomes[d] = reply["outcomes"]
                 except Exception as exc:  # noqa: BLE001 - every failure ends the wave closed, with a reason
                     if isinstance(exc, WaveAborted):
                         self.board.post("collective-failed", wave=wave.wave_id, error=str(exc))
                     stopped = self._fail(wave.wave_id, stage, exc, range(1, world))
                     wave_s = time.perf_counter() - t_start
-                    results.update(_failed(subs, wave, stopped, queued_s=queued_s, wave_s=wave_s))
+                    results.update(_failed(subs, wave, stopped, queued_s=queued_s, wave_s=wave_s, leaders=leaders))
                     records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
                                               "failed", stopped))
                     break
                 wave_s = time.perf_counter() - t_start
-                filled = _fill(subs, wave, outcomes, queued_s=queued_s, wave_s=wave_s)
+                filled = _fill(subs, wave, outcomes, queued_s=queued_s, wave_s=wave_s, leaders=leaders)
                 results.update(filled)
                 status = "ok" if all(r.ok for r in filled.values()) else "partial"
                 errors = sorted({r.error for r in filled.values() if not r.ok})
                 records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
                                           status, "; ".join(errors) or None,
                                           _relative(trace, t_start) if trace is not None else ()))
-                log.info("wave %d: %d request(s) on %d rank(s), %s, %.3f s", wave.wave_id, len(wave.indices),
-                         world - len(wave.idle_ranks), status, wave_s)
+                log.info("wave %d: %d request(s) on %d replica(s), %s, %.3f s", wave.wave_id, len(wave.indices),
+                         len(leaders) - len(wave.idle_ranks), status, wave_s)
         return Dispatched(results, tuple(records), stopped)
 
     # -- rank-local / resident: one queue per rank, results collected rank by rank ----------------------------
     def _independent(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
-        world = self.world_size
-        queues: list[list[WavePlan]] = [[] for _ in range(world)]
+        world, replicas = self.world_size, self.replicas
+        dp = len(replicas)
+        queues: list[list[WavePlan]] = [[] for _ in range(dp)]
         for j, wave in enumerate(waves):
-            queues[j % world].append(wave)
+            queues[j % dp].append(wave)
         round_id = self._next_round
         self._next_round += 1
         trace: list[TraceSpan] | None = [] if self.options.trace else None
@@ -142,7 +149,8 @@ class Driver:
                 stopped = self._fail(None, "broadcasting the queues", exc, range(1, world),
                                      what=f"round {round_id} (waves {', '.join(str(w.wave_id) for w in waves)})")
                 for w in waves:
-                    results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=0.0, owner_rank=owner[w.wave_id]))
+                    results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=0.0,
+                                           owner_rank=replicas[owner[w.wave_id]][0]))
                 return Dispatched(results, (), stopped)
         outcomes: dict[int, Sequence[Outcome]] = {}
         for (wave_id, steps, share), wave in zip(msg_queues[0], queues[0]):
@@ -155,14 +163,18 @@ class Driver:
             log.info("rank 0's queue done; waiting for rank(s) %s to finish theirs",
                      ", ".join(str(r) for r in range(1, world) if queues[r]))
         self.board.post("done", round=round_id)
-        for r in range(1, world):
-            if not queues[r]:
+        for r in replicas[0][1:]:  # rank 0's sp partners ran its queue with it: nothing to collect
+            self.board.set_flag(f"go/{round_id}/{r}")
+        for d in range(1, dp):
+            if not queues[d]:
                 continue
+            r = replicas[d][0]
             failure = self._await_done(r, round_id)
             stage = f"collecting rank {r}'s queue"
             if failure is None:
                 try:
-                    self.board.set_flag(f"go/{round_id}/{r}")
+                    for partner in replicas[d]:
+                        self.board.set_flag(f"go/{round_id}/{partner}")
                     reply = self.channel.recv(r)
                     for wave_id, outs in reply["outcomes"]:
                         outcomes[wave_id] = outs
@@ -171,21 +183,22 @@ class Driver:
                     continue
                 except Exception as exc:  # noqa: BLE001
                     failure = exc
-            stopped = self._fail(None, stage, failure, [r],
-                                 what=f"rank {r}'s queue (waves {', '.join(str(w.wave_id) for w in queues[r])})")
-            for w in queues[r]:
+            stopped = self._fail(None, stage, failure, list(replicas[d]),
+                                 what=f"rank {r}'s queue (waves {', '.join(str(w.wave_id) for w in queues[d])})")
+            for w in queues[d]:
                 wave_s = time.perf_counter() - t_start
                 results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=wave_s, owner_rank=r))
-                records[w.wave_id] = WaveRecord(w.wave_id, w.key.short(), _spread(w, r, world), _steps(subs, w),
+                records[w.wave_id] = WaveRecord(w.wave_id, w.key.short(), _spread(w, d, dp), _steps(subs, w),
                                                 time.perf_counter() - t_start, "failed", stopped, lockstep=False)
         for wave_id, outs in outcomes.items():
-            w, r = by_id[wave_id], owner[wave_id]
+            w, d = by_id[wave_id], owner[wave_id]
             compute_s = max((o.compute_s for o in outs), default=0.0)
             filled = _fill(subs, w, {0: outs}, queued_s=t_start - t0, wave_s=compute_s)
-            results.update({i: dataclasses.replace(res, rank=r) for i, res in filled.items()})  # ran on rank r
+            # ran on replica d, whose leader wrote it
+            results.update({i: dataclasses.replace(res, rank=replicas[d][0]) for i, res in filled.items()})
             status = "ok" if all(res.ok for res in filled.values()) else "partial"
             errors = sorted({res.error for res in filled.values() if not res.ok})
-            records[wave_id] = WaveRecord(wave_id, w.key.short(), _spread(w, r, world), _steps(subs, w),
+            records[wave_id] = WaveRecord(wave_id, w.key.short(), _spread(w, d, dp), _steps(subs, w),
                                           compute_s, status, "; ".join(errors) or None, lockstep=False)
         out = [records[k] for k in sorted(records)]
         if trace is not None and out:
@@ -221,7 +234,13 @@ class Driver:
         """The reason a wave (or ``what``) failed closed, with the culprits the board names among ``ranks``."""
         verdicts = self.board.diagnose(ranks, wave_id, self.options.grace_s)
         bad = culprits(verdicts)
-        blame = "; ".join(str(v) for v in bad) if bad else "no culprit found on the status board"
+        # No rank stalled or died: one raised where its peers could not go on without it (inside an sp
+        # all-to-all its partners wait for it, and its drain then waits for them); every rank's first error
+        # is in what it reported, so name those.
+        told = tuple(v for v in verdicts if v.verdict in ("error", "victim"))
+        blame = ("; ".join(str(v) for v in bad) if bad else
+                 "no rank stalled or died; reported: " + "; ".join(str(v) for v in told) if told
+                 else "no culprit found on the status board")
         reason = (f"{what or f'wave {wave_id}'} failed closed: {blame}. Rank 0 saw, {where}: "
                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         log.error(reason)
@@ -261,7 +280,7 @@ def _shares(subs: Sequence[Submission], wave: WavePlan) -> list[list[tuple[int, 
 
 
 def _owners(wave: WavePlan) -> dict[int, int]:
-    """Wave position -> the rank it was assigned to."""
+    """Wave position -> the replica it was assigned to."""
     return {p: r for r, pos in enumerate(assign_positions(len(wave.indices), wave.dp_size)) for p in pos}
 
 
@@ -274,23 +293,26 @@ def _spread(w: WavePlan, rank: int, world: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _fill(subs: Sequence[Submission], wave: WavePlan, outcomes: Mapping[int, Sequence[Outcome]], *,
-          queued_s: float, wave_s: float) -> dict[int, RequestResult]:
-    """Match outcomes to the wave's requests by wave position (a missing one becomes an error)."""
+          queued_s: float, wave_s: float, leaders: Sequence[int] | None = None) -> dict[int, RequestResult]:
+    """Match outcomes (by replica) to the wave's requests by wave position (a missing one becomes an error);
+    a result's rank is its replica's leader (``leaders[d]``, default ``d``)."""
     owner = _owners(wave)
-    got = {o.position: (rank, o) for rank, outs in outcomes.items() for o in outs}
+    lead = (lambda d: leaders[d]) if leaders is not None else (lambda d: d)
+    got = {o.position: (d, o) for d, outs in outcomes.items() for o in outs}
     out = {}
     for p, i in enumerate(wave.indices):
-        rank, o = got.get(p, (owner[p], None))
-        err = None if o is not None else f"rank {owner[p]} returned no result for wave {wave.wave_id} position {p}"
-        out[i] = request_result(i, subs[i], o, rank=rank, wave_id=wave.wave_id, position=p,
+        d, o = got.get(p, (owner[p], None))
+        err = (None if o is not None
+               else f"rank {lead(owner[p])} returned no result for wave {wave.wave_id} position {p}")
+        out[i] = request_result(i, subs[i], o, rank=lead(d), wave_id=wave.wave_id, position=p,
                                 queued_s=queued_s, wave_s=wave_s, error=err)
     return out
 
 
 def _failed(subs: Sequence[Submission], wave: WavePlan, reason: str, *, queued_s: float, wave_s: float,
-            owner_rank: int | None = None) -> dict[int, RequestResult]:
+            owner_rank: int | None = None, leaders: Sequence[int] | None = None) -> dict[int, RequestResult]:
     """Every request of a wave that failed closed gets ``reason``."""
-    owners = _owners(wave)
+    owners = {p: (leaders[d] if leaders is not None else d) for p, d in _owners(wave).items()}
     return {i: RequestResult(i, subs[i].request_id, subs[i].request, False, error=reason,
                              rank=owner_rank if owner_rank is not None else owners[p], wave_id=wave.wave_id,
                              position=p, timings={"queued_s": queued_s, "wave_s": wave_s})

@@ -3,6 +3,15 @@
 Every rank builds the same model and :class:`Engine`; rank 0 calls :meth:`Engine.serve` (then
 :meth:`Engine.close`), the others :meth:`Engine.follow`. :meth:`Engine.run` does the right one.
 
+**Replicas.** On a (dp, sp) mesh (:func:`dlo_fn.runtime.mesh.build_mesh`, passed as ``mesh=``) a wave is dealt
+to the ``dp`` replicas, not to the ranks: the ``sp`` ranks of replica ``d`` (row ``d`` of the mesh) all run
+replica ``d``'s share together (Ulysses: each its tokens, all-to-alls between them), and only the replica's
+sp-rank 0 (its *leader*) sends the outcomes to rank 0 (the leader of replica 0). Without a mesh every rank is
+its own replica (sp = 1) and what follows reads "rank" for "replica". Everything else, the compatibility key,
+validation before dispatch, idle replicas that only serve their shards, the timeouts that fail a wave closed,
+holds per wave as below; a rank that raises or stalls inside an all-to-all breaks its replica's collectives
+like a broken all-gather does, and the wave fails closed within ``timeout_s``.
+
 The engine owns what lives across serves: the control channel and status board (:mod:`dlo_fn.serve.wire`),
 the wave numbering, validation before dispatch, and whether it stopped. Its collaborators own the rest and
 return what they did: :class:`~dlo_fn.serve.driver.Driver` (rank 0's dispatch),
@@ -41,10 +50,12 @@ from typing import Any, Iterable, Mapping, Sequence
 from torch import nn
 
 from dlo_fn.models.request import Request
+from dlo_fn.models.sp import check_sp_heads
 from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validate_wave
 from dlo_fn.runtime.dist import DistContext
+from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
 from dlo_fn.serve.driver import Driver
 from dlo_fn.serve.follower import Follower
@@ -59,31 +70,39 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """One per rank. ``offloaded`` is what :func:`dlo_fn.runtime.offload.offload` returned for ``model``."""
+    """One per rank. ``offloaded`` is what :func:`dlo_fn.runtime.offload.offload` returned for ``model``;
+    ``mesh`` the (dp, sp) mesh the ranks form (None: dp = world, sp = 1)."""
 
     def __init__(self, model: nn.Module, offloaded: Offloaded, ctx: DistContext,
-                 options: EngineOptions | None = None, *, session: str = "engine") -> None:
+                 options: EngineOptions | None = None, *, session: str = "engine", mesh: Mesh | None = None) -> None:
         self.model, self.offloaded, self.ctx = model, offloaded, ctx
         self.options = options or EngineOptions()
         self.mode = check_mode(offloaded.mode, MODES, "engine mode")
         self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.replicas = _replicas(mesh, ctx.world_size)
+        self.dp_size, self.sp_size = len(self.replicas), len(self.replicas[0])
+        self.replica = next(d for d, ranks in enumerate(self.replicas) if self.rank in ranks)
+        self.config = getattr(model, "config", None)
+        if self.sp_size > 1 and getattr(self.config, "num_heads", None) is not None:
+            check_sp_heads(self.config.num_heads, self.sp_size)  # on every rank, before any message
         self.lockstep = self.mode == "allgather" and self.world_size > 1
         self.channel = Channel(ctx.group, ctx.platform.backend, self.options.timeout_s)
         self.board = StatusBoard(default_store(), self.rank, self.world_size, session)
-        self.config = getattr(model, "config", None)
         self.stopped: str | None = None  # why the engine failed closed; it dispatches nothing more
-        runner = ShareRunner(model, offloaded, self.rank, self.board, self.options.fault)
+        runner = ShareRunner(model, offloaded, self.rank, self.board, self.options.fault,
+                             sp=mesh.sp if mesh is not None else None)
         self._driver = Driver(self.channel, self.board, runner, self.options, mode=self.mode,
-                              world_size=self.world_size, lockstep=self.lockstep)
-        self._follower = Follower(self.channel, self.board, runner, self.options, rank=self.rank)
+                              world_size=self.world_size, lockstep=self.lockstep, replicas=self.replicas)
+        self._follower = Follower(self.channel, self.board, runner, self.options, rank=self.rank,
+                                  replica=self.replica, leader=self.rank == self.replicas[self.replica][0])
         self._next_wave = 0
         self._closed = False
         self.board.post("idle")
 
     @property
     def _width(self) -> int:
-        """Ranks per wave: all of them in lockstep, one otherwise (each replica runs its own batches)."""
-        return self.world_size if self.lockstep else 1
+        """Replicas per wave: all of them in lockstep, one otherwise (each replica runs its own batches)."""
+        return self.dp_size if self.lockstep else 1
 
     # -- public API ------------------------------------------------------------------------------------------
     def run(self, submissions: Iterable[Request | Submission] | None = None) -> ServeReport | None:
@@ -238,8 +257,8 @@ class Engine:
     def _report(self, subs: Sequence[Submission], results: Mapping[int, RequestResult],
                 waves: Sequence[WaveRecord], t0: float) -> ServeReport:
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
-                           self.world_size, self.options.requests_per_rank, time.perf_counter() - t0,
-                           self._stats())
+                           self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
+                           self._stats(), sp_size=self.sp_size)
 
     def _stats(self) -> dict[str, float]:
         """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""
@@ -249,3 +268,13 @@ class Engine:
         st = ex.stats
         return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
                 "issue_s": st.issue_s, "call_s": st.call_s}
+
+
+def _replicas(mesh: Mesh | None, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Global ranks of each replica (sp order); without a mesh every rank is a replica of one."""
+    if mesh is None or mesh.device_mesh is None:
+        return tuple((r,) for r in range(world_size))
+    replicas = mesh.replica_ranks
+    if sum(len(r) for r in replicas) != world_size or replicas[0][0] != 0:
+        raise ValueError(f"the mesh's replicas {replicas} must cover the {world_size} ranks, rank 0 leading one")
+    return replicas

@@ -3,8 +3,10 @@
 Messages (from :mod:`dlo_fn.serve.driver`, one ``broadcast`` each): ``wave`` (allgather: run this rank's share,
 post the result on the board, send the outcomes to rank 0), ``round`` (rank-local / resident: run this rank's
 queue, post ``done``, wait on the board for rank 0's go, send everything), ``timeline`` (send this rank's
-measured executor timeline), ``idle`` (rank 0 is waiting for requests: wait again) and ``stop``. :meth:`Follower.follow` returns why it stopped following when that was not
-a ``stop``: after a failed exchange the group is unusable.
+measured executor timeline), ``idle`` (rank 0 is waiting for requests: wait again) and ``stop``.
+:meth:`Follower.follow` returns why it stopped following when that was not a ``stop``: after a failed exchange
+the group is unusable. Shares and queues are per replica: every rank runs its replica's, and only the replica's
+leader (its sp-rank 0) sends the outcomes; its sp partners post on the board like everyone else.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ class Follower:
     """Rank ``rank``'s side of the protocol over ``channel``; ``runner`` runs its shares."""
 
     def __init__(self, channel: Channel, board: StatusBoard, runner: ShareRunner, options: EngineOptions, *,
-                 rank: int) -> None:
+                 rank: int, replica: int | None = None, leader: bool = True) -> None:
         self.channel, self.board, self.runner, self.options, self.rank = channel, board, runner, options, rank
+        self.replica = rank if replica is None else replica
+        self.leader = leader
 
     def follow(self) -> str | None:
         """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
@@ -67,7 +71,7 @@ class Follower:
         if trace is not None:
             trace.append((rank, "control", "wave received", time.perf_counter(), time.perf_counter()))
         try:
-            run = self.runner.run(wave_id, msg["steps"], msg["shares"][rank], trace=trace is not None)
+            run = self.runner.run(wave_id, msg["steps"], msg["shares"][self.replica], trace=trace is not None)
         except WaveAborted as exc:
             self.board.post("collective-failed", wave=wave_id, error=str(exc))
             log.error("rank %d: wave %d aborted: %s", rank, wave_id, exc)
@@ -77,6 +81,8 @@ class Follower:
         failed = [o for o in run.outcomes if not o.ok]
         self.board.post("error" if failed else "done", wave=wave_id,
                         **({"error": failed[0].error} if failed else {}))
+        if not self.leader:
+            return True
         try:
             self.channel.send({"wave": wave_id, "rank": rank, "outcomes": run.outcomes, "trace": trace})
         except Exception as exc:  # noqa: BLE001
@@ -88,7 +94,7 @@ class Follower:
     def _round(self, msg: dict) -> bool:
         """Independent mode: run this rank's queue, post done, wait for rank 0's go, send everything."""
         round_id, rank, board = msg["round"], self.rank, self.board
-        queue = msg["queues"][rank]
+        queue = msg["queues"][self.replica]
         if not queue:
             return True
         trace: list[TraceSpan] | None = [] if msg.get("trace") else None
@@ -113,6 +119,8 @@ class Follower:
                           board.age_s(rec), round_id)
                 return False
             time.sleep(_POLL_S)
+        if not self.leader:
+            return True
         try:
             self.channel.send({"round": round_id, "rank": rank, "outcomes": results, "trace": trace})
         except Exception as exc:  # noqa: BLE001

@@ -1,11 +1,13 @@
 """Serve requests on W local CPU ranks (gloo) that this call spawns: the demo's, the tests' and the bench's way in.
 
-:func:`serve_local` starts W fresh processes (``spawn``; ``torch.set_num_threads(threads_per_rank)`` in each)
-joined by a ``file://`` rendezvous whose process-group timeout is the engine's ``timeout_s``. Each rank runs
-one or more :class:`Phase` in order; per phase it maps the checkpoint (mmap, zero-copy), wraps the model for the
-phase's mode, builds an :class:`~dlo_fn.serve.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the
-reports back pickled; then the followers get ``grace_s`` to exit and anything still running (a stalled rank)
-is killed. Every rank's exit code is returned, so a test can see the rank that died.
+:func:`serve_local` starts W = dp x sp fresh processes (``spawn``; ``torch.set_num_threads(threads_per_rank)``
+in each; with ``sp_size`` > 1 they form a (dp, sp) mesh, :func:`dlo_fn.runtime.mesh.build_mesh`, and the sp
+ranks of each replica run its requests together) joined by a ``file://`` rendezvous whose process-group timeout
+is the engine's ``timeout_s``. Each rank runs one or more :class:`Phase` in order; per phase it maps the
+checkpoint (mmap, zero-copy), wraps the model for the phase's mode (and shard group), builds an
+:class:`~dlo_fn.serve.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the reports back pickled;
+then the followers get ``grace_s`` to exit and anything still running (a stalled rank) is killed. Every rank's
+exit code is returned, so a test can see the rank that died.
 
 Under ``torchrun`` each rank runs the same :class:`~dlo_fn.serve.engine.Engine` (see :mod:`dlo_fn.cli.generate`,
 which wraps the model with the command line's offload options).
@@ -42,6 +44,7 @@ class Phase:
     options: EngineOptions = field(default_factory=EngineOptions)
     forced: tuple[tuple[int, ...], ...] | None = None
     stream_gaps_s: tuple[float, ...] | None = None  # serve as a stream: sleep gaps[i] before submission i
+    shard_group: str = "world"  # allgather: which ranks split the block weights (dlo_fn.runtime.mesh)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +58,9 @@ class LocalRun:
 
 
 def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_timeline: bool = False,
-               progress: bool = False) -> tuple[Any, Any]:
-    """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``."""
+               progress: bool = False, mesh: Any = None, shard_group: str = "world") -> tuple[Any, Any]:
+    """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``
+    (its weights sharded over ``shard_group`` of ``mesh``)."""
     from dlo_fn.models import BLOCK_PATHS, build_model, load_config
     from dlo_fn.runtime.load import load_model
     from dlo_fn.runtime.offload import offload
@@ -65,7 +69,8 @@ def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_tim
     model = load_model(checkpoint, lambda: build_model(config, "meta", dtype), progress=progress)
     model.eval()
     model.init_buffers("cpu")
-    offloaded = offload(model, BLOCK_PATHS, ctx, mode=mode, record_timeline=record_timeline)
+    offloaded = offload(model, BLOCK_PATHS, ctx, mode=mode, record_timeline=record_timeline, mesh=mesh,
+                        shard_group=shard_group)
     model.init_buffers(ctx.platform.device)
     return model, offloaded
 
@@ -88,11 +93,12 @@ def _feed(submissions: Sequence[Submission], gaps_s: Sequence[float]) -> Any:
 
 
 def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: Sequence[Phase], threads: int,
-               out: Any, log_level: int) -> None:
+               out: Any, log_level: int, sp_size: int = 1) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.runtime.mesh import build_mesh
     from dlo_fn.serve.engine import Engine
     from dlo_fn.runtime.platform import platform_for
 
@@ -101,10 +107,12 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
     try:
         ctx = init_distributed(platform_for("cpu"), timeout_s=timeout_s, init_method=f"file://{init_file}",
                                rank=rank, world_size=world)
+        mesh = build_mesh(ctx, sp=sp_size) if sp_size > 1 else None
         reports: list[Any] = []
         for k, phase in enumerate(phases):
-            model, off = open_model(checkpoint, ctx, phase.mode, record_timeline=phase.options.trace)
-            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}")
+            model, off = open_model(checkpoint, ctx, phase.mode, record_timeline=phase.options.trace, mesh=mesh,
+                                    shard_group=phase.shard_group)
+            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}", mesh=mesh)
             if rank == 0:
                 try:
                     if phase.forced is not None:
@@ -137,25 +145,26 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
         os._exit(code)
 
 
-def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size: int, *,
+def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size: int, *, sp_size: int = 1,
                 threads_per_rank: int = 1, join_timeout_s: float = 300.0, grace_s: float = 10.0,
                 log_level: int = logging.WARNING) -> LocalRun:
-    """Run ``phases`` on ``dp_size`` spawned CPU ranks; see the module docstring. Raises ``RuntimeError`` with
-    rank 0's traceback if it failed outside the engine, ``TimeoutError`` if it gave no answer within
-    ``join_timeout_s`` (every process is then killed)."""
+    """Run ``phases`` on ``dp_size x sp_size`` spawned CPU ranks; see the module docstring. Raises
+    ``RuntimeError`` with rank 0's traceback if it failed outside the engine, ``TimeoutError`` if it gave no
+    answer within ``join_timeout_s`` (every process is then killed)."""
     import multiprocessing as mp
 
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if dp_size < 1 or sp_size < 1:
+        raise ValueError(f"dp_size and sp_size must be >= 1, got {dp_size} and {sp_size}")
+    world = dp_size * sp_size
     ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(dp_size)]  # pipes, not queues: no semaphores to leak
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # pipes, not queues: no semaphores to leak
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_serve_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, dp_size, init_file, str(checkpoint), tuple(phases), threads_per_rank,
-                                   pipes[r][1], log_level))
-                 for r in range(dp_size)]
+                             args=(r, world, init_file, str(checkpoint), tuple(phases), threads_per_rank,
+                                   pipes[r][1], log_level, sp_size))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for _, w in pipes:

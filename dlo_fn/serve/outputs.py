@@ -6,8 +6,9 @@ Under ``out_dir``::
     <index>-<id>.png      preview: one row per output, up to 8 evenly spaced frames side by side
     manifest.jsonl        one line per submission, in submission order (errors included):
                           id, index, ok, error, settings (every Request field), seed, shape, sha256, rank,
-                          wave, position, timings, files, file_sha256, mode, dp_size, requests_per_rank
-    waves.jsonl           one line per wave: id, key, request ids per rank, idle ranks, steps, latency, status
+                          wave, position, timings, files, file_sha256, mode, dp_size, sp_size, requests_per_rank
+    waves.jsonl           one line per wave: id, key, request ids per rank (per replica with sp), idle ranks,
+                          steps, latency, status
 
 ``<id>`` is the request id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``; the index prefix keeps
 names unique. The manifest's ``sha256`` is the SHA-256 of the video's uint8 bytes in C order
@@ -68,6 +69,7 @@ def _row(result: RequestResult, report: ServeReport, files: list[str], out: path
         "file_sha256": {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in files},
         "mode": report.mode,
         "dp_size": report.dp_size,
+        "sp_size": report.sp_size,
         "requests_per_rank": report.requests_per_rank,
     }
 

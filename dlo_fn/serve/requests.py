@@ -197,6 +197,7 @@ class ServeReport:
     requests_per_rank: int
     wall_s: float
     stats: Mapping[str, float] = field(default_factory=dict)  # rank 0's executor counters (cumulative)
+    sp_size: int = 1  # ranks per replica (dp_size replicas ran the waves)
 
     @property
     def ok(self) -> bool:

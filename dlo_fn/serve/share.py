@@ -2,7 +2,8 @@
 (:mod:`dlo_fn.serve.follower`) run when a wave reaches them.
 
 A share is the wave's ``(position, request as a dict)`` pairs that :func:`dlo_fn.plan.waves.assign_positions`
-gave this rank (empty for an idle rank). :class:`ShareRunner` runs it block-major with
+gave this rank's replica (empty for an idle one; the sp ranks of a replica run the same share, each its
+tokens). :class:`ShareRunner` runs it block-major with
 :func:`dlo_fn.serve.batch.run_batch`, posts ``running`` with the step on the status board after every denoising
 step (what a diagnosis reads after a failure), and fires the injected fault when it names this rank and wave.
 With ``trace=True`` it also returns the spans it measured, ``(rank, lane, label, start_s, end_s)`` on the host
@@ -19,6 +20,7 @@ from typing import Callable, Sequence
 
 from torch import nn
 
+from dlo_fn.models.sp import SPContext
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.offload import Offloaded
 from dlo_fn.serve.batch import Fault, Outcome, run_batch
@@ -45,8 +47,8 @@ class ShareRunner:
     """Runs this rank's shares of waves on ``model`` (wrapped by ``offloaded``), reporting on ``board``."""
 
     def __init__(self, model: nn.Module, offloaded: Offloaded, rank: int, board: StatusBoard,
-                 fault: Fault | None = None) -> None:
-        self.model, self.offloaded, self.rank, self.board = model, offloaded, rank, board
+                 fault: Fault | None = None, sp: SPContext | None = None) -> None:
+        self.model, self.offloaded, self.rank, self.board, self.sp = model, offloaded, rank, board, sp
         self.fault = fault if fault is not None and fault.rank == rank else None
 
     def run(self, wave_id: int, num_steps: int, share: Sequence[tuple[int, dict]], *, trace: bool = False,
@@ -70,7 +72,7 @@ class ShareRunner:
         positions = [p for p, _ in share]
         outcomes = run_batch(
             self.model, self.offloaded, [from_wire(r) for _, r in share], positions, num_steps=num_steps,
-            rank=self.rank, fault=fault, on_block=on_block, on_step=step_done,
+            rank=self.rank, fault=fault, on_block=on_block, on_step=step_done, sp=self.sp,
         )
         if not trace:
             return ShareRun(tuple(outcomes))

@@ -161,14 +161,16 @@ class StatusBoard:
         if rec is None:
             return RankStatus(rank, "silent", "no status posted" if self.store is not None else "no status board")
         where = _where(rec)
-        alive = self.alive(rec)
-        if alive is False:
-            return RankStatus(rank, "dead", f"process {rec.get('pid')} exited; {where}")
         state, same_wave = rec.get("state"), wave is None or rec.get("wave") == wave
+        # A rank that posted how the wave ended for it and then left (a broken group ends the process) did not
+        # crash: its own words come before its liveness.
         if same_wave and state == "collective-failed":
             return RankStatus(rank, "victim", str(rec.get("error", ""))[:300])
         if same_wave and state == "error":
             return RankStatus(rank, "error", str(rec.get("error", ""))[:300])
+        alive = self.alive(rec)
+        if alive is False:
+            return RankStatus(rank, "dead", f"process {rec.get('pid')} exited; {where}")
         if same_wave and state == "done":
             return RankStatus(rank, "ok", where)
         how = "alive" if alive else "liveness unknown: another host"

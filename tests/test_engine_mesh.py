@@ -1,0 +1,156 @@
+"""The engine and offload on (dp, sp) meshes, real gloo ranks, a real safetensors checkpoint (6 heads: sp 2, 3).
+
+(dp, sp) in {(1, 2), (2, 1), (1, 3), (2, 2)} x {allgather with shard group world, dp (and sp on the 2 x 2
+mesh), rank-local}: on every rank the offloaded model's latents for its replica's request are ``torch.equal``
+to the single-process resident model's, each rank holds the shard its group gives it, and the engine's
+waves (one request per replica, the sp ranks of a replica sharing it, an idle replica in the partial wave)
+give every request the resident SHA-256. One spawn per world size runs all of its cases in sequence. Then a
+rank that raises or stalls between all-to-alls fails its wave closed within the timeouts, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+
+import pytest
+import torch
+
+from dlo_fn.models import CONFIGS, Request, generate, write_checkpoint
+from dlo_fn.runtime.dist import DistContext, init_distributed, run_ranks
+from dlo_fn.serve.batch import Fault
+from dlo_fn.serve.local import Phase, open_model, serve_local
+from dlo_fn.serve.requests import EngineOptions, as_submissions
+
+pytestmark = pytest.mark.slow
+
+SIX_HEADS = dataclasses.replace(CONFIGS["tiny"], name="tiny-6-heads", hidden_dim=96, num_heads=6)
+SHAPES = {2: ((1, 2), (2, 1)), 3: ((1, 3),), 4: ((2, 2),)}
+SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0)  # 8 tokens: sp 3 pads
+REQUESTS = tuple(Request(prompt=p, seed=s, **SHAPE) for s, p in enumerate(("a fox", "an owl", "a cat")))
+SUBS = tuple(as_submissions(REQUESTS))
+
+
+def _cases(dp: int, sp: int) -> tuple[tuple[str, str], ...]:
+    cases = (("allgather", "world"), ("allgather", "dp"), ("rank-local", "world"))
+    return cases + ((("allgather", "sp"),) if dp > 1 and sp > 1 else ())
+
+
+@pytest.fixture(scope="module")
+def six_heads(tmp_path_factory) -> str:
+    return str(write_checkpoint(SIX_HEADS, tmp_path_factory.mktemp("ckpt") / "six", seed=0, progress=False))
+
+
+@pytest.fixture(scope="module")
+def expected(six_heads):
+    model, _ = open_model(six_heads, init_distributed(), "resident")
+    return [generate(model, r) for r in REQUESTS]
+
+
+@torch.no_grad()
+def _rank(ctx: DistContext, checkpoint: str) -> dict:
+    from dlo_fn.runtime.mesh import build_mesh
+    from dlo_fn.serve.engine import Engine
+
+    out: dict = {}
+    options = EngineOptions(timeout_s=60.0, progress=False)
+    for dp, sp in SHAPES[ctx.world_size]:
+        mesh = build_mesh(ctx, sp=sp)
+        for mode, group in _cases(dp, sp):
+            model, off = open_model(checkpoint, ctx, mode, mesh=mesh, shard_group=group)
+            got = generate(model, REQUESTS[mesh.dp_rank], sp=mesh.sp)  # replicas in lockstep, one request each
+            engine = Engine(model, off, ctx, options, session=f"{dp}x{sp}-{mode}-{group}", mesh=mesh)
+            report = engine.run(SUBS[: dp + 1])  # one more request than replicas: a partial wave
+            out[(dp, sp, mode, group)] = {
+                "latents": got.latents, "coordinate": mesh.coordinate, "num_shards": off.layout.num_shards,
+                "shard_rank": off.shards.rank, "arena_bytes": off.store.arena_bytes, "report": report,
+            }
+    return pickle.dumps(out)  # plain bytes: a tensor through the queue would live in shared memory the rank frees
+
+
+@pytest.fixture(scope="module")
+def spawned() -> dict:
+    return {}
+
+
+@pytest.fixture(params=[2, 3, 4], ids=["world2", "world3", "world4"])
+def ranks(request, spawned, six_heads):
+    world = request.param
+    if world not in spawned:
+        spawned[world] = [pickle.loads(r) for r in run_ranks(_rank, world, six_heads, timeout_s=240.0)]
+    return world, spawned[world]
+
+
+def test_offloaded_latents_equal_resident_on_every_rank(ranks, expected):
+    world, results = ranks
+    for dp, sp in SHAPES[world]:
+        for mode, group in _cases(dp, sp):
+            for rank, res in enumerate(results):
+                got = res[(dp, sp, mode, group)]
+                assert got["coordinate"] == divmod(rank, sp)
+                assert torch.equal(got["latents"], expected[rank // sp].latents), (dp, sp, mode, group, rank)
+
+
+def test_each_rank_holds_its_shard_groups_share(ranks):
+    """world: M / (dp sp) per rank; dp: M / dp (the sp partners hold the same shard, as in the reference);
+    sp: M / sp; rank-local: whole blocks."""
+    world, results = ranks
+    for dp, sp in SHAPES[world]:
+        for mode, group in _cases(dp, sp):
+            for rank, res in enumerate(results):
+                got = res[(dp, sp, mode, group)]
+                dp_rank, sp_rank = divmod(rank, sp)
+                size, index = {"world": (world, rank), "dp": (dp, dp_rank), "sp": (sp, sp_rank)}[group]
+                if mode == "rank-local":
+                    size, index = 1, 0
+                assert (got["num_shards"], got["shard_rank"]) == (size, index), (dp, sp, mode, group, rank)
+        arena = {g: results[0][(dp, sp, "allgather", g)]["arena_bytes"] for g in ("world", "dp")}
+        whole = results[0][(dp, sp, "rank-local", "world")]["arena_bytes"]
+        assert (arena["world"] < arena["dp"]) == (sp > 1) and arena["world"] * world >= whole
+
+
+def test_engine_waves_over_replicas_give_resident_hashes(ranks, expected):
+    world, results = ranks
+    for dp, sp in SHAPES[world]:
+        for mode, group in _cases(dp, sp):
+            report = results[0][(dp, sp, mode, group)]["report"]
+            assert all(res[(dp, sp, mode, group)]["report"] is None for res in results[1:])
+            assert (report.dp_size, report.sp_size) == (dp, sp)
+            assert len(report.results) == dp + 1
+            for res, exp in zip(report.results, expected):
+                assert res.ok, res.error
+                assert torch.equal(res.video, exp.video) and res.sha256 == exp.sha256, (dp, sp, mode, group)
+            if mode != "allgather":
+                continue
+            # One request per replica, written by the replica's sp-rank 0; the partial wave's idle replica
+            # only served its shards.
+            if dp == 2:
+                assert [w.rank_indices for w in report.waves] == [((0,), (1,)), ((2,), ())]
+                assert [r.rank for r in report.results] == [0, sp, 0]
+            else:
+                assert [w.rank_indices for w in report.waves] == [((0,),), ((1,),)]
+                assert [r.rank for r in report.results] == [0, 0]
+
+
+@pytest.mark.parametrize("kind", ["raise", "stall"])
+@pytest.mark.timeout(120)
+def test_a_rank_failing_between_all_to_alls_fails_the_wave_closed(six_heads, kind):
+    """(1, 2): rank 1 raises (or stalls) after block 0 of step 1; its partner then waits for it in the next
+    block's all-to-all. The wave fails closed within the timeouts, naming rank 1; nothing hangs."""
+    timeout_s = 3.0
+    fault = Fault(rank=1, wave=0, kind=kind, step=1)
+    options = EngineOptions(timeout_s=timeout_s, grace_s=1.0, progress=False, fault=fault)
+    t0 = time.perf_counter()
+    run = serve_local(six_heads, [Phase("allgather", SUBS[:2], options)], 1, sp_size=2, join_timeout_s=90,
+                      grace_s=2)
+    wall_s = time.perf_counter() - t0
+    (report,) = run.reports
+    assert [r.ok for r in report.results] == [False, False]
+    first, second = report.results
+    assert "wave 0 failed closed" in first.error and "rank 1" in first.error
+    if kind == "raise":
+        assert "InjectedFault" in first.error
+    else:
+        assert "rank 1 stalled" in first.error and run.exitcodes[1] == -9  # killed by serve_local after grace
+    assert second.error.startswith("not dispatched: the engine stopped earlier")
+    assert wall_s < 60, wall_s
