@@ -91,6 +91,6 @@ def test_sp_that_does_not_divide_the_ranks_is_one_line(checkpoint, tmp_path):
            "--prompt", "a fox", "--sp", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu"))
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "generate: --sp 2 does not divide the 1 rank(s) (torchrun --nproc-per-node): use --sp in [1]")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr  # a usage error, before anything loads
+    assert proc.stderr.strip().splitlines() == [
+        "dlo_fn generate: error: --sp 2 does not divide the 1 rank(s) (torchrun --nproc-per-node): use --sp in [1]"]
