@@ -337,6 +337,10 @@ class StepGraphs:
     def _replay_call(self, run: Any, live: _Live, i: int, op: Any, flat: list[Any]) -> Any:
         g, r, R = live.graph, op.request, run.program.schedule.requests_per_load
         if op.block == 0:
+            if r and _spec(flat) != live.record.specs[r]:  # request 0's shapes are in the key; the others here
+                raise ScheduleError(f"cuda graph: request {r} of this load has other input shapes than when the "
+                                    f"step was captured: give every request of one load the same shapes, or "
+                                    f"run with graph=False")
             for dst, src in zip(g.inputs[r], flat):
                 dst.copy_(src)
             live.inputs0[r] = flat
