@@ -11,7 +11,7 @@ symbol          meaning
 ==============  =========================================================================================
 ``W``           replicas in lockstep (``Replicas.dp_size``)
 ``R``           most requests a replica holds at once, all of one ``key`` (``Replicas.requests_per_replica``)
-``t_b, h_b``    block ``b``'s load (H2D + all-gather, paid every pass) and host cost (``Ring``)
+``t_b, h_b``    block ``b``'s load (H2D + all-gather, paid every pass) and host cost (``PassCosts``)
 ``c_qb``        request ``q``'s compute on block ``b`` (``QueuedRequest.block_compute_s``)
 ``A_r(k)``      the requests replica ``r`` holds during ring step ``k``
 ``n_q``         request ``q``'s denoising steps: it holds a replica for ``n_q`` consecutive ring steps
@@ -55,12 +55,12 @@ import math
 from typing import Callable, Sequence
 
 from dlo_fn.plan.dispatch_types import (
-    POLICIES, DispatchPlan, PlanStep, QueuedRequest, ReplicaUsage, Replicas, RequestRecord, Ring, nearest_rank,
+    POLICIES, DispatchPlan, PlanStep, QueuedRequest, ReplicaUsage, Replicas, RequestRecord, PassCosts, nearest_rank,
 )
 from dlo_fn.plan.waves import CompatKey, Pending, form_waves
 
 __all__ = [
-    "POLICIES", "QueuedRequest", "Replicas", "Ring", "PlanStep", "RequestRecord", "ReplicaUsage",
+    "POLICIES", "QueuedRequest", "Replicas", "PassCosts", "PlanStep", "RequestRecord", "ReplicaUsage",
     "DispatchPlan", "admit_continuous", "plan_continuous", "plan_strict", "compare_policies",
     "nearest_rank",
 ]
@@ -87,25 +87,25 @@ def admit_continuous(queued: Sequence[QueuedRequest], held: Sequence[Sequence[Qu
 _Admit = Callable[[float, list[QueuedRequest], list[list[QueuedRequest]]], Sequence[tuple[str, int]]]
 
 
-def _fifo(requests: Sequence[QueuedRequest], ring: Ring) -> tuple[QueuedRequest, ...]:
+def _fifo(requests: Sequence[QueuedRequest], costs: PassCosts) -> tuple[QueuedRequest, ...]:
     if not requests:
         raise ValueError("a dispatch plan needs at least one request")
     ids = [q.request_id for q in requests]
     if len(set(ids)) != len(ids):
         raise ValueError(f"request ids must be unique, got duplicates {sorted({i for i in ids if ids.count(i) > 1})}")
     for q in requests:
-        q.compute_s(ring.num_blocks)  # checks the per-block length now, with the request named
+        q.compute_s(costs.num_blocks)  # checks the per-block length now, with the request named
     return tuple(sorted(requests, key=lambda q: (q.arrival_s, q.request_id)))
 
 
-def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas, admit: _Admit,
+def _plan(policy: str, requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, admit: _Admit,
           is_due: Callable[[float, list[QueuedRequest]], bool] = lambda t, queue: False,
           due_s: Callable[[list[QueuedRequest]], float] = lambda queue: math.inf) -> DispatchPlan:
     """Walk the boundaries: admit arrivals, let ``admit`` place requests, run one step (or one stretch).
     ``is_due(T, queue)``: whether the queue alone gives ``admit`` work at ``T`` (a partial wave's deadline);
     ``due_s(queue)``: about when that happens (the stretch's estimate, made exact with ``is_due``)."""
-    reqs = _fifo(requests, ring)
-    cost = {q.request_id: q.compute_s(ring.num_blocks) for q in reqs}
+    reqs = _fifo(requests, costs)
+    cost = {q.request_id: q.compute_s(costs.num_blocks) for q in reqs}
     total = {i: sum(c) for i, c in cost.items()}
     W = replicas.dp_size
     held: list[list[QueuedRequest]] = [[] for _ in range(W)]
@@ -117,7 +117,7 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: 
     queue: list[QueuedRequest] = []
     steps: list[PlanStep] = []
     t, k, arrived = 0.0, 0, 0
-    idle_step_s = ring.step_s(())
+    idle_step_s = costs.step_s(())
     while len(finished) < len(reqs):
         while arrived < len(reqs) and reqs[arrived].arrival_s <= t:
             queue.append(reqs[arrived])
@@ -136,18 +136,18 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: 
             end = t + n * idle_step_s
             steps.append(PlanStep(k, n, t, end, idle_step_s, ((),) * W, len(queue)))
             for c in counts:
-                c[2 if queue else 1] += n * ring.num_blocks
+                c[2 if queue else 1] += n * costs.num_blocks
             t, k = end, k + n
             continue
         sig = tuple(tuple(q.request_id for q in h) for h in held)
         if sig not in memo:
-            memo[sig] = ring.step_s([[sum(xs) for xs in zip(*(cost[q.request_id] for q in h))] for h in held if h])
+            memo[sig] = costs.step_s([[sum(xs) for xs in zip(*(cost[q.request_id] for q in h))] for h in held if h])
         step_s = memo[sig]
         cells = tuple(tuple((q.request_id, done[q.request_id]) for q in h) for h in held)
         steps.append(PlanStep(k, 1, t, t + step_s, step_s, cells, len(queue)))
         for r, h in enumerate(held):
             c = counts[r]
-            c[0 if h else (2 if queue else 1)] += ring.num_blocks
+            c[0 if h else (2 if queue else 1)] += costs.num_blocks
             c[3] += sum(total[q.request_id] for q in h)
         t, k = t + step_s, k + 1
         for h in held:
@@ -159,7 +159,7 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: 
     records = tuple(RequestRecord(q.request_id, q.arrival_s, started[q.request_id][0], started[q.request_id][1],
                                   q.num_steps, started[q.request_id][2], finished[q.request_id]) for q in reqs)
     usage = tuple(ReplicaUsage(r, c[0], c[1], c[2], c[3]) for r, c in enumerate(counts))
-    return DispatchPlan(policy, ring, replicas, reqs, tuple(steps), records, usage)
+    return DispatchPlan(policy, costs, replicas, reqs, tuple(steps), records, usage)
 
 
 def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[float], bool], policy: str) -> int:
@@ -167,7 +167,7 @@ def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[floa
     assert math.isfinite(event_s), f"{policy}: nothing runs at t = {t} and no event follows"
     if idle_step_s <= 0:
         raise ValueError(f"{policy}: nothing runs at t = {t} s until t = {event_s} s, and a gather-only step lasts "
-                         f"0 s (Ring.block_transfer_s + block_host_s are all 0): give the ring a load time")
+                         f"0 s (PassCosts.block_transfer_s + block_host_s are all 0): give the ring a load time")
     n = max(1, math.ceil((event_s - t) / idle_step_s))
     while not wakes(t + n * idle_step_s):  # rounding of the estimate, either way
         n += 1
@@ -176,13 +176,13 @@ def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[floa
     return n
 
 
-def plan_continuous(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas) -> DispatchPlan:
+def plan_continuous(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas) -> DispatchPlan:
     """The continuous policy on a trace (module doc); never leaves a replica waiting."""
     R = replicas.requests_per_replica
-    return _plan("continuous", requests, ring, replicas, lambda t, queue, held: admit_continuous(queue, held, R))
+    return _plan("continuous", requests, costs, replicas, lambda t, queue, held: admit_continuous(queue, held, R))
 
 
-def plan_strict(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas, *,
+def plan_strict(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
                 max_wait_s: float = 0.0) -> DispatchPlan:
     """Today's strict waves on a trace (module doc), formed by :func:`~dlo_fn.plan.waves.form_waves`."""
     if not (math.isfinite(max_wait_s) and max_wait_s >= 0):
@@ -207,15 +207,15 @@ def plan_strict(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replica
     def due_s(queue: list[QueuedRequest]) -> float:
         return min((q.arrival_s + max_wait_s for q in queue), default=math.inf)
 
-    return _plan("strict", requests, ring, replicas, admit, is_due, due_s)
+    return _plan("strict", requests, costs, replicas, admit, is_due, due_s)
 
 
-def compare_policies(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas, *,
+def compare_policies(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
                      max_wait_s: float = 0.0) -> tuple[dict[str, object], ...]:
     """One row per policy on the same trace, for :func:`dlo_fn.repro.tables.text_table` (6 significant
     digits). ``utilisation = sum_r compute_s / (W makespan_s)``."""
     rows = []
-    for plan in (plan_continuous(requests, ring, replicas), plan_strict(requests, ring, replicas,
+    for plan in (plan_continuous(requests, costs, replicas), plan_strict(requests, costs, replicas,
                                                                         max_wait_s=max_wait_s)):
         u = plan.usage
         rows.append({
