@@ -5,6 +5,11 @@ stalls or dies fails closed within the timeout with an error for every request i
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -136,3 +141,23 @@ def test_stalled_or_dead_rank_fails_closed(checkpoint, expected, kind):
         assert not res[rid].ok and res[rid].error.startswith("not dispatched"), res[rid].error
     assert run.exitcodes[1] == (FAULT_EXIT_CODE if kind == "exit" else -9)
     assert run.wall_s < 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, expected, tmp_path):
+    from dlo_fn.runtime.dist import free_port
+
+    lines = [dict(id=f"req{i:04d}", **r.to_dict()) for i, r in enumerate(REQUESTS)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+           "--serving", "continuous", "--out", str(tmp_path / "out"), "--timeout", "30"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the empty prompt is an error
+    assert "continuous serving:" in proc.stdout
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out" / "manifest.jsonl").read_text().splitlines())}
+    assert "empty prompts are rejected" in rows.pop("req0004")["error"]
+    assert {i: r["sha256"] for i, r in rows.items()} == {i: e.sha256 for i, e in expected.items()}
+    assert {r["serving"] for r in rows.values()} == {"continuous"} and {r["rank"] for r in rows.values()} == {0, 1}

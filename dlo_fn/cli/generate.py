@@ -74,6 +74,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requests each rank runs block-major per wave (one weight load serves R requests)")
     group.add_argument("--max-wait-s", type=float, default=0.0,
                        help="bounded wait to fill a wave (a closed prompts file never waits)")
+    group.add_argument("--serving", choices=("strict", "continuous"), default="strict",
+                       help="strict: waves that hold the ring until their last request ends; continuous: a rank "
+                            "whose request ends takes the next queued one at the next step boundary")
 
 
 def register(subparsers) -> None:
@@ -164,7 +167,8 @@ def run_generate(args: argparse.Namespace) -> int:
         offloaded = load_offloaded(args.checkpoint, ctx, options)
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
-                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=None))
+                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=None,
+                                      serving=args.serving))
         if ctx.is_main:
             timeline = None
             try:
@@ -174,7 +178,8 @@ def run_generate(args: argparse.Namespace) -> int:
             finally:
                 engine.close()
             manifest = write_outputs(pathlib.Path(args.out), report)
-            print(wave_table(report))
+            print(wave_table(report) if report.waves or not report.steps else
+                  f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)")
             print(result_table(report))
             print(f"wrote {sum(r.ok for r in report.results)} output(s), {len(report.results)} manifest line(s): "
                   f"{manifest}")

@@ -65,6 +65,7 @@ def _row(result: RequestResult, report: ServeReport, files: list[str]) -> dict[s
         "mode": report.mode,
         "dp_size": report.dp_size,
         "requests_per_rank": report.requests_per_rank,
+        "serving": report.serving,
     }
 
 
