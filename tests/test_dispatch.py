@@ -241,6 +241,36 @@ def test_continuous_plan_invariants(case):
     assert plan_continuous(shuffled, costs, replicas) == plan
 
 
+def test_golden_cost_aware_keeps_the_expensive_head_back():
+    # 1 block, load 0.25 s. a (cost 1, 2 steps) on r0; b (cost 4) would raise the pass max from 1 to 4: it waits
+    # until a ends (r1 waits 2 steps), then b and the cheap c run side by side (c does not raise 4).
+    reqs = [Q("a", 0, 2, "x", 1.0), Q("b", 0, 1, "y", 4.0), Q("c", 0, 1, "z", 1.0)]
+    costs = PassCosts.uniform(1, 0.25)
+    fifo = plan_continuous(reqs, costs, Replicas(2))
+    cost = plan_continuous(reqs, costs, Replicas(2), admission="cost")
+    assert fifo.lines() == ("s0 r0:a@0 r1:b@0 q1", "s1 r0:a@1 r1:c@0")
+    assert cost.lines() == ("s0 r0:a@0 r1:- q2", "s1 r0:a@1 r1:- q2", "s2 r0:b@0 r1:c@0")
+    # fifo: 4 + 1 = 5 s, latencies a 5, b 4, c 5; cost-aware: 1 + 1 + 4 = 6 s, latencies 2, 6, 6
+    assert (fifo.makespan_s, cost.makespan_s) == (5.0, 6.0)
+    assert [r.latency_s for r in cost.records] == [2.0, 6.0, 6.0]
+    assert cost.usage[1].num_waiting_passes == 2
+    with pytest.raises(ValueError, match="admission must be one of"):
+        plan_continuous(reqs, costs, Replicas(2), admission="lifo")
+
+
+@settings(max_examples=200, deadline=None)
+@given(traces())
+def test_cost_aware_plan_invariants(case):
+    reqs, costs, replicas, _ = case
+    plan = plan_continuous(reqs, costs, replicas, admission="cost")
+    check_plan(plan, reqs, costs, replicas)  # every request exactly once, its steps back to back: nothing starves
+    assert [r.start_s for r in plan.records] == sorted(r.start_s for r in plan.records)  # no overtaking
+    # one cost for every request, R = 1: a placement never raises the busy time, so it is the FIFO rule
+    if (replicas.requests_per_replica == 1 and len({q.block_compute_s for q in reqs}) == 1
+            and not isinstance(reqs[0].block_compute_s, tuple)):
+        assert plan.lines() == plan_continuous(reqs, costs, replicas).lines()
+
+
 @settings(max_examples=300, deadline=None)
 @given(traces())
 def test_strict_plan_invariants(case):

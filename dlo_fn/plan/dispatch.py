@@ -31,6 +31,13 @@ requests that have arrived by then.
   next boundary. The head of the queue goes to the first empty replica, else to the replica of its ``key`` that
   holds the fewest (``< R``) requests, lowest index first; placement stops at the first request that fits
   nowhere (no overtaking, so nothing starves and starts follow FIFO order).
+* *continuous, cost-aware* (:func:`admit_cost_aware`, ``plan_continuous(..., admission="cost")``): the same
+  FIFO without overtaking, but the head is placed only where it does not raise the step's busy time
+  ``P = sum_b max(t_b, max_r sum_{q in A_r} c_qb)`` (on the candidate replica that gives the smallest new ``P``), or when
+  no replica computes; otherwise it (and everything behind it) waits for the next boundary. An expensive head
+  therefore waits for cheaper running work to drain instead of slowing every replica's passes, and a cheap head
+  fills a free replica beside expensive work at no cost to anyone. It never starves: held requests finish, and
+  an empty ring admits the head.
 * *strict* (today's waves, :func:`dlo_fn.plan.waves.form_waves`): when no wave runs, the waiting requests are
   cut into waves (one key per wave, ``key = (key, n_q)`` since today's compatibility key holds the step count;
   at most ``W R`` requests; a partial wave waits ``max_wait_s`` for company); the waves formed then run one
@@ -61,9 +68,12 @@ from dlo_fn.plan.waves import CompatKey, Pending, form_waves
 
 __all__ = [
     "POLICIES", "QueuedRequest", "Replicas", "PassCosts", "PlanStep", "RequestRecord", "ReplicaUsage",
-    "DispatchPlan", "admit_continuous", "plan_continuous", "plan_strict", "compare_policies",
-    "nearest_rank",
+    "DispatchPlan", "ADMISSIONS", "admit_continuous", "admit_cost_aware", "plan_continuous", "plan_strict",
+    "compare_policies", "nearest_rank",
 ]
+
+
+ADMISSIONS = ("fifo", "cost")
 
 
 def admit_continuous(queued: Sequence[QueuedRequest], held: Sequence[Sequence[QueuedRequest]],
@@ -79,6 +89,36 @@ def admit_continuous(queued: Sequence[QueuedRequest], held: Sequence[Sequence[Qu
             break  # no overtaking: later requests wait behind the head
         r = empty[0] if empty else min(same, key=lambda r: (len(keys[r]), r))
         keys[r].append(q.key)
+        out.append((q.request_id, r))
+    return tuple(out)
+
+
+def admit_cost_aware(queued: Sequence[QueuedRequest], held: Sequence[Sequence[QueuedRequest]],
+                     requests_per_replica: int, costs: PassCosts) -> tuple[tuple[str, int], ...]:
+    """The cost-aware continuous rule at one boundary (module doc): ``(request_id, replica)`` placements."""
+    num_blocks = costs.num_blocks
+    loads = [[q.compute_s(num_blocks) for q in h] for h in held]
+    keys = [[q.key for q in h] for h in held]
+
+    def pass_max(per_replica: list[list[tuple[float, ...]]]) -> float:
+        sums = [[sum(xs) for xs in zip(*c)] for c in per_replica if c]
+        if not sums:
+            return 0.0
+        return sum(max([t] + list(col)) for t, col in zip(costs.block_transfer_s, zip(*sums)))
+
+    out = []
+    for q in queued:
+        cands = [r for r, k in enumerate(keys) if not k or (k[0] == q.key and len(k) < requests_per_replica)]
+        if not cands:
+            break
+        before = pass_max(loads)
+        cost = q.compute_s(num_blocks)
+        after = {r: pass_max([c + [cost] if i == r else c for i, c in enumerate(loads)]) for r in cands}
+        r = min(cands, key=lambda r: (after[r], len(keys[r]), r))
+        if before > 0 and after[r] > before:
+            break  # it would slow every computing replica's passes: wait for the next boundary
+        keys[r].append(q.key)
+        loads[r].append(cost)
         out.append((q.request_id, r))
     return tuple(out)
 
@@ -176,10 +216,17 @@ def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[floa
     return n
 
 
-def plan_continuous(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas) -> DispatchPlan:
-    """The continuous policy on a trace (module doc); never leaves a replica waiting."""
+def plan_continuous(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
+                    admission: str = "fifo") -> DispatchPlan:
+    """The continuous policy on a trace (module doc). ``admission="fifo"`` (:func:`admit_continuous`) never
+    leaves a replica waiting; ``"cost"`` (:func:`admit_cost_aware`) may, to keep the pass maximum down."""
     R = replicas.requests_per_replica
-    return _plan("continuous", requests, costs, replicas, lambda t, queue, held: admit_continuous(queue, held, R))
+    if admission == "fifo":
+        return _plan("continuous", requests, costs, replicas, lambda t, queue, held: admit_continuous(queue, held, R))
+    if admission == "cost":
+        return _plan("continuous", requests, costs, replicas,
+                     lambda t, queue, held: admit_cost_aware(queue, held, R, costs))
+    raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
 
 
 def plan_strict(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
@@ -211,15 +258,18 @@ def plan_strict(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: R
 
 
 def compare_policies(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
-                     max_wait_s: float = 0.0) -> tuple[dict[str, object], ...]:
+                     max_wait_s: float = 0.0, admissions: Sequence[str] = ("fifo",)) -> tuple[dict[str, object], ...]:
     """One row per policy on the same trace, for :func:`dlo_fn.repro.tables.text_table` (6 significant
-    digits). ``utilisation = sum_r compute_s / (W makespan_s)``."""
+    digits): continuous with each of ``admissions`` (``continuous``, ``continuous (cost)``), then strict.
+    ``utilisation = sum_r compute_s / (W makespan_s)``."""
     rows = []
-    for plan in (plan_continuous(requests, costs, replicas), plan_strict(requests, costs, replicas,
-                                                                        max_wait_s=max_wait_s)):
+    plans = [(("continuous" if a == "fifo" else f"continuous ({a})"),
+              plan_continuous(requests, costs, replicas, admission=a)) for a in admissions]
+    plans.append(("strict", plan_strict(requests, costs, replicas, max_wait_s=max_wait_s)))
+    for name, plan in plans:
         u = plan.usage
         rows.append({
-            "policy": plan.policy, "makespan_s": _g(plan.makespan_s),
+            "policy": name, "makespan_s": _g(plan.makespan_s),
             "throughput_requests_per_s": _g(plan.throughput_requests_per_s),
             "p50_latency_s": _g(plan.p50_latency_s), "p95_latency_s": _g(plan.p95_latency_s),
             "mean_latency_s": _g(plan.mean_latency_s), "ring_steps": plan.num_ring_steps,
