@@ -8,7 +8,8 @@ stay in lockstep). Before each step rank 0
 1. retires what ended, admits arrived requests with the live rule of the planner
    (:func:`dlo_fn.plan.dispatch.admit_continuous`: FIFO, no overtaking; the head goes to the first empty
    replica, else to the replica of its key with the fewest held, ``< R``; key = the request's shape:
-   :func:`admission_key`), and
+   :func:`admission_key`; or, with ``EngineOptions(admission="cost")``,
+   :func:`~dlo_fn.plan.dispatch.admit_cost_aware` on the relative costs of :func:`admission_cost`), and
 2. broadcasts ``{"kind": "cstep", "step": k, "starts": [[(index, request), ...] per rank]}`` (one
    ``broadcast_object_list``: every rank agrees on who does what before the step, bounded by ``timeout_s``);
 
@@ -39,7 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from dlo_fn.models.config import tokens_for
 from dlo_fn.models.request import Request
-from dlo_fn.plan.dispatch import QueuedRequest, admit_continuous
+from dlo_fn.plan.dispatch import PassCosts, QueuedRequest, admit_continuous, admit_cost_aware
 from dlo_fn.serve.batch import Outcome, WaveAborted
 from dlo_fn.serve.continuous_rank import ContinuousRank
 from dlo_fn.serve.requests import EngineOptions, RequestResult, StepRecord, Submission, to_wire
@@ -107,8 +108,8 @@ class ContinuousDriver:
                     last_message = time.monotonic()
                 continue
             k = self.next_step
-            placed = admit_continuous([self._queued(subs, i) for i, _ in queue],
-                                      [[self._queued(subs, i) for i in h] for h in held], R)
+            placed = self._admit([self._queued(subs, i) for i, _ in queue],
+                                 [[self._queued(subs, i) for i in h] for h in held], R)
             starts: list[list[tuple[int, dict]]] = [[] for _ in range(W)]
             now = time.monotonic()
             for rid, r in placed:
@@ -171,6 +172,11 @@ class ContinuousDriver:
         return out
 
     # -- helpers ---------------------------------------------------------------------------------------------
+    def _admit(self, queued: list[QueuedRequest], held: list[list[QueuedRequest]], R: int):
+        if self.options.admission == "cost":  # relative costs, no load term: only the compute maxima compare
+            return admit_cost_aware(queued, held, R, PassCosts.uniform(1, 0.0))
+        return admit_continuous(queued, held, R)
+
     def _queued(self, subs: Sequence[Submission], index: int) -> QueuedRequest:
         req = subs[index].request
         return QueuedRequest(str(index), 0.0, req.num_inference_steps, admission_key(req),

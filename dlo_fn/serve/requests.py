@@ -117,10 +117,13 @@ class EngineOptions:
     trace: bool = False  # record per-rank spans of each wave (Figure 5)
     progress: bool | None = None  # tqdm on rank 0; None: only on a terminal
     serving: str = "strict"  # or "continuous" (dlo_fn.serve.continuous)
+    admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.plan.dispatch.admit_cost_aware)
 
     def __post_init__(self) -> None:
         if self.serving not in SERVING:
             raise ValueError(f"serving={self.serving!r}: must be one of {', '.join(SERVING)}")
+        if self.admission not in ("fifo", "cost"):
+            raise ValueError(f"admission={self.admission!r}: must be fifo or cost")
         if not isinstance(self.requests_per_rank, int) or self.requests_per_rank < 1:
             raise ValueError(f"requests_per_rank must be an int >= 1, got {self.requests_per_rank!r}")
         if not self.max_wait_s >= 0:
