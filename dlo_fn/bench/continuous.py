@@ -7,10 +7,11 @@ One spawn of 2 ranks serves, each phase on a fresh engine:
 =================  =========================================================================================
 phase              what runs
 =================  =========================================================================================
-``calibration``    (after the same as a warm-up) 6 requests (one per size x CFG) continuous, other seeds: each request kind's block
-                   compute per pass ``c`` (median of its ranks' block-call seconds per step / B) and the
-                   per-step time outside the slowest rank's block calls ``H`` (median of wall - max_r x_r)
-``continuous``     the trace as a stream, ``serving="continuous"`` (FIFO admission), R = 1
+``warm-up``        6 requests (one per size x CFG, other seeds), continuous
+``continuous``     the trace as a stream, ``serving="continuous"`` (FIFO admission), R = 1; it also calibrates
+                   the planner: each request kind's block compute per pass ``c`` (median over the steps where a
+                   rank held one request of that kind of its block-call seconds / B) and the per-step time
+                   outside the slowest rank's block calls ``H`` (median of wall - max_r x_r)
 ``continuous-cost`` the same with ``admission="cost"`` (:func:`dlo_fn.plan.dispatch.admit_cost_aware`)
 ``strict``         the same stream in strict waves (``max_wait_s = 0``)
 =================  =========================================================================================
@@ -21,7 +22,8 @@ trace with its own arrival times (no collectives, each rank holds the whole mode
 Per policy: throughput = requests / makespan and nearest-rank p50 / p95 latency (finish - arrival, arrival =
 the trace's nominal time from serve start), next to the planner's prediction
 (:func:`dlo_fn.plan.dispatch.plan_continuous` / ``plan_strict`` on the nominal trace with the calibrated
-``c`` and ``PassCosts.uniform(B, 0, H / B)``: on CPU the all-gathers are synchronous and do not hide behind
+``c`` and ``PassCosts.uniform(B, 0, H / B)``; the costs come from the continuous run itself, since on a
+shared 2-core machine a separate calibration run measures other loads: on CPU the all-gathers are synchronous and do not hide behind
 compute). **Lockstep loss per block pass** (continuous phase): for each step and each computing rank,
 ``(step wall - x_r) / B``; its lockstep part ``(max_r x_r - x_r) / B`` is the time a rank waits for a slower
 neighbour, measured and as the planner predicts it. Two ranks share 2 cores here: these are not performance
@@ -194,7 +196,6 @@ def run(args: argparse.Namespace) -> int:
     cal_subs = calibration_requests()
     opts = dict(timeout_s=args.timeout_s, progress=False)
     phases = [Phase("allgather", cal_subs, EngineOptions(serving="continuous", **opts)),  # warm-up
-              Phase("allgather", cal_subs, EngineOptions(serving="continuous", **opts)),
               Phase("allgather", subs, EngineOptions(serving="continuous", **opts), stream_gaps_s=gaps),
               Phase("allgather", subs, EngineOptions(serving="continuous", admission="cost", **opts),
                     stream_gaps_s=gaps),
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     for rep in run2.reports:
         if isinstance(rep, str):
             raise RuntimeError(f"bench continuous: {rep}")
-    _, cal, cont, cost, strict = run2.reports
+    _, cont, cost, strict = run2.reports
     halves = [tuple(range(r, len(subs), 2)) for r in (0, 1)]
 
     def independent(idx):
@@ -215,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
 
     with ThreadPoolExecutor(2) as pool:
         solo = list(pool.map(independent, halves))
-    costs, host_s = calibrate(cal, num_blocks)
+    costs, host_s = calibrate(cont, num_blocks)
     rows, plans = [], {}
     for name, rep in (("continuous", cont), ("continuous-cost", cost), ("strict", strict)):
         plan = planned(subs, arrivals, costs, host_s, num_blocks, name)

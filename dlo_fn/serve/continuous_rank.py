@@ -52,7 +52,7 @@ class ContinuousRank:
         self.fault = fault if fault is not None and fault.rank == rank else None
         self.held: dict[int, Any] = {}
         self.compute_s: dict[int, float] = {}
-        self.last_compute_s = 0.0  # this rank's block-call seconds in the last step (the measured x_r)
+        self.last_compute_s = 0.0  # this rank's block compute seconds in the last step (the measured x_r)
 
     @torch.no_grad()
     def step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
@@ -78,6 +78,9 @@ class ContinuousRank:
         t0 = time.perf_counter()
         opened = False
         calls_s = 0.0
+        # The executor's own block-call seconds exclude the loads and all-gathers it issues inside each call
+        # (on CPU the synchronous all-gather, where a rank waits for a slower neighbour).
+        before_s = executor.stats.call_s if executor is not None else 0.0
         try:
             if executor is not None:
                 executor.begin_run(1, len(items))
@@ -109,7 +112,7 @@ class ContinuousRank:
             out.extend(Outcome(i, False, error=text, compute_s=self.compute_s.pop(i, 0.0) + dt) for i, _ in items)
             self.held.clear()
             return out
-        self.last_compute_s = calls_s
+        self.last_compute_s = executor.stats.call_s - before_s if executor is not None else calls_s
         dt = time.perf_counter() - t0
         for (index, _), state in zip(items, states):
             self.compute_s[index] += dt / len(items)
