@@ -6,7 +6,9 @@ flags are the defaults). Under ``torchrun --nproc-per-node N`` every rank loads 
 it for ``--mode``; rank 0 rejects bad lines and invalid requests before dispatch and groups the rest into waves
 of up to ``N x --requests-per-rank`` compatible requests (:class:`dlo_fn.serve.engine.Engine`). In allgather
 mode the waves run in lockstep and a rank with no request in a wave serves its shards to the all-gathers
-without computing (a partial wave); rank-local and resident ranks work through their own queues. Rank 0 writes
+without computing (a partial wave); rank-local and resident ranks work through their own queues. With
+``--serving continuous`` the allgather ring never stops between requests: a rank whose request ends takes the
+next queued one at the next step boundary (:mod:`dlo_fn.serve.continuous`). Rank 0 writes
 under ``--out`` (:mod:`dlo_fn.serve.outputs`):
 
     <index>-<id>.npy           uint8 video [N, F, H, W, 3] (N = outputs per prompt)
