@@ -1,10 +1,10 @@
-"""`python -m dlo_fn bench {load,step,waves}`: each benchmark lives in :mod:`dlo_fn.bench`."""
+"""`python -m dlo_fn bench {load,step,waves,timeline,continuous}`: each benchmark lives in :mod:`dlo_fn.bench`."""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = ("load", "step", "waves", "timeline", "slots", "sp_hbm", "mesh_host")
+BENCHES = ("load", "step", "waves", "timeline", "slots", "sp_hbm", "mesh_host", "continuous")
 
 
 def register(subparsers) -> None:

@@ -9,8 +9,9 @@ mode the waves run in lockstep and a rank with no request in a wave serves its s
 without computing (a partial wave); rank-local and resident ranks work through their own queues. With ``--sp S``
 the N ranks form a (N / S, S) mesh: waves go to the N / S replicas, the S ranks of each run its request together
 (Ulysses sequence parallelism) and ``--shard-group`` picks which ranks split the block weights (world: all N,
-each holding 1/N; dp: the reference's choice, 1/(N/S)). Rank 0 writes under ``--out``
-(:mod:`dlo_fn.serve.outputs`):
+each holding 1/N; dp: the reference's choice, 1/(N/S)). With ``--serving continuous`` the allgather ring never
+stops between requests: a rank whose request ends takes the next queued one at the next step boundary
+(:mod:`dlo_fn.serve.continuous`). Rank 0 writes under ``--out`` (:mod:`dlo_fn.serve.outputs`):
 
     <index>-<id>.npy           uint8 video [N, F, H, W, 3] (N = outputs per prompt)
     <index>-<id>.png           preview: one row per output, up to 8 evenly spaced frames side by side
@@ -93,6 +94,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requests each rank runs block-major per wave (one weight load serves R requests)")
     group.add_argument("--max-wait-s", type=float, default=0.0,
                        help="bounded wait to fill a wave (a closed prompts file never waits)")
+    group.add_argument("--serving", choices=("strict", "continuous"), default="strict",
+                       help="strict: waves that hold the ring until their last request ends; continuous: a rank "
+                            "whose request ends takes the next queued one at the next step boundary")
 
 
 EPILOG = """\
@@ -294,7 +298,8 @@ def run_generate(args: argparse.Namespace) -> int:
         offloaded = load_offloaded(args.checkpoint, ctx, options, auto, mesh)
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
-                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=True), mesh=mesh)
+                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=True,
+                                      serving=args.serving), mesh=mesh)
         if ctx.is_main:
             timeline = None
             try:
@@ -306,7 +311,8 @@ def run_generate(args: argparse.Namespace) -> int:
             finally:
                 engine.close()
             manifest = write_outputs(pathlib.Path(args.out), report)
-            print(wave_table(report))
+            print(wave_table(report) if report.waves or not report.steps else
+                  f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)")
             print(result_table(report))
             print(f"wrote {sum(r.ok for r in report.results)} output(s), {len(report.results)} manifest line(s): "
                   f"{manifest}")

@@ -11,7 +11,7 @@ symbol          meaning
 ==============  =========================================================================================
 ``W``           replicas in lockstep (``Replicas.dp_size``)
 ``R``           most requests a replica holds at once, all of one ``key`` (``Replicas.requests_per_replica``)
-``t_b, h_b``    block ``b``'s load (H2D + all-gather, paid every pass) and host cost (``Ring``)
+``t_b, h_b``    block ``b``'s load (H2D + all-gather, paid every pass) and host cost (``PassCosts``)
 ``c_qb``        request ``q``'s compute on block ``b`` (``QueuedRequest.block_compute_s``)
 ``A_r(k)``      the requests replica ``r`` holds during ring step ``k``
 ``n_q``         request ``q``'s denoising steps: it holds a replica for ``n_q`` consecutive ring steps
@@ -31,6 +31,13 @@ requests that have arrived by then.
   next boundary. The head of the queue goes to the first empty replica, else to the replica of its ``key`` that
   holds the fewest (``< R``) requests, lowest index first; placement stops at the first request that fits
   nowhere (no overtaking, so nothing starves and starts follow FIFO order).
+* *continuous, cost-aware* (:func:`admit_cost_aware`, ``plan_continuous(..., admission="cost")``): the same
+  FIFO without overtaking, but the head is placed only where it does not raise the step's busy time
+  ``P = sum_b max(t_b, max_r sum_{q in A_r} c_qb)`` (on the candidate replica that gives the smallest new ``P``), or when
+  no replica computes; otherwise it (and everything behind it) waits for the next boundary. An expensive head
+  therefore waits for cheaper running work to drain instead of slowing every replica's passes, and a cheap head
+  fills a free replica beside expensive work at no cost to anyone. It never starves: held requests finish, and
+  an empty ring admits the head.
 * *strict* (today's waves, :func:`dlo_fn.plan.waves.form_waves`): when no wave runs, the waiting requests are
   cut into waves (one key per wave, ``key = (key, n_q)`` since today's compatibility key holds the step count;
   at most ``W R`` requests; a partial wave waits ``max_wait_s`` for company); the waves formed then run one
@@ -55,15 +62,18 @@ import math
 from typing import Callable, Sequence
 
 from dlo_fn.plan.dispatch_types import (
-    POLICIES, DispatchPlan, PlanStep, QueuedRequest, ReplicaUsage, Replicas, RequestRecord, Ring, nearest_rank,
+    POLICIES, DispatchPlan, PlanStep, QueuedRequest, ReplicaUsage, Replicas, RequestRecord, PassCosts, nearest_rank,
 )
 from dlo_fn.plan.waves import CompatKey, Pending, form_waves
 
 __all__ = [
-    "POLICIES", "QueuedRequest", "Replicas", "Ring", "PlanStep", "RequestRecord", "ReplicaUsage",
-    "DispatchPlan", "admit_continuous", "plan_continuous", "plan_strict", "compare_policies",
-    "nearest_rank",
+    "POLICIES", "QueuedRequest", "Replicas", "PassCosts", "PlanStep", "RequestRecord", "ReplicaUsage",
+    "DispatchPlan", "ADMISSIONS", "admit_continuous", "admit_cost_aware", "plan_continuous", "plan_strict",
+    "compare_policies", "nearest_rank",
 ]
+
+
+ADMISSIONS = ("fifo", "cost")
 
 
 def admit_continuous(queued: Sequence[QueuedRequest], held: Sequence[Sequence[QueuedRequest]],
@@ -83,29 +93,59 @@ def admit_continuous(queued: Sequence[QueuedRequest], held: Sequence[Sequence[Qu
     return tuple(out)
 
 
+def admit_cost_aware(queued: Sequence[QueuedRequest], held: Sequence[Sequence[QueuedRequest]],
+                     requests_per_replica: int, costs: PassCosts) -> tuple[tuple[str, int], ...]:
+    """The cost-aware continuous rule at one boundary (module doc): ``(request_id, replica)`` placements."""
+    num_blocks = costs.num_blocks
+    loads = [[q.compute_s(num_blocks) for q in h] for h in held]
+    keys = [[q.key for q in h] for h in held]
+
+    def pass_max(per_replica: list[list[tuple[float, ...]]]) -> float:
+        sums = [[sum(xs) for xs in zip(*c)] for c in per_replica if c]
+        if not sums:
+            return 0.0
+        return sum(max([t] + list(col)) for t, col in zip(costs.block_transfer_s, zip(*sums)))
+
+    out = []
+    for q in queued:
+        cands = [r for r, k in enumerate(keys) if not k or (k[0] == q.key and len(k) < requests_per_replica)]
+        if not cands:
+            break
+        before = pass_max(loads)
+        cost = q.compute_s(num_blocks)
+        after = {r: pass_max([c + [cost] if i == r else c for i, c in enumerate(loads)]) for r in cands}
+        r = min(cands, key=lambda r: (after[r], len(keys[r]), r))
+        if before > 0 and after[r] > before:
+            break  # it would slow every computing replica's passes: wait for the next boundary
+        keys[r].append(q.key)
+        loads[r].append(cost)
+        out.append((q.request_id, r))
+    return tuple(out)
+
+
 # One admission rule per policy: (boundary time, FIFO queue, held per replica) -> placements.
 _Admit = Callable[[float, list[QueuedRequest], list[list[QueuedRequest]]], Sequence[tuple[str, int]]]
 
 
-def _fifo(requests: Sequence[QueuedRequest], ring: Ring) -> tuple[QueuedRequest, ...]:
+def _fifo(requests: Sequence[QueuedRequest], costs: PassCosts) -> tuple[QueuedRequest, ...]:
     if not requests:
         raise ValueError("a dispatch plan needs at least one request")
     ids = [q.request_id for q in requests]
     if len(set(ids)) != len(ids):
         raise ValueError(f"request ids must be unique, got duplicates {sorted({i for i in ids if ids.count(i) > 1})}")
     for q in requests:
-        q.compute_s(ring.num_blocks)  # checks the per-block length now, with the request named
+        q.compute_s(costs.num_blocks)  # checks the per-block length now, with the request named
     return tuple(sorted(requests, key=lambda q: (q.arrival_s, q.request_id)))
 
 
-def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas, admit: _Admit,
+def _plan(policy: str, requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, admit: _Admit,
           is_due: Callable[[float, list[QueuedRequest]], bool] = lambda t, queue: False,
           due_s: Callable[[list[QueuedRequest]], float] = lambda queue: math.inf) -> DispatchPlan:
     """Walk the boundaries: admit arrivals, let ``admit`` place requests, run one step (or one stretch).
     ``is_due(T, queue)``: whether the queue alone gives ``admit`` work at ``T`` (a partial wave's deadline);
     ``due_s(queue)``: about when that happens (the stretch's estimate, made exact with ``is_due``)."""
-    reqs = _fifo(requests, ring)
-    cost = {q.request_id: q.compute_s(ring.num_blocks) for q in reqs}
+    reqs = _fifo(requests, costs)
+    cost = {q.request_id: q.compute_s(costs.num_blocks) for q in reqs}
     total = {i: sum(c) for i, c in cost.items()}
     W = replicas.dp_size
     held: list[list[QueuedRequest]] = [[] for _ in range(W)]
@@ -117,7 +157,7 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: 
     queue: list[QueuedRequest] = []
     steps: list[PlanStep] = []
     t, k, arrived = 0.0, 0, 0
-    idle_step_s = ring.step_s(())
+    idle_step_s = costs.step_s(())
     while len(finished) < len(reqs):
         while arrived < len(reqs) and reqs[arrived].arrival_s <= t:
             queue.append(reqs[arrived])
@@ -136,18 +176,18 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: 
             end = t + n * idle_step_s
             steps.append(PlanStep(k, n, t, end, idle_step_s, ((),) * W, len(queue)))
             for c in counts:
-                c[2 if queue else 1] += n * ring.num_blocks
+                c[2 if queue else 1] += n * costs.num_blocks
             t, k = end, k + n
             continue
         sig = tuple(tuple(q.request_id for q in h) for h in held)
         if sig not in memo:
-            memo[sig] = ring.step_s([[sum(xs) for xs in zip(*(cost[q.request_id] for q in h))] for h in held if h])
+            memo[sig] = costs.step_s([[sum(xs) for xs in zip(*(cost[q.request_id] for q in h))] for h in held if h])
         step_s = memo[sig]
         cells = tuple(tuple((q.request_id, done[q.request_id]) for q in h) for h in held)
         steps.append(PlanStep(k, 1, t, t + step_s, step_s, cells, len(queue)))
         for r, h in enumerate(held):
             c = counts[r]
-            c[0 if h else (2 if queue else 1)] += ring.num_blocks
+            c[0 if h else (2 if queue else 1)] += costs.num_blocks
             c[3] += sum(total[q.request_id] for q in h)
         t, k = t + step_s, k + 1
         for h in held:
@@ -159,7 +199,7 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], ring: Ring, replicas: 
     records = tuple(RequestRecord(q.request_id, q.arrival_s, started[q.request_id][0], started[q.request_id][1],
                                   q.num_steps, started[q.request_id][2], finished[q.request_id]) for q in reqs)
     usage = tuple(ReplicaUsage(r, c[0], c[1], c[2], c[3]) for r, c in enumerate(counts))
-    return DispatchPlan(policy, ring, replicas, reqs, tuple(steps), records, usage)
+    return DispatchPlan(policy, costs, replicas, reqs, tuple(steps), records, usage)
 
 
 def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[float], bool], policy: str) -> int:
@@ -167,7 +207,7 @@ def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[floa
     assert math.isfinite(event_s), f"{policy}: nothing runs at t = {t} and no event follows"
     if idle_step_s <= 0:
         raise ValueError(f"{policy}: nothing runs at t = {t} s until t = {event_s} s, and a gather-only step lasts "
-                         f"0 s (Ring.block_transfer_s + block_host_s are all 0): give the ring a load time")
+                         f"0 s (PassCosts.block_transfer_s + block_host_s are all 0): give the ring a load time")
     n = max(1, math.ceil((event_s - t) / idle_step_s))
     while not wakes(t + n * idle_step_s):  # rounding of the estimate, either way
         n += 1
@@ -176,13 +216,20 @@ def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[floa
     return n
 
 
-def plan_continuous(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas) -> DispatchPlan:
-    """The continuous policy on a trace (module doc); never leaves a replica waiting."""
+def plan_continuous(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
+                    admission: str = "fifo") -> DispatchPlan:
+    """The continuous policy on a trace (module doc). ``admission="fifo"`` (:func:`admit_continuous`) never
+    leaves a replica waiting; ``"cost"`` (:func:`admit_cost_aware`) may, to keep the pass maximum down."""
     R = replicas.requests_per_replica
-    return _plan("continuous", requests, ring, replicas, lambda t, queue, held: admit_continuous(queue, held, R))
+    if admission == "fifo":
+        return _plan("continuous", requests, costs, replicas, lambda t, queue, held: admit_continuous(queue, held, R))
+    if admission == "cost":
+        return _plan("continuous", requests, costs, replicas,
+                     lambda t, queue, held: admit_cost_aware(queue, held, R, costs))
+    raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
 
 
-def plan_strict(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas, *,
+def plan_strict(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
                 max_wait_s: float = 0.0) -> DispatchPlan:
     """Today's strict waves on a trace (module doc), formed by :func:`~dlo_fn.plan.waves.form_waves`."""
     if not (math.isfinite(max_wait_s) and max_wait_s >= 0):
@@ -207,19 +254,22 @@ def plan_strict(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replica
     def due_s(queue: list[QueuedRequest]) -> float:
         return min((q.arrival_s + max_wait_s for q in queue), default=math.inf)
 
-    return _plan("strict", requests, ring, replicas, admit, is_due, due_s)
+    return _plan("strict", requests, costs, replicas, admit, is_due, due_s)
 
 
-def compare_policies(requests: Sequence[QueuedRequest], ring: Ring, replicas: Replicas, *,
-                     max_wait_s: float = 0.0) -> tuple[dict[str, object], ...]:
+def compare_policies(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
+                     max_wait_s: float = 0.0, admissions: Sequence[str] = ("fifo",)) -> tuple[dict[str, object], ...]:
     """One row per policy on the same trace, for :func:`dlo_fn.repro.tables.text_table` (6 significant
-    digits). ``utilisation = sum_r compute_s / (W makespan_s)``."""
+    digits): continuous with each of ``admissions`` (``continuous``, ``continuous (cost)``), then strict.
+    ``utilisation = sum_r compute_s / (W makespan_s)``."""
     rows = []
-    for plan in (plan_continuous(requests, ring, replicas), plan_strict(requests, ring, replicas,
-                                                                        max_wait_s=max_wait_s)):
+    plans = [(("continuous" if a == "fifo" else f"continuous ({a})"),
+              plan_continuous(requests, costs, replicas, admission=a)) for a in admissions]
+    plans.append(("strict", plan_strict(requests, costs, replicas, max_wait_s=max_wait_s)))
+    for name, plan in plans:
         u = plan.usage
         rows.append({
-            "policy": plan.policy, "makespan_s": _g(plan.makespan_s),
+            "policy": name, "makespan_s": _g(plan.makespan_s),
             "throughput_requests_per_s": _g(plan.throughput_requests_per_s),
             "p50_latency_s": _g(plan.p50_latency_s), "p95_latency_s": _g(plan.p95_latency_s),
             "mean_latency_s": _g(plan.mean_latency_s), "ring_steps": plan.num_ring_steps,

@@ -1,4 +1,4 @@
-"""The data of a dispatch plan: a trace's requests, the replicas, the ring, and the plan with its scores (pure).
+"""The data of a dispatch plan: a trace's requests, the replicas, the pass costs, and the plan with its scores (pure).
 
 The model and the policies are in :mod:`dlo_fn.plan.dispatch`, which re-exports every name here.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 __all__ = [
-    "POLICIES", "QueuedRequest", "Replicas", "Ring", "PlanStep", "RequestRecord", "ReplicaUsage", "DispatchPlan",
+    "POLICIES", "QueuedRequest", "Replicas", "PassCosts", "PlanStep", "RequestRecord", "ReplicaUsage", "DispatchPlan",
     "nearest_rank",
 ]
 
@@ -77,21 +77,21 @@ class Replicas:
 
 
 @dataclass(frozen=True, slots=True)
-class Ring:
+class PassCosts:
     """Per block: the load every pass pays (``t_b``) and the host cost added to it (``h_b``)."""
 
     block_transfer_s: tuple[float, ...]
     block_host_s: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_transfer_s", _seconds("Ring.block_transfer_s", self.block_transfer_s))
-        object.__setattr__(self, "block_host_s", _seconds("Ring.block_host_s", self.block_host_s))
+        object.__setattr__(self, "block_transfer_s", _seconds("PassCosts.block_transfer_s", self.block_transfer_s))
+        object.__setattr__(self, "block_host_s", _seconds("PassCosts.block_host_s", self.block_host_s))
         if not self.block_transfer_s or len(self.block_transfer_s) != len(self.block_host_s):
-            raise ValueError("Ring needs one block_transfer_s and one block_host_s per block (at least one block)")
+            raise ValueError("PassCosts needs one block_transfer_s and one block_host_s per block (at least one block)")
 
     @staticmethod
-    def uniform(num_blocks: int, transfer_s: float, host_s: float = 0.0) -> "Ring":
-        return Ring((transfer_s,) * num_blocks, (host_s,) * num_blocks)
+    def uniform(num_blocks: int, transfer_s: float, host_s: float = 0.0) -> "PassCosts":
+        return PassCosts((transfer_s,) * num_blocks, (host_s,) * num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -171,7 +171,7 @@ class DispatchPlan:
     """``requests`` and ``records`` in FIFO order (arrival, then id); ``steps`` cover ``[0, makespan_s]``."""
 
     policy: str
-    ring: Ring
+    costs: PassCosts
     replicas: Replicas
     requests: tuple[QueuedRequest, ...]
     steps: tuple[PlanStep, ...]
@@ -197,7 +197,7 @@ class DispatchPlan:
 
     @property
     def num_passes(self) -> int:
-        return self.num_ring_steps * self.ring.num_blocks
+        return self.num_ring_steps * self.costs.num_blocks
 
     @property
     def makespan_s(self) -> float:

@@ -57,6 +57,7 @@ from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validat
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
+from dlo_fn.serve.continuous import ContinuousDriver, ContinuousRank
 from dlo_fn.serve.driver import Driver
 from dlo_fn.serve.follower import Follower
 from dlo_fn.serve.requests import EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions
@@ -97,6 +98,14 @@ class Engine:
                                   replica=self.replica, leader=self.rank == self.replicas[self.replica][0])
         self._next_wave = 0
         self._closed = False
+        # Continuous serving (dlo_fn.serve.continuous): lockstep ranks, or one rank in any mode.
+        self.continuous = self.options.serving == "continuous" and (self.lockstep or self.world_size == 1)
+        if self.continuous and self.sp_size > 1:
+            raise ValueError(f"serving='continuous' with sp {self.sp_size}: continuous serving runs one rank per "
+                             f"replica for now; use serving='strict' with a mesh")
+        self._continuous = ContinuousDriver(
+            self.channel, self.board, ContinuousRank(model, offloaded, self.rank, self.options.fault), self.options,
+            world_size=self.world_size, config=self.config) if self.continuous and self.rank == 0 else None
         self.board.post("idle")
 
     @property
@@ -122,6 +131,7 @@ class Engine:
         subs = as_submissions(submissions)
         results: dict[int, RequestResult] = {}
         pending: list[Pending] = []
+        valid: list[tuple[int, float]] = []
         for i, sub in enumerate(subs):
             reason = sub.error
             if reason is None:
@@ -133,6 +143,11 @@ class Engine:
                 results[i] = RequestResult(i, sub.request_id, sub.request, False, error=reason)
             else:
                 pending.append(Pending(i, compat_key(sub.request), 0.0))
+                valid.append((i, time.monotonic()))
+        if self._continuous is not None:
+            batch = [valid]
+            return self._serve_continuous(subs, results, lambda: batch.pop() if batch else (), lambda: True,
+                                          lambda until_s: None, t0)
         plan = form_waves(pending, self._width, self.options.requests_per_rank, first_wave_id=self._next_wave)
         self._next_wave += len(plan.waves)
         done, waves = self._dispatch(plan.waves, subs, t0)
@@ -152,6 +167,20 @@ class Engine:
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         last_message = time.monotonic()
+        if self._continuous is not None:
+            def wait(until_s: float) -> None:
+                intake.receive(until_s=until_s, stopped=self.stopped)
+
+            def arrived() -> tuple[tuple[int, float], ...]:
+                while not intake.closed and not intake.source.empty():
+                    intake.receive(until_s=time.monotonic(), stopped=self.stopped)
+                return intake.take_valid()
+            report = self._serve_continuous(intake.submissions, intake.rejected, arrived, lambda: intake.closed,
+                                            wait, t0)
+            while not intake.closed:  # the engine stopped: what still arrives gets "not dispatched"
+                intake.receive(until_s=time.monotonic() + keepalive_s, stopped=self.stopped)
+            return self._report(intake.submissions, {**{r.index: r for r in report.results}, **intake.rejected},
+                                (), t0, steps=report.steps)
         while True:
             waves = intake.due_waves(self._next_wave)
             if waves:
@@ -254,11 +283,29 @@ class Engine:
                         error=f"not dispatched: the engine stopped earlier ({self.stopped})")
         return results, records
 
+    def _serve_continuous(self, subs: Sequence[Submission], rejected: Mapping[int, RequestResult],
+                          arrived: Any, closed: Any, wait: Any, t0: float) -> ServeReport:
+        """Continuous serving (:mod:`dlo_fn.serve.continuous`) of what ``arrived()`` gives until ``closed()``."""
+        if self.stopped is not None:
+            done = {i: RequestResult(i, s.request_id, s.request, False, error=(
+                f"not dispatched: the engine stopped earlier ({self.stopped})")) for i, s in enumerate(subs)}
+            return self._report(subs, {**done, **rejected}, (), t0)
+        served = self._continuous.serve(subs, arrived, closed, wait, t0)
+        if served.stopped is not None:
+            self.stopped = served.stopped
+        return self._report(subs, {**rejected, **served.results}, (), t0, steps=tuple(served.steps))
+
     def _report(self, subs: Sequence[Submission], results: Mapping[int, RequestResult],
-                waves: Sequence[WaveRecord], t0: float) -> ServeReport:
+                waves: Sequence[WaveRecord], t0: float, steps: tuple = ()) -> ServeReport:
+        results = dict(results)
+        for i, s in enumerate(subs):  # anything the engine never reached (it stopped first)
+            if i not in results:
+                results[i] = RequestResult(i, s.request_id, s.request, False,
+                                           error=f"not dispatched: the engine stopped earlier ({self.stopped})")
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
                            self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
-                           self._stats(), sp_size=self.sp_size)
+                           self._stats(), sp_size=self.sp_size, steps=steps,
+                           serving="continuous" if self.continuous else "strict")
 
     def _stats(self) -> dict[str, float]:
         """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""

@@ -3,10 +3,11 @@
 Messages (from :mod:`dlo_fn.serve.driver`, one ``broadcast`` each): ``wave`` (allgather: run this rank's share,
 post the result on the board, send the outcomes to rank 0), ``round`` (rank-local / resident: run this rank's
 queue, post ``done``, wait on the board for rank 0's go, send everything), ``timeline`` (send this rank's
-measured executor timeline), ``idle`` (rank 0 is waiting for requests: wait again) and ``stop``.
-:meth:`Follower.follow` returns why it stopped following when that was not a ``stop``: after a failed exchange
-the group is unusable. Shares and queues are per replica: every rank runs its replica's, and only the replica's
-leader (its sp-rank 0) sends the outcomes; its sp partners post on the board like everyone else.
+measured executor timeline), ``cstep`` (continuous serving: one ring step, see :mod:`dlo_fn.serve.continuous`),
+``idle`` (rank 0 is waiting for requests: wait again) and ``stop``. :meth:`Follower.follow` returns why it
+stopped following when that was not a ``stop``: after a failed exchange the group is unusable. Shares and
+queues are per replica: every rank runs its replica's, and only the replica's leader (its sp-rank 0) sends the
+outcomes; its sp partners post on the board like everyone else.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import time
 
 from dlo_fn.serve.batch import Outcome, WaveAborted
+from dlo_fn.serve.continuous import ContinuousRank, follow_step
 from dlo_fn.serve.requests import EngineOptions
 from dlo_fn.serve.share import ShareRunner, TraceSpan, own_timeline
 from dlo_fn.serve.wire import Channel, StatusBoard
@@ -34,6 +36,7 @@ class Follower:
         self.channel, self.board, self.runner, self.options, self.rank = channel, board, runner, options, rank
         self.replica = rank if replica is None else replica
         self.leader = leader
+        self.continuous = ContinuousRank(runner.model, runner.offloaded, rank, options.fault)  # "cstep" messages
 
     def follow(self) -> str | None:
         """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
@@ -57,6 +60,8 @@ class Follower:
                 ok = self._wave(msg)
             elif kind == "round":
                 ok = self._round(msg)
+            elif kind == "cstep":  # continuous serving: one ring step (dlo_fn.serve.continuous)
+                ok = follow_step(self.continuous, self.channel, self.board, msg)
             elif kind == "timeline":
                 self.channel.send(own_timeline(self.runner.offloaded, msg.get("meta") or ()))
                 continue

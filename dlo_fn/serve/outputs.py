@@ -71,6 +71,7 @@ def _row(result: RequestResult, report: ServeReport, files: list[str], out: path
         "dp_size": report.dp_size,
         "sp_size": report.sp_size,
         "requests_per_rank": report.requests_per_rank,
+        "serving": report.serving,
     }
 
 

@@ -26,8 +26,10 @@ import torch
 from dlo_fn.models.request import Request
 from dlo_fn.serve.batch import Fault
 
-__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "ServeReport",
-           "read_prompts", "as_submissions", "wave_table", "result_table"]
+__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "StepRecord",
+           "ServeReport", "SERVING", "read_prompts", "as_submissions", "wave_table", "result_table"]
+
+SERVING = ("strict", "continuous")  # strict: waves (today's behaviour); continuous: see dlo_fn.serve.continuous
 
 
 def to_wire(request: Request | None) -> dict[str, Any] | None:
@@ -114,8 +116,14 @@ class EngineOptions:
     fault: Fault | None = None
     trace: bool = False  # record per-rank spans of each wave (Figure 5)
     progress: bool | None = None  # tqdm on rank 0; None: only on a terminal
+    serving: str = "strict"  # or "continuous" (dlo_fn.serve.continuous)
+    admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.plan.dispatch.admit_cost_aware)
 
     def __post_init__(self) -> None:
+        if self.serving not in SERVING:
+            raise ValueError(f"serving={self.serving!r}: must be one of {', '.join(SERVING)}")
+        if self.admission not in ("fifo", "cost"):
+            raise ValueError(f"admission={self.admission!r}: must be fifo or cost")
         if not isinstance(self.requests_per_rank, int) or self.requests_per_rank < 1:
             raise ValueError(f"requests_per_rank must be an int >= 1, got {self.requests_per_rank!r}")
         if not self.max_wait_s >= 0:
@@ -187,6 +195,20 @@ class WaveRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One ring step of continuous serving: ``held[r]`` the submission indices rank ``r`` computed (empty:
+    gather-only), ``compute_s[r]`` its block-call seconds, ``start_s``/``end_s`` on rank 0 from serve start,
+    ``num_queued`` the valid requests still waiting after this boundary's admissions."""
+
+    step: int
+    start_s: float
+    end_s: float
+    held: tuple[tuple[int, ...], ...]
+    compute_s: tuple[float, ...]
+    num_queued: int
+
+
+@dataclass(frozen=True, slots=True)
 class ServeReport:
     """What :meth:`Engine.serve` returns on rank 0: results in submission order and the waves run."""
 
@@ -198,6 +220,8 @@ class ServeReport:
     wall_s: float
     stats: Mapping[str, float] = field(default_factory=dict)  # rank 0's executor counters (cumulative)
     sp_size: int = 1  # ranks per replica (dp_size replicas ran the waves)
+    steps: tuple[StepRecord, ...] = ()  # continuous serving: one record per ring step (waves is then empty)
+    serving: str = "strict"
 
     @property
     def ok(self) -> bool:

@@ -48,6 +48,13 @@ class StreamIntake:
             self._pending = [p for p in self._pending if p.index in waiting]
         return plan.waves
 
+    def take_valid(self) -> tuple[tuple[int, float], ...]:
+        """Continuous serving: every valid waiting request as ``(index, arrival time.monotonic)``, in arrival
+        order; they stop waiting here (no waves are formed)."""
+        out = tuple((p.index, p.arrival_s) for p in self._pending)
+        self._pending = []
+        return out
+
     def receive(self, until_s: float, stopped: str | None = None) -> None:
         """Take at most one item, waiting until the oldest partial wave is due or ``until_s``
         (``time.monotonic``) at the latest. ``stopped``: the engine failed earlier (why), so a valid

@@ -1,0 +1,229 @@
+"""Continuous DP serving: the ring never stops between requests; a replica whose request ends takes the next
+queued one at the next step boundary (``EngineOptions(serving="continuous")``; ``"strict"`` keeps the waves).
+
+**Protocol** (lockstep allgather ranks, or one rank in any mode). Ring step ``k`` is one executor run of one
+denoising step on every rank (:mod:`dlo_fn.serve.continuous_rank` says why ranks holding different requests
+stay in lockstep). Before each step rank 0
+
+1. retires what ended, admits arrived requests with the live rule of the planner
+   (:func:`dlo_fn.plan.dispatch.admit_continuous`: FIFO, no overtaking; the head goes to the first empty
+   replica, else to the replica of its key with the fewest held, ``< R``; key = the request's shape:
+   :func:`admission_key`; or, with ``EngineOptions(admission="cost")``,
+   :func:`~dlo_fn.plan.dispatch.admit_cost_aware` on the relative costs of :func:`admission_cost`), and
+2. broadcasts ``{"kind": "cstep", "step": k, "starts": [[(index, request), ...] per rank]}`` (one
+   ``broadcast_object_list``: every rank agrees on who does what before the step, bounded by ``timeout_s``);
+
+then every rank runs its step (holding nothing: a gather-only run) and each follower answers with
+``{"step": k, "outcomes": [...], "compute_s": x}``: the requests that ended in the step (their videos, or their
+errors) and its block-call seconds. Requests of different height, width, frames, steps, guidance and CFG on/off
+run side by side on different replicas; ``R > 1`` per replica only for requests of one shape.
+
+When no rank holds anything and the queue is empty the ring waits (followers get ``idle`` every
+``timeout_s / 3``); when the input ends and the last request left, :meth:`Engine.close` sends ``stop``.
+
+**Failing closed.** A rank that raises: every request it held in that step gets its error, the others go on
+(its run is drained). A rank that stalls or dies breaks the step's all-gathers or the reply: within
+``timeout_s`` rank 0 fails the step closed: every request that rank held gets the reason naming it from the
+status board (dead / stalled, at which ring step); requests held by the healthy ranks cannot finish either
+(the broken rank's weight shards are gone), so they get an error that names the culprit and says they were
+held elsewhere; queued requests get "not dispatched"; results already returned are kept.
+
+Rank-local and resident replicas with ``W > 1`` have no lockstep: each already works through its own queue
+back to back, so ``serving="continuous"`` serves them as ``strict`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from dlo_fn.models.config import tokens_for
+from dlo_fn.models.request import Request
+from dlo_fn.plan.dispatch import PassCosts, QueuedRequest, admit_continuous, admit_cost_aware
+from dlo_fn.serve.batch import Outcome, WaveAborted
+from dlo_fn.serve.continuous_rank import ContinuousRank
+from dlo_fn.serve.requests import EngineOptions, RequestResult, StepRecord, Submission, to_wire
+from dlo_fn.serve.wire import Channel, StatusBoard, culprits
+
+__all__ = ["ContinuousDriver", "ContinuousRank", "Served", "admission_key", "admission_cost", "follow_step"]
+
+log = logging.getLogger(__name__)
+
+
+def admission_key(request: Request) -> tuple:
+    """Requests of one key may share a replica (``R > 1``): one shape, one batch."""
+    return (request.height, request.width, request.num_frames, request.cfg, request.outputs_per_prompt)
+
+
+def admission_cost(config: Any, request: Request) -> float:
+    """Relative compute per block pass: tokens x rows (what :class:`QueuedRequest` carries; only compared)."""
+    tokens = tokens_for(config, request.height, request.width, request.num_frames) if config is not None else 1
+    return float(tokens * request.batch_size)
+
+
+class Served:
+    """What one continuous serve produced: results by submission index, the ring steps, why it stopped."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, RequestResult] = {}
+        self.steps: list[StepRecord] = []
+        self.stopped: str | None = None
+
+
+class ContinuousDriver:
+    """Rank 0's half (see module doc); ``own`` runs rank 0's requests. The ring step counter lives across
+    serves (a fault names a ring step)."""
+
+    def __init__(self, channel: Channel, board: StatusBoard, own: ContinuousRank, options: EngineOptions, *,
+                 world_size: int, config: Any) -> None:
+        self.channel, self.board, self.own, self.options = channel, board, own, options
+        self.world_size, self.config = world_size, config
+        self.next_step = 0
+
+    def serve(self, subs: Sequence[Submission], arrived: Callable[[], Sequence[tuple[int, float]]],
+              closed: Callable[[], bool], wait: Callable[[float], None], t0: float) -> Served:
+        """Serve until the input is ``closed`` and nothing is held. ``arrived()``: new valid submissions as
+        ``(index, arrival time.monotonic)``; ``wait(until_s)``: block for input until then (monotonic)."""
+        W, R = self.world_size, self.options.requests_per_rank
+        keepalive_s = self.options.timeout_s / 3
+        out = Served()
+        held: list[list[int]] = [[] for _ in range(W)]
+        left: dict[int, int] = {}
+        queue: list[tuple[int, float]] = []
+        start: dict[int, tuple[int, float, int]] = {}  # index -> (rank, start monotonic, first ring step)
+        mono0 = time.monotonic() - (time.perf_counter() - t0)
+        last_message = time.monotonic()
+        arrival: dict[int, float] = {}
+        while True:
+            new = arrived()
+            queue.extend(new)
+            arrival.update(new)
+            if not queue and not any(held):
+                if closed():
+                    break
+                wait(last_message + keepalive_s)
+                if W > 1 and time.monotonic() - last_message >= keepalive_s:
+                    self.channel.broadcast({"kind": "idle"})
+                    last_message = time.monotonic()
+                continue
+            k = self.next_step
+            placed = self._admit([self._queued(subs, i) for i, _ in queue],
+                                 [[self._queued(subs, i) for i in h] for h in held], R)
+            starts: list[list[tuple[int, dict]]] = [[] for _ in range(W)]
+            now = time.monotonic()
+            for rid, r in placed:
+                i = int(rid)
+                starts[r].append((i, to_wire(subs[i].request)))
+                held[r].append(i)
+                left[i] = subs[i].request.num_inference_steps
+                start[i] = (r, now, k)
+            placed_ids = {int(rid) for rid, _ in placed}
+            queue = [(i, a) for i, a in queue if i not in placed_ids]
+            during = tuple(tuple(h) for h in held)
+            stage = "broadcasting the step"
+            try:
+                if W > 1:
+                    self.channel.broadcast({"kind": "cstep", "step": k, "starts": starts})
+                self.board.post("running", wave=k, step=k)
+                stage = "running its own step"
+                outcomes: dict[int, Sequence[Outcome]] = {0: self.own.step(k, starts[0])}
+                compute = [self.own.last_compute_s]
+                self.board.post("done", wave=k)
+                for r in range(1, W):
+                    stage = f"receiving rank {r}'s step reply"
+                    reply = self.channel.recv(r)
+                    if reply.get("step") != k:
+                        raise RuntimeError(f"rank {r} answered for ring step {reply.get('step')}, not {k}")
+                    outcomes[r] = reply["outcomes"]
+                    compute.append(float(reply.get("compute_s", 0.0)))
+            except Exception as exc:  # noqa: BLE001 - every failure ends the step closed, with a reason
+                if isinstance(exc, WaveAborted):
+                    self.board.post("collective-failed", wave=k, error=str(exc))
+                out.stopped, bad = self._fail(k, stage, exc)
+                for r, h in enumerate(during):
+                    for i in h:
+                        why = out.stopped if r in bad or not bad else (
+                            f"not completed: held by rank {r}, whose ring broke when {out.stopped}")
+                        out.results[i] = self._result(subs, i, None, r, start, arrival[i], mono0, why)
+                self.next_step += 1
+                break
+            self.next_step += 1
+            end = time.monotonic()
+            last_message = end
+            out.steps.append(StepRecord(k, now - mono0, end - mono0, during, tuple(compute), len(queue)))
+            for r, outs in outcomes.items():
+                for o in outs:
+                    out.results[o.position] = self._result(subs, o.position, o, r, start,
+                                                           arrival[o.position], mono0)
+            for r, h in enumerate(during):
+                for i in h:
+                    if i in out.results:
+                        held[r].remove(i)
+                        continue
+                    left[i] -= 1
+                    if left[i] == 0:
+                        held[r].remove(i)
+                        out.results[i] = self._result(subs, i, None, r, start, arrival[i], mono0,
+                                                      f"rank {r} returned no result at its last ring step {k}")
+        for i, _ in queue:
+            out.results[i] = RequestResult(i, subs[i].request_id, subs[i].request, False, error=(
+                f"not dispatched: the engine stopped earlier ({out.stopped})"))
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _admit(self, queued: list[QueuedRequest], held: list[list[QueuedRequest]], R: int):
+        if self.options.admission == "cost":  # relative costs, no load term: only the compute maxima compare
+            return admit_cost_aware(queued, held, R, PassCosts.uniform(1, 0.0))
+        return admit_continuous(queued, held, R)
+
+    def _queued(self, subs: Sequence[Submission], index: int) -> QueuedRequest:
+        req = subs[index].request
+        return QueuedRequest(str(index), 0.0, req.num_inference_steps, admission_key(req),
+                             admission_cost(self.config, req))
+
+    def _result(self, subs: Sequence[Submission], i: int, o: Outcome | None, rank: int,
+                start: Mapping[int, tuple[int, float, int]], arrival: float, mono0: float,
+                error: str | None = None) -> RequestResult:
+        _, started, first = start.get(i, (rank, arrival, -1))
+        end = time.monotonic()
+        timings = {"arrival_s": arrival - mono0, "queued_s": started - arrival, "latency_s": end - arrival,
+                   "first_step": float(first), "last_step": float(self.next_step - 1)}
+        sub = subs[i]
+        if o is None or error is not None:
+            return RequestResult(i, sub.request_id, sub.request, False, error=error or "no outcome returned",
+                                 rank=rank, timings=timings)
+        timings["compute_s"] = o.compute_s
+        return RequestResult(i, sub.request_id, sub.request, o.ok, o.video, o.sha256, o.error, rank, None, None,
+                             timings)
+
+    def _fail(self, k: int, where: str, exc: BaseException) -> tuple[str, set[int]]:
+        """The reason ring step ``k`` failed closed and the culprit ranks the status board names."""
+        verdicts = self.board.diagnose(range(1, self.world_size), k, self.options.grace_s)
+        bad = culprits(verdicts)
+        blame = "; ".join(str(v) for v in bad) if bad else "no culprit found on the status board"
+        text = str(exc).splitlines()[0][:200] if str(exc) else ""
+        reason = (f"ring step {k} failed closed: {blame}. Rank 0 saw, {where}: {type(exc).__name__}: {text}")
+        log.error(reason)
+        return reason, {v.rank for v in bad}
+
+
+def follow_step(rank_state: ContinuousRank, channel: Channel, board: StatusBoard, msg: dict) -> bool:
+    """A follower's ``cstep``: run its part of ring step ``msg["step"]``, answer rank 0; False when the
+    exchange failed (the group is unusable)."""
+    k, rank = msg["step"], rank_state.rank
+    board.post("running", wave=k, step=k)
+    try:
+        outcomes = rank_state.step(k, msg["starts"][rank])
+    except WaveAborted as exc:
+        board.post("collective-failed", wave=k, error=str(exc))
+        log.error("rank %d: ring step %d aborted: %s", rank, k, exc)
+        return False
+    board.post("done", wave=k)
+    try:
+        channel.send({"step": k, "rank": rank, "outcomes": outcomes, "compute_s": rank_state.last_compute_s})
+    except Exception as exc:  # noqa: BLE001
+        board.post("collective-failed", wave=k, error=f"sending the step reply: {exc}")
+        log.error("rank %d: could not send ring step %d's reply: %s", rank, k, exc)
+        return False
+    return True

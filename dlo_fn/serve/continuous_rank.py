@@ -1,0 +1,130 @@
+"""One rank's side of continuous serving: the requests it holds, advanced one ring step at a time.
+
+Continuous mode (:mod:`dlo_fn.serve.continuous`) runs the ring one denoising step per executor run: before
+ring step ``k`` rank 0 tells every rank which new requests it starts; then every rank calls
+:meth:`ContinuousRank.step`, which runs **one** executor run of one step with ``R_r`` computes per loaded block,
+``R_r`` = the requests this rank holds (block-major, in admission order)::
+
+    e_q = model.embed(*model_inputs(state_q))                  for every held q
+    for block b in model.blocks:                               one load (H2D + all-gather) of block b ...
+        x_q = b(x_q, **e_q.block_kwargs)                       ... serves every held q in turn
+    state_q = update(state_q, model.head(x_q, e_q))            for every held q
+
+or, holding nothing, :meth:`~dlo_fn.runtime.offload.Offloaded.idle` (one gather-only run). Why ranks may hold
+different ``R_r`` (and different shapes, step counts, guidance) and stay in lockstep: a run's loads are
+``L = T x B`` whatever ``R`` is (:mod:`dlo_fn.plan.lowering`: ``R`` only adds compute ops between the same loads),
+and the ring after a run depends only on ``L`` and ``prefetch_next`` (:meth:`dlo_fn.plan.schedule.Ring.after`),
+so every rank issues the same all-gathers in the same order at every step, computing or not. Each request
+keeps the exact tensors and kernels of a single :func:`dlo_fn.models.generate` call, so its output is
+bit-identical whoever its neighbours are. A request that reaches its last step is decoded (:func:`finish`) at
+once and leaves with the step's reply.
+
+A rank whose step raises gives an error to every request it held in that step (nothing else), drains the open
+run (its loads and all-gathers are issued without compute, so the others' step completes) and keeps serving;
+if draining fails (a peer died or timed out), :class:`~dlo_fn.serve.batch.WaveAborted` propagates. The
+injected :class:`~dlo_fn.serve.batch.Fault` fires at block 0 of ring step ``fault.step`` (its ``wave`` field is
+not used: the ring has no waves) when this rank computes there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any, Sequence
+
+import torch
+
+from dlo_fn.models.sampler import finish, finished, init_state, model_inputs, update
+from dlo_fn.serve.batch import Fault, Outcome, WaveAborted, _drain
+from dlo_fn.serve.requests import from_wire
+
+__all__ = ["ContinuousRank"]
+
+log = logging.getLogger(__name__)
+
+
+class ContinuousRank:
+    """The requests rank ``rank`` holds (by submission index, in admission order) and their sampler states."""
+
+    def __init__(self, model: Any, offloaded: Any, rank: int, fault: Fault | None = None) -> None:
+        self.model, self.offloaded, self.rank = model, offloaded, rank
+        self.fault = fault if fault is not None and fault.rank == rank else None
+        self.held: dict[int, Any] = {}
+        self.compute_s: dict[int, float] = {}
+        self.last_compute_s = 0.0  # this rank's block compute seconds in the last step (the measured x_r)
+
+    @torch.no_grad()
+    def step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
+        """Admit ``starts`` (``(index, request as a dict)``), run ring step ``k``; outcomes of the requests that
+        ended in it (finished, or failed), ``position`` = the submission index."""
+        out: list[Outcome] = []
+        for index, wire in starts:
+            try:
+                self.held[index] = init_state(self.model, from_wire(wire))
+                self.compute_s[index] = 0.0
+            except Exception as exc:  # noqa: BLE001 - a bad request gets its own error, nothing else changes
+                out.append(Outcome(index, False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}"))
+        items = list(self.held.items())
+        self.last_compute_s = 0.0
+        executor = getattr(self.offloaded, "executor", None)
+        if not items:
+            try:
+                self.offloaded.idle(1)
+            except Exception as exc:
+                raise WaveAborted(f"idle rank {self.rank} could not serve its all-gathers at ring step {k}: "
+                                  f"{type(exc).__name__}: {exc}", exc) from exc
+            return out
+        t0 = time.perf_counter()
+        opened = False
+        calls_s = 0.0
+        # The executor's own block-call seconds exclude the loads and all-gathers it issues inside each call
+        # (on CPU the synchronous all-gather, where a rank waits for a slower neighbour).
+        before_s = executor.stats.call_s if executor is not None else 0.0
+        try:
+            if executor is not None:
+                executor.begin_run(1, len(items))
+                opened = True
+            embeds = [self.model.embed(*model_inputs(s)) for _, s in items]
+            xs = [e.x for e in embeds]
+            for b, block in enumerate(self.model.blocks):
+                for r, e in enumerate(embeds):
+                    c0 = time.perf_counter()
+                    xs[r] = block(xs[r], **e.block_kwargs)
+                    calls_s += time.perf_counter() - c0
+                if self.fault is not None and b == 0 and k == self.fault.step:
+                    self.fault.fire()
+            states = [update(s, self.model.head(x, e)) for (_, s), x, e in zip(items, xs, embeds)]
+            if opened:
+                executor.end_run()
+                opened = False
+        except Exception as exc:  # noqa: BLE001 - every request held here gets this error, then keep serving
+            text = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            log.error("%s (ring step %d)\n%s", text, k, traceback.format_exc())
+            if opened:
+                _drain(executor, self.rank, exc)
+            elif executor is not None:
+                try:
+                    self.offloaded.idle(1)
+                except Exception as idle_exc:
+                    raise WaveAborted(f"{text}; then serving the all-gathers failed: {idle_exc}", exc) from idle_exc
+            dt = time.perf_counter() - t0
+            out.extend(Outcome(i, False, error=text, compute_s=self.compute_s.pop(i, 0.0) + dt) for i, _ in items)
+            self.held.clear()
+            return out
+        self.last_compute_s = executor.stats.call_s - before_s if executor is not None else calls_s
+        dt = time.perf_counter() - t0
+        for (index, _), state in zip(items, states):
+            self.compute_s[index] += dt / len(items)
+            if not finished(state):
+                self.held[index] = state
+                continue
+            del self.held[index]
+            spent = self.compute_s.pop(index)
+            try:
+                res = finish(state)
+                out.append(Outcome(index, True, res.video, res.sha256, compute_s=spent))
+            except Exception as exc:  # noqa: BLE001 - decoding one request must not lose the others
+                out.append(Outcome(index, False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
+                                   compute_s=spent))
+        return out

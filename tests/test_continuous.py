@@ -1,0 +1,164 @@
+"""Continuous serving (dlo_fn.serve.continuous): one process (W = 1), then real gloo ranks (spawned, one thread
+each): every output byte-identical to the request run alone on the resident model whoever its neighbours were,
+two prompts in one step give different outputs, a bad request gets its own error, and a rank that raises,
+stalls or dies fails closed within the timeout with an error for every request it held."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dlo_fn.models import Request, generate
+from dlo_fn.runtime.dist import init_distributed
+from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
+from dlo_fn.serve.engine import Engine
+from dlo_fn.serve.local import Phase, open_model, serve_local
+from dlo_fn.serve.requests import EngineOptions, Submission, as_submissions
+
+SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
+TIMEOUT_S = 4.0
+
+
+def _req(prompt, seed, **kw) -> Request:
+    return Request(prompt=prompt, seed=seed, **{**SHAPE, **kw})
+
+
+# Mixed: two shapes, three step counts, CFG on and off, guidance, one empty prompt (rejected).
+REQUESTS = (
+    _req("a red fox", 1), _req("a blue bird", 2, num_inference_steps=5), _req("a tall tree", 3, height=48),
+    _req("a cat", 4, guidance_scale=1.0), _req("", 5), _req("a boat", 6, num_inference_steps=2),
+    _req("a red fox", 7, guidance_scale=3.0, num_frames=1),
+)
+SUBS = tuple(as_submissions(REQUESTS))
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    torch.set_num_threads(1)
+    model, _ = open_model(checkpoint, init_distributed(), "resident")
+    return {f"req{i:04d}": generate(model, r) for i, r in enumerate(REQUESTS) if r.prompt}
+
+
+def _options(**kw) -> EngineOptions:
+    return EngineOptions(timeout_s=TIMEOUT_S, grace_s=1.0, progress=False, serving="continuous", **kw)
+
+
+def _check_bytes(report, expected, skip=()):
+    for res in report.results:
+        if res.request_id == "req0004":
+            assert not res.ok and "empty prompts are rejected" in res.error
+            continue
+        if res.request_id in skip:
+            continue
+        assert res.ok, (res.request_id, res.error)
+        assert torch.equal(res.video, expected[res.request_id].video), res.request_id
+        assert res.sha256 == expected[res.request_id].sha256
+
+
+@pytest.mark.parametrize("mode, r", [("allgather", 1), ("allgather", 3), ("resident", 2)])
+def test_one_rank_continuous_is_bit_identical(checkpoint, expected, mode, r):
+    model, off = open_model(checkpoint, init_distributed(), mode)
+    report = Engine(model, off, off.ctx, _options(requests_per_rank=r)).serve(SUBS)
+    assert report.serving == "continuous" and report.waves == ()
+    _check_bytes(report, expected)
+    # One run per ring step; each step holds at most R requests of one shape.
+    if off.executor is not None:
+        assert off.executor.stats.runs == len(report.steps)
+    assert all(len(s.held[0]) <= r for s in report.steps)
+    if r == 1:  # one at a time, FIFO: the ring steps are the requests' steps back to back
+        assert len(report.steps) == sum(q.num_inference_steps for q in REQUESTS if q.prompt)
+    else:  # fox and bird share each load; the tree (another shape) waits for the bird to end, nothing overtakes it
+        assert report.steps[0].held == ((0, 1),) and report.steps[3].held == ((1,),) and report.steps[5].held == ((2,),)
+
+
+def test_bad_serving_option_is_one_line():
+    with pytest.raises(ValueError, match="serving='fast': must be one of strict, continuous"):
+        EngineOptions(serving="fast")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_continuous(checkpoint, expected):
+    phases = [
+        Phase("allgather", SUBS, _options()),
+        Phase("allgather", SUBS, _options(requests_per_rank=2)),
+        Phase("allgather", SUBS, _options(), stream_gaps_s=(0.0, 0.3, 0.0, 0.5, 0.0, 0.0, 0.2)),
+        Phase("allgather", (Submission("a", _req("a red fox", 1)), Submission("b", _req("a blue bird", 1))),
+              _options()),
+    ]
+    run = serve_local(checkpoint, phases, 2, join_timeout_s=200, grace_s=30)
+    assert run.exitcodes == (0, 0)
+    one, two, stream, pair = run.reports
+    for report in (one, two, stream):
+        assert [r.request_id for r in report.results] == [s.request_id for s in SUBS]
+        _check_bytes(report, expected)
+        assert {r.rank for r in report.results if r.ok} == {0, 1}
+    # R = 1: fox and bird start together; at fox's end (step 3) the tree takes rank 0 while bird goes on.
+    assert one.steps[0].held == ((0,), (1,))
+    assert one.steps[3].held == ((2,), (1,))
+    # Two different prompts in one step: different outputs (same seed).
+    a, b = pair.results
+    assert a.ok and b.ok and a.sha256 != b.sha256
+    assert pair.steps[0].held == ((0,), (1,))
+
+
+def _fault_run(checkpoint, fault, grace_s=5):
+    return serve_local(checkpoint, [Phase("allgather", SUBS, _options(fault=fault))], 2, join_timeout_s=90,
+                       grace_s=grace_s)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_rank_that_raises_fails_only_what_it_held(checkpoint, expected):
+    # Ring step 1: rank 1 holds the bird (5 steps); rank 0 the fox.
+    # A clean exit is required; a loaded shared machine may take a while to get there.
+    run = _fault_run(checkpoint, Fault(rank=1, wave=0, kind="raise", step=1), grace_s=30)
+    (report,) = run.reports
+    assert run.exitcodes == (0, 0)
+    bird = report.by_id()["req0001"]
+    assert not bird.ok and bird.rank == 1 and "rank 1: InjectedFault" in bird.error
+    _check_bytes(report, expected, skip=("req0001",))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["stall", "exit"])
+def test_stalled_or_dead_rank_fails_closed(checkpoint, expected, kind):
+    run = _fault_run(checkpoint, Fault(rank=1, wave=0, kind=kind, step=4))
+    (report,) = run.reports
+    res = report.by_id()
+    verdict = {"stall": "rank 1 stalled", "exit": "rank 1 dead"}[kind]
+    # Step 4: rank 0 holds the tree (steps 3-5), rank 1 the bird (steps 0-4); the fox ended at step 2.
+    assert res["req0000"].ok and res["req0000"].sha256 == expected["req0000"].sha256
+    assert not res["req0001"].ok and res["req0001"].error.startswith(f"ring step 4 failed closed: {verdict}")
+    tree = res["req0002"]
+    assert not tree.ok and tree.error.startswith("not completed: held by rank 0") and verdict in tree.error
+    for rid in ("req0003", "req0005", "req0006"):
+        assert not res[rid].ok and res[rid].error.startswith("not dispatched"), res[rid].error
+    assert run.exitcodes[1] == (FAULT_EXIT_CODE if kind == "exit" else -9)
+    assert run.wall_s < 60
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, expected, tmp_path):
+    from dlo_fn.runtime.dist import free_port
+
+    lines = [dict(id=f"req{i:04d}", **r.to_dict()) for i, r in enumerate(REQUESTS)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
+           "--serving", "continuous", "--out", str(tmp_path / "out"), "--timeout", "30"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the empty prompt is an error
+    assert "continuous serving:" in proc.stdout
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out" / "manifest.jsonl").read_text().splitlines())}
+    assert "empty prompts are rejected" in rows.pop("req0004")["error"]
+    assert {i: r["sha256"] for i, r in rows.items()} == {i: e.sha256 for i, e in expected.items()}
+    assert {r["serving"] for r in rows.values()} == {"continuous"} and {r["rank"] for r in rows.values()} == {0, 1}
