@@ -190,7 +190,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=layout.shard_bytes_per_rank, unit="B", unit_scale=True, desc=f"pinning shards ({how})")
+        what = "the pinned arena" if how == "pinned" else f"host memory ({how}: no pinned memory on this device)"
+        bar = tqdm(total=layout.shard_bytes_per_rank, unit="B", unit_scale=True, desc=f"copying shards into {what}")
     sources = []
     for b, shard in enumerate(layout.shards):
         base = offsets[b]
