@@ -8,7 +8,9 @@
 2. fill this rank's :class:`~dlo_fn.runtime.host_store.HostStore` from the block tensors (mmap views when the
    model came from :func:`dlo_fn.runtime.load.load_model`): each rank copies only its pieces;
 3. strip the blocks to meta (dropping those views) and put a :class:`~dlo_fn.runtime.blocks.BlockProxy` in
-   each block list entry; move everything else (resident tensors) to the device once;
+   each block list entry; move everything else (resident tensors) to the device once, then close the checkpoint
+   mapping (:mod:`dlo_fn.runtime.release`: on CPU the resident tensors get small private copies), so no page
+   this rank read stays charged to it;
 4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once); it interprets
    the schedules it is handed, or its ring's next one.
 
@@ -32,6 +34,7 @@ from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
+from dlo_fn.runtime.release import ReleaseReport, release_mapped_tensors, viewed_files
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -71,6 +74,7 @@ class Offloaded:
     layout: ModelLayout | None
     store: HostStore | None
     executor: Executor | None
+    release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
 
     @property
     def mode(self) -> str:
@@ -139,6 +143,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
     num_shards = ctx.world_size if options.mode == "allgather" else 1
     layout = model_layout(spec, num_shards, options.alignment_bytes)
     check_same_across_ranks(layout.digest, ctx.group, platform, f"shard layout digest ({options.mode})")
+    files = viewed_files(model)  # before the blocks drop their views: which checkpoint files back this model
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
@@ -159,7 +164,9 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)
+    # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
+    release = None if source == "mmap" else release_mapped_tensors(model, files)
     log.info("offload %s: %d blocks, mode %s, W=%d, host store %d bytes (%s), device weights %d bytes",
              spec.name, layout.num_blocks, options.mode, num_shards, store.arena_bytes, store.how,
              executor.device_weight_bytes)
-    return Offloaded(model, ctx, options, spec, layout, store, executor)
+    return Offloaded(model, ctx, options, spec, layout, store, executor, release)
