@@ -21,24 +21,30 @@ def ckpt_200mb(tmp_path_factory):
     return str(make_checkpoint("load-200mb", tmp_path_factory.mktemp("rel200")))
 
 
-def _rank(ctx, ckpt: str, mode: str) -> dict:
+def _rank(ctx, ckpt: str, mode: str, budget_fraction: float | None = None) -> dict:
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.runtime.checkpoint import open_checkpoint
     from dlo_fn.runtime.load import load_checkpoint
     from dlo_fn.runtime.memstat import mapped_file_memory, process_memory
+    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.offload import offload
 
     files = [str(f) for f in open_checkpoint(ckpt).files]
     model, _ = load_checkpoint(ckpt, None, progress=False)
     constant = process_memory().uss_bytes  # torch, gloo, the bound (untouched) model: no weight bytes yet
     mapped_at_load = mapped_bytes(files)
-    o = offload(model, BLOCK_PATHS, ctx, mode=mode)
+    budget = None
+    if budget_fraction is not None:  # a host budget: pin the leading shards that fit, stream the rest
+        budget = int(budget_fraction * model_layout(spec_from_module(model, BLOCK_PATHS),
+                                                    ctx.world_size if mode == "allgather" else 1).shard_bytes_per_rank)
+    o = offload(model, BLOCK_PATHS, ctx, mode=mode, pinned_budget_bytes=budget)
     after = process_memory()
     return {"constant": constant, "uss": after.uss_bytes, "arena": o.store.arena_bytes,
             "host_slots": o.executor.device_weight_bytes, "resident": o.spec.resident_bytes,
             "mapped_at_load": mapped_at_load, "mapped_after": mapped_bytes(files),
             "file_rss_after": mapped_file_memory(files)["rss_bytes"], "closed": o.release.closed,
-            "copied": o.release.copied_bytes}
+            "copied": o.release.copied_bytes, "streamed": o.store.streamed_bytes}
 
 
 @pytest.mark.slow
@@ -83,3 +89,13 @@ def test_release_ranges_drops_touched_file_pages(tmp_path):
     assert int(t.sum()) == total  # the bytes come back from the page cache on the next read
     del t
     m.close()
+
+
+@pytest.mark.slow
+def test_partly_pinned_rank_keeps_only_streamed_pages(ckpt_200mb):
+    """Half the arena budget: the mapping stays open for the streamed blocks, but the pages copied into the
+    arena (and the resident tensors') are dropped from it, so USS obeys the same bound."""
+    for r in run_ranks(_rank, 2, ckpt_200mb, "allgather", 0.5, timeout_s=240):
+        assert 0 < r["arena"] <= r["streamed"] + 256 * 12, r
+        assert r["mapped_after"] > 0 and r["file_rss_after"] <= 0.05 * r["arena"] + 2**20, r  # fault-around and partial pages
+        assert r["uss"] <= 1.05 * (r["constant"] + r["arena"] + r["host_slots"] + r["resident"]), r

@@ -50,6 +50,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
+    parser.add_argument("--host-budget", default=None, metavar="BYTES",
+                        help="host bytes the ranks on this host may hold together (e.g. 64GB): pin the shards "
+                             "that fit, stream the rest from the mapping (pageable), or refuse at start-up")
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +161,9 @@ def run_generate(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     platform = detect_platform(prefer=args.platform)
     ctx = init_distributed(platform, timeout_s=args.timeout)
+    from dlo_fn.cli.budget import apply_host_budget
+
+    options = apply_host_budget(args, ctx, options)
     code = 0
     engine = None
     try:

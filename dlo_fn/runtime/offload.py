@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
+from dlo_fn.plan.host_budget import pinned_prefix
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
 from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.plan.schedule import Schedule
@@ -34,7 +35,7 @@ from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
-from dlo_fn.runtime.release import ReleaseReport, release_mapped_tensors, viewed_files
+from dlo_fn.runtime.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -54,6 +55,9 @@ class OffloadOptions:
     record_timeline: bool = False
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
     progress: bool = False
+    # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
+    # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
+    pinned_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -61,6 +65,8 @@ class OffloadOptions:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.rank_local_source not in ("pinned", "mmap"):
             raise ValueError(f"rank_local_source must be 'pinned' or 'mmap', got {self.rank_local_source!r}")
+        if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
+            raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
 
 @dataclass
@@ -147,8 +153,11 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
+    pinned = None
+    if options.pinned_budget_bytes is not None and source == "pinned":
+        pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     store = build_host_store(layout, ctx.rank, [t for t, _ in states], platform, source=source,
-                             progress=options.progress and ctx.is_main)
+                             progress=options.progress and ctx.is_main, pinned_blocks=pinned)
     aliases = [a for _, a in states]
     del states  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
     blocks = []
@@ -165,7 +174,11 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
-    release = None if source == "mmap" else release_mapped_tensors(model, files)
+    streams = store.num_pinned_blocks < layout.num_blocks
+    release = None if source == "mmap" else release_mapped_tensors(model, files, warn=not streams)
+    if release is not None and release.mapped_bytes_after and streams:
+        # Partly pinned: the mapping stays for the streamed blocks; drop the pages already copied out.
+        release_copied_pages(store.copied_ranges + release.source_ranges, files)
     log.info("offload %s: %d blocks, mode %s, W=%d, host store %d bytes (%s), device weights %d bytes",
              spec.name, layout.num_blocks, options.mode, num_shards, store.arena_bytes, store.how,
              executor.device_weight_bytes)

@@ -41,7 +41,8 @@ from torch import nn
 
 from dlo_fn.runtime.memstat import file_mappings, in_mappings
 
-__all__ = ["ReleaseReport", "release_mapped_tensors", "release_ranges", "mapped_bytes", "viewed_files"]
+__all__ = ["ReleaseReport", "release_mapped_tensors", "release_ranges", "release_copied_pages", "mapped_bytes",
+           "viewed_files"]
 
 log = logging.getLogger(__name__)
 MADV_DONTNEED = 4
@@ -57,6 +58,7 @@ class ReleaseReport:
     mapped_bytes_before: int
     mapped_bytes_after: int
     verified: bool  # /proc was readable
+    source_ranges: tuple[tuple[int, int], ...] = ()  # the address ranges the copies were read from
 
     @property
     def closed(self) -> bool:
@@ -111,7 +113,7 @@ def _tensor_slots(model: nn.Module) -> Iterable[tuple[dict, str, torch.Tensor, b
                 yield mod._buffers, n, b, False
 
 
-def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike]) -> ReleaseReport:
+def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike], warn: bool = True) -> ReleaseReport:
     """Give every tensor of ``model`` that still views a mapping of ``files`` a private copy, so the mapping
     closes (see the module docstring). Call it after the resident tensors moved to the device."""
     try:
@@ -121,6 +123,7 @@ def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike])
     ranges = sorted(r for rs in by_file.values() for r in rs)
     before = sum(stop - start for start, stop in ranges)
     copied: dict[int, torch.Tensor] = {}
+    sources: list[tuple[int, int]] = []
     nbytes = 0
     if ranges:
         for table, name, t, is_param in _tensor_slots(model):
@@ -130,6 +133,7 @@ def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike])
             if key not in copied:
                 if not in_mappings(ranges, t.data_ptr(), t.numel() * t.element_size()):
                     continue
+                sources.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
                 if is_param:
                     with torch.no_grad():
                         t.data = t.detach().clone(memory_format=torch.contiguous_format)
@@ -139,11 +143,11 @@ def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike])
                 nbytes += t.numel() * t.element_size()
             table[name] = copied[key] if not is_param else t
     after = mapped_bytes(files) or 0
-    if after:
+    if after and warn:
         log.warning("%d bytes of %s are still mapped after the release: something outside the model holds views "
                     "of the checkpoint (their pages stay charged to this process)", after,
                     ", ".join(pathlib.Path(f).name for f in files))
-    return ReleaseReport(len(copied), nbytes, before, after, True)
+    return ReleaseReport(len(copied), nbytes, before, after, True, tuple(sources))
 
 
 def release_ranges(ranges: Iterable[tuple[int, int]]) -> int:
@@ -162,3 +166,18 @@ def release_ranges(ranges: Iterable[tuple[int, int]]) -> int:
             raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {hi - lo} bytes at {lo:#x} failed")
         done += hi - lo
     return done
+
+
+def release_copied_pages(ranges: Sequence[tuple[int, int]], files: Sequence[str | os.PathLike]) -> int:
+    """:func:`release_ranges` on the parts of ``ranges`` inside the mappings of ``files`` only: on anonymous
+    memory ``MADV_DONTNEED`` would zero the bytes, on a clean private file mapping it only unmaps them."""
+    try:
+        maps = sorted(r for rs in file_mappings(files).values() for r in rs)
+    except OSError:
+        return 0
+    inside = []
+    for start, stop in ranges:
+        for lo, hi in maps:
+            if lo < stop and start < hi:
+                inside.append((max(lo, start), min(hi, stop)))
+    return release_ranges(inside)
