@@ -99,3 +99,18 @@ def test_partly_pinned_rank_keeps_only_streamed_pages(ckpt_200mb):
         assert 0 < r["arena"] <= r["streamed"] + 256 * 12, r
         assert r["mapped_after"] > 0 and r["file_rss_after"] <= 0.05 * r["arena"] + 2**20, r  # fault-around and partial pages
         assert r["uss"] <= 1.05 * (r["constant"] + r["arena"] + r["host_slots"] + r["resident"]), r
+
+
+def test_memory_and_plan_print_the_per_rank_terms(capsys):
+    import json
+
+    from dlo_fn.cli import main
+
+    assert main(["memory", "--model-bytes", "10GB", "--num-blocks", "10", "--dp", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["rank_memory"]
+    assert doc["terms"]["arena_bytes"] == 5 * 10**9 and [p["phase"] for p in doc["phases"]] == [
+        "load", "fill", "offload", "generate"]
+    assert doc["phases"][2]["uss_bytes"] == doc["constant_bytes"] + 5 * 10**9  # mapping closed: c + s
+    assert main(["plan", "--model", "tiny", "--num-shards", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "host terms per rank" in out and "arena_bytes" in out and "read_bytes" in out

@@ -32,6 +32,10 @@ terms (N = --dp ranks, all sharding: W = N; M = --model-bytes; n_b = block bytes
     idle / peak          idle = slots + landing + resident + context; peak adds --activation-bytes and
                          --communication-bytes, which depend on the workload: measure them once
 
+  host per rank        the rank's terms (dlo_fn.plan.rank_memory) and its RSS / USS / PSS / VmHWM after load,
+                       while filling, after offload and while generating; c = --framework-bytes-per-rank
+                       (measure yours: python -m dlo_fn bench load --phases)
+
 sizes accept units: 124GB, 33e9, 1.5TiB, 512MiB (GB = 1e9 bytes, GiB = 2^30).
 examples:
   python -m dlo_fn memory --model-bytes 124GB --dp 4 --num-blocks 128 --platform ascend
@@ -136,11 +140,15 @@ def run(args: argparse.Namespace) -> int:
     if args.hbm_bytes and with_hbm:
         verdicts["fits_hbm"] = totals[("hbm per card", "peak")] <= parse_bytes(args.hbm_bytes)
     notes = [] if with_hbm else ["no block size given: HBM needs --num-blocks or --max-block-bytes"]
+    from dlo_fn.cli.rank_rows import print_rank_memory, rank_memory_doc
+
+    per_rank = rank_memory_doc(sizes, args.dp, args.mode, "cuda", framework, num_slots=args.slots,
+                               num_landing=args.landing, alignment_bytes=args.alignment)
     if args.json:
         doc = {"model": sizes.name, "source": sizes.source, "num_blocks": sizes.num_blocks if with_hbm else None,
                "dp": args.dp, "platform": args.platform, "mode": args.mode, "loading": args.loading,
                "constants": {"framework_bytes_per_rank": framework, "device_context_bytes": context},
-               "rows": [r.to_dict() for r in rows], **verdicts, "notes": notes}
+               "rows": [r.to_dict() for r in rows], "rank_memory": per_rank, **verdicts, "notes": notes}
         print(json.dumps(doc, indent=2))
         return 0
     print(f"{sizes.name}: {sizes.total_bytes / 1e9:.3f} GB"
@@ -152,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             section = r.section
             print(f"\n{section}\n  {'item':26s} {'formula':58s} {'value':>12s}")
         print(f"  {r.item:26s} {r.formula:58s} {r.value_bytes / 1e9:9.3f} GB")
+    print_rank_memory(per_rank)
     if verdicts or notes:
         print()
     for k, v in verdicts.items():

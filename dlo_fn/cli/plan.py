@@ -68,10 +68,19 @@ def run(args: argparse.Namespace) -> int:
     block_paths = tuple(args.block_paths.split(",")) if args.block_paths else None
     spec = spec_for(args.model, block_paths)
     summary = plan_summary(spec, args.num_shards, args.mode, args.slots, args.landing, args.alignment)
+    from dlo_fn.cli.rank_rows import TERM_FORMULAS
+    from dlo_fn.plan.rank_memory import rank_terms
+    from dlo_fn.plan.sizes import ModelSizes
+
+    terms = dict(rank_terms(ModelSizes.from_spec(spec, args.alignment), args.num_shards, args.mode, "cuda",
+                            num_slots=args.slots, num_landing=args.landing, alignment_bytes=args.alignment).items())
     if args.json:
-        print(json.dumps(summary.to_dict(), indent=2))
+        print(json.dumps({**summary.to_dict(), "rank_terms": terms}, indent=2))
         return 0
     for key, value in summary.to_dict().items():
         text = _fmt_bytes(value) if "_bytes" in key and key != "alignment_bytes" else str(value)
         print(f"{key:28s} {text}")
+    print(f"\nhost terms per rank (W = {args.num_shards} ranks on one host, accelerator; dlo_fn.plan.rank_memory):")
+    for key, value in terms.items():
+        print(f"  {key:22s} {TERM_FORMULAS[key]:66s} {value if key == 'readers' else _fmt_bytes(value)}")
     return 0
