@@ -19,7 +19,8 @@ Notation (bytes per rank unless stated; ``N`` ranks on one host; ``W`` shards: `
             NCCL / HCCL
 ==========  =====================================================================================
 
-Phases (CPU; on CUDA ``S, L, w, g`` and the resident copy live on the device, ``x`` is added after offload)::
+Phases (CPU; on CUDA ``S, L, w, g`` and the resident copy live on the device, ``x`` is added from the warm-up
+all-gather on, i.e. from fill)::
 
     after load     rss = c                   (views bound, no page read)
     fill           rss = c + s + F + w       (the store filled, the mapping still open)
@@ -29,6 +30,10 @@ Phases (CPU; on CUDA ``S, L, w, g`` and the resident copy live on the device, ``
 
 Rank-local mmap streams every block from the open mapping: after offload ``c`` (+ ``R`` read on CUDA), during
 generation ``+ sum_b n_b`` file pages (PSS ``/ N``, USS only when ``N = 1``) + slots.
+
+Not modelled, measured on one H200 (figures/data/load_phases_h200.csv): on CUDA the first compute loads kernel
+modules and library state into host memory (+448 MB RSS per rank rank-local, +534 MB allgather, for the 216 MB
+checkpoint): pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while the warm-up runs.
 
 USS = RSS minus shared pages (the constant's own split, file pages read by more than one rank); PSS divides
 shared file pages by ``N``. With the mapping closed the ranks share no weight page, so the sum of PSS over
@@ -43,7 +48,7 @@ from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.sizes import ModelSizes, _check_positive
 
 __all__ = ["PHASES", "RANK_MODES", "DEVICES", "ProcessConstant", "RankTerms", "RankPhase", "RankMemory",
-           "rank_terms", "rank_memory"]
+           "rank_terms", "rank_memory", "gloo_cuda_staging_bytes"]
 
 PHASES = ("load", "fill", "offload", "generate")
 RANK_MODES = ("allgather", "rank-local", "rank-local-mmap")
@@ -113,6 +118,20 @@ class RankMemory:
         raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def gloo_cuda_staging_bytes(sizes: ModelSizes, num_shards: int,
+                            alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+    """``x`` for gloo over CUDA tensors: gloo stages the all-gather's input (one shard, ``L``) and output (one
+    slot, ``S``) in pinned host buffers from the caching host allocator, which rounds each up to a power of
+    two and keeps them: ``x = pow2(L) + pow2(S)``. (NCCL / HCCL: 0.) Seen on one H200 (figures/data/
+    load_phases_h200.csv): within 1.5% of the measured offload-phase RSS at N = 1, 2."""
+    return _pow2(sizes.max_shard_bytes(num_shards, alignment_bytes)) + _pow2(
+        sizes.max_padded_block_bytes(num_shards, alignment_bytes))
+
+
 def _check(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
@@ -180,7 +199,8 @@ def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devi
     # Fill: the store filled and the mapping still open (the state just before the release). Its high-water
     # mark is one of two moments: the warm-up all-gather (CPU: slot w + gloo's transient g) or the release
     # (the resident tensors read once more by every rank, copied on CPU).
-    filled = phase("fill", t.arena_bytes + t.warm_bytes, ((t.read_bytes, t.readers),), c.rss_bytes)
+    filled = phase("fill", t.arena_bytes + t.warm_bytes + t.staging_bytes, ((t.read_bytes, t.readers),),
+                   c.rss_bytes)  # the warm-up all-gather already ran: its staging (accelerator + gloo) is held
     release_rss = filled.rss_bytes + t.resident_copy_bytes + t.resident_bytes
     fill = RankPhase("fill", filled.rss_bytes, filled.uss_bytes, filled.pss_bytes,
                      max(filled.rss_bytes + t.transient_bytes, release_rss), filled.sum_pss_bytes)
