@@ -42,7 +42,7 @@ the ``N`` ranks is ``N`` times a rank's PSS; the page cache stays the OS's (in n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.sizes import ModelSizes, _check_positive
@@ -52,7 +52,7 @@ __all__ = ["PHASES", "RANK_MODES", "DEVICES", "ProcessConstant", "RankTerms", "R
 
 PHASES = ("load", "fill", "offload", "generate")
 RANK_MODES = ("allgather", "rank-local", "rank-local-mmap")
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda", "npu")  # npu: the pinned arena is driver memory, outside the process (Figure 6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +173,9 @@ def rank_terms(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devic
 def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", device: str = "cpu", *,
                 constant: ProcessConstant, **kwargs) -> RankMemory:
     """Every phase of one rank (module docstring); ``kwargs`` go to :func:`rank_terms`."""
-    t = rank_terms(sizes, num_ranks, mode, device, **kwargs)
+    terms = rank_terms(sizes, num_ranks, mode, device, **kwargs)
+    # npu: the driver's pinned pages are in no process's RSS; RankMemory.terms still gives the arena.
+    t = replace(terms, arena_bytes=0) if device == "npu" else terms
     n = num_ranks
     c = constant
     # A file page read by k ranks: RSS in full, PSS / k, USS only when no other rank maps it.
@@ -195,7 +197,7 @@ def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devi
         gen_private = t.staging_bytes + t.slot_bytes + t.activation_bytes
         gen = phase("generate", gen_private, resident_read + ((t.resident_bytes if device == "cpu" else 0, n),
                                                                (t.streamed_bytes, n)), after.hwm_bytes)
-        return RankMemory(sizes.name, n, mode, device, c, t, (load, fill, after, gen))
+        return RankMemory(sizes.name, n, mode, device, c, terms, (load, fill, after, gen))
     # Fill: the store filled and the mapping still open (the state just before the release). Its high-water
     # mark is one of two moments: the warm-up all-gather (CPU: slot w + gloo's transient g) or the release
     # (the resident tensors read once more by every rank, copied on CPU).
@@ -211,4 +213,4 @@ def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devi
     gen = phase("generate", gen_private, (), fill.hwm_bytes)
     gen = RankPhase("generate", gen.rss_bytes, gen.uss_bytes, gen.pss_bytes,
                     max(gen.hwm_bytes, gen.rss_bytes + t.transient_bytes), gen.sum_pss_bytes)
-    return RankMemory(sizes.name, n, mode, device, c, t, (load, fill, after, gen))
+    return RankMemory(sizes.name, n, mode, device, c, terms, (load, fill, after, gen))
