@@ -98,3 +98,19 @@ def test_generate_host_budget_refuses_or_runs(checkpoint, tmp_path):
     ran = _cli(checkpoint, tmp_path / "b", "100GB")
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert "fits, " in ran.stderr and (tmp_path / "b" / "manifest.jsonl").is_file()
+
+
+@pytest.mark.parametrize("budget,status", [("200GB", "fits"), ("100GB", "partly pinned"), ("10GB", "refused")])
+def test_memory_cli_host_budget(capsys, budget, status):
+    import json
+
+    from dlo_fn.cli import main
+
+    args = ["memory", "--model", "cosmos3-super", "--dp", "4", "--host-budget", budget]
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_budget"] == status
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert (f"host budget 100.000 GB: partly pinned" in out and "ms more H2D per pass" in out) if status == \
+        "partly pinned" else True
+    assert ("largest dp that fits is 2" in out and "ms more" not in out) if status == "refused" else True

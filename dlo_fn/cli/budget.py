@@ -37,7 +37,7 @@ def apply_host_budget(args, ctx, options):
     if plan.status == "refused":
         raise SystemExit(f"generate: {plan.message()}")
     if ctx.is_main:
-        log.warning("%s", plan.message())
+        log.warning("%s%s", plan.message(), step_cost_note(plan))
     return dataclasses.replace(options, pinned_budget_bytes=plan.pinnable_bytes)
 
 
@@ -51,3 +51,16 @@ def _largest_over_ranks(value: int, ctx) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=ctx.platform.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
     return int(t.item())
+
+
+def step_cost_note(plan) -> str:
+    """The planner's step-time cost of the streamed part, from the H200 ceilings measured here (pinned and
+    pageable H2D, dlo_fn.repro.ceilings): an upper bound where the pass is H2D-bound."""
+    if not plan.streamed_bytes or plan.status == "refused":
+        return ""
+    from dlo_fn.repro.ceilings import H200_PAGEABLE_H2D_RANGE_BYTES_PER_S, H200_PINNED_H2D_BYTES_PER_S
+
+    lo, hi = (plan.extra_pass_s(H200_PINNED_H2D_BYTES_PER_S, bw) for bw in reversed(H200_PAGEABLE_H2D_RANGE_BYTES_PER_S))
+    return (f"; streaming costs up to {lo * 1e3:.1f}-{hi * 1e3:.1f} ms more H2D per pass over the blocks (H200: "
+            f"pinned {H200_PINNED_H2D_BYTES_PER_S / 1e9:.1f} GB/s, pageable "
+            f"{H200_PAGEABLE_H2D_RANGE_BYTES_PER_S[0] / 1e9:.1f}-{H200_PAGEABLE_H2D_RANGE_BYTES_PER_S[1] / 1e9:.1f} GB/s)")

@@ -84,6 +84,9 @@ def register(subparsers) -> None:
     p.add_argument("--device-context-bytes", default=None, metavar="SIZE",
                    help="device bytes besides weights and workload (default: the calibrated Ascend value)")
     p.add_argument("--host-ram-bytes", default=None, metavar="SIZE", help="say whether physical RAM fits")
+    p.add_argument("--host-budget", default=None, metavar="SIZE",
+                   help="host bytes the --dp ranks may hold together: how many shards fit pinned, the rest streamed "
+                        "(dlo_fn.plan.host_budget), or the bytes needed and the largest dp that fits")
     p.add_argument("--hbm-bytes", default=None, metavar="SIZE", help="say whether the HBM peak fits")
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -142,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
     notes = [] if with_hbm else ["no block size given: HBM needs --num-blocks or --max-block-bytes"]
     from dlo_fn.cli.rank_rows import print_rank_memory, rank_memory_doc
 
+    budget = None
+    if args.host_budget and args.mode != "rank-local-mmap":
+        from dlo_fn.plan.host_budget import host_budget
+
+        budget = host_budget(sizes, args.dp, parse_bytes(args.host_budget), args.mode, "cuda",
+                             constant_bytes=framework, num_slots=args.slots, num_landing=args.landing,
+                             alignment_bytes=args.alignment)
+        verdicts["host_budget"] = budget.status
     per_rank = rank_memory_doc(sizes, args.dp, args.mode, "cuda", framework, num_slots=args.slots,
                                num_landing=args.landing, alignment_bytes=args.alignment)
     if args.json:
@@ -161,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{section}\n  {'item':26s} {'formula':58s} {'value':>12s}")
         print(f"  {r.item:26s} {r.formula:58s} {r.value_bytes / 1e9:9.3f} GB")
     print_rank_memory(per_rank)
+    if budget is not None:
+        from dlo_fn.cli.budget import step_cost_note
+
+        print(f"\n{budget.message()}{step_cost_note(budget)}")
     if verdicts or notes:
         print()
     for k, v in verdicts.items():
