@@ -176,7 +176,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str], ctx: DistContext
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
     streams = store.num_pinned_blocks < layout.num_blocks
     release = None if source == "mmap" else release_mapped_tensors(model, files, warn=not streams)
-    if release is not None and release.mapped_bytes_after and streams:
+    if release is not None and streams:
         # Partly pinned: the mapping stays for the streamed blocks; drop the pages already copied out.
         release_copied_pages(store.copied_ranges + release.source_ranges, files)
     log.info("offload %s: %d blocks, mode %s, W=%d, host store %d bytes (%s), device weights %d bytes",

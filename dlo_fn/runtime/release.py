@@ -51,7 +51,8 @@ MADV_DONTNEED = 4
 @dataclass(frozen=True, slots=True)
 class ReleaseReport:
     """What :func:`release_mapped_tensors` did: tensors copied out of the mapping (and their bytes), and the
-    address-space bytes of the checkpoint files' mappings before and after."""
+    address-space bytes of the mappings the model's tensors viewed, before and after (another model of the same
+    file, alive in the process, keeps its own mapping and is not counted)."""
 
     copied_tensors: int
     copied_bytes: int
@@ -121,7 +122,7 @@ def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike],
     except OSError:  # no /proc: cannot tell views from copies, so leave the model alone
         return ReleaseReport(0, 0, 0, 0, False)
     ranges = sorted(r for rs in by_file.values() for r in rs)
-    before = sum(stop - start for start, stop in ranges)
+    held: set[tuple[int, int]] = set()  # the mappings the model's tensors view (not other models' of the file)
     copied: dict[int, torch.Tensor] = {}
     sources: list[tuple[int, int]] = []
     nbytes = 0
@@ -131,18 +132,22 @@ def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike],
                 continue
             key = id(t)
             if key not in copied:
-                if not in_mappings(ranges, t.data_ptr(), t.numel() * t.element_size()):
+                start, size = t.data_ptr(), t.numel() * t.element_size()
+                if not in_mappings(ranges, start, size):
                     continue
-                sources.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+                held.add(ranges[bisect.bisect_right(ranges, (start, float("inf"))) - 1])
+                sources.append((start, start + size))
                 if is_param:
                     with torch.no_grad():
                         t.data = t.detach().clone(memory_format=torch.contiguous_format)
                     copied[key] = t
                 else:
                     copied[key] = t.clone(memory_format=torch.contiguous_format)
-                nbytes += t.numel() * t.element_size()
+                nbytes += size
             table[name] = copied[key] if not is_param else t
-    after = mapped_bytes(files) or 0
+    before = sum(stop - start for start, stop in held)
+    still = {r for rs in file_mappings(files).values() for r in rs} & held
+    after = sum(stop - start for start, stop in still)
     if after and warn:
         log.warning("%d bytes of %s are still mapped after the release: something outside the model holds views "
                     "of the checkpoint (their pages stay charged to this process)", after,
