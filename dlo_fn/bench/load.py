@@ -161,6 +161,13 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", type=pathlib.Path, help="write one CSV row per (mode, N) here")
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit per group of processes")
+    p.add_argument("--phases", action="store_true", help="instead: N real gloo ranks load, offload and generate; "
+                   "each rank's RSS/USS/PSS/VmHWM after load, fill, offload and generate vs the plan "
+                   "(dlo_fn.plan.rank_memory; see dlo_fn.bench.load_phases)")
+    p.add_argument("--offload-mode", nargs="+", choices=("allgather", "rank-local", "rank-local-mmap"),
+                   default=["allgather", "rank-local", "rank-local-mmap"], help="with --phases: modes to sweep")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="with --phases: cuda puts every rank on GPU 0, over gloo (memory only)")
     p.set_defaults(func=_main)
 
 
@@ -170,6 +177,8 @@ def _main(args) -> int:
     if args.make:
         make_checkpoint(args.make, args.checkpoint, progress=True)
     ckpt = open_checkpoint(args.checkpoint)
+    if args.phases:
+        return _phases(args, ckpt)
     baseline = measure_baseline(args.checkpoint, args.timeout_s)
     results = [run_load_bench(args.checkpoint, n, m, timeout_s=args.timeout_s, baseline=baseline)
                for m in args.mode for n in args.ranks]
@@ -204,6 +213,26 @@ def _main(args) -> int:
             print(f"{r['mode']:5} {r['ranks']:>2} {format_bytes(r['sum_pss_bytes']):>10} "
                   f"{format_bytes(r['predicted_pss_bytes']):>10} {r['rel_error']:>+6.1%} "
                   f"{format_bytes(r['sum_uss_bytes']):>10} {cg[0]:>10} {cg[1]:>10} {cg[2]:>10}")
+    return 0
+
+
+def _phases(args, ckpt) -> int:
+    from dlo_fn.bench.load_phases import PHASE_FIELDS, print_rows, sweep
+
+    command = ("python -m dlo_fn bench load --phases " + (f"--make {args.make} " if args.make else "")
+               + f"--checkpoint {args.checkpoint} --ranks " + " ".join(map(str, args.ranks))
+               + " --offload-mode " + " ".join(args.offload_mode) + f" --device {args.device}"
+               + (f" --out {args.out}" if args.out else ""))
+    rows = sweep(str(args.checkpoint), args.ranks, args.offload_mode, args.device, command, _describe(ckpt),
+                 args.timeout_s)
+    if args.out:
+        from dlo_fn.figures.style import write_csv
+
+        write_csv(args.out, rows, PHASE_FIELDS)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_rows(rows)
     return 0
 
 

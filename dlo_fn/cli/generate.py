@@ -70,6 +70,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence-parallel ranks per replica (Ulysses); dp = ranks / S")
     parser.add_argument("--shard-group", choices=("world", "dp", "sp"), default="world",
                         help="allgather: the ranks that split the block weights (dp: as the reference)")
+    parser.add_argument("--host-budget", default=None, metavar="BYTES",
+                        help="host bytes the ranks on this host may hold together (e.g. 64GB): pin the shards "
+                             "that fit, stream the rest from the mapping (pageable), or refuse at start-up")
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -289,6 +292,9 @@ def run_generate(args: argparse.Namespace) -> int:
     options, submissions = check_generate_args(args)
     platform = detect_platform(prefer=args.platform)
     ctx = init_distributed(platform, timeout_s=args.timeout)
+    from dlo_fn.cli.budget import apply_host_budget
+
+    options = apply_host_budget(args, ctx, options)
     code = 0
     engine = None
     try:

@@ -37,6 +37,9 @@ A = --alignment):
   mesh: per rank (with --sp > 1, --shard-group dp|sp, or --tokens): shard / pinned per rank, HBM slots,
     landing, resident, context, and with --model NAME --tokens L the Ulysses SP activations and all-to-all
     buffers of the block's peak phase (dlo_fn.plan.sp_memory; ~ 46 B ceil(L / S) D bytes at sp > 1)
+  host per rank        the rank's terms (dlo_fn.plan.rank_memory) and its RSS / USS / PSS / VmHWM after load,
+                       while filling, after offload and while generating; c = --framework-bytes-per-rank
+                       (measure yours: python -m dlo_fn bench load --phases)
 
 sizes accept units: 124GB, 33e9, 1.5TiB, 512MiB (GB = 1e9 bytes, GiB = 2^30).
 examples:
@@ -95,6 +98,9 @@ def register(subparsers) -> None:
     p.add_argument("--device-context-bytes", default=None, metavar="SIZE",
                    help="device bytes besides weights and workload (default: the calibrated Ascend value)")
     p.add_argument("--host-ram-bytes", default=None, metavar="SIZE", help="say whether physical RAM fits")
+    p.add_argument("--host-budget", default=None, metavar="SIZE",
+                   help="host bytes the --dp ranks may hold together: how many shards fit pinned, the rest streamed "
+                        "(dlo_fn.plan.host_budget), or the bytes needed and the largest dp that fits")
     p.add_argument("--hbm-bytes", default=None, metavar="SIZE", help="say whether the HBM peak fits")
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -201,12 +207,24 @@ def run(args: argparse.Namespace) -> int:
     notes = [] if with_hbm else ["no block size given: HBM needs --num-blocks or --max-block-bytes"]
     if args.tokens and dims is None:
         notes.append("--tokens: the SP terms need the block widths of a named config (--model NAME)")
+    from dlo_fn.cli.rank_rows import print_rank_memory, rank_memory_doc
+
+    budget = None
+    if args.host_budget and args.mode != "rank-local-mmap":
+        from dlo_fn.plan.host_budget import host_budget
+
+        budget = host_budget(sizes, args.dp, parse_bytes(args.host_budget), args.mode, "cuda",
+                             constant_bytes=framework, num_slots=args.slots, num_landing=args.landing,
+                             alignment_bytes=args.alignment)
+        verdicts["host_budget"] = budget.status
+    per_rank = rank_memory_doc(sizes, args.dp, args.mode, "cuda", framework, num_slots=args.slots,
+                               num_landing=args.landing, alignment_bytes=args.alignment)
     if args.json:
         doc = {"model": sizes.name, "source": sizes.source, "num_blocks": sizes.num_blocks if with_hbm else None,
                "dp": args.dp, "sp": args.sp, "shard_group": args.shard_group, "num_shards": mesh.num_shards,
                "platform": args.platform, "mode": args.mode, "loading": args.loading,
                "constants": {"framework_bytes_per_rank": framework, "device_context_bytes": context},
-               "rows": [r.to_dict() for r in rows], **verdicts, "notes": notes}
+               "rows": [r.to_dict() for r in rows], "rank_memory": per_rank, **verdicts, "notes": notes}
         print(json.dumps(doc, indent=2))
         return 0
     # One unit for the whole table, from the model's size (tiny's terms would all read 0.000 GB).
@@ -222,6 +240,11 @@ def run(args: argparse.Namespace) -> int:
             section = r.section
             print(f"\n{section}\n  {'item':26s} {'formula':58s} {'value':>12s}")
         print(f"  {r.item:26s} {r.formula:58s} {r.value_bytes / scale:9.3f} {unit}")
+    print_rank_memory(per_rank)
+    if budget is not None:
+        from dlo_fn.cli.budget import step_cost_note
+
+        print(f"\n{budget.message()}{step_cost_note(budget)}")
     if verdicts or notes:
         print()
     for k, v in verdicts.items():

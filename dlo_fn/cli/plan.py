@@ -162,12 +162,22 @@ def run(args: argparse.Namespace) -> int:
     num_shards = mesh.num_shards if mesh else args.num_shards
     summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment)
     mesh_doc, notes = _mesh_doc(args, spec, mesh) if mesh else (None, [])
+    from dlo_fn.cli.rank_rows import TERM_FORMULAS
+    from dlo_fn.plan.rank_memory import rank_terms
+    from dlo_fn.plan.sizes import ModelSizes
+
+    terms = dict(rank_terms(ModelSizes.from_spec(spec, args.alignment), num_shards, args.mode, "cuda",
+                            num_slots=args.slots, num_landing=args.landing, alignment_bytes=args.alignment).items())
     if args.json:
-        print(json.dumps({**summary.to_dict(), **({"mesh": mesh_doc, "notes": notes} if mesh else {})}, indent=2))
+        print(json.dumps({**summary.to_dict(), "rank_terms": terms,
+                          **({"mesh": mesh_doc, "notes": notes} if mesh else {})}, indent=2))
         return 0
     for key, value in summary.to_dict().items():
         text = _fmt_bytes(value) if "_bytes" in key and key != "alignment_bytes" else str(value)
         print(f"{key:28s} {text}")
+    print(f"\nhost terms per rank (W = {num_shards} ranks on one host, accelerator; dlo_fn.plan.rank_memory):")
+    for key, value in terms.items():
+        print(f"  {key:22s} {TERM_FORMULAS[key]:66s} {value if key == 'readers' else _fmt_bytes(value)}")
     if mesh is None:
         return 0
     print(f"\nmesh dp {mesh.dp} x sp {mesh.sp} = {mesh.world_size} ranks, shard group {mesh.shard_group} "

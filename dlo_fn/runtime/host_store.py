@@ -110,6 +110,13 @@ class HostStore:
         self.arena = arena
         self.how = how
         self._finalizer = finalizer
+        self.num_pinned_blocks = layout.num_blocks if arena is not None else 0
+        self.copied_ranges: tuple[tuple[int, int], ...] = ()  # source bytes copied into the arena
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes per pass this rank's H2D reads from outside its arena (pageable: the mapping)."""
+        return sum(s.src.numel() for srcs in self.sources[self.num_pinned_blocks:] for s in srcs)
 
     @property
     def pinned(self) -> bool:
@@ -124,6 +131,8 @@ class HostStore:
         """Rank-local shard of ``block`` in the arena (a view)."""
         if self.arena is None:
             raise ValueError("the mmap source has no arena; use .sources")
+        if block >= self.num_pinned_blocks:
+            raise ValueError(f"block {block} is streamed (a host budget pinned {self.num_pinned_blocks}); use .sources")
         start = self.layout.shard_offsets[block]
         return self.arena[start : start + self.layout.shards[block].shard_bytes]
 
@@ -161,11 +170,15 @@ def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None
 
 
 def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Mapping[str, torch.Tensor]],
-                     platform: Platform, *, source: str = "pinned", progress: bool = False) -> HostStore:
+                     platform: Platform, *, source: str = "pinned", progress: bool = False,
+                     pinned_blocks: int | None = None) -> HostStore:
     """Fill this rank's store from the block tensors (typically zero-copy mmap views).
 
     ``block_tensors[b]`` maps each tensor name of block ``b`` (relative, as in the layout) to its tensor.
     ``source="mmap"`` is for rank-local layouts only: nothing is copied, the H2D ops read the views.
+    ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.plan.host_budget`): only blocks ``0..k-1`` go into the
+    arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
+    tensors (pageable), which must then stay alive (the store holds them).
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -184,7 +197,11 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
                           p.offset_bytes)
                 for p in shard.block.placements))
         return HostStore(layout, rank, tuple(sources), None, "mmap")
-    arena, how, fin = alloc_host(layout.shard_bytes_per_rank, platform, pin=True)
+    k = layout.num_blocks if pinned_blocks is None else pinned_blocks
+    if not 0 <= k <= layout.num_blocks:
+        raise ValueError(f"pinned_blocks must be in [0, {layout.num_blocks}], got {pinned_blocks}")
+    arena, how, fin = alloc_host(layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank,
+                                 platform, pin=True)
     offsets = layout.shard_offsets
     bar = None
     if progress:
@@ -193,12 +210,20 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
         what = "the pinned arena" if how == "pinned" else f"host memory ({how}: no pinned memory on this device)"
         bar = tqdm(total=layout.shard_bytes_per_rank, unit="B", unit_scale=True, desc=f"copying shards into {what}")
     sources = []
+    copied: list[tuple[int, int]] = []  # source address ranges copied into the arena (released afterwards)
     for b, shard in enumerate(layout.shards):
         base = offsets[b]
         pieces = shard.pieces[shard_rank]
+        if b >= k:  # streamed: the H2D reads the rank's pieces where they are
+            sources.append(tuple(
+                H2DSource(tensor_bytes(_check_tensor(layout, b, p.tensor, block_tensors[b].get(p.tensor)))
+                          [p.src_start : p.src_stop], p.dst_start) for p in pieces))
+            continue
         for p in pieces:
             t = _check_tensor(layout, b, p.tensor, block_tensors[b].get(p.tensor))
-            arena[base + p.dst_start : base + p.dst_stop].copy_(tensor_bytes(t)[p.src_start : p.src_stop])
+            src = tensor_bytes(t)[p.src_start : p.src_stop]
+            arena[base + p.dst_start : base + p.dst_stop].copy_(src)
+            copied.append((src.data_ptr(), src.data_ptr() + src.numel()))
         for lo, hi in _gaps(pieces, shard.shard_bytes):
             arena[base + lo : base + hi].zero_()
         sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
@@ -206,5 +231,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
             bar.update(shard.shard_bytes)
     if bar is not None:
         bar.close()
-    log.debug("host store: rank %d, %d bytes, %s", rank, arena.numel(), how)
-    return HostStore(layout, rank, tuple(sources), arena, how, fin)
+    log.debug("host store: rank %d, %d bytes, %s, %d/%d blocks pinned", rank, arena.numel(), how, k,
+              layout.num_blocks)
+    store = HostStore(layout, rank, tuple(sources), arena, how, fin)
+    store.num_pinned_blocks, store.copied_ranges = k, tuple(copied)
+    return store

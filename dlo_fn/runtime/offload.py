@@ -9,7 +9,9 @@
 2. fill this rank's :class:`~dlo_fn.runtime.host_store.HostStore` from the block tensors (mmap views when the
    model came from :func:`dlo_fn.runtime.load.load_model`): each rank copies only its pieces;
 3. strip the blocks to meta (dropping those views) and put a :class:`~dlo_fn.runtime.blocks.BlockProxy` in
-   each block list entry; move everything else (resident tensors) to the device once;
+   each block list entry; move everything else (resident tensors) to the device once, then close the checkpoint
+   mapping (:mod:`dlo_fn.runtime.release`: on CPU the resident tensors get small private copies), so no page
+   this rank read stays charged to it;
 4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once); it interprets
    the schedules it is handed, or its ring's next one.
 
@@ -25,6 +27,7 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
+from dlo_fn.plan.host_budget import pinned_prefix
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
 from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.plan.schedule import Schedule
@@ -35,6 +38,7 @@ from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, check_shard_group, shard_group
+from dlo_fn.runtime.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -56,6 +60,9 @@ class OffloadOptions:
     progress: bool = False
     graph: bool = False  # capture each offloaded step as a CUDA graph, replayed (see dlo_fn.runtime.graph)
     shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
+    # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
+    # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
+    pinned_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -64,6 +71,8 @@ class OffloadOptions:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.rank_local_source not in ("pinned", "mmap"):
             raise ValueError(f"rank_local_source must be 'pinned' or 'mmap', got {self.rank_local_source!r}")
+        if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
+            raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
 
 @dataclass
@@ -78,6 +87,7 @@ class Offloaded:
     store: HostStore | None
     executor: Executor | None
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
+    release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
 
     @property
     def mode(self) -> str:
@@ -161,11 +171,15 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     layout = model_layout(spec, num_shards, options.alignment_bytes)
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
+    files = viewed_files(model)  # before the blocks drop their views: which checkpoint files back this model
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
+    pinned = None
+    if options.pinned_budget_bytes is not None and source == "pinned":
+        pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     store = build_host_store(layout, shards.rank, [t for t, _ in states], platform, source=source,
-                             progress=options.progress and ctx.is_main)
+                             progress=options.progress and ctx.is_main, pinned_blocks=pinned)
     aliases = [a for _, a in states]
     del states  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
     blocks = []
@@ -180,7 +194,13 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)
+    # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
+    streams = store.num_pinned_blocks < layout.num_blocks
+    release = None if source == "mmap" else release_mapped_tensors(model, files, warn=not streams)
+    if release is not None and streams:
+        # Partly pinned: the mapping stays for the streamed blocks; drop the pages already copied out.
+        release_copied_pages(store.copied_ranges + release.source_ranges, files)
     log.info("offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes",
              spec.name, layout.num_blocks, options.mode, num_shards, shards.name, store.arena_bytes, store.how,
              executor.device_weight_bytes)
-    return Offloaded(model, ctx, options, spec, layout, store, executor, shards)
+    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release)
