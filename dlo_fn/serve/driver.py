@@ -161,7 +161,7 @@ class Driver:
                 trace.extend(own.spans)
         if world > 1 and any(queues[1:]):
             log.info("rank 0's queue done; waiting for rank(s) %s to finish theirs",
-                     ", ".join(str(r) for r in range(1, world) if queues[r]))
+                     ", ".join(str(replicas[d][0]) for d in range(1, dp) if queues[d]))
         self.board.post("done", round=round_id)
         for r in replicas[0][1:]:  # rank 0's sp partners ran its queue with it: nothing to collect
             self.board.set_flag(f"go/{round_id}/{r}")
