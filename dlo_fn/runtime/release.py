@@ -39,6 +39,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES
 from dlo_fn.runtime.memstat import file_mappings, in_mappings
 
 __all__ = ["ReleaseReport", "release_mapped_tensors", "release_ranges", "release_copied_pages", "mapped_bytes",
@@ -114,6 +115,18 @@ def _tensor_slots(model: nn.Module) -> Iterable[tuple[dict, str, torch.Tensor, b
                 yield mod._buffers, n, b, False
 
 
+def _copy_at_residue(t: torch.Tensor, modulus: int = KERNEL_ALIGNMENT_BYTES) -> torch.Tensor:
+    """A private contiguous copy of ``t`` whose address has the same residue mod ``modulus`` as ``t``'s: CPU
+    kernels (MKL's one-row fp32 GEMV) round differently at different alignments, so a copy must keep the
+    alignment the model computed with before (the offloaded slots keep it too: :mod:`dlo_fn.plan.layout`)."""
+    nbytes = t.numel() * t.element_size()
+    buf = torch.empty(nbytes + modulus, dtype=torch.uint8)
+    shift = (t.data_ptr() - buf.data_ptr()) % modulus
+    out = buf[shift : shift + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike], warn: bool = True) -> ReleaseReport:
     """Give every tensor of ``model`` that still views a mapping of ``files`` a private copy, so the mapping
     closes (see the module docstring). Call it after the resident tensors moved to the device."""
@@ -139,10 +152,10 @@ def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike],
                 sources.append((start, start + size))
                 if is_param:
                     with torch.no_grad():
-                        t.data = t.detach().clone(memory_format=torch.contiguous_format)
+                        t.data = _copy_at_residue(t.detach())
                     copied[key] = t
                 else:
-                    copied[key] = t.clone(memory_format=torch.contiguous_format)
+                    copied[key] = _copy_at_residue(t)
                 nbytes += size
             table[name] = copied[key] if not is_param else t
     before = sum(stop - start for start, stop in held)

@@ -60,7 +60,9 @@ from dlo_fn.runtime.offload import Offloaded
 from dlo_fn.serve.continuous import ContinuousDriver, ContinuousRank
 from dlo_fn.serve.driver import Driver
 from dlo_fn.serve.follower import Follower
-from dlo_fn.serve.requests import EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions
+from dlo_fn.serve.requests import (
+    EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, rejection,
+)
 from dlo_fn.serve.share import ShareRunner, own_timeline
 from dlo_fn.serve.stream import StreamIntake
 from dlo_fn.serve.wire import Channel, StatusBoard, default_store
@@ -133,12 +135,7 @@ class Engine:
         pending: list[Pending] = []
         valid: list[tuple[int, float]] = []
         for i, sub in enumerate(subs):
-            reason = sub.error
-            if reason is None:
-                try:
-                    sub.request.validate(self.config)
-                except ValueError as exc:
-                    reason = f"rejected before dispatch: {exc}"
+            reason = rejection(sub, self.config)
             if reason is not None:
                 results[i] = RequestResult(i, sub.request_id, sub.request, False, error=reason)
             else:

@@ -76,6 +76,18 @@ def as_submissions(items: Iterable[Request | Submission]) -> list[Submission]:
     return out
 
 
+
+def rejection(sub: "Submission", config: Any) -> str | None:
+    """Why ``sub`` cannot be dispatched (its own parse error, or a field the model's ``config`` refuses), or
+    None: checked on rank 0 before any rank does work for it."""
+    if sub.error is not None:
+        return sub.error
+    try:
+        sub.request.validate(config)
+    except ValueError as exc:
+        return f"rejected before dispatch: {exc}"
+    return None
+
 def read_prompts(path: str | pathlib.Path, defaults: Mapping[str, Any] | None = None) -> list[Submission]:
     """Parse a prompts file (see the module docstring). A bad line becomes a submission with an error that
     names the file and line, so it is reported in the results instead of stopping the others."""

@@ -18,7 +18,7 @@ from typing import Any
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.request import Request
 from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves
-from dlo_fn.serve.requests import RequestResult, Submission
+from dlo_fn.serve.requests import RequestResult, Submission, rejection
 
 __all__ = ["StreamIntake"]
 
@@ -72,12 +72,7 @@ class StreamIntake:
         index = len(self.submissions)
         sub = self._submission(item, index)
         self.submissions.append(sub)
-        reason = sub.error
-        if reason is None:
-            try:
-                sub.request.validate(self.config)
-            except ValueError as exc:
-                reason = f"rejected before dispatch: {exc}"
+        reason = rejection(sub, self.config)
         if reason is not None or stopped is not None:
             self.rejected[index] = RequestResult(index, sub.request_id, sub.request, False, error=reason or (
                 f"not dispatched: the engine stopped earlier ({stopped})"))
