@@ -95,6 +95,34 @@ def test_requests_per_rank_trade_latency_for_throughput():
     assert lat.chosen.candidate.requests_per_rank == 1
 
 
+def test_a_shard_group_of_one_is_costed_and_sized_as_rank_local():
+    """Allgather over one rank lowers to the rank-local ops (no landing buffer, no AG, rank-local host work): the
+    same step, wave and memory as rank-local, however slow the device copy or heavy the allgather host work;
+    on the tie the rank-local label is chosen."""
+    t = topo(num_ranks=4, host_s_per_block=(("allgather", 0.03), ("rank-local", 1e-4)))
+    t = dataclasses.replace(t, d2d_copy_bytes_per_s=1e6)
+    ag = Candidate(1, 4, "allgather", "dp", 2, 1, 0)
+    rl = Candidate(1, 4, "rank-local", "-", 2, 1, 0)
+    a, b = predict(MODEL, t, WL, ag), predict(MODEL, t, WL, rl)
+    assert (a.step_s, a.wave_latency_s, a.bound, a.hbm_bytes, a.host_bytes) == (
+        b.step_s, b.wave_latency_s, b.bound, b.hbm_bytes, b.host_bytes)
+    assert [c.num_landing for c in candidates(4, slots=(2,), sps=(4,)) if c.mode == "allgather"] == [2, 0]
+    one = plan(MODEL, topo(num_ranks=1), WL, slots=(2,))
+    assert [r.candidate.label for r in one.rows] == ["DP1xSP1 rank-local S2 R1", "DP1xSP1 allgather W1 S2 R1"]
+
+
+def test_per_request_work_adds_to_the_wave_not_the_step():
+    """``request_overhead`` (noise in, decode, hash) is serial per request: R q on the wave, nothing on the step."""
+    t = topo(num_ranks=1)
+    q = dataclasses.replace(t, request_overhead=((100, 0.3),))
+    c = Candidate(1, 1, "rank-local", "-", 2, 2, 0)
+    a, b = predict(MODEL, t, WL, c), predict(MODEL, q, WL, c)
+    assert b.step_s == a.step_s and b.wave_latency_s == pytest.approx(a.wave_latency_s + 2 * 0.3)
+    assert q.request_overhead_s(50) == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="request_overhead rows"):
+        dataclasses.replace(t, request_overhead=((0, 1.0),))
+
+
 def test_candidates_and_bad_input():
     assert len(candidates(4, slots=(2,))) == 8  # sp 1: mesh + rank-local; sp 2, 4: mesh + dp + rank-local
     with pytest.raises(ValueError, match="objective must be one of"):

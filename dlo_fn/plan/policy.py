@@ -3,12 +3,15 @@ predict each with the planner's own schedule, simulator and memory models, drop 
 
 **Candidates.** ``dp x sp = N``; mode ``rank-local`` (``W = 1``) or ``allgather`` over the shard group ``mesh``
 (every rank in lockstep, ``W = dp sp``) or ``dp`` (the reference: SP partners hold identical shards, ``W = dp``);
-``S`` slots; ``R`` requests per rank run block-major through each loaded block.
+``S`` slots; ``R`` requests per rank run block-major through each loaded block. An all-gather over a shard group
+of one rank (``W = 1``: rank-local mode, or ``allgather`` over ``dp = 1``) is the identity, and the lowering runs
+the rank-local op sequence for it (one H2D straight into the slot, no landing buffer, no AG, rank-local host work
+per block): such a row is costed and sized as rank-local, and on a tie the rank-local label is chosen.
 
 **Per-op durations** (block ``b``, one request; ``L`` tokens per branch, ``g`` branches)::
 
     H2D   s_b / beta_h            (allgather: the local shard s_b = align_up(ceil(n_b / W), A); rank-local: n_b)
-    AG    ((W - 1) / W) W s_b / busbw        (W = 1: n_b / d2d, a device copy)
+    AG    ((W - 1) / W) W s_b / busbw        (W = 1: none, see above)
     C     c(L, sp) + u + h        host serial (the reference)
           max(c(L, sp) + u, h)    host runs ahead (ours)
           + o(L, g) on block 0 of every step: the per-step work outside the blocks
@@ -16,7 +19,8 @@ predict each with the planner's own schedule, simulator and memory models, drop 
 
 One wave of ``min(T, 3)`` steps is simulated (:func:`~dlo_fn.plan.timeline.simulate` of
 :func:`~dlo_fn.plan.schedule.build_schedule`); the steady step ``t`` is the period between the ends of the first and
-the last step's computes, and ``wave = t_1 + (T - 1) t`` (``t_1``: the first step, cold ring). Per wave ``dp R``
+the last step's computes, and ``wave = t_1 + (T - 1) t + R q`` (``t_1``: the first step, cold ring; ``q``: the
+per-request work outside the ring, noise and text in, latents out, decode and hash, counted serial). Per wave ``dp R``
 outputs; ``outputs_per_s = dp R / wave``; the per-output step is ``t / R`` per replica.
 
 **Bound** of a row: the stream busy >= 99.5% of the steady step (``h2d``, ``allgather``, ``h2d+allgather`` where
@@ -49,7 +53,7 @@ from dlo_fn.plan.topology import PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 
 __all__ = ["OBJECTIVES", "SHARD_GROUPS", "Candidate", "PlanRow", "PolicyResult", "candidates", "predict", "plan",
-           "all_to_all_s"]
+           "all_to_all_s", "op_mode"]
 
 OBJECTIVES = ("throughput", "latency")
 SHARD_GROUPS = ("mesh", "dp")
@@ -121,6 +125,11 @@ class PlanRow:
                 "host_gb": self.host_bytes / 1e9, "limiting_memory": self.limiting_memory, "fits": self.fits}
 
 
+def op_mode(cand: Candidate) -> str:
+    """The op sequence a candidate runs: ``allgather`` over one rank lowers to rank-local (module docstring)."""
+    return "rank-local" if cand.mode == "allgather" and cand.num_shards == 1 else cand.mode
+
+
 def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
@@ -142,7 +151,9 @@ def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_p
         for mode, group in groups:
             for s in slots:
                 for r in requests_per_rank:
-                    out.append(Candidate(dp, sp, mode, group, s, r, num_landing if mode == "allgather" else 0))
+                    w = dp * sp if group == "mesh" else dp
+                    landing = num_landing if mode == "allgather" and w > 1 else 0  # W = 1: lowered, no landing
+                    out.append(Candidate(dp, sp, mode, group, s, r, landing))
     return tuple(out)
 
 
@@ -157,20 +168,17 @@ def all_to_all_s(model: PolicyModel, topology: Topology, workload: Workload, sp:
 def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate, step_overhead_s: float):
     w = cand.num_shards
     sizes = model.sizes
-    shards = sizes.shard_bytes(w)
-    if cand.mode == "rank-local":
+    mode = op_mode(cand)
+    if mode == "rank-local":
         h2d = sizes.shard_bytes(1)
         ag = (0.0,) * sizes.num_blocks
-    elif w == 1:
-        h2d = shards
-        ag = tuple(n / topology.d2d_copy_bytes_per_s for n in sizes.block_bytes)
     else:
-        h2d = shards
-        ag = tuple((w - 1) * s / topology.allgather_bus_bytes_per_s for s in shards)
+        h2d = sizes.shard_bytes(w)
+        ag = tuple((w - 1) * s / topology.allgather_bus_bytes_per_s for s in h2d)
     h2d_s = tuple(n / topology.h2d_bytes_per_s for n in h2d)
     device = (topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
               + all_to_all_s(model, topology, workload, cand.sp))
-    host = topology.host_s(cand.mode)
+    host = topology.host_s(mode)
     comp = device + host if topology.host_serial else max(device, host)
 
     def duration(op: Op) -> float:
@@ -186,10 +194,10 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
 def _memory(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[int, int]:
     local_tokens = math.ceil(workload.tokens / cand.sp) * workload.cfg_branches * cand.requests_per_rank
     comm = 2 * local_tokens * model.hidden_dim * model.dtype_bytes if cand.sp > 1 else 0
-    hbm = hbm_per_card(model.sizes, cand.num_shards, cand.mode, num_slots=cand.num_slots,
+    hbm = hbm_per_card(model.sizes, cand.num_shards, op_mode(cand), num_slots=cand.num_slots,
                        num_landing=max(cand.num_landing, 1), activation_bytes=local_tokens * model.activation_bytes_per_token,
                        communication_bytes=comm, context_bytes=topology.context_bytes)
-    host = pinned_host_bytes_per_rank(model.sizes, cand.num_shards, cand.mode) + topology.framework_host_bytes
+    host = pinned_host_bytes_per_rank(model.sizes, cand.num_shards, op_mode(cand)) + topology.framework_host_bytes
     return hbm.peak_bytes, host
 
 
@@ -202,19 +210,19 @@ def predict(model: PolicyModel, topology: Topology, workload: Workload, cand: Ca
     overhead = (topology.step_overhead_s(workload.tokens, workload.cfg_branches) if step_overhead_s is None
                 else step_overhead_s)
     duration, h2d_s, ag, device, host, comp = _durations(model, topology, workload, cand, overhead)
-    b, r = model.sizes.num_blocks, cand.requests_per_rank
+    b, r, mode = model.sizes.num_blocks, cand.requests_per_rank, op_mode(cand)
     steps = min(workload.num_steps, 3)
     schedule = build_schedule(b, steps, requests_per_load=r, num_slots=cand.num_slots,
-                              num_landing=cand.num_landing if cand.mode == "allgather" else None, mode=cand.mode)
+                              num_landing=cand.num_landing if mode == "allgather" else None, mode=mode)
     ends = sorted(s.end_s for s in simulate(schedule, duration).spans if s.stream == "compute")
     first = ends[b * r - 1]
     if steps == 1:
         step = first
     else:
         step = (ends[-1] - first) / (steps - 1)
-    wave = first + (workload.num_steps - 1) * step
+    wave = first + (workload.num_steps - 1) * step + r * topology.request_overhead_s(workload.tokens)
     busy = {"h2d": sum(h2d_s), "allgather": sum(ag), "compute": b * r * comp + r * overhead}
-    serial = cand.mode == "allgather" and cand.num_landing == 1
+    serial = mode == "allgather" and cand.num_landing == 1
     if serial and busy["h2d"] + busy["allgather"] >= SATURATED * step > max(busy["h2d"], busy["allgather"]):
         bound = "h2d+allgather"
     elif busy["h2d"] >= SATURATED * step or busy["allgather"] >= SATURATED * step:
@@ -280,8 +288,8 @@ def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objectiv
                                 sps=sps, num_landing=num_landing)]
     fitting = [r for r in rows if r.fits]
     dropped = tuple(r for r in rows if not r.fits)
-    cheap = lambda r: (r.candidate.requests_per_rank, r.hbm_bytes, topology.host_s(r.candidate.mode),  # noqa: E731
-                       r.candidate.num_slots, r.candidate.label)
+    cheap = lambda r: (r.candidate.requests_per_rank, r.hbm_bytes, topology.host_s(op_mode(r.candidate)),  # noqa: E731
+                       r.candidate.num_slots, r.candidate.mode != op_mode(r.candidate), r.candidate.label)
     ordered = sorted(fitting, key=lambda r: (-_score(r, objective),) + cheap(r))
     if ordered:
         best = _score(ordered[0], objective)

@@ -25,6 +25,8 @@ field                          meaning
                                sampler update): ``(tokens, cfg branches, seconds)`` measured; the entry nearest the
                                workload, scaled by the token ratio ``L g / (L0 g0)``. The ring must run ahead
                                across it
+``request_overhead``           per request, host work outside the ring (noise and text tokens in, latents out,
+                               decode, hash): ``(tokens, seconds)`` measured; the nearest entry scaled by ``L / L0``
 =============================  ======================================================================================
 
 **Block compute.** One request's compute of one block on one rank at ``sp``, for a sequence of ``L`` tokens per
@@ -128,6 +130,7 @@ class Topology:
     context_bytes: int = 0
     framework_host_bytes: int = 0
     sources: tuple[tuple[str, str], ...] = ()
+    request_overhead: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -143,6 +146,9 @@ class Topology:
         for row in self.step_overhead:
             if len(row) != 3 or row[0] < 1 or row[1] < 1 or row[2] < 0:
                 raise ValueError(f"Topology {self.name!r}: step_overhead rows are (tokens, cfg_branches, s >= 0)")
+        for row in self.request_overhead:
+            if len(row) != 2 or row[0] < 1 or row[1] < 0:
+                raise ValueError(f"Topology {self.name!r}: request_overhead rows are (tokens >= 1, s >= 0)")
         host = dict(self.host_s_per_block)
         if set(host) != set(OFFLOAD_MODES) or min(host.values()) < 0:
             raise ValueError(f"Topology {self.name!r}: host_s_per_block needs one value >= 0 per mode "
@@ -154,6 +160,13 @@ class Topology:
             return 0.0
         l0, g0, t0 = min(self.step_overhead, key=lambda r: (abs(r[0] - tokens), abs(r[1] - cfg_branches)))
         return t0 * tokens * cfg_branches / (l0 * g0)
+
+    def request_overhead_s(self, tokens: int) -> float:
+        """Per-request host work outside the ring (0 when none was measured)."""
+        if not self.request_overhead:
+            return 0.0
+        l0, t0 = min(self.request_overhead, key=lambda r: abs(r[0] - tokens))
+        return t0 * tokens / l0
 
     def host_s(self, mode: str) -> float:
         return dict(self.host_s_per_block)[mode]

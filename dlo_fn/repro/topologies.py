@@ -8,8 +8,9 @@ topology             fields and where they come from
 ===================  ============================================================================================
 ``1xH200``           measured here: pinned H2D, device copy (``repro.ceilings``), block compute (the ``bench``
                      config's own measured block, ``models.configs``), per-step work outside the blocks (the
-                     R-sweep's resident step minus 24 blocks), host work per block (README), memory (the run's
-                     machine line)
+                     engine's step-boundary gap on the compute stream, and its per-request host work, from the
+                     serving-path profile ``serve_step_profile_h200.json``), host work per block (README),
+                     memory (the run's machine line)
 ``4xB300``           ``repro.b300``'s three fitted constants (H2D, NVLink all-gather, effective FLOP rate)
 ``8xB300``           the same B300 constants, 8 ranks (the MiniMax-H3 node)
 ``4xAscend910B3``    the published Nano DP4 split (``repro.waves_tables.reference_costs``): compute per block
@@ -27,6 +28,8 @@ number can then validate anything (:data:`MINIMAX_FITS`).
 
 from __future__ import annotations
 
+import json
+import statistics
 
 from dlo_fn.models import CONFIGS, tokens_for
 from dlo_fn.models.specs import config_spec
@@ -35,6 +38,7 @@ from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 from dlo_fn.repro import b300, ceilings, minimax
 from dlo_fn.repro.calibration import DEVICE_CONTEXT_BYTES, FRAMEWORK_HOST_BYTES_PER_RANK
+from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import MODELS, published
 from dlo_fn.repro.waves_tables import NANO_BLOCKS, SHARD_H2D_BYTES_PER_S, reference_costs
 
@@ -46,9 +50,7 @@ BENCH = CONFIGS["bench"]
 SUPER = CONFIGS["cosmos3-super"]
 NANO = CONFIGS["cosmos3-nano"]
 
-# The H200 R-sweep (figures/data/waves_r_sweep_h200_steps24.csv): one request's resident step through the
-# engine (embed, 24 blocks, head, sampler), 1024^2 CFG; the bench config's block: 8.9 / 33.5 ms (its source).
-H200_RESIDENT_IMAGE_STEP_S = 0.228317
+# The bench config's block on the H200, CFG: 8.9 / 33.5 ms (its source).
 BENCH_BLOCK_S = {"image": 8.9e-3, "video": 33.5e-3}
 H200_IMAGE = Workload("image 1024^2 CFG, 24 steps", tokens_for(BENCH, 1024, 1024, 1), 24, 2)
 H200_VIDEO = Workload("video 832x480x29 CFG, 24 steps", tokens_for(BENCH, 480, 832, 29), 24, 2)
@@ -71,9 +73,21 @@ def bench_model() -> PolicyModel:
                               "README measured peak (image, rank-local) - 2 slots - resident, / step tokens")
 
 
+SERVE_PROFILE = DATA_DIR / "serve_step_profile_h200.json"
+
+
+def h200_engine_overheads() -> tuple[float, float]:
+    """``(o, q)`` of the engine on the H200 image (the 2-slot rank-local wave of the serving-path profile): the
+    median step-boundary gap on the compute stream (head, sampler, embed between block 23 and block 0), and the
+    per-request host work (``init_state`` + decode and hash)."""
+    run = json.loads(SERVE_PROFILE.read_text())["image"]["rank-local S2"]
+    gap_s = statistics.median(run["timeline"]["step_boundary_compute_gap_ms"]) / 1e3
+    return gap_s, run["phases"]["init"] + run["phases"]["finish_host"]
+
+
 def h200_topology() -> Topology:
     m = bench_model()
-    overhead = H200_RESIDENT_IMAGE_STEP_S - 24 * BENCH_BLOCK_S["image"]
+    overhead, per_request = h200_engine_overheads()
     return Topology(
         "1xH200", 1, ceilings.H200_PINNED_H2D_BYTES_PER_S, ceilings.H200_D2D_COPY_BYTES_PER_S,
         ceilings.H200_D2D_COPY_BYTES_PER_S, ceilings.H200_D2D_COPY_BYTES_PER_S,
@@ -89,9 +103,10 @@ def h200_topology() -> Topology:
          ("hbm_bytes_per_rank", "gpu_memory_bytes, figures/data/waves_r_sweep_h200_steps24.csv"),
          ("host_bytes_per_rank", "125.9 GiB RAM, the same machine line"),
          ("host_s_per_block", "README: executor host work 176 us (allgather) / 48 us (rank-local) per block"),
-         ("step_overhead", f"R-sweep resident step {H200_RESIDENT_IMAGE_STEP_S} s - 24 x 8.9 ms = "
-                           f"{1e3 * overhead:.1f} ms (1024^2)"),
-         ("model", m.source)))
+         ("step_overhead", f"{SERVE_PROFILE.name}: the engine's step-boundary gap, median of 23, "
+                           f"{1e3 * overhead:.2f} ms (1024^2, 2 slots)"),
+         ("request_overhead", f"{SERVE_PROFILE.name}: init_state + decode and hash, {1e3 * per_request:.1f} ms"),
+         ("model", m.source)), ((H200_IMAGE.tokens, per_request),))
 
 
 def _b300(num_ranks: int, name: str, compute: BlockCompute, host_per_rank: int) -> Topology:

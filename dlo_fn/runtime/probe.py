@@ -7,7 +7,10 @@ measured                 how (each the best of ``reps`` after one warm-up, host 
 ``h2d_bytes_per_s``      H2D copies of block 0's real bytes from a pinned staging buffer (pageable on CPU)
 ``allgather / d2d``      one all-gather of block 0's shards over the group (``W > 1``), else a device copy of it
 ``block_compute_s``      block 0 on the device on a real input: the request's latents through ``embed``
-``step_overhead_s``      ``embed + head + sampler update`` of that request: the per-step work outside the blocks
+``step_overhead_s``      the per-step work outside the blocks as the engine runs it (:func:`dlo_fn.serve.batch.run_batch`:
+                         sampler inputs, ``embed`` on the request's text encoded once, ``head``, sampler update)
+``request_s``            the per-request host work outside the ring: ``init_state`` (noise, text tokens in) and
+                         ``finish`` (latents out, decode, hash)
 ``activation bytes``     the allocator's peak during the block call, per token (accelerators; 0 on CPU)
 ``host_s_per_block``     host time to issue a small copy + event record + wait (rank-local), plus an all-gather or
                          device copy issue (allgather)
@@ -22,14 +25,14 @@ predicted step) for the caller to log.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from dlo_fn.models.sampler import init_state, model_inputs, update
+from dlo_fn.models.sampler import finish, init_state, model_inputs, update
 from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.policy import PolicyResult, plan
 from dlo_fn.plan.sizes import ModelSizes
@@ -45,7 +48,7 @@ log = logging.getLogger(__name__)
 AUTO_SLOTS = (2, 3, 4, 5, 6)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Probe:
     topology: Topology
     model: PolicyModel
@@ -150,11 +153,15 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
     act = ((platform.max_memory_allocated() - before) // max(x.shape[0] * tokens, 1)
            if platform.is_accelerator else 0)
 
-    def outside():
-        e = model.embed(*inputs)
+    text = model.encode_text(inputs.text_tokens)  # once per request, as the engine does
+
+    def outside():  # one step's work outside the blocks, as serve.batch.run_batch runs it
+        e = model.embed(*model_inputs(state), text)
         update(state, model.head(e.x, e))
 
     overhead = _best(outside, platform, reps)
+    request_s = _best(lambda: finish(dataclasses.replace(init_state(model, request, dev), step=request.num_inference_steps)),
+                      platform, 1)
     del block, dst, staged, embedded, x
     branches = 2 if request.cfg else 1
     workload = Workload(f"{request.height}x{request.width}x{request.num_frames}", tokens,
@@ -166,14 +173,15 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
         (("allgather", host_ag), ("rank-local", host_rl)), False, ((tokens, branches, overhead),), 0, 0,
         tuple((f, src) for f in ("h2d_bytes_per_s", "allgather_bus_bytes_per_s", "d2d_copy_bytes_per_s",
                                  "compute", "host_s_per_block", "step_overhead", "hbm_bytes_per_rank",
-                                 "host_bytes_per_rank")))
+                                 "host_bytes_per_rank", "request_overhead")), ((tokens, request_s),))
     config = model.config
     pmodel = PolicyModel(sizes, config.hidden_dim, next(blocks[0].parameters()).element_size(), int(act), source="probe: the model's spec; activations from the allocator's peak")
     seconds = time.perf_counter() - started
     log.info("probe (%.1f s): H2D %.1f GB/s, all-gather/copy %.1f GB/s, block %.2f ms on %d tokens x %d, "
-             "outside the blocks %.2f ms per step, host per block %.0f / %.0f us (allgather / rank-local)",
-             seconds, h2d / 1e9, bus / 1e9, 1e3 * block_s, tokens, branches, 1e3 * overhead, 1e6 * host_ag,
-             1e6 * host_rl)
+             "outside the blocks %.2f ms per step, per request %.1f ms, host per block %.0f / %.0f us "
+             "(allgather / rank-local)",
+             seconds, h2d / 1e9, bus / 1e9, 1e3 * block_s, tokens, branches, 1e3 * overhead,
+             1e3 * request_s, 1e6 * host_ag, 1e6 * host_rl)
     return Probe(topology, pmodel, workload, seconds)
 
 
