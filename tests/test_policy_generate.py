@@ -53,3 +53,51 @@ def test_auto_on_two_gloo_ranks_gives_the_resident_bytes(checkpoint, tmp_path):
     assert "dlo_fn.runtime.probe: probe (" in log
     assert "auto: DP2xSP1 " in log and "runner-up" in log and "predicted step" in log
     assert "measured" in log and "predicted" in log.split("auto: wave", 1)[1]
+
+
+def test_sp_takes_an_int_or_auto(capsys):
+    with pytest.raises(SystemExit) as exc:  # argparse's own: its usage, then one error line
+        build_parser().parse_args(["generate", "--checkpoint", "c", "--out", "o", "--prompt", "x", "--sp", "two"])
+    assert exc.value.code == 2
+    assert "--sp takes an int >= 1 or 'auto', got 'two'" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--sp", "auto", "--resident"], ["--sp auto", "--resident"]),
+    (["--sp", "auto", "--shard-group", "dp"], ["--sp auto", "--shard-group dp"]),
+])
+def test_sp_auto_mistakes_are_one_line(checkpoint, tmp_path, capsys, extra, words):
+    from dlo_fn.cli import main
+
+    code = main(["generate", "--checkpoint", checkpoint, "--out", str(tmp_path), "--prompt", "x", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_sp_auto_is_explained_in_help(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "auto: the policy chooses dp x sp" in text and "all-to-all" in text
+
+
+@pytest.mark.slow
+def test_sp_auto_on_two_gloo_ranks_matches_the_policy_table(checkpoint, tmp_path, capsys):
+    """``--sp auto --mode auto --slots auto`` on 2 gloo ranks: a real all-to-all probe, the resident bytes, and a
+    logged choice that is the first row of ``policy --topology <out>/auto_policy.json`` (the same measurement)."""
+    import re
+
+    from dlo_fn.cli import main
+
+    auto = _generate(checkpoint, tmp_path / "auto", "--sp", "auto", "--mode", "auto", "--slots", "auto", nproc=2,
+                     log=tmp_path / "log.txt")
+    resident = _generate(checkpoint, tmp_path / "res", "--resident")
+    assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident]
+    log = (tmp_path / "log.txt").read_text()
+    assert re.search(r"all-to-all \d+\.\d MB/s", log), log[-2000:]
+    chosen = re.search(r"auto: (DP\d+xSP\d+ [a-z-]+(?: W\d+)? S\d+ R\d+): .*runner-up DP", log)
+    assert chosen is not None and "predicted step" in log, log[-2000:]
+    assert main(["policy", "--topology", str(tmp_path / "auto" / "auto_policy.json"), "--slots", "2,3,4,5,6"]) == 0
+    table = capsys.readouterr().out
+    assert f"chosen: {chosen.group(1)}:" in table, table
+    assert {"DP2xSP1", "DP1xSP2"} <= set(re.findall(r"DP\dxSP\d", table))

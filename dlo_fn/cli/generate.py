@@ -18,6 +18,8 @@ stops between requests: a rank whose request ends takes the next queued one at t
     manifest.jsonl             one JSON line per request: settings, seed, shape, sha256, rank, wave, timings, mode
     waves.jsonl                one JSON line per wave: who ran what, latency, status
     --trace FILE               every rank's measured three-stream timeline (Chrome / Perfetto)
+    auto_policy.json           with --mode/--slots/--sp auto: the probed topology the policy chose from
+                               (``python -m dlo_fn policy --topology`` it prints the ranked table)
 
 The manifest's ``sha256`` is the SHA-256 of the video's uint8 bytes in C order (``np.load(npy).tobytes()``),
 not of any file: the same request and seed give the same sha256 in every mode and for any number of ranks, while
@@ -66,8 +68,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
-    parser.add_argument("--sp", type=int, default=1, metavar="S",
-                        help="sequence-parallel ranks per replica (Ulysses); dp = ranks / S")
+    parser.add_argument("--sp", type=_sp_arg, default=1, metavar="S|auto",
+                        help="sequence-parallel ranks per replica (Ulysses); dp = ranks / S. auto: the policy "
+                             "chooses dp x sp among the divisors of the ranks that the model's heads allow, from "
+                             "start-up probes (an all-to-all of an activation-sized tensor over the ranks, one "
+                             "all-gather, one block; logged with the runner-up and the predicted step)")
     parser.add_argument("--shard-group", choices=("world", "dp", "sp"), default="world",
                         help="allgather: the ranks that split the block weights (dp: as the reference)")
     parser.add_argument("--host-budget", default=None, metavar="BYTES",
@@ -148,8 +153,28 @@ def _slots_arg(text: str):
         raise argparse.ArgumentTypeError(f"--slots takes an int >= 1 or 'auto', got {text!r}") from None
 
 
+def _sp_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sp takes an int >= 1 or 'auto', got {text!r}") from None
+
+
 def is_auto(args: argparse.Namespace) -> bool:
-    return args.mode == "auto" or (args.slots == "auto" and mode_from_args(args) != "resident")
+    return (args.mode == "auto" or args.sp == "auto"
+            or (args.slots == "auto" and mode_from_args(args) != "resident"))
+
+
+def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
+    """The sp sizes the policy may choose: ``--sp`` itself, or (``auto``) the divisors of the ranks that the
+    heads allow (continuous serving runs sp = 1 replicas only)."""
+    from dlo_fn.runtime.probe import sp_choices
+
+    if args.sp != "auto":
+        return (args.sp,)
+    return (1,) if args.serving == "continuous" else sp_choices(world_size, num_heads)
 
 
 def choose_auto(args: argparse.Namespace, model, ctx):
@@ -162,14 +187,29 @@ def choose_auto(args: argparse.Namespace, model, ctx):
     request = next(s.request for s in submissions_from_args(args) if s.request is not None)
     found = probe(model, ctx, request)
     mode = None if args.mode == "auto" else mode_from_args(args)
+    sps = auto_sps(args, ctx.world_size, getattr(model.config, "num_heads", None))
     result = choose(found, mode=mode, num_slots=None if args.slots == "auto" else args.slots,
-                    requests_per_rank=args.requests_per_rank)
+                    requests_per_rank=args.requests_per_rank, sps=sps)
     chosen = [result.chosen]
     if ctx.group is not None:
         torch.distributed.broadcast_object_list(chosen, src=0, group=ctx.group)
     if ctx.is_main:
         log.info("auto: %s; predicted step %.1f ms (%s)", result.why(), 1e3 * chosen[0].step_s, chosen[0].bound)
+        _write_probe(args, found, sps)
     return chosen[0]
+
+
+def _write_probe(args: argparse.Namespace, found, sps) -> None:
+    """``<out>/auto_policy.json``: the measured topology, model and workload, so ``python -m dlo_fn policy
+    --topology`` that file prints the table this choice was made from."""
+    from dlo_fn.repro.topologies import probe_to_dict
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "auto_policy.json"
+    path.write_text(json.dumps(probe_to_dict(found.topology, found.model, found.workload, sps), indent=1))
+    log.info("auto: measured topology in %s (python -m dlo_fn policy --topology %s --slots 2,3,4,5,6 prints "
+             "its table)", path, path)
 
 
 def log_predicted_vs_measured(report, chosen) -> None:
@@ -220,6 +260,14 @@ def check_sp_args(args: argparse.Namespace, config) -> None:
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.sp == "auto":
+        if args.mode != "auto" and mode_from_args(args) == "resident":
+            raise UsageError("generate: --sp auto plans the offload modes (allgather, rank-local): drop --resident "
+                             "(or --mode resident), or give --sp S")
+        if args.shard_group != "world":
+            raise UsageError(f"generate: --sp auto chooses the shard group too: drop --shard-group "
+                             f"{args.shard_group}, or give --sp S")
+        return
     if args.sp < 1 or world % args.sp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise UsageError(f"generate: --sp {args.sp} does not divide the {world} rank(s) "
@@ -253,18 +301,23 @@ def check_generate_args(args: argparse.Namespace) -> tuple:
 
 
 def mesh_from_args(args: argparse.Namespace, ctx):
-    """The (dp, sp) mesh for ``--sp`` (dp = ranks / sp), or None for the plain world."""
+    """The (dp, sp) mesh for ``--sp`` (dp = ranks / sp), or None for the plain world (and for ``--sp auto``,
+    whose mesh is built once the policy chose: :func:`load_offloaded`)."""
     from dlo_fn.runtime.mesh import build_mesh
 
+    if args.sp == "auto":
+        return None
     if args.sp < 1 or ctx.world_size % args.sp:
         raise UsageError(f"generate: --sp {args.sp} does not divide the {ctx.world_size} rank(s)")
     return build_mesh(ctx, sp=args.sp) if args.sp > 1 or args.shard_group != "world" else None
 
 
-def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None):
+def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto: bool = False):
     """Load a checkpoint (its config names the model; mmap views, nothing copied) and offload per ``options``
-    (with ``auto``, a callable model -> PlanRow, its chosen mode and slots) on ``mesh`` (None: the world)."""
+    (with ``auto``, a callable model -> PlanRow, its chosen mode and slots) on ``mesh`` (None: the world; with
+    ``sp_auto`` the (dp, sp) mesh and shard group the policy chose). Returns ``(offloaded, mesh)``."""
     from dlo_fn.runtime.load import load_model
+    from dlo_fn.runtime.mesh import build_mesh
     from dlo_fn.runtime.offload import offload
 
     model = load_model(checkpoint, progress=False)
@@ -273,7 +326,11 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None):
 
         chosen = auto(model).candidate
         options = dataclasses.replace(options, mode=chosen.mode, num_slots=chosen.num_slots)
-    return offload(model, ctx=ctx, options=options, mesh=mesh)
+        if sp_auto:
+            group = "dp" if chosen.shard_group == "dp" else "world"
+            options = dataclasses.replace(options, shard_group=group)
+            mesh = build_mesh(ctx, sp=chosen.sp) if chosen.sp > 1 or group != "world" else None
+    return offload(model, ctx=ctx, options=options, mesh=mesh), mesh
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -301,7 +358,7 @@ def run_generate(args: argparse.Namespace) -> int:
         picked = []
         auto = (lambda m: picked.append(choose_auto(args, m, ctx)) or picked[-1]) if is_auto(args) else None
         mesh = mesh_from_args(args, ctx)
-        offloaded = load_offloaded(args.checkpoint, ctx, options, auto, mesh)
+        offloaded, mesh = load_offloaded(args.checkpoint, ctx, options, auto, mesh, sp_auto=args.sp == "auto")
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
                                       timeout_s=args.timeout, fault=Fault.from_env(), progress=True,

@@ -2,7 +2,9 @@
 
 ``--topology`` is a named machine (``1xH200``, ``4xB300``, ``8xB300``, ``4xAscend910B3``: every field with its
 source, :mod:`dlo_fn.repro.topologies`) or a JSON file with the same fields
-(:func:`dlo_fn.repro.topologies.topology_from_dict`). Prints the ranked table (the chosen plan first), the sources
+(:func:`dlo_fn.repro.topologies.topology_from_dict`), or the ``auto_policy.json`` that ``generate`` writes under
+``--out`` with ``--mode/--slots/--sp auto`` (the measured topology with its model, workload and sp sizes). Prints
+the ranked table (the chosen plan first), the sources
 of the topology's fields, and one line saying why the choice won and what came second.
 """
 
@@ -21,7 +23,8 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", default="bench", help="bench, cosmos3-super, cosmos3-nano, minimax-h3")
     p.add_argument("--world", type=int, default=None, help="ranks (default: the topology's)")
-    p.add_argument("--topology", default="1xH200", help="a named topology or FILE.json")
+    p.add_argument("--topology", default="1xH200", help="a named topology, FILE.json, or the auto_policy.json of a "
+                   "generate --out (its model and workload too)")
     p.add_argument("--workload", default=None, help="a named workload (default: the topology's own)")
     p.add_argument("--objective", choices=("throughput", "latency"), default="throughput")
     p.add_argument("--slots", default="2,3,4", help="comma list of slot counts")
@@ -46,6 +49,7 @@ def _ints(flag: str, text: str) -> tuple[int, ...]:
 
 
 def _topology(text: str):
+    """``(topology, probe)``: probe is ``(model, workload, sps)`` when the file is an ``auto_policy.json``."""
     from dlo_fn.repro import topologies
 
     if text.endswith(".json"):
@@ -57,11 +61,14 @@ def _topology(text: str):
         except json.JSONDecodeError as exc:
             raise SystemExit(f"policy: --topology {text}: not JSON ({exc})") from None
         try:
-            return topologies.topology_from_dict(data, where=f"--topology {text}")
-        except (ValueError, TypeError) as exc:
+            if isinstance(data, dict) and "topology" in data:
+                t, *probe = topologies.probe_from_dict(data, where=f"--topology {text}")
+                return t, tuple(probe)
+            return topologies.topology_from_dict(data, where=f"--topology {text}"), None
+        except (ValueError, TypeError, KeyError) as exc:
             raise SystemExit(f"policy: {exc}") from None
     try:
-        return topologies.topology(text)
+        return topologies.topology(text), None
     except ValueError as exc:
         raise SystemExit(f"policy: --topology: {exc}") from None
 
@@ -71,20 +78,26 @@ def run(args: argparse.Namespace) -> int:
     from dlo_fn.repro import topologies
     from dlo_fn.repro.tables import text_table
 
-    topology = _topology(args.topology)
+    topology, probe = _topology(args.topology)
     if args.world is not None:
         if args.world < 1:
             raise SystemExit(f"policy: --world must be >= 1, got {args.world}")
         topology = dataclasses.replace(topology, num_ranks=args.world)
     try:
-        model = topologies.model(args.model)
-        workload = topologies.workload(args.workload or DEFAULT_WORKLOAD.get(topology.name,
-                                                                             "image 1024^2 CFG, 24 steps"))
+        if probe is not None:  # a probe's own model and workload
+            model, workload, sps = probe
+        else:
+            sps = None
+            model = topologies.model(args.model)
+            workload = topologies.workload(args.workload or DEFAULT_WORKLOAD.get(topology.name,
+                                                                                 "image 1024^2 CFG, 24 steps"))
     except ValueError as exc:
         raise SystemExit(f"policy: {exc}") from None
+    if sps is not None:  # --world may have changed the ranks the probe's sp sizes divided
+        sps = tuple(sp for sp in sps if topology.num_ranks % sp == 0) or None
     result = plan(model, topology, workload, objective=args.objective, slots=_ints("--slots", args.slots),
                   requests_per_rank=_ints("--requests-per-rank", args.requests_per_rank),
-                  num_landing=args.landing)
+                  num_landing=args.landing, sps=sps)
     print(f"{model.name} on {topology.name} ({topology.num_ranks} ranks), {workload.name}: {workload.tokens} "
           f"tokens x {workload.cfg_branches}, {workload.num_steps} steps; objective {args.objective}")
     keep = ("rank", "plan", "step_s", "wave_s", "outputs_per_s", "bound", "exposed_ms_per_step", "hbm_gb",

@@ -44,7 +44,7 @@ from dlo_fn.repro.waves_tables import NANO_BLOCKS, SHARD_H2D_BYTES_PER_S, refere
 
 __all__ = ["TOPOLOGY_NAMES", "MODEL_NAMES", "topology", "model", "workload", "h200_topology", "bench_model",
            "MINIMAX_STEPS", "MINIMAX_WORKLOAD", "MINIMAX_FITS", "minimax_fits", "topology_from_dict",
-           "H200_IMAGE", "H200_VIDEO", "NANO_WORKLOAD"]
+           "H200_IMAGE", "H200_VIDEO", "NANO_WORKLOAD", "topology_to_dict", "probe_to_dict", "probe_from_dict"]
 
 BENCH = CONFIGS["bench"]
 SUPER = CONFIGS["cosmos3-super"]
@@ -231,7 +231,7 @@ def topology_from_dict(data: dict, where: str = "topology") -> Topology:
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     unknown = set(data) - set(_FIELDS) - {"compute", "host_s_per_block", "host_serial", "step_overhead",
-                                          "context_bytes", "framework_host_bytes", "sources"}
+                                          "context_bytes", "framework_host_bytes", "sources", "request_overhead"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     comp = data["compute"]
@@ -243,6 +243,41 @@ def topology_from_dict(data: dict, where: str = "topology") -> Topology:
                     float(data["d2d_copy_bytes_per_s"]), compute, ints["hbm_bytes_per_rank"],
                     ints["host_bytes_per_rank"], tuple(sorted(host.items())), bool(data.get("host_serial", False)),
                     tuple(tuple(r) for r in data.get("step_overhead", ())), int(data.get("context_bytes", 0)),
-                    int(data.get("framework_host_bytes", 0)), tuple(sorted(data.get("sources", {}).items())))
+                    int(data.get("framework_host_bytes", 0)), tuple(sorted(data.get("sources", {}).items())),
+                    tuple(tuple(r) for r in data.get("request_overhead", ())))
+
+
+def topology_to_dict(t: Topology) -> dict:
+    """The JSON form :func:`topology_from_dict` reads back (the same Topology)."""
+    compute = ({"flop_per_s": t.compute.flop_per_s} if t.compute.flop_per_s is not None
+               else {"table": [list(r) for r in t.compute.table]})
+    return {**{f: getattr(t, f) for f in _FIELDS}, "compute": compute, "host_s_per_block": dict(t.host_s_per_block),
+            "host_serial": t.host_serial, "step_overhead": [list(r) for r in t.step_overhead],
+            "context_bytes": t.context_bytes, "framework_host_bytes": t.framework_host_bytes,
+            "sources": dict(t.sources), "request_overhead": [list(r) for r in t.request_overhead]}
+
+
+def probe_to_dict(t: Topology, m: PolicyModel, w: Workload, sps: tuple[int, ...]) -> dict:
+    """What a start-up probe measured (``generate --mode/--slots/--sp auto`` writes it): the topology, the model
+    as the policy sees it, the workload and the sp sizes considered; ``policy --topology FILE`` reads it."""
+    model = {"name": m.sizes.name, "block_bytes": list(m.sizes.block_bytes), "resident_bytes": m.sizes.resident_bytes,
+             "hidden_dim": m.hidden_dim, "dtype_bytes": m.dtype_bytes,
+             "activation_bytes_per_token": m.activation_bytes_per_token,
+             "num_all_to_all_per_block": m.num_all_to_all_per_block, "source": m.source}
+    workload = {"name": w.name, "tokens": w.tokens, "num_steps": w.num_steps, "cfg_branches": w.cfg_branches}
+    return {"topology": topology_to_dict(t), "model": model, "workload": workload, "sps": list(sps)}
+
+
+def probe_from_dict(data: dict, where: str = "probe") -> tuple[Topology, PolicyModel, Workload, tuple[int, ...]]:
+    """The inverse of :func:`probe_to_dict`."""
+    missing = [k for k in ("topology", "model", "workload") if k not in data]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    m, w = dict(data["model"]), data["workload"]
+    sizes = ModelSizes(str(m.pop("name")), tuple(int(b) for b in m.pop("block_bytes")), int(m.pop("resident_bytes")))
+    model = PolicyModel(sizes, **m)
+    workload = Workload(str(w["name"]), int(w["tokens"]), int(w["num_steps"]), int(w["cfg_branches"]))
+    sps = tuple(int(x) for x in data.get("sps", ())) or None
+    return topology_from_dict(data["topology"], where=f"{where}: topology"), model, workload, sps
 
 

@@ -6,8 +6,12 @@ measured                 how (each the best of ``reps`` after one warm-up, host 
 =======================  ==========================================================================================
 ``h2d_bytes_per_s``      H2D copies of block 0's real bytes from a pinned staging buffer (pageable on CPU)
 ``allgather / d2d``      one all-gather of block 0's shards over the group (``W > 1``), else a device copy of it
+``all_to_all``           (``W > 1``) one ``all_to_all_single`` over the group of an activation-sized tensor: the
+                         request's ``g L`` tokens x hidden in the model's dtype, split over the ``W`` ranks as Ulysses
+                         at ``sp = W`` splits it (each rank's part capped at 64 MiB, so the time is bounded); bytes/s
+                         one rank sends, ``(W - 1) / W`` of its part over the time
 ``block_compute_s``      block 0 on the device on a real input: the request's latents through ``embed``
-``step_overhead_s``      the per-step work outside the blocks as the engine runs it (:func:`dlo_fn.serve.batch.run_batch`:
+``step_overhead_s``      the per-step work outside the blocks as the engine runs it (``serve.batch.run_batch``:
                          sampler inputs, ``embed`` on the request's text encoded once, ``head``, sampler update)
 ``request_s``            the per-request host work outside the ring: ``init_state`` (noise, text tokens in) and
                          ``finish`` (latents out, decode, hash)
@@ -41,11 +45,12 @@ from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.dist import DistContext, all_gather_bytes
 
-__all__ = ["Probe", "probe", "choose", "AUTO_SLOTS"]
+__all__ = ["Probe", "probe", "choose", "sp_choices", "AUTO_SLOTS"]
 
 log = logging.getLogger(__name__)
 
 AUTO_SLOTS = (2, 3, 4, 5, 6)
+A2A_CAP_BYTES = 64 << 20  # per rank: bounds the probe's all-to-all on a long video
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,42 +160,70 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
 
     text = model.encode_text(inputs.text_tokens)  # once per request, as the engine does
 
+    a2a = _all_to_all_rate(ctx, x.shape[0] * tokens * model.config.hidden_dim, block.parameters(), reps)
+
     def outside():  # one step's work outside the blocks, as serve.batch.run_batch runs it
         e = model.embed(*model_inputs(state), text)
         update(state, model.head(e.x, e))
 
     overhead = _best(outside, platform, reps)
-    request_s = _best(lambda: finish(dataclasses.replace(init_state(model, request, dev), step=request.num_inference_steps)),
-                      platform, 1)
+    done = request.num_inference_steps
+    request_s = _best(lambda: finish(dataclasses.replace(init_state(model, request, dev), step=done)), platform, 1)
     del block, dst, staged, embedded, x
     branches = 2 if request.cfg else 1
     workload = Workload(f"{request.height}x{request.width}x{request.num_frames}", tokens,
                         request.num_inference_steps, branches)
     src = "probe on this machine"
     topology = Topology(
-        f"probe {platform.kind} x{w}", w, h2d, bus, bus, d2d,
+        f"probe {platform.kind} x{w}", w, h2d, bus, a2a or bus, d2d,
         BlockCompute(table=((tokens, branches, block_s),)), _device_bytes(platform), _host_ram_per_rank(ctx),
         (("allgather", host_ag), ("rank-local", host_rl)), False, ((tokens, branches, overhead),), 0, 0,
         tuple((f, src) for f in ("h2d_bytes_per_s", "allgather_bus_bytes_per_s", "d2d_copy_bytes_per_s",
+                                 *(("all_to_all_bytes_per_s",) if a2a else ()),
                                  "compute", "host_s_per_block", "step_overhead", "hbm_bytes_per_rank",
                                  "host_bytes_per_rank", "request_overhead")), ((tokens, request_s),))
     config = model.config
-    pmodel = PolicyModel(sizes, config.hidden_dim, next(blocks[0].parameters()).element_size(), int(act), source="probe: the model's spec; activations from the allocator's peak")
+    pmodel = PolicyModel(sizes, config.hidden_dim, next(blocks[0].parameters()).element_size(), int(act),
+                         source="probe: the model's spec; activations from the allocator's peak")
     seconds = time.perf_counter() - started
-    log.info("probe (%.1f s): H2D %.1f GB/s, all-gather/copy %.1f GB/s, block %.2f ms on %d tokens x %d, "
+    log.info("probe (%.1f s): H2D %.1f GB/s, all-gather/copy %.1f GB/s, all-to-all %s, block %.2f ms on %d tokens x %d, "
              "outside the blocks %.2f ms per step, per request %.1f ms, host per block %.0f / %.0f us "
              "(allgather / rank-local)",
-             seconds, h2d / 1e9, bus / 1e9, 1e3 * block_s, tokens, branches, 1e3 * overhead,
+             seconds, h2d / 1e9, bus / 1e9, f"{a2a / 1e6:.1f} MB/s" if a2a else "- (one rank)", 1e3 * block_s,
+             tokens, branches, 1e3 * overhead,
              1e3 * request_s, 1e6 * host_ag, 1e6 * host_rl)
     return Probe(topology, pmodel, workload, seconds)
 
 
+def _all_to_all_rate(ctx: DistContext, elements: int, params, reps: int) -> float | None:
+    """Bytes/s one rank sends in an ``all_to_all_single`` of an activation-sized tensor (module docstring); None
+    on one rank."""
+    w = ctx.world_size
+    if ctx.group is None or w < 2:
+        return None
+    dtype = next(iter(params)).dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    n = min(-(-elements // w), A2A_CAP_BYTES // size)  # this rank's part at sp = W
+    n = max(w, n // w * w)  # all_to_all_single splits it into W equal chunks
+    send = torch.ones(n, dtype=dtype, device=ctx.platform.device)
+    recv = torch.empty_like(send)
+    seconds = _best(lambda: torch.distributed.all_to_all_single(recv, send, group=ctx.group), ctx.platform, reps)
+    return n * send.element_size() * (w - 1) / w / seconds
+
+
+def sp_choices(world_size: int, num_heads: int | None) -> tuple[int, ...]:
+    """The sp sizes ``--sp auto`` may take: divisors of the world that divide the model's heads (Ulysses)."""
+    return tuple(d for d in range(1, world_size + 1)
+                 if world_size % d == 0 and (num_heads is None or num_heads % d == 0))
+
+
 def choose(found: Probe, *, mode: str | None = None, num_slots: int | None = None, requests_per_rank: int = 1,
-           objective: str = "throughput") -> PolicyResult:
-    """The planner on the probed topology; ``mode`` / ``num_slots`` None = the policy chooses (``auto``)."""
+           objective: str = "throughput", sps: tuple[int, ...] = (1,)) -> PolicyResult:
+    """The planner on the probed topology; ``mode`` / ``num_slots`` None = the policy chooses (``auto``);
+    ``sps``: the sp sizes to consider (one: fixed; :func:`sp_choices` for ``--sp auto``)."""
     modes = OFFLOAD_MODES if mode is None else (mode,)
     slots = AUTO_SLOTS if num_slots is None else (num_slots,)
     result = plan(found.model, found.topology, found.workload, objective=objective, slots=slots,
-                  requests_per_rank=(requests_per_rank,), modes=modes, sps=(1,))
+                  requests_per_rank=(requests_per_rank,), modes=modes, sps=tuple(sps))
     log.info("policy: %s", result.why())
     return result
