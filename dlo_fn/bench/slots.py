@@ -7,7 +7,9 @@ One process, one device, the DP engine with ``dp = 1``, ``R = 1``, one request p
 then, for each mode and each of ``{--slots} + {auto}`` slot counts, one warm-up wave (a 2-step request of the same shape) and one
 timed wave of ``--steps`` steps. Each row: per-output step time, the bound ``max(resident step, weight bytes /
 pinned peak)`` measured in the same run, their ratio, the policy's predicted step for that plan, and whether the
-output is byte-identical to the resident model's. Rows are appended to ``--out`` as they finish.
+output is byte-identical to the resident model's, with the probe's numbers (block compute, the engine's per-step
+work outside the blocks, the per-request host work, pinned H2D). Rows are appended to ``--out`` as they finish;
+the probes, the choices and the run's machine, command and date go to the ``.json`` beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import logging
 import pathlib
 
@@ -24,7 +27,8 @@ log = logging.getLogger(__name__)
 
 FIELDS = ("workload", "mode", "slots", "slots_choice", "wave_latency_s", "per_output_step_s", "resident_step_s",
           "transfer_step_s", "bound_s", "ratio_to_bound", "predicted_step_s", "predicted_bound",
-          "identical_to_resident", "probe_s", "config", "steps", "weight_bytes", "pinned_peak_bytes_per_s",
+          "identical_to_resident", "probe_s", "probe_block_s", "probe_step_overhead_s", "probe_request_s",
+          "probe_h2d_bytes_per_s", "config", "steps", "weight_bytes", "pinned_peak_bytes_per_s",
           "machine", "command", "date")
 SHAPES = {"image": (1024, 1024, 1), "video": (480, 832, 29)}
 
@@ -62,7 +66,7 @@ def _timed(engine, shape, steps: int):
     return report.waves[0].latency_s, report.results[0].sha256
 
 
-def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> None:
+def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
     import gc
 
     import torch
@@ -80,8 +84,14 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> None:
                                     shape, args.steps)
     del model
     resident_step = res_latency / args.steps
+    topo = found.topology
+    probed = {"probe_block_s": topo.compute.table[0][2], "probe_step_overhead_s": topo.step_overhead[0][2],
+              "probe_request_s": topo.request_overhead[0][1], "probe_h2d_bytes_per_s": topo.h2d_bytes_per_s}
+    summary = {"probe": {**probed, "probe_s": found.seconds, "host_s_per_block": dict(topo.host_s_per_block)},
+               "resident_step_s": resident_step, "auto": {}}
     for mode in modes:
         auto = choose(found, mode=mode)
+        summary["auto"][mode] = {"slots": auto.chosen.candidate.num_slots, "why": auto.why()}
         log.info("%s %s: auto chooses %d slots (%s)", name, mode, auto.chosen.candidate.num_slots, auto.why())
         fixed = {int(x) for x in args.slots.split(",") if x}
         for slots in sorted(fixed | {auto.chosen.candidate.num_slots}):
@@ -101,12 +111,13 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> None:
                    "wave_latency_s": latency, "per_output_step_s": per_output, "resident_step_s": resident_step,
                    "transfer_step_s": transfer, "bound_s": bound, "ratio_to_bound": per_output / bound,
                    "predicted_step_s": predicted.step_s, "predicted_bound": predicted.bound,
-                   "identical_to_resident": sha == reference, "probe_s": found.seconds, "config": args.config,
+                   "identical_to_resident": sha == reference, "probe_s": found.seconds, **probed, "config": args.config,
                    "steps": args.steps, "weight_bytes": weight_bytes, "pinned_peak_bytes_per_s": peak, **meta}
             log.info("%s %s S%d: %.4f s per step, bound %.4f (%.3fx), predicted %.4f", name, mode, slots,
                      per_output, bound, per_output / bound, predicted.step_s)
             _append(args.out, row)
             del off, model
+    return summary
 
 
 def _append(path: str, row: dict) -> None:
@@ -134,12 +145,15 @@ def run(args: argparse.Namespace) -> int:
             "command": (f"python -m dlo_fn bench slots --config {args.config} --workloads {args.workloads} "
                         f"--modes {args.modes} --steps {args.steps} --slots {args.slots}"), "date": datetime.date.today().isoformat()}
     modes = [m for m in args.modes.split(",") if m]
+    summaries = {}
     with torch.no_grad():
         for name in [w for w in args.workloads.split(",") if w]:
             if name not in SHAPES:
                 raise SystemExit(f"bench slots: --workloads: unknown {name!r}; choose from {', '.join(SHAPES)}")
             h, w, f = SHAPES[name]
             shape = (args.height or h, args.width or w, args.frames or f)
-            _workload_rows(args, name, shape, modes, platform, ctx, meta)
-    print(f"wrote {args.out}")
+            summaries[name] = _workload_rows(args, name, shape, modes, platform, ctx, meta)
+    side = pathlib.Path(args.out).with_suffix(".json")
+    side.write_text(json.dumps({**meta, "machine": desc, "workloads": summaries}, indent=1, default=str))
+    print(f"wrote {args.out} and {side}")
     return 0
