@@ -84,8 +84,9 @@ def test_weight_device_bytes_independent_of_depth():
         o = offload(toy(n), "blocks", CTX)
         ex = o.executor
         sizes[n] = ex.device_weight_bytes
-        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == (
-            2 * o.layout.max_padded_block_bytes + 2 * o.layout.max_shard_bytes)
+        # allgather over one rank lowers to H2D straight into the slot: slots only, no landing buffer
+        assert ex.mode == "allgather" and ex.ring.mode == "rank-local" and ex.landing == ()
+        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == 2 * o.layout.max_padded_block_bytes
         assert o.store.arena_bytes == o.layout.shard_bytes_per_rank == n * o.layout.shards[0].shard_bytes
     assert sizes[4] == sizes[16]
 
@@ -159,12 +160,12 @@ def test_handed_schedules_run_and_ones_off_the_ring_are_refused():
     ref = toy()
     o = offload(copy.deepcopy(ref), "blocks", CTX)
     ex, x = o.executor, torch.randn(2, 16)
-    assert ex.ring == Ring.cold(5)
+    assert ex.ring == Ring.cold(5, num_shards=1) == Ring.cold(5, mode="rank-local")  # one rank: the rank-local ring
     handed = ex.ring.next_schedule(1, prefetch_next=False)  # the caller, not the executor, decides
     with o.run(schedule=handed) as followed:
         assert followed is handed
         assert torch.equal(o.model(x), ref(x))
-    assert ex.ring == Ring(5, 2, 2, "allgather", slot_offset=1, landing_offset=1, warm=False)
+    assert ex.ring == Ring(5, 2, 0, "rank-local", slot_offset=1, warm=False)
     with pytest.raises(ScheduleError, match=r"slot_offset = 0 \(the ring has 1\)"):
         ex.begin_run(schedule=build_schedule(5, 1))  # a cold schedule on a ring that has moved on
     with pytest.raises(ScheduleError, match="pass the schedule alone"):
@@ -186,7 +187,8 @@ def test_measured_timeline_matches_schedule_and_exports_trace(tmp_path):
     tl = o.executor.take_timeline()
     want = [f"run{j} {op}" for j, s in enumerate(schedules) for op in s.to_strs()]
     assert [s.op for s in tl.spans] == want
-    assert {s.stream for s in tl.spans} == {"h2d", "allgather", "compute"}
+    assert {s.stream for s in tl.spans} == {"h2d", "compute"}  # one rank: no all-gather (W > 1: test_executor_dist)
+    assert dict(tl.meta)["mode"] == "rank-local" and dict(tl.meta)["num_landing"] == "0"
     assert all(s.end_s >= s.start_s >= 0 for s in tl.spans)
     computes = [s for s in tl.spans if s.stream == "compute"]
     assert all(a.end_s <= b.start_s for a, b in zip(computes, computes[1:]))

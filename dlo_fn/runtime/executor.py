@@ -47,8 +47,7 @@ from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
-from dlo_fn.runtime.program import (_AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule,
-                                    gather_one)
+from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule
 from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
@@ -79,14 +78,14 @@ class Executor:
         if group is None and layout.num_shards != 1:
             raise ValueError(f"a layout sharded over {layout.num_shards} ranks needs a process group")
         self.platform, self.layout, self.store, self.group = platform, layout, store, group
-        # The all-gather of one rank is the identity: a device copy, not a collective call (~130 us of host work
-        # per block through NCCL on an H200 host).
         self._gather_group = group if layout.num_shards > 1 else None
         self.mode, self.rank, self.block_call = mode, rank, block_call
         # The ring checks slots and landing buffers; rank-local has none, whatever num_landing says (one
-        # OffloadOptions carries it for both modes).
+        # OffloadOptions carries it for both modes). An all-gather over one rank is the identity: the plan lowers
+        # it to the rank-local ring (H2D straight into the slot, no landing buffer, no AG op), so the ring's mode
+        # is the program's (what the timeline records) and ``mode`` the one asked for.
         self.ring = Ring.cold(layout.num_blocks, num_slots=num_slots, mode=mode,
-                              num_landing=num_landing if mode == "allgather" else None)
+                              num_landing=num_landing if mode == "allgather" else None, num_shards=layout.num_shards)
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.async_collectives = async_collectives and not platform.is_accelerator
         self.record_timeline = record_timeline
@@ -290,17 +289,13 @@ class Executor:
                         dst.copy_(src, non_blocking=True)
                     self.stats.loads += 1
                 elif kind == _AG:
-                    out, inp = p.args[i]
-                    if self._gather_group is None:
-                        gather_one(out, inp)
-                    else:
-                        work = self._all_gather(out, inp, group=self._gather_group,
-                                                async_op=self.async_collectives)
-                        if work is not None:
-                            events[i].work = work
-                            if starts is not None:
-                                stamp_on_completion(work, events[i])
-                                continue
+                    out, inp = p.args[i]  # W > 1: a shard group of one has no AG op (plan.lowering)
+                    work = self._all_gather(out, inp, group=self._gather_group, async_op=self.async_collectives)
+                    if work is not None:
+                        events[i].work = work
+                        if starts is not None:
+                            stamp_on_completion(work, events[i])
+                            continue
                 elif run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
                 events[i].record(stream)
@@ -333,14 +328,9 @@ class Executor:
                     ev = carry.get(buf)
                     if ev is not None:
                         check(wait(h, ev.handle, 0), "cuStreamWaitEvent")
-                if copies is None:  # an all-gather of one rank: a kernel on its stream
-                    self._set_stream(p.streams[i])
-                    gather_one(*p.args[i])
-                    self._set_stream(run.stream)
-                else:
-                    for dst, src, n, dev in copies:
-                        copy(dst, src, n, h, dev)
-                loads += p.kinds[i] == _H2D
+                for dst, src, n, dev in copies:
+                    copy(dst, src, n, h, dev)
+                loads += 1
                 code = record(events[i].handle, h)
                 if code:
                     check(code, "cuEventRecord")
@@ -420,7 +410,7 @@ class Executor:
         if not self.record_timeline:
             raise ValueError("construct the executor with record_timeline=True to measure a timeline")
         self.synchronize()
-        base = (("source", "measured"), ("platform", self.platform.kind), ("mode", self.mode),
+        base = (("source", "measured"), ("platform", self.platform.kind), ("mode", self.ring.mode),
                 ("num_blocks", str(self.layout.num_blocks)), ("num_slots", str(self.num_slots)),
                 # "world_size": the key the committed measured timelines (figures/data) carry for num_shards.
                 ("num_landing", str(self.num_landing)), ("world_size", str(self.layout.num_shards)))

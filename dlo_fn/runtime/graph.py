@@ -3,7 +3,8 @@
 A run's ops split into *steps*: step ``j`` is every op issued after step ``j-1``'s last compute up to and
 including its own last compute (the last step also takes the ops after it, e.g. the next run's prefetch). Slots,
 landing buffers and the pinned arena are fixed and a request's shapes are fixed, so a step is a static program:
-its H2D copies (pinned arena -> slot / landing buffer), its all-gathers (a device copy at W = 1), the event waits
+its H2D copies (pinned arena -> slot / landing buffer), its all-gathers (none at W = 1: the plan lowers a shard
+group of one to H2D straight into the slot), the event waits
 between the three streams and the block computes. :class:`StepGraphs` captures it once per
 
     (step signature, input shapes, R)     signature = the step's ops (kind, block, slot, landing, request,
@@ -34,7 +35,6 @@ from typing import Any
 import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
-from dlo_fn.runtime.program import gather_one
 
 __all__ = ["StepGraphs", "graph_support"]
 
@@ -301,10 +301,7 @@ class StepGraphs:
                             dst.copy_(src, non_blocking=True)
                     elif op.kind == AG:
                         out, inp = p.args[i]
-                        if ex._gather_group is None:
-                            gather_one(out, inp)
-                        else:
-                            ex._all_gather(out, inp, group=ex._gather_group)
+                        ex._all_gather(out, inp, group=ex._gather_group)
                     else:
                         r = op.request
                         if op.block == 0:

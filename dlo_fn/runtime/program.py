@@ -21,18 +21,9 @@ from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
 
-__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule", "gather_one"]
+__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule"]
 
 _H2D, _AG, _C = 0, 1, 2
-
-
-def gather_one(out: torch.Tensor, inp: torch.Tensor) -> None:
-    """The all-gather of one rank (W = 1): ``out[:] = inp``, by an elementwise kernel (no NCCL call: ~130 us of host
-    work per block on the H200 host). A D2D memcpy was tried first, suspecting copy-engine sharing with the H2D
-    stream for the 1.07x-bound 1024^2 pass; the kernel measured the same (1.06x), so that was not the cause."""
-    if out.numel() % 8 == 0 and out.data_ptr() % 8 == 0 and inp.data_ptr() % 8 == 0:
-        out, inp = out.view(torch.int64), inp.view(torch.int64)
-    torch.bitwise_or(inp, 0, out=out)
 
 
 @dataclass
@@ -71,7 +62,7 @@ class Program:
     events: list[Any]
     last_use: tuple[tuple[str, int], ...] = ()
     # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
-    # source), ...) or None for an all-gather); compute ops: None (they run on the caller's stream).
+    # source), ...)); compute ops: None (they run on the caller's stream).
     raw: tuple[Any, ...] | None = None
 
 
@@ -156,8 +147,11 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     events = [new_event() for _ in sch.ops]
     raw = None
     if raw_stream is not None:
-        # All-gathers (W = 1: a kernel, see gather_one) keep None for their copies: they need torch's stream.
-        raw = tuple(None if k == _C else (raw_stream(s), None if k == _AG else tuple(
+        # Driver calls issue copies and events only: a shard group of one has no AG op (the plan lowers it to
+        # H2D straight into the slot), and a collective needs its process group's call.
+        if _AG in kinds:
+            raise ValueError("the driver-call loop runs no all-gather: compile without raw_stream")
+        raw = tuple(None if k == _C else (raw_stream(s), tuple(
             (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
             for dst, src in a))
             for k, s, a in zip(kinds, op_streams, args))
