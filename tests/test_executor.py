@@ -218,3 +218,27 @@ def test_cuda_streams_events_bit_exact(mode):
     ex = o.executor
     assert ex.measured_device_bytes >= ex.planned_device_weight_bytes
     assert ex.measured_device_bytes <= 1.05 * ex.planned_device_weight_bytes + 2 * 2**20
+
+
+@pytest.mark.parametrize("mode,opts", [("allgather", {}), ("rank-local", {"num_slots": 3})])
+def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
+    # The CUDA eager path (bound driver calls per segment, runtime.program.fast_segments) on the host: copies are
+    # real memmoves of the arena's bytes into the slots, so a wrong pointer, size or order changes the output.
+    from dlo_fn.bench.hostloop import host_executor
+
+    ref = toy()
+    o, driver = host_executor(copy.deepcopy(ref), mode, block_call="functional_call", monkeypatch=monkeypatch, **opts)
+    ex, fast = o.executor, []
+    real = ex._compute_fast
+    monkeypatch.setattr(ex, "_compute_fast", lambda run, p, i, *a: fast.append(i) or real(run, p, i, *a))
+    for _ in range(3):  # implicit runs chained on the ring: the first segment of each waits on the previous run
+        x = torch.randn(2, 16)
+        assert torch.equal(o.model(x), ref(x))
+    with o.run(2):
+        for _ in range(2):
+            x = torch.randn(2, 16)
+            assert torch.equal(o.model(x), ref(x))
+    assert ex.stats.computes == 5 * 5 and driver.calls > 0
+    # Every compute took the fast path but those whose segment has a slot's first use in the run (it waits on the
+    # previous run's last use of that slot, known only at run time): at most S - 1 per run, 4 runs.
+    assert 5 * 5 - 4 * (ex.num_slots - 1) <= len(fast) < 5 * 5

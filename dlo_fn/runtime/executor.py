@@ -47,7 +47,8 @@ from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
-from dlo_fn.runtime.program import _AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule
+from dlo_fn.runtime.program import (_AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule,
+                                    fast_segments)
 from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
@@ -182,9 +183,12 @@ class Executor:
         else:
             events, starts = program.events, None
         stream = self.platform.current_stream()
-        cstream = RawStream(self._raw, stream_handle(stream)) if self._raw is not None else stream
+        cstream, fast = stream, None
+        if self._raw is not None:
+            cstream = RawStream(self._raw, stream_handle(stream))
+            fast = fast_segments(program, self._raw, cstream.handle)
         self._run = RunState(program, events, starts, compute, _implicit, stream, index=self._run_count,
-                             cstream=cstream)
+                             cstream=cstream, fast=fast)
         self._run_count += 1
         self.stats.runs += 1
         return program.schedule
@@ -372,6 +376,9 @@ class Executor:
                 self.stats.computes += 1
                 self.stats.issue_s += time.perf_counter() - t0
                 return out
+        seg = run.fast[i] if run.fast is not None else None
+        if seg is not None and seg[0] == run.cursor:
+            return self._compute_fast(run, p, i, seg, caller, args, kwargs, t0)
         self._issue_until(run, i)
         stream, events = run.cstream, run.events
         for d in p.waits[i]:
@@ -396,6 +403,38 @@ class Executor:
         st.call_s += t2 - t1
         st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
+
+    def _compute_fast(self, run: RunState, p: Program, i: int, seg: tuple, caller: Any, args: tuple,
+                      kwargs: dict, t0: float) -> Any:
+        """:meth:`compute` on the driver-call path: the segment's bound calls (its loads, then this compute's
+        waits), the block, its record (see :func:`~dlo_fn.runtime.program.fast_segments`)."""
+        _, calls, (record, rargs), loads = seg
+        run.cursor = i
+        for fn, a in calls:
+            if code := fn(*a):
+                self._driver_failed(run, fn, code, i)
+        t1 = time.perf_counter()
+        out = caller(args, kwargs)
+        t2 = time.perf_counter()
+        if code := record(*rargs):
+            self._driver_failed(run, record, code, i)
+        if self.graphs is not None:  # an eager step of graph mode: its wiring is recorded for the capture
+            self.graphs.after_eager(run, i, out)
+        run.cursor = i + 1
+        st = self.stats
+        if run.implicit and p.next_compute[i + 1] >= len(p.kinds):
+            self.end_run()
+        st.computes += 1
+        st.loads += loads
+        st.call_s += t2 - t1
+        st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
+        return out
+
+    def _driver_failed(self, run: RunState, fn: Any, code: int, i: int) -> None:
+        op = run.program.schedule.ops[i]
+        self.abort()
+        raise RuntimeError(f"CUDA driver call {getattr(fn, '__name__', fn)} failed with CUresult {code} while "
+                           f"issuing up to {op}; the run was aborted (the next one starts cold)")
 
     # -- measured timeline ----------------------------------------------------------------------------------
     @property

@@ -3,6 +3,11 @@
 The schedule is the planner's (:mod:`dlo_fn.plan.schedule`), handed to the executor as is: compiling resolves
 buffers and streams, never reorders, adds or drops an op.
 
+With driver calls (CUDA, :mod:`dlo_fn.runtime.cuda_raw`) each compute op also gets its *segment*: every driver
+call from the op after the previous compute up to this compute's own waits, flattened into one tuple of
+``(function, args)`` with the pointers and event handles bound (:func:`fast_segments`), and the record after it.
+The eager hot loop then is one loop of bare driver calls per block, with no per-op lookup, branch or wrapper.
+
 Compiling resolves every op once (at the first run that uses the schedule) into what the hot loop needs: its
 kind, stream, the indices of the events it waits on, the buffers whose previous-run last use it waits on, and
 its arguments as ready-made byte views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing
@@ -11,7 +16,7 @@ bytes); ``C``: (block index, caller bound to the slot's weight views)).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,7 +26,7 @@ from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
 
-__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule"]
+__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule", "fast_segments"]
 
 _H2D, _AG, _C = 0, 1, 2
 
@@ -64,6 +69,8 @@ class Program:
     # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
     # source), ...)); compute ops: None (they run on the caller's stream).
     raw: tuple[Any, ...] | None = None
+    # The driver-call fast path, per compute stream handle (see fast_segments).
+    fast: dict[int, tuple[Any, ...]] = field(default_factory=dict)
 
 
 class Programs:
@@ -111,6 +118,7 @@ class RunState:
     cursor: int = 0
     index: int = 0
     cstream: Any = None  # what compute ops wait and record on: ``stream``, or its RawStream
+    fast: tuple[Any, ...] | None = None  # driver calls: fast_segments(program, cu, compute stream handle)
 
 
 def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots: Sequence[torch.Tensor],
@@ -157,3 +165,31 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             for k, s, a in zip(kinds, op_streams, args))
     return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
                    tuple(nxt), events, sch.last_use, raw)
+
+
+def fast_segments(p: Program, cu: Any, compute_handle: int) -> tuple[Any, ...]:
+    """Per op index: for a compute op whose segment (the ops since the previous compute, then its own waits) has
+    no wait on the previous run (``carry``, known only at run time), ``(start, calls, record, num_loads)``:
+    ``start`` the cursor the segment begins at, ``calls`` the driver calls ``(fn, args)`` in issue order,
+    ``record`` the call recording the compute's event; None elsewhere (the executor's generic loop). Events are
+    the program's own (driver calls run only without a recorder), so every handle is fixed at compile time."""
+    cached = p.fast.get(compute_handle)
+    if cached is not None:
+        return cached
+    handles = [ev.handle for ev in p.events]
+    out: list[Any] = [None] * len(p.kinds)
+    start, calls, clean, loads = 0, [], True, 0
+    for i, kind in enumerate(p.kinds):
+        clean = clean and not p.carry[i]
+        h = compute_handle if kind == _C else p.raw[i][0]
+        calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
+        if kind == _C:
+            if clean:
+                out[i] = (start, tuple(calls), cu.bind_record(handles[i], h), loads)
+            start, calls, clean, loads = i + 1, [], True, 0
+            continue
+        calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
+        calls.append(cu.bind_record(handles[i], h))
+        loads += 1
+    p.fast[compute_handle] = result = tuple(out)
+    return result
