@@ -126,8 +126,10 @@ class Executor:
             self._warm_up_collective()
         self.graphs = None
         if graph:
-            why = graph_support(platform) or (store.arena is None and "the rank-local mmap source is pageable "
-                                              "memory, which a CUDA graph cannot copy from")
+            backend = dist.get_backend(self._gather_group) if self._gather_group is not None else None
+            why = graph_support(platform, layout.num_shards, backend) or (
+                store.arena is None and "the rank-local mmap source is pageable memory, which a CUDA graph cannot "
+                                        "copy from")
             if why:
                 log.warning("cuda graph: %s; running eager", why)
             else:
