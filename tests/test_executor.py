@@ -84,8 +84,9 @@ def test_weight_device_bytes_independent_of_depth():
         o = offload(toy(n), "blocks", CTX)
         ex = o.executor
         sizes[n] = ex.device_weight_bytes
-        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == (
-            2 * o.layout.max_padded_block_bytes + 2 * o.layout.max_shard_bytes)
+        # allgather over one rank lowers to H2D straight into the slot: slots only, no landing buffer
+        assert ex.mode == "allgather" and ex.ring.mode == "rank-local" and ex.landing == ()
+        assert ex.device_weight_bytes == ex.planned_device_weight_bytes == 2 * o.layout.max_padded_block_bytes
         assert o.store.arena_bytes == o.layout.shard_bytes_per_rank == n * o.layout.shards[0].shard_bytes
     assert sizes[4] == sizes[16]
 
@@ -159,12 +160,12 @@ def test_handed_schedules_run_and_ones_off_the_ring_are_refused():
     ref = toy()
     o = offload(copy.deepcopy(ref), "blocks", CTX)
     ex, x = o.executor, torch.randn(2, 16)
-    assert ex.ring == Ring.cold(5)
+    assert ex.ring == Ring.cold(5, num_shards=1) == Ring.cold(5, mode="rank-local")  # one rank: the rank-local ring
     handed = ex.ring.next_schedule(1, prefetch_next=False)  # the caller, not the executor, decides
     with o.run(schedule=handed) as followed:
         assert followed is handed
         assert torch.equal(o.model(x), ref(x))
-    assert ex.ring == Ring(5, 2, 2, "allgather", slot_offset=1, landing_offset=1, warm=False)
+    assert ex.ring == Ring(5, 2, 0, "rank-local", slot_offset=1, warm=False)
     with pytest.raises(ScheduleError, match=r"slot_offset = 0 \(the ring has 1\)"):
         ex.begin_run(schedule=build_schedule(5, 1))  # a cold schedule on a ring that has moved on
     with pytest.raises(ScheduleError, match="pass the schedule alone"):
@@ -186,7 +187,8 @@ def test_measured_timeline_matches_schedule_and_exports_trace(tmp_path):
     tl = o.executor.take_timeline()
     want = [f"run{j} {op}" for j, s in enumerate(schedules) for op in s.to_strs()]
     assert [s.op for s in tl.spans] == want
-    assert {s.stream for s in tl.spans} == {"h2d", "allgather", "compute"}
+    assert {s.stream for s in tl.spans} == {"h2d", "compute"}  # one rank: no all-gather (W > 1: test_executor_dist)
+    assert dict(tl.meta)["mode"] == "rank-local" and dict(tl.meta)["num_landing"] == "0"
     assert all(s.end_s >= s.start_s >= 0 for s in tl.spans)
     computes = [s for s in tl.spans if s.stream == "compute"]
     assert all(a.end_s <= b.start_s for a, b in zip(computes, computes[1:]))
@@ -216,3 +218,27 @@ def test_cuda_streams_events_bit_exact(mode):
     ex = o.executor
     assert ex.measured_device_bytes >= ex.planned_device_weight_bytes
     assert ex.measured_device_bytes <= 1.05 * ex.planned_device_weight_bytes + 2 * 2**20
+
+
+@pytest.mark.parametrize("mode,opts", [("allgather", {}), ("rank-local", {"num_slots": 3})])
+def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
+    # The CUDA eager path (bound driver calls per segment, runtime.program.fast_segments) on the host: copies are
+    # real memmoves of the arena's bytes into the slots, so a wrong pointer, size or order changes the output.
+    from dlo_fn.bench.hostloop import host_executor
+
+    ref = toy()
+    o, driver = host_executor(copy.deepcopy(ref), mode, block_call="functional_call", monkeypatch=monkeypatch, **opts)
+    ex, fast = o.executor, []
+    real = ex._compute_fast
+    monkeypatch.setattr(ex, "_compute_fast", lambda run, p, i, *a: fast.append(i) or real(run, p, i, *a))
+    for _ in range(3):  # implicit runs chained on the ring: the first segment of each waits on the previous run
+        x = torch.randn(2, 16)
+        assert torch.equal(o.model(x), ref(x))
+    with o.run(2):
+        for _ in range(2):
+            x = torch.randn(2, 16)
+            assert torch.equal(o.model(x), ref(x))
+    assert ex.stats.computes == 5 * 5 and driver.calls > 0
+    # Every compute took the fast path but those whose segment has a slot's first use in the run (it waits on the
+    # previous run's last use of that slot, known only at run time): at most S - 1 per run, 4 runs.
+    assert 5 * 5 - 4 * (ex.num_slots - 1) <= len(fast) < 5 * 5

@@ -25,6 +25,21 @@ def test_option_and_cli_flag():
     assert options_from_args(args).graph is False
 
 
+def test_support_decision_for_shard_groups():
+    # The decision before anything runs (no GPU needed: it reads the platform kind, the group size and backend).
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(kind="cuda")
+    assert graph_support(cuda) is None and graph_support(cuda, 1, None, env={}) is None  # W = 1: no collective
+    assert "runs on 'gloo', which a CUDA graph cannot capture" in graph_support(cuda, 2, "gloo", env={})
+    assert graph_support(cuda, 4, "nccl", env={}) == (
+        "capturing the NCCL all-gather (W = 4) is not validated on a multi-GPU machine yet (set "
+        "DLO_FN_GRAPH_NCCL=1 to try it)")
+    assert graph_support(cuda, 4, "nccl", env={"DLO_FN_GRAPH_NCCL": "1"}) is None
+    assert graph_support(SimpleNamespace(kind="npu"), 2, "hccl", env={"DLO_FN_GRAPH_NCCL": "1"}).startswith(
+        "CUDA graphs need a CUDA device")
+
+
 def test_cpu_falls_back_to_eager_logged_once(caplog):
     assert graph_support(CTX.platform) == "CUDA graphs need a CUDA device (platform 'cpu')"
     ref = toy()

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from strategies import build_case, schedule_cases
 
 from dlo_fn.plan.schedule import (
-    AG, C, H2D, Op, Ring, Schedule, add_dependencies, build_schedule, compute_order,
+    AG, C, H2D, Op, Ring, Schedule, add_dependencies, build_schedule, lowered_mode, compute_order,
     next_landing_offset, next_schedule, next_slot_offset,
 )
 from dlo_fn.plan.schedule_check import ScheduleError, check_schedule
@@ -63,6 +63,30 @@ def test_golden_rank_local():
         "C k1 b1@s1 r0 <- 1",
         "C k2 b2@s0 r0 <- 3",
     ])
+
+
+def test_golden_allgather_over_one_rank_is_the_rank_local_program():
+    # W = 1: the all-gather is the identity and the only shard is the whole padded block, so the lowering gives
+    # the rank-local ops (H2D straight into the slot, no landing buffer, no AG), waits included.
+    assert lowered_mode("allgather", 1) == "rank-local" and lowered_mode("allgather", 2) == "allgather"
+    assert lowered_mode("allgather", None) == "allgather" and lowered_mode("rank-local", 1) == "rank-local"
+    one = build_schedule(3, 1, mode="allgather", num_landing=2, num_shards=1)
+    _assert_golden(one, [
+        "H2D k0 b0>s0",
+        "H2D k1 b1>s1",
+        "C k0 b0@s0 r0 <- 0",
+        "H2D k2 b2>s0 <- 2",
+        "C k1 b1@s1 r0 <- 1",
+        "C k2 b2@s0 r0 <- 3",
+    ])
+    assert one.mode == "rank-local" and one.num_landing == 0 and one == build_schedule(3, 1, mode="rank-local")
+    ring = Ring.cold(3, mode="allgather", num_landing=2, num_shards=1)
+    assert ring == Ring.cold(3, mode="rank-local") and ring.num_landing == 0
+    assert [op.kind for op in ring.next_schedule(2).ops].count("AG") == 0
+    two = build_schedule(3, 1, num_shards=2)  # W > 1 keeps the landing buffers and the all-gathers
+    assert two == build_schedule(3, 1) and two.to_strs()[:2] == ("H2D k0 b0>l0", "AG k0 b0 l0>s0")
+    with pytest.raises(ValueError, match="num_shards must be an int >= 1"):
+        build_schedule(3, 1, num_shards=0)
 
 
 def test_golden_three_slots():

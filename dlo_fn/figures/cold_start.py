@@ -11,6 +11,12 @@ re-measured here): the sum of PSS over N real processes that each load the same 
 line fitted in N (numpy least squares) has slope ``~ M + c`` with private copies and ``~ c`` with mmap, and
 intercept ``~ 0`` and ``~ M``: the same law, with our ``c`` (one process's torch footprint) in place of the
 published deployment's.
+
+Third panel, after the load: one rank's USS once its weights are offloaded (``figures/data/load_phases.csv``,
+``python -m dlo_fn bench load --phases``) against :func:`dlo_fn.plan.rank_memory.rank_memory`'s prediction. With
+the all-gather a rank keeps ``M / N`` (its arena shard) and the mapping is released, so USS falls as ``1 / N``;
+rank-local keeps a private ``M`` per rank, and rank-local from the mapping keeps almost nothing private (the page
+cache is shared, counted in PSS).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dlo_fn.plan.memory import GB
 from dlo_fn.repro.cold_start import (
     DP, LOADINGS, MB, NANO, fit_rows, fit_sweep, nano_cold_starts, nano_comparisons, read_sweep,
 )
+from dlo_fn.repro.rank_memory_tables import read_phases
 
 __all__ = ["fig2_cold_start_host_memory", "FIGURES"]
 
@@ -47,9 +54,10 @@ def fig2_cold_start_host_memory(out_dir: pathlib.Path) -> list[pathlib.Path]:
         write_csv(out_dir / "data" / "fig2_cold_start_fit.csv", table, tuple(table[0])),
     ]
     with figure_style():
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
         _model_panel(ax1, starts, {c.key: c for c in comparisons})
         _sweep_panel(ax2, sweep, fits, cgroup)
+        _rank_panel(ax3, read_phases())
         fig.suptitle("Cold start: private copies cost a model per rank, mmap a framework constant per rank")
         fig.tight_layout()
         paths.insert(0, save_png(fig, out_dir / "fig2_cold_start_host_memory.png"))
@@ -96,6 +104,24 @@ def _sweep_panel(ax, sweep, fits, cgroup) -> None:
     ax.set(xlabel="processes N", ylabel="host memory (GB): sum of PSS (dots), cgroup (x)", xticks=sorted({r["ranks"] for r in sweep}),
            title=f"measured: M = {m / GB:.2f} GB checkpoint, c = {c / MB:.0f} MB (dotted: law)")
     ax.legend(fontsize=7, loc="upper left")
+
+
+def _rank_panel(ax, phases, phase: str = "offload") -> None:
+    modes = (("allgather", COLORS["allgather"]), ("rank-local", COLORS["h2d"]), ("rank-local-mmap", COLORS["compute"]))
+    rows = [r for r in phases if r["phase"] == phase]
+    for mode, color in modes:
+        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["ranks"])
+        if not sel:
+            continue
+        n = [r["ranks"] for r in sel]
+        worst = max(abs(r["predicted_uss_bytes"] / r["uss_bytes"] - 1) for r in sel)
+        ax.plot(n, [r["uss_bytes"] / GB for r in sel], "o", color=color, label=f"{mode}: measured")
+        ax.plot(n, [r["predicted_uss_bytes"] / GB for r in sel], "-", color=color, lw=1,
+                label=f"{mode}: model (worst {100 * worst:.1f}%)")
+    top = max(r["uss_bytes"] for r in rows) / GB
+    ax.set(xlabel="processes N", ylabel="USS of one rank (GB)", xticks=sorted({r["ranks"] for r in rows}),
+           ylim=(0, 1.9 * top), title=f"per rank after the {phase}: measured vs rank_memory")
+    ax.legend(fontsize=6.5, loc="upper right", ncol=2)
 
 
 FIGURES = {"fig2_cold_start_host_memory": fig2_cold_start_host_memory}

@@ -3,7 +3,8 @@
 DLO holds a fixed double buffer of whole blocks plus landing buffers for the local shard::
 
     HBM = S * max_b(W * s_b)            slots: the largest block, padded to W equal shards
-        + L * max_b s_b                 landing buffers (allgather; rank-local: L = 0, W = 1)
+        + L * max_b s_b                 landing buffers (allgather at W > 1; rank-local, and allgather over
+                                        one rank, which lowers to the rank-local ops: L = 0, W = 1)
         + R                             resident (non-block) tensors, kept on every card
         + a + k                         activations and communication buffers (workload inputs)
         + c_dev                         device context (an input: measured on one deployment)
@@ -27,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
+from dlo_fn.plan.lowering import lowered_mode
 from dlo_fn.plan.memory import ModelSizes, pinned_host_bytes_per_rank
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
@@ -92,9 +94,10 @@ def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *,
     if mode == "allgather" and num_landing < 1:
         raise ValueError(f"allgather mode needs num_landing >= 1, got {num_landing}")
     w = num_shards if mode == "allgather" else 1
+    gathered = lowered_mode(mode, w) == "allgather"  # one rank: no landing buffer (plan.lowering)
     return HbmPerCard(
         slot_bytes=num_slots * sizes.max_padded_block_bytes(w, alignment_bytes),
-        landing_bytes=num_landing * sizes.max_shard_bytes(w, alignment_bytes) if mode == "allgather" else 0,
+        landing_bytes=num_landing * sizes.max_shard_bytes(w, alignment_bytes) if gathered else 0,
         resident_bytes=sizes.resident_bytes if include_resident else 0,
         activation_bytes=int(activation_bytes),
         communication_bytes=int(communication_bytes),

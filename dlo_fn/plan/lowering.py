@@ -12,6 +12,11 @@ mode: one H2D of the whole block straight into the slot); :func:`add_dependencie
 buffer hazards. The ops and their strings are in :mod:`dlo_fn.plan.ops`; the offsets ``o``, ``lo`` come from the
 :class:`~dlo_fn.plan.schedule.Ring`, which runs these passes.
 
+**A shard group of one.** The all-gather over ``W = 1`` rank is the identity and the rank's only shard is the
+whole padded block, so :func:`lowered_mode` lowers ``allgather`` at ``W = 1`` to the rank-local op sequence: one
+H2D straight into the slot, no landing buffer (``N = 0``), no ``AG`` op. The executor, the CUDA graph and the
+recorded timeline all run that one program; the HBM plan counts no landing bytes for it.
+
 Dependencies (each an event wait): AG after its H2D; C after its AG (rank-local: its H2D); a slot is refilled
 only after every compute of its previous occupant; a landing buffer is reused only after its AG. Waits already
 implied by "one stream runs in issue order" or by another wait are dropped: an AG waits on the *last* compute of
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
 
-__all__ = ["ComputeItem", "compute_order", "place_computes", "add_loads", "add_dependencies", "buffer_uses"]
+__all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies", "buffer_uses"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,14 @@ class ComputeItem:
     block: int
     step: int
     request: int
+
+
+def lowered_mode(mode: str, num_shards: int | None) -> str:
+    """The op sequence ``mode`` lowers to on a shard group of ``num_shards`` ranks (None: unknown, unchanged):
+    ``allgather`` over one rank is the rank-local sequence (see the module doc), every other case itself."""
+    if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
+        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    return "rank-local" if mode == "allgather" and num_shards == 1 else mode
 
 
 def compute_order(num_blocks: int, num_steps: int, requests_per_load: int = 1) -> tuple[ComputeItem, ...]:

@@ -163,7 +163,8 @@ def rank_terms(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devic
         warm_bytes=slot if cpu and collective else 0,
         transient_bytes=slot if cpu and collective else 0,
         slot_bytes=num_slots * slot if cpu else 0,
-        landing_bytes=(num_landing if gather else 0) * sizes.max_shard_bytes(w, alignment_bytes) if cpu else 0,
+        # An all-gather over one rank lowers to H2D straight into the slot: no landing buffer (plan.lowering).
+        landing_bytes=(num_landing if gather and w > 1 else 0) * sizes.max_shard_bytes(w, alignment_bytes) if cpu else 0,
         streamed_bytes=blocks if mode == "rank-local-mmap" else 0,
         activation_bytes=activation_bytes,
         staging_bytes=0 if cpu else staging_bytes,

@@ -3,7 +3,8 @@
 A :class:`Schedule` is built by the pure lowering passes of :mod:`dlo_fn.plan.lowering` (compute-only order ->
 place computes -> add loads -> add dependencies; the math of each is there) and is what the executor
 interprets, op by op. Load ``k`` of a run is block ``k % B`` of step ``k // B`` (``L = T*B`` loads) on slot
-``(o + k) % S`` and, in allgather mode, landing buffer ``(lo + k) % N``.
+``(o + k) % S`` and, in allgather mode, landing buffer ``(lo + k) % N``. An all-gather over one rank is lowered to
+the rank-local sequence (``Ring.cold(..., num_shards=1)``; :func:`~dlo_fn.plan.lowering.lowered_mode`).
 
 **Landing buffers** (``N = num_landing``, default 2). With ``N = 1`` the H2D of load ``k+1`` must wait for the AG
 of load ``k`` to drain the landing buffer, so H2D and AG serialise and the load period is ``h + a`` per block;
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dlo_fn.plan.lowering import (
-    ComputeItem, add_dependencies, add_loads, buffer_uses, compute_order, place_computes,
+    ComputeItem, add_dependencies, add_loads, buffer_uses, compute_order, lowered_mode, place_computes,
 )
 from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
 from dlo_fn.plan.ops import AG, C, H2D, KINDS, STREAM_OF_KIND, STREAMS, Op
@@ -38,7 +39,7 @@ from dlo_fn.plan.ops import AG, C, H2D, KINDS, STREAM_OF_KIND, STREAMS, Op
 __all__ = [
     "H2D", "AG", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "DEFAULT_NUM_LANDING",
     "Op", "ComputeItem", "Schedule", "Ring", "ScheduleError",
-    "compute_order", "place_computes", "add_loads", "add_dependencies", "buffer_uses",
+    "compute_order", "lowered_mode", "place_computes", "add_loads", "add_dependencies", "buffer_uses",
     "build_schedule", "next_slot_offset", "next_landing_offset", "next_schedule",
 ]
 
@@ -169,8 +170,12 @@ class Ring:
 
     @classmethod
     def cold(cls, num_blocks: int, *, num_slots: int = 2, num_landing: int | None = None,
-             mode: str = "allgather") -> "Ring":
-        """``num_landing`` defaults to :data:`DEFAULT_NUM_LANDING` in allgather mode, 0 in rank-local mode."""
+             mode: str = "allgather", num_shards: int | None = None) -> "Ring":
+        """``num_landing`` defaults to :data:`DEFAULT_NUM_LANDING` in allgather mode, 0 in rank-local mode.
+        ``num_shards`` (the shard group's size, if known): ``allgather`` over one rank is lowered to the rank-local
+        ring (:func:`~dlo_fn.plan.lowering.lowered_mode`; its ``num_landing`` is then ignored)."""
+        if lowered_mode(mode, num_shards) != mode:
+            mode, num_landing = lowered_mode(mode, num_shards), None
         if num_landing is None:
             num_landing = DEFAULT_NUM_LANDING if mode == "allgather" else 0
         return cls(num_blocks, num_slots, num_landing, mode)
@@ -220,13 +225,17 @@ class Ring:
 
 def build_schedule(num_blocks: int, num_steps: int, *, requests_per_load: int = 1, num_slots: int = 2,
                    num_landing: int | None = None, mode: str = "allgather", slot_offset: int = 0,
-                   landing_offset: int = 0, warm_start: bool = False, prefetch_next: bool = False) -> Schedule:
+                   landing_offset: int = 0, warm_start: bool = False, prefetch_next: bool = False,
+                   num_shards: int | None = None) -> Schedule:
     """One run from any ring state (see :meth:`Ring.next_schedule`); by default a cold run that prefetches nothing.
 
     ``num_landing`` defaults to 2 in allgather mode and must be 0 (or None) in rank-local mode. ``num_slots = 1``
-    is allowed as the no-overlap baseline (every load waits for the previous block's computes).
+    is allowed as the no-overlap baseline (every load waits for the previous block's computes). ``num_shards = 1``
+    lowers ``allgather`` to the rank-local schedule (:func:`~dlo_fn.plan.lowering.lowered_mode`).
     """
     check_mode(mode, OFFLOAD_MODES)
+    if lowered_mode(mode, num_shards) != mode:
+        mode, num_landing = lowered_mode(mode, num_shards), None
     if num_landing is None:
         num_landing = DEFAULT_NUM_LANDING if mode == "allgather" else 0
     compute_order(num_blocks, num_steps, requests_per_load)  # names a bad count before the ring's fields

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, model_layout
+from dlo_fn.plan.lowering import lowered_mode
 from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 from dlo_fn.plan.spec import ModelSpec
@@ -67,6 +68,8 @@ def plan_summary(
         layout = model_layout(spec, num_shards, alignment_bytes)
         shard_per_rank = layout.shard_bytes_per_rank
         pinned = shard_per_rank
+        if lowered_mode(mode, num_shards) != mode:  # one rank: H2D straight into the slot (plan.lowering)
+            num_landing = 0
         hbm = num_slots * layout.max_padded_block_bytes + num_landing * layout.max_shard_bytes
     else:
         layout = model_layout(spec, 1, alignment_bytes)

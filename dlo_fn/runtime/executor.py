@@ -48,7 +48,7 @@ from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.platform import Platform
 from dlo_fn.runtime.program import (_AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule,
-                                    gather_one)
+                                    fast_segments)
 from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
 __all__ = ["Executor", "ExecutorStats", "ScheduleError"]
@@ -79,14 +79,14 @@ class Executor:
         if group is None and layout.num_shards != 1:
             raise ValueError(f"a layout sharded over {layout.num_shards} ranks needs a process group")
         self.platform, self.layout, self.store, self.group = platform, layout, store, group
-        # The all-gather of one rank is the identity: a device copy, not a collective call (~130 us of host work
-        # per block through NCCL on an H200 host).
         self._gather_group = group if layout.num_shards > 1 else None
         self.mode, self.rank, self.block_call = mode, rank, block_call
         # The ring checks slots and landing buffers; rank-local has none, whatever num_landing says (one
-        # OffloadOptions carries it for both modes).
+        # OffloadOptions carries it for both modes). An all-gather over one rank is the identity: the plan lowers
+        # it to the rank-local ring (H2D straight into the slot, no landing buffer, no AG op), so the ring's mode
+        # is the program's (what the timeline records) and ``mode`` the one asked for.
         self.ring = Ring.cold(layout.num_blocks, num_slots=num_slots, mode=mode,
-                              num_landing=num_landing if mode == "allgather" else None)
+                              num_landing=num_landing if mode == "allgather" else None, num_shards=layout.num_shards)
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.async_collectives = async_collectives and not platform.is_accelerator
         self.record_timeline = record_timeline
@@ -126,8 +126,10 @@ class Executor:
             self._warm_up_collective()
         self.graphs = None
         if graph:
-            why = graph_support(platform) or (store.arena is None and "the rank-local mmap source is pageable "
-                                              "memory, which a CUDA graph cannot copy from")
+            backend = dist.get_backend(self._gather_group) if self._gather_group is not None else None
+            why = graph_support(platform, layout.num_shards, backend) or (
+                store.arena is None and "the rank-local mmap source is pageable memory, which a CUDA graph cannot "
+                                        "copy from")
             if why:
                 log.warning("cuda graph: %s; running eager", why)
             else:
@@ -183,9 +185,12 @@ class Executor:
         else:
             events, starts = program.events, None
         stream = self.platform.current_stream()
-        cstream = RawStream(self._raw, stream_handle(stream)) if self._raw is not None else stream
+        cstream, fast = stream, None
+        if self._raw is not None:
+            cstream = RawStream(self._raw, stream_handle(stream))
+            fast = fast_segments(program, self._raw, cstream.handle)
         self._run = RunState(program, events, starts, compute, _implicit, stream, index=self._run_count,
-                             cstream=cstream)
+                             cstream=cstream, fast=fast)
         self._run_count += 1
         self.stats.runs += 1
         return program.schedule
@@ -290,17 +295,13 @@ class Executor:
                         dst.copy_(src, non_blocking=True)
                     self.stats.loads += 1
                 elif kind == _AG:
-                    out, inp = p.args[i]
-                    if self._gather_group is None:
-                        gather_one(out, inp)
-                    else:
-                        work = self._all_gather(out, inp, group=self._gather_group,
-                                                async_op=self.async_collectives)
-                        if work is not None:
-                            events[i].work = work
-                            if starts is not None:
-                                stamp_on_completion(work, events[i])
-                                continue
+                    out, inp = p.args[i]  # W > 1: a shard group of one has no AG op (plan.lowering)
+                    work = self._all_gather(out, inp, group=self._gather_group, async_op=self.async_collectives)
+                    if work is not None:
+                        events[i].work = work
+                        if starts is not None:
+                            stamp_on_completion(work, events[i])
+                            continue
                 elif run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
                 events[i].record(stream)
@@ -333,14 +334,9 @@ class Executor:
                     ev = carry.get(buf)
                     if ev is not None:
                         check(wait(h, ev.handle, 0), "cuStreamWaitEvent")
-                if copies is None:  # an all-gather of one rank: a kernel on its stream
-                    self._set_stream(p.streams[i])
-                    gather_one(*p.args[i])
-                    self._set_stream(run.stream)
-                else:
-                    for dst, src, n, dev in copies:
-                        copy(dst, src, n, h, dev)
-                loads += p.kinds[i] == _H2D
+                for dst, src, n, dev in copies:
+                    copy(dst, src, n, h, dev)
+                loads += 1
                 code = record(events[i].handle, h)
                 if code:
                     check(code, "cuEventRecord")
@@ -382,6 +378,9 @@ class Executor:
                 self.stats.computes += 1
                 self.stats.issue_s += time.perf_counter() - t0
                 return out
+        seg = run.fast[i] if run.fast is not None else None
+        if seg is not None and seg[0] == run.cursor:
+            return self._compute_fast(run, p, i, seg, caller, args, kwargs, t0)
         self._issue_until(run, i)
         stream, events = run.cstream, run.events
         for d in p.waits[i]:
@@ -407,6 +406,38 @@ class Executor:
         st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
 
+    def _compute_fast(self, run: RunState, p: Program, i: int, seg: tuple, caller: Any, args: tuple,
+                      kwargs: dict, t0: float) -> Any:
+        """:meth:`compute` on the driver-call path: the segment's bound calls (its loads, then this compute's
+        waits), the block, its record (see :func:`~dlo_fn.runtime.program.fast_segments`)."""
+        _, calls, (record, rargs), loads = seg
+        run.cursor = i
+        for fn, a in calls:
+            if code := fn(*a):
+                self._driver_failed(run, fn, code, i)
+        t1 = time.perf_counter()
+        out = caller(args, kwargs)
+        t2 = time.perf_counter()
+        if code := record(*rargs):
+            self._driver_failed(run, record, code, i)
+        if self.graphs is not None:  # an eager step of graph mode: its wiring is recorded for the capture
+            self.graphs.after_eager(run, i, out)
+        run.cursor = i + 1
+        st = self.stats
+        if run.implicit and p.next_compute[i + 1] >= len(p.kinds):
+            self.end_run()
+        st.computes += 1
+        st.loads += loads
+        st.call_s += t2 - t1
+        st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
+        return out
+
+    def _driver_failed(self, run: RunState, fn: Any, code: int, i: int) -> None:
+        op = run.program.schedule.ops[i]
+        self.abort()
+        raise RuntimeError(f"CUDA driver call {getattr(fn, '__name__', fn)} failed with CUresult {code} while "
+                           f"issuing up to {op}; the run was aborted (the next one starts cold)")
+
     # -- measured timeline ----------------------------------------------------------------------------------
     @property
     def timeline_origin_s(self) -> float | None:
@@ -420,7 +451,7 @@ class Executor:
         if not self.record_timeline:
             raise ValueError("construct the executor with record_timeline=True to measure a timeline")
         self.synchronize()
-        base = (("source", "measured"), ("platform", self.platform.kind), ("mode", self.mode),
+        base = (("source", "measured"), ("platform", self.platform.kind), ("mode", self.ring.mode),
                 ("num_blocks", str(self.layout.num_blocks)), ("num_slots", str(self.num_slots)),
                 # "world_size": the key the committed measured timelines (figures/data) carry for num_shards.
                 ("num_landing", str(self.num_landing)), ("world_size", str(self.layout.num_shards)))

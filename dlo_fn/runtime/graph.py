@@ -3,7 +3,8 @@
 A run's ops split into *steps*: step ``j`` is every op issued after step ``j-1``'s last compute up to and
 including its own last compute (the last step also takes the ops after it, e.g. the next run's prefetch). Slots,
 landing buffers and the pinned arena are fixed and a request's shapes are fixed, so a step is a static program:
-its H2D copies (pinned arena -> slot / landing buffer), its all-gathers (a device copy at W = 1), the event waits
+its H2D copies (pinned arena -> slot / landing buffer), its all-gathers (none at W = 1: the plan lowers a shard
+group of one to H2D straight into the slot), the event waits
 between the three streams and the block computes. :class:`StepGraphs` captures it once per
 
     (step signature, input shapes, R)     signature = the step's ops (kind, block, slot, landing, request,
@@ -22,29 +23,61 @@ outputs, and each later call is checked against the wiring (by identity) instead
 graph's static tensors: read them before the next step of the same shape (the model's head does).
 
 Where capture is not supported (CPU, NPU, a block taking a non-tensor argument, a forward that syncs or whose
-dataflow is not a chain of blocks) the step runs eager, logged once per reason.
+dataflow is not a chain of blocks) the step runs eager, logged once per reason. :func:`graph_support` decides
+before anything runs, on the CPU: a CUDA device, and a shard group of one (W = 1 lowers to H2D straight into the
+slot, no collective) or, at W > 1, NCCL with ``DLO_FN_GRAPH_NCCL=1`` (see below); otherwise eager, logged once.
+
+**The all-gather at W > 1 (designed, not yet run: no multi-GPU machine was lent).** NCCL operations can be
+captured since NCCL 2.9, and ``_capture`` already issues each ``AG`` on the all-gather stream inside the capture,
+like the copies. What must hold for it to be safe, and why it stays opt-in until run on two GPUs:
+
+* *Every rank replays the same graphs in the same order.* A step's signature (its ops, waits and R) depends only
+  on the ring and the loads, the same on every rank of the group, so ranks capture identical collective
+  sequences. A rank whose capture fails must not fall back alone (its eager all-gathers would meet the others'
+  replayed ones at different points): the ranks have to agree first, a flag all-reduced on the side gloo group
+  before the first replay, and all run eager if any failed. Not built yet: the reason it is opt-in.
+* *One communicator, inside and outside capture.* Idle ranks of a partial wave (``compute=False``) and the first
+  (recorded) step run their all-gathers eagerly on the communicator that other steps replay; sglang hit wrong
+  results mixing the two on one communicator (sgl-project/sglang#3709) and moved captured collectives to their
+  own communicator: the plan is a second process group over the same ranks for captured steps.
+* *No host sync during replay on any rank.* A replayed NCCL kernel waits on its peers; one rank blocked on a host
+  sync stalls the others (pytorch/pytorch#196133, captured all_reduce + ``torch.unique``; a capture deadlock on
+  two ranks, Motphys/UniLab#978). Our captured step has no host sync (the model's head and the sampler run
+  outside it), and capture uses ``capture_error_mode="thread_local"`` so that NCCL's own watchdog thread may
+  keep calling CUDA while one thread captures.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
-from dlo_fn.runtime.program import gather_one
 
-__all__ = ["StepGraphs", "graph_support"]
+__all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "graph_support"]
 
 log = logging.getLogger(__name__)
 
 
-def graph_support(platform: Any) -> str | None:
-    """None where steps can be captured, else why not (one line)."""
+GRAPH_NCCL_ENV = "DLO_FN_GRAPH_NCCL"
+
+
+def graph_support(platform: Any, num_shards: int = 1, backend: str | None = None,
+                  env: Mapping[str, str] | None = None) -> str | None:
+    """None where steps can be captured, else why not (one line): a CUDA device, and either a shard group of one
+    or an NCCL group with ``DLO_FN_GRAPH_NCCL=1`` in ``env`` (default ``os.environ``; see the module doc)."""
     if platform.kind != "cuda":
         return f"CUDA graphs need a CUDA device (platform {platform.kind!r})"
+    if num_shards > 1:
+        if backend != "nccl":
+            return f"the all-gather over {num_shards} ranks runs on {backend!r}, which a CUDA graph cannot capture"
+        if (os.environ if env is None else env).get(GRAPH_NCCL_ENV) != "1":
+            return (f"capturing the NCCL all-gather (W = {num_shards}) is not validated on a multi-GPU machine yet "
+                    f"(set {GRAPH_NCCL_ENV}=1 to try it)")
     return None
 
 
@@ -280,7 +313,8 @@ class StepGraphs:
         try:
             g = torch.cuda.CUDAGraph()
             ex.platform.synchronize()
-            with torch.cuda.graph(g):
+            # thread_local: NCCL's watchdog thread keeps calling CUDA while this thread captures (module doc).
+            with torch.cuda.graph(g, capture_error_mode="thread_local" if ex._gather_group is not None else "global"):
                 cs = torch.cuda.current_stream()
                 fork = new()
                 fork.record(cs)
@@ -301,10 +335,7 @@ class StepGraphs:
                             dst.copy_(src, non_blocking=True)
                     elif op.kind == AG:
                         out, inp = p.args[i]
-                        if ex._gather_group is None:
-                            gather_one(out, inp)
-                        else:
-                            ex._all_gather(out, inp, group=ex._gather_group)
+                        ex._all_gather(out, inp, group=ex._gather_group)
                     else:
                         r = op.request
                         if op.block == 0:

@@ -3,6 +3,11 @@
 The schedule is the planner's (:mod:`dlo_fn.plan.schedule`), handed to the executor as is: compiling resolves
 buffers and streams, never reorders, adds or drops an op.
 
+With driver calls (CUDA, :mod:`dlo_fn.runtime.cuda_raw`) each compute op also gets its *segment*: every driver
+call from the op after the previous compute up to this compute's own waits, flattened into one tuple of
+``(function, args)`` with the pointers and event handles bound (:func:`fast_segments`), and the record after it.
+The eager hot loop then is one loop of bare driver calls per block, with no per-op lookup, branch or wrapper.
+
 Compiling resolves every op once (at the first run that uses the schedule) into what the hot loop needs: its
 kind, stream, the indices of the events it waits on, the buffers whose previous-run last use it waits on, and
 its arguments as ready-made byte views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing
@@ -11,7 +16,7 @@ bytes); ``C``: (block index, caller bound to the slot's weight views)).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,18 +26,9 @@ from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
 
-__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule", "gather_one"]
+__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule", "fast_segments"]
 
 _H2D, _AG, _C = 0, 1, 2
-
-
-def gather_one(out: torch.Tensor, inp: torch.Tensor) -> None:
-    """The all-gather of one rank (W = 1): ``out[:] = inp``, by an elementwise kernel (no NCCL call: ~130 us of host
-    work per block on the H200 host). A D2D memcpy was tried first, suspecting copy-engine sharing with the H2D
-    stream for the 1.07x-bound 1024^2 pass; the kernel measured the same (1.06x), so that was not the cause."""
-    if out.numel() % 8 == 0 and out.data_ptr() % 8 == 0 and inp.data_ptr() % 8 == 0:
-        out, inp = out.view(torch.int64), inp.view(torch.int64)
-    torch.bitwise_or(inp, 0, out=out)
 
 
 @dataclass
@@ -71,8 +67,10 @@ class Program:
     events: list[Any]
     last_use: tuple[tuple[str, int], ...] = ()
     # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
-    # source), ...) or None for an all-gather); compute ops: None (they run on the caller's stream).
+    # source), ...)); compute ops: None (they run on the caller's stream).
     raw: tuple[Any, ...] | None = None
+    # The driver-call fast path, per compute stream handle (see fast_segments).
+    fast: dict[int, tuple[Any, ...]] = field(default_factory=dict)
 
 
 class Programs:
@@ -120,6 +118,7 @@ class RunState:
     cursor: int = 0
     index: int = 0
     cstream: Any = None  # what compute ops wait and record on: ``stream``, or its RawStream
+    fast: tuple[Any, ...] | None = None  # driver calls: fast_segments(program, cu, compute stream handle)
 
 
 def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots: Sequence[torch.Tensor],
@@ -156,10 +155,41 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     events = [new_event() for _ in sch.ops]
     raw = None
     if raw_stream is not None:
-        # All-gathers (W = 1: a kernel, see gather_one) keep None for their copies: they need torch's stream.
-        raw = tuple(None if k == _C else (raw_stream(s), None if k == _AG else tuple(
+        # Driver calls issue copies and events only: a shard group of one has no AG op (the plan lowers it to
+        # H2D straight into the slot), and a collective needs its process group's call.
+        if _AG in kinds:
+            raise ValueError("the driver-call loop runs no all-gather: compile without raw_stream")
+        raw = tuple(None if k == _C else (raw_stream(s), tuple(
             (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
             for dst, src in a))
             for k, s, a in zip(kinds, op_streams, args))
     return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
                    tuple(nxt), events, sch.last_use, raw)
+
+
+def fast_segments(p: Program, cu: Any, compute_handle: int) -> tuple[Any, ...]:
+    """Per op index: for a compute op whose segment (the ops since the previous compute, then its own waits) has
+    no wait on the previous run (``carry``, known only at run time), ``(start, calls, record, num_loads)``:
+    ``start`` the cursor the segment begins at, ``calls`` the driver calls ``(fn, args)`` in issue order,
+    ``record`` the call recording the compute's event; None elsewhere (the executor's generic loop). Events are
+    the program's own (driver calls run only without a recorder), so every handle is fixed at compile time."""
+    cached = p.fast.get(compute_handle)
+    if cached is not None:
+        return cached
+    handles = [ev.handle for ev in p.events]
+    out: list[Any] = [None] * len(p.kinds)
+    start, calls, clean, loads = 0, [], True, 0
+    for i, kind in enumerate(p.kinds):
+        clean = clean and not p.carry[i]
+        h = compute_handle if kind == _C else p.raw[i][0]
+        calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
+        if kind == _C:
+            if clean:
+                out[i] = (start, tuple(calls), cu.bind_record(handles[i], h), loads)
+            start, calls, clean, loads = i + 1, [], True, 0
+            continue
+        calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
+        calls.append(cu.bind_record(handles[i], h))
+        loads += 1
+    p.fast[compute_handle] = result = tuple(out)
+    return result

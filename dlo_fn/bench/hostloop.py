@@ -1,0 +1,160 @@
+"""The eager loop's own Python cost per block, on a CPU: the driver-call path with the driver emulated on the host.
+
+``python -m dlo_fn.bench.hostloop`` builds the executor of a small model on the CPU and gives it
+:class:`HostDriver` in place of ``libcuda``: an H2D copy is a real ``memmove`` of the bytes (so the output is
+still ``torch.equal`` to resident), and an event record or wait is a no-op (everything is synchronous on the
+host). What it measures per block is the executor's host time outside the block call (``ExecutorStats``, the same
+counter ``bench step`` reports as ``proxy_host_us_per_block``) and the number of driver calls it made: on a GPU
+host each real call adds its own cost (the H200 rows of ``bench step``) to the Python cost measured here.
+The blocks are called through ``swap`` with a trivial module so that the block call itself is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["HostDriver", "host_executor", "measure"]
+
+
+class _Event:
+    __slots__ = ("handle", "__weakref__")
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def record(self, stream: Any) -> None:
+        pass
+
+
+class HostDriver:
+    """The :class:`~dlo_fn.runtime.cuda_raw.RawCuda` interface on the host: copies are ``memmove``, events are
+    no-ops; ``calls`` counts every driver call made through it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._next = 1
+
+        def wait(stream: int, event: int, flags: int) -> int:
+            self.calls += 1
+            return 0
+
+        def record(event: int, stream: int) -> int:
+            self.calls += 1
+            return 0
+
+        def copy(dst: int, src: int, nbytes: int, stream: int) -> int:
+            self.calls += 1
+            ctypes.memmove(dst, src, nbytes)
+            return 0
+
+        self._wait, self._record, self._h2d, self._d2d = wait, record, copy, copy
+
+    @staticmethod
+    def check(code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"{what} failed with {code}")
+
+    def new_event(self) -> _Event:
+        self._next += 1
+        return _Event(self._next)
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int, device_src: bool) -> None:
+        self._h2d(dst, src, nbytes, stream)
+
+    def bind_wait(self, stream: int, event: int) -> tuple[Any, tuple]:
+        return self._wait, (stream, event, 0)
+
+    def bind_record(self, event: int, stream: int) -> tuple[Any, tuple]:
+        return self._record, (event, stream)
+
+    def bind_copy(self, dst: int, src: int, nbytes: int, stream: int, device_src: bool) -> tuple[Any, tuple]:
+        return self._h2d, (dst, src, nbytes, stream)
+
+
+class _Tiny(nn.Module):
+    def __init__(self, width: int, num_tensors: int) -> None:
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(width)) for _ in range(num_tensors))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w[0]
+
+
+def host_executor(model: nn.Module, mode: str = "rank-local", *, block_call: str = "swap", monkeypatch: Any = None,
+                  **options: Any):
+    """``(offloaded, driver)``: ``model`` offloaded on the CPU with its executor on :class:`HostDriver` (the
+    driver-call path of CUDA). ``monkeypatch`` (pytest's) sets ``stream_handle`` for host streams; without it the
+    module attribute is set directly and left set (a benchmark process)."""
+    import dlo_fn.runtime.executor as executor_mod
+    from dlo_fn.runtime.dist import DistContext
+    from dlo_fn.runtime.offload import offload
+    from dlo_fn.runtime.platform import platform_for
+    from dlo_fn.runtime.program import Programs
+
+    ctx = DistContext(0, 1, 0, platform_for("cpu"), None)
+    off = offload(model, "blocks", ctx, mode=mode, block_call=block_call, **options)
+    ex = off.executor
+    driver = HostDriver()
+    if monkeypatch is not None:
+        monkeypatch.setattr(executor_mod, "stream_handle", id)
+    else:
+        executor_mod.stream_handle = id
+    ex._raw, ex._programs = driver, Programs(ex._compile)
+    return off, driver
+
+
+def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200) -> dict:
+    """Median over passes of the executor's host time per block (us) and driver calls per block."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_Tiny(64, num_tensors) for _ in range(num_blocks))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    ref = Stack()
+    x = torch.randn(64)
+    want = ref(x)
+    import copy
+
+    off, driver = host_executor(copy.deepcopy(ref))
+    ex = off.executor
+    per_block, calls = [], []
+    with torch.no_grad():
+        for _ in range(passes):
+            ex.stats.reset()
+            c0 = driver.calls
+            got = off.model(x)
+            per_block.append(ex.stats.issue_us_per_compute)
+            calls.append((driver.calls - c0) / num_blocks)
+    assert torch.equal(got, want), "the offloaded pass differs from resident"
+    return {"executor_host_us_per_block": statistics.median(per_block[passes // 4:]),
+            "driver_calls_per_block": statistics.median(calls), "num_blocks": num_blocks,
+            "tensors_per_block": num_tensors, "passes": passes, "equal_to_resident": True}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, default=24)
+    p.add_argument("--passes", type=int, default=200)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    print(json.dumps(measure(a.blocks, passes=a.passes), indent=1))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
