@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dlo_fn.plan.hbm import hbm_per_card
+from dlo_fn.plan.lowering import lowered_mode
 from dlo_fn.plan.memory import pinned_host_bytes_per_rank
 from dlo_fn.plan.ops import Op
 from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, H2D, build_schedule
@@ -126,8 +127,9 @@ class PlanRow:
 
 
 def op_mode(cand: Candidate) -> str:
-    """The op sequence a candidate runs: ``allgather`` over one rank lowers to rank-local (module docstring)."""
-    return "rank-local" if cand.mode == "allgather" and cand.num_shards == 1 else cand.mode
+    """The op sequence a candidate runs (:func:`~dlo_fn.plan.lowering.lowered_mode`): ``allgather`` over one rank
+    lowers to rank-local (module docstring)."""
+    return lowered_mode(cand.mode, cand.num_shards)
 
 
 def _divisors(n: int) -> tuple[int, ...]:
