@@ -17,7 +17,7 @@ from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import compare, published, relative_error
 
 __all__ = ["SLOTS_CSV", "MINIMAX_ROUTES", "fit_rows", "minimax_route_rows", "minimax_delta_rows",
-           "minimax_frontier_rows", "minimax_sign_rows", "b300_rows", "ascend_rows", "h200_rows", "h200_choice_rows", "read_slots"]
+           "minimax_frontier_rows", "minimax_sign_rows", "serve_profile_rows", "b300_rows", "ascend_rows", "h200_rows", "h200_choice_rows", "read_slots"]
 
 SLOTS_CSV = DATA_DIR / "slots_auto_h200.csv"
 MINIMAX_ROUTES = ((1, 8), (4, 2), (8, 1))
@@ -170,6 +170,26 @@ def ascend_rows() -> list[dict]:
         c = compare(key, value)
         rows.append({"key": key, "published": c.published, "predicted": round(value, 3),
                      "rel_error_pct": round(100 * c.rel_error, 1), "bound": row.bound})
+    return rows
+
+
+def serve_profile_rows() -> list[dict]:
+    """The serving path's work outside the blocks on the H200 image (``serve_step_profile_h200.json``): the engine
+    (text encoded once per request) beside plain ``generate`` (re-encoded at every step), per slot count: the step
+    over the transfer bound, the median step-boundary gap on the compute stream and the H2D stream's idle time."""
+    import json
+    import statistics
+
+    data = json.loads(topologies.SERVE_PROFILE.read_text())["image"]
+    rows = []
+    for key in ("rank-local S2", "rank-local S3"):
+        run = data[key]
+        for path, r in (("engine", run), ("plain generate", run["plain"])):
+            t = r["timeline"]
+            rows.append({"slots": key.split()[-1], "path": path,
+                         "step_over_transfer": round(r["per_step_s"] / run["transfer_s"], 3),
+                         "boundary_gap_ms": round(statistics.median(t["step_boundary_compute_gap_ms"]), 2),
+                         "h2d_idle_ms_per_wave": round(t["h2d_gaps_ms_total"], 1), "same_bytes": r["same"]})
     return rows
 
 
