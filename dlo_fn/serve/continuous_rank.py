@@ -53,11 +53,27 @@ class ContinuousRank:
         self.held: dict[int, Any] = {}
         self.compute_s: dict[int, float] = {}
         self.last_compute_s = 0.0  # this rank's block compute seconds in the last step (the measured x_r)
+        # The last ring step this rank completed and what it returned: a recovery asks for them
+        # (dlo_fn.serve.recover), since that step's reply may not have reached rank 0.
+        self.last_step, self.last_outcomes = -1, []
 
-    @torch.no_grad()
+    def report(self, k: int) -> dict:
+        """For a recovery after ring step ``k`` failed: the requests held (admission order) with the steps they
+        completed, and step ``k``'s outcomes if this rank completed it (its pre-step states otherwise stayed)."""
+        return {"rank": self.rank, "held": [(i, s.step) for i, s in self.held.items()],
+                "outcomes": list(self.last_outcomes) if self.last_step == k else []}
+
     def step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
         """Admit ``starts`` (``(index, request as a dict)``), run ring step ``k``; outcomes of the requests that
-        ended in it (finished, or failed), ``position`` = the submission index."""
+        ended in it (finished, or failed), ``position`` = the submission index. Raises
+        :class:`~dlo_fn.serve.batch.WaveAborted` (the held states stay as before the step) when the step's
+        collectives broke."""
+        out = self._step(k, starts)
+        self.last_step, self.last_outcomes = k, out
+        return out
+
+    @torch.no_grad()
+    def _step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
         out: list[Outcome] = []
         for index, wire in starts:
             try:

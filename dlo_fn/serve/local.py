@@ -75,6 +75,15 @@ def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_tim
     return model, offloaded
 
 
+def _reopen(checkpoint: str) -> Any:
+    """The model as :func:`open_model` maps it, for a recovery's rank-local replica (dlo_fn.serve.recover)."""
+    from dlo_fn.models import build_model, load_config
+    from dlo_fn.runtime.load import load_model
+
+    config, dtype = load_config(checkpoint)
+    return load_model(checkpoint, lambda: build_model(config, "meta", dtype), progress=False).eval()
+
+
 def _feed(submissions: Sequence[Submission], gaps_s: Sequence[float]) -> Any:
     """A queue that a thread fills with ``submissions``, sleeping ``gaps_s[i]`` before each, then ``None``."""
     import queue
@@ -112,7 +121,8 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
         for k, phase in enumerate(phases):
             model, off = open_model(checkpoint, ctx, phase.mode, record_timeline=phase.options.trace, mesh=mesh,
                                     shard_group=phase.shard_group)
-            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}", mesh=mesh)
+            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}", mesh=mesh,
+                            checkpoint=lambda: _reopen(checkpoint))
             if rank == 0:
                 try:
                     if phase.forced is not None:
@@ -128,7 +138,7 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
                     engine.close()
             else:
                 engine.follow()
-            if engine.stopped is not None:
+            if engine.stopped is not None or engine.degraded is not None:  # the world group is broken
                 broken = True
                 break
         out.send((rank, "ok", pickle.dumps(reports) if rank == 0 else None))
