@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import engine_options, resident_expected
 
-from dlo_fn.models import Request, generate
+from dlo_fn.models import Request
 from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
 from dlo_fn.serve.engine import Engine

@@ -11,10 +11,9 @@ import pytest
 import torch
 from conftest import engine_options, resident_expected
 
-from dlo_fn.models import Request, generate
+from dlo_fn.models import Request
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
-from dlo_fn.runtime.dist import init_distributed
-from dlo_fn.serve.local import Phase, open_model, serve_local
+from dlo_fn.serve.local import Phase, serve_local
 from dlo_fn.serve.requests import EngineOptions, as_submissions
 
 pytestmark = pytest.mark.slow

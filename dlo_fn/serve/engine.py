@@ -101,10 +101,8 @@ class Engine:
                              sp=mesh.sp if mesh is not None else None)
         self._driver = Driver(self.channel, self.board, runner, self.options, mode=self.mode,
                               world_size=self.world_size, lockstep=self.lockstep, replicas=self.replicas)
-        reload = reloader(checkpoint)
         self._follower = Follower(self.channel, self.board, runner, self.options, rank=self.rank,
-                                  replica=self.replica, leader=self.rank == self.replicas[self.replica][0],
-                                  reload=reload)
+                                  replica=self.replica, leader=self.rank == self.replicas[self.replica][0])
         self._next_wave = 0
         self._closed = False
         # Continuous serving (dlo_fn.serve.continuous): lockstep ranks, or one rank in any mode.
@@ -114,9 +112,11 @@ class Engine:
         if self.options.serving == "continuous" and self.sp_size > 1 and self.rank == 0:
             log.info("serving='continuous' with sp %d: continuous serving runs one rank per replica for now; "
                      "serving this mesh in strict waves", self.sp_size)
-        self._continuous = ContinuousDriver(
-            self.channel, self.board, ContinuousRank(model, offloaded, self.rank, self.options.fault), self.options,
-            world_size=self.world_size, config=self.config, reload=reload) if self.continuous and self.rank == 0 else None
+        reload = reloader(checkpoint) if self.continuous else None
+        self._follower.reload = reload
+        own = ContinuousRank(model, offloaded, self.rank, self.options.fault)
+        self._continuous = None if not self.continuous or self.rank else ContinuousDriver(
+            self.channel, self.board, own, self.options, world_size=self.world_size, config=self.config, reload=reload)
         self.board.post("idle")
 
     @property

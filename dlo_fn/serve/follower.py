@@ -41,14 +41,14 @@ class Follower:
         self.leader = leader
         self.continuous = ContinuousRank(runner.model, runner.offloaded, rank, options.fault)  # "cstep" messages
         # Recovery of continuous serving (dlo_fn.serve.recover): this rank's place among the ranks serving,
-        # the recoveries so far, and where a rank-local replica reads its blocks (None: no recovery).
+        # the recoveries so far, and where a rank-local replica reads its blocks (None: no recovery; only
+        # continuous serving recovers, and its rank 0 posts a plan after every failure).
         self.index, self.epoch, self.reload = rank, 0, reload
         self.degraded: str | None = None
 
     def follow(self) -> str | None:
         """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
         last_wave = None
-        ring = False  # a cstep came since the last stop: a failure may be recovered (rank 0 posts a plan)
         while True:
             try:
                 msg = self.channel.broadcast(None)
@@ -56,7 +56,7 @@ class Follower:
                 self.board.post("collective-failed", wave=None if last_wave is None else last_wave + 1,
                                 error=f"waiting for the next wave: {type(exc).__name__}: {exc}")
                 log.error("rank %d: lost rank 0 while waiting for work: %s", self.rank, exc)
-                if ring and self._rejoin():
+                if self._rejoin():
                     continue
                 return f"lost rank 0 while waiting for work: {exc}"
             kind = msg.get("kind")
@@ -71,7 +71,6 @@ class Follower:
             elif kind == "round":
                 ok = self._round(msg)
             elif kind == "cstep":  # continuous serving: one ring step (dlo_fn.serve.continuous)
-                ring = True
                 ok = follow_step(self.continuous, self.channel, self.board, msg, self.index)
                 if not ok and self._rejoin():
                     continue
