@@ -128,9 +128,11 @@ def test_rank_that_raises_fails_only_what_it_held(checkpoint, expected):
 @pytest.mark.timeout(120)
 def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, expected):
     # Step 4: rank 0 holds the tree (steps 3-5), rank 1 the bird (steps 0-4); the fox ended at step 2. The bird
-    # is lost with rank 1; rank 0 redoes step 4 of the tree as a rank-local replica, then serves the queue.
-    # (Three ranks, stalls and raises: tests/test_continuous_recovery.py.)
-    run = _fault_run(checkpoint, Fault(rank=1, wave=0, kind="exit", step=4), grace_s=30)
+    # is lost with rank 1; rank 0 redoes step 4 of the tree as a rank-local replica, then serves the queue and,
+    # as a stream, the two requests that arrive 2 s later. (3 ranks, stalls, raises: test_continuous_recovery.)
+    phase = Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="exit", step=4)),
+                  stream_gaps_s=(0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0))
+    run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=30)
     (report,) = run.reports
     bird = report.by_id()["req0001"]
     assert not bird.ok and bird.error.startswith("ring step 4 failed closed: rank 1 dead")
