@@ -1,5 +1,10 @@
 """DP multi-concurrency (technique 4): rank 0 drives waves of compatible requests over torch.distributed.
 
+**Serving.** ``EngineOptions(serving="continuous")``, the default, runs lockstep allgather ranks (or a single
+rank) as :mod:`dlo_fn.serve.continuous`: a ring that never stops between requests and goes on without a
+follower that stalls or dies (given ``checkpoint=``). What follows is ``serving="strict"`` (waves), which also
+serves rank-local and resident replicas with ``W > 1`` and meshes with sp > 1 whatever the option says.
+
 Every rank builds the same model and :class:`Engine`; rank 0 calls :meth:`Engine.serve` (then
 :meth:`Engine.close`), the others :meth:`Engine.follow`. :meth:`Engine.run` does the right one.
 
