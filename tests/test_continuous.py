@@ -144,6 +144,22 @@ def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, expected):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_without_a_checkpoint_a_dead_follower_fails_the_step_closed(checkpoint, expected):
+    phase = Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="exit", step=4)), recovery=False)
+    run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=5)
+    (report,) = run.reports
+    res = report.by_id()
+    assert res["req0000"].ok and res["req0000"].sha256 == expected["req0000"].sha256  # ended at step 2
+    assert res["req0001"].error.startswith("ring step 4 failed closed: rank 1 dead")
+    assert res["req0002"].error.startswith("not completed: held by rank 0") and "rank 1 dead" in res["req0002"].error
+    for rid in ("req0003", "req0005", "req0006"):
+        assert not res[rid].ok and res[rid].error.startswith("not dispatched"), res[rid].error
+    assert report.degraded is None and run.exitcodes[1] == FAULT_EXIT_CODE
+    assert run.wall_s < 60
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, expected, tmp_path):
     from dlo_fn.runtime.dist import free_port

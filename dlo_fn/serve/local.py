@@ -45,6 +45,7 @@ class Phase:
     forced: tuple[tuple[int, ...], ...] | None = None
     stream_gaps_s: tuple[float, ...] | None = None  # serve as a stream: sleep gaps[i] before submission i
     shard_group: str = "world"  # allgather: which ranks split the block weights (dlo_fn.runtime.mesh)
+    recovery: bool = True  # continuous: a lost rank's peers go on from the checkpoint (dlo_fn.serve.recover)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +123,7 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
             model, off = open_model(checkpoint, ctx, phase.mode, record_timeline=phase.options.trace, mesh=mesh,
                                     shard_group=phase.shard_group)
             engine = Engine(model, off, ctx, phase.options, session=f"phase{k}", mesh=mesh,
-                            checkpoint=lambda: _reopen(checkpoint))
+                            checkpoint=(lambda: _reopen(checkpoint)) if phase.recovery else None)
             if rank == 0:
                 try:
                     if phase.forced is not None:
