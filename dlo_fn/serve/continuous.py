@@ -42,8 +42,9 @@ without it, or with no culprit on the board, the step fails closed as in strict 
 flight gets an error and the queue "not dispatched". Out of scope: rank 0's own death (it is the client's
 process); under ``torchrun`` a worker that *exits* makes the elastic agent stop every worker, so the recovery
 from a death applies to launchers that let the others run (``serve_local``, a scheduler's own processes); a
-stall is recovered under torchrun too. On NCCL the broken communicator holds the device until its watchdog
-aborts it: tested on gloo only.
+stall is recovered under torchrun too. Tested on gloo only: on NCCL the watchdog by default ends a process
+whose collective timed out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and the hung communicator would have to be
+aborted before the device is used again.
 
 Rank-local and resident replicas with ``W > 1`` have no lockstep: each already works through its own queue
 back to back, so ``serving="continuous"`` serves them as ``strict`` does.
