@@ -191,7 +191,7 @@ def test_partly_bad_prompts_file_runs_the_rest(checkpoint, tmp_path):
                        '{"prompt": "a dog", "frames": 5}\n')
     trace, out = tmp_path / "trace.json", tmp_path / "out"
     cmd = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--out", str(out), *SMALL,
-           "--prompts", str(prompts), "--trace", str(trace)]
+           "--prompts", str(prompts), "--trace", str(trace), "--serving", "strict"]  # its log: a line per wave
     done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
     assert done.returncode == 1, done.stderr[-3000:]
     err = done.stderr

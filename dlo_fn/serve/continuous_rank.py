@@ -38,8 +38,9 @@ import torch
 from dlo_fn.models.sampler import finish, finished, init_state, model_inputs, update
 from dlo_fn.serve.batch import Fault, Outcome, WaveAborted, _drain
 from dlo_fn.serve.requests import from_wire
+from dlo_fn.serve.wire import StatusBoard
 
-__all__ = ["ContinuousRank"]
+__all__ = ["ContinuousRank", "follow_step"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,27 @@ class ContinuousRank:
         self.held: dict[int, Any] = {}
         self.compute_s: dict[int, float] = {}
         self.last_compute_s = 0.0  # this rank's block compute seconds in the last step (the measured x_r)
+        # The last ring step this rank completed and what it returned: a recovery asks for them
+        # (dlo_fn.serve.recover), since that step's reply may not have reached rank 0.
+        self.last_step, self.last_outcomes = -1, []
 
-    @torch.no_grad()
+    def report(self, k: int) -> dict:
+        """For a recovery after ring step ``k`` failed: the requests held (admission order) with the steps they
+        completed, and step ``k``'s outcomes if this rank completed it (its pre-step states otherwise stayed)."""
+        return {"rank": self.rank, "held": [(i, s.step) for i, s in self.held.items()],
+                "outcomes": list(self.last_outcomes) if self.last_step == k else []}
+
     def step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
         """Admit ``starts`` (``(index, request as a dict)``), run ring step ``k``; outcomes of the requests that
-        ended in it (finished, or failed), ``position`` = the submission index."""
+        ended in it (finished, or failed), ``position`` = the submission index. Raises
+        :class:`~dlo_fn.serve.batch.WaveAborted` (the held states stay as before the step) when the step's
+        collectives broke."""
+        out = self._step(k, starts)
+        self.last_step, self.last_outcomes = k, out
+        return out
+
+    @torch.no_grad()
+    def _step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
         out: list[Outcome] = []
         for index, wire in starts:
             try:
@@ -128,3 +145,26 @@ class ContinuousRank:
                 out.append(Outcome(index, False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
                                    compute_s=spent))
         return out
+
+
+def follow_step(rank_state: ContinuousRank, channel: Any, board: StatusBoard, msg: dict,
+                index: int | None = None) -> bool:
+    """A follower's ``cstep``: run its part of ring step ``msg["step"]`` (its ``starts`` at ``index``, its
+    place among the ranks serving; its rank unless a recovery renumbered them), answer rank 0; False when
+    the exchange failed (the group is unusable)."""
+    k, rank = msg["step"], rank_state.rank
+    board.post("running", wave=k, step=k)
+    try:
+        outcomes = rank_state.step(k, msg["starts"][rank if index is None else index])
+    except WaveAborted as exc:
+        board.post("collective-failed", wave=k, error=str(exc))
+        log.error("rank %d: ring step %d aborted: %s", rank, k, exc)
+        return False
+    board.post("done", wave=k)
+    try:
+        channel.send({"step": k, "rank": rank, "outcomes": outcomes, "compute_s": rank_state.last_compute_s})
+    except Exception as exc:  # noqa: BLE001
+        board.post("collective-failed", wave=k, error=f"sending the step reply: {exc}")
+        log.error("rank %d: could not send ring step %d's reply: %s", rank, k, exc)
+        return False
+    return True
