@@ -56,6 +56,10 @@ def test_all_modes_write_the_same_hashes(checkpoint, tmp_path):
     assert hashes[0] == hashes[1] == hashes[2] and len(set(hashes[0])) == 3
     # Continuous (the default): fox | owl, then the third takes rank 0 at the fox's end.
     assert [r["rank"] for r in allgather] == [0, 1, 0] and {r["serving"] for r in allgather} == {"continuous"}
+    steps = [json.loads(line) for line in (tmp_path / "ag" / "steps.jsonl").read_text().splitlines()]
+    held = [ids for k in steps for ids in k["ranks"]]
+    assert {i for ids in held for i in ids} == {r["id"] for r in allgather} and [k["step"] for k in steps] == \
+        sorted(k["step"] for k in steps) and all(len(k["ranks"]) == 2 for k in steps)
     assert {r["mode"] for r in rank_local} == {"rank-local"}
     trace = json.loads((tmp_path / "trace.json").read_text())
     pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}

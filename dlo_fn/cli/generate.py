@@ -17,7 +17,8 @@ under ``--out`` (:mod:`dlo_fn.serve.outputs`):
     <index>-<id>.npy           uint8 video [N, F, H, W, 3] (N = outputs per prompt)
     <index>-<id>.png           preview: one row per output, up to 8 evenly spaced frames side by side
     manifest.jsonl             one JSON line per request: settings, seed, shape, sha256, rank, wave, timings, mode
-    waves.jsonl                one JSON line per wave: who ran what, latency, status
+    waves.jsonl                strict serving: one JSON line per wave: who ran what, latency, status
+    steps.jsonl                continuous serving: one JSON line per ring step: who computed what, when
     --trace FILE               every rank's measured three-stream timeline (Chrome / Perfetto)
 
 The manifest's ``sha256`` is the SHA-256 of the video's uint8 bytes in C order (``np.load(npy).tobytes()``),
@@ -105,7 +106,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 EPILOG = """\
-outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.jsonl and waves.jsonl. The sha256
+outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.jsonl, waves.jsonl (strict) or
+  steps.jsonl (continuous). The sha256
   printed and in the manifest is the SHA-256 of the video's uint8 bytes (np.load(npy).tobytes()), not of a file:
   it is the same in every mode and world size; the manifest's file_sha256 hashes each written file.
 exit codes: 0 every request produced an output; 1 some did not (each reason is printed and in the manifest);
