@@ -27,3 +27,23 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def checkpoint(tiny_checkpoint: str) -> str:
     return tiny_checkpoint
+
+
+def resident_expected(checkpoint: str, requests) -> dict:
+    """Every request with a prompt run alone on the resident model, by the id ``as_submissions`` gives it
+    (``req0000``, ...): the bytes every served output must equal."""
+    from dlo_fn.models import generate
+    from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.serve.local import open_model
+
+    torch.set_num_threads(1)
+    model, _ = open_model(checkpoint, init_distributed(), "resident")
+    return {f"req{i:04d}": generate(model, r) for i, r in enumerate(requests) if r.prompt}
+
+
+def engine_options(**kw):
+    """Engine options for multi-rank tests: small timeouts, no progress bar (the serving mode is the default
+    unless given)."""
+    from dlo_fn.serve.requests import EngineOptions
+
+    return EngineOptions(**{"timeout_s": 4.0, "grace_s": 1.0, "progress": False, **kw})

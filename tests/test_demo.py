@@ -57,7 +57,7 @@ def test_generate_prompts_file_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "dlo_fn", "generate", "--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out),
            "--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--requests-per-rank", "2",
-           "--timeout", "30"]
+           "--timeout", "30", "--serving", "strict"]  # the waves it checks
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
     assert proc.returncode != 0, "bad lines must make the exit code non-zero"
     rows = {r["id"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}

@@ -1,5 +1,5 @@
 """DP engine in one process (no process group): block-major R-request batches, validation, forced waves,
-outputs and manifests. Multi-rank behaviour (lockstep waves, modes, faults) is in test_engine_ranks.py."""
+outputs and manifests, in strict (wave) serving. Multi-rank behaviour (lockstep waves, modes, faults) is in test_engine_ranks.py."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def reference(checkpoint):
 
 def _engine(checkpoint, mode="allgather", **options):
     model, off = open_model(checkpoint, init_distributed(), mode)
-    return Engine(model, off, off.ctx, EngineOptions(progress=False, **options)), off
+    return Engine(model, off, off.ctx, EngineOptions(progress=False, serving="strict", **options)), off
 
 
 @pytest.mark.parametrize("mode, r", [("allgather", 3), ("rank-local", 2), ("resident", 2)])

@@ -53,7 +53,7 @@ def _rank(ctx: DistContext, checkpoint: str) -> dict:
     from dlo_fn.serve.engine import Engine
 
     out: dict = {}
-    options = EngineOptions(timeout_s=60.0, progress=False)
+    options = EngineOptions(timeout_s=60.0, progress=False, serving="strict")  # waves over the replicas
     for dp, sp in SHAPES[ctx.world_size]:
         mesh = build_mesh(ctx, sp=sp)
         for mode, group in _cases(dp, sp):
@@ -139,7 +139,7 @@ def test_a_rank_failing_between_all_to_alls_fails_the_wave_closed(six_heads, kin
     block's all-to-all. The wave fails closed within the timeouts, naming rank 1; nothing hangs."""
     timeout_s = 3.0
     fault = Fault(rank=1, wave=0, kind=kind, step=1)
-    options = EngineOptions(timeout_s=timeout_s, grace_s=1.0, progress=False, fault=fault)
+    options = EngineOptions(timeout_s=timeout_s, grace_s=1.0, progress=False, fault=fault, serving="strict")
     t0 = time.perf_counter()
     run = serve_local(six_heads, [Phase("allgather", SUBS[:2], options)], 1, sp_size=2, join_timeout_s=90,
                       grace_s=2)

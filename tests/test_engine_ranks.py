@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import engine_options, resident_expected
 
-from dlo_fn.models import Request, generate
+from dlo_fn.models import Request
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
-from dlo_fn.runtime.dist import init_distributed
-from dlo_fn.serve.local import Phase, open_model, serve_local
+from dlo_fn.serve.local import Phase, serve_local
 from dlo_fn.serve.requests import EngineOptions, as_submissions
 
 pytestmark = pytest.mark.slow
@@ -35,13 +35,11 @@ SUBS = tuple(as_submissions(REQUESTS))
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    torch.set_num_threads(1)
-    model, _ = open_model(checkpoint, init_distributed(), "resident")
-    return {f"req{i:04d}": generate(model, r) for i, r in enumerate(REQUESTS) if r.prompt}
+    return resident_expected(checkpoint, REQUESTS)
 
 
 def _options(**kw) -> EngineOptions:
-    return EngineOptions(timeout_s=TIMEOUT_S, grace_s=1.0, progress=False, **kw)
+    return engine_options(**{"timeout_s": TIMEOUT_S, "serving": "strict", **kw})
 
 
 def _check_bytes(report, expected):

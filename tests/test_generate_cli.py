@@ -54,13 +54,18 @@ def test_all_modes_write_the_same_hashes(checkpoint, tmp_path):
     resident = _generate(checkpoint, tmp_path / "res", "--resident")
     hashes = [[r["sha256"] for r in rows] for rows in (allgather, rank_local, resident)]
     assert hashes[0] == hashes[1] == hashes[2] and len(set(hashes[0])) == 3
-    assert [r["rank"] for r in allgather] == [0, 1, 0] and [r["wave"] for r in allgather] == [0, 0, 1]
+    # Continuous (the default): fox | owl, then the third takes rank 0 at the fox's end.
+    assert [r["rank"] for r in allgather] == [0, 1, 0] and {r["serving"] for r in allgather} == {"continuous"}
+    steps = [json.loads(line) for line in (tmp_path / "ag" / "steps.jsonl").read_text().splitlines()]
+    held = [ids for k in steps for ids in k["ranks"]]
+    assert {i for ids in held for i in ids} == {r["id"] for r in allgather} and [k["step"] for k in steps] == \
+        sorted(k["step"] for k in steps) and all(len(k["ranks"]) == 2 for k in steps)
     assert {r["mode"] for r in rank_local} == {"rank-local"}
     trace = json.loads((tmp_path / "trace.json").read_text())
     pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert pids == {0, 1}
     ag = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "allgather"]
-    # Both ranks ran every all-gather, rank 1 also in the partial wave where it computed nothing.
+    # Both ranks ran every all-gather, rank 1 also in the ring steps where it computed nothing.
     assert len([e for e in ag if e["pid"] == 0]) == len([e for e in ag if e["pid"] == 1]) > 0
 
 

@@ -77,7 +77,7 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
     from dlo_fn.serve.engine import Engine
     from dlo_fn.serve.requests import EngineOptions
 
-    opts = EngineOptions(timeout_s=args.timeout_s, progress=False)
+    opts = EngineOptions(timeout_s=args.timeout_s, progress=False, serving="strict")  # one wave timed
     model = sv.random_model(args.config, platform.device)
     found = probe(model, ctx, _request(shape, args.steps, 1))
     res_latency, reference = _timed(Engine(model, offload(model, "blocks", ctx, mode="resident"), ctx, opts),

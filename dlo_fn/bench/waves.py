@@ -117,7 +117,7 @@ def host_point(args: argparse.Namespace, checkpoint: pathlib.Path, n: int) -> di
     torch.set_num_threads(1)
     try:
         model, off = open_model(checkpoint, init_distributed(), "allgather")
-        engine = Engine(model, off, off.ctx, EngineOptions(progress=False))
+        engine = Engine(model, off, off.ctx, EngineOptions(progress=False, serving="strict"))
         engine.serve(_requests(1, args, 4000))  # warm-up
         off.executor.stats.reset()
         report = engine.serve(_requests(n - 1, args, 4001))
@@ -136,7 +136,7 @@ def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]
     from dlo_fn.serve.requests import EngineOptions
 
     n = args.waves + 1
-    opts = dict(timeout_s=args.timeout_s, progress=False)
+    opts = dict(timeout_s=args.timeout_s, progress=False, serving="strict")  # waves are what it measures
     config = get_config("tiny") if args.checkpoint is None else None
     tokens = tokens_for(config, args.height, args.width, args.frames) if config is not None else ""
     rows: list[dict] = []
@@ -180,7 +180,7 @@ def record_trace(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dic
 
     subs = _requests(3, argparse.Namespace(**{**vars(args), "steps": 2}), 3000)
     run = serve_local(checkpoint, [Phase("allgather", subs, EngineOptions(timeout_s=args.timeout_s, trace=True,
-                                                                          progress=False))], 2)
+                                                                          progress=False, serving="strict"))], 2)
     (report,) = run.reports
     rows = []
     for w in report.waves:

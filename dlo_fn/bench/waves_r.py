@@ -63,7 +63,7 @@ def r_sweep(args: argparse.Namespace) -> list[dict]:
     model = sv.random_model(args.config, platform.device)
     need = max(rs) * (args.waves + 1)
     reqs = _requests(need, args, 0)
-    opts = EngineOptions(timeout_s=args.timeout_s, progress=False)
+    opts = EngineOptions(timeout_s=args.timeout_s, progress=False, serving="strict")  # waves of R
     with torch.no_grad():
         resident = Engine(model, offload(model, "blocks", ctx, mode="resident"), ctx, opts)
         res_latency, res_report = _serve(resident, reqs, args.waves, 1)

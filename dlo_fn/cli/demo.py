@@ -68,7 +68,8 @@ def run_demo(args: argparse.Namespace) -> int:
     ckpt = ensure_checkpoint(out)
     subs = tuple(demo_requests())
     by_id = {s.request_id: i for i, s in enumerate(subs)}
-    options = EngineOptions(requests_per_rank=args.requests_per_rank, timeout_s=args.timeout_s, progress=False)
+    options = EngineOptions(requests_per_rank=args.requests_per_rank, timeout_s=args.timeout_s, progress=False,
+                            serving="strict")  # the demo shows the waves
     others = tuple(m for m in MODES if m != "allgather")  # each must reproduce the allgather run's bytes
     phases = [
         Phase("allgather", subs, options),

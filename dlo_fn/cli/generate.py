@@ -9,14 +9,16 @@ mode the waves run in lockstep and a rank with no request in a wave serves its s
 without computing (a partial wave); rank-local and resident ranks work through their own queues. With ``--sp S``
 the N ranks form a (N / S, S) mesh: waves go to the N / S replicas, the S ranks of each run its request together
 (Ulysses sequence parallelism) and ``--shard-group`` picks which ranks split the block weights (world: all N,
-each holding 1/N; dp: the reference's choice, 1/(N/S)). With ``--serving continuous`` the allgather ring never
-stops between requests: a rank whose request ends takes the next queued one at the next step boundary
-(:mod:`dlo_fn.serve.continuous`). Rank 0 writes under ``--out`` (:mod:`dlo_fn.serve.outputs`):
+each holding 1/N; dp: the reference's choice, 1/(N/S)). With ``--serving continuous`` (the default) the
+allgather ring never stops between requests: a rank whose request ends takes the next queued one at the next
+step boundary, and a stalled rank's peers go on without it (:mod:`dlo_fn.serve.continuous`). Rank 0 writes
+under ``--out`` (:mod:`dlo_fn.serve.outputs`):
 
     <index>-<id>.npy           uint8 video [N, F, H, W, 3] (N = outputs per prompt)
     <index>-<id>.png           preview: one row per output, up to 8 evenly spaced frames side by side
     manifest.jsonl             one JSON line per request: settings, seed, shape, sha256, rank, wave, timings, mode
-    waves.jsonl                one JSON line per wave: who ran what, latency, status
+    waves.jsonl                strict serving: one JSON line per wave: who ran what, latency, status
+    steps.jsonl                continuous serving: one JSON line per ring step: who computed what, when
     --trace FILE               every rank's measured three-stream timeline (Chrome / Perfetto)
     auto_policy.json           with --mode/--slots/--sp auto: the probed topology the policy chose from
                                (``python -m dlo_fn policy --topology`` it prints the ranked table)
@@ -102,13 +104,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requests each rank runs block-major per wave (one weight load serves R requests)")
     group.add_argument("--max-wait-s", type=float, default=0.0,
                        help="bounded wait to fill a wave (a closed prompts file never waits)")
-    group.add_argument("--serving", choices=("strict", "continuous"), default="strict",
-                       help="strict: waves that hold the ring until their last request ends; continuous: a rank "
-                            "whose request ends takes the next queued one at the next step boundary")
+    group.add_argument("--serving", choices=("strict", "continuous"), default="continuous",
+                       help="continuous (default): a rank whose request ends takes the next queued one at the next "
+                            "step boundary, and a stalled or dead rank's peers go on without it; strict: waves that "
+                            "hold the ring until their last request ends")
 
 
 EPILOG = """\
-outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.jsonl and waves.jsonl. The sha256
+outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.jsonl, waves.jsonl (strict) or
+  steps.jsonl (continuous). The sha256
   printed and in the manifest is the SHA-256 of the video's uint8 bytes (np.load(npy).tobytes()), not of a file:
   it is the same in every mode and world size; the manifest's file_sha256 hashes each written file.
 exit codes: 0 every request produced an output; 1 some did not (each reason is printed and in the manifest);
@@ -169,12 +173,10 @@ def is_auto(args: argparse.Namespace) -> bool:
 
 def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
     """The sp sizes the policy may choose: ``--sp`` itself, or (``auto``) the divisors of the ranks that the
-    heads allow (continuous serving runs sp = 1 replicas only)."""
+    heads allow (a mesh with sp > 1 is served in strict waves whatever ``--serving`` says)."""
     from dlo_fn.runtime.probe import sp_choices
 
-    if args.sp != "auto":
-        return (args.sp,)
-    return (1,) if args.serving == "continuous" else sp_choices(world_size, num_heads)
+    return (args.sp,) if args.sp != "auto" else sp_choices(world_size, num_heads)
 
 
 def choose_auto(args: argparse.Namespace, model, ctx):
@@ -213,11 +215,11 @@ def _write_probe(args: argparse.Namespace, found, sps) -> None:
 
 
 def log_predicted_vs_measured(report, chosen) -> None:
-    for wave in report.waves[:2]:
-        if wave.num_steps:
-            measured = wave.latency_s / wave.num_steps
-            log.info("auto: wave %s: measured %.1f ms per step, predicted %.1f ms (%+.1f%%)", wave.wave_id,
-                     1e3 * measured, 1e3 * chosen.step_s, 100 * (measured / chosen.step_s - 1))
+    rows = [(f"wave {w.wave_id}", w.latency_s / w.num_steps) for w in report.waves[:2] if w.num_steps]
+    rows = rows or [(f"ring step {s.step}", s.end_s - s.start_s) for s in report.steps[1:3]]  # continuous
+    for what, measured in rows:
+        log.info("auto: %s: measured %.1f ms per step, predicted %.1f ms (%+.1f%%)", what,
+                 1e3 * measured, 1e3 * chosen.step_s, 100 * (measured / chosen.step_s - 1))
 
 
 def options_from_args(args: argparse.Namespace):
@@ -362,20 +364,21 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine(offloaded.model, offloaded, ctx,
                         EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
                                       timeout_s=args.timeout, fault=Fault.from_env(), progress=True,
-                                      serving=args.serving), mesh=mesh)
+                                      serving=args.serving), mesh=mesh, checkpoint=args.checkpoint)
         if ctx.is_main:
             timeline = None
             try:
                 report = engine.serve(submissions)
                 if picked:
                     log_predicted_vs_measured(report, picked[0])
-                if args.trace and engine.stopped is None:
+                if args.trace and engine.stopped is None and engine.degraded is None:
                     timeline = engine.gather_timeline((("checkpoint", str(args.checkpoint)),))
             finally:
                 engine.close()
             manifest = write_outputs(pathlib.Path(args.out), report)
             print(wave_table(report) if report.waves or not report.steps else
-                  f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)")
+                  f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)"
+                  + (f"; {report.degraded}" if report.degraded else ""))
             print(result_table(report))
             print(f"wrote {sum(r.ok for r in report.results)} output(s), {len(report.results)} manifest line(s): "
                   f"{manifest}")
@@ -387,6 +390,6 @@ def run_generate(args: argparse.Namespace) -> int:
             engine.follow()
         offloaded.synchronize()
     finally:
-        if ctx.group is not None and (engine is None or engine.stopped is None):
+        if ctx.group is not None and (engine is None or (engine.stopped is None and engine.degraded is None)):
             torch.distributed.destroy_process_group()
     return code

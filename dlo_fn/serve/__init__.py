@@ -12,6 +12,7 @@ module          what it owns
 ``stream``      rank 0's intake of a live queue of submissions (bounded wait to fill a wave)
 ``continuous``  continuous serving: rank 0's per-step admission and the ``cstep`` protocol (``continuous_rank``:
                 one rank's held requests, advanced one ring step per executor run)
+``recover``     continuous serving after a stalled or dead follower: the survivors' plan, rank-local rebuild
 ``engine``      ``Engine``: validation, wave formation and numbering, the stop state; uses the four above
 ``outputs``     videos, previews and the JSON-lines manifests under an output folder
 ``local``       W spawned CPU ranks (gloo) serving phases: the demo's, the tests' and the benchmarks' way in

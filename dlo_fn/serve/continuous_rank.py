@@ -5,7 +5,7 @@ ring step ``k`` rank 0 tells every rank which new requests it starts; then every
 :meth:`ContinuousRank.step`, which runs **one** executor run of one step with ``R_r`` computes per loaded block,
 ``R_r`` = the requests this rank holds (block-major, in admission order)::
 
-    e_q = model.embed(*model_inputs(state_q))                  for every held q
+    e_q = model.embed(*model_inputs(state_q), t_q)             for every held q (t_q: its text, encoded once)
     for block b in model.blocks:                               one load (H2D + all-gather) of block b ...
         x_q = b(x_q, **e_q.block_kwargs)                       ... serves every held q in turn
     state_q = update(state_q, model.head(x_q, e_q))            for every held q
@@ -38,8 +38,9 @@ import torch
 from dlo_fn.models.sampler import finish, finished, init_state, model_inputs, update
 from dlo_fn.serve.batch import Fault, Outcome, WaveAborted, _drain
 from dlo_fn.serve.requests import from_wire
+from dlo_fn.serve.wire import StatusBoard
 
-__all__ = ["ContinuousRank"]
+__all__ = ["ContinuousRank", "follow_step"]
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,35 @@ class ContinuousRank:
         self.model, self.offloaded, self.rank = model, offloaded, rank
         self.fault = fault if fault is not None and fault.rank == rank else None
         self.held: dict[int, Any] = {}
+        self.texts: dict[int, Any] = {}  # each held request's text states, encoded once (serve.batch does the same)
         self.compute_s: dict[int, float] = {}
         self.last_compute_s = 0.0  # this rank's block compute seconds in the last step (the measured x_r)
+        # The last ring step this rank completed and what it returned: a recovery asks for them
+        # (dlo_fn.serve.recover), since that step's reply may not have reached rank 0.
+        self.last_step, self.last_outcomes = -1, []
 
-    @torch.no_grad()
+    def report(self, k: int) -> dict:
+        """For a recovery after ring step ``k`` failed: the requests held (admission order) with the steps they
+        completed, and step ``k``'s outcomes if this rank completed it (its pre-step states otherwise stayed)."""
+        return {"rank": self.rank, "held": [(i, s.step) for i, s in self.held.items()],
+                "outcomes": list(self.last_outcomes) if self.last_step == k else []}
+
     def step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
         """Admit ``starts`` (``(index, request as a dict)``), run ring step ``k``; outcomes of the requests that
-        ended in it (finished, or failed), ``position`` = the submission index."""
+        ended in it (finished, or failed), ``position`` = the submission index. Raises
+        :class:`~dlo_fn.serve.batch.WaveAborted` (the held states stay as before the step) when the step's
+        collectives broke."""
+        out = self._step(k, starts)
+        self.last_step, self.last_outcomes = k, out
+        return out
+
+    @torch.no_grad()
+    def _step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
         out: list[Outcome] = []
         for index, wire in starts:
             try:
                 self.held[index] = init_state(self.model, from_wire(wire))
+                self.texts.pop(index, None)
                 self.compute_s[index] = 0.0
             except Exception as exc:  # noqa: BLE001 - a bad request gets its own error, nothing else changes
                 out.append(Outcome(index, False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}"))
@@ -85,7 +104,10 @@ class ContinuousRank:
             if executor is not None:
                 executor.begin_run(1, len(items))
                 opened = True
-            embeds = [self.model.embed(*model_inputs(s)) for _, s in items]
+            for i, s in items:
+                if i not in self.texts:
+                    self.texts[i] = self.model.encode_text(s.text_tokens)
+            embeds = [self.model.embed(*model_inputs(s), self.texts[i]) for i, s in items]
             xs = [e.x for e in embeds]
             for b, block in enumerate(self.model.blocks):
                 for r, e in enumerate(embeds):
@@ -111,6 +133,7 @@ class ContinuousRank:
             dt = time.perf_counter() - t0
             out.extend(Outcome(i, False, error=text, compute_s=self.compute_s.pop(i, 0.0) + dt) for i, _ in items)
             self.held.clear()
+            self.texts.clear()
             return out
         self.last_compute_s = executor.stats.call_s - before_s if executor is not None else calls_s
         dt = time.perf_counter() - t0
@@ -120,6 +143,7 @@ class ContinuousRank:
                 self.held[index] = state
                 continue
             del self.held[index]
+            self.texts.pop(index, None)
             spent = self.compute_s.pop(index)
             try:
                 res = finish(state)
@@ -128,3 +152,26 @@ class ContinuousRank:
                 out.append(Outcome(index, False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
                                    compute_s=spent))
         return out
+
+
+def follow_step(rank_state: ContinuousRank, channel: Any, board: StatusBoard, msg: dict,
+                index: int | None = None) -> bool:
+    """A follower's ``cstep``: run its part of ring step ``msg["step"]`` (its ``starts`` at ``index``, its
+    place among the ranks serving; its rank unless a recovery renumbered them), answer rank 0; False when
+    the exchange failed (the group is unusable)."""
+    k, rank = msg["step"], rank_state.rank
+    board.post("running", wave=k, step=k)
+    try:
+        outcomes = rank_state.step(k, msg["starts"][rank if index is None else index])
+    except WaveAborted as exc:
+        board.post("collective-failed", wave=k, error=str(exc))
+        log.error("rank %d: ring step %d aborted: %s", rank, k, exc)
+        return False
+    board.post("done", wave=k)
+    try:
+        channel.send({"step": k, "rank": rank, "outcomes": outcomes, "compute_s": rank_state.last_compute_s})
+    except Exception as exc:  # noqa: BLE001
+        board.post("collective-failed", wave=k, error=f"sending the step reply: {exc}")
+        log.error("rank %d: could not send ring step %d's reply: %s", rank, k, exc)
+        return False
+    return True

@@ -1,5 +1,10 @@
 """DP multi-concurrency (technique 4): rank 0 drives waves of compatible requests over torch.distributed.
 
+**Serving.** ``EngineOptions(serving="continuous")``, the default, runs lockstep allgather ranks (or a single
+rank) as :mod:`dlo_fn.serve.continuous`: a ring that never stops between requests and goes on without a
+follower that stalls or dies (given ``checkpoint=``). What follows is ``serving="strict"`` (waves), which also
+serves rank-local and resident replicas with ``W > 1`` and meshes with sp > 1 whatever the option says.
+
 Every rank builds the same model and :class:`Engine`; rank 0 calls :meth:`Engine.serve` (then
 :meth:`Engine.close`), the others :meth:`Engine.follow`. :meth:`Engine.run` does the right one.
 
@@ -44,6 +49,7 @@ board), the wave fails closed (every request in it gets an error naming the wave
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -59,6 +65,7 @@ from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
 from dlo_fn.serve.continuous import ContinuousDriver, ContinuousRank
 from dlo_fn.serve.driver import Driver
+from dlo_fn.serve.recover import Reload, reloader
 from dlo_fn.serve.follower import Follower
 from dlo_fn.serve.requests import (
     EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, rejection,
@@ -74,10 +81,13 @@ log = logging.getLogger(__name__)
 
 class Engine:
     """One per rank. ``offloaded`` is what :func:`dlo_fn.runtime.offload.offload` returned for ``model``;
-    ``mesh`` the (dp, sp) mesh the ranks form (None: dp = world, sp = 1)."""
+    ``mesh`` the (dp, sp) mesh the ranks form (None: dp = world, sp = 1); ``checkpoint`` where continuous
+    serving's survivors read the blocks of a lost rank (:mod:`dlo_fn.serve.recover`: the path the model was
+    loaded from, on every host, or a callable that loads it again; None: a lost rank fails everything)."""
 
     def __init__(self, model: nn.Module, offloaded: Offloaded, ctx: DistContext,
-                 options: EngineOptions | None = None, *, session: str = "engine", mesh: Mesh | None = None) -> None:
+                 options: EngineOptions | None = None, *, session: str = "engine", mesh: Mesh | None = None,
+                 checkpoint: str | os.PathLike | Reload | None = None) -> None:
         self.model, self.offloaded, self.ctx = model, offloaded, ctx
         self.options = options or EngineOptions()
         self.mode = check_mode(offloaded.mode, MODES, "engine mode")
@@ -101,14 +111,23 @@ class Engine:
         self._next_wave = 0
         self._closed = False
         # Continuous serving (dlo_fn.serve.continuous): lockstep ranks, or one rank in any mode.
-        self.continuous = self.options.serving == "continuous" and (self.lockstep or self.world_size == 1)
-        if self.continuous and self.sp_size > 1:
-            raise ValueError(f"serving='continuous' with sp {self.sp_size}: continuous serving runs one rank per "
-                             f"replica for now; use serving='strict' with a mesh")
-        self._continuous = ContinuousDriver(
-            self.channel, self.board, ContinuousRank(model, offloaded, self.rank, self.options.fault), self.options,
-            world_size=self.world_size, config=self.config) if self.continuous and self.rank == 0 else None
+        # A mesh with sp > 1 (one request over several ranks) is served in waves for now.
+        self.continuous = (self.options.serving == "continuous" and (self.lockstep or self.world_size == 1)
+                           and self.sp_size == 1)
+        if self.options.serving == "continuous" and self.sp_size > 1 and self.rank == 0:
+            log.info("serving='continuous' with sp %d: continuous serving runs one rank per replica for now; "
+                     "serving this mesh in strict waves", self.sp_size)
+        reload = reloader(checkpoint) if self.continuous else None
+        self._follower.reload = reload
+        own = ContinuousRank(model, offloaded, self.rank, self.options.fault)
+        self._continuous = None if not self.continuous or self.rank else ContinuousDriver(
+            self.channel, self.board, own, self.options, world_size=self.world_size, config=self.config, reload=reload)
         self.board.post("idle")
+
+    @property
+    def degraded(self) -> str | None:
+        """Why this rank serves degraded (continuous serving lost a rank and went on without it), or None."""
+        return self._continuous.degraded if self._continuous is not None else self._follower.degraded
 
     @property
     def _width(self) -> int:
@@ -221,9 +240,10 @@ class Engine:
         if self.rank != 0 or self._closed:
             return
         self._closed = True
-        if self.stopped is None and self.world_size > 1:
+        channel = self._continuous.channel if self._continuous is not None else self.channel
+        if self.stopped is None and channel.world_size > 1:
             try:
-                self.channel.broadcast({"kind": "stop"})
+                channel.broadcast({"kind": "stop"})
             except Exception as exc:  # noqa: BLE001
                 log.error("could not tell the followers to stop: %s", exc)
 
@@ -240,8 +260,9 @@ class Engine:
         ``record_timeline``), in rank order, as one Timeline (empty when none was recorded). ``meta`` is added
         to each rank's. Not after a failure (the group is broken): raises ``RuntimeError``."""
         self._require_driver()
-        if self.stopped is not None:
-            raise RuntimeError(f"engine stopped ({self.stopped}): no timelines to gather")
+        if self.stopped is not None or self.degraded is not None:
+            raise RuntimeError(f"engine {'stopped' if self.stopped else 'degraded'} ({self.stopped or self.degraded}):"
+                               f" no timelines to gather")
         timelines = [own_timeline(self.offloaded, meta)]
         if self.world_size > 1:
             self.channel.broadcast({"kind": "timeline", "meta": tuple(meta)})
@@ -302,7 +323,7 @@ class Engine:
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
                            self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
                            self._stats(), sp_size=self.sp_size, steps=steps,
-                           serving="continuous" if self.continuous else "strict")
+                           serving="continuous" if self.continuous else "strict", degraded=self.degraded)
 
     def _stats(self) -> dict[str, float]:
         """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""

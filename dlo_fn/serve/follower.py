@@ -4,7 +4,9 @@ Messages (from :mod:`dlo_fn.serve.driver`, one ``broadcast`` each): ``wave`` (al
 post the result on the board, send the outcomes to rank 0), ``round`` (rank-local / resident: run this rank's
 queue, post ``done``, wait on the board for rank 0's go, send everything), ``timeline`` (send this rank's
 measured executor timeline), ``cstep`` (continuous serving: one ring step, see :mod:`dlo_fn.serve.continuous`),
-``idle`` (rank 0 is waiting for requests: wait again) and ``stop``. :meth:`Follower.follow` returns why it
+``idle`` (rank 0 is waiting for requests: wait again) and ``stop``. A ring step that fails (a stalled or dead
+peer) is followed by rank 0's recovery plan (:mod:`dlo_fn.serve.recover`): a survivor goes on as a rank-local
+replica on the survivors' fresh group. :meth:`Follower.follow` returns why it
 stopped following when that was not a ``stop``: after a failed exchange the group is unusable. Shares and
 queues are per replica: every rank runs its replica's, and only the replica's leader (its sp-rank 0) sends the
 outcomes; its sp partners post on the board like everyone else.
@@ -17,6 +19,7 @@ import time
 
 from dlo_fn.serve.batch import Outcome, WaveAborted
 from dlo_fn.serve.continuous import ContinuousRank, follow_step
+from dlo_fn.serve.recover import Reload, rank_local_replica, rejoin, wait_plan
 from dlo_fn.serve.requests import EngineOptions
 from dlo_fn.serve.share import ShareRunner, TraceSpan, own_timeline
 from dlo_fn.serve.wire import Channel, StatusBoard
@@ -32,11 +35,16 @@ class Follower:
     """Rank ``rank``'s side of the protocol over ``channel``; ``runner`` runs its shares."""
 
     def __init__(self, channel: Channel, board: StatusBoard, runner: ShareRunner, options: EngineOptions, *,
-                 rank: int, replica: int | None = None, leader: bool = True) -> None:
+                 rank: int, replica: int | None = None, leader: bool = True, reload: Reload | None = None) -> None:
         self.channel, self.board, self.runner, self.options, self.rank = channel, board, runner, options, rank
         self.replica = rank if replica is None else replica
         self.leader = leader
         self.continuous = ContinuousRank(runner.model, runner.offloaded, rank, options.fault)  # "cstep" messages
+        # Recovery of continuous serving (dlo_fn.serve.recover): this rank's place among the ranks serving,
+        # the recoveries so far, and where a rank-local replica reads its blocks (None: no recovery; only
+        # continuous serving recovers, and its rank 0 posts a plan after every failure).
+        self.index, self.epoch, self.reload = rank, 0, reload
+        self.degraded: str | None = None
 
     def follow(self) -> str | None:
         """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
@@ -48,6 +56,8 @@ class Follower:
                 self.board.post("collective-failed", wave=None if last_wave is None else last_wave + 1,
                                 error=f"waiting for the next wave: {type(exc).__name__}: {exc}")
                 log.error("rank %d: lost rank 0 while waiting for work: %s", self.rank, exc)
+                if self._rejoin():
+                    continue
                 return f"lost rank 0 while waiting for work: {exc}"
             kind = msg.get("kind")
             if kind == "stop":
@@ -61,7 +71,9 @@ class Follower:
             elif kind == "round":
                 ok = self._round(msg)
             elif kind == "cstep":  # continuous serving: one ring step (dlo_fn.serve.continuous)
-                ok = follow_step(self.continuous, self.channel, self.board, msg)
+                ok = follow_step(self.continuous, self.channel, self.board, msg, self.index)
+                if not ok and self._rejoin():
+                    continue
             elif kind == "timeline":
                 self.channel.send(own_timeline(self.runner.offloaded, msg.get("meta") or ()))
                 continue
@@ -69,6 +81,32 @@ class Follower:
                 raise RuntimeError(f"rank {self.rank}: unknown message kind {kind!r} from rank 0")
             if not ok:
                 return f"rank {self.rank} stopped following after a failed exchange"
+
+    def _rejoin(self) -> bool:
+        """After a failed ring step: wait for rank 0's recovery plan; if this rank survives, become a
+        rank-local replica, join the survivors' group and send rank 0 this rank's report (see
+        :mod:`dlo_fn.serve.recover`). False: not recovered (no plan, not a survivor, or it failed)."""
+        if self.reload is None or self.board.store is None:
+            return False
+        opts = self.options
+        bound_s = 2 * opts.timeout_s + opts.grace_s + 5.0  # rank 0's detection, its diagnosis, its rebuild
+        self.epoch += 1
+        plan = wait_plan(self.board, self.epoch, bound_s)
+        if plan is None or self.rank not in plan.survivors:
+            log.error("rank %d: %s", self.rank, "no recovery plan from rank 0" if plan is None else
+                      f"not among the survivors {list(plan.survivors)}: {plan.reason}")
+            return False
+        try:
+            rank_local_replica(self.runner.offloaded, self.reload)
+            channel = rejoin(self.board, plan, self.rank, opts.timeout_s, bound_s)
+            channel.send(self.continuous.report(plan.step))
+        except Exception as exc:  # noqa: BLE001 - rank 0 then times out on this rank and fails it closed
+            log.error("rank %d: recovery %d failed: %s: %s", self.rank, plan.epoch, type(exc).__name__, exc)
+            return False
+        self.channel, self.index = channel, plan.survivors.index(self.rank)
+        self.degraded = plan.reason
+        self.board.post("running", wave=plan.step, step=plan.step)
+        return True
 
     def _wave(self, msg: dict) -> bool:
         wave_id, rank = msg["wave"], self.rank

@@ -45,6 +45,7 @@ class Phase:
     forced: tuple[tuple[int, ...], ...] | None = None
     stream_gaps_s: tuple[float, ...] | None = None  # serve as a stream: sleep gaps[i] before submission i
     shard_group: str = "world"  # allgather: which ranks split the block weights (dlo_fn.runtime.mesh)
+    recovery: bool = True  # continuous: a lost rank's peers go on from the checkpoint (dlo_fn.serve.recover)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,15 @@ def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_tim
                         shard_group=shard_group)
     model.init_buffers(ctx.platform.device)
     return model, offloaded
+
+
+def _reopen(checkpoint: str) -> Any:
+    """The model as :func:`open_model` maps it, for a recovery's rank-local replica (dlo_fn.serve.recover)."""
+    from dlo_fn.models import build_model, load_config
+    from dlo_fn.runtime.load import load_model
+
+    config, dtype = load_config(checkpoint)
+    return load_model(checkpoint, lambda: build_model(config, "meta", dtype), progress=False).eval()
 
 
 def _feed(submissions: Sequence[Submission], gaps_s: Sequence[float]) -> Any:
@@ -112,7 +122,8 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
         for k, phase in enumerate(phases):
             model, off = open_model(checkpoint, ctx, phase.mode, record_timeline=phase.options.trace, mesh=mesh,
                                     shard_group=phase.shard_group)
-            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}", mesh=mesh)
+            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}", mesh=mesh,
+                            checkpoint=(lambda: _reopen(checkpoint)) if phase.recovery else None)
             if rank == 0:
                 try:
                     if phase.forced is not None:
@@ -128,7 +139,7 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
                     engine.close()
             else:
                 engine.follow()
-            if engine.stopped is not None:
+            if engine.stopped is not None or engine.degraded is not None:  # the world group is broken
                 broken = True
                 break
         out.send((rank, "ok", pickle.dumps(reports) if rank == 0 else None))

@@ -7,8 +7,11 @@ Under ``out_dir``::
     manifest.jsonl        one line per submission, in submission order (errors included):
                           id, index, ok, error, settings (every Request field), seed, shape, sha256, rank,
                           wave, position, timings, files, file_sha256, mode, dp_size, sp_size, requests_per_rank
-    waves.jsonl           one line per wave: id, key, request ids per rank (per replica with sp), idle ranks,
-                          steps, latency, status
+    waves.jsonl           strict serving: one line per wave: id, key, request ids per rank (per replica with
+                          sp), idle ranks, steps, latency, status
+    steps.jsonl           continuous serving: one line per ring step: step, start/end (s from serve start),
+                          request ids each rank computed (empty: a gather-only pass), its block-call seconds,
+                          requests still queued; and, after a rank was lost, one ``{"degraded": why}`` line
 
 ``<id>`` is the request id with anything but ``[A-Za-z0-9._-]`` replaced by ``_``; the index prefix keeps
 names unique. The manifest's ``sha256`` is the SHA-256 of the video's uint8 bytes in C order
@@ -72,6 +75,7 @@ def _row(result: RequestResult, report: ServeReport, files: list[str], out: path
         "sp_size": report.sp_size,
         "requests_per_rank": report.requests_per_rank,
         "serving": report.serving,
+        "degraded": report.degraded,
     }
 
 
@@ -102,6 +106,13 @@ def write_outputs(out_dir: str | pathlib.Path, report: ServeReport, *, previews:
               "idle_ranks": list(w.idle_ranks), "lockstep": w.lockstep, "steps": w.num_steps,
               "latency_s": round(w.latency_s, 6), "status": w.status, "error": w.error} for w in report.waves]
     (out / "waves.jsonl").write_text("".join(json.dumps(w, sort_keys=True) + "\n" for w in waves))
+    if report.steps or report.degraded:
+        steps = [{"step": k.step, "start_s": round(k.start_s, 6), "end_s": round(k.end_s, 6),
+                  "ranks": [[ids.get(i, i) for i in held] for held in k.held],
+                  "compute_s": [round(c, 6) for c in k.compute_s], "queued": k.num_queued} for k in report.steps]
+        if report.degraded:
+            steps.append({"degraded": report.degraded})
+        (out / "steps.jsonl").write_text("".join(json.dumps(k, sort_keys=True) + "\n" for k in steps))
     return manifest
 
 

@@ -128,7 +128,7 @@ class EngineOptions:
     fault: Fault | None = None
     trace: bool = False  # record per-rank spans of each wave (Figure 5)
     progress: bool | None = None  # tqdm on rank 0; None: only on a terminal
-    serving: str = "strict"  # or "continuous" (dlo_fn.serve.continuous)
+    serving: str = "continuous"  # or "strict": waves (dlo_fn.serve.continuous says which wins when)
     admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.plan.dispatch.admit_cost_aware)
 
     def __post_init__(self) -> None:
@@ -234,6 +234,7 @@ class ServeReport:
     sp_size: int = 1  # ranks per replica (dp_size replicas ran the waves)
     steps: tuple[StepRecord, ...] = ()  # continuous serving: one record per ring step (waves is then empty)
     serving: str = "strict"
+    degraded: str | None = None  # continuous serving lost a rank and went on without it (why)
 
     @property
     def ok(self) -> bool:

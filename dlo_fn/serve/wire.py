@@ -19,18 +19,21 @@ this host), *stalled* otherwise, with the step it was last seen at.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "StatusBoard", "RankStatus", "default_store", "culprits"]
+__all__ = ["Channel", "GroupChannel", "StatusBoard", "RankStatus", "default_store", "culprits"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,51 @@ class Channel:
         dist.recv_object_list(box, src=dist.get_global_rank(self.group, src) if _has_global(self.group) else src,
                               group=self.group)
         return box[0]
+
+
+class GroupChannel:
+    """:class:`Channel`'s interface on a bare gloo group of the survivors of a failure
+    (:mod:`dlo_fn.serve.recover`), built on a ``PrefixStore`` of the old group's store: no collective of the
+    old group (whose pairs with the culprit are closed) and no entry in torch's group registry (which would
+    need every old rank). Objects travel pickled: a length, then the bytes; every call is bounded by
+    ``timeout_s`` as in the old group."""
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, world_size
+
+    @classmethod
+    def build(cls, store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> "GroupChannel":
+        group = None if world_size == 1 else dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), rank, world_size, datetime.timedelta(seconds=timeout_s))
+        return cls(group, rank, world_size)
+
+    def broadcast(self, obj: Any = None) -> Any:
+        if self.group is None:
+            return obj
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        data = _pack(obj) if self.rank == 0 else None
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        self.group.broadcast([size], opts).wait()
+        buf = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.broadcast([buf], opts).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
+
+    def send(self, obj: Any, dst: int = 0) -> None:
+        data = _pack(obj)
+        self.group.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
+        self.group.send([data], dst, 0).wait()
+
+    def recv(self, src: int) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self.group.recv([size], src, 0).wait()
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.recv([buf], src, 0).wait()
+        return pickle.loads(buf.numpy().tobytes())
+
+
+def _pack(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
 def _has_global(group: Any) -> bool:
