@@ -4,8 +4,8 @@ One process, one device, the DP engine with ``dp = 1``, ``R = 1``, one request p
 :mod:`dlo_fn.bench.waves_r`). Per workload (``--workloads image,video``: 1024^2 and 832x480x29, both CFG, on the
 ``bench`` config's random weights): the resident model's step; the start-up probe
 (:func:`dlo_fn.runtime.probe.probe`) and the policy's slot choice per mode (:func:`dlo_fn.runtime.probe.choose`);
-then, for each mode and each of ``{--slots} + {auto}`` slot counts, one warm-up wave (a 2-step request of the same shape) and one
-timed wave of ``--steps`` steps. Each row: per-output step time, the bound ``max(resident step, weight bytes /
+then, for each mode and each of ``{--slots} + {auto}`` slot counts, one warm-up wave (a 2-step request of the same shape) and
+``--repeats`` timed waves of ``--steps`` steps (the row's latency is their median; every wave's is in the ``.json``). Each row: per-output step time, the bound ``max(resident step, weight bytes /
 pinned peak)`` measured in the same run, their ratio, the policy's predicted step for that plan, and whether the
 output is byte-identical to the resident model's, with the probe's numbers (block compute, the engine's per-step
 work outside the blocks, the per-request host work, pinned H2D). Rows are appended to ``--out`` as they finish;
@@ -41,6 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--modes", default="rank-local,allgather")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--slots", default="2", help="comma list of fixed slot counts measured beside auto")
+    p.add_argument("--repeats", type=int, default=1, help="timed waves per row (the row takes their median)")
     p.add_argument("--height", type=int, default=None, help="override both workloads' height (smoke tests)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None)
@@ -58,12 +59,21 @@ def _request(shape, steps: int, seed: int):
                    guidance_scale=5.0)
 
 
-def _timed(engine, shape, steps: int):
+def _timed(engine, shape, steps: int, repeats: int = 1):
+    """(median wave latency, every wave's latency, the output's SHA-256: the same in every repeat or an error)."""
+    import statistics
+
     engine.serve([_request(shape, 2, 99)])  # warm-up: allocator, kernels, the ring
-    report = engine.serve([_request(shape, steps, 1)])
-    if not report.ok:
-        raise RuntimeError(f"bench slots: wave failed: {[w.status for w in report.waves]}")
-    return report.waves[0].latency_s, report.results[0].sha256
+    latencies, hashes = [], set()
+    for _ in range(max(1, repeats)):
+        report = engine.serve([_request(shape, steps, 1)])
+        if not report.ok:
+            raise RuntimeError(f"bench slots: wave failed: {[w.status for w in report.waves]}")
+        latencies.append(report.waves[0].latency_s)
+        hashes.add(report.results[0].sha256)
+    if len(hashes) != 1:
+        raise RuntimeError(f"bench slots: one request gave {len(hashes)} different outputs over {repeats} waves")
+    return statistics.median(latencies), latencies, hashes.pop()
 
 
 def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
@@ -80,15 +90,15 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
     opts = EngineOptions(timeout_s=args.timeout_s, progress=False, serving="strict")  # one wave timed
     model = sv.random_model(args.config, platform.device)
     found = probe(model, ctx, _request(shape, args.steps, 1))
-    res_latency, reference = _timed(Engine(model, offload(model, "blocks", ctx, mode="resident"), ctx, opts),
-                                    shape, args.steps)
+    res_latency, res_all, reference = _timed(Engine(model, offload(model, "blocks", ctx, mode="resident"), ctx, opts),
+                                             shape, args.steps, args.repeats)
     del model
     resident_step = res_latency / args.steps
     topo = found.topology
     probed = {"probe_block_s": topo.compute.table[0][2], "probe_step_overhead_s": topo.step_overhead[0][2],
               "probe_request_s": topo.request_overhead[0][1], "probe_h2d_bytes_per_s": topo.h2d_bytes_per_s}
     summary = {"probe": {**probed, "probe_s": found.seconds, "host_s_per_block": dict(topo.host_s_per_block)},
-               "resident_step_s": resident_step, "auto": {}}
+               "resident_step_s": resident_step, "resident_wave_latencies_s": res_all, "auto": {}, "waves": {}}
     for mode in modes:
         auto = choose(found, mode=mode)
         summary["auto"][mode] = {"slots": auto.chosen.candidate.num_slots, "why": auto.why()}
@@ -101,7 +111,8 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
             off = offload(model, "blocks", ctx, mode=mode, num_slots=slots)
             peak = sv.pinned_peak_bytes_per_s(platform, off.store, off.layout)
             weight_bytes = off.layout.total_block_bytes
-            latency, sha = _timed(Engine(model, off, ctx, opts), shape, args.steps)
+            latency, every, sha = _timed(Engine(model, off, ctx, opts), shape, args.steps, args.repeats)
+            summary["waves"][f"{mode} S{slots}"] = every
             predicted = choose(found, mode=mode, num_slots=slots).chosen
             transfer = weight_bytes / peak if peak else 0.0
             bound = max(resident_step, transfer)
@@ -143,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     desc = machine(platform)
     meta = {"machine": ", ".join(f"{k} {v}" for k, v in desc.items()),
             "command": (f"python -m dlo_fn bench slots --config {args.config} --workloads {args.workloads} "
-                        f"--modes {args.modes} --steps {args.steps} --slots {args.slots}"), "date": datetime.date.today().isoformat()}
+                        f"--modes {args.modes} --steps {args.steps} --slots {args.slots} --repeats {args.repeats}"),
+            "date": datetime.date.today().isoformat()}
     modes = [m for m in args.modes.split(",") if m]
     summaries = {}
     with torch.no_grad():
