@@ -216,6 +216,8 @@ def test_cuda_streams_events_bit_exact(mode):
     torch.cuda.synchronize()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     ex = o.executor
+    assert ex.ring.mode == "rank-local" and ex.landing == ()  # W = 1: no landing buffer, no all-gather
+    assert ex._raw is not None and any(any(p.fast.values()) for p in ex._programs._cache.values())  # driver path
     assert ex.measured_device_bytes >= ex.planned_device_weight_bytes
     assert ex.measured_device_bytes <= 1.05 * ex.planned_device_weight_bytes + 2 * 2**20
 
