@@ -178,7 +178,7 @@ def fast_segments(p: Program, cu: Any, compute_handle: int) -> tuple[Any, ...]:
     if cached is not None:
         return cached
     handles = [ev.handle for ev in p.events]
-    out: list[Any] = [None] * len(p.kinds)
+    out: list[Any] = [None] * (len(p.kinds) + 1)  # indexed by next_compute, which is len(kinds) past the last
     start, calls, clean, loads = 0, [], True, 0
     for i, kind in enumerate(p.kinds):
         clean = clean and not p.carry[i]
