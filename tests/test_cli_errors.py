@@ -48,8 +48,8 @@ def test_plan_missing_checkpoint_names_the_path(capsys, tmp_path):
 def test_plan_and_generate_agree_on_one_slot(capsys):
     assert main(["plan", "--model", "tiny", "--slots", "1", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    # W = 1: a landing buffer holds a whole block, so one slot + two landing buffers = 3 blocks.
-    assert plan["num_slots"] == 1 and plan["hbm_weight_bytes"] == 3 * plan["max_padded_block_bytes"]
+    # W = 1: the all-gather lowers to H2D straight into the slot (no landing buffer), so one slot = 1 block.
+    assert plan["num_slots"] == 1 and plan["hbm_weight_bytes"] == plan["max_padded_block_bytes"]
     assert "--slots 0" in _one_line(capsys, ["plan", "--model", "tiny", "--slots", "0"])
 
 
