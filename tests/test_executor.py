@@ -216,6 +216,8 @@ def test_cuda_streams_events_bit_exact(mode):
     torch.cuda.synchronize()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     ex = o.executor
+    assert ex.ring.mode == "rank-local" and ex.landing == ()  # W = 1: no landing buffer, no all-gather
+    assert ex._raw is not None and any(any(p.fast.values()) for p in ex._programs._cache.values())  # driver path
     assert ex.measured_device_bytes >= ex.planned_device_weight_bytes
     assert ex.measured_device_bytes <= 1.05 * ex.planned_device_weight_bytes + 2 * 2**20
 
@@ -242,3 +244,8 @@ def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
     # Every compute took the fast path but those whose segment has a slot's first use in the run (it waits on the
     # previous run's last use of that slot, known only at run time): at most S - 1 per run, 4 runs.
     assert 5 * 5 - 4 * (ex.num_slots - 1) <= len(fast) < 5 * 5
+    with pytest.raises(ScheduleError, match="computes are all done"):  # one block too many, on this path too
+        with o.run(1):
+            o.model(x)
+            o.model.blocks[0](x, ctx=x)
+    assert torch.equal(o.model(x), ref(x))  # the ring restarted cold

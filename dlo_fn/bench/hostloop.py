@@ -146,13 +146,50 @@ def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200) -> d
             "tensors_per_block": num_tensors, "passes": passes, "equal_to_resident": True}
 
 
+def driver_call_us(calls: int = 20000) -> dict:
+    """On CUDA: host microseconds per bound driver call of the executor's fast segments (an event record, a stream
+    wait on it, a 256-byte pinned H2D copy), the floor under the eager loop's cost per block."""
+    from dlo_fn.runtime.cuda_raw import raw_cuda, stream_handle
+    from dlo_fn.runtime.platform import platform_for
+
+    cu = raw_cuda(platform_for("cuda", 0))
+    if cu is None:
+        raise SystemExit("driver_call_us needs CUDA and libcuda")
+    side, main_stream = torch.cuda.Stream(), torch.cuda.current_stream()
+    ev = cu.new_event()
+    host = torch.empty(256, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(256, dtype=torch.uint8, device="cuda")
+    bound = {"cuEventRecord": cu.bind_record(ev.handle, stream_handle(main_stream)),
+             "cuStreamWaitEvent": cu.bind_wait(stream_handle(side), ev.handle),
+             "cuMemcpyHtoDAsync": cu.bind_copy(dev.data_ptr(), host.data_ptr(), 256, stream_handle(side), False)}
+    out = {}
+    for name, (fn, args) in bound.items():
+        for _ in range(1000):
+            fn(*args)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        out[name] = 1e6 * (time.perf_counter() - t0) / calls
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        time.perf_counter()
+    out["time.perf_counter"] = 1e6 * (time.perf_counter() - t0) / calls
+    return {"driver_call_us": out, "calls": calls}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=24)
     p.add_argument("--passes", type=int, default=200)
+    p.add_argument("--cuda", action="store_true", help="also time the bound driver calls on the GPU")
     a = p.parse_args()
     t0 = time.perf_counter()
-    print(json.dumps(measure(a.blocks, passes=a.passes), indent=1))
+    result = measure(a.blocks, passes=a.passes)
+    if a.cuda:
+        result.update(driver_call_us())
+    print(json.dumps(result, indent=1))
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 

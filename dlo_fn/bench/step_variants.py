@@ -5,7 +5,8 @@ variant                  how the blocks' weights reach the device
 =======================  =====================================================================================
 ``resident``             all on the device (the baseline; no weight traffic)
 ``dlo-rank-local``       our executor, H2D of whole blocks from the pinned arena straight into 2 slots
-``dlo-allgather``        our executor, H2D into a landing buffer + a 1-rank all-gather into the slot
+``dlo-allgather``        our executor in allgather mode; over one rank the plan lowers it to the rank-local
+                         program (H2D straight into the slots, no landing buffer, no all-gather)
 ``dlo-rank-local-swap``  as dlo-rank-local, blocks called through the pre-resolved swap (not functional_call)
 ``dlo-*-graph``          as dlo-rank-local / dlo-allgather, each step captured as a CUDA graph and replayed
                          (eager where capture is unsupported, e.g. on CPU)

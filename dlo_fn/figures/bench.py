@@ -18,8 +18,8 @@ FIELDS = ("workload", "variant", "step_s", "ratio_to_resident", "ratio_to_bound"
           "h2d_fraction_of_peak", "proxy_host_us_per_block", "host_ms_per_step", "equal_to_resident", "peak_device_GB",
           "weight_device_GB_planned")
 LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into 2 slots",
-          "dlo-allgather": "ours: H2D + all-gather (W=1)", "dlo-rank-local-swap": "ours: swap call",
-          "dlo-rank-local-graph": "ours: 2 slots, CUDA graph", "dlo-allgather-graph": "ours: all-gather, CUDA graph",
+          "dlo-allgather": "ours: allgather W=1 (= H2D into slots)", "dlo-rank-local-swap": "ours: swap call",
+          "dlo-rank-local-graph": "ours: 2 slots, CUDA graph", "dlo-allgather-graph": "ours: allgather W=1, CUDA graph",
           "resident-compile": "resident, torch.compile", "dlo-rank-local-compile": "ours: 2 slots, torch.compile",
           "diffusers": "diffusers group offload", "naive-sync": "naive sync per block"}
 COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "naive-sync": COLORS["measured"]}

@@ -349,6 +349,11 @@ class Executor:
         """Run block ``block_index`` for the next compute op of the open (or an implicit) run."""
         t0 = time.perf_counter()
         run = self._run
+        if run is not None and run.fast is not None:  # the driver-call path: one bound segment per block
+            seg = run.fast[run.program.next_compute[run.cursor]]
+            if seg is not None and seg[0] == run.cursor and seg[5] == block_index and run.compute \
+                    and self.graphs is None:
+                return self._compute_fast(run, seg, args, kwargs, t0)
         if run is None:
             self.begin_run(1, 1, _implicit=True)
             run = self._run
@@ -379,8 +384,8 @@ class Executor:
                 self.stats.issue_s += time.perf_counter() - t0
                 return out
         seg = run.fast[i] if run.fast is not None else None
-        if seg is not None and seg[0] == run.cursor:
-            return self._compute_fast(run, p, i, seg, caller, args, kwargs, t0)
+        if seg is not None and seg[0] == run.cursor:  # graph mode's eager (recorded) steps
+            return self._compute_fast(run, seg, args, kwargs, t0)
         self._issue_until(run, i)
         stream, events = run.cstream, run.events
         for d in p.waits[i]:
@@ -406,11 +411,11 @@ class Executor:
         st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
 
-    def _compute_fast(self, run: RunState, p: Program, i: int, seg: tuple, caller: Any, args: tuple,
-                      kwargs: dict, t0: float) -> Any:
+    def _compute_fast(self, run: RunState, seg: tuple, args: tuple, kwargs: dict, t0: float) -> Any:
         """:meth:`compute` on the driver-call path: the segment's bound calls (its loads, then this compute's
         waits), the block, its record (see :func:`~dlo_fn.runtime.program.fast_segments`)."""
-        _, calls, (record, rargs), loads = seg
+        _, calls, record, rargs, loads, _, caller = seg
+        i = run.program.next_compute[run.cursor]
         run.cursor = i
         for fn, a in calls:
             if code := fn(*a):
@@ -424,7 +429,7 @@ class Executor:
             self.graphs.after_eager(run, i, out)
         run.cursor = i + 1
         st = self.stats
-        if run.implicit and p.next_compute[i + 1] >= len(p.kinds):
+        if run.implicit and run.program.next_compute[i + 1] >= len(run.program.kinds):
             self.end_run()
         st.computes += 1
         st.loads += loads

@@ -169,15 +169,16 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
 
 def fast_segments(p: Program, cu: Any, compute_handle: int) -> tuple[Any, ...]:
     """Per op index: for a compute op whose segment (the ops since the previous compute, then its own waits) has
-    no wait on the previous run (``carry``, known only at run time), ``(start, calls, record, num_loads)``:
-    ``start`` the cursor the segment begins at, ``calls`` the driver calls ``(fn, args)`` in issue order,
-    ``record`` the call recording the compute's event; None elsewhere (the executor's generic loop). Events are
+    no wait on the previous run (``carry``, known only at run time),
+    ``(start, calls, record_fn, record_args, num_loads, block, caller)``: ``start`` the cursor the segment begins
+    at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)`` records the
+    compute's event, ``block`` / ``caller`` the compute's block index and bound call; None elsewhere (the executor's generic loop). Events are
     the program's own (driver calls run only without a recorder), so every handle is fixed at compile time."""
     cached = p.fast.get(compute_handle)
     if cached is not None:
         return cached
     handles = [ev.handle for ev in p.events]
-    out: list[Any] = [None] * len(p.kinds)
+    out: list[Any] = [None] * (len(p.kinds) + 1)  # indexed by next_compute, which is len(kinds) past the last
     start, calls, clean, loads = 0, [], True, 0
     for i, kind in enumerate(p.kinds):
         clean = clean and not p.carry[i]
@@ -185,7 +186,7 @@ def fast_segments(p: Program, cu: Any, compute_handle: int) -> tuple[Any, ...]:
         calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
         if kind == _C:
             if clean:
-                out[i] = (start, tuple(calls), cu.bind_record(handles[i], h), loads)
+                out[i] = (start, tuple(calls), *cu.bind_record(handles[i], h), loads, *p.args[i])
             start, calls, clean, loads = i + 1, [], True, 0
             continue
         calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
