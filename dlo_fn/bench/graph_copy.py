@@ -3,6 +3,10 @@
 * ``copy_gb_per_s``: H2D bandwidth of 8 block-sized copies (0.56 GB, the bench config's block) from one
   ``cudaHostRegister``-pinned arena into two device slots, issued eagerly, as one CUDA graph with one memcpy node
   per copy, and as graphs with each copy split into chunks: whether a captured copy runs at the eager rate.
+* ``queued_gb_per_s``: the same graph of copies (and one with a chain of matmuls beside the copies, each copy
+  waiting for the matmul two before it, like the ring) replayed 6 times with a synchronize before each replay,
+  and 6 times back to back (5 replays waiting behind the running one): each replay's rate from events around it.
+  Whether replays queued behind a running one slow its copies (``runtime/graph.py``'s module doc).
 * ``in_loop_us``: host microseconds per driver call of each kind *inside* the eager loop of the bench-narrow
   model (``bench step``'s dispatch model), timed by wrapping the bound calls, and the executor's cost per block.
 """
@@ -60,6 +64,62 @@ def copy_rates(num_copies: int = 8, chunks: tuple[int, ...] = (0, 256 << 20, 64 
     return rates
 
 
+def queued_rates(num_copies: int = 8, replays: int = 6) -> dict:
+    arena, how, fin = alloc_host(num_copies * BLOCK_BYTES, platform_for("cuda", 0), pin=True)
+    slots = [torch.empty(BLOCK_BYTES, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def copies_only() -> None:
+        for k in range(num_copies):
+            slots[k % 2].copy_(arena[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES], non_blocking=True)
+
+    def with_compute() -> None:  # copy k on a side stream after matmul k-2; matmul k after copy k (the ring)
+        main = torch.cuda.current_stream()
+        fork = torch.cuda.Event()
+        fork.record(main)
+        side.wait_event(fork)
+        done_copy, done_mm = [], []
+        for k in range(num_copies):
+            with torch.cuda.stream(side):
+                if k >= 2:
+                    side.wait_event(done_mm[k - 2])
+                slots[k % 2].copy_(arena[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES], non_blocking=True)
+                done_copy.append(torch.cuda.Event())
+                done_copy[-1].record(side)
+            main.wait_event(done_copy[k])
+            for _ in range(5):  # ~8 ms of 8192^3 bf16 matmuls per ~10 ms copy: copy-bound, as the image pass
+                torch.mm(a, a)
+            done_mm.append(torch.cuda.Event())
+            done_mm[-1].record(main)
+        join = torch.cuda.Event()
+        join.record(side)
+        main.wait_event(join)
+
+    out = {"how": how}
+    for name, issue in (("copies_only", copies_only), ("copies_and_matmuls", with_compute)):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            issue()
+        g.replay()
+        torch.cuda.synchronize()
+        for mode in ("synced", "queued"):
+            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+            for start, end in evs:
+                if mode == "synced":
+                    torch.cuda.synchronize()
+                start.record()
+                g.replay()
+                end.record()
+            torch.cuda.synchronize()
+            out[f"{name}_{mode}_gb_per_s"] = [num_copies * BLOCK_BYTES / (s.elapsed_time(e) / 1e3) / 1e9
+                                              for s, e in evs]
+        del g
+    del slots
+    fin()
+    return out
+
+
 def in_loop_costs(passes: int = 30) -> dict:
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.bench.step_dispatch import DISPATCH_SIZE
@@ -109,4 +169,9 @@ def in_loop_costs(passes: int = 30) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"in_loop_us": in_loop_costs(), "copy_gb_per_s": copy_rates()}, indent=1))
+    import sys
+
+    if sys.argv[1:] == ["--queued"]:
+        print(json.dumps({"queued_gb_per_s": queued_rates()}, indent=1))
+    else:
+        print(json.dumps({"in_loop_us": in_loop_costs(), "copy_gb_per_s": copy_rates()}, indent=1))

@@ -9,7 +9,9 @@ variant                  how the blocks' weights reach the device
                          program (H2D straight into the slots, no landing buffer, no all-gather)
 ``dlo-rank-local-swap``  as dlo-rank-local, blocks called through the pre-resolved swap (not functional_call)
 ``dlo-*-graph``          as dlo-rank-local / dlo-allgather, each step captured as a CUDA graph and replayed
-                         (eager where capture is unsupported, e.g. on CPU)
+                         (eager where capture is unsupported, e.g. on CPU); a replay waits for the one before
+``dlo-*-graph-queued``   as ``dlo-*-graph`` with no limit on the replays queued behind a running one
+                         (``graph_run_ahead=None``: the host runs as far ahead as the launch queue allows)
 ``resident-compile``     resident, every block compiled with ``torch.compile`` (``nn.Module.compile``)
 ``dlo-rank-local-compile``  dlo-rank-local on blocks compiled the same way (compared with resident-compile)
 ``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
@@ -39,8 +41,10 @@ __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow
            "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
-            "dlo-allgather-graph", "diffusers", "naive-sync", "resident-compile", "dlo-rank-local-compile")
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith("-compile"))  # compiling takes minutes on a CPU
+            "dlo-allgather-graph", "diffusers", "naive-sync", "resident-compile", "dlo-rank-local-compile",
+            "dlo-rank-local-graph-queued", "dlo-allgather-graph-queued")
+# compiling takes minutes on a CPU; the queued graph variants are diagnostics (runtime/graph.py's module doc)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "-queued")))
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
 
 
@@ -48,7 +52,8 @@ def variant_options(variant: str) -> dict:
     """Executor options of a ``dlo-*`` variant."""
     return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
             "block_call": {"-swap": "swap", "-compile": "compile"}.get(variant[variant.rfind("-"):], "functional_call"),
-            "graph": variant.endswith("-graph")}
+            "graph": variant.endswith(("-graph", "-graph-queued")),
+            "graph_run_ahead": None if variant.endswith("-queued") else 0}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
@@ -189,10 +194,10 @@ class _Stack(nn.Module):
 
 
 def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
-                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool = False
-                  ) -> tuple[PassFn, Executor]:
+                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool = False,
+                  graph_run_ahead: int | None = 0) -> tuple[PassFn, Executor]:
     ex = Executor(platform, layout, store, blocks, aliases, group=group if mode == "allgather" else None,
-                  mode=mode, block_call=block_call, graph=graph)
+                  mode=mode, block_call=block_call, graph=graph, graph_run_ahead=graph_run_ahead)
     proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
