@@ -116,9 +116,3 @@ def test_work_between_blocks_is_not_captured(caplog):
     assert msgs == {"cuda graph: a block input is neither a block-0 input nor an output of the block before "
                     "(the model does work between blocks); those steps run eager"}
     assert not o.executor.graphs._records
-
-
-def test_step_graphs_run_ahead_must_be_none_or_not_negative():
-    with pytest.raises(ValueError, match="run_ahead=-1"):
-        StepGraphs(None, run_ahead=-1)
-    assert StepGraphs(None).run_ahead == 0 and StepGraphs(None, run_ahead=None).run_ahead is None

@@ -4,9 +4,9 @@
   ``cudaHostRegister``-pinned arena into two device slots, issued eagerly, as one CUDA graph with one memcpy node
   per copy, and as graphs with each copy split into chunks: whether a captured copy runs at the eager rate.
 * ``queued_gb_per_s``: the same graph of copies (and one with a chain of matmuls beside the copies, each copy
-  waiting for the matmul two before it, like the ring) replayed 6 times with a synchronize before each replay,
-  and 6 times back to back (5 replays waiting behind the running one): each replay's rate from events around it.
-  Whether replays queued behind a running one slow its copies (``runtime/graph.py``'s module doc).
+  waiting for the matmul two before it, like the ring) issued eagerly, replayed 6 times with a synchronize before
+  each replay, and 6 times back to back: each pass's rate from events around it. Whether copies and computes in
+  one graph run slower than eager (``--queued``).
 * ``in_loop_us``: host microseconds per driver call of each kind *inside* the eager loop of the bench-narrow
   model (``bench step``'s dispatch model), timed by wrapping the bound calls, and the executor's cost per block.
 """
@@ -96,7 +96,19 @@ def queued_rates(num_copies: int = 8, replays: int = 6) -> dict:
         join.record(side)
         main.wait_event(join)
 
+    torch.mm(a, a)  # cuBLAS's handle is made outside the capture
     out = {"how": how}
+    for name, issue in (("copies_only", copies_only), ("copies_and_matmuls", with_compute)):
+        times = []
+        for _ in range(replays):  # eager, for comparison
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            issue()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize()
+        out[f"{name}_eager_gb_per_s"] = [num_copies * BLOCK_BYTES / (s.elapsed_time(e) / 1e3) / 1e9 for s, e in times]
     for name, issue in (("copies_only", copies_only), ("copies_and_matmuls", with_compute)):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

@@ -9,9 +9,8 @@ variant                  how the blocks' weights reach the device
                          program (H2D straight into the slots, no landing buffer, no all-gather)
 ``dlo-rank-local-swap``  as dlo-rank-local, blocks called through the pre-resolved swap (not functional_call)
 ``dlo-*-graph``          as dlo-rank-local / dlo-allgather, each step captured as a CUDA graph and replayed
-                         (eager where capture is unsupported, e.g. on CPU); a replay waits for the one before
-``dlo-*-graph-queued``   as ``dlo-*-graph`` with no limit on the replays queued behind a running one
-                         (``graph_run_ahead=None``: the host runs as far ahead as the launch queue allows)
+                         (eager where capture is unsupported, e.g. on CPU)
+``resident-graph``       resident, the whole pass captured as one CUDA graph (CUDA only; a diagnostic)
 ``resident-compile``     resident, every block compiled with ``torch.compile`` (``nn.Module.compile``)
 ``dlo-rank-local-compile``  dlo-rank-local on blocks compiled the same way (compared with resident-compile)
 ``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
@@ -42,9 +41,9 @@ __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
             "dlo-allgather-graph", "diffusers", "naive-sync", "resident-compile", "dlo-rank-local-compile",
-            "dlo-rank-local-graph-queued", "dlo-allgather-graph-queued")
-# compiling takes minutes on a CPU; the queued graph variants are diagnostics (runtime/graph.py's module doc)
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "-queued")))
+            "resident-graph")
+# compiling takes minutes on a CPU; resident-graph is a diagnostic (CUDA only)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "resident-graph")))
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
 
 
@@ -52,8 +51,7 @@ def variant_options(variant: str) -> dict:
     """Executor options of a ``dlo-*`` variant."""
     return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
             "block_call": {"-swap": "swap", "-compile": "compile"}.get(variant[variant.rfind("-"):], "functional_call"),
-            "graph": variant.endswith(("-graph", "-graph-queued")),
-            "graph_run_ahead": None if variant.endswith("-queued") else 0}
+            "graph": variant.endswith("-graph")}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
@@ -194,10 +192,10 @@ class _Stack(nn.Module):
 
 
 def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
-                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool = False,
-                  graph_run_ahead: int | None = 0) -> tuple[PassFn, Executor]:
+                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool = False
+                  ) -> tuple[PassFn, Executor]:
     ex = Executor(platform, layout, store, blocks, aliases, group=group if mode == "allgather" else None,
-                  mode=mode, block_call=block_call, graph=graph, graph_run_ahead=graph_run_ahead)
+                  mode=mode, block_call=block_call, graph=graph)
     proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -64,16 +64,13 @@ class Executor:
     ``aliases[b]`` its tied-weight names. ``group`` is the shard group (None: a single process, the
     "all-gather" of one rank is a copy). ``async_collectives`` (CPU/gloo) issues all-gathers with
     ``async_op=True`` and waits for them at their dependents, overlapping communication with compute on CPU.
-    ``graph``: capture steps as CUDA graphs (:mod:`dlo_fn.runtime.graph`), at most ``graph_run_ahead`` replays
-    queued behind the running one (None: no limit).
     """
 
     def __init__(self, platform: Platform, layout: ModelLayout, store: HostStore, blocks: Sequence[nn.Module],
                  aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None, *, group: Any = None,
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "functional_call", async_collectives: bool = False,
-                 record_timeline: bool = False, rank: int = 0, graph: bool = False,
-                 graph_run_ahead: int | None = 0) -> None:
+                 record_timeline: bool = False, rank: int = 0, graph: bool = False) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
         if len(blocks) != layout.num_blocks:
             raise ValueError(f"{len(blocks)} block modules for a layout of {layout.num_blocks} blocks")
@@ -136,7 +133,7 @@ class Executor:
             if why:
                 log.warning("cuda graph: %s; running eager", why)
             else:
-                self.graphs = StepGraphs(self, run_ahead=graph_run_ahead)
+                self.graphs = StepGraphs(self)
 
     # -- memory --------------------------------------------------------------------------------------------
     @property

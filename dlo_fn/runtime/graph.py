@@ -15,14 +15,6 @@ loads, the previous run's last use of a buffer) is waited for on the compute str
 later ops wait for is recorded on the compute stream after it (a graph launch is one stream-ordered op), so
 eager and graphed steps mix freely in one run and across runs.
 
-**At most ``run_ahead`` replays wait behind the one running (default 0).** A replay is launched only once the
-replay ``run_ahead + 1`` before it has finished (the host waits on its end event): a copy-bound step replayed
-with the host far ahead (7 queued replays, ``bench step`` image, 24 x 0.56 GB) ran at 1.070x the PCIe bound with
-the last replay of the queue, which had none behind it, at 1.000x and the one before it at 1.051x: the replays
-queued behind a running one slow its H2D copies (51.7 against 55.3 GB/s). Waiting costs one launch latency per
-step (the next replay is enqueued as soon as the previous one ends, and what runs between steps, e.g. the
-model's head and the sampler, is enqueued before it); ``run_ahead=None`` never waits.
-
 The model still calls every block through its proxy. The first time a step is seen it runs eager and the
 executor records its *wiring*: which of block ``b``'s tensor inputs are the block-0 inputs of the same request
 and which are outputs of block ``b-1``. The second time it is captured (on static copies of the inputs) and
@@ -57,6 +49,7 @@ like the copies. What must hold for it to be safe, and why it stays opt-in until
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -190,13 +183,8 @@ class _Live:
 class StepGraphs:
     """Captured steps of one executor, and the state of the step in flight."""
 
-    def __init__(self, executor: Any, run_ahead: int | None = 0) -> None:
-        if run_ahead is not None and run_ahead < 0:
-            raise ValueError(f"run_ahead={run_ahead}: give the replays allowed to wait behind a running one "
-                             f"(0 or more), or None for no limit")
+    def __init__(self, executor: Any) -> None:
         self.ex = executor
-        self.run_ahead = run_ahead
-        self._ends: list[Any] = []  # end events of the replays in flight, oldest first (run_ahead is not None)
         self._steps: dict[int, tuple[_Step, ...]] = {}
         self._sig_ids: dict[tuple, int] = {}
         self._records: dict[tuple, _Record] = {}
@@ -323,6 +311,12 @@ class StepGraphs:
         h2d, agst = ex.h2d_stream, ex.allgather_stream
         n_args = rec.structure[0]
         names = rec.structure[1]
+        # No garbage collection while capturing: a finalizer run by a collection inside the capture (a freed host
+        # store's cudaHostUnregister) is a call that global capture mode forbids, and it invalidates the capture
+        # (seen on the H200: one test's leftovers broke the next test's capture, then its host registrations).
+        # torch.cuda.graph collects just before it starts capturing.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             g = torch.cuda.CUDAGraph()
             ex.platform.synchronize()
@@ -368,10 +362,14 @@ class StepGraphs:
                     join.record(side)
                     cs.wait_event(join)
         except Exception as exc:  # a forward that syncs, an uncapturable kernel or collective
+            if gc_was_enabled:
+                gc.enable()
             set_stream(run.stream)
             self._eager.add(key)
             self._log_once(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
             return None
+        if gc_was_enabled:
+            gc.enable()
         set_stream(run.stream)
         graph = _Graph(g, inputs, [outs[r] for r in range(R)], [prev[r] for r in range(R)])
         self._graphs[key] = graph
@@ -403,22 +401,8 @@ class StepGraphs:
             self._live = None
         return g.outputs[r]
 
-    def _throttle(self) -> None:
-        """Wait for the replay ``run_ahead + 1`` launches back (see the module doc)."""
-        ends = self._ends
-        while len(ends) > self.run_ahead:
-            ends.pop(0).synchronize()
-
-    def _mark_end(self) -> None:
-        if self.run_ahead is not None:
-            end = torch.cuda.Event()
-            end.record()
-            self._ends.append(end)
-
     def _launch(self, run: Any, live: _Live) -> None:
         step, ex, events, cs = live.step, self.ex, run.events, run.cstream
-        if self.run_ahead is not None:
-            self._throttle()
         for d in step.ext_waits:
             cs.wait_event(events[d])
         for buf in step.carry:
@@ -430,13 +414,11 @@ class StepGraphs:
             start.record(cs)
             end = ex.platform.new_event(timing=True)
             live.graph.graph.replay()
-            self._mark_end()
             end.record(cs)
             for i in range(step.start, step.end):  # per-step spans: every op of the step spans the launch
                 run.starts[i], events[i] = start, end
         else:
             live.graph.graph.replay()
-            self._mark_end()
             for i in step.exported:
                 events[i].record(cs)
         self.replays += 1
