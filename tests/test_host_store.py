@@ -156,5 +156,10 @@ def test_cuda_registration_is_undone_when_the_buffer_is_collected():
     del buf
     gc.collect()
     assert not fin.alive
-    cudart = torch.cuda.cudart()  # the registration is gone: unregistering again is refused
-    assert cudart.cudaHostUnregister(ptr) != cudart.cudaError.success
+    # The registration is gone: the driver knows no flags for these pages. Asked through the driver API, which
+    # leaves the runtime's last-error alone (a refused cudaHostUnregister here would stay as the runtime's last
+    # error, and torch reports it at its next kernel launch, in whatever test runs next).
+    import ctypes
+
+    flags = ctypes.c_uint(0)
+    assert ctypes.CDLL("libcuda.so.1").cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(ptr)) != 0

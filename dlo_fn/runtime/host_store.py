@@ -71,6 +71,8 @@ def _register_cuda(buf: torch.Tensor) -> None:
 def _unregister_cuda(ptr: int) -> None:
     try:
         torch.cuda.synchronize()  # no copy from these pages may still be in flight when they are unlocked
+        # Only ever once per registration (weakref.finalize runs once): a refused unregister would stay as the
+        # runtime's last error and surface at torch's next kernel launch as an unrelated failure.
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver releases the registration with the process
         pass
