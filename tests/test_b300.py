@@ -63,6 +63,16 @@ def test_golden_comparison():
     assert rows["b300.t2i.dlo_ag_dp4.wave_s"] == (43.43, -0.6, "h2d+allgather")
     assert rows["b300.t2v.dlo_ag_usp4.wave_s"] == (30.4, -1.3, "h2d+allgather")
     assert rows["b300.workloads.720p_121f.dlo_wave_s"] == (297.94, 3.3, "compute")
-    assert rows["b300.workloads.720p_241f.dlo_wave_s"] == (304.68, 42.0, "compute")
+    assert rows["b300.workloads.720p_241f.dlo_wave_s"] == (273.26, 27.4, "compute")
     head = {r["key"]: r["predicted"] for r in fb.headline_rows()}
     assert head["b300.t2i.dlo_ag_dp4.vs_hsdp"] == 1.4
+
+
+def test_all_to_all_is_ulysses_bytes_at_nccl_nvlink_bus_rate():
+    """u: 4 exchanges (q, k, v, out) x 2 CFG branches x each rank's L / W tokens x D x bf16, (W - 1) / W of it
+    remote, at 18 NVLink 5 links x NCCL's 40.1 GB/s each; not the fitted all-gather rate."""
+    assert b300.B300_NVLINK_ALL_TO_ALL_BYTES_PER_S == pytest.approx(721.8e9)
+    assert "B300_NVLINK_ALL_TO_ALL_BYTES_PER_S" not in b300.B300_CALIBRATIONS
+    tokens, d = b300.WORKLOADS["720p 241f"].tokens, b300.SUPER.hidden_dim
+    sent = 4 * 2 * (tokens / 4) * d * 2 * 3 / 4 * b300.SUPER.num_blocks
+    assert b300.step_costs(tokens).all_to_all_s == pytest.approx(sent / 721.8e9, rel=1e-12)

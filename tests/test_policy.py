@@ -159,3 +159,25 @@ def test_a_plan_that_does_not_fit_is_never_chosen(hbm, host, objective):
     assert all(row.fits for row in r.rows) and all(not row.fits for row in r.dropped)
     if r.rows:
         assert r.chosen.hbm_bytes <= hbm and r.chosen.host_bytes <= host
+
+
+def test_all_to_all_is_per_rank_share_at_bus_rate():
+    """u = k g ceil(L / sp) D e ((sp - 1) / sp) / busbw: each rank's share of the tokens, not the sequence."""
+    from dlo_fn.plan.policy import all_to_all_s
+
+    t = topo(a2a=2e9)
+    wl = Workload("toy", tokens=101, num_steps=4, cfg_branches=2)
+    assert all_to_all_s(MODEL, t, wl, 1) == 0.0
+    assert all_to_all_s(MODEL, t, wl, 4) == pytest.approx(4 * 2 * 26 * 64 * 2 * 3 / 4 / 2e9, rel=1e-12)
+
+
+def test_minimax_routes_signs_and_frontier_on_8xb300():
+    """The published MiniMax-H3 comparison through the policy (notebook 09): the frontier ordering holds, the signs
+    at DP1xSP8 (+) and DP8xSP1 (-) are right, DP4xSP2's stays inside the model's paired-delta error (a tie)."""
+    from dlo_fn.repro import policy_tables as pt
+
+    signs = {r["route"]: (r["predicted_sign"], r["choice_matches"]) for r in pt.minimax_delta_rows()}
+    assert signs["DP1xSP8"] == ("+", True) and signs["DP8xSP1"] == ("-", True)
+    verdicts = {r["route"]: r["verdict"] for r in pt.minimax_sign_rows()}
+    assert verdicts["DP4xSP2"] == "tie within the model"
+    assert all(r["predicted_videos_per_h"] is True for r in pt.minimax_frontier_rows() if r["route"].startswith("ordered"))

@@ -11,7 +11,8 @@ field                          meaning
 ``h2d_bytes_per_s``            pinned host-to-device bytes/s of one rank while the others copy too (``beta_h``)
 ``allgather_bus_bytes_per_s``  all-gather bus bandwidth of the shard group (NCCL convention: ``n`` output bytes
                                over ``W`` ranks take ``((W - 1) / W) n / busbw``)
-``all_to_all_bytes_per_s``     bytes/s one rank sends in an SP all-to-all
+``all_to_all_bytes_per_s``     all-to-all bus bandwidth of the SP group (NCCL convention: a rank's buffer of ``n``
+                               bytes over ``sp`` ranks takes ``((sp - 1) / sp) n / busbw``; full duplex)
 ``d2d_copy_bytes_per_s``       device copy rate: the all-gather of a shard group of one rank is a copy
 ``compute``                    per-block compute of one request (:class:`BlockCompute`: a measured table or a
                                FLOP rate)

@@ -18,7 +18,9 @@ symbol          meaning
 ``c``           ``F / R_eff``: one request's compute per step on one GPU
 ``h``           ``N / (W beta_h2d)``: H2D of the local shards per step
 ``a``           ``((W - 1) / W) N / beta_nv``: the weight all-gather per step (bytes each rank receives)
-``u``           Ulysses all-to-all per step: ``4 B x 2 (L / W) D x 2 bytes x (W - 1) / W / beta_nv``
+``u``           Ulysses all-to-all per step: ``4 B x 2 (L / W) D x 2 bytes x (W - 1) / W / beta_a2a`` (q, k, v in
+                and the output back, both CFG branches, bf16, each rank's ``L / W`` tokens; NCCL's all-to-all
+                bus-bandwidth convention, ``busbw = algbw (W - 1) / W``)
 ==============  ===============================================================================================
 
 Per step (steady state of the simulation; ``max`` where two streams overlap, ``+`` where they serialise):
@@ -47,7 +49,7 @@ from dlo_fn.plan.workload import Workload
 
 __all__ = [
     "B300_BF16_DENSE_FLOP_PER_S", "B300_PINNED_H2D_BYTES_PER_S", "B300_NVLINK_ALLGATHER_BYTES_PER_S",
-    "B300_EFFECTIVE_FLOP_PER_S", "B300_CALIBRATIONS", "NUM_GPUS", "CFG_BRANCHES", "STRATEGIES",
+    "B300_EFFECTIVE_FLOP_PER_S", "B300_NVLINK_ALL_TO_ALL_BYTES_PER_S", "B300_CALIBRATIONS", "NUM_GPUS", "CFG_BRANCHES", "STRATEGIES",
     "WORKLOADS", "StepCosts", "Prediction",
     "block_bytes", "step_flops", "step_costs", "simulate_step_s", "predict",
 ]
@@ -76,6 +78,18 @@ B300_EFFECTIVE_FLOP_PER_S = 11.5447e15
 (``b300.workloads.480p_241f.dlo_wave_s``: one GPU, one whole request, compute bound): ``R_eff = F(95160) / 6.477 s``.
 It is 5.1x the datasheet's dense rate: the reference config's token count (8x VAE, 2x2 patches, full attention)
 has more FLOPs than Cosmos3-Super really runs, so only ratios of ``F`` are meaningful (see notebook 07)."""
+
+B300_NVLINK_LINKS = 18
+B300_NCCL_NVLINK_BYTES_PER_S_PER_LINK = 40.1e9
+B300_NVLINK_ALL_TO_ALL_BYTES_PER_S = B300_NVLINK_LINKS * B300_NCCL_NVLINK_BYTES_PER_S_PER_LINK
+"""Bus bandwidth of an NVLink all-to-all (each rank sends ``(W - 1) / W`` of its buffer and receives as much, full
+duplex): 18 NVLink 5 links x 40.1 GB/s = 721.8 GB/s. Not fitted. 40.1 GB/s is NCCL's effective per-link rate for
+Blackwell (``SM100_NVLINK_BW`` in NCCL's ``src/graph/topo.h``; its maxBw of 721.8 is quoted in NVIDIA/nccl#1807),
+the 50 GB/s line rate of a link (HGX B300: 1.8 TB/s bidirectional per GPU = 18 x 50 GB/s x 2) less the protocol
+overhead NCCL's maintainers put at ~20% (NVIDIA/nccl-tests#212: 370 of 450 GB/s on H100, whose
+``SM90_NVLINK_BW`` is 20.6 x 18 = 370.8). ``busbw = algbw (n - 1) / n`` for all-to-all (NVIDIA/nccl-tests#130).
+Until this constant the all-to-all was priced at :data:`B300_NVLINK_ALLGATHER_BYTES_PER_S`, the FSDP all-gather's
+rate fitted with compute holding the SMs: 2.4x too slow for an exchange that sits alone on the critical path."""
 
 B300_CALIBRATIONS = {
     "B300_PINNED_H2D_BYTES_PER_S": (B300_PINNED_H2D_BYTES_PER_S, "b300.t2i.dlo_noag_dp4.wave_s"),
@@ -140,7 +154,7 @@ def step_costs(tokens: int, config: DiTConfig = SUPER, num_gpus: int = NUM_GPUS)
     a2a_bytes = 4 * config.num_blocks * CFG_BRANCHES * (tokens / num_gpus) * config.hidden_dim * 2 * frac
     return StepCosts(step_flops(tokens, config) / B300_EFFECTIVE_FLOP_PER_S, total / num_gpus / B300_PINNED_H2D_BYTES_PER_S,
                      total / B300_PINNED_H2D_BYTES_PER_S, frac * total / B300_NVLINK_ALLGATHER_BYTES_PER_S,
-                     a2a_bytes / B300_NVLINK_ALLGATHER_BYTES_PER_S)
+                     a2a_bytes / B300_NVLINK_ALL_TO_ALL_BYTES_PER_S)
 
 
 def _per_block(costs: StepCosts, strategy: str, num_gpus: int) -> tuple[float, float, float, str]:

@@ -90,7 +90,8 @@ def minimax_delta_rows(min_gain: float = 0.005) -> list[dict]:
 def minimax_sign_rows() -> list[dict]:
     """Why the DP4xSP2 sign is not resolved: per route, rank-local's per-block H2D against its per-block device
     work (compute ``c`` + all-to-all ``u``) and against the per-block time the study's allgather wave implies
-    (``wave / steps / blocks``: a reading of the published number, not a fit), and the published delta beside the
+    (``wave / steps / blocks``: a reading of the published number, not a fit; minus ``c`` and the all-gather's host
+    work it is what the study leaves for the all-to-all), and the published delta beside the
     model's paired-delta error at the
     *other* compute-bound route (DP8xSP1, where the allgather side is a prediction): a delta smaller than that error
     is a tie within the model, whichever sign it predicts."""
@@ -106,9 +107,11 @@ def minimax_sign_rows() -> list[dict]:
         implied = study / wl.num_steps / model.sizes.num_blocks
         c = topo.compute.seconds(model, wl.tokens, wl.cfg_branches, sp)
         u = all_to_all_s(model, topo, wl, sp)
+        left = implied - c - topo.host_s("allgather")  # what the study's wave leaves for the all-to-all
         d = deltas[f"DP{dp}xSP{sp}"]
         rows.append({"route": f"DP{dp}xSP{sp}", "h2d_ms_per_block": round(1e3 * h, 2),
                      "compute_ms_per_block": round(1e3 * c, 2), "all_to_all_ms_per_block": round(1e3 * u, 2),
+                     "study_left_for_a2a_ms": round(1e3 * left, 2) if sp > 1 else 0.0,
                      "h2d_over_compute": round(h / c, 2), "h2d_over_compute_and_a2a": round(h / (c + u), 2),
                      "study_ag_ms_per_block": round(1e3 * implied, 2), "h2d_over_study": round(h / implied, 2),
                      "published_pct": d["published_pct"], "predicted_pct": d["predicted_pct"],

@@ -11,7 +11,8 @@ topology             fields and where they come from
                      engine's step-boundary gap on the compute stream, and its per-request host work, from the
                      serving-path profile ``serve_step_profile_h200.json``), host work per block (README),
                      memory (the run's machine line)
-``4xB300``           ``repro.b300``'s three fitted constants (H2D, NVLink all-gather, effective FLOP rate)
+``4xB300``           ``repro.b300``'s three fitted constants (H2D, NVLink all-gather, effective FLOP rate) and its
+                     NVLink all-to-all bus rate (not fitted: NCCL's per-link rate x 18 links)
 ``8xB300``           the same B300 constants, 8 ranks (the MiniMax-H3 node)
 ``4xAscend910B3``    the published Nano DP4 split (``repro.waves_tables.reference_costs``): compute per block
                      ``T_hsdp / B``, HCCL per block, host (stream switching + dispatch) per block, serial with
@@ -110,14 +111,15 @@ def h200_topology() -> Topology:
 
 
 def _b300(num_ranks: int, name: str, compute: BlockCompute, host_per_rank: int) -> Topology:
-    nv = b300.B300_NVLINK_ALLGATHER_BYTES_PER_S
+    nv, a2a = b300.B300_NVLINK_ALLGATHER_BYTES_PER_S, b300.B300_NVLINK_ALL_TO_ALL_BYTES_PER_S
     return Topology(
-        name, num_ranks, b300.B300_PINNED_H2D_BYTES_PER_S, nv, nv, ceilings.H200_D2D_COPY_BYTES_PER_S, compute,
+        name, num_ranks, b300.B300_PINNED_H2D_BYTES_PER_S, nv, a2a, ceilings.H200_D2D_COPY_BYTES_PER_S, compute,
         288 * 10**9, host_per_rank, (("allgather", 176e-6), ("rank-local", 48e-6)), True, (), 0,
         FRAMEWORK_HOST_BYTES_PER_RANK,
         (("h2d_bytes_per_s", "repro.b300.B300_PINNED_H2D_BYTES_PER_S (fitted: b300.t2i.dlo_noag_dp4.wave_s)"),
          ("allgather_bus_bytes_per_s", "repro.b300.B300_NVLINK_ALLGATHER_BYTES_PER_S (fitted: b300.t2i.hsdp_usp4)"),
-         ("all_to_all_bytes_per_s", "the same NVLink rate, as repro.b300's u"),
+         ("all_to_all_bytes_per_s", "repro.b300.B300_NVLINK_ALL_TO_ALL_BYTES_PER_S (not fitted: NCCL's NVLink 5 "
+                                    "bus rate, 18 links x 40.1 GB/s, SM100_NVLINK_BW in nccl src/graph/topo.h)"),
          ("d2d_copy_bytes_per_s", "H200's measured device copy (only used at W = 1)"),
          ("compute", "see the model: B300_EFFECTIVE_FLOP_PER_S through repro.b300.step_costs, or the MiniMax fit"),
          ("hbm_bytes_per_rank", "NVIDIA B300 datasheet: 288 GB HBM3e"),
