@@ -11,15 +11,20 @@ like with like.
 
 **Protocol** (lockstep allgather ranks, or one rank in any mode). Ring step ``k`` is one executor run of one
 denoising step on every rank (:mod:`dlo_fn.serve.continuous_rank` says why ranks holding different requests
-stay in lockstep). Before each step rank 0
+stay in lockstep). The unit of admission is a *replica*: one rank, or on a (dp, sp) mesh the ``sp`` ranks of
+one mesh row, which all get the same starts and run each request together (Ulysses, as strict waves do: every
+sp rank its tokens, the all-to-alls within the replica's sp group); the replica's leader (its sp-rank 0) sends
+the videos, its partners their outcomes without them. Before each step rank 0
 
 1. retires what ended, admits arrived requests with the live rule of the planner
    (:func:`dlo_fn.plan.dispatch.admit_continuous`: FIFO, no overtaking; the head goes to the first empty
    replica, else to the replica of its key with the fewest held, ``< R``; key = the request's shape:
    :func:`admission_key`; or, with ``EngineOptions(admission="cost")``,
    :func:`~dlo_fn.plan.dispatch.admit_cost_aware` on the relative costs of :func:`admission_cost`), and
-2. broadcasts ``{"kind": "cstep", "step": k, "starts": [[(index, request), ...] per rank]}`` (one
-   ``broadcast_object_list``: every rank agrees on who does what before the step, bounded by ``timeout_s``);
+2. broadcasts ``{"kind": "cstep", "step": k, "starts": [[(index, request), ...] per rank], "ended": [...]}``
+   (one ``broadcast_object_list``: every rank agrees on who does what before the step, bounded by
+   ``timeout_s``; ``ended``: the requests that ended on an sp replica since the last step, which a partner
+   that did not fail drops before it);
 
 then every rank runs its step (holding nothing: a gather-only run) and each follower answers with
 ``{"step": k, "outcomes": [...], "compute_s": x}``: the requests that ended in the step (their videos, or their
@@ -30,7 +35,9 @@ When no rank holds anything and the queue is empty the ring waits (followers get
 ``timeout_s / 3``); when the input ends and the last request left, :meth:`Engine.close` sends ``stop``.
 
 **Failing closed, and going on.** A rank that raises: every request it held in that step gets its error, the
-others go on (its run is drained). A follower that stalls or dies breaks the step's all-gathers or the reply:
+others go on (its run is drained; on an sp replica it runs the step's remaining block calls without keeping
+their results, so its partners' all-to-alls complete, and a replica's request fails when any of its sp ranks
+reports an error). A follower that stalls or dies breaks the step's all-gathers or the reply:
 within ``timeout_s`` rank 0 names it from the status board (dead / stalled, at which ring step) and every
 request it held gets that reason. The survivors do not lose theirs: they agree on a degraded plan through the
 store and go on as rank-local replicas streaming whole blocks from the checkpoint mapping
@@ -38,8 +45,11 @@ store and go on as rank-local replicas streaming whole blocks from the checkpoin
 completed (a failed step leaves the pre-step latents in place, so it is redone from its start); what was
 queued is served by them. Every request that completes is byte-identical to a resident run (same weights,
 same kernels, same latents). It needs ``Engine(checkpoint=...)`` (``generate`` and ``serve_local`` pass it);
-without it, or with no culprit on the board, the step fails closed as in strict mode: every request in
-flight gets an error and the queue "not dispatched". Out of scope: rank 0's own death (it is the client's
+without it, with no culprit on the board, or on a mesh with sp > 1 (the culprit's replica lost its SP group;
+not re-formed), the step fails closed as in strict mode: the culprit's replica's requests get the reason
+naming it, the other replicas' "not completed: held by rank r, whose ring broke when ...", the queue "not
+dispatched" (exactly one result each), and the engine stops; the followers wait for rank 0's (empty)
+recovery plan before they return, so none reads as dead in the diagnosis. Out of scope: rank 0's own death (it is the client's
 process); under ``torchrun`` a worker that *exits* makes the elastic agent stop every worker, so the recovery
 from a death applies to launchers that let the others run (``serve_local``, a scheduler's own processes); a
 stall is recovered under torchrun too. Tested on gloo only: on NCCL the watchdog by default ends a process

@@ -19,8 +19,16 @@ keeps the exact tensors and kernels of a single :func:`dlo_fn.models.generate` c
 bit-identical whoever its neighbours are. A request that reaches its last step is decoded (:func:`finish`) at
 once and leaves with the step's reply.
 
+On an sp replica (``sp``: its :class:`~dlo_fn.models.sp.SPContext`) every sp rank holds the same requests and
+embeds its tokens (``model.embed(..., sp=sp)``, what strict waves run); the blocks' all-to-alls and the head's
+gather stay inside the replica's sp group.
+
 A rank whose step raises gives an error to every request it held in that step (nothing else), drains the open
 run (its loads and all-gathers are issued without compute, so the others' step completes) and keeps serving;
+on an sp replica a drain would leave its partners in an all-to-all, so it first runs a *shadow* of the rest of
+the step (the remaining block calls and heads on its partial activations, results discarded: the same
+collectives in the same order; it matches when the raise came between block calls, as the injected fault does,
+else the step breaks and fails closed within the timeout); the partners drop the request at the next step;
 if draining fails (a peer died or timed out), :class:`~dlo_fn.serve.batch.WaveAborted` propagates. The
 injected :class:`~dlo_fn.serve.batch.Fault` fires at block 0 of ring step ``fault.step`` (its ``wave`` field is
 not used: the ring has no waves) when this rank computes there.
