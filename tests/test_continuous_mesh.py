@@ -1,7 +1,7 @@
 """Continuous serving on a dp 2 x sp 2 mesh (dlo_fn.serve.continuous), real gloo ranks, one spawn of 4 ranks:
 the unit of admission is a replica (its 2 sp ranks run one request together), replicas hold different requests
 (shapes, steps, CFG on/off) side by side, every output is byte-identical to the request alone on the resident
-model (shard groups world and dp), a raise on one sp rank fails only its replica's request, and a dead rank
+model (shard groups world, dp and sp; R = 2 on one replica), a raise on one sp rank fails only its replica's request, and a dead rank
 fails closed within the timeout: its replica's requests name it, the other replica's get "not completed", the
 queue "not dispatched" (no recovery on an sp mesh), every request exactly one result. Then ``generate --sp 2
 --serving continuous`` under torchrun (dp 1 x sp 2) writes the resident hashes."""
@@ -31,6 +31,7 @@ REQUESTS = (
     Request(prompt="a blue bird", seed=2, num_inference_steps=2, guidance_scale=1.0, **{**SHAPE, "height": 48}),
     Request(prompt="a tall tree", seed=3, num_inference_steps=2, guidance_scale=1.0, **SHAPE),
     Request(prompt="a boat", seed=4, num_inference_steps=3, **{**SHAPE, "height": 48}),
+    Request(prompt="a cat", seed=5, num_inference_steps=2, **SHAPE),  # the fox's shape and CFG: R = 2 with it
 )
 SUBS = tuple(as_submissions(REQUESTS))
 TIMEOUT_S = 10.0  # 4 ranks on a shared 2-core machine
@@ -48,14 +49,17 @@ def run(checkpoint):
         Phase("allgather", SUBS, engine_options(**opts)),
         Phase("allgather", SUBS, engine_options(**opts, fault=Fault(rank=1, wave=0, kind="raise", step=1)),
               shard_group="dp"),
+        # R = 2, weights sharded over each replica's sp ranks: the cat joins the fox on replica 0.
+        Phase("allgather", (SUBS[0], SUBS[1], SUBS[4]), engine_options(**opts, requests_per_rank=2),
+              shard_group="sp"),
         # Last (rank 3 dies): at ring step 1 replica 0 holds the fox, replica 1 (ranks 2, 3) the bird.
         Phase("allgather", SUBS, engine_options(**opts, fault=Fault(rank=3, wave=0, kind="exit", step=1))),
     ]
     return serve_local(checkpoint, phases, 2, sp_size=2, join_timeout_s=200, grace_s=10)
 
 
-def _check(report, expected, skip=()):
-    assert [r.request_id for r in report.results] == [s.request_id for s in SUBS]
+def _check(report, expected, skip=(), subs=SUBS):
+    assert [r.request_id for r in report.results] == [s.request_id for s in subs]
     for res in report.results:
         if res.request_id in skip:
             continue
@@ -87,14 +91,20 @@ def test_raise_on_one_sp_rank_fails_only_its_replicas_request(run, expected):
     assert report.steps[2].held[:2] == ((2,), (2,))
 
 
-def test_dead_rank_fails_its_replica_closed_the_rest_get_one_result_each(run):
+def test_two_requests_per_sp_replica_with_sp_sharded_weights(run, expected):
     report = run.reports[2]
+    _check(report, expected, subs=(SUBS[0], SUBS[1], SUBS[4]))
+    assert report.steps[0].held == ((0, 2), (0, 2), (1,), (1,))  # positions in this phase: fox, bird, cat
+
+
+def test_dead_rank_fails_its_replica_closed_the_rest_get_one_result_each(run):
+    report = run.reports[3]
     assert run.exitcodes[3] == FAULT_EXIT_CODE and run.exitcodes[0] == 0
     res = report.by_id()
     assert len(report.results) == len(SUBS) and not any(r.ok for r in report.results)
     assert res["req0001"].error.startswith("ring step 1 failed closed: rank 3 dead"), res["req0001"].error
     assert res["req0000"].error.startswith("not completed: held by rank 0") and "rank 3 dead" in res["req0000"].error
-    for rid in ("req0002", "req0003"):
+    for rid in ("req0002", "req0003", "req0004"):
         assert res[rid].error.startswith("not dispatched"), res[rid].error
     assert report.degraded is None
     assert run.wall_s < 150

@@ -45,6 +45,7 @@ class Follower:
         # continuous serving recovers, and its rank 0 posts a plan after every failure).
         self.index, self.epoch, self.reload = rank, 0, reload
         self.degraded: str | None = None
+        self.stepped = False  # a cstep came: rank 0 serves continuously and posts a plan after every failure
 
     def follow(self) -> str | None:
         """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
@@ -71,6 +72,7 @@ class Follower:
             elif kind == "round":
                 ok = self._round(msg)
             elif kind == "cstep":  # continuous serving: one ring step (dlo_fn.serve.continuous)
+                self.stepped = True
                 ok = follow_step(self.continuous, self.channel, self.board, msg, self.index, self.leader)
                 if not ok and self._rejoin():
                     continue
@@ -86,9 +88,10 @@ class Follower:
         """After a failed ring step: wait for rank 0's recovery plan; if this rank survives, become a
         rank-local replica, join the survivors' group and send rank 0 this rank's report (see
         :mod:`dlo_fn.serve.recover`). False: not recovered (no plan, not a survivor, no checkpoint, or it
-        failed). Without a checkpoint (or on an sp mesh) it still waits for rank 0's plan, which then names no
-        survivor: a rank that returned (and exited) earlier would read as dead in rank 0's diagnosis."""
-        if self.board.store is None:
+        failed). In continuous serving without a checkpoint (or on an sp mesh) it still waits for rank 0's plan,
+        which then names no survivor: a rank that returned (and exited) earlier would read as dead in rank 0's
+        diagnosis."""
+        if self.board.store is None or (self.reload is None and not self.stepped):
             return False
         opts = self.options
         bound_s = 2 * opts.timeout_s + opts.grace_s + 5.0  # rank 0's detection, its diagnosis, its rebuild
