@@ -84,8 +84,8 @@ def test_mode_flags_and_options():
 
 @pytest.mark.slow
 def test_sp_under_torchrun_writes_the_resident_hashes(checkpoint, tmp_path):
-    """torchrun --nproc-per-node 2 generate --sp 2: one replica of 2 sp ranks runs every request (dp = 1)."""
-    sp = _generate(checkpoint, tmp_path / "sp", "--sp", "2", nproc=2)
+    """torchrun --nproc-per-node 2 generate --sp 2 --serving strict: one replica of 2 sp ranks runs every wave (dp = 1)."""
+    sp = _generate(checkpoint, tmp_path / "sp", "--sp", "2", "--serving", "strict", nproc=2)  # waves; continuous: test_continuous_mesh
     resident = _generate(checkpoint, tmp_path / "res", "--resident")
     assert [r["sha256"] for r in sp] == [r["sha256"] for r in resident]
     assert [(r["rank"], r["wave"], r["dp_size"], r["sp_size"]) for r in sp] == [(0, w, 1, 2) for w in range(3)]

@@ -173,7 +173,7 @@ def is_auto(args: argparse.Namespace) -> bool:
 
 def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
     """The sp sizes the policy may choose: ``--sp`` itself, or (``auto``) the divisors of the ranks that the
-    heads allow (a mesh with sp > 1 is served in strict waves whatever ``--serving`` says)."""
+    heads allow (an sp > 1 mesh is served as ``--serving`` says: continuous per replica, or strict waves)."""
     from dlo_fn.runtime.probe import sp_choices
 
     return (args.sp,) if args.sp != "auto" else sp_choices(world_size, num_heads)

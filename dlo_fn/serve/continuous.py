@@ -11,15 +11,20 @@ like with like.
 
 **Protocol** (lockstep allgather ranks, or one rank in any mode). Ring step ``k`` is one executor run of one
 denoising step on every rank (:mod:`dlo_fn.serve.continuous_rank` says why ranks holding different requests
-stay in lockstep). Before each step rank 0
+stay in lockstep). The unit of admission is a *replica*: one rank, or on a (dp, sp) mesh the ``sp`` ranks of
+one mesh row, which all get the same starts and run each request together (Ulysses, as strict waves do: every
+sp rank its tokens, the all-to-alls within the replica's sp group); the replica's leader (its sp-rank 0) sends
+the videos, its partners their outcomes without them. Before each step rank 0
 
 1. retires what ended, admits arrived requests with the live rule of the planner
    (:func:`dlo_fn.plan.dispatch.admit_continuous`: FIFO, no overtaking; the head goes to the first empty
    replica, else to the replica of its key with the fewest held, ``< R``; key = the request's shape:
    :func:`admission_key`; or, with ``EngineOptions(admission="cost")``,
    :func:`~dlo_fn.plan.dispatch.admit_cost_aware` on the relative costs of :func:`admission_cost`), and
-2. broadcasts ``{"kind": "cstep", "step": k, "starts": [[(index, request), ...] per rank]}`` (one
-   ``broadcast_object_list``: every rank agrees on who does what before the step, bounded by ``timeout_s``);
+2. broadcasts ``{"kind": "cstep", "step": k, "starts": [[(index, request), ...] per rank], "ended": [...]}``
+   (one ``broadcast_object_list``: every rank agrees on who does what before the step, bounded by
+   ``timeout_s``; ``ended``: the requests that ended on an sp replica since the last step, which a partner
+   that did not fail drops before it);
 
 then every rank runs its step (holding nothing: a gather-only run) and each follower answers with
 ``{"step": k, "outcomes": [...], "compute_s": x}``: the requests that ended in the step (their videos, or their
@@ -30,7 +35,9 @@ When no rank holds anything and the queue is empty the ring waits (followers get
 ``timeout_s / 3``); when the input ends and the last request left, :meth:`Engine.close` sends ``stop``.
 
 **Failing closed, and going on.** A rank that raises: every request it held in that step gets its error, the
-others go on (its run is drained). A follower that stalls or dies breaks the step's all-gathers or the reply:
+others go on (its run is drained; on an sp replica it runs the step's remaining block calls without keeping
+their results, so its partners' all-to-alls complete, and a replica's request fails when any of its sp ranks
+reports an error). A follower that stalls or dies breaks the step's all-gathers or the reply:
 within ``timeout_s`` rank 0 names it from the status board (dead / stalled, at which ring step) and every
 request it held gets that reason. The survivors do not lose theirs: they agree on a degraded plan through the
 store and go on as rank-local replicas streaming whole blocks from the checkpoint mapping
@@ -38,8 +45,11 @@ store and go on as rank-local replicas streaming whole blocks from the checkpoin
 completed (a failed step leaves the pre-step latents in place, so it is redone from its start); what was
 queued is served by them. Every request that completes is byte-identical to a resident run (same weights,
 same kernels, same latents). It needs ``Engine(checkpoint=...)`` (``generate`` and ``serve_local`` pass it);
-without it, or with no culprit on the board, the step fails closed as in strict mode: every request in
-flight gets an error and the queue "not dispatched". Out of scope: rank 0's own death (it is the client's
+without it, with no culprit on the board, or on a mesh with sp > 1 (the culprit's replica lost its SP group;
+not re-formed), the step fails closed as in strict mode: the culprit's replica's requests get the reason
+naming it, the other replicas' "not completed: held by rank r, whose ring broke when ...", the queue "not
+dispatched" (exactly one result each), and the engine stops; the followers wait for rank 0's (empty)
+recovery plan before they return, so none reads as dead in the diagnosis. Out of scope: rank 0's own death (it is the client's
 process); under ``torchrun`` a worker that *exits* makes the elastic agent stop every worker, so the recovery
 from a death applies to launchers that let the others run (``serve_local``, a scheduler's own processes); a
 stall is recovered under torchrun too. Tested on gloo only: on NCCL the watchdog by default ends a process
@@ -96,11 +106,15 @@ class ContinuousDriver:
     after a recovery, ``degraded`` (why) and the survivors' ``channel``."""
 
     def __init__(self, channel: Any, board: StatusBoard, own: ContinuousRank, options: EngineOptions, *,
-                 world_size: int, config: Any, reload: Reload | None = None) -> None:
+                 world_size: int, config: Any, reload: Reload | None = None,
+                 replicas: Sequence[Sequence[int]] | None = None) -> None:
         self.channel, self.board, self.own, self.options = channel, board, own, options
         self.world_size, self.config, self.reload = world_size, config, reload
         self.next_step = 0
         self.ranks = tuple(range(world_size))
+        # The units of admission: the global ranks of each replica, its leader first (sp > 1: one request
+        # runs on all of them; without a mesh every rank is its own).
+        self.replicas = tuple(tuple(u) for u in replicas) if replicas else tuple((g,) for g in self.ranks)
         self.epoch = 0
         self.degraded: str | None = None
 
@@ -118,6 +132,7 @@ class ContinuousDriver:
         mono0 = time.monotonic() - (time.perf_counter() - t0)
         last_message = time.monotonic()
         arrival: dict[int, float] = {}
+        ended: list[int] = []  # what ended since the last cstep: an sp partner that did not fail still holds it
         while True:
             new = arrived()
             queue.extend(new)
@@ -139,28 +154,32 @@ class ContinuousDriver:
                     last_message = time.monotonic()
                 continue
             k = self.next_step
+            units = self._units()
             placed = self._admit([self._queued(subs, i) for i, _ in queue],
-                                 [[self._queued(subs, i) for i in held[g]] for g in live], R)
+                                 [[self._queued(subs, i) for i in held[u[0]]] for u in units], R)
             starts: list[list[tuple[int, dict]]] = [[] for _ in live]
             now = time.monotonic()
             for rid, j in placed:
                 i = int(rid)
-                starts[j].append((i, to_wire(subs[i].request)))
-                held[live[j]].append(i)
+                wire = to_wire(subs[i].request)
+                for g in units[j]:  # every sp rank of the replica starts it
+                    starts[live.index(g)].append((i, wire))
+                    held[g].append(i)
                 left[i] = subs[i].request.num_inference_steps
-                start[i] = (live[j], now, k)
-                log.info("ring step %d: %s starts on rank %d, %d step(s)", k, subs[i].request_id, live[j],
-                         left[i])
+                start[i] = (units[j][0], now, k)
+                log.info("ring step %d: %s starts on replica %s, %d step(s)", k, subs[i].request_id,
+                         list(units[j]), left[i])
             placed_ids = {int(rid) for rid, _ in placed}
             queue = [(i, a) for i, a in queue if i not in placed_ids]
             during = tuple(tuple(h) for h in held)
             stage = "broadcasting the step"
             try:
                 if len(live) > 1:
-                    self.channel.broadcast({"kind": "cstep", "step": k, "starts": starts})
+                    self.channel.broadcast({"kind": "cstep", "step": k, "starts": starts, "ended": ended})
                 self.board.post("running", wave=k, step=k)
                 stage = "running its own step"
-                outcomes: dict[int, Sequence[Outcome]] = {0: self.own.step(k, starts[0])}
+                outcomes: dict[int, Sequence[Outcome]] = {0: self.own.step(k, starts[0], ended)}
+                ended = []
                 compute = [0.0] * W
                 compute[0] = self.own.last_compute_s
                 self.board.post("done", wave=k)
@@ -179,11 +198,14 @@ class ContinuousDriver:
                 reports = self._recover(k, reason, bad)
                 if reports is None:
                     out.stopped = reason
+                    lost = {g for u in units if set(u) & bad for g in u}  # a culprit's whole replica
                     for r, h in enumerate(during):
                         for i in h:
-                            why = reason if r in bad or not bad else (
+                            why = reason if r in lost or not bad else (
                                 f"not completed: held by rank {r}, whose ring broke when {reason}")
-                            out.results[i] = self._result(subs, i, None, r, start, arrival[i], mono0, why)
+                            if i not in out.results:
+                                out.results[i] = self._result(subs, i, None, start[i][0], start, arrival[i],
+                                                              mono0, why)
                     break
                 # Degraded: the culprits' requests are lost with them; every survivor resumes what it held
                 # (from its last completed step); what a survivor never started goes back to the queue's head.
@@ -209,20 +231,21 @@ class ContinuousDriver:
             end = time.monotonic()
             last_message = end
             out.steps.append(StepRecord(k, now - mono0, end - mono0, during, tuple(compute), len(queue)))
-            for r, outs in outcomes.items():
-                for o in outs:
+            for u in units:
+                for r, o in _merged(u, outcomes):
                     out.results[o.position] = self._result(subs, o.position, o, r, start,
                                                            arrival[o.position], mono0)
-            for r, h in enumerate(during):
-                for i in h:
-                    if i in out.results:
-                        held[r].remove(i)
-                        continue
-                    left[i] -= 1
-                    if left[i] == 0:
-                        held[r].remove(i)
-                        out.results[i] = self._result(subs, i, None, r, start, arrival[i], mono0,
-                                                      f"rank {r} returned no result at its last ring step {k}")
+                for i in during[u[0]]:
+                    if i not in out.results:
+                        left[i] -= 1
+                        if left[i]:
+                            continue
+                        out.results[i] = self._result(subs, i, None, u[0], start, arrival[i], mono0,
+                                                      f"rank {u[0]} returned no result at its last ring step {k}")
+                    for g in u:
+                        held[g].remove(i)
+                    if len(u) > 1:
+                        ended.append(i)
         for i, _ in queue:
             out.results[i] = RequestResult(i, subs[i].request_id, subs[i].request, False, error=(
                 f"not dispatched: the engine stopped earlier ({out.stopped})"))
@@ -235,6 +258,10 @@ class ContinuousDriver:
         if self.board.store is None:
             return None
         self.epoch += 1
+        if any(len(u) > 1 for u in self.replicas):  # an sp replica that lost a rank lost its SP group
+            post_plan(self.board, RecoveryPlan(self.epoch, k, (), reason))
+            log.error("no recovery after ring step %d on an sp mesh: the serve stops (%s)", k, reason)
+            return None
         survivors = tuple(g for g in self.ranks if g not in bad)
         why = ("no culprit found" if not bad else "no checkpoint to rebuild from (Engine(checkpoint=...))"
                if self.reload is None else None)
@@ -265,6 +292,12 @@ class ContinuousDriver:
         return reports
 
     # -- helpers ---------------------------------------------------------------------------------------------
+    def _units(self) -> tuple[tuple[int, ...], ...]:
+        """The replicas still serving (a recovery, sp = 1 only, leaves the survivors, one rank each)."""
+        if all(len(u) == 1 for u in self.replicas):
+            return tuple((g,) for g in self.ranks)
+        return self.replicas
+
     def _admit(self, queued: list[QueuedRequest], held: list[list[QueuedRequest]], R: int):
         if self.options.admission == "cost":  # relative costs, no load term: only the compute maxima compare
             return admit_cost_aware(queued, held, R, PassCosts.uniform(1, 0.0))
@@ -299,3 +332,14 @@ class ContinuousDriver:
         reason = (f"ring step {k} failed closed: {blame}. Rank 0 saw, {where}: {type(exc).__name__}: {text}")
         log.error(reason)
         return reason, {v.rank for v in bad}
+
+
+def _merged(unit: Sequence[int], outcomes: Mapping[int, Sequence[Outcome]]) -> list[tuple[int, Outcome]]:
+    """One replica's outcomes of a step, ``(rank, outcome)``: its leader's (with the videos), unless an sp
+    rank of it reports an error for that request (it raised there, so the request failed on the replica)."""
+    merged: dict[int, tuple[int, Outcome]] = {}
+    for g in unit:  # leader first
+        for o in outcomes.get(g, ()):
+            if o.position not in merged or (not o.ok and merged[o.position][1].ok):
+                merged[o.position] = (g, o)
+    return list(merged.values())

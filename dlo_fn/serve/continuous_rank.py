@@ -19,8 +19,16 @@ keeps the exact tensors and kernels of a single :func:`dlo_fn.models.generate` c
 bit-identical whoever its neighbours are. A request that reaches its last step is decoded (:func:`finish`) at
 once and leaves with the step's reply.
 
+On an sp replica (``sp``: its :class:`~dlo_fn.models.sp.SPContext`) every sp rank holds the same requests and
+embeds its tokens (``model.embed(..., sp=sp)``, what strict waves run); the blocks' all-to-alls and the head's
+gather stay inside the replica's sp group.
+
 A rank whose step raises gives an error to every request it held in that step (nothing else), drains the open
 run (its loads and all-gathers are issued without compute, so the others' step completes) and keeps serving;
+on an sp replica a drain would leave its partners in an all-to-all, so it first runs a *shadow* of the rest of
+the step (the remaining block calls and heads on its partial activations, results discarded: the same
+collectives in the same order; it matches when the raise came between block calls, as the injected fault does,
+else the step breaks and fails closed within the timeout); the partners drop the request at the next step;
 if draining fails (a peer died or timed out), :class:`~dlo_fn.serve.batch.WaveAborted` propagates. The
 injected :class:`~dlo_fn.serve.batch.Fault` fires at block 0 of ring step ``fault.step`` (its ``wave`` field is
 not used: the ring has no waves) when this rank computes there.
@@ -28,6 +36,7 @@ not used: the ring has no waves) when this rank computes there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import traceback
@@ -48,8 +57,9 @@ log = logging.getLogger(__name__)
 class ContinuousRank:
     """The requests rank ``rank`` holds (by submission index, in admission order) and their sampler states."""
 
-    def __init__(self, model: Any, offloaded: Any, rank: int, fault: Fault | None = None) -> None:
+    def __init__(self, model: Any, offloaded: Any, rank: int, fault: Fault | None = None, sp: Any = None) -> None:
         self.model, self.offloaded, self.rank = model, offloaded, rank
+        self.sp = sp if sp is not None and sp.size > 1 else None  # this rank's SPContext on an sp replica
         self.fault = fault if fault is not None and fault.rank == rank else None
         self.held: dict[int, Any] = {}
         self.texts: dict[int, Any] = {}  # each held request's text states, encoded once (serve.batch does the same)
@@ -65,11 +75,16 @@ class ContinuousRank:
         return {"rank": self.rank, "held": [(i, s.step) for i, s in self.held.items()],
                 "outcomes": list(self.last_outcomes) if self.last_step == k else []}
 
-    def step(self, k: int, starts: Sequence[tuple[int, dict]]) -> list[Outcome]:
-        """Admit ``starts`` (``(index, request as a dict)``), run ring step ``k``; outcomes of the requests that
-        ended in it (finished, or failed), ``position`` = the submission index. Raises
+    def step(self, k: int, starts: Sequence[tuple[int, dict]], ended: Sequence[int] = ()) -> list[Outcome]:
+        """Drop ``ended`` (requests that ended on an sp partner: see :func:`follow_step`), admit ``starts``
+        (``(index, request as a dict)``), run ring step ``k``; outcomes of the requests that ended in it
+        (finished, or failed), ``position`` = the submission index. Raises
         :class:`~dlo_fn.serve.batch.WaveAborted` (the held states stay as before the step) when the step's
         collectives broke."""
+        for i in ended:
+            self.held.pop(i, None)
+            self.texts.pop(i, None)
+            self.compute_s.pop(i, None)
         out = self._step(k, starts)
         self.last_step, self.last_outcomes = k, out
         return out
@@ -97,6 +112,7 @@ class ContinuousRank:
         t0 = time.perf_counter()
         opened = False
         calls_s = 0.0
+        done, embeds, xs = 0, [], []  # block calls completed this step (a shadow run goes on from there)
         # The executor's own block-call seconds exclude the loads and all-gathers it issues inside each call
         # (on CPU the synchronous all-gather, where a rank waits for a slower neighbour).
         before_s = executor.stats.call_s if executor is not None else 0.0
@@ -107,14 +123,17 @@ class ContinuousRank:
             for i, s in items:
                 if i not in self.texts:
                     self.texts[i] = self.model.encode_text(s.text_tokens)
-            embeds = [self.model.embed(*model_inputs(s), self.texts[i]) for i, s in items]
+            sp_kwargs = {"sp": self.sp} if self.sp is not None else {}
+            embeds = [self.model.embed(*model_inputs(s), self.texts[i], **sp_kwargs) for i, s in items]
             xs = [e.x for e in embeds]
-            for b, block in enumerate(self.model.blocks):
-                for r, e in enumerate(embeds):
-                    c0 = time.perf_counter()
-                    xs[r] = block(xs[r], **e.block_kwargs)
-                    calls_s += time.perf_counter() - c0
-                if self.fault is not None and b == 0 and k == self.fault.step:
+            calls = len(self.model.blocks) * len(embeds)
+            while done < calls:  # block-major: call n is block n // R_r for held request n % R_r
+                b, r = divmod(done, len(embeds))
+                c0 = time.perf_counter()
+                xs[r] = self.model.blocks[b](xs[r], **embeds[r].block_kwargs)
+                calls_s += time.perf_counter() - c0
+                done += 1
+                if self.fault is not None and done == len(embeds) and k == self.fault.step:
                     self.fault.fire()
             states = [update(s, self.model.head(x, e)) for (_, s), x, e in zip(items, xs, embeds)]
             if opened:
@@ -123,8 +142,9 @@ class ContinuousRank:
         except Exception as exc:  # noqa: BLE001 - every request held here gets this error, then keep serving
             text = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             log.error("%s (ring step %d)\n%s", text, k, traceback.format_exc())
-            if opened:
-                _drain(executor, self.rank, exc)
+            if opened:  # on an sp replica a shadow run lets the partners finish their step; else drain
+                if not self._shadow(k, embeds, xs, done):
+                    _drain(executor, self.rank, exc)
             elif executor is not None:
                 try:
                     self.offloaded.idle(1)
@@ -153,16 +173,42 @@ class ContinuousRank:
                                    compute_s=spent))
         return out
 
+    def _shadow(self, k: int, embeds: list, xs: list, done: int) -> bool:
+        """After a raise inside block call ``done`` on an sp replica: run the step's remaining block calls and
+        heads on whatever ``xs`` hold, results discarded, so this rank's all-to-alls and the head's gather
+        meet its sp partners' (a drain without compute would leave them waiting in an all-to-all while it
+        issues all-gathers). It matches only when the raise came before the call's first all-to-all (between
+        block calls, as the injected fault does); otherwise the collectives break and the step fails closed
+        within the timeout. True: the run ended (its loads and all-gathers issued); False: no sp, or the raise
+        came before the blocks or after them (the heads' gather), or the shadow run failed."""
+        if self.sp is None or not embeds or done >= len(self.model.blocks) * len(embeds):
+            return False
+        try:
+            for n in range(done, len(self.model.blocks) * len(embeds)):
+                b, r = divmod(n, len(embeds))
+                xs[r] = self.model.blocks[b](xs[r], **embeds[r].block_kwargs)
+            for x, e in zip(xs, embeds):
+                self.model.head(x, e)
+            self.offloaded.executor.end_run()
+        except Exception as exc:  # noqa: BLE001 - then drain as without sp (the step fails closed)
+            log.error("rank %d: the shadow run of ring step %d failed: %s: %s", self.rank, k, type(exc).__name__, exc)
+            return False
+        return True
+
 
 def follow_step(rank_state: ContinuousRank, channel: Any, board: StatusBoard, msg: dict,
-                index: int | None = None) -> bool:
+                index: int | None = None, leader: bool = True) -> bool:
     """A follower's ``cstep``: run its part of ring step ``msg["step"]`` (its ``starts`` at ``index``, its
     place among the ranks serving; its rank unless a recovery renumbered them), answer rank 0; False when
-    the exchange failed (the group is unusable)."""
+    the exchange failed (the group is unusable). An sp rank that does not lead its replica answers its
+    outcomes without the videos (its leader sends them; rank 0 needs only its errors); ``msg["ended"]``: the
+    requests that ended on a partner in an earlier step (an error there), dropped before the step."""
     k, rank = msg["step"], rank_state.rank
     board.post("running", wave=k, step=k)
     try:
-        outcomes = rank_state.step(k, msg["starts"][rank if index is None else index])
+        outcomes = rank_state.step(k, msg["starts"][rank if index is None else index], msg.get("ended", ()))
+        if not leader:
+            outcomes = [dataclasses.replace(o, video=None) for o in outcomes]
     except WaveAborted as exc:
         board.post("collective-failed", wave=k, error=str(exc))
         log.error("rank %d: ring step %d aborted: %s", rank, k, exc)

@@ -2,8 +2,9 @@
 
 **Serving.** ``EngineOptions(serving="continuous")``, the default, runs lockstep allgather ranks (or a single
 rank) as :mod:`dlo_fn.serve.continuous`: a ring that never stops between requests and goes on without a
-follower that stalls or dies (given ``checkpoint=``). What follows is ``serving="strict"`` (waves), which also
-serves rank-local and resident replicas with ``W > 1`` and meshes with sp > 1 whatever the option says.
+follower that stalls or dies (given ``checkpoint=``; on a mesh with sp > 1 the unit of admission is a replica,
+and a lost rank fails closed). What follows is ``serving="strict"`` (waves), which also serves rank-local and
+resident replicas with ``W > 1`` whatever the option says.
 
 Every rank builds the same model and :class:`Engine`; rank 0 calls :meth:`Engine.serve` (then
 :meth:`Engine.close`), the others :meth:`Engine.follow`. :meth:`Engine.run` does the right one.
@@ -110,18 +111,15 @@ class Engine:
                                   replica=self.replica, leader=self.rank == self.replicas[self.replica][0])
         self._next_wave = 0
         self._closed = False
-        # Continuous serving (dlo_fn.serve.continuous): lockstep ranks, or one rank in any mode.
-        # A mesh with sp > 1 (one request over several ranks) is served in waves for now.
-        self.continuous = (self.options.serving == "continuous" and (self.lockstep or self.world_size == 1)
-                           and self.sp_size == 1)
-        if self.options.serving == "continuous" and self.sp_size > 1 and self.rank == 0:
-            log.info("serving='continuous' with sp %d: continuous serving runs one rank per replica for now; "
-                     "serving this mesh in strict waves", self.sp_size)
-        reload = reloader(checkpoint) if self.continuous else None
+        # Continuous serving (dlo_fn.serve.continuous): lockstep ranks (replicas of sp ranks on a mesh), or one
+        # rank in any mode. No recovery on an sp mesh (a lost rank breaks its replica's SP group).
+        self.continuous = self.options.serving == "continuous" and (self.lockstep or self.world_size == 1)
+        reload = reloader(checkpoint) if self.continuous and self.sp_size == 1 else None
         self._follower.reload = reload
-        own = ContinuousRank(model, offloaded, self.rank, self.options.fault)
+        own = ContinuousRank(model, offloaded, self.rank, self.options.fault, runner.sp)
         self._continuous = None if not self.continuous or self.rank else ContinuousDriver(
-            self.channel, self.board, own, self.options, world_size=self.world_size, config=self.config, reload=reload)
+            self.channel, self.board, own, self.options, world_size=self.world_size, config=self.config,
+            reload=reload, replicas=self.replicas)
         self.board.post("idle")
 
     @property

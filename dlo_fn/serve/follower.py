@@ -39,12 +39,13 @@ class Follower:
         self.channel, self.board, self.runner, self.options, self.rank = channel, board, runner, options, rank
         self.replica = rank if replica is None else replica
         self.leader = leader
-        self.continuous = ContinuousRank(runner.model, runner.offloaded, rank, options.fault)  # "cstep" messages
+        self.continuous = ContinuousRank(runner.model, runner.offloaded, rank, options.fault, runner.sp)  # "cstep" messages
         # Recovery of continuous serving (dlo_fn.serve.recover): this rank's place among the ranks serving,
         # the recoveries so far, and where a rank-local replica reads its blocks (None: no recovery; only
         # continuous serving recovers, and its rank 0 posts a plan after every failure).
         self.index, self.epoch, self.reload = rank, 0, reload
         self.degraded: str | None = None
+        self.stepped = False  # a cstep came: rank 0 serves continuously and posts a plan after every failure
 
     def follow(self) -> str | None:
         """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
@@ -71,7 +72,8 @@ class Follower:
             elif kind == "round":
                 ok = self._round(msg)
             elif kind == "cstep":  # continuous serving: one ring step (dlo_fn.serve.continuous)
-                ok = follow_step(self.continuous, self.channel, self.board, msg, self.index)
+                self.stepped = True
+                ok = follow_step(self.continuous, self.channel, self.board, msg, self.index, self.leader)
                 if not ok and self._rejoin():
                     continue
             elif kind == "timeline":
@@ -85,14 +87,17 @@ class Follower:
     def _rejoin(self) -> bool:
         """After a failed ring step: wait for rank 0's recovery plan; if this rank survives, become a
         rank-local replica, join the survivors' group and send rank 0 this rank's report (see
-        :mod:`dlo_fn.serve.recover`). False: not recovered (no plan, not a survivor, or it failed)."""
-        if self.reload is None or self.board.store is None:
+        :mod:`dlo_fn.serve.recover`). False: not recovered (no plan, not a survivor, no checkpoint, or it
+        failed). In continuous serving without a checkpoint (or on an sp mesh) it still waits for rank 0's plan,
+        which then names no survivor: a rank that returned (and exited) earlier would read as dead in rank 0's
+        diagnosis."""
+        if self.board.store is None or (self.reload is None and not self.stepped):
             return False
         opts = self.options
         bound_s = 2 * opts.timeout_s + opts.grace_s + 5.0  # rank 0's detection, its diagnosis, its rebuild
         self.epoch += 1
         plan = wait_plan(self.board, self.epoch, bound_s)
-        if plan is None or self.rank not in plan.survivors:
+        if plan is None or self.rank not in plan.survivors or self.reload is None:
             log.error("rank %d: %s", self.rank, "no recovery plan from rank 0" if plan is None else
                       f"not among the survivors {list(plan.survivors)}: {plan.reason}")
             return False
