@@ -41,6 +41,25 @@ def resident_expected(checkpoint: str, requests) -> dict:
     return {f"req{i:04d}": generate(model, r) for i, r in enumerate(requests) if r.prompt}
 
 
+MIXED_SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
+
+
+def mixed_request(prompt: str, seed: int, **kw):
+    """A tiny request of :data:`MIXED_SHAPE`, fields overridden by ``kw``."""
+    from dlo_fn.models.request import Request
+
+    return Request(prompt=prompt, seed=seed, **{**MIXED_SHAPE, **kw})
+
+
+def mixed_requests() -> tuple:
+    """The continuous-serving trace: two heights, three step counts, CFG on and off, another guidance, one
+    empty prompt (rejected), and one image (``num_frames=1``)."""
+    r = mixed_request
+    return (r("a red fox", 1), r("a blue bird", 2, num_inference_steps=5), r("a tall tree", 3, height=48),
+            r("a cat", 4, guidance_scale=1.0), r("", 5), r("a boat", 6, num_inference_steps=2),
+            r("a red fox", 7, guidance_scale=3.0, num_frames=1))
+
+
 def engine_options(**kw):
     """Engine options for multi-rank tests: small timeouts, no progress bar (the serving mode is the default
     unless given)."""

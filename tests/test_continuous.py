@@ -12,29 +12,22 @@ import sys
 
 import pytest
 import torch
-from conftest import engine_options, resident_expected
+from conftest import engine_options, mixed_request, mixed_requests, resident_expected
 
-from dlo_fn.models import Request
 from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
 from dlo_fn.serve.engine import Engine
 from dlo_fn.serve.local import Phase, open_model, serve_local
 from dlo_fn.serve.requests import EngineOptions, Submission, as_submissions
 
-SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
 TIMEOUT_S = 4.0
 
 
-def _req(prompt, seed, **kw) -> Request:
-    return Request(prompt=prompt, seed=seed, **{**SHAPE, **kw})
+_req = mixed_request
 
 
 # Mixed: two shapes, three step counts, CFG on and off, guidance, one empty prompt (rejected).
-REQUESTS = (
-    _req("a red fox", 1), _req("a blue bird", 2, num_inference_steps=5), _req("a tall tree", 3, height=48),
-    _req("a cat", 4, guidance_scale=1.0), _req("", 5), _req("a boat", 6, num_inference_steps=2),
-    _req("a red fox", 7, guidance_scale=3.0, num_frames=1),
-)
+REQUESTS = mixed_requests()
 SUBS = tuple(as_submissions(REQUESTS))
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import engine_options, resident_expected
+from conftest import engine_options, mixed_request, mixed_requests, resident_expected
 
-from dlo_fn.models import Request, generate
+from dlo_fn.models import generate
 from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
 from dlo_fn.serve.local import Phase, _reopen, open_model, serve_local
@@ -17,20 +17,12 @@ from dlo_fn.serve.recover import RecoveryPlan, post_plan, rank_local_replica, re
 from dlo_fn.serve.requests import as_submissions
 from dlo_fn.serve.wire import StatusBoard
 
-SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
-
-
-def _req(prompt, seed, **kw) -> Request:
-    return Request(prompt=prompt, seed=seed, **{**SHAPE, **kw})
+_req = mixed_request
 
 
 # R = 1 on 3 ranks, FIFO: step 0 fox | bird | tree; the bird (5 steps) stays on rank 1 until step 4; at step 3
 # the cat and the boat take ranks 0 and 2, then the second fox waits for one of them.
-REQUESTS = (
-    _req("a red fox", 1), _req("a blue bird", 2, num_inference_steps=5), _req("a tall tree", 3, height=48),
-    _req("a cat", 4, guidance_scale=1.0), _req("", 5), _req("a boat", 6, num_inference_steps=2),
-    _req("a red fox", 7, guidance_scale=3.0, num_frames=1),
-)
+REQUESTS = mixed_requests()
 SUBS = tuple(as_submissions(REQUESTS))
 
 

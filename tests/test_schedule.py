@@ -71,14 +71,7 @@ def test_golden_allgather_over_one_rank_is_the_rank_local_program():
     assert lowered_mode("allgather", 1) == "rank-local" and lowered_mode("allgather", 2) == "allgather"
     assert lowered_mode("allgather", None) == "allgather" and lowered_mode("rank-local", 1) == "rank-local"
     one = build_schedule(3, 1, mode="allgather", num_landing=2, num_shards=1)
-    _assert_golden(one, [
-        "H2D k0 b0>s0",
-        "H2D k1 b1>s1",
-        "C k0 b0@s0 r0 <- 0",
-        "H2D k2 b2>s0 <- 2",
-        "C k1 b1@s1 r0 <- 1",
-        "C k2 b2@s0 r0 <- 3",
-    ])
+    # The same ops, waits and slots as test_golden_rank_local's list, op for op.
     assert one.mode == "rank-local" and one.num_landing == 0 and one == build_schedule(3, 1, mode="rank-local")
     ring = Ring.cold(3, mode="allgather", num_landing=2, num_shards=1)
     assert ring == Ring.cold(3, mode="rank-local") and ring.num_landing == 0
