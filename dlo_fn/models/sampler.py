@@ -165,6 +165,7 @@ def generate(model, request: Request, *, sp=None) -> Result:
     request (same seed, so the same noise), computes its share of the tokens and gets the whole result."""
     state = init_state(model, request)
     kwargs = {} if sp is None else {"sp": sp}
+    text = model.encode_text(state.text_tokens)  # the prompt's states do not change across steps: encode once
     while not finished(state):
-        state = update(state, model(*model_inputs(state), **kwargs))
+        state = update(state, model(*model_inputs(state), text, **kwargs))
     return finish(state)
