@@ -55,6 +55,8 @@ def register(subparsers) -> None:
     p.add_argument("--host-repeats", type=int, default=3, help="passes timed on the host from an idle device")
     p.add_argument("--quick", action="store_true", help="tiny config and workloads, 1 warmup, 2 repeats (CPU smoke)")
     p.add_argument("--no-dispatch", action="store_true", help="skip the host dispatch measurement (bench-narrow)")
+    p.add_argument("--fresh-graphs", action="store_true",
+                   help="graph variants: drop the captured graphs of one workload before the next is measured")
     p.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     p.add_argument("--out", default=None, help="JSON path (default figures/data/bench_step_<machine>.json)")
     p.set_defaults(func=run)
@@ -72,6 +74,7 @@ def _command(args: argparse.Namespace) -> str:
              f"--variants {args.variants}", f"--warmup {args.warmup}", f"--repeats {args.repeats}",
              f"--host-repeats {args.host_repeats}"]
     parts += ["--no-dispatch"] if getattr(args, "no_dispatch", False) else []
+    parts += ["--fresh-graphs"] if getattr(args, "fresh_graphs", False) else []
     return " ".join(parts + (["--quick"] if args.quick else []) + ([f"--platform {args.platform}"] if args.platform else []))
 
 
@@ -137,8 +140,11 @@ def run_step_bench(args: argparse.Namespace) -> dict:
 
     want: dict[tuple[str, str], torch.Tensor] = {}  # the resident output of each workload, for the byte-identity check
 
-    def measure(variant: str, run_pass, reset=None, extra=None, warmup=None) -> None:
+    def measure(variant: str, run_pass, reset=None, extra=None, warmup=None, graphs=None) -> None:
         for w in workloads:
+            if graphs is not None and getattr(args, "fresh_graphs", False):
+                graphs.clear()  # the previous workload's graphs and their pools go before this one is captured
+                sv.release(platform)
             x, kwargs, _ = inputs[w]
             platform.reset_peak_memory_stats()
             r = sv.time_passes(platform, run_pass, x, kwargs, reset=reset,
@@ -206,7 +212,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
             opts = sv.variant_options(variant)
             own = [copy.deepcopy(b) for b in blocks] if opts["block_call"] == "compile" else blocks  # meta: cheap
             run_pass, ex = sv.executor_pass(platform, layout, store, own, aliases, group=ctx.group, **opts)
-            measure(variant, run_pass, reset=ex.stats.reset,
+            measure(variant, run_pass, reset=ex.stats.reset, graphs=ex.graphs,
                     warmup=sv.GRAPH_WARMUP if opts["graph"] or opts["block_call"] == "compile" else 0,
                     extra=lambda ex=ex: {
                 "graph_replays": ex.graphs.replays if ex.graphs is not None else 0,

@@ -22,6 +22,13 @@ launched once block 0 has received all ``R`` requests' inputs; every proxy call 
 outputs, and each later call is checked against the wiring (by identity) instead of running. Outputs are the
 graph's static tensors: read them before the next step of the same shape (the model's head does).
 
+**Measured limit (one H200, ``bench.graph_gaps``):** a captured H2D copy runs at a rate the driver sets from
+what the process captured before (the first graph's copies at 55 GB/s beside the computes, a later one's at
+53 GB/s, whatever the earlier graphs were, and dropping them with :meth:`StepGraphs.clear` does not restore it);
+eager copies on the executor's own H2D stream do not vary. A PCIe-bound step can therefore be slower graphed than
+eager; keeping the copies out of the graph (computes captured, joined to eager copies through external event
+nodes) is the way out, not built yet.
+
 Where capture is not supported (CPU, NPU, a block taking a non-tensor argument, a forward that syncs or whose
 dataflow is not a chain of blocks) the step runs eager, logged once per reason. :func:`graph_support` decides
 before anything runs, on the CPU: a CUDA device, and a shard group of one (W = 1 lowers to H2D straight into the
@@ -210,6 +217,14 @@ class StepGraphs:
 
     def reset(self) -> None:
         self._live = None
+
+    def clear(self) -> None:
+        """Drop every captured graph and recorded wiring (their memory pools go with them); later steps are
+        recorded and captured again. The counters stay."""
+        self._live = None
+        self._records.clear()
+        self._graphs.clear()
+        self._eager.clear()
 
     # -- the proxy calls -------------------------------------------------------------------------------------
     def compute(self, run: Any, i: int, args: tuple, kwargs: dict) -> tuple[bool, Any]:
