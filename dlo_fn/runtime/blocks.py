@@ -2,8 +2,10 @@
 
 A block module keeps its code and loses its storage: every parameter and persistent buffer is replaced by a
 ``meta`` tensor (ties kept), non-persistent buffers (recomputed tables) move to the device. The executor then
-runs ``torch.func.functional_call(block, views, args, kwargs)`` with ``views`` = typed views into the slot the
-block was gathered into, built once per (slot, block layout) at start-up:
+runs the block as a function of ``views``, typed views into the slot the block was gathered into, built once
+per (slot, block layout) at start-up (by default ``"swap"``: the views are put in the block's parameter and
+buffer tables for the call, as ``torch.func.functional_call(block, views, args, kwargs)`` does, with the
+tables resolved once instead of per call; see :func:`make_caller`):
 
     views[name] = slot[offset : offset + nbytes].view(dtype).view(shape)
 

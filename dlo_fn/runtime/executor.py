@@ -69,7 +69,7 @@ class Executor:
     def __init__(self, platform: Platform, layout: ModelLayout, store: HostStore, blocks: Sequence[nn.Module],
                  aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None, *, group: Any = None,
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
-                 block_call: str = "functional_call", async_collectives: bool = False,
+                 block_call: str = "swap", async_collectives: bool = False,
                  record_timeline: bool = False, rank: int = 0, graph: bool = False) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
         if len(blocks) != layout.num_blocks:
