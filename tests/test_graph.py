@@ -116,3 +116,18 @@ def test_work_between_blocks_is_not_captured(caplog):
     assert msgs == {"cuda graph: a block input is neither a block-0 input nor an output of the block before "
                     "(the model does work between blocks); those steps run eager"}
     assert not o.executor.graphs._records
+
+
+def test_block_scope_option_and_cpu_fallback(caplog):
+    assert OffloadOptions(graph="block").graph == "block" and OffloadOptions(graph="step").graph == "step"
+    with pytest.raises(ValueError, match="graph must be one of False, True, 'step', 'block'; got 'blocks'"):
+        OffloadOptions(graph="blocks")
+    ref = toy()
+    with caplog.at_level(logging.WARNING):
+        o = offload(copy.deepcopy(ref), "blocks", CTX, mode="allgather", graph="block")
+    assert o.executor.block_graphs is None and o.executor.graphs is None
+    assert [r.getMessage() for r in caplog.records if "cuda graph" in r.getMessage()] == [
+        "cuda graph (per block): CUDA graphs need a CUDA device (platform 'cpu'); running eager"]
+    for seed in range(3):
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(o.model(x), ref(x))

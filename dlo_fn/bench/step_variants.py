@@ -40,8 +40,8 @@ __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow
            "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
-            "dlo-allgather-graph", "diffusers", "naive-sync", "resident-compile", "dlo-rank-local-compile",
-            "resident-graph")
+            "dlo-allgather-graph", "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers", "naive-sync",
+            "resident-compile", "dlo-rank-local-compile", "resident-graph")
 # compiling takes minutes on a CPU; resident-graph is a diagnostic (CUDA only)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "resident-graph")))
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
@@ -51,7 +51,7 @@ def variant_options(variant: str) -> dict:
     """Executor options of a ``dlo-*`` variant."""
     return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
             "block_call": {"-swap": "swap", "-compile": "compile"}.get(variant[variant.rfind("-"):], "functional_call"),
-            "graph": variant.endswith("-graph")}
+            "graph": "block" if variant.endswith("-bgraph") else variant.endswith("-graph")}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 

@@ -41,6 +41,7 @@ from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 from dlo_fn.plan.timeline import Timeline
+from dlo_fn.runtime.block_graph import BlockGraphs
 from dlo_fn.runtime.blocks import layout_key, make_caller, make_views
 from dlo_fn.runtime.cuda_raw import RawStream, raw_cuda, stream_handle
 from dlo_fn.runtime.dist import all_gather_bytes
@@ -51,7 +52,9 @@ from dlo_fn.runtime.program import (_AG, _C, _H2D, ExecutorStats, Program, Progr
                                     fast_segments)
 from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
 
-__all__ = ["Executor", "ExecutorStats", "ScheduleError"]
+__all__ = ["Executor", "ExecutorStats", "GRAPH_SCOPES", "ScheduleError"]
+
+GRAPH_SCOPES = (False, True, "step", "block")  # graph=: none, the step (True = "step"), each block's compute
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +73,10 @@ class Executor:
                  aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None, *, group: Any = None,
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "swap", async_collectives: bool = False,
-                 record_timeline: bool = False, rank: int = 0, graph: bool = False) -> None:
+                 record_timeline: bool = False, rank: int = 0, graph: bool | str = False) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
+        if graph not in GRAPH_SCOPES:
+            raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {graph!r}")
         if len(blocks) != layout.num_blocks:
             raise ValueError(f"{len(blocks)} block modules for a layout of {layout.num_blocks} blocks")
         if mode == "rank-local" and layout.num_shards != 1:
@@ -104,14 +109,23 @@ class Executor:
         self.h2d_stream = platform.new_stream("h2d")
         self.allgather_stream = platform.new_stream("allgather")
         # Views: one dict per (slot, distinct block layout); one caller per (block, slot).
+        self.block_graphs = None
+        if graph == "block":
+            if platform.kind == "cuda":
+                self.block_graphs = BlockGraphs()
+            else:
+                log.warning("cuda graph (per block): CUDA graphs need a CUDA device (platform %r); running eager",
+                            platform.kind)
         shared: dict[tuple, list[dict[str, torch.Tensor]]] = {}
         self._callers: list[tuple[Any, ...]] = []
         for b, shard in enumerate(layout.shards):
             key = layout_key(shard.block, dict(self.aliases[b]))
             if key not in shared:
                 shared[key] = [make_views(slot, shard.block, dict(self.aliases[b])) for slot in self.slots]
-            self._callers.append(tuple(make_caller(block_call, self.blocks[b], shared[key][s])
-                                       for s in range(num_slots)))
+            callers = [make_caller(block_call, self.blocks[b], shared[key][s]) for s in range(num_slots)]
+            if self.block_graphs is not None:
+                callers = [self.block_graphs.wrap(c, b, s) for s, c in enumerate(callers)]
+            self._callers.append(tuple(callers))
         self.num_view_sets = len(shared) * num_slots
         # Driver calls for the eager loop where every op is a copy or an event (W = 1, pinned arena, no recorder).
         self._raw = (raw_cuda(platform) if self._gather_group is None and store.arena is not None
@@ -125,7 +139,7 @@ class Executor:
         if self._gather_group is not None and mode == "allgather":
             self._warm_up_collective()
         self.graphs = None
-        if graph:
+        if graph in (True, "step"):
             backend = dist.get_backend(self._gather_group) if self._gather_group is not None else None
             why = graph_support(platform, layout.num_shards, backend) or (
                 store.arena is None and "the rank-local mmap source is pageable memory, which a CUDA graph cannot "

@@ -66,7 +66,7 @@ import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
 
-__all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "graph_support"]
+__all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "graph_support", "restore_rng", "rng_states"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,22 @@ def graph_support(platform: Any, num_shards: int = 1, backend: str | None = None
             return (f"capturing the NCCL all-gather (W = {num_shards}) is not validated on a multi-GPU machine yet "
                     f"(set {GRAPH_NCCL_ENV}=1 to try it)")
     return None
+
+
+def rng_states() -> list[tuple[Any, Any]]:
+    """``(generator, a copy of its state)`` for every CUDA default generator, taken before a capture."""
+    try:
+        return [(g, g.clone_state()) for g in torch.cuda.default_generators]
+    except (AttributeError, RuntimeError):  # a torch without graph-safe generator states
+        return []
+
+
+def restore_rng(saved: list[tuple[Any, Any]]) -> None:
+    """After a failed capture: torch leaves the default generators marked as capturing, and their next random op
+    raises "Offset increment outside graph capture"; put back the states of before the capture (it drew no
+    number outside the graph)."""
+    for gen, state in saved:
+        gen.graphsafe_set_state(state)
 
 
 @dataclass
@@ -332,6 +348,7 @@ class StepGraphs:
         # torch.cuda.graph collects just before it starts capturing.
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        rng = rng_states()
         try:
             g = torch.cuda.CUDAGraph()
             ex.platform.synchronize()
@@ -379,6 +396,7 @@ class StepGraphs:
         except Exception as exc:  # a forward that syncs, an uncapturable kernel or collective
             if gc_was_enabled:
                 gc.enable()
+            restore_rng(rng)
             set_stream(run.stream)
             self._eager.add(key)
             self._log_once(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")

@@ -35,7 +35,7 @@ from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.bind import with_address_residues
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
-from dlo_fn.runtime.executor import Executor
+from dlo_fn.runtime.executor import GRAPH_SCOPES, Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, check_shard_group, shard_group
 from dlo_fn.runtime.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
@@ -58,7 +58,9 @@ class OffloadOptions:
     record_timeline: bool = False
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
     progress: bool = False
-    graph: bool = False  # capture each offloaded step as a CUDA graph, replayed (see dlo_fn.runtime.graph)
+    # CUDA graphs: True / "step" captures each offloaded step, copies included (dlo_fn.runtime.graph); "block"
+    # captures each block's compute, the copies and events staying eager (dlo_fn.runtime.block_graph).
+    graph: bool | str = False
     shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
     # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
@@ -71,6 +73,8 @@ class OffloadOptions:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.rank_local_source not in ("pinned", "mmap"):
             raise ValueError(f"rank_local_source must be 'pinned' or 'mmap', got {self.rank_local_source!r}")
+        if self.graph not in GRAPH_SCOPES:
+            raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {self.graph!r}")
         if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
             raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 

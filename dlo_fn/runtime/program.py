@@ -16,6 +16,7 @@ bytes); ``C``: (block index, caller bound to the slot's weight views)).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -143,7 +144,10 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
         else:
             kinds.append(_C)
             op_streams.append(None)
-            args.append((op.block, callers[op.block][op.slot]))
+            caller = callers[op.block][op.slot]
+            if getattr(caller, "per_request", False):  # a block graph's caller: one graph per request
+                caller = functools.partial(caller, request=op.request)
+            args.append((op.block, caller))
     carry: list[list[str]] = [[] for _ in sch.ops]
     for buf, i in sch.first_use:
         carry[i].append(buf)
