@@ -7,7 +7,8 @@ module          what it owns
 ``batch``       one rank's R requests run block-major (``run_batch``); failing closed inside a wave; faults
 ``wire``        the control channel (gloo) and the status board (rendezvous store) the ranks talk through
 ``share``       one rank's share of a wave: run it, post progress, measure its spans
-``driver``      rank 0's dispatch of formed waves: lockstep (allgather) or one queue per rank
+``driver``      rank 0's dispatch of formed waves: lockstep (allgather) or one queue per rank (``wave_results``:
+                a wave's shares, and its outcomes matched to results)
 ``follower``    the other ranks' side of the protocol
 ``stream``      rank 0's intake of a live queue of submissions (bounded wait to fill a wave)
 ``continuous``  continuous serving: rank 0's ring loop and the ``cstep`` protocol (``admission``: who starts
