@@ -58,6 +58,10 @@ aborted before the device is used again.
 
 Rank-local and resident replicas with ``W > 1`` have no lockstep: each already works through its own queue
 back to back, so ``serving="continuous"`` serves them as ``strict`` does.
+
+This module holds rank 0's ring loop (:class:`ContinuousDriver`); the admission rule is in
+:mod:`dlo_fn.serve.admission`, a failed step's reason and recovery in :mod:`dlo_fn.serve.continuous_fail`, one
+rank's step in :mod:`dlo_fn.serve.continuous_rank` (their public names stay importable from here).
 """
 
 from __future__ import annotations
@@ -66,29 +70,17 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from dlo_fn.models.config import tokens_for
-from dlo_fn.models.request import Request
-from dlo_fn.plan.dispatch import PassCosts, QueuedRequest, admit_continuous, admit_cost_aware
+from dlo_fn.serve.admission import admission_cost, admission_key, admit, queued_request
 from dlo_fn.serve.batch import Outcome, WaveAborted
+from dlo_fn.serve.continuous_fail import recover_ring, step_failure
 from dlo_fn.serve.continuous_rank import ContinuousRank, follow_step
-from dlo_fn.serve.recover import RecoveryPlan, Reload, post_plan, rank_local_replica, rejoin
-from dlo_fn.serve.requests import EngineOptions, RequestResult, StepRecord, Submission, to_wire
-from dlo_fn.serve.wire import StatusBoard, culprits
+from dlo_fn.serve.recover import Reload
+from dlo_fn.serve.requests import EngineOptions, RequestResult, StepRecord, Submission, not_dispatched, to_wire
+from dlo_fn.serve.wire import StatusBoard
 
 __all__ = ["ContinuousDriver", "ContinuousRank", "Served", "admission_key", "admission_cost", "follow_step"]
 
 log = logging.getLogger(__name__)
-
-
-def admission_key(request: Request) -> tuple:
-    """Requests of one key may share a replica (``R > 1``): one shape, one batch."""
-    return (request.height, request.width, request.num_frames, request.cfg, request.outputs_per_prompt)
-
-
-def admission_cost(config: Any, request: Request) -> float:
-    """Relative compute per block pass: tokens x rows (what :class:`QueuedRequest` carries; only compared)."""
-    tokens = tokens_for(config, request.height, request.width, request.num_frames) if config is not None else 1
-    return float(tokens * request.batch_size)
 
 
 class Served:
@@ -155,8 +147,8 @@ class ContinuousDriver:
                 continue
             k = self.next_step
             units = self._units()
-            placed = self._admit([self._queued(subs, i) for i, _ in queue],
-                                 [[self._queued(subs, i) for i in held[u[0]]] for u in units], R)
+            placed = admit(self.options.admission, [queued_request(self.config, i, subs[i].request) for i, _ in queue],
+                           [[queued_request(self.config, i, subs[i].request) for i in held[u[0]]] for u in units], R)
             starts: list[list[tuple[int, dict]]] = [[] for _ in live]
             now = time.monotonic()
             for rid, j in placed:
@@ -247,49 +239,25 @@ class ContinuousDriver:
                     if len(u) > 1:
                         ended.append(i)
         for i, _ in queue:
-            out.results[i] = RequestResult(i, subs[i].request_id, subs[i].request, False, error=(
-                f"not dispatched: the engine stopped earlier ({out.stopped})"))
+            out.results[i] = not_dispatched(i, subs[i], out.stopped)
         return out
 
     def _recover(self, k: int, reason: str, bad: set[int]) -> dict[int, dict] | None:
         """After ring step ``k`` failed with culprits ``bad``: agree with the survivors on a degraded plan
-        (:mod:`dlo_fn.serve.recover`) and return every survivor's report by global rank; None: no recovery
-        (no culprit found, no checkpoint to read the lost shards from, or the recovery itself failed)."""
+        (:func:`~dlo_fn.serve.continuous_fail.recover_ring`) and return every survivor's report by global rank;
+        None: no recovery (no culprit found, no checkpoint to read the lost shards from, or the recovery itself
+        failed)."""
         if self.board.store is None:
             return None
         self.epoch += 1
-        if any(len(u) > 1 for u in self.replicas):  # an sp replica that lost a rank lost its SP group
-            post_plan(self.board, RecoveryPlan(self.epoch, k, (), reason))
-            log.error("no recovery after ring step %d on an sp mesh: the serve stops (%s)", k, reason)
+        got = recover_ring(self.board, self.epoch, k, reason, bad, ranks=self.ranks, replicas=self.replicas,
+                           own=self.own, reload=self.reload, options=self.options)
+        if got is None:
             return None
-        survivors = tuple(g for g in self.ranks if g not in bad)
-        why = ("no culprit found" if not bad else "no checkpoint to rebuild from (Engine(checkpoint=...))"
-               if self.reload is None else None)
-        if why is None:
-            try:
-                rank_local_replica(self.own.offloaded, self.reload)
-            except Exception as exc:  # noqa: BLE001 - then fail closed as without recovery
-                why = f"rank 0 could not rebuild as a rank-local replica: {type(exc).__name__}: {exc}"
-        if why is not None:
-            post_plan(self.board, RecoveryPlan(self.epoch, k, (), reason))
-            log.error("no recovery after ring step %d: %s", k, why)
-            return None
-        plan = RecoveryPlan(self.epoch, k, survivors, reason)
-        post_plan(self.board, plan)
-        opts = self.options
-        try:
-            channel = rejoin(self.board, plan, 0, opts.timeout_s, 2 * opts.timeout_s + opts.grace_s + 5.0)
-            reports = {0: self.own.report(k)}
-            for j in range(1, len(survivors)):
-                reports[survivors[j]] = channel.recv(j)
-        except Exception as exc:  # noqa: BLE001
-            log.error("recovery %d failed: %s: %s", self.epoch, type(exc).__name__, exc)
-            return None
-        self.channel, self.ranks = channel, survivors
-        self.degraded = (f"degraded since ring step {k}: ranks {list(survivors)} serve as rank-local replicas "
-                         f"({reason.split('. Rank 0 saw')[0]})")
+        self.channel, self.ranks = got.channel, got.survivors
+        self.degraded = got.degraded
         log.warning("%s", self.degraded)
-        return reports
+        return dict(got.reports)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _units(self) -> tuple[tuple[int, ...], ...]:
@@ -297,16 +265,6 @@ class ContinuousDriver:
         if all(len(u) == 1 for u in self.replicas):
             return tuple((g,) for g in self.ranks)
         return self.replicas
-
-    def _admit(self, queued: list[QueuedRequest], held: list[list[QueuedRequest]], R: int):
-        if self.options.admission == "cost":  # relative costs, no load term: only the compute maxima compare
-            return admit_cost_aware(queued, held, R, PassCosts.uniform(1, 0.0))
-        return admit_continuous(queued, held, R)
-
-    def _queued(self, subs: Sequence[Submission], index: int) -> QueuedRequest:
-        req = subs[index].request
-        return QueuedRequest(str(index), 0.0, req.num_inference_steps, admission_key(req),
-                             admission_cost(self.config, req))
 
     def _result(self, subs: Sequence[Submission], i: int, o: Outcome | None, rank: int,
                 start: Mapping[int, tuple[int, float, int]], arrival: float, mono0: float,
@@ -325,13 +283,7 @@ class ContinuousDriver:
 
     def _fail(self, k: int, where: str, exc: BaseException) -> tuple[str, set[int]]:
         """The reason ring step ``k`` failed closed and the culprit ranks the status board names."""
-        verdicts = self.board.diagnose(self.ranks[1:], k, self.options.grace_s)
-        bad = culprits(verdicts)
-        blame = "; ".join(str(v) for v in bad) if bad else "no culprit found on the status board"
-        text = str(exc).splitlines()[0][:200] if str(exc) else ""
-        reason = (f"ring step {k} failed closed: {blame}. Rank 0 saw, {where}: {type(exc).__name__}: {text}")
-        log.error(reason)
-        return reason, {v.rank for v in bad}
+        return step_failure(self.board, self.ranks[1:], k, where, exc, self.options.grace_s)
 
 
 def _merged(unit: Sequence[int], outcomes: Mapping[int, Sequence[Outcome]]) -> list[tuple[int, Outcome]]:

@@ -5,7 +5,8 @@ returns a :class:`Dispatched`: the results of the requests it reached, one :clas
 the reason the engine must stop when a wave failed closed. It owns the round counter of independent mode and
 nothing of the engine's; see :mod:`dlo_fn.serve.engine` for the protocol and how failures close a wave.
 Waves and queues go to replicas (``replicas[d]``: the global ranks of replica ``d``, its leader first); the
-results come from the leaders, and a request's ``rank`` is the leader of the replica that ran it.
+results come from the leaders, and a request's ``rank`` is the leader of the replica that ran it
+(:mod:`dlo_fn.serve.wave_results`: the shares a wave sends and how its outcomes become results).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
-from dlo_fn.plan.waves import WavePlan, assign_positions
+from dlo_fn.plan.waves import WavePlan
 from dlo_fn.serve.batch import Outcome, WaveAborted
-from dlo_fn.serve.requests import EngineOptions, RequestResult, Submission, WaveRecord, to_wire
+from dlo_fn.serve.requests import EngineOptions, RequestResult, Submission, WaveRecord
 from dlo_fn.serve.share import ShareRunner, TraceSpan
+from dlo_fn.serve.wave_results import (
+    fail_wave, fill_wave, relative_spans, request_result, spread, wave_shares, wave_steps,
+)
 from dlo_fn.serve.wire import Channel, StatusBoard, culprits
 
 __all__ = ["Driver", "Dispatched", "request_result"]
@@ -38,18 +42,6 @@ class Dispatched:
     results: Mapping[int, RequestResult]
     waves: tuple[WaveRecord, ...]
     stopped: str | None = None
-
-
-def request_result(index: int, sub: Submission, outcome: Outcome | None, *, rank: int, wave_id: int,
-                   position: int, queued_s: float, wave_s: float, error: str | None = None) -> RequestResult:
-    """A result from a rank's outcome (or an error when there is none)."""
-    timings = {"queued_s": queued_s, "wave_s": wave_s}
-    if outcome is None or error is not None:
-        return RequestResult(index, sub.request_id, sub.request, False, error=error or "no outcome returned",
-                             rank=rank, wave_id=wave_id, position=position, timings=timings)
-    timings["compute_s"] = outcome.compute_s
-    return RequestResult(index, sub.request_id, sub.request, outcome.ok, outcome.video, outcome.sha256,
-                         outcome.error, rank, wave_id, position, timings)
 
 
 class Driver:
@@ -75,7 +67,7 @@ class Driver:
         stopped = None
         world, leaders = self.world_size, self.leaders
         for wave in waves:
-            steps, shares = _steps(subs, wave), _shares(subs, wave)
+            steps, shares = wave_steps(subs, wave), wave_shares(subs, wave)
             with self._progress(subs, wave, steps, len(waves)) as tick:
                 trace: list[TraceSpan] | None = [] if self.options.trace else None
                 t_start = time.perf_counter()
@@ -108,18 +100,18 @@ class Driver:
                         self.board.post("collective-failed", wave=wave.wave_id, error=str(exc))
                     stopped = self._fail(wave.wave_id, stage, exc, range(1, world))
                     wave_s = time.perf_counter() - t_start
-                    results.update(_failed(subs, wave, stopped, queued_s=queued_s, wave_s=wave_s, leaders=leaders))
+                    results.update(fail_wave(subs, wave, stopped, queued_s=queued_s, wave_s=wave_s, leaders=leaders))
                     records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
                                               "failed", stopped))
                     break
                 wave_s = time.perf_counter() - t_start
-                filled = _fill(subs, wave, outcomes, queued_s=queued_s, wave_s=wave_s, leaders=leaders)
+                filled = fill_wave(subs, wave, outcomes, queued_s=queued_s, wave_s=wave_s, leaders=leaders)
                 results.update(filled)
                 status = "ok" if all(r.ok for r in filled.values()) else "partial"
                 errors = sorted({r.error for r in filled.values() if not r.ok})
                 records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
                                           status, "; ".join(errors) or None,
-                                          _relative(trace, t_start) if trace is not None else ()))
+                                          relative_spans(trace, t_start) if trace is not None else ()))
                 log.info("wave %d: %d request(s) on %d replica(s), %s, %.3f s", wave.wave_id, len(wave.indices),
                          len(leaders) - len(wave.idle_ranks), status, wave_s)
         return Dispatched(results, tuple(records), stopped)
@@ -134,7 +126,7 @@ class Driver:
         round_id = self._next_round
         self._next_round += 1
         trace: list[TraceSpan] | None = [] if self.options.trace else None
-        msg_queues = [[(w.wave_id, _steps(subs, w), _shares(subs, w)[0]) for w in q] for q in queues]
+        msg_queues = [[(w.wave_id, wave_steps(subs, w), wave_shares(subs, w)[0]) for w in q] for q in queues]
         t_start = time.perf_counter()
         owner = {w.wave_id: r for r, q in enumerate(queues) for w in q}
         by_id = {w.wave_id: w for w in waves}
@@ -149,8 +141,8 @@ class Driver:
                 stopped = self._fail(None, "broadcasting the queues", exc, range(1, world),
                                      what=f"round {round_id} (waves {', '.join(str(w.wave_id) for w in waves)})")
                 for w in waves:
-                    results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=0.0,
-                                           owner_rank=replicas[owner[w.wave_id]][0]))
+                    results.update(fail_wave(subs, w, stopped, queued_s=0.0, wave_s=0.0,
+                                             owner_rank=replicas[owner[w.wave_id]][0]))
                 return Dispatched(results, (), stopped)
         outcomes: dict[int, Sequence[Outcome]] = {}
         for (wave_id, steps, share), wave in zip(msg_queues[0], queues[0]):
@@ -187,22 +179,22 @@ class Driver:
                                  what=f"rank {r}'s queue (waves {', '.join(str(w.wave_id) for w in queues[d])})")
             for w in queues[d]:
                 wave_s = time.perf_counter() - t_start
-                results.update(_failed(subs, w, stopped, queued_s=0.0, wave_s=wave_s, owner_rank=r))
-                records[w.wave_id] = WaveRecord(w.wave_id, w.key.short(), _spread(w, d, dp), _steps(subs, w),
+                results.update(fail_wave(subs, w, stopped, queued_s=0.0, wave_s=wave_s, owner_rank=r))
+                records[w.wave_id] = WaveRecord(w.wave_id, w.key.short(), spread(w, d, dp), wave_steps(subs, w),
                                                 time.perf_counter() - t_start, "failed", stopped, lockstep=False)
         for wave_id, outs in outcomes.items():
             w, d = by_id[wave_id], owner[wave_id]
             compute_s = max((o.compute_s for o in outs), default=0.0)
-            filled = _fill(subs, w, {0: outs}, queued_s=t_start - t0, wave_s=compute_s)
+            filled = fill_wave(subs, w, {0: outs}, queued_s=t_start - t0, wave_s=compute_s)
             # ran on replica d, whose leader wrote it
             results.update({i: dataclasses.replace(res, rank=replicas[d][0]) for i, res in filled.items()})
             status = "ok" if all(res.ok for res in filled.values()) else "partial"
             errors = sorted({res.error for res in filled.values() if not res.ok})
-            records[wave_id] = WaveRecord(wave_id, w.key.short(), _spread(w, d, dp), _steps(subs, w),
+            records[wave_id] = WaveRecord(wave_id, w.key.short(), spread(w, d, dp), wave_steps(subs, w),
                                           compute_s, status, "; ".join(errors) or None, lockstep=False)
         out = [records[k] for k in sorted(records)]
         if trace is not None and out:
-            out[0] = dataclasses.replace(out[0], trace=_relative(trace, t_start))
+            out[0] = dataclasses.replace(out[0], trace=relative_spans(trace, t_start))
         return Dispatched(results, tuple(out), stopped)
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -268,52 +260,3 @@ class Driver:
                 board.post("collecting", round=round_id)  # keep rank 0 visibly alive for the waiting followers
                 last_beat = time.monotonic()
             time.sleep(_POLL_S)
-
-
-def _steps(subs: Sequence[Submission], wave: WavePlan) -> int:
-    return subs[wave.indices[0]].request.num_inference_steps
-
-
-def _shares(subs: Sequence[Submission], wave: WavePlan) -> list[list[tuple[int, dict]]]:
-    return [[(p, to_wire(subs[wave.indices[p]].request)) for p in pos]
-            for pos in assign_positions(len(wave.indices), wave.dp_size)]
-
-
-def _owners(wave: WavePlan) -> dict[int, int]:
-    """Wave position -> the replica it was assigned to."""
-    return {p: r for r, pos in enumerate(assign_positions(len(wave.indices), wave.dp_size)) for p in pos}
-
-
-def _relative(trace: Sequence[TraceSpan], t_start: float) -> tuple[TraceSpan, ...]:
-    return tuple((r, lane, label, s - t_start, e - t_start) for r, lane, label, s, e in trace)
-
-
-def _spread(w: WavePlan, rank: int, world: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(w.indices if r == rank else () for r in range(world))
-
-
-def _fill(subs: Sequence[Submission], wave: WavePlan, outcomes: Mapping[int, Sequence[Outcome]], *,
-          queued_s: float, wave_s: float, leaders: Sequence[int] | None = None) -> dict[int, RequestResult]:
-    """Match outcomes (by replica) to the wave's requests by wave position (a missing one becomes an error);
-    a result's rank is its replica's leader (``leaders[d]``, default ``d``)."""
-    owner = _owners(wave)
-    lead = (lambda d: leaders[d]) if leaders is not None else (lambda d: d)
-    got = {o.position: (d, o) for d, outs in outcomes.items() for o in outs}
-    out = {}
-    for p, i in enumerate(wave.indices):
-        d, o = got.get(p, (owner[p], None))
-        err = (None if o is not None
-               else f"rank {lead(owner[p])} returned no result for wave {wave.wave_id} position {p}")
-        out[i] = request_result(i, subs[i], o, rank=lead(d), wave_id=wave.wave_id, position=p,
-                                queued_s=queued_s, wave_s=wave_s, error=err)
-    return out
-
-
-def _failed(subs: Sequence[Submission], wave: WavePlan, reason: str, *, queued_s: float, wave_s: float,
-            owner_rank: int | None = None, leaders: Sequence[int] | None = None) -> dict[int, RequestResult]:
-    """Every request of a wave that failed closed gets ``reason``."""
-    owners = {p: (leaders[d] if leaders is not None else d) for p, d in _owners(wave).items()}
-    return {i: RequestResult(i, subs[i].request_id, subs[i].request, False, error=reason,
-                             rank=owner_rank if owner_rank is not None else owners[p], wave_id=wave.wave_id,
-                             position=p, timings={"queued_s": queued_s, "wave_s": wave_s})
-            for p, i in enumerate(wave.indices)}

@@ -22,7 +22,9 @@ The engine owns what lives across serves: the control channel and status board (
 the wave numbering, validation before dispatch, and whether it stopped. Its collaborators own the rest and
 return what they did: :class:`~dlo_fn.serve.driver.Driver` (rank 0's dispatch),
 :class:`~dlo_fn.serve.follower.Follower` (the other ranks), :class:`~dlo_fn.serve.stream.StreamIntake` (a live
-queue of submissions) and :class:`~dlo_fn.serve.share.ShareRunner` (one rank's share of a wave).
+queue of submissions) and :class:`~dlo_fn.serve.share.ShareRunner` (one rank's share of a wave); they are
+checked and wired once, when the engine is built (:func:`dlo_fn.serve.engine_parts.build_parts`), and this
+module handles the requests.
 
 **Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one is rejected before any
 dispatch), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per rank), and
@@ -57,23 +59,18 @@ from typing import Any, Iterable, Mapping, Sequence
 from torch import nn
 
 from dlo_fn.models.request import Request
-from dlo_fn.models.sp import check_sp_heads
-from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validate_wave
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
-from dlo_fn.serve.continuous import ContinuousDriver, ContinuousRank
-from dlo_fn.serve.driver import Driver
-from dlo_fn.serve.recover import Reload, reloader
-from dlo_fn.serve.follower import Follower
+from dlo_fn.serve.engine_parts import build_parts
+from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import (
-    EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, rejection,
+    EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, not_dispatched, rejection,
 )
-from dlo_fn.serve.share import ShareRunner, own_timeline
+from dlo_fn.serve.share import gather_timelines
 from dlo_fn.serve.stream import StreamIntake
-from dlo_fn.serve.wire import Channel, StatusBoard, default_store
 
 __all__ = ["Engine"]
 
@@ -91,35 +88,16 @@ class Engine:
                  checkpoint: str | os.PathLike | Reload | None = None) -> None:
         self.model, self.offloaded, self.ctx = model, offloaded, ctx
         self.options = options or EngineOptions()
-        self.mode = check_mode(offloaded.mode, MODES, "engine mode")
         self.rank, self.world_size = ctx.rank, ctx.world_size
-        self.replicas = _replicas(mesh, ctx.world_size)
+        parts = build_parts(model, offloaded, ctx, self.options, session=session, mesh=mesh, checkpoint=checkpoint)
+        self.mode, self.replicas, self.replica, self.config = parts.mode, parts.replicas, parts.replica, parts.config
         self.dp_size, self.sp_size = len(self.replicas), len(self.replicas[0])
-        self.replica = next(d for d, ranks in enumerate(self.replicas) if self.rank in ranks)
-        self.config = getattr(model, "config", None)
-        if self.sp_size > 1 and getattr(self.config, "num_heads", None) is not None:
-            check_sp_heads(self.config.num_heads, self.sp_size)  # on every rank, before any message
-        self.lockstep = self.mode == "allgather" and self.world_size > 1
-        self.channel = Channel(ctx.group, ctx.platform.backend, self.options.timeout_s)
-        self.board = StatusBoard(default_store(), self.rank, self.world_size, session)
+        self.lockstep, self.continuous = parts.lockstep, parts.continuous
+        self.channel, self.board = parts.channel, parts.board
+        self._driver, self._follower, self._continuous = parts.driver, parts.follower, parts.ring
         self.stopped: str | None = None  # why the engine failed closed; it dispatches nothing more
-        runner = ShareRunner(model, offloaded, self.rank, self.board, self.options.fault,
-                             sp=mesh.sp if mesh is not None else None)
-        self._driver = Driver(self.channel, self.board, runner, self.options, mode=self.mode,
-                              world_size=self.world_size, lockstep=self.lockstep, replicas=self.replicas)
-        self._follower = Follower(self.channel, self.board, runner, self.options, rank=self.rank,
-                                  replica=self.replica, leader=self.rank == self.replicas[self.replica][0])
         self._next_wave = 0
         self._closed = False
-        # Continuous serving (dlo_fn.serve.continuous): lockstep ranks (replicas of sp ranks on a mesh), or one
-        # rank in any mode. No recovery on an sp mesh (a lost rank breaks its replica's SP group).
-        self.continuous = self.options.serving == "continuous" and (self.lockstep or self.world_size == 1)
-        reload = reloader(checkpoint) if self.continuous and self.sp_size == 1 else None
-        self._follower.reload = reload
-        own = ContinuousRank(model, offloaded, self.rank, self.options.fault, runner.sp)
-        self._continuous = None if not self.continuous or self.rank else ContinuousDriver(
-            self.channel, self.board, own, self.options, world_size=self.world_size, config=self.config,
-            reload=reload, replicas=self.replicas)
         self.board.post("idle")
 
     @property
@@ -184,13 +162,9 @@ class Engine:
         if self._continuous is not None:
             def wait(until_s: float) -> None:
                 intake.receive(until_s=until_s, stopped=self.stopped)
-
-            def arrived() -> tuple[tuple[int, float], ...]:
-                while not intake.closed and not intake.source.empty():
-                    intake.receive(until_s=time.monotonic(), stopped=self.stopped)
-                return intake.take_valid()
-            report = self._serve_continuous(intake.submissions, intake.rejected, arrived, lambda: intake.closed,
-                                            wait, t0)
+            report = self._serve_continuous(intake.submissions, intake.rejected,
+                                            lambda: intake.take_arrived(self.stopped), lambda: intake.closed, wait,
+                                            t0)
             while not intake.closed:  # the engine stopped: what still arrives gets "not dispatched"
                 intake.receive(until_s=time.monotonic() + keepalive_s, stopped=self.stopped)
             return self._report(intake.submissions, {**{r.index: r for r in report.results}, **intake.rejected},
@@ -261,16 +235,7 @@ class Engine:
         if self.stopped is not None or self.degraded is not None:
             raise RuntimeError(f"engine {'stopped' if self.stopped else 'degraded'} ({self.stopped or self.degraded}):"
                                f" no timelines to gather")
-        timelines = [own_timeline(self.offloaded, meta)]
-        if self.world_size > 1:
-            self.channel.broadcast({"kind": "timeline", "meta": tuple(meta)})
-            timelines += [self.channel.recv(r) for r in range(1, self.world_size)]
-        spans, out_meta = [], ()
-        for timeline in timelines:
-            if timeline is not None:
-                spans.extend(timeline.spans)
-                out_meta = timeline.meta
-        return Timeline(tuple(spans), out_meta)
+        return gather_timelines(self.channel, self.offloaded, self.world_size, meta)
 
     # -- dispatch --------------------------------------------------------------------------------------------
     def _require_driver(self) -> None:
@@ -294,17 +259,14 @@ class Engine:
         for w in waves:  # whatever was not reached: the engine stopped before it
             for i in w.indices:
                 if i not in results:
-                    results[i] = RequestResult(
-                        i, subs[i].request_id, subs[i].request, False,
-                        error=f"not dispatched: the engine stopped earlier ({self.stopped})")
+                    results[i] = not_dispatched(i, subs[i], self.stopped)
         return results, records
 
     def _serve_continuous(self, subs: Sequence[Submission], rejected: Mapping[int, RequestResult],
                           arrived: Any, closed: Any, wait: Any, t0: float) -> ServeReport:
         """Continuous serving (:mod:`dlo_fn.serve.continuous`) of what ``arrived()`` gives until ``closed()``."""
         if self.stopped is not None:
-            done = {i: RequestResult(i, s.request_id, s.request, False, error=(
-                f"not dispatched: the engine stopped earlier ({self.stopped})")) for i, s in enumerate(subs)}
+            done = {i: not_dispatched(i, s, self.stopped) for i, s in enumerate(subs)}
             return self._report(subs, {**done, **rejected}, (), t0)
         served = self._continuous.serve(subs, arrived, closed, wait, t0)
         if served.stopped is not None:
@@ -316,8 +278,7 @@ class Engine:
         results = dict(results)
         for i, s in enumerate(subs):  # anything the engine never reached (it stopped first)
             if i not in results:
-                results[i] = RequestResult(i, s.request_id, s.request, False,
-                                           error=f"not dispatched: the engine stopped earlier ({self.stopped})")
+                results[i] = not_dispatched(i, s, self.stopped)
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
                            self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
                            self._stats(), sp_size=self.sp_size, steps=steps,
@@ -332,12 +293,3 @@ class Engine:
         return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
                 "issue_s": st.issue_s, "call_s": st.call_s}
 
-
-def _replicas(mesh: Mesh | None, world_size: int) -> tuple[tuple[int, ...], ...]:
-    """Global ranks of each replica (sp order); without a mesh every rank is a replica of one."""
-    if mesh is None or mesh.device_mesh is None:
-        return tuple((r,) for r in range(world_size))
-    replicas = mesh.replica_ranks
-    if sum(len(r) for r in replicas) != world_size or replicas[0][0] != 0:
-        raise ValueError(f"the mesh's replicas {replicas} must cover the {world_size} ranks, rank 0 leading one")
-    return replicas

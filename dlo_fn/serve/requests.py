@@ -27,7 +27,7 @@ from dlo_fn.models.request import Request
 from dlo_fn.serve.batch import Fault
 
 __all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "StepRecord",
-           "ServeReport", "SERVING", "read_prompts", "as_submissions", "wave_table", "result_table"]
+           "ServeReport", "SERVING", "read_prompts", "as_submissions", "wave_table", "result_table", "not_dispatched"]
 
 SERVING = ("strict", "continuous")  # strict: waves (today's behaviour); continuous: see dlo_fn.serve.continuous
 
@@ -178,6 +178,12 @@ def _request_result(*fields: Any) -> "RequestResult":
     fields = list(fields)
     fields[2] = from_wire(fields[2])
     return RequestResult(*fields)
+
+
+def not_dispatched(index: int, sub: Submission, stopped: str | None) -> RequestResult:
+    """The result of submission ``index``, which the engine never reached: it stopped earlier (``stopped``)."""
+    return RequestResult(index, sub.request_id, sub.request, False,
+                         error=f"not dispatched: the engine stopped earlier ({stopped})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ step (what a diagnosis reads after a failure), and fires the injected fault when
 With ``trace=True`` it also returns the spans it measured, ``(rank, lane, label, start_s, end_s)`` on the host
 clock (``time.perf_counter``): the executor's own timeline, compute ops relabelled ``p<position> s<step>
 b<block>``; without an executor (resident) the block calls timed around each compute.
-:func:`own_timeline` is the other way to look: everything the executor recorded, on its own clock.
+:func:`own_timeline` is the other way to look: everything the executor recorded, on its own clock
+(:func:`gather_timelines`: every rank's, at rank 0).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.offload import Offloaded
 from dlo_fn.serve.batch import Fault, Outcome, run_batch
 from dlo_fn.serve.requests import from_wire
-from dlo_fn.serve.wire import StatusBoard
+from dlo_fn.serve.wire import Channel, StatusBoard
 
-__all__ = ["ShareRun", "ShareRunner", "TraceSpan", "own_timeline"]
+__all__ = ["ShareRun", "ShareRunner", "TraceSpan", "gather_timelines", "own_timeline"]
 
 TraceSpan = tuple[int, str, str, float, float]
 """``(rank, lane, label, start_s, end_s)``: one measured span of a wave trace."""
@@ -111,3 +112,19 @@ def own_timeline(offloaded: Offloaded, meta: Sequence[tuple[str, str]] = ()) -> 
     None when nothing records one (resident, or ``record_timeline`` off)."""
     ex = offloaded.executor
     return ex.take_timeline(tuple(meta)) if ex is not None and ex.record_timeline else None
+
+
+def gather_timelines(channel: Channel, offloaded: Offloaded, world_size: int,
+                     meta: Sequence[tuple[str, str]] = ()) -> Timeline:
+    """Rank 0: every rank's :func:`own_timeline` (each follower sends its own when asked with a ``timeline``
+    message), in rank order, as one Timeline with the meta of the last rank that recorded one."""
+    timelines = [own_timeline(offloaded, meta)]
+    if world_size > 1:
+        channel.broadcast({"kind": "timeline", "meta": tuple(meta)})
+        timelines += [channel.recv(r) for r in range(1, world_size)]
+    spans, out_meta = [], ()
+    for timeline in timelines:
+        if timeline is not None:
+            spans.extend(timeline.spans)
+            out_meta = timeline.meta
+    return Timeline(tuple(spans), out_meta)

@@ -55,6 +55,12 @@ class StreamIntake:
         self._pending = []
         return out
 
+    def take_arrived(self, stopped: str | None = None) -> tuple[tuple[int, float], ...]:
+        """Continuous serving: take what is on the queue now, without waiting, then :meth:`take_valid`."""
+        while not self.closed and not self.source.empty():
+            self.receive(until_s=time.monotonic(), stopped=stopped)
+        return self.take_valid()
+
     def receive(self, until_s: float, stopped: str | None = None) -> None:
         """Take at most one item, waiting until the oldest partial wave is due or ``until_s``
         (``time.monotonic``) at the latest. ``stopped``: the engine failed earlier (why), so a valid

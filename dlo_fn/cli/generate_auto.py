@@ -1,0 +1,75 @@
+"""`generate --mode auto / --slots auto / --sp auto` (issue 14): probe at start-up, let the policy choose, log why.
+
+:func:`choose_auto` probes this machine for the first request (:mod:`dlo_fn.runtime.probe`), rank 0's choice
+goes to every rank, and ``<out>/auto_policy.json`` keeps the measured topology; after the serve
+:func:`log_predicted_vs_measured` sets the predicted step beside the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+
+from dlo_fn.cli.generate_args import mode_from_args, submissions_from_args
+
+# Logged under the command's module name, as before this module was split out of it (not a literal: a module
+# name in a string reads as an import to tests/test_layering.py, and generate imports this module).
+log = logging.getLogger(f"{__package__}.generate")
+
+
+def is_auto(args: argparse.Namespace) -> bool:
+    return (args.mode == "auto" or args.sp == "auto"
+            or (args.slots == "auto" and mode_from_args(args) != "resident"))
+
+
+def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
+    """The sp sizes the policy may choose: ``--sp`` itself, or (``auto``) the divisors of the ranks that the
+    heads allow (an sp > 1 mesh is served as ``--serving`` says: continuous per replica, or strict waves)."""
+    from dlo_fn.runtime.probe import sp_choices
+
+    return (args.sp,) if args.sp != "auto" else sp_choices(world_size, num_heads)
+
+
+def choose_auto(args: argparse.Namespace, model, ctx):
+    """Probe this machine for the first request, ask the policy (rank 0 decides for every rank), log the choice
+    with the runner-up and the predicted step; returns the chosen :class:`~dlo_fn.plan.policy.PlanRow`."""
+    import torch
+
+    from dlo_fn.runtime.probe import choose, probe
+
+    request = next(s.request for s in submissions_from_args(args) if s.request is not None)
+    found = probe(model, ctx, request)
+    mode = None if args.mode == "auto" else mode_from_args(args)
+    sps = auto_sps(args, ctx.world_size, getattr(model.config, "num_heads", None))
+    result = choose(found, mode=mode, num_slots=None if args.slots == "auto" else args.slots,
+                    requests_per_rank=args.requests_per_rank, sps=sps)
+    chosen = [result.chosen]
+    if ctx.group is not None:
+        torch.distributed.broadcast_object_list(chosen, src=0, group=ctx.group)
+    if ctx.is_main:
+        log.info("auto: %s; predicted step %.1f ms (%s)", result.why(), 1e3 * chosen[0].step_s, chosen[0].bound)
+        _write_probe(args, found, sps)
+    return chosen[0]
+
+
+def _write_probe(args: argparse.Namespace, found, sps) -> None:
+    """``<out>/auto_policy.json``: the measured topology, model and workload, so ``python -m dlo_fn policy
+    --topology`` that file prints the table this choice was made from."""
+    from dlo_fn.repro.topologies import probe_to_dict
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "auto_policy.json"
+    path.write_text(json.dumps(probe_to_dict(found.topology, found.model, found.workload, sps), indent=1))
+    log.info("auto: measured topology in %s (python -m dlo_fn policy --topology %s --slots 2,3,4,5,6 prints "
+             "its table)", path, path)
+
+
+def log_predicted_vs_measured(report, chosen) -> None:
+    rows = [(f"wave {w.wave_id}", w.latency_s / w.num_steps) for w in report.waves[:2] if w.num_steps]
+    rows = rows or [(f"ring step {s.step}", s.end_s - s.start_s) for s in report.steps[1:3]]  # continuous
+    for what, measured in rows:
+        log.info("auto: %s: measured %.1f ms per step, predicted %.1f ms (%+.1f%%)", what,
+                 1e3 * measured, 1e3 * chosen.step_s, 100 * (measured / chosen.step_s - 1))
