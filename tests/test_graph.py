@@ -20,7 +20,10 @@ from tests.test_executor import CTX, toy
 def test_option_and_cli_flag():
     assert OffloadOptions().graph is False and OffloadOptions(graph=True).graph is True
     args = build_parser().parse_args(["generate", "--checkpoint", "c", "--prompt", "p", "--out", "o", "--cuda-graph"])
-    assert options_from_args(args).graph is True
+    assert options_from_args(args).graph == "step"
+    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--cuda-graph", "block", "--prompt", "p",
+                                      "--out", "o"])
+    assert options_from_args(args).graph == "block" and options_from_args(args).block_call == "swap"
     args = build_parser().parse_args(["generate", "--checkpoint", "c", "--prompt", "p", "--out", "o"])
     assert options_from_args(args).graph is False
 
