@@ -43,10 +43,13 @@ def test_graph_steps_bit_exact(mode, num_blocks):
     assert g.captures == (1 if num_blocks % 2 == 0 else 2) and g.replays == len(xs) - 2 * g.captures - 1 + g.captures
 
 
+@pytest.mark.parametrize("scope", [True, "block"])
 @torch.no_grad()
-def test_graph_requests_per_load_and_multi_step_runs():
+def test_graph_requests_per_load_and_multi_step_runs(scope):
+    import contextlib
+
     ref = toy(6, d=512).to("cuda")
-    o = offload(toy(6, d=512), "blocks", _ctx(), mode="allgather", graph=True)
+    o = offload(toy(6, d=512), "blocks", _ctx(), mode="allgather", graph=scope)
 
     def steps(model, run, xs, cs):
         with run:
@@ -58,27 +61,30 @@ def test_graph_requests_per_load_and_multi_step_runs():
                 cs = [c.clone() for c in cs]
         return xs, cs
 
-    import contextlib
-
     for seed in range(4):
         gen = torch.Generator("cuda").manual_seed(seed)
         x0 = [torch.randn(32, 512, device="cuda", generator=gen) for _ in range(2)]
         want = steps(ref, contextlib.nullcontext(), list(x0), list(x0))
         got = steps(o.model, o.run(3, 2), list(x0), list(x0))
         assert all(torch.equal(a, b) for a, b in zip(want[0] + want[1], got[0] + got[1]))
-    assert o.executor.graphs.captures >= 1 and o.executor.graphs.replays >= 4
+    if scope is True:
+        assert o.executor.graphs.captures >= 1 and o.executor.graphs.replays >= 4
+    else:  # a graph per (block, request); each block keeps its slot (even depth)
+        bg = o.executor.block_graphs
+        assert bg.captures == 6 * 2 and bg.replays > 6 * 2 * 3 * 2
 
 
+@pytest.mark.parametrize("scope", [True, "block"])
 @pytest.mark.parametrize("mode", ["rank-local", "allgather"])
-def test_generate_with_graph_is_byte_identical(mode):
+def test_generate_with_graph_is_byte_identical(mode, scope):
     ref = build_model("tiny", "cuda", seed=0)
     ref.init_buffers("cuda")
     request = Request("a red fox", seed=0, height=32, width=32, num_frames=5, num_inference_steps=6)
     want = generate(ref, request).sha256
-    o = offload(copy.deepcopy(ref), "blocks", _ctx(), mode=mode, graph=True)
+    o = offload(copy.deepcopy(ref), "blocks", _ctx(), mode=mode, graph=scope)
     assert generate(o.model, request).sha256 == want
     assert generate(o.model, request).sha256 == want
-    assert o.executor.graphs.replays >= 6
+    assert (o.executor.graphs.replays >= 6) if scope is True else (o.executor.block_graphs.replays > 0)
 
 
 @torch.no_grad()
@@ -105,27 +111,29 @@ class _Syncing(ToyBlock):
         return super().forward(x, ctx=ctx)
 
 
-@torch.no_grad()
-def test_uncapturable_block_falls_back(caplog):
-    def model():
-        m = toy(4, d=128)
-        for i in range(4):
-            b = _Syncing(128)
-            b.load_state_dict(m.blocks[i].state_dict())
-            m.blocks[i] = b
-        return m.eval()
+def _syncing_toy():
+    m = toy(4, d=128)
+    for i in range(4):
+        b = _Syncing(128)
+        b.load_state_dict(m.blocks[i].state_dict())
+        m.blocks[i] = b
+    return m.eval()
 
-    ref = model().to("cuda")
-    o = offload(model(), "blocks", _ctx(), mode="rank-local", graph=True)
+
+@pytest.mark.parametrize("scope", [True, "block"])
+@torch.no_grad()
+def test_uncapturable_block_falls_back(caplog, scope):
+    ref = _syncing_toy().to("cuda")
+    o = offload(_syncing_toy(), "blocks", _ctx(), mode="rank-local", graph=scope)
     x = torch.randn(8, 128, device="cuda")
     rng = torch.cuda.get_rng_state()
     with caplog.at_level(logging.WARNING):
         for _ in range(5):
             assert torch.equal(o.model(x), ref(x))
-    assert o.executor.graphs.captures == 0
+    assert (o.executor.graphs if scope is True else o.executor.block_graphs).captures == 0
+    assert any("capture failed" in r.getMessage() for r in caplog.records)
     # The failed capture leaves the random stream as it was, and usable (torch left it marked as capturing).
     assert torch.equal(torch.cuda.get_rng_state(), rng) and torch.randn(4, device="cuda").isfinite().all()
-    assert any("capture failed" in r.getMessage() for r in caplog.records)
 
 
 # -- graph="block": each block's compute a graph, copies and events eager ------------------------------------
@@ -145,67 +153,6 @@ def test_block_graphs_bit_exact(mode, num_blocks):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     keys = num_blocks * (1 if num_blocks % 2 == 0 else 2)
     assert bg.captures == keys and bg.replays >= len(xs) * num_blocks - 2 * keys
-
-
-@torch.no_grad()
-def test_block_graphs_requests_per_load_and_multi_step_runs():
-    import contextlib
-
-    ref = toy(6, d=512).to("cuda")
-    o = offload(toy(6, d=512), "blocks", _ctx(), mode="allgather", graph="block")
-
-    def steps(model, run, xs, cs):
-        with run:
-            for _ in range(3):
-                for block in model.blocks:
-                    for r in range(2):
-                        xs[r], cs[r] = block(xs[r], ctx=cs[r])
-                xs = [x.clone() for x in xs]
-                cs = [c.clone() for c in cs]
-        return xs, cs
-
-    for seed in range(4):
-        gen = torch.Generator("cuda").manual_seed(seed)
-        x0 = [torch.randn(32, 512, device="cuda", generator=gen) for _ in range(2)]
-        want = steps(ref, contextlib.nullcontext(), list(x0), list(x0))
-        got = steps(o.model, o.run(3, 2), list(x0), list(x0))
-        assert all(torch.equal(a, b) for a, b in zip(want[0] + want[1], got[0] + got[1]))
-    bg = o.executor.block_graphs
-    assert bg.captures == 6 * 2 and bg.replays > 6 * 2 * 3 * 2  # a graph per (block, request); slots fixed (even)
-
-
-@pytest.mark.parametrize("mode", ["rank-local", "allgather"])
-def test_generate_with_block_graphs_is_byte_identical(mode):
-    ref = build_model("tiny", "cuda", seed=0)
-    ref.init_buffers("cuda")
-    request = Request("a red fox", seed=0, height=32, width=32, num_frames=5, num_inference_steps=6)
-    want = generate(ref, request).sha256
-    o = offload(copy.deepcopy(ref), "blocks", _ctx(), mode=mode, graph="block")
-    assert generate(o.model, request).sha256 == want
-    assert generate(o.model, request).sha256 == want
-    assert o.executor.block_graphs.replays > 0
-
-
-@torch.no_grad()
-def test_uncapturable_block_runs_eager_per_block(caplog):
-    def model():
-        m = toy(4, d=128)
-        for i in range(4):
-            b = _Syncing(128)
-            b.load_state_dict(m.blocks[i].state_dict())
-            m.blocks[i] = b
-        return m.eval()
-
-    ref = model().to("cuda")
-    o = offload(model(), "blocks", _ctx(), mode="rank-local", graph="block")
-    x = torch.randn(8, 128, device="cuda")
-    rng = torch.cuda.get_rng_state()
-    with caplog.at_level(logging.WARNING):
-        for _ in range(5):
-            assert torch.equal(o.model(x), ref(x))
-    assert o.executor.block_graphs.captures == 0
-    assert torch.equal(torch.cuda.get_rng_state(), rng) and torch.randn(4, device="cuda").isfinite().all()
-    assert any("capture failed" in r.getMessage() for r in caplog.records)
 
 
 @torch.no_grad()
