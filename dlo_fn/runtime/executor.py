@@ -47,10 +47,10 @@ from dlo_fn.runtime.cuda_raw import RawStream, raw_cuda, stream_handle
 from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
+from dlo_fn.runtime.issue import issue_until
 from dlo_fn.runtime.platform import Platform
-from dlo_fn.runtime.program import (_AG, _C, _H2D, ExecutorStats, Program, Programs, RunState, compile_schedule,
-                                    fast_segments)
-from dlo_fn.runtime.recorder import RunRecorder, stamp_on_completion
+from dlo_fn.runtime.program import _C, ExecutorStats, Program, Programs, RunState, compile_schedule, fast_segments
+from dlo_fn.runtime.recorder import RunRecorder
 
 __all__ = ["Executor", "ExecutorStats", "GRAPH_SCOPES", "ScheduleError"]
 
@@ -221,7 +221,7 @@ class Executor:
             raise ScheduleError(f"run ended with {left} block computes not done: the model called fewer blocks "
                                 f"than the schedule's {run.program.schedule.num_steps} step(s) x "
                                 f"{run.program.schedule.num_blocks} blocks x {run.program.schedule.requests_per_load}")
-        self._issue_until(run, n)
+        issue_until(self, run, n)
         self._carry = {buf: run.events[i] for buf, i in run.program.last_use}
         self.ring = self.ring.after(run.program.schedule)
         if self._recorder is not None:
@@ -278,87 +278,7 @@ class Executor:
                 ev.wait()
         self.platform.synchronize()
 
-    # -- issuing --------------------------------------------------------------------------------------------
-    def _issue_until(self, run: RunState, stop: int) -> None:
-        """Issue ops ``run.cursor .. stop-1``; compute ops among them only when the run has no compute.
-        Streams are switched with one ``set_stream`` per change (the compute stream is restored at the end)."""
-        if run.cursor >= stop:
-            return
-        if self._raw is not None:
-            return self._issue_until_raw(run, stop)
-        t0 = time.perf_counter()
-        p, events, starts, set_stream = run.program, run.events, run.starts, self._set_stream
-        current = run.stream
-        try:
-            for i in range(run.cursor, stop):
-                kind = p.kinds[i]
-                stream = p.streams[i] if kind != _C else run.stream
-                if stream is not current:
-                    set_stream(stream)
-                    current = stream
-                for d in p.waits[i]:
-                    stream.wait_event(events[d])
-                for buf in p.carry[i]:
-                    ev = self._carry.get(buf)
-                    if ev is not None:
-                        stream.wait_event(ev)
-                if starts is not None:
-                    starts[i].record(stream)
-                if kind == _H2D:
-                    for dst, src in p.args[i]:
-                        dst.copy_(src, non_blocking=True)
-                    self.stats.loads += 1
-                elif kind == _AG:
-                    out, inp = p.args[i]  # W > 1: a shard group of one has no AG op (plan.lowering)
-                    work = self._all_gather(out, inp, group=self._gather_group, async_op=self.async_collectives)
-                    if work is not None:
-                        events[i].work = work
-                        if starts is not None:
-                            stamp_on_completion(work, events[i])
-                            continue
-                elif run.compute:
-                    raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
-                events[i].record(stream)
-        finally:
-            if current is not run.stream:
-                set_stream(run.stream)
-            run.cursor = max(run.cursor, stop)
-            self.stats.load_issue_s += time.perf_counter() - t0
-
-    def _issue_until_raw(self, run: RunState, stop: int) -> None:
-        """:meth:`_issue_until` through driver calls: explicit stream handles, no stream switch, no copy_."""
-        t0 = time.perf_counter()
-        p, events, carry, cu = run.program, run.events, self._carry, self._raw
-        wait, record, copy, check = cu._wait, cu._record, cu.copy, cu.check
-        loads = 0
-        try:
-            for i in range(run.cursor, stop):
-                op = p.raw[i]
-                if op is None:
-                    if run.compute:
-                        raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
-                    events[i].record(run.cstream)
-                    continue
-                h, copies = op
-                for d in p.waits[i]:
-                    code = wait(h, events[d].handle, 0)
-                    if code:
-                        check(code, "cuStreamWaitEvent")
-                for buf in p.carry[i]:
-                    ev = carry.get(buf)
-                    if ev is not None:
-                        check(wait(h, ev.handle, 0), "cuStreamWaitEvent")
-                for dst, src, n, dev in copies:
-                    copy(dst, src, n, h, dev)
-                loads += 1
-                code = record(events[i].handle, h)
-                if code:
-                    check(code, "cuEventRecord")
-        finally:
-            run.cursor = max(run.cursor, stop)
-            self.stats.loads += loads
-            self.stats.load_issue_s += time.perf_counter() - t0
-
+    # -- issuing: runtime/issue.py ---------------------------------------------------------------------------
     def compute(self, block_index: int, args: tuple, kwargs: dict) -> Any:
         """Run block ``block_index`` for the next compute op of the open (or an implicit) run."""
         t0 = time.perf_counter()
@@ -400,7 +320,7 @@ class Executor:
         seg = run.fast[i] if run.fast is not None else None
         if seg is not None and seg[0] == run.cursor:  # graph mode's eager (recorded) steps
             return self._compute_fast(run, seg, args, kwargs, t0)
-        self._issue_until(run, i)
+        issue_until(self, run, i)
         stream, events = run.cstream, run.events
         for d in p.waits[i]:
             stream.wait_event(events[d])
