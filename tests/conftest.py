@@ -66,3 +66,46 @@ def engine_options(**kw):
     from dlo_fn.serve.requests import EngineOptions
 
     return EngineOptions(**{"timeout_s": 4.0, "grace_s": 1.0, "progress": False, **kw})
+
+
+# `generate` end to end (test_generate_cli, test_policy_generate): 3 requests on 2 ranks, wave 1 partial.
+GENERATE_ARGS = ("--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3",
+                 "--prompt", "a fox", "--prompt", "an owl", "--prompt", "a cat")
+
+
+def run_generate(ckpt, out, *extra, nproc=1, timeout=240):
+    """``python -m dlo_fn generate`` of :data:`GENERATE_ARGS` as users run it (under torchrun when ``nproc`` > 1):
+    exit code 0, each output's file hashes to its manifest row and has its shape, a non-empty PNG.
+    Returns ``(stdout + stderr, manifest rows)``."""
+    import hashlib
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from dlo_fn.runtime.dist import free_port
+
+    args = ["-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), *GENERATE_ARGS, *extra]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+                *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    for row in rows:
+        npy, png = row["files"]
+        video = np.load(out / npy)
+        assert hashlib.sha256(video.tobytes()).hexdigest() == row["sha256"]
+        assert (out / png).stat().st_size > 0
+        assert list(video.shape) == row["shape"]
+    return proc.stdout + proc.stderr, rows
+
+
+@pytest.fixture(scope="session")
+def resident_rows(checkpoint, tmp_path_factory) -> list:
+    """``generate --resident`` of :data:`GENERATE_ARGS`, one process, run once: the bytes every torchrun run of
+    the same requests must write."""
+    return run_generate(checkpoint, tmp_path_factory.mktemp("resident"), "--resident")[1]
