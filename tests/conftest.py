@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -109,3 +111,118 @@ def resident_rows(checkpoint, tmp_path_factory) -> list:
     """``generate --resident`` of :data:`GENERATE_ARGS`, one process, run once: the bytes every torchrun run of
     the same requests must write."""
     return run_generate(checkpoint, tmp_path_factory.mktemp("resident"), "--resident")[1]
+
+
+# Shared spawns. Process start-up costs more than most multi-rank scenarios on this 2-core machine: each rank
+# imports torch (~2.5 s of CPU), and diffusers + transformers (~6 s more) for the third-party models. So the
+# run_ranks scenarios below share one spawn per world size: every rank runs them in the order listed, each in
+# its own try, and each test reads its own scenario's results (a failure names its scenario, with every failing
+# rank's traceback). A scenario runs only when a test of its module was collected. Kept on processes of their
+# own: what measures the process (test_release, test_bench_load, test_host_budget's store), serve_local runs
+# (their faults break the group) and the command lines.
+@dataclass(frozen=True)
+class FixtureArg:
+    """An argument of a scenario that is the value of this (session) fixture."""
+
+    name: str
+
+
+SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
+    2: {
+        "mesh": ("test_mesh", "_rank", ()),  # first: its mistakes are made before any group exists
+        "wire": ("test_wire", "_channel_rank", ()),
+        "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
+        "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), True)),
+        "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
+        "pipeline": ("test_pipeline", "check_rank", (FixtureArg("wan_pipeline_folder"),)),
+        "context_parallel": ("test_context_parallel", "_rank", ()),
+    },
+    3: {
+        "models_sp": ("test_models_sp", "_rank", ()),
+        "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
+        "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
+    },
+    4: {
+        "mesh": ("test_mesh", "_rank", ()),
+        "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
+        "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), False)),
+    },
+}
+SHARED_TIMEOUT_S = 480.0  # the whole spawn, and each collective's process-group timeout
+
+
+def run_scenarios(ctx, scenarios: dict) -> dict:
+    """On one rank: each scenario in turn; name -> (True, its result pickled) or (False, the traceback)."""
+    import importlib
+    import pickle
+    import traceback
+
+    out = {}
+    for name, (module, function, args) in scenarios.items():
+        try:
+            out[name] = (True, pickle.dumps(getattr(importlib.import_module(module), function)(ctx, *args)))
+        except BaseException as exc:  # noqa: BLE001 - reported by the scenario's test; the next one still runs
+            out[name] = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    return out
+
+
+def _spawn(request, world: int) -> list:
+    from dlo_fn.runtime.dist import run_ranks
+
+    selected = {getattr(item.module, "__name__", None) for item in request.session.items}
+    jobs = {name: (module, function, tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg) else a
+                                           for a in args))
+            for name, (module, function, args) in SCENARIOS[world].items() if module in selected}
+    return run_ranks(run_scenarios, world, jobs, timeout_s=SHARED_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def spawn2(request):
+    return _spawn(request, 2)
+
+
+@pytest.fixture(scope="session")
+def spawn3(request):
+    return _spawn(request, 3)
+
+
+@pytest.fixture(scope="session")
+def spawn4(request):
+    return _spawn(request, 4)
+
+
+def scenario(request, world: int, name: str) -> list:
+    """Every rank's result of scenario ``name`` on ``world`` ranks (the shared spawn runs when first asked)."""
+    import pickle
+
+    results = [rank_out[name] for rank_out in request.getfixturevalue(f"spawn{world}")]
+    failed = [f"--- rank {r} ---\n{text}" for r, (ok, text) in enumerate(results) if not ok]
+    if failed:
+        pytest.fail(f"scenario {name!r} on {world} ranks failed:\n" + "\n".join(failed), pytrace=False)
+    return [pickle.loads(value) for _, value in results]
+
+
+@pytest.fixture(scope="session")
+def six_heads(tmp_path_factory) -> str:
+    """The reference DiT with 6 heads (sp 2 and 3 divide them), bf16, seed 0."""
+    from test_engine_mesh import SIX_HEADS
+
+    from dlo_fn.models import write_checkpoint
+
+    return str(write_checkpoint(SIX_HEADS, tmp_path_factory.mktemp("ckpt") / "six", seed=0, progress=False))
+
+
+@pytest.fixture(scope="session")
+def third_party_folders(tmp_path_factory) -> str:
+    from test_third_party import write_folders
+
+    return write_folders(tmp_path_factory.mktemp("third_party"))
+
+
+@pytest.fixture(scope="session")
+def wan_pipeline_folder(tmp_path_factory) -> str:
+    from test_pipeline import tiny_wan_pipeline
+
+    folder = tmp_path_factory.mktemp("pipeline") / "wan-pipeline"
+    tiny_wan_pipeline().save_pretrained(folder)
+    return str(folder)
