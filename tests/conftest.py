@@ -118,7 +118,7 @@ def resident_rows(checkpoint, tmp_path_factory) -> list:
 # run_ranks scenarios below share one spawn per world size: every rank runs them in the order listed, each in
 # its own try, and each test reads its own scenario's results (a failure names its scenario, with every failing
 # rank's traceback). A scenario runs only when a test of its module was collected. Kept on processes of their
-# own: what measures the process (test_release, test_bench_load, test_host_budget's store), serve_local runs
+# own: what measures the process's memory (test_release, test_bench_load), serve_local runs
 # (their faults break the group) and the command lines.
 @dataclass(frozen=True)
 class FixtureArg:
@@ -131,6 +131,9 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
     2: {
         "mesh": ("test_mesh", "_rank", ()),  # first: its mistakes are made before any group exists
         "wire": ("test_wire", "_channel_rank", ()),
+        # Before anything else maps the tiny checkpoint: its streamed blocks must be what keeps the file mapped.
+        **{f"host_budget[{mode}]": ("test_host_budget", "_budget_rank", (FixtureArg("tiny_checkpoint"), mode))
+           for mode in ("allgather", "rank-local")},
         "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
         "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), True)),
         "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
@@ -152,7 +155,9 @@ SHARED_TIMEOUT_S = 480.0  # the whole spawn, and each collective's process-group
 
 
 def run_scenarios(ctx, scenarios: dict) -> dict:
-    """On one rank: each scenario in turn; name -> (True, its result pickled) or (False, the traceback)."""
+    """On one rank: each scenario in turn; name -> (True, its result pickled) or (False, the traceback). What a
+    scenario left behind (its models, the mappings they hold) is collected before the next one starts."""
+    import gc
     import importlib
     import pickle
     import traceback
@@ -163,6 +168,7 @@ def run_scenarios(ctx, scenarios: dict) -> dict:
             out[name] = (True, pickle.dumps(getattr(importlib.import_module(module), function)(ctx, *args)))
         except BaseException as exc:  # noqa: BLE001 - reported by the scenario's test; the next one still runs
             out[name] = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        gc.collect()
     return out
 
 
@@ -226,3 +232,12 @@ def wan_pipeline_folder(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("pipeline") / "wan-pipeline"
     tiny_wan_pipeline().save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def ckpt_200mb(tmp_path_factory) -> str:
+    """The 216 MB load-benchmark checkpoint (bench.load), written once: test_release and test_bench_load only
+    read it."""
+    from dlo_fn.bench.load import make_checkpoint
+
+    return str(make_checkpoint("load-200mb", tmp_path_factory.mktemp("load200")))
