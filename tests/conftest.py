@@ -117,7 +117,8 @@ def resident_rows(checkpoint, tmp_path_factory) -> list:
 # imports torch (~2.5 s of CPU), and diffusers + transformers (~6 s more) for the third-party models. So the
 # run_ranks scenarios below share one spawn per world size: every rank runs them in the order listed, each in
 # its own try, and each test reads its own scenario's results (a failure names its scenario, with every failing
-# rank's traceback). A scenario runs only when a test of its module was collected. Kept on processes of their
+# rank's traceback). A scenario runs only when a test of its module was collected; the spawns run in the
+# background from the start of the session (shared_spawns). Kept on processes of their
 # own: what measures the process's memory (test_release, test_bench_load), serve_local runs
 # (their faults break the group) and the command lines.
 @dataclass(frozen=True)
@@ -172,36 +173,34 @@ def run_scenarios(ctx, scenarios: dict) -> dict:
     return out
 
 
-def _spawn(request, world: int) -> list:
+@pytest.fixture(scope="session", autouse=True)
+def shared_spawns(request):
+    """world size -> a future of every rank's results (``run_scenarios``). The spawns start with the session, one
+    after the other in a thread of their own that is niced (Linux: per thread, inherited by the ranks it
+    starts), so they use the core that the single-process tests leave idle and yield to everything else; a test
+    that needs one waits for it."""
+    import concurrent.futures
+    import os
+
     from dlo_fn.runtime.dist import run_ranks
 
     selected = {getattr(item.module, "__name__", None) for item in request.session.items}
-    jobs = {name: (module, function, tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg) else a
-                                           for a in args))
-            for name, (module, function, args) in SCENARIOS[world].items() if module in selected}
-    return run_ranks(run_scenarios, world, jobs, timeout_s=SHARED_TIMEOUT_S)
-
-
-@pytest.fixture(scope="session")
-def spawn2(request):
-    return _spawn(request, 2)
-
-
-@pytest.fixture(scope="session")
-def spawn3(request):
-    return _spawn(request, 3)
-
-
-@pytest.fixture(scope="session")
-def spawn4(request):
-    return _spawn(request, 4)
+    jobs = {world: {name: (module, function, tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg)
+                                                   else a for a in args))
+                    for name, (module, function, args) in scenarios.items() if module in selected}
+            for world, scenarios in SCENARIOS.items()}
+    pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
+    futures = {world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
+               for world in sorted(jobs) if jobs[world]}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)  # a run in progress ends (or times out) and kills its ranks
 
 
 def scenario(request, world: int, name: str) -> list:
     """Every rank's result of scenario ``name`` on ``world`` ranks (the shared spawn runs when first asked)."""
     import pickle
 
-    results = [rank_out[name] for rank_out in request.getfixturevalue(f"spawn{world}")]
+    results = [rank_out[name] for rank_out in request.getfixturevalue("shared_spawns")[world].result()]
     failed = [f"--- rank {r} ---\n{text}" for r, (ok, text) in enumerate(results) if not ok]
     if failed:
         pytest.fail(f"scenario {name!r} on {world} ranks failed:\n" + "\n".join(failed), pytrace=False)

@@ -11,11 +11,10 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import scenario
 
 from dlo_fn.models import CONFIGS, Request, SPContext, TokenShard, build_model, generate, init_state, model_inputs
 from dlo_fn.models.layers import attention, linear
-from conftest import scenario
-
 from dlo_fn.runtime.dist import DistContext
 
 TINY = CONFIGS["tiny"]  # 4 heads: sp 2

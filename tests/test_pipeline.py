@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import scenario
 
 from dlo_fn.runtime.dist import DistContext

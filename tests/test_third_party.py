@@ -11,7 +11,6 @@ import functools
 
 import pytest
 import torch
-
 from conftest import scenario
 
 from dlo_fn.runtime.dist import DistContext
