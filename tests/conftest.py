@@ -180,6 +180,7 @@ def shared_spawns(request):
     starts), so they use the core that the single-process tests leave idle and yield to everything else; a test
     that needs one waits for it."""
     import concurrent.futures
+    import multiprocessing.resource_tracker
     import os
 
     from dlo_fn.runtime.dist import run_ranks
@@ -189,6 +190,10 @@ def shared_spawns(request):
                                                    else a for a in args))
                     for name, (module, function, args) in scenarios.items() if module in selected}
             for world, scenarios in SCENARIOS.items()}
+    # The semaphore tracker that every spawn shares starts here, under pytest's capture as it did when the
+    # first spawn came from a test (a thread could start it between tests, and its exit-time warning about
+    # serve_local's ranks' semaphores would then reach the terminal).
+    multiprocessing.resource_tracker.ensure_running()
     pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
     futures = {world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
                for world in sorted(jobs) if jobs[world]}
