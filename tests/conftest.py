@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -66,3 +68,180 @@ def engine_options(**kw):
     from dlo_fn.serve.requests import EngineOptions
 
     return EngineOptions(**{"timeout_s": 4.0, "grace_s": 1.0, "progress": False, **kw})
+
+
+# `generate` end to end (test_generate_cli, test_policy_generate): 3 requests on 2 ranks, wave 1 partial.
+GENERATE_ARGS = ("--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3",
+                 "--prompt", "a fox", "--prompt", "an owl", "--prompt", "a cat")
+
+
+def run_generate(ckpt, out, *extra, nproc=1, timeout=240):
+    """``python -m dlo_fn generate`` of :data:`GENERATE_ARGS` as users run it (under torchrun when ``nproc`` > 1):
+    exit code 0, each output's file hashes to its manifest row and has its shape, a non-empty PNG.
+    Returns ``(stdout + stderr, manifest rows)``."""
+    import hashlib
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from dlo_fn.runtime.dist import free_port
+
+    args = ["-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), *GENERATE_ARGS, *extra]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+                *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    for row in rows:
+        npy, png = row["files"]
+        video = np.load(out / npy)
+        assert hashlib.sha256(video.tobytes()).hexdigest() == row["sha256"]
+        assert (out / png).stat().st_size > 0
+        assert list(video.shape) == row["shape"]
+    return proc.stdout + proc.stderr, rows
+
+
+@pytest.fixture(scope="session")
+def resident_rows(checkpoint, tmp_path_factory) -> list:
+    """``generate --resident`` of :data:`GENERATE_ARGS`, one process, run once: the bytes every torchrun run of
+    the same requests must write."""
+    return run_generate(checkpoint, tmp_path_factory.mktemp("resident"), "--resident")[1]
+
+
+# Shared spawns. Process start-up costs more than most multi-rank scenarios on this 2-core machine: each rank
+# imports torch (~2.5 s of CPU), and diffusers + transformers (~6 s more) for the third-party models. So the
+# run_ranks scenarios below share one spawn per world size: every rank runs them in the order listed, each in
+# its own try, and each test reads its own scenario's results (a failure names its scenario, with every failing
+# rank's traceback). A scenario runs only when a test of its module was collected; the spawns run in the
+# background from the start of the session (shared_spawns). Kept on processes of their
+# own: what measures the process's memory (test_release, test_bench_load), serve_local runs
+# (their faults break the group) and the command lines.
+@dataclass(frozen=True)
+class FixtureArg:
+    """An argument of a scenario that is the value of this (session) fixture."""
+
+    name: str
+
+
+SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
+    2: {
+        "mesh": ("test_mesh", "_rank", ()),  # first: its mistakes are made before any group exists
+        "wire": ("test_wire", "_channel_rank", ()),
+        # Before anything else maps the tiny checkpoint: its streamed blocks must be what keeps the file mapped.
+        **{f"host_budget[{mode}]": ("test_host_budget", "_budget_rank", (FixtureArg("tiny_checkpoint"), mode))
+           for mode in ("allgather", "rank-local")},
+        "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
+        "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), True)),
+        "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
+        "pipeline": ("test_pipeline", "check_rank", (FixtureArg("wan_pipeline_folder"),)),
+        "context_parallel": ("test_context_parallel", "_rank", ()),
+    },
+    3: {
+        "models_sp": ("test_models_sp", "_rank", ()),
+        "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
+        "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
+    },
+    4: {
+        "mesh": ("test_mesh", "_rank", ()),
+        "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
+        "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), False)),
+    },
+}
+SHARED_TIMEOUT_S = 480.0  # the whole spawn, and each collective's process-group timeout
+
+
+def run_scenarios(ctx, scenarios: dict) -> dict:
+    """On one rank: each scenario in turn; name -> (True, its result pickled) or (False, the traceback). What a
+    scenario left behind (its models, the mappings they hold) is collected before the next one starts."""
+    import gc
+    import importlib
+    import pickle
+    import traceback
+
+    out = {}
+    for name, (module, function, args) in scenarios.items():
+        try:
+            out[name] = (True, pickle.dumps(getattr(importlib.import_module(module), function)(ctx, *args)))
+        except BaseException as exc:  # noqa: BLE001 - reported by the scenario's test; the next one still runs
+            out[name] = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        gc.collect()
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_spawns(request):
+    """world size -> a future of every rank's results (``run_scenarios``). The spawns start with the session, one
+    after the other in a thread of their own that is niced (Linux: per thread, inherited by the ranks it
+    starts), so they use the core that the single-process tests leave idle and yield to everything else; a test
+    that needs one waits for it."""
+    import concurrent.futures
+    import multiprocessing.resource_tracker
+    import os
+
+    from dlo_fn.runtime.dist import run_ranks
+
+    selected = {getattr(item.module, "__name__", None) for item in request.session.items}
+    jobs = {world: {name: (module, function, tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg)
+                                                   else a for a in args))
+                    for name, (module, function, args) in scenarios.items() if module in selected}
+            for world, scenarios in SCENARIOS.items()}
+    # The semaphore tracker that every spawn shares starts here, under pytest's capture as it did when the
+    # first spawn came from a test (a thread could start it between tests, and its exit-time warning about
+    # serve_local's ranks' semaphores would then reach the terminal).
+    multiprocessing.resource_tracker.ensure_running()
+    pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
+    futures = {world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
+               for world in sorted(jobs) if jobs[world]}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)  # a run in progress ends (or times out) and kills its ranks
+
+
+def scenario(request, world: int, name: str) -> list:
+    """Every rank's result of scenario ``name`` on ``world`` ranks (the shared spawn runs when first asked)."""
+    import pickle
+
+    results = [rank_out[name] for rank_out in request.getfixturevalue("shared_spawns")[world].result()]
+    failed = [f"--- rank {r} ---\n{text}" for r, (ok, text) in enumerate(results) if not ok]
+    if failed:
+        pytest.fail(f"scenario {name!r} on {world} ranks failed:\n" + "\n".join(failed), pytrace=False)
+    return [pickle.loads(value) for _, value in results]
+
+
+@pytest.fixture(scope="session")
+def six_heads(tmp_path_factory) -> str:
+    """The reference DiT with 6 heads (sp 2 and 3 divide them), bf16, seed 0."""
+    from test_engine_mesh import SIX_HEADS
+
+    from dlo_fn.models import write_checkpoint
+
+    return str(write_checkpoint(SIX_HEADS, tmp_path_factory.mktemp("ckpt") / "six", seed=0, progress=False))
+
+
+@pytest.fixture(scope="session")
+def third_party_folders(tmp_path_factory) -> str:
+    from test_third_party import write_folders
+
+    return write_folders(tmp_path_factory.mktemp("third_party"))
+
+
+@pytest.fixture(scope="session")
+def wan_pipeline_folder(tmp_path_factory) -> str:
+    from test_pipeline import tiny_wan_pipeline
+
+    folder = tmp_path_factory.mktemp("pipeline") / "wan-pipeline"
+    tiny_wan_pipeline().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def ckpt_200mb(tmp_path_factory) -> str:
+    """The 216 MB load-benchmark checkpoint (bench.load), written once: test_release and test_bench_load only
+    read it."""
+    from dlo_fn.bench.load import make_checkpoint
+
+    return str(make_checkpoint("load-200mb", tmp_path_factory.mktemp("load200")))

@@ -9,13 +9,8 @@ import json
 import psutil
 import pytest
 
-from dlo_fn.bench.load import make_checkpoint, run_load_bench
+from dlo_fn.bench.load import run_load_bench
 from dlo_fn.cli import main
-
-
-@pytest.fixture(scope="module")
-def ckpt_200mb(tmp_path_factory):
-    return make_checkpoint("load-200mb", tmp_path_factory.mktemp("load200"))
 
 
 @pytest.mark.slow

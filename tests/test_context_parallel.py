@@ -47,14 +47,11 @@ def _rank(ctx) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    from dlo_fn.runtime.dist import run_ranks
+@pytest.mark.timeout(600)
+def test_offload_composes_with_diffusers_context_parallel(request):
+    from conftest import scenario
 
-    return run_ranks(_rank, 2, timeout_s=180.0)
-
-
-def test_offload_composes_with_diffusers_context_parallel(results):
+    results = scenario(request, 2, "context_parallel")  # the shared spawn of 2 ranks (conftest.SCENARIOS)
     for res in results:
         assert res["wan"]["cp_equals_single"] and res["wan"]["offloaded_equals_single"]
         for name in ("wan", "flux"):

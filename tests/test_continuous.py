@@ -73,19 +73,28 @@ def test_bad_serving_option_is_one_line():
         EngineOptions(serving="fast")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_two_ranks_continuous(checkpoint, expected):
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    """The phases that keep the group whole, on one spawn of 2 ranks; the raise last (nothing after it to lose).
+    A clean exit is required; a loaded shared machine may take a while to get there."""
     phases = [
         Phase("allgather", SUBS, _options()),
         Phase("allgather", SUBS, _options(requests_per_rank=2)),
         Phase("allgather", SUBS, _options(), stream_gaps_s=(0.0, 0.3, 0.0, 0.5, 0.0, 0.0, 0.2)),
         Phase("allgather", (Submission("a", _req("a red fox", 1)), Submission("b", _req("a blue bird", 1))),
               _options()),
+        # Ring step 1: rank 1 holds the bird (5 steps); rank 0 the fox.
+        Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="raise", step=1))),
     ]
-    run = serve_local(checkpoint, phases, 2, join_timeout_s=200, grace_s=30)
-    assert run.exitcodes == (0, 0)
-    one, two, stream, pair = run.reports
+    return serve_local(checkpoint, phases, 2, join_timeout_s=200, grace_s=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_continuous(whole, expected):
+    run = whole
+    assert run.exitcodes == (0, 0) and len(run.reports) == 5
+    one, two, stream, pair = run.reports[:4]
     for report in (one, two, stream):
         assert [r.request_id for r in report.results] == [s.request_id for s in SUBS]
         _check_bytes(report, expected)
@@ -99,18 +108,11 @@ def test_two_ranks_continuous(checkpoint, expected):
     assert pair.steps[0].held == ((0,), (1,))
 
 
-def _fault_run(checkpoint, fault, grace_s=5):
-    return serve_local(checkpoint, [Phase("allgather", SUBS, _options(fault=fault))], 2, join_timeout_s=90,
-                       grace_s=grace_s)
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_rank_that_raises_fails_only_what_it_held(checkpoint, expected):
-    # Ring step 1: rank 1 holds the bird (5 steps); rank 0 the fox.
-    # A clean exit is required; a loaded shared machine may take a while to get there.
-    run = _fault_run(checkpoint, Fault(rank=1, wave=0, kind="raise", step=1), grace_s=30)
-    (report,) = run.reports
+@pytest.mark.timeout(240)
+def test_rank_that_raises_fails_only_what_it_held(whole, expected):
+    run = whole
+    report = run.reports[4]
     assert run.exitcodes == (0, 0)
     bird = report.by_id()["req0001"]
     assert not bird.ok and bird.rank == 1 and "rank 1: InjectedFault" in bird.error

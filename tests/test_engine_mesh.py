@@ -5,7 +5,8 @@ mesh), rank-local}: on every rank the offloaded model's latents for its replica'
 to the single-process resident model's, each rank holds the shard its group gives it, and the engine's
 waves (one request per replica, the sp ranks of a replica sharing it, an idle replica in the partial wave)
 give every request the resident SHA-256. One spawn per world size runs all of its cases in sequence. Then a
-rank that raises or stalls between all-to-alls fails its wave closed within the timeouts, naming it."""
+rank that raises or stalls between all-to-alls fails its wave closed within the timeouts, naming it. (The
+checkpoint, ``six_heads``, is a session fixture of conftest; the spawns are shared, conftest.SCENARIOS.)"""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import time
 
 import pytest
 import torch
+from conftest import scenario
 
-from dlo_fn.models import CONFIGS, Request, generate, write_checkpoint
-from dlo_fn.runtime.dist import DistContext, init_distributed, run_ranks
+from dlo_fn.models import CONFIGS, Request, generate
+from dlo_fn.runtime.dist import DistContext, init_distributed
 from dlo_fn.serve.batch import Fault
 from dlo_fn.serve.local import Phase, open_model, serve_local
 from dlo_fn.serve.requests import EngineOptions, as_submissions
@@ -34,11 +36,6 @@ SUBS = tuple(as_submissions(REQUESTS))
 def _cases(dp: int, sp: int) -> tuple[tuple[str, str], ...]:
     cases = (("allgather", "world"), ("allgather", "dp"), ("rank-local", "world"))
     return cases + ((("allgather", "sp"),) if dp > 1 and sp > 1 else ())
-
-
-@pytest.fixture(scope="module")
-def six_heads(tmp_path_factory) -> str:
-    return str(write_checkpoint(SIX_HEADS, tmp_path_factory.mktemp("ckpt") / "six", seed=0, progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +65,14 @@ def _rank(ctx: DistContext, checkpoint: str) -> dict:
     return pickle.dumps(out)  # plain bytes: a tensor through the queue would live in shared memory the rank frees
 
 
-@pytest.fixture(scope="module")
-def spawned() -> dict:
-    return {}
-
-
 @pytest.fixture(params=[2, 3, 4], ids=["world2", "world3", "world4"])
-def ranks(request, spawned, six_heads):
-    world = request.param
-    if world not in spawned:
-        spawned[world] = [pickle.loads(r) for r in run_ranks(_rank, world, six_heads, timeout_s=240.0)]
-    return world, spawned[world]
+def ranks(request):
+    """Every rank's results of :func:`_rank` on ``six_heads`` (the shared spawn of this world size,
+    conftest.SCENARIOS)."""
+    return request.param, [pickle.loads(r) for r in scenario(request, request.param, "engine_mesh")]
 
 
+@pytest.mark.timeout(600)
 def test_offloaded_latents_equal_resident_on_every_rank(ranks, expected):
     world, results = ranks
     for dp, sp in SHAPES[world]:
@@ -91,6 +83,7 @@ def test_offloaded_latents_equal_resident_on_every_rank(ranks, expected):
                 assert torch.equal(got["latents"], expected[rank // sp].latents), (dp, sp, mode, group, rank)
 
 
+@pytest.mark.timeout(600)
 def test_each_rank_holds_its_shard_groups_share(ranks):
     """world: M / (dp sp) per rank; dp: M / dp (the sp partners hold the same shard, as in the reference);
     sp: M / sp; rank-local: whole blocks."""
@@ -109,6 +102,7 @@ def test_each_rank_holds_its_shard_groups_share(ranks):
         assert (arena["world"] < arena["dp"]) == (sp > 1) and arena["world"] * world >= whole
 
 
+@pytest.mark.timeout(600)
 def test_engine_waves_over_replicas_give_resident_hashes(ranks, expected):
     world, results = ranks
     for dp, sp in SHAPES[world]:
@@ -142,7 +136,7 @@ def test_a_rank_failing_between_all_to_alls_fails_the_wave_closed(six_heads, kin
     options = EngineOptions(timeout_s=timeout_s, grace_s=1.0, progress=False, fault=fault, serving="strict")
     t0 = time.perf_counter()
     run = serve_local(six_heads, [Phase("allgather", SUBS[:2], options)], 1, sp_size=2, join_timeout_s=90,
-                      grace_s=2)
+                      grace_s=1)  # after rank 0's answer only a stalled rank 1 is left, to be killed
     wall_s = time.perf_counter() - t0
     (report,) = run.reports
     assert [r.ok for r in report.results] == [False, False]

@@ -1,9 +1,11 @@
 """The DP engine on real CPU ranks (spawned processes, gloo, one thread each, small timeouts).
 
-One spawn checks the happy paths together (allgather R = 1 and 2 with a partial wave, rank-local, resident, a
-forced mixed wave): every output is byte-identical to a single-process resident run. Then one spawn per fault:
-a rank that raises, stalls or dies; each request ends with an output or an error that says why, the culprit
-rank is named, and nothing hangs (the whole test has a hard timeout)."""
+One spawn runs every phase that leaves the group whole, in sequence (allgather R = 1 and 2 with a partial wave,
+rank-local, resident, a forced mixed wave, a traced wave, a stream that pauses past the timeout, then a rank that
+raises): every output is byte-identical to a single-process resident run; each test checks its own phase's
+report. Then one spawn per fault that breaks the group: a rank that stalls or dies; each request ends with an
+output or an error that says why, the culprit rank is named, and nothing hangs (the whole test has a hard
+timeout)."""
 
 from __future__ import annotations
 
@@ -52,8 +54,12 @@ def _check_bytes(report, expected):
         assert res.sha256 == expected[res.request_id].sha256
 
 
-@pytest.mark.timeout(180)
-def test_modes_and_waves_on_two_ranks(checkpoint, expected):
+STREAM_SUBS = (SUBS[0], SUBS[1], SUBS[3])
+
+
+@pytest.fixture(scope="module")
+def whole(checkpoint):
+    """The phases that keep the group whole, on one spawn of 2 ranks: the raise last (nothing after it to lose)."""
     phases = [
         Phase("allgather", SUBS, _options()),
         Phase("allgather", SUBS, _options(requests_per_rank=2)),
@@ -61,10 +67,19 @@ def test_modes_and_waves_on_two_ranks(checkpoint, expected):
         Phase("resident", SUBS, _options(requests_per_rank=2)),
         Phase("allgather", SUBS, _options(), forced=((0, 2),)),
         Phase("allgather", SUBS[:2], _options(trace=True)),
+        # A 2 x TIMEOUT_S pause with no request: the followers wait in the wave broadcast the whole time and would
+        # time out without rank 0's keep-alive messages.
+        Phase("allgather", STREAM_SUBS, _options(max_wait_s=0.5), stream_gaps_s=(0.0, 2 * TIMEOUT_S, 0.0)),
+        Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="raise", step=1))),
     ]
-    run = serve_local(checkpoint, phases, 2, join_timeout_s=150, grace_s=30)  # a clean exit may take long on a loaded 2-core machine
-    assert run.exitcodes == (0, 0)
-    r1, r2, local, resident, forced, traced = run.reports
+    return serve_local(checkpoint, phases, 2, join_timeout_s=200, grace_s=30)  # a clean exit may take long on a loaded 2-core machine
+
+
+@pytest.mark.timeout(240)
+def test_modes_and_waves_on_two_ranks(whole, expected):
+    run = whole
+    assert run.exitcodes == (0, 0) and len(run.reports) == 8
+    r1, r2, local, resident, forced, traced = run.reports[:6]
     for report in (r1, r2, local, resident, traced):
         assert [r.request_id for r in report.results] == [s.request_id for s in SUBS[: len(report.results)]]
         _check_bytes(report, expected)
@@ -92,14 +107,16 @@ def test_modes_and_waves_on_two_ranks(checkpoint, expected):
 
 
 def _serve_with_fault(checkpoint, mode, fault):
+    # grace_s: how long a rank still running after rank 0's answer may take to leave; only a stalled rank is
+    # still there (the dead one is gone, rank 0's exit code is not checked), and it is to be killed anyway.
     phases = [Phase(mode, SUBS, _options(fault=fault))]
-    return serve_local(checkpoint, phases, 2, join_timeout_s=90, grace_s=5)
+    return serve_local(checkpoint, phases, 2, join_timeout_s=90, grace_s=1)
 
 
-@pytest.mark.timeout(120)
-def test_rank_that_raises_fails_only_its_requests(checkpoint, expected):
-    run = _serve_with_fault(checkpoint, "allgather", Fault(rank=1, wave=0, kind="raise", step=1))
-    (report,) = run.reports
+@pytest.mark.timeout(240)
+def test_rank_that_raises_fails_only_its_requests(whole, expected):
+    run = whole
+    report = run.reports[7]
     assert run.exitcodes == (0, 0)
     bird = report.by_id()["req0001"]
     assert not bird.ok and bird.rank == 1 and "rank 1: InjectedFault" in bird.error
@@ -139,14 +156,11 @@ def test_rank_local_replica_death_keeps_the_other_replicas_results(checkpoint, e
     assert not res["req0004"].ok and "empty" in res["req0004"].error
 
 
-@pytest.mark.timeout(120)
-def test_stream_keeps_idle_followers_alive_past_the_timeout(checkpoint, expected):
-    # A 2 x TIMEOUT_S pause with no request: the followers wait in the wave broadcast the whole time and would
-    # time out without rank 0's keep-alive messages.
-    subs = (SUBS[0], SUBS[1], SUBS[3])
-    phase = Phase("allgather", subs, _options(max_wait_s=0.5), stream_gaps_s=(0.0, 2 * TIMEOUT_S, 0.0))
-    run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=30)  # as above
-    (report,) = run.reports
+@pytest.mark.timeout(240)
+def test_stream_keeps_idle_followers_alive_past_the_timeout(whole, expected):
+    run = whole
+    report = run.reports[6]
+    assert [r.request_id for r in report.results] == [s.request_id for s in STREAM_SUBS]
     assert run.exitcodes == (0, 0)
     assert [w.rank_indices for w in report.waves] == [((0,), ()), ((1,), (2,))]
     assert all(r.ok and r.sha256 == expected[r.request_id].sha256 for r in report.results)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import scenario
 
-from dlo_fn.runtime.dist import DistContext, run_ranks
+from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
 from test_third_party import FLUX_BLOCKS, flux, flux_inputs, wan, wan_inputs
@@ -129,13 +130,15 @@ def test_single_rank_reference_and_third_party(tiny_checkpoint):
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks(tiny_checkpoint):
-    results = run_ranks(check_rank, 2, tiny_checkpoint, True, timeout_s=240)
+@pytest.mark.timeout(600)
+def test_two_gloo_ranks(request):
+    results = scenario(request, 2, "executor_dist")  # check_rank(ctx, tiny_checkpoint, True): conftest.SCENARIOS
     assert all("digest_error" in r for r in results)
     _assert_all(results, 2)
 
 
 @pytest.mark.slow
-def test_four_gloo_ranks(tiny_checkpoint):
-    results = run_ranks(check_rank, 4, tiny_checkpoint, False, timeout_s=240)
+@pytest.mark.timeout(600)
+def test_four_gloo_ranks(request):
+    results = scenario(request, 4, "executor_dist")  # check_rank(ctx, tiny_checkpoint, False)
     _assert_all(results, 4)

@@ -3,55 +3,27 @@ the same bytes; each output's file hashes to the manifest's SHA-256; the trace h
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from conftest import run_generate
 
 from dlo_fn.cli import UsageError, build_parser
 from dlo_fn.cli.generate import mode_from_args, options_from_args
 
-PROMPTS = ("a fox", "an owl", "a cat")  # 3 requests on 2 ranks: wave 1 is partial
-COMMON = ["--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3"]
 
-
-def _generate(ckpt, out, *extra, nproc=1, timeout=240):
-    args = ["-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), *COMMON, *extra]
-    for p in PROMPTS:
-        args += ["--prompt", p]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), *args]
-    else:
-        cmd = [sys.executable, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
-    for row in rows:
-        npy, png = row["files"]
-        video = np.load(out / npy)
-        assert hashlib.sha256(video.tobytes()).hexdigest() == row["sha256"]
-        assert (out / png).stat().st_size > 0
-        assert list(video.shape) == row["shape"]
-    return rows
-
-
-def _free_port():
-    from dlo_fn.runtime.dist import free_port
-
-    return free_port()
+def _generate(ckpt, out, *extra, nproc=1):
+    return run_generate(ckpt, out, *extra, nproc=nproc)[1]
 
 
 @pytest.mark.slow
-def test_all_modes_write_the_same_hashes(checkpoint, tmp_path):
+def test_all_modes_write_the_same_hashes(checkpoint, resident_rows, tmp_path):
     allgather = _generate(checkpoint, tmp_path / "ag", "--trace", str(tmp_path / "trace.json"), nproc=2)
     rank_local = _generate(checkpoint, tmp_path / "rl", "--no-allgather", nproc=2)
-    resident = _generate(checkpoint, tmp_path / "res", "--resident")
+    resident = resident_rows
     hashes = [[r["sha256"] for r in rows] for rows in (allgather, rank_local, resident)]
     assert hashes[0] == hashes[1] == hashes[2] and len(set(hashes[0])) == 3
     # Continuous (the default): fox | owl, then the third takes rank 0 at the fox's end.
@@ -83,11 +55,10 @@ def test_mode_flags_and_options():
 
 
 @pytest.mark.slow
-def test_sp_under_torchrun_writes_the_resident_hashes(checkpoint, tmp_path):
+def test_sp_under_torchrun_writes_the_resident_hashes(checkpoint, resident_rows, tmp_path):
     """torchrun --nproc-per-node 2 generate --sp 2 --serving strict: one replica of 2 sp ranks runs every wave (dp = 1)."""
     sp = _generate(checkpoint, tmp_path / "sp", "--sp", "2", "--serving", "strict", nproc=2)  # waves; continuous: test_continuous_mesh
-    resident = _generate(checkpoint, tmp_path / "res", "--resident")
-    assert [r["sha256"] for r in sp] == [r["sha256"] for r in resident]
+    assert [r["sha256"] for r in sp] == [r["sha256"] for r in resident_rows]
     assert [(r["rank"], r["wave"], r["dp_size"], r["sp_size"]) for r in sp] == [(0, w, 1, 2) for w in range(3)]
 
 

@@ -14,7 +14,6 @@ import torch
 
 from dlo_fn.plan.host_budget import host_budget, pinned_prefix, streamed_pass_cost_s
 from dlo_fn.plan.sizes import GB, ModelSizes
-from dlo_fn.runtime.dist import run_ranks
 
 SIZES = ModelSizes.uniform("m", 10 * GB, 10, resident_bytes=0)  # ten 1 GB blocks
 
@@ -73,9 +72,12 @@ def _budget_rank(ctx, ckpt: str, mode: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["allgather", "rank-local"])
-def test_partly_pinned_store_is_exact(checkpoint, mode):
-    for r in run_ranks(_budget_rank, 2, checkpoint, mode, timeout_s=240):
+def test_partly_pinned_store_is_exact(request, mode):
+    from conftest import scenario
+
+    for r in scenario(request, 2, f"host_budget[{mode}]"):  # _budget_rank(ctx, tiny_checkpoint, mode): conftest
         assert r["exact"] and r["pinned"] == 2 < r["num_blocks"], r
         assert r["arena"] == r["two"], r  # one exact-size arena of the pinned shards
         assert 0.5 * r["rest"] < r["streamed"] <= r["rest"], r  # the pieces, without alignment gaps and padding

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import scenario
 
-from dlo_fn.runtime.dist import DistContext, run_ranks
+from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import build_mesh
 from dlo_fn.runtime.platform import platform_for
 
@@ -56,23 +57,13 @@ def _rank(ctx: DistContext) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def spawned() -> dict:
-    """world size -> every rank's results, each world spawned once, when a test first asks for it."""
-    return {}
-
-
-def _results(spawned: dict, world: int) -> list[dict]:
-    if world not in spawned:
-        spawned[world] = run_ranks(_rank, world, timeout_s=180.0)
-    return spawned[world]
-
-
 @pytest.fixture(params=[2, 4], ids=["world2", "world4"])
-def ranks(request, spawned):
-    return request.param, _results(spawned, request.param)
+def ranks(request):
+    """Every rank's results of :func:`_rank` (the shared spawn of this world size, conftest.SCENARIOS)."""
+    return request.param, scenario(request, request.param, "mesh")
 
 
+@pytest.mark.timeout(600)
 def test_coordinates_and_group_members(ranks):
     world, results = ranks
     for dp, sp in SHAPES[world]:
@@ -86,15 +77,17 @@ def test_coordinates_and_group_members(ranks):
             assert got["sp_is_none"] == (sp == 1)
 
 
-def test_sp_replicas_in_a_2x2_mesh_match_the_single_process(spawned):
+@pytest.mark.timeout(600)
+def test_sp_replicas_in_a_2x2_mesh_match_the_single_process(request):
     shas = []
-    for res in _results(spawned, 4):
+    for res in scenario(request, 4, "mesh"):
         equal, got, ref = res["sp_in_mesh"]
         assert equal and got == ref
         shas.append(got)
     assert shas[0] == shas[1] != shas[2] == shas[3]  # sp partners agree; the two replicas ran different requests
 
 
+@pytest.mark.timeout(600)
 def test_sizes_that_do_not_fit_are_one_clear_line(ranks):
     world, results = ranks
     divisors = [d for d in range(1, world + 1) if world % d == 0]

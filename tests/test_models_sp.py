@@ -11,10 +11,11 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import scenario
 
 from dlo_fn.models import CONFIGS, Request, SPContext, TokenShard, build_model, generate, init_state, model_inputs
 from dlo_fn.models.layers import attention, linear
-from dlo_fn.runtime.dist import DistContext, run_ranks
+from dlo_fn.runtime.dist import DistContext
 
 TINY = CONFIGS["tiny"]  # 4 heads: sp 2
 SIX_HEADS = dataclasses.replace(TINY, name="tiny-6-heads", hidden_dim=96, num_heads=6)  # head_dim 16: sp 2, 3
@@ -77,17 +78,14 @@ def _rank(ctx: DistContext) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def every_rank():
-    return run_ranks(_rank, 3, timeout_s=180.0)
-
-
 @pytest.fixture(params=[2, 3], ids=["sp2", "sp3"])
-def ranks(request, every_rank):
+def ranks(request):
     sp = request.param
+    every_rank = scenario(request, 3, "models_sp")  # the shared spawn of 3 ranks (conftest.SCENARIOS)
     return sp, {2: TINY, 3: SIX_HEADS}[sp], [res[sp] for res in every_rank if sp in res]
 
 
+@pytest.mark.timeout(600)
 def test_sp_latents_equal_single_process(ranks):
     sp, config, results = ranks
     assert len(results) == sp and all(("offloaded" in res) == (sp == 3) for res in results)
@@ -102,6 +100,7 @@ def test_sp_latents_equal_single_process(ranks):
             assert {res[f"sha[{key}]"] for res in results} == {generate(model, _request(shape, seed=3)).sha256}
 
 
+@pytest.mark.timeout(600)
 def test_tokens_are_split_with_padding(ranks):
     sp, _, results = ranks
     for res in results:
@@ -109,6 +108,7 @@ def test_tokens_are_split_with_padding(ranks):
         assert res["local_tokens[float32,(80, 112, 1)]"] == -(-35 // sp)  # 35 = 2 x 18 - 1 = 3 x 12 - 1
 
 
+@pytest.mark.timeout(600)
 def test_heads_not_divisible_by_sp_is_one_clear_error(ranks):
     """Raised in ``embed`` before any collective, so every rank fails alike and none waits on the others."""
     sp, _, results = ranks

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import scenario
 
-from dlo_fn.runtime.dist import DistContext, run_ranks
+from dlo_fn.runtime.dist import DistContext
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -75,10 +76,11 @@ def check_rank(ctx: DistContext, folder: str) -> dict:
 
 
 @pytest.mark.slow
-def test_offloaded_pipeline_equals_plain_pipeline_on_two_gloo_ranks(tmp_path):
-    folder = tmp_path / "wan-pipeline"
-    tiny_wan_pipeline().save_pretrained(folder)
-    results = run_ranks(check_rank, 2, str(folder), timeout_s=240)
+@pytest.mark.timeout(600)
+def test_offloaded_pipeline_equals_plain_pipeline_on_two_gloo_ranks(request):
+    # check_rank(ctx, folder) on the shared spawn of 2 ranks (conftest.SCENARIOS); the folder is
+    # tiny_wan_pipeline() saved with save_pretrained (conftest's wan_pipeline_folder).
+    results = scenario(request, 2, "pipeline")
     for rank, res in enumerate(results):
         assert res["frames_shape"] == (1, 9, 3, 16, 16)
         for mode in ("allgather", "rank-local"):

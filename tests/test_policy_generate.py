@@ -4,33 +4,20 @@ outputs are the resident model's bytes."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+from conftest import run_generate
 
 from dlo_fn.cli import build_parser
 from dlo_fn.cli.generate import is_auto, options_from_args
-from dlo_fn.runtime.dist import free_port
-
-COMMON = ["--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3", "--prompt", "a fox",
-          "--prompt", "an owl", "--prompt", "a cat"]
 
 
-def _generate(ckpt, out, *extra, nproc=1, log=None):
-    args = ["-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), *COMMON, *extra]
-    if nproc > 1:
-        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-                *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if log is not None:
-        log.write_text(proc.stdout + proc.stderr)
-    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+def _generate(ckpt, out, *extra, log):
+    """2 gloo ranks under torchrun; the log (stdout + stderr) is written to ``log``."""
+    text, rows = run_generate(ckpt, out, *extra, nproc=2)
+    log.write_text(text)
+    return rows
 
 
 def test_auto_arguments_parse():
@@ -45,11 +32,9 @@ def test_auto_arguments_parse():
 
 
 @pytest.mark.slow
-def test_auto_on_two_gloo_ranks_gives_the_resident_bytes(checkpoint, tmp_path):
-    auto = _generate(checkpoint, tmp_path / "auto", "--mode", "auto", "--slots", "auto", nproc=2,
-                     log=tmp_path / "log.txt")
-    resident = _generate(checkpoint, tmp_path / "res", "--resident")
-    assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident]
+def test_auto_on_two_gloo_ranks_gives_the_resident_bytes(checkpoint, resident_rows, tmp_path):
+    auto = _generate(checkpoint, tmp_path / "auto", "--mode", "auto", "--slots", "auto", log=tmp_path / "log.txt")
+    assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident_rows]
     log = (tmp_path / "log.txt").read_text()
     assert "dlo_fn.runtime.probe: probe (" in log
     assert "auto: DP2xSP1 " in log and "runner-up" in log and "predicted step" in log
@@ -84,17 +69,16 @@ def test_sp_auto_is_explained_in_help(capsys):
 
 
 @pytest.mark.slow
-def test_sp_auto_on_two_gloo_ranks_matches_the_policy_table(checkpoint, tmp_path, capsys):
+def test_sp_auto_on_two_gloo_ranks_matches_the_policy_table(checkpoint, resident_rows, tmp_path, capsys):
     """``--sp auto --mode auto --slots auto`` on 2 gloo ranks: a real all-to-all probe, the resident bytes, and a
     logged choice that is the first row of ``policy --topology <out>/auto_policy.json`` (the same measurement)."""
     import re
 
     from dlo_fn.cli import main
 
-    auto = _generate(checkpoint, tmp_path / "auto", "--sp", "auto", "--mode", "auto", "--slots", "auto", nproc=2,
+    auto = _generate(checkpoint, tmp_path / "auto", "--sp", "auto", "--mode", "auto", "--slots", "auto",
                      log=tmp_path / "log.txt")
-    resident = _generate(checkpoint, tmp_path / "res", "--resident")
-    assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident]
+    assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident_rows]
     log = (tmp_path / "log.txt").read_text()
     assert re.search(r"all-to-all \d+\.\d MB/s", log), log[-2000:]
     chosen = re.search(r"auto: (DP\d+xSP\d+ [a-z-]+(?: W\d+)? S\d+ R\d+): .*runner-up DP", log)

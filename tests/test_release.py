@@ -14,13 +14,6 @@ from dlo_fn.runtime.dist import run_ranks
 from dlo_fn.runtime.release import mapped_bytes, release_mapped_tensors, release_ranges, viewed_files
 
 
-@pytest.fixture(scope="module")
-def ckpt_200mb(tmp_path_factory):
-    from dlo_fn.bench.load import make_checkpoint
-
-    return str(make_checkpoint("load-200mb", tmp_path_factory.mktemp("rel200")))
-
-
 def _rank(ctx, ckpt: str, mode: str, budget_fraction: float | None = None) -> dict:
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.runtime.checkpoint import open_checkpoint

@@ -11,8 +11,9 @@ import functools
 
 import pytest
 import torch
+from conftest import scenario
 
-from dlo_fn.runtime.dist import DistContext, run_ranks
+from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
 
@@ -124,11 +125,10 @@ def check_folders_rank(ctx: DistContext, root: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def write_folders(root) -> str:
+    """The :data:`FOLDERS` under ``root`` (conftest's session fixture ``third_party_folders``)."""
     from test_load_alignment import save_at_residue
 
-    root = tmp_path_factory.mktemp("third_party")
     for folder, name, dtype, key in FOLDERS:
         model = CASES[name][0]()
         if dtype != torch.float32:  # as a published bf16 folder: the fp32 modules stay fp32
@@ -139,8 +139,9 @@ def folders(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
-def test_folders_offloaded_on_gloo_ranks_equal_from_pretrained(folders, world):
-    results = run_ranks(check_folders_rank, world, folders, timeout_s=240)
+def test_folders_offloaded_on_gloo_ranks_equal_from_pretrained(request, world):
+    results = scenario(request, world, "third_party")  # check_folders_rank(ctx, third_party_folders)
     for rank, res in enumerate(results):
         assert len(res) == 8 and all(res.values()), f"rank {rank}: {res}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from conftest import scenario
 
-from dlo_fn.runtime.dist import run_ranks
 from dlo_fn.serve.wire import Channel
 
 
@@ -19,8 +19,9 @@ def _channel_rank(ctx):
 
 
 @pytest.mark.slow
-def test_side_group_has_the_device_groups_members_and_broadcasts():
-    results = run_ranks(_channel_rank, 2, timeout_s=90)
+@pytest.mark.timeout(600)
+def test_side_group_has_the_device_groups_members_and_broadcasts(request):
+    results = scenario(request, 2, "wire")  # the shared spawn of 2 ranks (conftest.SCENARIOS)
     for members, got in results:
         assert members == [0, 1]
         assert got == {"from": 0, "payload": [0, 1, 2, 3, 4]}
