@@ -62,6 +62,12 @@ def mixed_requests() -> tuple:
             r("a red fox", 7, guidance_scale=3.0, num_frames=1))
 
 
+@pytest.fixture(scope="session")
+def mixed_expected(checkpoint):
+    """:func:`resident_expected` of the :func:`mixed_requests` trace, computed once for the continuous tests."""
+    return resident_expected(checkpoint, mixed_requests())
+
+
 def engine_options(**kw):
     """Engine options for multi-rank tests: small timeouts, no progress bar (the serving mode is the default
     unless given)."""

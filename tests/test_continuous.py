@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import engine_options, mixed_request, mixed_requests, resident_expected
+from conftest import engine_options, mixed_request, mixed_requests
 
 from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
@@ -31,16 +31,12 @@ REQUESTS = mixed_requests()
 SUBS = tuple(as_submissions(REQUESTS))
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint):
-    return resident_expected(checkpoint, REQUESTS)
-
 
 def _options(**kw) -> EngineOptions:
     return engine_options(**{"timeout_s": TIMEOUT_S, "serving": "continuous", **kw})
 
 
-def _check_bytes(report, expected, skip=()):
+def _check_bytes(report, mixed_expected, skip=()):
     for res in report.results:
         if res.request_id == "req0004":
             assert not res.ok and "empty prompts are rejected" in res.error
@@ -48,16 +44,16 @@ def _check_bytes(report, expected, skip=()):
         if res.request_id in skip:
             continue
         assert res.ok, (res.request_id, res.error)
-        assert torch.equal(res.video, expected[res.request_id].video), res.request_id
-        assert res.sha256 == expected[res.request_id].sha256
+        assert torch.equal(res.video, mixed_expected[res.request_id].video), res.request_id
+        assert res.sha256 == mixed_expected[res.request_id].sha256
 
 
 @pytest.mark.parametrize("mode, r", [("allgather", 1), ("allgather", 3), ("resident", 2)])
-def test_one_rank_continuous_is_bit_identical(checkpoint, expected, mode, r):
+def test_one_rank_continuous_is_bit_identical(checkpoint, mixed_expected, mode, r):
     model, off = open_model(checkpoint, init_distributed(), mode)
     report = Engine(model, off, off.ctx, _options(requests_per_rank=r)).serve(SUBS)
     assert report.serving == "continuous" and report.waves == ()
-    _check_bytes(report, expected)
+    _check_bytes(report, mixed_expected)
     # One run per ring step; each step holds at most R requests of one shape.
     if off.executor is not None:
         assert off.executor.stats.runs == len(report.steps)
@@ -91,13 +87,13 @@ def whole(checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_ranks_continuous(whole, expected):
+def test_two_ranks_continuous(whole, mixed_expected):
     run = whole
     assert run.exitcodes == (0, 0) and len(run.reports) == 5
     one, two, stream, pair = run.reports[:4]
     for report in (one, two, stream):
         assert [r.request_id for r in report.results] == [s.request_id for s in SUBS]
-        _check_bytes(report, expected)
+        _check_bytes(report, mixed_expected)
         assert {r.rank for r in report.results if r.ok} == {0, 1}
     # R = 1: fox and bird start together; at fox's end (step 3) the tree takes rank 0 while bird goes on.
     assert one.steps[0].held == ((0,), (1,))
@@ -110,18 +106,18 @@ def test_two_ranks_continuous(whole, expected):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_rank_that_raises_fails_only_what_it_held(whole, expected):
+def test_rank_that_raises_fails_only_what_it_held(whole, mixed_expected):
     run = whole
     report = run.reports[4]
     assert run.exitcodes == (0, 0)
     bird = report.by_id()["req0001"]
     assert not bird.ok and bird.rank == 1 and "rank 1: InjectedFault" in bird.error
-    _check_bytes(report, expected, skip=("req0001",))
+    _check_bytes(report, mixed_expected, skip=("req0001",))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, expected):
+def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, mixed_expected):
     # Step 4: rank 0 holds the tree (steps 3-5), rank 1 the bird (steps 0-4); the fox ended at step 2. The bird
     # is lost with rank 1; rank 0 redoes step 4 of the tree as a rank-local replica, then serves the queue and,
     # as a stream, the two requests that arrive 2 s later. (3 ranks, stalls, raises: test_continuous_recovery.)
@@ -131,7 +127,7 @@ def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, expected):
     (report,) = run.reports
     bird = report.by_id()["req0001"]
     assert not bird.ok and bird.error.startswith("ring step 4 failed closed: rank 1 dead")
-    _check_bytes(report, expected, skip=("req0001",))
+    _check_bytes(report, mixed_expected, skip=("req0001",))
     assert {r.rank for r in report.results if r.ok and r.index > 1} == {0}
     assert report.degraded.startswith("degraded since ring step 4: ranks [0]")
     assert run.exitcodes == (0, FAULT_EXIT_CODE)
@@ -140,12 +136,12 @@ def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, expected):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_without_a_checkpoint_a_dead_follower_fails_the_step_closed(checkpoint, expected):
+def test_without_a_checkpoint_a_dead_follower_fails_the_step_closed(checkpoint, mixed_expected):
     phase = Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="exit", step=4)), recovery=False)
     run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=5)
     (report,) = run.reports
     res = report.by_id()
-    assert res["req0000"].ok and res["req0000"].sha256 == expected["req0000"].sha256  # ended at step 2
+    assert res["req0000"].ok and res["req0000"].sha256 == mixed_expected["req0000"].sha256  # ended at step 2
     assert res["req0001"].error.startswith("ring step 4 failed closed: rank 1 dead")
     assert res["req0002"].error.startswith("not completed: held by rank 0") and "rank 1 dead" in res["req0002"].error
     for rid in ("req0003", "req0005", "req0006"):
@@ -156,7 +152,7 @@ def test_without_a_checkpoint_a_dead_follower_fails_the_step_closed(checkpoint, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, expected, tmp_path):
+def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, mixed_expected, tmp_path):
     from dlo_fn.runtime.dist import free_port
 
     lines = [dict(id=f"req{i:04d}", **r.to_dict()) for i, r in enumerate(REQUESTS)]
@@ -170,5 +166,5 @@ def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, expected, tmp
     assert "continuous serving:" in proc.stdout
     rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out" / "manifest.jsonl").read_text().splitlines())}
     assert "empty prompts are rejected" in rows.pop("req0004")["error"]
-    assert {i: r["sha256"] for i, r in rows.items()} == {i: e.sha256 for i, e in expected.items()}
+    assert {i: r["sha256"] for i, r in rows.items()} == {i: e.sha256 for i, e in mixed_expected.items()}
     assert {r["serving"] for r in rows.values()} == {"continuous"} and {r["rank"] for r in rows.values()} == {0, 1}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import engine_options, mixed_request, mixed_requests, resident_expected
+from conftest import engine_options, mixed_request, mixed_requests
 
 from dlo_fn.models import generate
 from dlo_fn.runtime.dist import init_distributed
@@ -26,12 +26,8 @@ REQUESTS = mixed_requests()
 SUBS = tuple(as_submissions(REQUESTS))
 
 
-@pytest.fixture(scope="module")
-def expected(checkpoint):
-    return resident_expected(checkpoint, REQUESTS)
 
-
-def _check(report, expected, lost: dict[str, str]):
+def _check(report, mixed_expected, lost: dict[str, str]):
     """Exactly one result per submission; ``lost`` (id -> text its error starts with) failed, the empty prompt
     was rejected, every other one has the resident bytes."""
     assert [r.request_id for r in report.results] == [s.request_id for s in SUBS]
@@ -42,16 +38,16 @@ def _check(report, expected, lost: dict[str, str]):
             assert not res.ok and res.error.startswith(lost[res.request_id]), res.error
         else:
             assert res.ok, (res.request_id, res.error)
-            assert torch.equal(res.video, expected[res.request_id].video), res.request_id
+            assert torch.equal(res.video, mixed_expected[res.request_id].video), res.request_id
 
 
-def test_rank_local_replica_is_bit_identical(checkpoint, expected):
+def test_rank_local_replica_is_bit_identical(checkpoint, mixed_expected):
     model, off = open_model(checkpoint, init_distributed(), "allgather")
     rank_local_replica(off, reloader(lambda: _reopen(checkpoint)))
     assert off.mode == "rank-local" and off.executor.mode == "rank-local" and off.store.how == "mmap"
     assert off.executor.num_landing == 0
     for i, r in enumerate(REQUESTS[:3]):
-        assert torch.equal(generate(model, r).video, expected[f"req{i:04d}"].video)
+        assert torch.equal(generate(model, r).video, mixed_expected[f"req{i:04d}"].video)
 
 
 def test_recovery_plan_round_trips_through_the_store(tmp_path):
@@ -66,7 +62,7 @@ def test_recovery_plan_round_trips_through_the_store(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_raise_then_exit_on_three_ranks(checkpoint, expected):
+def test_raise_then_exit_on_three_ranks(checkpoint, mixed_expected):
     # Phase 0: rank 2 raises at ring step 1 (it holds the tree): only the tree fails, nobody is lost.
     # Phase 1: rank 1 dies at ring step 2 (the bird): fox (rank 0) and tree (rank 2) redo step 2 from their
     # latents as rank-local replicas; cat, boat and the second fox, still queued, are served by ranks 0 and 2.
@@ -74,9 +70,9 @@ def test_raise_then_exit_on_three_ranks(checkpoint, expected):
               Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="exit", step=2)))]
     run = serve_local(checkpoint, phases, 3, join_timeout_s=200, grace_s=30)
     raised, died = run.reports
-    _check(raised, expected, {"req0002": "rank 2: InjectedFault"})
+    _check(raised, mixed_expected, {"req0002": "rank 2: InjectedFault"})
     assert raised.degraded is None
-    _check(died, expected, {"req0001": "ring step 2 failed closed: rank 1 dead"})
+    _check(died, mixed_expected, {"req0001": "ring step 2 failed closed: rank 1 dead"})
     assert died.degraded.startswith("degraded since ring step 2: ranks [0, 2] serve as rank-local replicas")
     res = died.by_id()
     assert res["req0002"].rank == 2 and {res[i].rank for i in ("req0003", "req0005", "req0006")} == {0, 2}
@@ -86,12 +82,12 @@ def test_raise_then_exit_on_three_ranks(checkpoint, expected):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_stalled_follower_on_three_ranks(checkpoint, expected):
+def test_stalled_follower_on_three_ranks(checkpoint, mixed_expected):
     # grace_s: the survivors leave within it on their own; the stalled rank is killed when it ends.
     run = serve_local(checkpoint, [Phase("allgather", SUBS, engine_options(
         fault=Fault(rank=1, wave=0, kind="stall", step=2)))], 3, join_timeout_s=120, grace_s=4)
     (report,) = run.reports
-    _check(report, expected, {"req0001": "ring step 2 failed closed: rank 1 stalled"})
+    _check(report, mixed_expected, {"req0001": "ring step 2 failed closed: rank 1 stalled"})
     assert "at step 2" in report.by_id()["req0001"].error
     assert run.exitcodes == (0, -9, 0)  # the survivors left on their own; the stalled rank was killed
     assert run.wall_s < 90
