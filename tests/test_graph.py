@@ -134,3 +134,25 @@ def test_block_scope_option_and_cpu_fallback(caplog):
     for seed in range(3):
         x = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(o.model(x), ref(x))
+
+
+def test_capture_guard_pauses_collection_and_restores_it_after_a_failure():
+    import gc
+
+    from dlo_fn.runtime.graph import capture_guard
+
+    assert gc.isenabled()
+    with capture_guard():
+        assert not gc.isenabled()  # a finalizer run inside a capture would invalidate it
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="uncapturable"):
+        with capture_guard():
+            raise RuntimeError("uncapturable")
+    assert gc.isenabled()
+    gc.disable()
+    try:  # collection off before stays off after
+        with capture_guard():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

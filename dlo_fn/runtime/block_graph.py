@@ -30,13 +30,12 @@ forward cannot be captured (a host sync, a non-tensor argument) runs eager, logg
 
 from __future__ import annotations
 
-import gc
 import logging
 from typing import Any, Callable
 
 import torch
 
-from dlo_fn.runtime.graph import restore_rng, rng_states
+from dlo_fn.runtime.graph import capture_guard
 
 __all__ = ["BlockGraphs"]
 
@@ -111,7 +110,7 @@ class BlockGraphs:
             if key in self._eager or key not in self._seen:
                 self._seen.add(key)
                 return caller(args, kwargs)
-            return self._capture(key, caller, flat, len(args), tuple(kwargs), request, spec)
+            return self._capture(key, caller, args, kwargs, flat, request, spec)
 
         call.per_request = True  # compile_schedule binds each compute op's request
         return call
@@ -125,7 +124,7 @@ class BlockGraphs:
             entry[1], entry[2] = src, src._version
             self.input_copies += 1
 
-    def _capture(self, key: tuple, caller: Callable, flat: list[torch.Tensor], n_args: int, names: tuple,
+    def _capture(self, key: tuple, caller: Callable, args: tuple, kwargs: dict, flat: list[torch.Tensor],
                  request: int, spec: tuple) -> Any:
         direct, copied, inputs = [], [], []
         for j, t in enumerate(flat):
@@ -144,27 +143,19 @@ class BlockGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        # No collection inside the capture: a finalizer calling CUDA (a host store's unregister) would break it.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        rng = rng_states()
         try:
-            with torch.cuda.graph(g, pool=self._pool):
-                output = caller(tuple(inputs[:n_args]), dict(zip(names, inputs[n_args:])))
+            with capture_guard(), torch.cuda.graph(g, pool=self._pool):
+                output = caller(tuple(inputs[:len(args)]), dict(zip(kwargs, inputs[len(args):])))
         except Exception as exc:  # a forward that syncs or launches something uncapturable
-            restore_rng(rng)
             self._eager.add(key)
             self._log_once(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
-            return caller(tuple(flat[:n_args]), dict(zip(names, flat[n_args:])))
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+            return caller(args, kwargs)
         outs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, (tuple, list)) \
             else None
         if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
             self._eager.add(key)
             self._log_once("a block returns something other than a tensor or a tuple of tensors")
-            return caller(tuple(flat[:n_args]), dict(zip(names, flat[n_args:])))
+            return caller(args, kwargs)
         for t in outs:
             self._static_out[id(t)] = t
         self._graphs[key] = _Captured(g, tuple(direct), tuple(copied), output)

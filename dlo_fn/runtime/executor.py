@@ -47,7 +47,7 @@ from dlo_fn.runtime.cuda_raw import RawStream, raw_cuda, stream_handle
 from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
-from dlo_fn.runtime.issue import issue_until
+from dlo_fn.runtime.issue import issue_until, wait_for
 from dlo_fn.runtime.platform import Platform
 from dlo_fn.runtime.program import _C, ExecutorStats, Program, Programs, RunState, compile_schedule, fast_segments
 from dlo_fn.runtime.recorder import RunRecorder
@@ -110,12 +110,12 @@ class Executor:
         self.allgather_stream = platform.new_stream("allgather")
         # Views: one dict per (slot, distinct block layout); one caller per (block, slot).
         self.block_graphs = None
-        if graph == "block":
-            if platform.kind == "cuda":
-                self.block_graphs = BlockGraphs()
+        if graph == "block":  # the collectives stay eager: only the device matters
+            why = graph_support(platform)
+            if why:
+                log.warning("cuda graph (per block): %s; running eager", why)
             else:
-                log.warning("cuda graph (per block): CUDA graphs need a CUDA device (platform %r); running eager",
-                            platform.kind)
+                self.block_graphs = BlockGraphs()
         shared: dict[tuple, list[dict[str, torch.Tensor]]] = {}
         self._callers: list[tuple[Any, ...]] = []
         for b, shard in enumerate(layout.shards):
@@ -322,12 +322,7 @@ class Executor:
             return self._compute_fast(run, seg, args, kwargs, t0)
         issue_until(self, run, i)
         stream, events = run.cstream, run.events
-        for d in p.waits[i]:
-            stream.wait_event(events[d])
-        for buf in p.carry[i]:
-            ev = self._carry.get(buf)
-            if ev is not None:
-                stream.wait_event(ev)
+        wait_for(stream, p, i, events, self._carry)
         if run.starts is not None:
             run.starts[i].record(stream)
         t1 = time.perf_counter()

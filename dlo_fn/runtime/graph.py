@@ -26,8 +26,8 @@ graph's static tensors: read them before the next step of the same shape (the mo
 what the process captured before (the first graph's copies at 55 GB/s beside the computes, a later one's at
 53 GB/s, whatever the earlier graphs were, and dropping them with :meth:`StepGraphs.clear` does not restore it);
 eager copies on the executor's own H2D stream do not vary. A PCIe-bound step can therefore be slower graphed than
-eager; keeping the copies out of the graph (computes captured, joined to eager copies through external event
-nodes) is the way out, not built yet.
+eager; :mod:`dlo_fn.runtime.block_graph` (``graph="block"``) keeps the copies out of the graph, capturing each
+block's compute instead.
 
 Where capture is not supported (CPU, NPU, a block taking a non-tensor argument, a forward that syncs or whose
 dataflow is not a chain of blocks) the step runs eager, logged once per reason. :func:`graph_support` decides
@@ -56,6 +56,7 @@ like the copies. What must hold for it to be safe, and why it stays opt-in until
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -66,7 +67,7 @@ import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
 
-__all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "graph_support", "restore_rng", "rng_states"]
+__all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "capture_guard", "graph_support"]
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +90,32 @@ def graph_support(platform: Any, num_shards: int = 1, backend: str | None = None
     return None
 
 
-def rng_states() -> list[tuple[Any, Any]]:
-    """``(generator, a copy of its state)`` for every CUDA default generator, taken before a capture."""
+@contextlib.contextmanager
+def capture_guard() -> Any:
+    """Around a CUDA graph capture (both graph modes):
+
+    * no garbage collection inside it: a finalizer run by a collection during the capture (a freed host store's
+      ``cudaHostUnregister``) is a call that global capture mode forbids, and it invalidates the capture (seen on
+      the H200: one test's leftovers broke the next test's capture, then its host registrations);
+      ``torch.cuda.graph`` collects just before it starts capturing;
+    * if the capture raises, the CUDA default generators get back their states of before it: torch leaves them
+      marked as capturing, and their next random op raises "Offset increment outside graph capture" (the
+      capture drew no number outside the graph)."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        return [(g, g.clone_state()) for g in torch.cuda.default_generators]
+        saved = [(g, g.clone_state()) for g in torch.cuda.default_generators]
     except (AttributeError, RuntimeError):  # a torch without graph-safe generator states
-        return []
-
-
-def restore_rng(saved: list[tuple[Any, Any]]) -> None:
-    """After a failed capture: torch leaves the default generators marked as capturing, and their next random op
-    raises "Offset increment outside graph capture"; put back the states of before the capture (it drew no
-    number outside the graph)."""
-    for gen, state in saved:
-        gen.graphsafe_set_state(state)
+        saved = []
+    try:
+        yield
+    except BaseException:
+        for gen, state in saved:
+            gen.graphsafe_set_state(state)
+        raise
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 @dataclass
@@ -342,67 +355,57 @@ class StepGraphs:
         h2d, agst = ex.h2d_stream, ex.allgather_stream
         n_args = rec.structure[0]
         names = rec.structure[1]
-        # No garbage collection while capturing: a finalizer run by a collection inside the capture (a freed host
-        # store's cudaHostUnregister) is a call that global capture mode forbids, and it invalidates the capture
-        # (seen on the H200: one test's leftovers broke the next test's capture, then its host registrations).
-        # torch.cuda.graph collects just before it starts capturing.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        rng = rng_states()
         try:
-            g = torch.cuda.CUDAGraph()
-            ex.platform.synchronize()
-            # thread_local: NCCL's watchdog thread keeps calling CUDA while this thread captures (module doc).
-            with torch.cuda.graph(g, capture_error_mode="thread_local" if ex._gather_group is not None else "global"):
-                cs = torch.cuda.current_stream()
-                fork = new()
-                fork.record(cs)
-                h2d.wait_event(fork)
-                agst.wait_event(fork)
-                evs: dict[int, Any] = {}
-                prev: dict[int, list[torch.Tensor]] = {}
-                outs: dict[int, Any] = {}
-                for i in range(step.start, step.end):
-                    op = p.schedule.ops[i]
-                    stream = p.streams[i] if op.kind != C else cs
-                    set_stream(stream)
-                    for d in p.waits[i]:
-                        if d >= step.start:
-                            stream.wait_event(evs[d])
-                    if op.kind == H2D:
-                        for dst, src in p.args[i]:
-                            dst.copy_(src, non_blocking=True)
-                    elif op.kind == AG:
-                        out, inp = p.args[i]
-                        ex._all_gather(out, inp, group=ex._gather_group)
-                    else:
-                        r = op.request
-                        if op.block == 0:
-                            flat = inputs[r]
+            with capture_guard():
+                g = torch.cuda.CUDAGraph()
+                ex.platform.synchronize()
+                # thread_local: NCCL's watchdog thread keeps calling CUDA while this thread captures (module doc).
+                mode = "thread_local" if ex._gather_group is not None else "global"
+                with torch.cuda.graph(g, capture_error_mode=mode):
+                    cs = torch.cuda.current_stream()
+                    fork = new()
+                    fork.record(cs)
+                    h2d.wait_event(fork)
+                    agst.wait_event(fork)
+                    evs: dict[int, Any] = {}
+                    prev: dict[int, list[torch.Tensor]] = {}
+                    outs: dict[int, Any] = {}
+                    for i in range(step.start, step.end):
+                        op = p.schedule.ops[i]
+                        stream = p.streams[i] if op.kind != C else cs
+                        set_stream(stream)
+                        for d in p.waits[i]:
+                            if d >= step.start:
+                                stream.wait_event(evs[d])
+                        if op.kind == H2D:
+                            for dst, src in p.args[i]:
+                                dst.copy_(src, non_blocking=True)
+                        elif op.kind == AG:
+                            out, inp = p.args[i]
+                            ex._all_gather(out, inp, group=ex._gather_group)
                         else:
-                            flat = [prev[r][j] if src == "out" else inputs[r][j]
-                                    for src, j in rec.wiring[(op.block, r)]]
-                        _, caller = p.args[i]
-                        out = caller(tuple(flat[:n_args]), dict(zip(names, flat[n_args:])))
-                        prev[r] = _out_flat(out)
-                        outs[r] = out
-                    evs[i] = new()
-                    evs[i].record(stream)
-                set_stream(cs)
-                for side in (h2d, agst):
-                    join = new()
-                    join.record(side)
-                    cs.wait_event(join)
+                            r = op.request
+                            if op.block == 0:
+                                flat = inputs[r]
+                            else:
+                                flat = [prev[r][j] if src == "out" else inputs[r][j]
+                                        for src, j in rec.wiring[(op.block, r)]]
+                            _, caller = p.args[i]
+                            out = caller(tuple(flat[:n_args]), dict(zip(names, flat[n_args:])))
+                            prev[r] = _out_flat(out)
+                            outs[r] = out
+                        evs[i] = new()
+                        evs[i].record(stream)
+                    set_stream(cs)
+                    for side in (h2d, agst):
+                        join = new()
+                        join.record(side)
+                        cs.wait_event(join)
         except Exception as exc:  # a forward that syncs, an uncapturable kernel or collective
-            if gc_was_enabled:
-                gc.enable()
-            restore_rng(rng)
             set_stream(run.stream)
             self._eager.add(key)
             self._log_once(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
             return None
-        if gc_was_enabled:
-            gc.enable()
         set_stream(run.stream)
         graph = _Graph(g, inputs, [outs[r] for r in range(R)], [prev[r] for r in range(R)])
         self._graphs[key] = graph

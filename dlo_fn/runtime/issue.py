@@ -17,7 +17,18 @@ from dlo_fn.plan.schedule import ScheduleError
 from dlo_fn.runtime.program import _AG, _C, _H2D, RunState
 from dlo_fn.runtime.recorder import stamp_on_completion
 
-__all__ = ["issue_until"]
+__all__ = ["issue_until", "wait_for"]
+
+
+def wait_for(stream: Any, p: Any, i: int, events: list[Any], carry: dict[str, Any]) -> None:
+    """Make ``stream`` wait for op ``i``'s dependencies in the run, and for the previous run's last use of the
+    buffers it uses first (``carry``: buffer -> event)."""
+    for d in p.waits[i]:
+        stream.wait_event(events[d])
+    for buf in p.carry[i]:
+        ev = carry.get(buf)
+        if ev is not None:
+            stream.wait_event(ev)
 
 
 def issue_until(ex: Any, run: RunState, stop: int) -> None:
@@ -37,12 +48,7 @@ def issue_until(ex: Any, run: RunState, stop: int) -> None:
             if stream is not current:
                 set_stream(stream)
                 current = stream
-            for d in p.waits[i]:
-                stream.wait_event(events[d])
-            for buf in p.carry[i]:
-                ev = ex._carry.get(buf)
-                if ev is not None:
-                    stream.wait_event(ev)
+            wait_for(stream, p, i, events, ex._carry)
             if starts is not None:
                 starts[i].record(stream)
             if kind == _H2D:
