@@ -18,6 +18,7 @@ Writes JSON (``--out``) with the machine, command and date.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import datetime
 import json
@@ -57,8 +58,9 @@ def _timed(fn: Any, name: str, acc: dict, counts: dict) -> Any:
     return call
 
 
-def in_pass(passes: int) -> dict:
-    """The dispatch executor's pass with each fast-segment driver call timed where it runs."""
+def in_pass(passes: int) -> tuple[dict, tuple]:
+    """The dispatch executor's pass with each fast-segment driver call timed where it runs; also returns the
+    set-up (model, resident blocks, inputs, store, layout) for :func:`outside`."""
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.bench.step_dispatch import DISPATCH_SIZE
     from dlo_fn.models import BLOCK_PATHS
@@ -73,7 +75,7 @@ def in_pass(passes: int) -> dict:
     x, kwargs, _ = sv.block_inputs(model, *DISPATCH_SIZE, platform.device)
     blocks = list(model.blocks)
     layout = model_layout(spec_from_module(model, BLOCK_PATHS), 1)
-    ref = [__import__("copy").deepcopy(b) for b in blocks]
+    ref = [copy.deepcopy(b) for b in blocks]
     with torch.no_grad():
         want = x
         for b in ref:
@@ -149,8 +151,8 @@ def outside(setup: tuple, calls: int) -> dict:
     res: dict[str, dict[str, float]] = {}
     with torch.no_grad():
         for name, (fn, args) in bound.items():
-            if fn(*args):
-                res[name] = {"error": float(fn(*args))}
+            if code := fn(*args):  # e.g. 801, CUDA_ERROR_NOT_SUPPORTED
+                res[name] = {"error": float(code)}
                 continue
             torch.cuda.synchronize()
             t0 = clock()
