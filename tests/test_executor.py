@@ -249,3 +249,18 @@ def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
             o.model(x)
             o.model.blocks[0](x, ctx=x)
     assert torch.equal(o.model(x), ref(x))  # the ring restarted cold
+
+
+def test_release_gives_back_the_buffers_and_refuses_to_run():
+    import gc
+    import weakref
+
+    o = offload(toy(), "blocks", CTX, mode="allgather")
+    x = torch.randn(3, 16)
+    o.model(x)  # compiled programs and callers now hold views into the slots
+    slots = [weakref.ref(t) for t in o.executor.slots]  # W = 1: no landing buffers (plan.lowering)
+    o.executor.release()
+    gc.collect()
+    assert slots and all(ref() is None for ref in slots) and o.executor.landing == ()
+    with pytest.raises(ScheduleError, match="this executor was released"):
+        o.model(x)

@@ -191,6 +191,8 @@ class Executor:
         nothing (an idle rank of a partial wave); the ops are issued by :meth:`end_run`."""
         if self._run is not None:
             raise ScheduleError("a run is already open: end it (end_run / leave the `with run()` block) first")
+        if not self.slots:
+            raise ScheduleError("this executor was released (its device buffers are gone): build a new one")
         program = self._programs.get(self.ring, num_steps, requests_per_load, schedule)
         if self.graphs is not None:
             self.graphs.reset()
@@ -266,6 +268,18 @@ class Executor:
             self.ring, self._carry = self.ring.restart(), {}
             if self.graphs is not None:
                 self.graphs.reset()
+
+    def release(self) -> None:
+        """Give back the device buffers: abort any run, then drop the slots, the landing buffers and everything
+        that points into them (the views in the block callers, the compiled programs, the graphs), so another
+        executor can take their memory. This executor cannot run again."""
+        try:
+            self.abort()
+        except Exception:  # noqa: BLE001 - a broken run (a dead peer) may fail its wait; the buffers go anyway
+            pass
+        self.slots, self.landing, self._callers = (), (), []
+        self._programs, self._carry = Programs(self._compile), {}
+        self.graphs = self.block_graphs = None
 
     def synchronize(self) -> None:
         """Wait for everything issued so far (tests, timing, shutdown); never called in the steady state."""

@@ -132,11 +132,7 @@ def rank_local_replica(offloaded: Offloaded, reload: Reload) -> None:
     store = build_host_store(layout, 0, tensors, offloaded.ctx.platform, source="mmap")
     del fresh, tensors  # the store holds the block views it streams from; the rest of the mapping goes
     blocks, aliases = old.blocks, old.aliases
-    try:
-        old.abort()
-    except Exception:  # noqa: BLE001 - the broken run may be gone already
-        pass
-    old.slots, old.landing, old._callers = (), (), []
+    old.release()  # before the new slots are allocated: they take the old ones' device memory
     executor = Executor(offloaded.ctx.platform, layout, store, blocks, aliases, group=None, mode="rank-local",
                         num_slots=old.num_slots, block_call=old.block_call, record_timeline=old.record_timeline,
                         rank=old.rank)
