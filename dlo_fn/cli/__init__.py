@@ -105,6 +105,20 @@ def _say(command: str, message: str, *, rank_prefix: bool = False) -> None:
     _torchrun_error_file("\n".join(lines))
 
 
+USAGE_WAIT_S = 10.0
+
+
+def _usage_exit() -> int:
+    """Exit code 2. Under torchrun a rank other than 0 first waits (bounded): every rank finds a usage error at
+    once, but only rank 0 says it, and torchrun stops every worker as soon as one exits, which could stop rank 0
+    before its line is out. Rank 0 exits at once, and torchrun then stops the waiting ranks."""
+    if _rank() != 0 and os.environ.get("TORCHELASTIC_RUN_ID"):
+        import time
+
+        time.sleep(USAGE_WAIT_S)
+    return EXIT_USAGE
+
+
 def _torchrun_error_file(text: str) -> None:
     """Under torchrun, hand the message to its error file: its ChildFailedError summary then shows it as the
     root cause's traceback instead of a pointer to its documentation."""
@@ -157,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if _rank() == 0:
             _say(command, exc.code)
-        return EXIT_USAGE
+        return _usage_exit()
     except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
         if verbose:
             traceback.print_exc()
         if _rank() == 0:
             _say(command, str(exc) or type(exc).__name__)
-        return EXIT_USAGE
+        return _usage_exit()
     except OSError as exc:
         if verbose:
             traceback.print_exc()
