@@ -229,7 +229,8 @@ def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
     from dlo_fn.bench.hostloop import host_executor
 
     ref = toy()
-    o, driver = host_executor(copy.deepcopy(ref), mode, block_call="functional_call", monkeypatch=monkeypatch, **opts)
+    o, driver = host_executor(copy.deepcopy(ref), mode, block_call="functional_call", monkeypatch=monkeypatch,
+                              strict=True, **opts)
     ex, fast = o.executor, []
     real = ex._compute_fast
     monkeypatch.setattr(ex, "_compute_fast", lambda run, p, i, *a: fast.append(i) or real(run, p, i, *a))

@@ -10,8 +10,12 @@ It then times the same kinds of call two ways outside the executor, one call at 
   launches run in between, as in the pass: caches are cold and the device is busy).
 
 The copies are timed at the pass's block size from the store's registered arena (``cudaHostRegister``) and from
-``pin_memory`` (``cudaHostAlloc``), and at 256 bytes; ``cuStreamBatchMemOp`` with one and two 64-bit ops (a write
-and a satisfied wait) is timed beside them, the candidate for merging a record and a wait into one submission.
+``pin_memory`` (``cudaHostAlloc``), and at 256 bytes, through ``cuMemcpyHtoDAsync`` and the unified
+``cuMemcpyAsync``. Stream memory operations, the candidates for replacing an event record and wait (a 64-bit
+write, a satisfied wait), are timed beside them: ``cuStreamWriteValue64_v2``, ``cuStreamWaitValue64_v2`` and
+``cuStreamBatchMemOp`` (v1, and ``_v2`` with one and two ops; v1 returned ``CUDA_ERROR_NOT_SUPPORTED`` on the
+H200). The in-pass timing runs twice, side by side: with the executor's default (each compute's record issued
+with the next block's driver calls) and with each record right after its block call (``DLO_FN_DEFER_RECORD=0``).
 Writes JSON (``--out``) with the machine, command and date.
 """
 
@@ -22,6 +26,7 @@ import copy
 import ctypes
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,6 +50,13 @@ class _MemOp(ctypes.Structure):
                 ("alias", ctypes.c_uint64), ("_pad2", ctypes.c_uint64)]
 
 
+def _symbol(lib: ctypes.CDLL, name: str) -> Any:
+    try:
+        return lib[name]
+    except AttributeError:
+        return None
+
+
 def _timed(fn: Any, name: str, acc: dict, counts: dict) -> Any:
     clock = time.perf_counter
 
@@ -58,9 +70,10 @@ def _timed(fn: Any, name: str, acc: dict, counts: dict) -> Any:
     return call
 
 
-def in_pass(passes: int) -> tuple[dict, tuple]:
+def in_pass(passes: int, defer_record: bool = True) -> tuple[dict, tuple]:
     """The dispatch executor's pass with each fast-segment driver call timed where it runs; also returns the
-    set-up (model, resident blocks, inputs, store, layout) for :func:`outside`."""
+    set-up (model, resident blocks, inputs, store, layout) for :func:`outside`. ``defer_record``: the executor's
+    compute records go with the next block's calls (its default) or right after each block call."""
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.bench.step_dispatch import DISPATCH_SIZE
     from dlo_fn.models import BLOCK_PATHS
@@ -85,6 +98,7 @@ def in_pass(passes: int) -> tuple[dict, tuple]:
         del tensors
         for b in blocks:
             strip_block(b, platform.device)
+        os.environ["DLO_FN_DEFER_RECORD"] = "1" if defer_record else "0"
         run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode="rank-local", group=None,
                                         block_call="functional_call")
         if ex._raw is None:
@@ -119,7 +133,6 @@ def outside(setup: tuple, calls: int) -> dict:
     _, ref, x, kwargs, store, layout = setup
     cu = raw_cuda(platform_for("cuda", 0))
     lib = ctypes.CDLL("libcuda.so.1")
-    batch = lib["cuStreamBatchMemOp"]
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
     hs, ms = stream_handle(side), stream_handle(main)
     ev = cu.new_event()
@@ -130,12 +143,20 @@ def outside(setup: tuple, calls: int) -> dict:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     flag = torch.zeros(2, dtype=torch.int64, device="cuda")
 
-    def memops(n: int) -> tuple:
+    def memops(name: str, n: int) -> tuple:
         ops = (_MemOp * n)()
         ops[0].operation, ops[0].address, ops[0].value = _WRITE_VALUE_64, flag.data_ptr(), 1
         if n > 1:
             ops[1].operation, ops[1].address, ops[1].value, ops[1].flags = _WAIT_VALUE_64, flag.data_ptr() + 8, 0, _WAIT_GEQ
-        return batch, (ctypes.c_void_p(ms), ctypes.c_uint(n), ops, ctypes.c_uint(0))
+        return _symbol(lib, name), (ctypes.c_void_p(ms), ctypes.c_uint(n), ops, ctypes.c_uint(0))
+
+    def value_op(name: str, stream: int, value: int) -> tuple:
+        return _symbol(lib, name), (ctypes.c_void_p(stream), ctypes.c_uint64(flag.data_ptr()), ctypes.c_uint64(value),
+                           ctypes.c_uint(0))
+
+    def unified_copy(dst: int, src: int, n: int, stream: int) -> tuple:
+        return _symbol(lib, "cuMemcpyAsync"), (ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(n),
+                                      ctypes.c_void_p(stream))
 
     bound = {
         "cuEventRecord": cu.bind_record(ev.handle, ms),
@@ -143,14 +164,22 @@ def outside(setup: tuple, calls: int) -> dict:
         "cuMemcpyHtoDAsync registered block": cu.bind_copy(dev.data_ptr(), reg_src.data_ptr(), nbytes, hs, False),
         "cuMemcpyHtoDAsync pin_memory block": cu.bind_copy(dev.data_ptr(), pinned.data_ptr(), nbytes, hs, False),
         "cuMemcpyHtoDAsync 256 B": cu.bind_copy(dev.data_ptr(), small.data_ptr(), 256, hs, False),
-        "cuStreamBatchMemOp 1 op": memops(1),
-        "cuStreamBatchMemOp 2 ops": memops(2),
+        "cuMemcpyAsync registered block": unified_copy(dev.data_ptr(), reg_src.data_ptr(), nbytes, hs),
+        "cuMemcpyAsync 256 B": unified_copy(dev.data_ptr(), small.data_ptr(), 256, hs),
+        "cuStreamBatchMemOp 1 op": memops("cuStreamBatchMemOp", 1),
+        "cuStreamBatchMemOp_v2 1 op": memops("cuStreamBatchMemOp_v2", 1),
+        "cuStreamBatchMemOp_v2 2 ops": memops("cuStreamBatchMemOp_v2", 2),
+        "cuStreamWriteValue64_v2": value_op("cuStreamWriteValue64_v2", ms, 1),
+        "cuStreamWaitValue64_v2": value_op("cuStreamWaitValue64_v2", hs, 0),  # satisfied (GEQ 0)
     }
     block = ref[0]
     clock = time.perf_counter
     res: dict[str, dict[str, float]] = {}
     with torch.no_grad():
         for name, (fn, args) in bound.items():
+            if fn is None:
+                res[name] = {"error": "not exported by libcuda"}
+                continue
             if code := fn(*args):  # e.g. 801, CUDA_ERROR_NOT_SUPPORTED
                 res[name] = {"error": float(code)}
                 continue
@@ -186,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     from dlo_fn.bench.step import machine
     from dlo_fn.runtime.platform import platform_for
 
-    result, setup = in_pass(a.passes)
+    # The executor's default (a compute's record issued with the next block's calls) and, side by side, each
+    # record right after its block call.
+    result, setup = in_pass(a.passes, defer_record=True)
+    result["record_after_block_call"] = in_pass(a.passes, defer_record=False)[0]
+    os.environ.pop("DLO_FN_DEFER_RECORD")
     result.update(outside(setup, a.calls))
     result.update(machine=machine(platform_for("cuda", 0)), date=datetime.datetime.now(datetime.timezone.utc)
                   .isoformat(timespec="seconds"),

@@ -25,29 +25,41 @@ __all__ = ["HostDriver", "host_executor", "measure"]
 
 
 class _Event:
-    __slots__ = ("handle", "__weakref__")
+    __slots__ = ("driver", "handle", "__weakref__")
 
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
+    def __init__(self, driver: "HostDriver", handle: int) -> None:
+        self.driver, self.handle = driver, handle
 
     def record(self, stream: Any) -> None:
-        pass
+        self.driver._record(self.handle, 0)
 
 
 class HostDriver:
     """The :class:`~dlo_fn.runtime.cuda_raw.RawCuda` interface on the host: copies are ``memmove``, events are
     no-ops; ``calls`` counts every driver call made through it."""
 
-    def __init__(self) -> None:
+    def __init__(self, strict: bool = False) -> None:
         self.calls = 0
         self._next = 1
+        # strict: every wait of a fast segment (bind_wait: the waits on the run's own ops) must come after that
+        # event's record in the same run (new_run starts one), or the device would wait on the previous run's
+        # record: raises RuntimeError naming the event. The generic loop's waits (the previous run's last uses)
+        # go through the unchecked ``_wait``.
+        self.strict, self.recorded = strict, set()
 
         def wait(stream: int, event: int, flags: int) -> int:
             self.calls += 1
             return 0
 
+        def checked_wait(stream: int, event: int, flags: int) -> int:
+            if event not in self.recorded:
+                raise RuntimeError(f"stream {stream} waits on event {event} before its record in this run")
+            return wait(stream, event, flags)
+
         def record(event: int, stream: int) -> int:
             self.calls += 1
+            if self.strict:
+                self.recorded.add(event)
             return 0
 
         def copy(dst: int, src: int, nbytes: int, stream: int) -> int:
@@ -56,6 +68,10 @@ class HostDriver:
             return 0
 
         self._wait, self._record, self._h2d, self._d2d = wait, record, copy, copy
+        self._fast_wait = checked_wait if strict else wait
+
+    def new_run(self) -> None:
+        self.recorded.clear()
 
     @staticmethod
     def check(code: int, what: str) -> None:
@@ -64,13 +80,13 @@ class HostDriver:
 
     def new_event(self) -> _Event:
         self._next += 1
-        return _Event(self._next)
+        return _Event(self, self._next)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int, device_src: bool) -> None:
         self._h2d(dst, src, nbytes, stream)
 
     def bind_wait(self, stream: int, event: int) -> tuple[Any, tuple]:
-        return self._wait, (stream, event, 0)
+        return self._fast_wait, (stream, event, 0)
 
     def bind_record(self, event: int, stream: int) -> tuple[Any, tuple]:
         return self._record, (event, stream)
@@ -89,10 +105,11 @@ class _Tiny(nn.Module):
 
 
 def host_executor(model: nn.Module, mode: str = "rank-local", *, block_call: str = "swap", monkeypatch: Any = None,
-                  **options: Any):
+                  strict: bool = False, **options: Any):
     """``(offloaded, driver)``: ``model`` offloaded on the CPU with its executor on :class:`HostDriver` (the
     driver-call path of CUDA). ``monkeypatch`` (pytest's) sets ``stream_handle`` for host streams; without it the
-    module attribute is set directly and left set (a benchmark process)."""
+    module attribute is set directly and left set (a benchmark process). ``strict``: the driver checks that no
+    wait comes before its event's record in a run (:class:`HostDriver`)."""
     import dlo_fn.runtime.executor as executor_mod
     from dlo_fn.runtime.dist import DistContext
     from dlo_fn.runtime.offload import offload
@@ -102,12 +119,20 @@ def host_executor(model: nn.Module, mode: str = "rank-local", *, block_call: str
     ctx = DistContext(0, 1, 0, platform_for("cpu"), None)
     off = offload(model, "blocks", ctx, mode=mode, block_call=block_call, **options)
     ex = off.executor
-    driver = HostDriver()
+    driver = HostDriver(strict)
     if monkeypatch is not None:
         monkeypatch.setattr(executor_mod, "stream_handle", id)
     else:
         executor_mod.stream_handle = id
     ex._raw, ex._programs = driver, Programs(ex._compile)
+    if strict:
+        begin = ex.begin_run
+
+        def begin_run(*args: Any, **kwargs: Any) -> Any:
+            driver.new_run()
+            return begin(*args, **kwargs)
+
+        ex.begin_run = begin_run
     return off, driver
 
 

@@ -26,6 +26,10 @@ block at the next step: read a step's outputs before the next step (every DiT's 
 the outputs of every (block, slot, request) key are held, ``blocks x R`` activations, plus the shared inputs; all
 graphs share one memory pool for their temporaries (they replay one after another on one stream). A block whose
 forward cannot be captured (a host sync, a non-tensor argument) runs eager, logged once.
+
+At W > 1 the all-gathers stay eager on the executor's communication stream, so block graphs run on any backend
+(NCCL, HCCL's CUDA-free path aside, and gloo with CUDA tensors, whose worker thread calls CUDA while a block is
+captured: captures are ``thread_local``). Tested with 2 gloo ranks sharing one GPU (``tests/test_graph_cuda.py``).
 """
 
 from __future__ import annotations
@@ -144,7 +148,9 @@ class BlockGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         try:
-            with capture_guard(), torch.cuda.graph(g, pool=self._pool):
+            # thread_local: the all-gathers stay eager and other threads keep calling CUDA during a capture
+            # (NCCL's watchdog; gloo's worker copies a CUDA tensor to the host and synchronises its stream).
+            with capture_guard(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                 output = caller(tuple(inputs[:len(args)]), dict(zip(kwargs, inputs[len(args):])))
         except Exception as exc:  # a forward that syncs or launches something uncapturable
             self._eager.add(key)

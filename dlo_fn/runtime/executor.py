@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -47,7 +48,7 @@ from dlo_fn.runtime.cuda_raw import RawStream, raw_cuda, stream_handle
 from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
-from dlo_fn.runtime.issue import issue_until, wait_for
+from dlo_fn.runtime.issue import flush_record, issue_until, wait_for
 from dlo_fn.runtime.platform import Platform
 from dlo_fn.runtime.program import _C, ExecutorStats, Program, Programs, RunState, compile_schedule, fast_segments
 from dlo_fn.runtime.recorder import RunRecorder
@@ -130,6 +131,13 @@ class Executor:
         # Driver calls for the eager loop where every op is a copy or an event (W = 1, pinned arena, no recorder).
         self._raw = (raw_cuda(platform) if self._gather_group is None and store.arena is not None
                      and not record_timeline else None)
+        # On the driver-call path a compute's event record is issued with the next block's driver calls instead
+        # of right after its block call: a driver call made just after a block's Python costs ~4 us more than
+        # one made after another call (cold caches; bench.driver_cost), so the pass pays that once per block, not
+        # twice. The record then also covers the kernels the model launched between the two blocks, which only
+        # frees the slot a little later; it is still issued before any wait on it (the next load's wait is in
+        # the next segment). The last compute of a run records at once. ``DLO_FN_DEFER_RECORD=0`` turns it off.
+        self._defer_record = os.environ.get("DLO_FN_DEFER_RECORD", "1") != "0"
         self._programs = Programs(self._compile)
         self._carry: dict[str, Any] = {}
         self._run: RunState | None = None
@@ -358,21 +366,27 @@ class Executor:
         """:meth:`compute` on the driver-call path: the segment's bound calls (its loads, then this compute's
         waits), the block, its record (see :func:`~dlo_fn.runtime.program.fast_segments`)."""
         _, calls, record, rargs, loads, _, caller = seg
-        i = run.program.next_compute[run.cursor]
+        p = run.program
+        i = p.next_compute[run.cursor]
         run.cursor = i
+        if run.pending is not None:
+            flush_record(self, run)
         for fn, a in calls:
             if code := fn(*a):
                 self._driver_failed(run, fn, code, i)
         t1 = time.perf_counter()
         out = caller(args, kwargs)
         t2 = time.perf_counter()
-        if code := record(*rargs):
+        last = p.next_compute[i + 1] >= len(p.kinds)
+        if self._defer_record and not last and self.graphs is None:
+            run.pending = (record, rargs, i)  # issued first thing at the next driver call (see __init__)
+        elif code := record(*rargs):
             self._driver_failed(run, record, code, i)
         if self.graphs is not None:  # an eager step of graph mode: its wiring is recorded for the capture
             self.graphs.after_eager(run, i, out)
         run.cursor = i + 1
         st = self.stats
-        if run.implicit and run.program.next_compute[i + 1] >= len(run.program.kinds):
+        if run.implicit and last:
             self.end_run()
         st.computes += 1
         st.loads += loads

@@ -17,7 +17,16 @@ from dlo_fn.plan.schedule import ScheduleError
 from dlo_fn.runtime.program import _AG, _C, _H2D, RunState
 from dlo_fn.runtime.recorder import stamp_on_completion
 
-__all__ = ["issue_until", "wait_for"]
+__all__ = ["flush_record", "issue_until", "wait_for"]
+
+
+def flush_record(ex: Any, run: RunState) -> None:
+    """Issue the compute record the driver-call path held back (:meth:`Executor._compute_fast`), if any."""
+    pending, run.pending = run.pending, None
+    if pending is not None:
+        fn, args, i = pending
+        if code := fn(*args):
+            ex._driver_failed(run, fn, code, i)
 
 
 def wait_for(stream: Any, p: Any, i: int, events: list[Any], carry: dict[str, Any]) -> None:
@@ -34,6 +43,7 @@ def wait_for(stream: Any, p: Any, i: int, events: list[Any], carry: dict[str, An
 def issue_until(ex: Any, run: RunState, stop: int) -> None:
     """Issue ops ``run.cursor .. stop-1``; compute ops among them only when the run has no compute.
     Streams are switched with one ``set_stream`` per change (the compute stream is restored at the end)."""
+    flush_record(ex, run)
     if run.cursor >= stop:
         return
     if ex._raw is not None:

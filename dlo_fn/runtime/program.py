@@ -120,6 +120,8 @@ class RunState:
     index: int = 0
     cstream: Any = None  # what compute ops wait and record on: ``stream``, or its RawStream
     fast: tuple[Any, ...] | None = None  # driver calls: fast_segments(program, cu, compute stream handle)
+    # A compute's event record held back to the next driver call of the run: (record fn, args, op index).
+    pending: tuple[Any, tuple, int] | None = None
 
 
 def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots: Sequence[torch.Tensor],
