@@ -156,3 +156,40 @@ def test_capture_guard_pauses_collection_and_restores_it_after_a_failure():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_chain_buffer_holders_see_a_kept_reference_and_a_view():
+    # Block graphs never overwrite a chain buffer the model still holds (runtime.block_graph): holders() is what
+    # tells, and it must move for a plain reference and for a view, and come back when they are gone. (Each
+    # count is taken outside an assert: pytest's rewritten asserts keep their operands alive.)
+    from dlo_fn.runtime.block_graph import holders
+
+    bufs = {"k": torch.zeros(4, 8)}
+    base = holders(bufs["k"])
+    kept = [bufs["k"]]
+    with_ref = holders(bufs["k"])
+    kept.clear()
+    view = bufs["k"][:, :2]
+    with_view = holders(bufs["k"])
+    del view
+    after = holders(bufs["k"])
+    assert with_ref == (base[0] + 1, base[1]) and with_view[1] == base[1] + 1 and after == base
+
+
+def test_block_call_flatten_and_rebuild_round_trip():
+    # What a block graph keys on and captures (runtime.block_graph): tensors, tuples of tensors (diffusers' rotary
+    # embeddings) and constants; anything else is refused (the block then runs eager).
+    from dlo_fn.runtime.block_graph import flatten_call, rebuild_call
+
+    x, c, s = torch.randn(2), torch.randn(3), torch.randn(3)
+    args, kwargs = (x,), {"temb": c, "image_rotary_emb": (c, s), "joint_attention_kwargs": None, "scale": 0.5}
+    tensors, structure = flatten_call(args, kwargs)
+    assert [t is u for t, u in zip(tensors, (x, c, c, s))] == [True] * 4 and len(tensors) == 4
+    hash(structure)  # part of the graph's key
+    new = [t.clone() for t in tensors]
+    a2, k2 = rebuild_call(len(args), tuple(kwargs), structure, new)
+    assert a2[0] is new[0] and k2["temb"] is new[1] and isinstance(k2["image_rotary_emb"], tuple)
+    assert k2["image_rotary_emb"][1] is new[3] and k2["joint_attention_kwargs"] is None and k2["scale"] == 0.5
+    assert list(k2) == list(kwargs)
+    assert flatten_call((x,), {"mask": {"a": x}}) is None and flatten_call((x, [x, 1]), {}) is None
+    assert flatten_call((x,), {"scale": 0.5})[1] != flatten_call((x,), {"scale": 0.25})[1]  # another graph

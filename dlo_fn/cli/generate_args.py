@@ -45,7 +45,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph", nargs="?", const="step", default=None, choices=("step", "block"),
                         help="replay CUDA graphs (eager where unsupported): 'step' (the default when given bare) "
                              "captures each offloaded step, copies included; 'block' captures each block's compute "
-                             "and keeps the copies eager (not slower than eager on a PCIe-bound step)")
+                             "(its outputs in two buffers reused along the chain) and keeps the copies eager (not "
+                             "slower than eager on a PCIe-bound step)")
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")

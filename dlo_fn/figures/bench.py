@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import textwrap
 
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
 from dlo_fn.repro.data import DATA_DIR
@@ -20,6 +21,7 @@ FIELDS = ("workload", "variant", "step_s", "ratio_to_resident", "ratio_to_bound"
 LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into 2 slots",
           "dlo-allgather": "ours: allgather W=1 (= H2D into slots)", "dlo-rank-local-swap": "ours: swap call",
           "dlo-rank-local-graph": "ours: 2 slots, CUDA graph", "dlo-allgather-graph": "ours: allgather W=1, CUDA graph",
+          "dlo-rank-local-bgraph": "ours: 2 slots, block graphs", "dlo-allgather-bgraph": "ours: allgather W=1, block graphs",
           "resident-compile": "resident, torch.compile", "dlo-rank-local-compile": "ours: 2 slots, torch.compile",
           "diffusers": "diffusers group offload", "naive-sync": "naive sync per block"}
 COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "naive-sync": COLORS["measured"]}
@@ -85,10 +87,10 @@ def plot_bench_step(report: dict, out_dir: pathlib.Path, name: str = "fig_bench_
             ax.invert_yaxis()
             ax.set_xlim(0, max(values) * 1.25)
             bound = "PCIe" if w["transfer_s_at_peak"] > w["resident_s"] else "compute"
-            ax.set_title(f"{w['name']} {w['width']}x{w['height']}x{w['frames']} CFG ({bound}-bound: "
-                         f"{w['bound_s'] * 1e3:.0f} ms)")
+            ax.set_title(f"{w['name']} {w['width']}x{w['height']}x{w['frames']} CFG\n({bound}-bound: "
+                         f"{w['bound_s'] * 1e3:.0f} ms)", fontsize=9)
             ax.set_xlabel("step time / bound  (dashed: +2% target)")
-        fig.suptitle(_title(report), fontsize=9)
+        fig.suptitle(textwrap.fill(_title(report), width=int(13 * fig.get_figwidth())), fontsize=9)
         fig.tight_layout()
         paths.insert(0, save_png(fig, out_dir / f"{name}.png"))
     return paths

@@ -4,8 +4,7 @@ The step graph (:mod:`dlo_fn.runtime.graph`) captures a whole step, copies inclu
 H2D copy can run 4-5% slower than an eager one (that module's doc), which costs a PCIe-bound step as much. Here
 only the block's kernels are captured: each compute op replays the graph of
 
-    (block, slot, request, input shapes)     the slot fixes the weight views' addresses, the request keeps
-                                             one request's outputs alive while the next request runs the block
+    (block, slot, request, input shapes)     the slot fixes the weight views' addresses
 
 and the executor issues its H2D copies, waits and records eagerly around it on its own streams, exactly as in the
 eager loop (a replay is one stream-ordered op on the compute stream, like the kernels it stands for). What it
@@ -14,34 +13,43 @@ saves is the block call's host work: its Python and a launch per kernel become o
 A key is run eager the first time it is seen (lazy initialisation, cuBLAS handles), captured the second time, then
 replayed. What a graph reads:
 
-* an input that is another block graph's static output (the block chain: ``x = block(x)``) is read in place, no
-  copy; at replay the same tensor must come again, else the call runs eager (correct, logged once);
+* an input that is a chain buffer (below, the previous block's output: ``x = block(x)``) is read in place, no
+  copy; at replay the same buffer must come again, else the call runs eager (correct, logged once);
+* arguments may be tensors, tuples of tensors (diffusers' rotary embeddings) or constants (None, numbers,
+  strings: part of the key, so a changed constant is another graph);
 * any other input (the first block's input, the conditioning passed to every block) is copied into a static
   buffer per (request, argument position, shape) shared by every block's graph: at the pass's first block, and
   at a later block only when it changed (another tensor, or the same one modified in place: its version
   counter), so the conditioning is copied once per step, not once per block.
 
-A replay returns the graph's static outputs, overwritten by the next replay of the same key, i.e. by the same
-block at the next step: read a step's outputs before the next step (every DiT's block chain does). Device memory:
-the outputs of every (block, slot, request) key are held, ``blocks x R`` activations, plus the shared inputs; all
-graphs share one memory pool for their temporaries (they replay one after another on one stream). A block whose
-forward cannot be captured (a host sync, a non-tensor argument) runs eager, logged once.
+What a graph writes: its last kernel copies the block's outputs into *chain buffers*, two per (request, output
+position, shape), block ``b`` writing the one of parity ``b % 2``; so block ``b`` reads what block ``b - 1`` wrote
+and never the buffer it writes. The outputs the block's own kernels allocate are graph temporaries like any
+other: they are dropped after the capture, and every graph shares one memory pool (they replay one after another
+on one stream, and nothing in the pool outlives a replay). Device memory is then ``2 x R`` activations plus the
+shared inputs and the largest block's temporaries, whatever the depth, for one copy of the outputs per block
+(~0.1 ms for a 200 MB video activation on an H200). A replay returns the chain buffers, which the block two
+further on overwrites: a model that keeps a block's output longer (a long skip connection, a list of hidden
+states) still holds a reference to the buffer, or a view of it, and a buffer held outside the graphs is never
+written: that call runs eager instead (correct, logged once). A block whose forward cannot be captured (a host
+sync, a non-tensor argument) runs eager, logged once.
 
 At W > 1 the all-gathers stay eager on the executor's communication stream, so block graphs run on any backend
-(NCCL, HCCL's CUDA-free path aside, and gloo with CUDA tensors, whose worker thread calls CUDA while a block is
-captured: captures are ``thread_local``). Tested with 2 gloo ranks sharing one GPU (``tests/test_graph_cuda.py``).
+(NCCL, and gloo with CUDA tensors, whose worker thread calls CUDA while a block is captured: captures are
+``thread_local``). Tested with 2 gloo ranks sharing one GPU (``tests/test_graph_cuda.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
 
 from dlo_fn.runtime.graph import capture_guard
 
-__all__ = ["BlockGraphs"]
+__all__ = ["BlockGraphs", "flatten_call", "holders", "rebuild_call"]
 
 log = logging.getLogger(__name__)
 
@@ -52,34 +60,95 @@ def _spec(flat: list[Any]) -> tuple | None:
     return tuple((tuple(t.shape), t.stride(), t.dtype) for t in flat)
 
 
-class _Captured:
-    __slots__ = ("graph", "direct", "copied", "output")
+_CONSTANT = (type(None), bool, int, float, str)
 
-    def __init__(self, graph: Any, direct: tuple, copied: tuple, output: Any) -> None:
-        # direct: (position, tensor read in place); copied: (position, shared static buffer)
-        self.graph, self.direct, self.copied, self.output = graph, direct, copied, output
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], tuple] | None:
+    """``(tensors, structure)`` of a block call: each argument a tensor, a tuple / list of tensors (diffusers'
+    rotary embeddings) or a constant (None, a number, a string: part of the key, baked into the graph); None for
+    anything else (the call runs eager)."""
+    tensors: list[Any] = []
+    structure = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            structure.append(None)
+        elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
+            tensors.extend(v)
+            structure.append((type(v), len(v)))
+        elif isinstance(v, _CONSTANT):
+            structure.append(("const", v))
+        else:
+            return None
+    return tensors, tuple(structure)
+
+
+def rebuild_call(num_args: int, names: tuple, structure: tuple, tensors: list[Any]) -> tuple[tuple, dict]:
+    """The ``(args, kwargs)`` of :func:`flatten_call`'s structure with ``tensors`` in place."""
+    values, i = [], 0
+    for item in structure:
+        if item is None:
+            values.append(tensors[i])
+            i += 1
+        elif item[0] == "const":
+            values.append(item[1])
+        else:
+            values.append(item[0](tensors[i:i + item[1]]))
+            i += item[1]
+    return tuple(values[:num_args]), dict(zip(names, values[num_args:]))
+
+
+def _outputs(output: Any) -> list[torch.Tensor] | None:
+    """A block's outputs as a list (a tensor, or a tuple / list of tensors), None for anything else."""
+    outs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, (tuple, list)) \
+        else None
+    return outs if outs is not None and all(isinstance(t, torch.Tensor) for t in outs) else None
+
+
+def holders(t: torch.Tensor) -> tuple[int, int]:
+    """``(Python references, tensors on its storage)`` of ``t``, plus this call's own: a reference kept anywhere
+    (a list of hidden states) raises the first, a view of it (``t[:, :n]``, ``t.view(...)``) the second."""
+    return sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Captured:
+    __slots__ = ("graph", "direct", "copied", "writes", "single")
+
+    def __init__(self, graph: Any, direct: tuple, copied: tuple, writes: tuple, single: bool) -> None:
+        # direct: (position, key of the chain buffer read in place); copied: (position, shared static buffer);
+        # writes: the chain buffers' keys it writes (see BlockGraphs._bufs); single: the block returns one tensor
+        self.graph, self.direct, self.copied, self.writes, self.single = graph, direct, copied, writes, single
 
 
 class BlockGraphs:
     """The block graphs of one executor; :meth:`wrap` turns a block caller into one that replays them."""
 
     def __init__(self) -> None:
-        self._seen: set[tuple] = set()
+        self._seen: dict[tuple, tuple | None] = {}  # key -> its eager call's output specs (None: not tensors)
         self._graphs: dict[tuple, _Captured] = {}
         self._eager: set[tuple] = set()
         self._logged: set[str] = set()
         self._pool: Any = None
-        self._static_out: dict[int, torch.Tensor] = {}  # id -> every captured graph's output tensors
+        # Chain buffers: (request, output position, spec, parity) -> tensor (the one reference this object
+        # keeps: every other place holds the key), its holders() then, and id -> key. Outside the graphs' pool.
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self._base: dict[tuple, tuple[int, int]] = {}
+        self._chain: dict[int, tuple] = {}
         # (request, position, spec) -> [buffer, last source, its version]
         self._shared: dict[tuple, list[Any]] = {}
         self._shared_of: dict[int, list[list[Any]]] = {}  # request -> its shared entries
-        self.captures = self.replays = self.input_copies = 0
+        self.captures = self.replays = self.input_copies = self.held_eager = 0
 
     def clear(self) -> None:
-        """Drop every graph, its outputs and the shared inputs (their memory with them); keys start over."""
-        self._seen.clear(), self._graphs.clear(), self._eager.clear(), self._static_out.clear()
-        self._shared.clear(), self._shared_of.clear()
+        """Drop every graph, the chain buffers and the shared inputs (their memory with them); keys start over."""
+        self._seen.clear(), self._graphs.clear(), self._eager.clear(), self._bufs.clear(), self._base.clear()
+        self._chain.clear(), self._shared.clear(), self._shared_of.clear()
         self._pool = None
+
+    @property
+    def chain_bytes(self) -> int:
+        """Device bytes of the chain buffers (the blocks' outputs)."""
+        return sum(t.untyped_storage().nbytes() for t in self._bufs.values())
 
     def _log_once(self, reason: str) -> None:
         if reason not in self._logged:
@@ -91,49 +160,82 @@ class BlockGraphs:
         doc)."""
 
         def call(args: tuple, kwargs: dict, request: int = 0) -> Any:
-            flat = list(args) + list(kwargs.values())
-            spec = _spec(flat)
+            flattened = flatten_call(args, kwargs)
+            spec = _spec(flattened[0]) if flattened is not None else None
             if spec is None:
-                self._log_once("a block takes a non-tensor (or non-CUDA) argument")
+                self._log_once("a block takes an argument other than a CUDA tensor, a tuple of them or a constant")
                 return caller(args, kwargs)
+            flat, structure = flattened
             if block == 0:  # a new pass: copy every shared input again at least once (see _copy_in)
                 for entry in self._shared_of.get(request, ()):
                     entry[1] = None
-            key = (block, slot, request, len(args), tuple(kwargs), spec)
+            key = (block, slot, request, len(args), tuple(kwargs), structure, spec)
             got = self._graphs.get(key)
             if got is not None:
-                if any(flat[j] is not t for j, t in got.direct):
-                    self._log_once("a block's input is not the previous block graph's output it was at capture "
-                                   "(the model changed it between blocks)")
+                bufs = self._bufs
+                if any(flat[j] is not bufs[k] for j, k in got.direct):
+                    self._log_once("a block's input is not the chain buffer it was at capture (the model changed "
+                                   "it between blocks)")
+                    return caller(args, kwargs)
+                if self._held(got.writes):
                     return caller(args, kwargs)
                 for j, entry in got.copied:
                     self._copy_in(entry, flat[j])
                 got.graph.replay()
                 self.replays += 1
-                return got.output
+                return self._bufs[got.writes[0]] if got.single else tuple(self._bufs[k] for k in got.writes)
             if key in self._eager or key not in self._seen:
-                self._seen.add(key)
-                return caller(args, kwargs)
-            return self._capture(key, caller, args, kwargs, flat, request, spec)
+                out = caller(args, kwargs)
+                outs = _outputs(out)
+                self._seen[key] = None if outs is None else _spec(outs)
+                return out
+            return self._capture(key, caller, args, kwargs, flat, block, request, spec)
 
         call.per_request = True  # compile_schedule binds each compute op's request
         return call
 
+    def _held(self, writes: tuple) -> bool:
+        """Whether a chain buffer this graph would write is still referenced (or viewed) outside the graphs: the
+        model kept an earlier block's output. The call then runs eager (logged once)."""
+        bufs, base = self._bufs, self._base
+        for k in writes:
+            if holders(bufs[k]) != base[k]:
+                self.held_eager += 1
+                self._log_once("the model keeps a block's output past the next block (a reference to it or a view "
+                               "of it is alive when the block two further on would overwrite it)")
+                return True
+        return False
+
     def _copy_in(self, entry: list[Any], src: torch.Tensor) -> None:
         """Copy ``src`` into a shared input unless it is the tensor copied last in this pass, unmodified since
-        (same object, same version counter; every pass starts by copying). A tensor rewritten without a version
-        bump (a CUDA graph's output) within one pass would be missed: none is passed between blocks."""
-        if entry[1] is not src or entry[2] != src._version:
+        (same object, same version counter; every pass starts by copying). A graph's replay rewrites a chain
+        buffer without bumping its version, so a chain buffer in a copied position (its key was captured while
+        the block before ran eager) is copied every time."""
+        if entry[1] is not src or entry[2] != src._version or id(src) in self._chain:
             entry[0].copy_(src)
             entry[1], entry[2] = src, src._version
             self.input_copies += 1
 
+    def _chain_keys(self, out_specs: tuple, block: int, request: int, device: torch.device) -> tuple:
+        """The chain buffers block ``block`` writes for outputs of ``out_specs``, allocated once (outside the
+        graphs' pool)."""
+        keys = []
+        for j, (shape, stride, dtype) in enumerate(out_specs):
+            k = (request, j, (shape, stride, dtype), block % 2)
+            if k not in self._bufs:
+                self._bufs[k] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                self._chain[id(self._bufs[k])] = k
+                self._base[k] = holders(self._bufs[k])
+            keys.append(k)
+        return tuple(keys)
+
     def _capture(self, key: tuple, caller: Callable, args: tuple, kwargs: dict, flat: list[torch.Tensor],
-                 request: int, spec: tuple) -> Any:
+                 block: int, request: int, spec: tuple) -> Any:
         direct, copied, inputs = [], [], []
         for j, t in enumerate(flat):
-            if self._static_out.get(id(t)) is t:
-                direct.append((j, t))
+            k = self._chain.get(id(t))
+            if k is not None and self._bufs[k] is t:
+                direct.append((j, k))
                 inputs.append(t)
             else:
                 entry = self._shared.get((request, j, spec[j]))
@@ -144,6 +246,16 @@ class BlockGraphs:
                 self._copy_in(entry, t)
                 copied.append((j, entry))
                 inputs.append(entry[0])
+        device = flat[0].device
+        del flat
+        out_specs = self._seen[key]
+        if out_specs is None:
+            self._eager.add(key)
+            self._log_once("a block returns something other than a tensor or a tuple of tensors")
+            return caller(args, kwargs)
+        writes = self._chain_keys(out_specs, block, request, device)
+        if self._held(writes):  # its first replay would overwrite an output the model keeps: eager, capture later
+            return caller(args, kwargs)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
@@ -151,21 +263,21 @@ class BlockGraphs:
             # thread_local: the all-gathers stay eager and other threads keep calling CUDA during a capture
             # (NCCL's watchdog; gloo's worker copies a CUDA tensor to the host and synchronises its stream).
             with capture_guard(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                output = caller(tuple(inputs[:len(args)]), dict(zip(kwargs, inputs[len(args):])))
+                output = caller(*rebuild_call(len(args), key[4], key[5], inputs))
+                outs = _outputs(output)
+                if outs is None or _spec(outs) != out_specs:
+                    raise ValueError("the block's outputs differ from those of its eager call (count, shape, "
+                                     "strides or dtype)")
+                for t, k in zip(outs, writes):
+                    self._bufs[k].copy_(t)
         except Exception as exc:  # a forward that syncs or launches something uncapturable
             self._eager.add(key)
             self._log_once(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
             return caller(args, kwargs)
-        outs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, (tuple, list)) \
-            else None
-        if outs is None or not all(isinstance(t, torch.Tensor) for t in outs):
-            self._eager.add(key)
-            self._log_once("a block returns something other than a tensor or a tuple of tensors")
-            return caller(args, kwargs)
-        for t in outs:
-            self._static_out[id(t)] = t
-        self._graphs[key] = _Captured(g, tuple(direct), tuple(copied), output)
+        single = isinstance(output, torch.Tensor)
+        del output, outs  # the block's own outputs are graph temporaries: the pool reuses them in later captures
+        self._graphs[key] = _Captured(g, tuple(direct), tuple(copied), writes, single)
         self.captures += 1
         g.replay()  # the capture ran nothing: this call is the first replay (its inputs are in place)
         self.replays += 1
-        return output
+        return self._bufs[writes[0]] if single else tuple(self._bufs[k] for k in writes)
