@@ -139,7 +139,7 @@ def test_block_scope_option_and_cpu_fallback(caplog):
 def test_capture_guard_pauses_collection_and_restores_it_after_a_failure():
     import gc
 
-    from dlo_fn.runtime.graph import capture_guard
+    from dlo_fn.runtime.graph_parts import capture_guard
 
     assert gc.isenabled()
     with capture_guard():
@@ -179,7 +179,7 @@ def test_chain_buffer_holders_see_a_kept_reference_and_a_view():
 def test_block_call_flatten_and_rebuild_round_trip():
     # What a block graph keys on and captures (runtime.block_graph): tensors, tuples of tensors (diffusers' rotary
     # embeddings) and constants; anything else is refused (the block then runs eager).
-    from dlo_fn.runtime.block_graph import flatten_call, rebuild_call
+    from dlo_fn.runtime.graph_parts import flatten_call, rebuild_call
 
     x, c, s = torch.randn(2), torch.randn(3), torch.randn(3)
     args, kwargs = (x,), {"temb": c, "image_rotary_emb": (c, s), "joint_attention_kwargs": None, "scale": 0.5}
@@ -193,3 +193,42 @@ def test_block_call_flatten_and_rebuild_round_trip():
     assert list(k2) == list(kwargs)
     assert flatten_call((x,), {"mask": {"a": x}}) is None and flatten_call((x, [x, 1]), {}) is None
     assert flatten_call((x,), {"scale": 0.5})[1] != flatten_call((x,), {"scale": 0.25})[1]  # another graph
+    assert flatten_call((x,), {"flag": True})[1] != flatten_call((x,), {"flag": 1})[1]
+
+
+def test_shape_lru_keeps_the_most_recent_shapes_and_hands_back_the_dropped_keys():
+    from dlo_fn.runtime.graph_parts import ShapeLRU
+
+    lru = ShapeLRU(2)
+    assert lru.use("a") == [] and lru.use("b") == []
+    lru.add("a", 1), lru.add("a", 2), lru.add("b", 3)
+    assert lru.use("a") == []  # touched: "b" is now the oldest
+    assert lru.use("c") == [{3}] and len(lru) == 2 and lru.evictions == 1
+    assert lru.use("b") == [{1, 2}] and lru.evictions == 2  # "b" comes back with no keys, "a" goes
+
+
+def test_graph_shapes_option_is_checked():
+    with pytest.raises(ValueError, match="graph_shapes must be >= 1"):
+        OffloadOptions(graph="block", graph_shapes=0)
+
+
+def test_step_graph_records_a_diffusers_call_with_a_rotary_tuple(caplog):
+    """Wan's blocks take the rotary embedding as a tuple of tensors: the step graph records the wiring of its
+    flattened tensors (the capture itself then fails on the CPU and the steps run eager, bit-exact)."""
+    pytest.importorskip("diffusers")
+    from tests.test_third_party import CASES, _reference
+
+    _, inputs, paths = CASES["wan"]
+    ref, want = _reference("wan")
+    o = offload(copy.deepcopy(ref), paths, CTX, mode="rank-local")
+    o.executor.graphs = StepGraphs(o.executor)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # 3 blocks: the steps of consecutive passes alternate between two signatures
+            for s, w in enumerate(want):
+                assert torch.equal(o.model(**inputs(s))[0], w)
+    msgs = [r.getMessage() for r in caplog.records if "cuda graph" in r.getMessage()]
+    assert len(msgs) == 1 and msgs[0].startswith("cuda graph: capture failed"), msgs
+    recs = list(o.executor.graphs._records.values())
+    assert recs and all(r.ok and len(r.structure[2]) == 4 and set(r.wiring) == {(1, 0), (2, 0)} for r in recs)
+    # hidden_states chains; the text states, the time embedding and both rotary tensors are block 0's inputs
+    assert all(r.wiring[(1, 0)] == (("out", 0), ("in", 1), ("in", 2), ("in", 3), ("in", 4)) for r in recs)

@@ -244,12 +244,14 @@ def test_block_graph_memory_does_not_grow_with_depth():
     assert extra[16] - extra[8] < 8 * act / 2, extra
 
 
+@pytest.mark.parametrize("scope", ["block", "step"])
 @pytest.mark.parametrize("name", ["wan", "flux"])
 @torch.no_grad()
-def test_block_graphs_on_diffusers_dits_bit_exact(name):
+def test_graphs_on_diffusers_dits_bit_exact(name, scope):
     """Diffusers' blocks take keyword arguments, tuples of tensors (the rotary embeddings) and None; Flux's
-    return tuples over two block lists. Every block is captured and replayed, bit-identical to the resident
-    model on the GPU."""
+    return tuples over two block lists. With block graphs every block is captured and replayed, bit-identical
+    to the resident model on the GPU; the step graph replays Wan's steps (Flux does work between its two block
+    lists, which a step graph does not capture: it stays eager, logged), bit-identical too."""
     pytest.importorskip("diffusers")
     from tests.test_third_party import CASES
 
@@ -259,14 +261,42 @@ def test_block_graphs_on_diffusers_dits_bit_exact(name):
         return {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
     ref = build().to("cuda")
-    o = offload(build(), paths, _ctx(), mode="rank-local", graph="block")
+    o = offload(build(), paths, _ctx(), mode="rank-local", graph=scope)
     for s in range(6):  # seen, captured (each slot), replayed
         want, got = ref(**on_gpu(inputs(s)))[0], o.model(**on_gpu(inputs(s)))[0]
         assert torch.equal(got, want), s
+    if scope == "step":
+        assert o.executor.graphs.replays > 0 or name == "flux"
+        return
     bg = o.executor.block_graphs
     n = o.layout.num_blocks
     assert bg.captures == n * (1 if n % 2 == 0 else 2) and not bg._eager and bg.held_eager == 0
     assert bg.replays >= 2 * n
+
+
+@pytest.mark.parametrize("scope", ["block", "step"])
+@torch.no_grad()
+def test_many_shapes_keep_graph_memory_bounded(scope):
+    """Serving several resolutions: beyond graph_shapes the least recently used shape's graphs (and, for block
+    graphs, its chain buffers and shared inputs) are dropped, every output stays bit-identical, and the memory
+    the graphs hold stops growing."""
+    ref = toy(4, d=256).to("cuda")
+    o = offload(toy(4, d=256), "blocks", _ctx(), mode="rank-local", graph=scope, graph_shapes=2)
+    ex = o.executor
+    reserved = []
+    for cycle in range(3):
+        for tokens in (64, 128, 192, 256):  # four shapes, two kept
+            x = torch.randn(tokens, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
+            for _ in range(3):  # seen, captured, replayed (block graphs; the step graph records, then captures)
+                assert torch.equal(o.model(x).clone(), ref(x))
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    graphs = ex.block_graphs if scope == "block" else ex.graphs
+    assert graphs.evictions >= 8 and graphs.replays > 0
+    assert len(graphs._graphs) <= 2 * (4 if scope == "block" else 1)
+    if scope == "block":
+        assert len(graphs._bufs) <= 2 * 2 * 2  # shapes x parities x outputs (x, ctx)
+    assert reserved[2] <= reserved[1], reserved  # the third cycle allocates nothing new
 
 
 # -- W = 2: two gloo ranks sharing the GPU (the all-gathers go through the host; correctness only) -------------

@@ -34,6 +34,10 @@ states) still holds a reference to the buffer, or a view of it, and a buffer hel
 written: that call runs eager instead (correct, logged once). A block whose forward cannot be captured (a host
 sync, a non-tensor argument) runs eager, logged once.
 
+A request's shape is that of its block-0 call; the graphs and buffers of at most ``graph_shapes`` shapes are kept
+(``OffloadOptions.graph_shapes``, default 4): a new shape beyond pushes out the least recently used one, whose
+graphs, chain buffers and shared inputs are freed, so a server that sees many resolutions stays bounded.
+
 At W > 1 the all-gathers stay eager on the executor's communication stream, so block graphs run on any backend
 (NCCL, and gloo with CUDA tensors, whose worker thread calls CUDA while a block is captured: captures are
 ``thread_local``). Tested with 2 gloo ranks sharing one GPU (``tests/test_graph_cuda.py``).
@@ -47,55 +51,40 @@ from typing import Any, Callable
 
 import torch
 
-from dlo_fn.runtime.graph import capture_guard
+from dlo_fn.runtime.graph_parts import ShapeLRU, capture_guard, flatten_call, rebuild_call
 
-__all__ = ["BlockGraphs", "flatten_call", "holders", "rebuild_call"]
+__all__ = ["BlockGraphs", "CudaCapture", "holders"]
 
 log = logging.getLogger(__name__)
 
 
-def _spec(flat: list[Any]) -> tuple | None:
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in flat):
+def _spec(flat: list[Any], device: str = "cuda") -> tuple | None:
+    if not all(isinstance(t, torch.Tensor) and t.device.type == device for t in flat):
         return None
     return tuple((tuple(t.shape), t.stride(), t.dtype) for t in flat)
 
 
-_CONSTANT = (type(None), bool, int, float, str)
+class CudaCapture:
+    """How :class:`BlockGraphs` capture: ``capture(work)`` runs ``work()`` under a CUDA graph capture (every graph in
+    one pool; ``thread_local``: the all-gathers stay eager and other threads keep calling CUDA meanwhile, NCCL's
+    watchdog, gloo's worker that copies a CUDA tensor to the host and synchronises its stream) and returns
+    ``(graph, work's result)``; ``graph.replay()`` runs the captured kernels again."""
 
+    device = "cuda"
 
-def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], tuple] | None:
-    """``(tensors, structure)`` of a block call: each argument a tensor, a tuple / list of tensors (diffusers'
-    rotary embeddings) or a constant (None, a number, a string: part of the key, baked into the graph); None for
-    anything else (the call runs eager)."""
-    tensors: list[Any] = []
-    structure = []
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-            structure.append(None)
-        elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
-            tensors.extend(v)
-            structure.append((type(v), len(v)))
-        elif isinstance(v, _CONSTANT):
-            structure.append(("const", v))
-        else:
-            return None
-    return tensors, tuple(structure)
+    def __init__(self) -> None:
+        self._pool: Any = None
 
+    def reset(self) -> None:
+        self._pool = None
 
-def rebuild_call(num_args: int, names: tuple, structure: tuple, tensors: list[Any]) -> tuple[tuple, dict]:
-    """The ``(args, kwargs)`` of :func:`flatten_call`'s structure with ``tensors`` in place."""
-    values, i = [], 0
-    for item in structure:
-        if item is None:
-            values.append(tensors[i])
-            i += 1
-        elif item[0] == "const":
-            values.append(item[1])
-        else:
-            values.append(item[0](tensors[i:i + item[1]]))
-            i += item[1]
-    return tuple(values[:num_args]), dict(zip(names, values[num_args:]))
+    def capture(self, work: Callable[[], Any]) -> tuple[Any, Any]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with capture_guard(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            result = work()
+        return g, result
 
 
 def _outputs(output: Any) -> list[torch.Tensor] | None:
@@ -123,12 +112,17 @@ class _Captured:
 class BlockGraphs:
     """The block graphs of one executor; :meth:`wrap` turns a block caller into one that replays them."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_shapes: int = 4, capture: Any = None) -> None:
+        self._capturer = capture if capture is not None else CudaCapture()
+        self._device = self._capturer.device
+        # A request's shape is that of its block-0 call; every key seen for the request until its next block 0
+        # belongs to it. Beyond max_shapes the least recently used shape's graphs and buffers are dropped.
+        self._shapes = ShapeLRU(max_shapes)
+        self._shape_of: dict[int, tuple] = {}  # request -> its current shape
         self._seen: dict[tuple, tuple | None] = {}  # key -> its eager call's output specs (None: not tensors)
         self._graphs: dict[tuple, _Captured] = {}
         self._eager: set[tuple] = set()
         self._logged: set[str] = set()
-        self._pool: Any = None
         # Chain buffers: (request, output position, spec, parity) -> tensor (the one reference this object
         # keeps: every other place holds the key), its holders() then, and id -> key. Outside the graphs' pool.
         self._bufs: dict[tuple, torch.Tensor] = {}
@@ -143,7 +137,39 @@ class BlockGraphs:
         """Drop every graph, the chain buffers and the shared inputs (their memory with them); keys start over."""
         self._seen.clear(), self._graphs.clear(), self._eager.clear(), self._bufs.clear(), self._base.clear()
         self._chain.clear(), self._shared.clear(), self._shared_of.clear()
-        self._pool = None
+        self._shapes.clear(), self._shape_of.clear()
+        self._capturer.reset()
+
+    @property
+    def evictions(self) -> int:
+        return self._shapes.evictions
+
+    def _new_pass(self, request: int, shape: tuple) -> None:
+        """Block 0 of ``request``: its shared inputs are copied again at least once (see _copy_in), and its shape
+        becomes the most recently used, pushing out (and freeing) the least recently used beyond the limit."""
+        for entry in self._shared_of.get(request, ()):
+            entry[1] = None
+        self._shape_of[request] = shape
+        dropped = self._shapes.use(shape)
+        for keys in dropped:
+            for k in keys:
+                self._graphs.pop(k, None), self._seen.pop(k, None), self._eager.discard(k)
+        if dropped:
+            self._prune()
+            log.info("cuda graph (per block): more than %d input shapes; dropped the graphs of the least recently "
+                     "used one", self._shapes.limit)
+
+    def _prune(self) -> None:
+        """Free the chain buffers and shared inputs no remaining graph reads or writes."""
+        chain = {k for c in self._graphs.values() for k in (*c.writes, *(k for _, k in c.direct))}
+        for k in [k for k in self._bufs if k not in chain]:
+            del self._chain[id(self._bufs[k])], self._bufs[k], self._base[k]
+        shared = {id(e) for c in self._graphs.values() for _, e in c.copied}
+        self._shared = {k: e for k, e in self._shared.items() if id(e) in shared}
+        self._shared_of = {r: [e for e in es if id(e) in shared] for r, es in self._shared_of.items()}
+
+    def _key_seen(self, key: tuple, request: int) -> None:
+        self._shapes.add(self._shape_of.get(request, (request,)), key)
 
     @property
     def chain_bytes(self) -> int:
@@ -161,14 +187,13 @@ class BlockGraphs:
 
         def call(args: tuple, kwargs: dict, request: int = 0) -> Any:
             flattened = flatten_call(args, kwargs)
-            spec = _spec(flattened[0]) if flattened is not None else None
+            spec = _spec(flattened[0], self._device) if flattened is not None else None
             if spec is None:
                 self._log_once("a block takes an argument other than a CUDA tensor, a tuple of them or a constant")
                 return caller(args, kwargs)
             flat, structure = flattened
-            if block == 0:  # a new pass: copy every shared input again at least once (see _copy_in)
-                for entry in self._shared_of.get(request, ()):
-                    entry[1] = None
+            if block == 0:
+                self._new_pass(request, (request, len(args), tuple(kwargs), structure, spec))
             key = (block, slot, request, len(args), tuple(kwargs), structure, spec)
             got = self._graphs.get(key)
             if got is not None:
@@ -186,8 +211,10 @@ class BlockGraphs:
                 return self._bufs[got.writes[0]] if got.single else tuple(self._bufs[k] for k in got.writes)
             if key in self._eager or key not in self._seen:
                 out = caller(args, kwargs)
+                if key not in self._seen:
+                    self._key_seen(key, request)
                 outs = _outputs(out)
-                self._seen[key] = None if outs is None else _spec(outs)
+                self._seen[key] = None if outs is None else _spec(outs, self._device)
                 return out
             return self._capture(key, caller, args, kwargs, flat, block, request, spec)
 
@@ -211,7 +238,11 @@ class BlockGraphs:
         (same object, same version counter; every pass starts by copying). A graph's replay rewrites a chain
         buffer without bumping its version, so a chain buffer in a copied position (its key was captured while
         the block before ran eager) is copied every time."""
-        if entry[1] is not src or entry[2] != src._version or id(src) in self._chain:
+        if id(src) in self._chain:  # copied every time, and not remembered: that reference would hold it
+            entry[0].copy_(src)
+            entry[1] = None
+            self.input_copies += 1
+        elif entry[1] is not src or entry[2] != src._version:
             entry[0].copy_(src)
             entry[1], entry[2] = src, src._version
             self.input_copies += 1
@@ -231,12 +262,13 @@ class BlockGraphs:
 
     def _capture(self, key: tuple, caller: Callable, args: tuple, kwargs: dict, flat: list[torch.Tensor],
                  block: int, request: int, spec: tuple) -> Any:
-        direct, copied, inputs = [], [], []
+        # What the graph reads, by position: a chain buffer (by key: nothing here holds it) or a shared input.
+        direct, copied, sources = [], [], []
         for j, t in enumerate(flat):
             k = self._chain.get(id(t))
             if k is not None and self._bufs[k] is t:
                 direct.append((j, k))
-                inputs.append(t)
+                sources.append((k, None))
             else:
                 entry = self._shared.get((request, j, spec[j]))
                 if entry is None:  # outside the graphs' pool: it outlives every capture
@@ -245,7 +277,7 @@ class BlockGraphs:
                     self._shared_of.setdefault(request, []).append(entry)
                 self._copy_in(entry, t)
                 copied.append((j, entry))
-                inputs.append(entry[0])
+                sources.append((None, entry))
         device = flat[0].device
         del flat
         out_specs = self._seen[key]
@@ -256,26 +288,27 @@ class BlockGraphs:
         writes = self._chain_keys(out_specs, block, request, device)
         if self._held(writes):  # its first replay would overwrite an output the model keeps: eager, capture later
             return caller(args, kwargs)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
+        bufs, num_args, names, structure = self._bufs, len(args), key[4], key[5]
+
+        def work() -> Any:
+            inputs = [bufs[k] if k is not None else entry[0] for k, entry in sources]
+            output = caller(*rebuild_call(num_args, names, structure, inputs))
+            outs = _outputs(output)
+            if outs is None or _spec(outs, self._device) != out_specs:
+                raise ValueError("the block's outputs differ from those of its eager call (count, shape, strides "
+                                 "or dtype)")
+            for t, k in zip(outs, writes):
+                bufs[k].copy_(t)
+            return output
+
         try:
-            # thread_local: the all-gathers stay eager and other threads keep calling CUDA during a capture
-            # (NCCL's watchdog; gloo's worker copies a CUDA tensor to the host and synchronises its stream).
-            with capture_guard(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                output = caller(*rebuild_call(len(args), key[4], key[5], inputs))
-                outs = _outputs(output)
-                if outs is None or _spec(outs) != out_specs:
-                    raise ValueError("the block's outputs differ from those of its eager call (count, shape, "
-                                     "strides or dtype)")
-                for t, k in zip(outs, writes):
-                    self._bufs[k].copy_(t)
+            g, output = self._capturer.capture(work)
         except Exception as exc:  # a forward that syncs or launches something uncapturable
             self._eager.add(key)
             self._log_once(f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
             return caller(args, kwargs)
         single = isinstance(output, torch.Tensor)
-        del output, outs  # the block's own outputs are graph temporaries: the pool reuses them in later captures
+        del output  # the block's own outputs are graph temporaries: the pool reuses them in later captures
         self._graphs[key] = _Captured(g, tuple(direct), tuple(copied), writes, single)
         self.captures += 1
         g.replay()  # the capture ran nothing: this call is the first replay (its inputs are in place)

@@ -74,10 +74,14 @@ class Executor:
                  aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None, *, group: Any = None,
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "swap", async_collectives: bool = False,
-                 record_timeline: bool = False, rank: int = 0, graph: bool | str = False) -> None:
+                 record_timeline: bool = False, rank: int = 0, graph: bool | str = False,
+                 graph_shapes: int = 4) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
         if graph not in GRAPH_SCOPES:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {graph!r}")
+        if graph_shapes < 1:
+            raise ValueError(f"graph_shapes must be >= 1, got {graph_shapes}")
+        self.graph_shapes = graph_shapes
         if len(blocks) != layout.num_blocks:
             raise ValueError(f"{len(blocks)} block modules for a layout of {layout.num_blocks} blocks")
         if mode == "rank-local" and layout.num_shards != 1:
@@ -116,7 +120,7 @@ class Executor:
             if why:
                 log.warning("cuda graph (per block): %s; running eager", why)
             else:
-                self.block_graphs = BlockGraphs()
+                self.block_graphs = BlockGraphs(graph_shapes)
         shared: dict[tuple, list[dict[str, torch.Tensor]]] = {}
         self._callers: list[tuple[Any, ...]] = []
         for b, shard in enumerate(layout.shards):

@@ -15,6 +15,9 @@ loads, the previous run's last use of a buffer) is waited for on the compute str
 later ops wait for is recorded on the compute stream after it (a graph launch is one stream-ordered op), so
 eager and graphed steps mix freely in one run and across runs.
 
+At most ``graph_shapes`` input shapes keep their graphs (:class:`ShapeLRU`, ``OffloadOptions.graph_shapes``,
+default 4): a new shape beyond drops the graphs and records of the least recently used one.
+
 The model still calls every block through its proxy. The first time a step is seen it runs eager and the
 executor records its *wiring*: which of block ``b``'s tensor inputs are the block-0 inputs of the same request
 and which are outputs of block ``b-1``. The second time it is captured (on static copies of the inputs) and
@@ -56,8 +59,6 @@ like the copies. What must hold for it to be safe, and why it stays opt-in until
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -66,8 +67,9 @@ from typing import Any, Mapping
 import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
+from dlo_fn.runtime.graph_parts import ShapeLRU, capture_guard, flatten_call, rebuild_call
 
-__all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "capture_guard", "graph_support"]
+__all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "graph_support"]
 
 log = logging.getLogger(__name__)
 
@@ -88,34 +90,6 @@ def graph_support(platform: Any, num_shards: int = 1, backend: str | None = None
             return (f"capturing the NCCL all-gather (W = {num_shards}) is not validated on a multi-GPU machine yet "
                     f"(set {GRAPH_NCCL_ENV}=1 to try it)")
     return None
-
-
-@contextlib.contextmanager
-def capture_guard() -> Any:
-    """Around a CUDA graph capture (both graph modes):
-
-    * no garbage collection inside it: a finalizer run by a collection during the capture (a freed host store's
-      ``cudaHostUnregister``) is a call that global capture mode forbids, and it invalidates the capture (seen on
-      the H200: one test's leftovers broke the next test's capture, then its host registrations);
-      ``torch.cuda.graph`` collects just before it starts capturing;
-    * if the capture raises, the CUDA default generators get back their states of before it: torch leaves them
-      marked as capturing, and their next random op raises "Offset increment outside graph capture" (the
-      capture drew no number outside the graph)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        saved = [(g, g.clone_state()) for g in torch.cuda.default_generators]
-    except (AttributeError, RuntimeError):  # a torch without graph-safe generator states
-        saved = []
-    try:
-        yield
-    except BaseException:
-        for gen, state in saved:
-            gen.graphsafe_set_state(state)
-        raise
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 @dataclass
@@ -160,14 +134,17 @@ def split_steps(program: Any) -> tuple[_Step, ...]:
     return tuple(steps)
 
 
-def _flat(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
-    """Inputs as one list (args, then kwargs in call order) and their structure; non-tensors are refused."""
-    flat = list(args) + list(kwargs.values())
-    return flat, (len(args), tuple(kwargs))
+def _flat(args: tuple, kwargs: dict) -> tuple[list[Any] | None, tuple]:
+    """The call's tensors (:func:`flatten_call`; None if it takes anything else) and its structure
+    ``(number of args, kwarg names, per-argument structure)``."""
+    flattened = flatten_call(args, kwargs)
+    if flattened is None:
+        return None, (len(args), tuple(kwargs), None)
+    return flattened[0], (len(args), tuple(kwargs), flattened[1])
 
 
-def _spec(flat: list[Any]) -> tuple | None:
-    if not all(isinstance(t, torch.Tensor) for t in flat):
+def _spec(flat: list[Any] | None) -> tuple | None:
+    if flat is None or not all(isinstance(t, torch.Tensor) for t in flat):
         return None
     return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in flat)
 
@@ -228,6 +205,7 @@ class StepGraphs:
         self._eager: set[tuple] = set()
         self._logged: set[str] = set()
         self._live: _Live | None = None
+        self._shapes = ShapeLRU(getattr(executor, "graph_shapes", 4))  # (structure, spec) -> its keys
         self.captures = self.replays = 0
 
     def _log_once(self, reason: str) -> None:
@@ -254,6 +232,20 @@ class StepGraphs:
         self._records.clear()
         self._graphs.clear()
         self._eager.clear()
+        self._shapes.clear()
+
+    @property
+    def evictions(self) -> int:
+        return self._shapes.evictions
+
+    def _use_shape(self, key: tuple) -> None:
+        """Register ``key`` under its input shape; drop the graphs and records of the shapes beyond the limit."""
+        for keys in self._shapes.use(key[1:]):
+            for k in keys:
+                self._graphs.pop(k, None), self._records.pop(k, None), self._eager.discard(k)
+            log.info("cuda graph: more than %d input shapes; dropped the graphs of the least recently used one",
+                     self._shapes.limit)
+        self._shapes.add(key[1:], key)
 
     # -- the proxy calls -------------------------------------------------------------------------------------
     def compute(self, run: Any, i: int, args: tuple, kwargs: dict) -> tuple[bool, Any]:
@@ -296,11 +288,12 @@ class StepGraphs:
         flat, structure = _flat(args, kwargs)
         spec = _spec(flat)
         if spec is None:
-            self._log_once("a block takes a non-tensor argument")
+            self._log_once("a block takes an argument other than a tensor, a tuple of them or a constant")
             return _Live(step, "record", None)
         if i != step.first_compute or run.cursor != step.start:
             return _Live(step, "record", None)  # joined mid-step (e.g. after an eager fallback): stay eager
         key = (step.key, structure, spec)
+        self._use_shape(key)
         if key in self._eager:
             return _Live(step, "record", key)
         graph = self._graphs.get(key)
@@ -316,6 +309,10 @@ class StepGraphs:
     def _note(self, live: _Live, op: Any, flat: list[Any], structure: tuple) -> None:
         rec = live.record
         if rec is None or not rec.ok:
+            return
+        if flat is None:
+            rec.ok = False
+            self._log_once("a block takes an argument other than a tensor, a tuple of them or a constant")
             return
         r = op.request
         if op.block == 0:
@@ -353,8 +350,7 @@ class StepGraphs:
                 t.zero_()
         new, set_stream = ex.platform.new_event, ex._set_stream
         h2d, agst = ex.h2d_stream, ex.allgather_stream
-        n_args = rec.structure[0]
-        names = rec.structure[1]
+        n_args, names, items = rec.structure
         try:
             with capture_guard():
                 g = torch.cuda.CUDAGraph()
@@ -391,7 +387,7 @@ class StepGraphs:
                                 flat = [prev[r][j] if src == "out" else inputs[r][j]
                                         for src, j in rec.wiring[(op.block, r)]]
                             _, caller = p.args[i]
-                            out = caller(tuple(flat[:n_args]), dict(zip(names, flat[n_args:])))
+                            out = caller(*rebuild_call(n_args, names, items, flat))
                             prev[r] = _out_flat(out)
                             outs[r] = out
                         evs[i] = new()
@@ -414,6 +410,10 @@ class StepGraphs:
 
     def _replay_call(self, run: Any, live: _Live, i: int, op: Any, flat: list[Any]) -> Any:
         g, r, R = live.graph, op.request, run.program.schedule.requests_per_load
+        if flat is None:
+            raise ScheduleError(f"cuda graph: block {op.block} (request {r}) was called with an argument other than "
+                                f"a tensor, a tuple of them or a constant, unlike when its step was captured: run "
+                                f"this model with graph=False")
         if op.block == 0:
             if r and _spec(flat) != live.record.specs[r]:  # request 0's shapes are in the key; the others here
                 raise ScheduleError(f"cuda graph: request {r} of this load has other input shapes than when the "

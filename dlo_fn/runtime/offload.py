@@ -61,6 +61,9 @@ class OffloadOptions:
     # CUDA graphs: True / "step" captures each offloaded step, copies included (dlo_fn.runtime.graph); "block"
     # captures each block's compute, the copies and events staying eager (dlo_fn.runtime.block_graph).
     graph: bool | str = False
+    # The input shapes (per request slot) whose graphs are kept; a new one beyond drops the least recently used
+    # shape's graphs and buffers, so serving many resolutions keeps device memory bounded.
+    graph_shapes: int = 4
     shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
     # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
@@ -75,6 +78,8 @@ class OffloadOptions:
             raise ValueError(f"rank_local_source must be 'pinned' or 'mmap', got {self.rank_local_source!r}")
         if self.graph not in GRAPH_SCOPES:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {self.graph!r}")
+        if self.graph_shapes < 1:
+            raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
         if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
             raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
@@ -194,7 +199,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     executor = Executor(platform, layout, store, blocks, aliases, group=shards.group,
                         mode=options.mode, num_slots=options.num_slots, num_landing=options.num_landing,
                         block_call=options.block_call, async_collectives=options.async_collectives,
-                        record_timeline=options.record_timeline, rank=ctx.rank, graph=options.graph)
+                        record_timeline=options.record_timeline, rank=ctx.rank, graph=options.graph,
+                        graph_shapes=options.graph_shapes)
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)
