@@ -232,3 +232,15 @@ def test_step_graph_records_a_diffusers_call_with_a_rotary_tuple(caplog):
     assert recs and all(r.ok and len(r.structure[2]) == 4 and set(r.wiring) == {(1, 0), (2, 0)} for r in recs)
     # hidden_states chains; the text states, the time embedding and both rotary tensors are block 0's inputs
     assert all(r.wiring[(1, 0)] == (("out", 0), ("in", 1), ("in", 2), ("in", 3), ("in", 4)) for r in recs)
+
+
+def test_step_graph_keeps_the_records_of_at_most_graph_shapes_shapes():
+    ref = toy(4)
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", graph_shapes=2)
+    assert o.executor.graph_shapes == 2
+    g = o.executor.graphs = StepGraphs(o.executor)
+    for _ in range(2):
+        for rows in (2, 3, 4):  # three shapes, two kept
+            x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(o.model(x), ref(x))
+    assert g.evictions == 4 and {k[2][0][0] for k in g._records} == {(3, 16), (4, 16)}
