@@ -187,3 +187,20 @@ def test_inputs_are_copied_whenever_they_may_have_changed():
     for seed in range(2):  # the same c, its bytes changed without a version bump
         c.data.copy_(torch.randn(3, 16, generator=torch.Generator().manual_seed(10 + seed)))
         assert torch.equal(run(o.model.blocks, x, c, False), run(ref.blocks, x, c, False))
+
+
+@torch.no_grad()
+def test_the_timeline_records_every_op_of_a_block_graphed_run():
+    """Block graphs keep the executor's per-op events: every op of every run is in the timeline, in the planned
+    order on each stream, whether its compute was replayed or not."""
+    ref = toy(4)
+    o, bg = block_graphed(copy.deepcopy(ref), mode="rank-local", record_timeline=True)
+    x = torch.randn(3, 16)
+    for _ in range(4):
+        assert torch.equal(o.model(x), ref(x))
+    assert bg.replays >= 2 * 4
+    per_run = len(o.executor.next_schedule().ops)
+    tl = o.executor.take_timeline()
+    for j in range(1, 4):  # run 0 starts the ring cold (its own schedule)
+        spans = [s for s in tl.spans if s.op.startswith(f"run{j} ")]
+        assert len(spans) == per_run and all(s.end_s >= s.start_s for s in spans)
