@@ -75,6 +75,7 @@ def _generate(checkpoint, tmp_path, *extra):
     (["--prompt", ""], ["--prompt", "non-empty"]),
     (["--prompt", "x", "--slots", "0"], ["--slots 0", ">= 1"]),
     (["--prompt", "x", "--requests-per-rank", "0"], ["--requests-per-rank 0"]),
+    (["--prompt", "x", "--cuda-graph", "block", "--graph-shapes", "0"], ["--graph-shapes 0", ">= 1"]),
     (["--prompt", "x", "--timeout", "0"], ["--timeout 0"]),
     (["--prompt", "x", "--resident", "--no-allgather"], ["conflicting modes"]),
     ([], ["--prompt", "--prompts"]),

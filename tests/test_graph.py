@@ -24,6 +24,10 @@ def test_option_and_cli_flag():
     args = build_parser().parse_args(["generate", "--checkpoint", "c", "--cuda-graph", "block", "--prompt", "p",
                                       "--out", "o"])
     assert options_from_args(args).graph == "block" and options_from_args(args).block_call == "swap"
+    assert options_from_args(args).graph_shapes == 4
+    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--cuda-graph", "block", "--graph-shapes",
+                                      "2", "--prompt", "p", "--out", "o"])
+    assert options_from_args(args).graph_shapes == 2
     args = build_parser().parse_args(["generate", "--checkpoint", "c", "--prompt", "p", "--out", "o"])
     assert options_from_args(args).graph is False
 

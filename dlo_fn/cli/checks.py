@@ -39,6 +39,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
     """The engine's and the outputs' flags."""
     if args.requests_per_rank < 1:
         raise UsageError(f"generate: --requests-per-rank {args.requests_per_rank}: give >= 1")
+    if getattr(args, "graph_shapes", 1) < 1:
+        raise UsageError(f"generate: --graph-shapes {args.graph_shapes}: give >= 1 (the input shapes whose CUDA "
+                         f"graphs are kept)")
     if not args.max_wait_s >= 0:
         raise UsageError(f"generate: --max-wait-s {args.max_wait_s}: give a number of seconds >= 0")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):

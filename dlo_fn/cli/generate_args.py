@@ -47,6 +47,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "captures each offloaded step, copies included; 'block' captures each block's compute "
                              "(its outputs in two buffers reused along the chain) and keeps the copies eager (not "
                              "slower than eager on a PCIe-bound step)")
+    parser.add_argument("--graph-shapes", type=int, default=4, metavar="N",
+                        help="with --cuda-graph: keep the graphs of the N most recently used input shapes (a new "
+                             "shape beyond frees the least recently used one's graphs and buffers)")
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
@@ -108,7 +111,8 @@ def options_from_args(args: argparse.Namespace):
                           num_slots=2 if args.slots == "auto" else args.slots, num_landing=args.landing,
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
-                          progress=True, graph=args.cuda_graph or False, shard_group=args.shard_group)
+                          progress=True, graph=args.cuda_graph or False, graph_shapes=args.graph_shapes,
+                          shard_group=args.shard_group)
 
 
 def _defaults(args: argparse.Namespace) -> dict:
