@@ -1,0 +1,120 @@
+"""Notebook 11's tables: the host's work per offloaded block, the reference's (published, Ascend) against ours
+(one H200), and where ours goes.
+
+* :func:`published_rows` - the reference's AllGather overhead per step (Nano DP4, 72 blocks) and per block;
+* :func:`planned_driver_calls` - the driver calls per block the eager loop makes for a schedule (pure: a wait per
+  dependency, a record per op, a copy per H2D op), over a steady run of the ring;
+* :func:`driver_rows` - per driver call kind, its cost on the H200: inside the pass (each compute's record sent
+  with the next block's calls, and right after the block), back to back, and one call right after a block
+  forward; with the stream memory operations measured beside them;
+* :func:`executor_rows` - the executor's own host time per block and the whole pass's over resident, per variant
+  (``bench step``'s dispatch rows), in the runs committed;
+* :func:`graph_rows` - eager, block graphs and the step graph on the bench model: ratio to the bound, host time
+  per step, peak device memory.
+
+Every number comes from the committed JSON under ``figures/data/`` (machine, command and date inside).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+from dlo_fn.plan.schedule import C, H2D, Ring, Schedule
+from dlo_fn.repro.data import DATA_DIR
+from dlo_fn.repro.published import published
+
+__all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_driver_calls", "steady_schedule", "driver_rows",
+           "executor_rows", "graph_rows"]
+
+NANO_BLOCKS = 72  # the reference's Nano DiT: the 150 ms/step is over its 72 blocks
+
+
+def load(name: str, data_dir: pathlib.Path = DATA_DIR) -> dict[str, Any]:
+    """A committed JSON report (``driver_cost``, ``bench_step``, ``bench_small40``), for the H200."""
+    return json.loads((pathlib.Path(data_dir) / f"{name}_nvidia-h200.json").read_text())
+
+
+def published_rows() -> list[dict[str, object]]:
+    rows = []
+    for part in ("stream_switch", "python_dispatch", "hccl", "total"):
+        p = published(f"perf.nano.allgather_overhead.{part}")
+        rows.append({"part": part, "ms_per_step": f"{p.value:g}", "us_per_block": f"{1e3 * p.value / NANO_BLOCKS:.0f}"})
+    return rows
+
+
+def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
+    """Driver calls per compute of ``schedule`` by kind, as the eager loop issues them: each op waits on its
+    ``deps`` (and a buffer's first use on the previous run's last use), runs (one copy per H2D op; a compute is
+    the block's kernels, no driver call of ours) and records its event."""
+    computes = sum(1 for op in schedule.ops if op.kind == C) or 1
+    waits = sum(len(d) for d in schedule.deps) + len(schedule.first_use)
+    copies = sum(1 for op in schedule.ops if op.kind == H2D)
+    records = len(schedule.ops)
+    return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
+            "total": (waits + copies + records) / computes}
+
+
+def steady_schedule(num_blocks: int, num_slots: int = 2) -> Schedule:
+    """The rank-local ring's schedule of one pass after the first (what every later pass repeats)."""
+    ring = Ring.cold(num_blocks, num_slots=num_slots, mode="rank-local")
+    first = ring.next_schedule(1)
+    return ring.after(first).next_schedule(1)
+
+
+def driver_rows(report: dict[str, Any]) -> list[dict[str, object]]:
+    deferred, immediate = report["in_pass_us"], report["record_after_block_call"]["in_pass_us"]
+    outside = report["outside"]
+    names = {"cuEventRecord": ("cuEventRecord", "cuEventRecord"), "cuStreamWaitEvent": ("cuStreamWaitEvent",) * 2,
+             "cuMemcpyHtoDAsync_v2": ("cuMemcpyHtoDAsync registered block", "cuMemcpyHtoDAsync 256 B")}
+    rows = []
+    for call, (after, tight) in names.items():
+        rows.append({"call": call, "per_block": f"{report['calls_per_block'][call]:.2f}",
+                     "in_pass_us": f"{deferred[call]:.1f}", "in_pass_us_record_after_block": f"{immediate[call]:.1f}",
+                     "after_a_block_us": f"{outside[after]['after_block_us_median']:.1f}",
+                     "back_to_back_us": f"{outside[tight]['tight_us']:.1f}"})
+    for call in ("cuMemcpyAsync registered block", "cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2",
+                 "cuStreamBatchMemOp_v2 2 ops", "cuStreamBatchMemOp 1 op"):
+        o = outside.get(call, {})
+        rows.append({"call": call, "per_block": "-", "in_pass_us": "-", "in_pass_us_record_after_block": "-",
+                     "after_a_block_us": (f"{o['after_block_us_median']:.1f}" if "after_block_us_median" in o
+                                          else f"error {o.get('error', '?')}"),
+                     "back_to_back_us": f"{o['tight_us']:.1f}" if "tight_us" in o else "-"})
+    rows.append({"call": "all, per block", "per_block": f"{sum(report['calls_per_block'].values()):.2f}",
+                 "in_pass_us": f"{report['driver_us_per_block']:.1f}",
+                 "in_pass_us_record_after_block": f"{report['record_after_block_call']['driver_us_per_block']:.1f}",
+                 "after_a_block_us": "", "back_to_back_us": ""})
+    return rows
+
+
+def executor_rows(*reports: dict[str, Any]) -> list[dict[str, object]]:
+    """One row per variant of each report's dispatch measurement (bench-narrow: the host is the bottleneck)."""
+    rows = []
+    for report in reports:
+        d = report["dispatch"]
+        run = f"{report['config']} {report['date'][11:16]} UTC"
+        for name, r in d["variants"].items():
+            rows.append({"run": run, "variant": name,
+                         "executor_us_per_block": f"{r['proxy_host_us_per_block']:.1f}"
+                         if "proxy_host_us_per_block" in r else "-",
+                         "pass_over_resident_us_per_block": f"{r['dispatch_us_per_block']:.0f}"})
+    return rows
+
+
+GRAPH_VARIANTS = {"dlo-rank-local-swap": "eager (swap)", "dlo-rank-local-bgraph": "block graphs",
+                  "dlo-rank-local-graph": "step graph", "resident": "resident"}
+
+
+def graph_rows(report: dict[str, Any]) -> list[dict[str, object]]:
+    rows = []
+    for w in report["workloads"]:
+        for r in w["variants"]:
+            if r["variant"] not in GRAPH_VARIANTS:
+                continue
+            rows.append({"workload": w["name"], "variant": GRAPH_VARIANTS[r["variant"]],
+                         "step_ms": f"{1e3 * r['step_s']:.1f}", "x_bound": f"{r['ratio_to_bound']:.3f}",
+                         "host_ms_per_step": f"{1e3 * r['host_s']:.1f}",
+                         "peak_GB": f"{r['peak_device_bytes'] / 1e9:.2f}",
+                         "equal_to_resident": r.get("equal_to_resident", "")})
+    return rows

@@ -1,0 +1,34 @@
+"""Notebook 11's tables (dlo_fn.repro.host_cost_tables): the plan's count of driver calls per block matches what
+the executor issues (counted with the host driver), and the tables read the committed H200 JSON."""
+
+from __future__ import annotations
+
+from dlo_fn.repro import host_cost_tables as hc
+
+
+def test_the_plans_driver_calls_are_the_executors():
+    from dlo_fn.bench.hostloop import measure
+
+    planned = hc.planned_driver_calls(hc.steady_schedule(24))
+    assert planned == {"waits": 2.0, "copies": 1.0, "records": 2.0, "total": 5.0}
+    assert measure(num_blocks=24, passes=6)["driver_calls_per_block"] == planned["total"]
+    # The ring's first pass loads blocks 0 and 1 before the first compute and block 0 of the next pass during
+    # its last block: 25 copies for 24 computes, each with its wait and record.
+    from dlo_fn.plan.schedule import Ring
+
+    cold = hc.planned_driver_calls(Ring.cold(24, num_slots=2, mode="rank-local").next_schedule(1))
+    assert cold["copies"] == 25 / 24 and cold["total"] == 5 + 3 / 24
+
+
+def test_tables_from_the_committed_runs():
+    published = {r["part"]: r for r in hc.published_rows()}
+    assert published["total"]["us_per_block"] == "2083"  # 150 ms / 72 blocks
+    dc = hc.load("driver_cost")
+    rows = {r["call"]: r for r in hc.driver_rows(dc)}
+    assert float(rows["all, per block"]["in_pass_us"]) < float(rows["all, per block"]["in_pass_us_record_after_block"])
+    assert rows["cuStreamBatchMemOp 1 op"]["after_a_block_us"].startswith("error")
+    ex = hc.executor_rows(hc.load("bench_small40"), hc.load("bench_step"))
+    assert {r["variant"] for r in ex} >= {"dlo-rank-local-swap", "dlo-rank-local-bgraph", "dlo-rank-local-graph"}
+    graphs = hc.graph_rows(hc.load("bench_step"))
+    assert {(r["workload"], r["variant"]) for r in graphs} >= {("image", "block graphs"), ("video", "step graph")}
+    assert all(r["equal_to_resident"] is True for r in graphs)
