@@ -49,7 +49,12 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--config", default="bench", help="reference DiT config")
     p.add_argument("--workloads", default="video,image", help=f"comma list of {sorted(WORKLOADS)}")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)}. dlo-MODE is ours with the torch.func "
+                        f"functional_call block call; suffixes: -swap the swap call (the product default), -graph "
+                        f"one CUDA graph per step, -bgraph one per block compute (copies eager), -compile "
+                        f"torch.compile'd blocks; diffusers: its group offloading; naive-sync: a synchronous copy "
+                        f"per block")
     p.add_argument("--warmup", type=int, default=2, help="untimed passes per variant and workload")
     p.add_argument("--repeats", type=int, default=7, help="timed passes (median reported)")
     p.add_argument("--host-repeats", type=int, default=3, help="passes timed on the host from an idle device")
