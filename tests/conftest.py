@@ -203,9 +203,8 @@ def shared_spawns(request):
     # The ranks' process server too, from this thread: it keeps the niceness of the thread that starts it, and
     # the ranks started from the niced thread below nice themselves (dlo_fn.runtime.dist.caller_state).
     from dlo_fn.runtime.dist import start_process_server
-    from dlo_fn.serve.local import SERVE_PRELOAD
 
-    start_process_server(SERVE_PRELOAD)
+    start_process_server()
     pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
     futures = {world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
                for world in sorted(jobs) if jobs[world]}

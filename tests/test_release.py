@@ -43,7 +43,7 @@ def _rank(ctx, ckpt: str, mode: str, budget_fraction: float | None = None) -> di
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["allgather", "rank-local"])
 def test_no_rank_keeps_checkpoint_pages(ckpt_200mb, mode):
-    for r in run_ranks(_rank, 2, ckpt_200mb, mode, timeout_s=240, start_method="spawn"):  # USS: no shared pages
+    for r in run_ranks(_rank, 2, ckpt_200mb, mode, timeout_s=240):
         bound = r["constant"] + r["arena"] + r["host_slots"] + r["resident"]
         assert r["uss"] <= 1.05 * bound, r
         assert r["mapped_at_load"] > 2e8 and r["mapped_after"] == 0 and r["file_rss_after"] == 0, r
@@ -88,7 +88,7 @@ def test_release_ranges_drops_touched_file_pages(tmp_path):
 def test_partly_pinned_rank_keeps_only_streamed_pages(ckpt_200mb):
     """Half the arena budget: the mapping stays open for the streamed blocks, but the pages copied into the
     arena (and the resident tensors') are dropped from it, so USS obeys the same bound."""
-    for r in run_ranks(_rank, 2, ckpt_200mb, "allgather", 0.5, timeout_s=240, start_method="spawn"):
+    for r in run_ranks(_rank, 2, ckpt_200mb, "allgather", 0.5, timeout_s=240):
         assert 0 < r["arena"] <= r["streamed"] + 256 * 12, r
         assert r["mapped_after"] > 0 and r["file_rss_after"] <= 0.05 * r["arena"] + 2**20, r  # fault-around and partial pages
         assert r["uss"] <= 1.05 * (r["constant"] + r["arena"] + r["host_slots"] + r["resident"]), r

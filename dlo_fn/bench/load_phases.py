@@ -93,8 +93,7 @@ def run_phases(checkpoint: str, ranks: int, mode: str, device: str = "cpu", time
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return run_ranks(rank_phases, ranks, checkpoint, mode, device, timeout_s=timeout_s,
-                     start_method="spawn")  # memory measured: no pages shared with a process server
+    return run_ranks(rank_phases, ranks, checkpoint, mode, device, timeout_s=timeout_s)
 
 
 def phase_rows(checkpoint: str, ranks: int, mode: str, results: list[dict], device: str, meta: dict) -> list[dict]:

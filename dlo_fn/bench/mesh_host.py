@@ -91,7 +91,7 @@ def measure(dp: int = 2, sp: int = 2) -> dict:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # inherited by the spawned ranks
     with tempfile.TemporaryDirectory(prefix="dlo_fn_mesh_host_") as tmp:
         ckpt = write_checkpoint(config, pathlib.Path(tmp, "ckpt"), seed=0, progress=False)
-        per_rank = run_ranks(_rank, dp * sp, str(ckpt), dp, sp, timeout_s=300, start_method="spawn")  # memory: no shared pages
+        per_rank = run_ranks(_rank, dp * sp, str(ckpt), dp, sp, timeout_s=300)
     order = {"world": 0, "dp": 1, "sp": 2}
     records = sorted((r for rank in per_rank for r in rank), key=lambda r: (order[r["shard_group"]], r["rank"]))
     return {"config": config.to_dict(), "dp": dp, "sp": sp, "records": records}

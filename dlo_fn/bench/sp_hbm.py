@@ -255,8 +255,8 @@ def measure(cases: tuple[SPCase, ...], device: str = "cuda", shape: tuple[int, i
 
     world = max(c.sp for c in cases)
     per_rank = run_ranks(_rank, world, cases, device, shape, weights, partial_dir, explain, timeout_s=timeout_s,
-                         platform="cpu", threads_per_rank=threads_per_rank,
-                         start_method="spawn")  # memory measured: no pages shared with a process server
+                         platform="cpu",
+                         threads_per_rank=threads_per_rank)
     records = [r for rank_results in per_rank for r in rank_results]
     order = {c.label: i for i, c in enumerate(cases)}
     return sorted(records, key=lambda r: (order[r["case"]], r["rank"]))

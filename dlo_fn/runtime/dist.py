@@ -133,36 +133,34 @@ def free_port() -> int:
 
 START_METHOD_ENV = "DLO_FN_START_METHOD"
 # What every local rank imports: the process server imports it once (see fresh_processes).
-_PRELOAD = ("torch", "dlo_fn.runtime.dist", "dlo_fn.models")
+_PRELOAD = ("torch", "dlo_fn.runtime.dist", "dlo_fn.models", "dlo_fn.serve.engine", "dlo_fn.serve.local")
 
 
-def fresh_processes(method: str | None = None, preload: Sequence[str] = ()) -> Any:
+def fresh_processes() -> Any:
     """The multiprocessing context that starts local ranks (:func:`run_ranks`,
     :func:`dlo_fn.serve.local.serve_local`): a fresh process per rank, never a fork of the caller (so no CUDA
     context and no thread of the caller's is inherited).
 
     ``forkserver`` where the platform has it: every rank forks from one server process that imported torch and
     this package once, which saves each rank the ~3 CPU-seconds of those imports that ``spawn`` pays. ``spawn``
-    elsewhere, when ``DLO_FN_START_METHOD=spawn``, or when the caller asks (``method="spawn"``: a rank that
-    measures its own memory, whose pages must not be shared with a server's). A forkserver's children get the
-    server's environment, niceness and ``sys.path``, not the caller's, so the caller hands :func:`caller_state`
-    to each rank, which applies it first (:func:`adopt_caller_state`). ``preload``: more modules for the server
-    to import, if this call starts it."""
+    elsewhere, or when ``DLO_FN_START_METHOD=spawn``. A forkserver's children get the server's environment,
+    niceness and ``sys.path``, not the caller's, so the caller hands :func:`caller_state` to each rank, which
+    applies it first (:func:`adopt_caller_state`)."""
     import torch.multiprocessing as mp
 
-    method = method or os.environ.get(START_METHOD_ENV) or (
+    method = os.environ.get(START_METHOD_ENV) or (
         "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"{START_METHOD_ENV}={method!r}: give 'forkserver' or 'spawn'")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(list(dict.fromkeys((*_PRELOAD, *preload))))
+        ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
 
-def start_process_server(preload: Sequence[str] = ()) -> None:
+def start_process_server() -> None:
     """Start the forkserver now, from this thread (it keeps this thread's niceness for good), if it is used."""
-    if fresh_processes(preload=preload).get_start_method() == "forkserver":
+    if fresh_processes().get_start_method() == "forkserver":
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
@@ -203,13 +201,12 @@ def _rank_main(rank: int, fn_ref: tuple[str, str], world_size: int, init_file: s
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-              platform: str = "cpu", threads_per_rank: int = 1, start_method: str | None = None) -> list[Any]:
+              platform: str = "cpu", threads_per_rank: int = 1) -> list[Any]:
     """Run ``fn(ctx: DistContext, *args)`` in ``world_size`` fresh processes (:func:`fresh_processes`) joined by a
     file:// rendezvous; return the results in rank order. ``fn`` must be importable (module level) and its result
     picklable. Raises ``RuntimeError`` with the failing ranks' tracebacks, or ``TimeoutError`` after
-    ``timeout_s`` (the processes, which this call started, are then killed). ``start_method``: see
-    :func:`fresh_processes`."""
-    mpctx = fresh_processes(start_method)
+    ``timeout_s`` (the processes, which this call started, are then killed)."""
+    mpctx = fresh_processes()
     fn_ref, state = (fn.__module__, fn.__qualname__), caller_state()
     results = mpctx.Queue()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_ranks_") as tmp:

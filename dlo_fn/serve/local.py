@@ -104,9 +104,6 @@ def _feed(submissions: Sequence[Submission], gaps_s: Sequence[float]) -> Any:
     return source
 
 
-SERVE_PRELOAD = ("dlo_fn.serve.engine", "dlo_fn.serve.local")  # what a serving rank imports beyond the runtime
-
-
 def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: Sequence[Phase], threads: int,
                out: Any, log_level: int, sp_size: int, state: dict) -> None:
     from dlo_fn.runtime.dist import adopt_caller_state
@@ -180,7 +177,7 @@ def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size:
     if dp_size < 1 or sp_size < 1:
         raise ValueError(f"dp_size and sp_size must be >= 1, got {dp_size} and {sp_size}")
     world = dp_size * sp_size
-    ctx, state = fresh_processes(preload=SERVE_PRELOAD), caller_state()
+    ctx, state = fresh_processes(), caller_state()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # pipes, not queues: no semaphores to leak
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_serve_") as tmp:
