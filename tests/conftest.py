@@ -200,11 +200,6 @@ def shared_spawns(request):
     # first spawn came from a test (a thread could start it between tests, and its exit-time warning about
     # serve_local's ranks' semaphores would then reach the terminal).
     multiprocessing.resource_tracker.ensure_running()
-    # The ranks' process server too, from this thread: it keeps the niceness of the thread that starts it, and
-    # the ranks started from the niced thread below nice themselves (dlo_fn.runtime.dist.caller_state).
-    from dlo_fn.runtime.dist import start_process_server
-
-    start_process_server()
     pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
     futures = {world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
                for world in sorted(jobs) if jobs[world]}

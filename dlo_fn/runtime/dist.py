@@ -8,11 +8,9 @@ raises ``TimeoutError`` when they do not finish.
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import queue as queue_mod
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -31,10 +29,6 @@ __all__ = [
     "all_gather_bytes",
     "check_same_across_ranks",
     "free_port",
-    "fresh_processes",
-    "start_process_server",
-    "caller_state",
-    "adopt_caller_state",
     "run_ranks",
 ]
 
@@ -131,60 +125,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-START_METHOD_ENV = "DLO_FN_START_METHOD"
-# What every local rank imports: the process server imports it once (see fresh_processes).
-_PRELOAD = ("torch", "dlo_fn.runtime.dist", "dlo_fn.models", "dlo_fn.serve.engine", "dlo_fn.serve.local")
-
-
-def fresh_processes() -> Any:
-    """The multiprocessing context that starts local ranks (:func:`run_ranks`,
-    :func:`dlo_fn.serve.local.serve_local`): a fresh process per rank, never a fork of the caller (so no CUDA
-    context and no thread of the caller's is inherited).
-
-    ``forkserver`` where the platform has it: every rank forks from one server process that imported torch and
-    this package once, which saves each rank the ~3 CPU-seconds of those imports that ``spawn`` pays. ``spawn``
-    elsewhere, or when ``DLO_FN_START_METHOD=spawn``. A forkserver's children get the server's environment,
-    niceness and ``sys.path``, not the caller's, so the caller hands :func:`caller_state` to each rank, which
-    applies it first (:func:`adopt_caller_state`)."""
-    import torch.multiprocessing as mp
-
-    method = os.environ.get(START_METHOD_ENV) or (
-        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-    if method not in ("forkserver", "spawn"):
-        raise ValueError(f"{START_METHOD_ENV}={method!r}: give 'forkserver' or 'spawn'")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(list(_PRELOAD))
-    return ctx
-
-
-def start_process_server() -> None:
-    """Start the forkserver now, from this thread (it keeps this thread's niceness for good), if it is used."""
-    if fresh_processes().get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-
-
-def caller_state() -> dict[str, Any]:
-    """What a rank must share with its caller: the environment, the calling thread's niceness, ``sys.path``."""
-    return {"env": dict(os.environ), "nice": os.nice(0) if hasattr(os, "nice") else 0, "sys_path": list(sys.path)}
-
-
-def adopt_caller_state(state: dict[str, Any]) -> None:
-    os.environ.clear()
-    os.environ.update(state["env"])
-    sys.path[:] = state["sys_path"]
-    if hasattr(os, "nice") and state["nice"] > os.nice(0):
-        os.nice(state["nice"] - os.nice(0))
-
-
-def _rank_main(rank: int, fn_ref: tuple[str, str], world_size: int, init_file: str, kind: str, timeout_s: float,
-               threads: int, results: Any, args: Sequence[Any], state: dict[str, Any]) -> None:
-    adopt_caller_state(state)
-    fn: Any = importlib.import_module(fn_ref[0])
-    for part in fn_ref[1].split("."):
-        fn = getattr(fn, part)
+def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, kind: str, timeout_s: float,
+               threads: int, results: Any, args: Sequence[Any]) -> None:
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -202,19 +144,20 @@ def _rank_main(rank: int, fn_ref: tuple[str, str], world_size: int, init_file: s
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
               platform: str = "cpu", threads_per_rank: int = 1) -> list[Any]:
-    """Run ``fn(ctx: DistContext, *args)`` in ``world_size`` fresh processes (:func:`fresh_processes`) joined by a
-    file:// rendezvous; return the results in rank order. ``fn`` must be importable (module level) and its result
+    """Run ``fn(ctx: DistContext, *args)`` in ``world_size`` fresh processes (spawn) joined by a file://
+    rendezvous; return the results in rank order. ``fn`` must be importable (module level) and its result
     picklable. Raises ``RuntimeError`` with the failing ranks' tracebacks, or ``TimeoutError`` after
     ``timeout_s`` (the processes, which this call started, are then killed)."""
-    mpctx = fresh_processes()
-    fn_ref, state = (fn.__module__, fn.__qualname__), caller_state()
+    import torch.multiprocessing as mp
+
+    mpctx = mp.get_context("spawn")
     results = mpctx.Queue()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_ranks_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             mpctx.Process(target=_rank_main, daemon=True,
-                          args=(r, fn_ref, world_size, init_file, platform, timeout_s, threads_per_rank, results,
-                                tuple(args), state))
+                          args=(r, fn, world_size, init_file, platform, timeout_s, threads_per_rank, results,
+                                tuple(args)))
             for r in range(world_size)
         ]
         for p in procs:

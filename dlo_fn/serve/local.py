@@ -1,7 +1,6 @@
 """Serve requests on W local CPU ranks (gloo) that this call spawns: the demo's, the tests' and the bench's way in.
 
-:func:`serve_local` starts W = dp x sp fresh processes (:func:`dlo_fn.runtime.dist.fresh_processes`: forked from a
-server that imported torch once, or spawned; ``torch.set_num_threads(threads_per_rank)``
+:func:`serve_local` starts W = dp x sp fresh processes (``spawn``; ``torch.set_num_threads(threads_per_rank)``
 in each; with ``sp_size`` > 1 they form a (dp, sp) mesh, :func:`dlo_fn.runtime.mesh.build_mesh`, and the sp
 ranks of each replica run its requests together) joined by a ``file://`` rendezvous whose process-group timeout
 is the engine's ``timeout_s``. Each rank runs one or more :class:`Phase` in order; per phase it maps the
@@ -105,10 +104,7 @@ def _feed(submissions: Sequence[Submission], gaps_s: Sequence[float]) -> Any:
 
 
 def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: Sequence[Phase], threads: int,
-               out: Any, log_level: int, sp_size: int, state: dict) -> None:
-    from dlo_fn.runtime.dist import adopt_caller_state
-
-    adopt_caller_state(state)
+               out: Any, log_level: int, sp_size: int = 1) -> None:
     torch.set_num_threads(threads)
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -172,19 +168,19 @@ def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size:
     """Run ``phases`` on ``dp_size x sp_size`` spawned CPU ranks; see the module docstring. Raises
     ``RuntimeError`` with rank 0's traceback if it failed outside the engine, ``TimeoutError`` if it gave no
     answer within ``join_timeout_s`` (every process is then killed)."""
-    from dlo_fn.runtime.dist import caller_state, fresh_processes
+    import multiprocessing as mp
 
     if dp_size < 1 or sp_size < 1:
         raise ValueError(f"dp_size and sp_size must be >= 1, got {dp_size} and {sp_size}")
     world = dp_size * sp_size
-    ctx, state = fresh_processes(), caller_state()
+    ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # pipes, not queues: no semaphores to leak
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_serve_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(r, world, init_file, str(checkpoint), tuple(phases), threads_per_rank,
-                                   pipes[r][1], log_level, sp_size, state))
+                                   pipes[r][1], log_level, sp_size))
                  for r in range(world)]
         for p in procs:
             p.start()
