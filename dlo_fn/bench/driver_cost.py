@@ -26,7 +26,6 @@ import copy
 import ctypes
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -98,11 +97,11 @@ def in_pass(passes: int, defer_record: bool = True) -> tuple[dict, tuple]:
         del tensors
         for b in blocks:
             strip_block(b, platform.device)
-        os.environ["DLO_FN_DEFER_RECORD"] = "1" if defer_record else "0"
         run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode="rank-local", group=None,
                                         block_call="functional_call")
         if ex._raw is None:
             raise SystemExit("driver_cost needs the driver-call loop (CUDA, libcuda, a pinned arena)")
+        ex._defer_record = defer_record  # what DLO_FN_DEFER_RECORD sets when the executor is built
         acc: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         for name in list(ex._raw._fast):
@@ -219,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     # record right after its block call.
     result, setup = in_pass(a.passes, defer_record=True)
     result["record_after_block_call"] = in_pass(a.passes, defer_record=False)[0]
-    os.environ.pop("DLO_FN_DEFER_RECORD")
     result.update(outside(setup, a.calls))
     result.update(machine=machine(platform_for("cuda", 0)), date=datetime.datetime.now(datetime.timezone.utc)
                   .isoformat(timespec="seconds"),

@@ -51,17 +51,12 @@ from typing import Any, Callable
 
 import torch
 
-from dlo_fn.runtime.graph_parts import ShapeLRU, capture_guard, flatten_call, rebuild_call
+from dlo_fn.runtime.graph_parts import (ShapeLRU, capture_guard, flatten_call, flatten_outputs, rebuild_call,
+                                       tensor_specs)
 
 __all__ = ["BlockGraphs", "CudaCapture", "holders"]
 
 log = logging.getLogger(__name__)
-
-
-def _spec(flat: list[Any], device: str = "cuda") -> tuple | None:
-    if not all(isinstance(t, torch.Tensor) and t.device.type == device for t in flat):
-        return None
-    return tuple((tuple(t.shape), t.stride(), t.dtype) for t in flat)
 
 
 class CudaCapture:
@@ -85,13 +80,6 @@ class CudaCapture:
         with capture_guard(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
             result = work()
         return g, result
-
-
-def _outputs(output: Any) -> list[torch.Tensor] | None:
-    """A block's outputs as a list (a tensor, or a tuple / list of tensors), None for anything else."""
-    outs = [output] if isinstance(output, torch.Tensor) else list(output) if isinstance(output, (tuple, list)) \
-        else None
-    return outs if outs is not None and all(isinstance(t, torch.Tensor) for t in outs) else None
 
 
 def holders(t: torch.Tensor) -> tuple[int, int]:
@@ -187,14 +175,15 @@ class BlockGraphs:
 
         def call(args: tuple, kwargs: dict, request: int = 0) -> Any:
             flattened = flatten_call(args, kwargs)
-            spec = _spec(flattened[0], self._device) if flattened is not None else None
+            spec = tensor_specs(flattened[0], self._device) if flattened is not None else None
             if spec is None:
                 self._log_once("a block takes an argument other than a CUDA tensor, a tuple of them or a constant")
                 return caller(args, kwargs)
             flat, structure = flattened
+            shape = (request, len(args), tuple(kwargs), structure, spec)  # a request's shape is its block 0's
             if block == 0:
-                self._new_pass(request, (request, len(args), tuple(kwargs), structure, spec))
-            key = (block, slot, request, len(args), tuple(kwargs), structure, spec)
+                self._new_pass(request, shape)
+            key = (block, slot, *shape)
             got = self._graphs.get(key)
             if got is not None:
                 bufs = self._bufs
@@ -213,8 +202,8 @@ class BlockGraphs:
                 out = caller(args, kwargs)
                 if key not in self._seen:
                     self._key_seen(key, request)
-                outs = _outputs(out)
-                self._seen[key] = None if outs is None else _spec(outs, self._device)
+                outs = flatten_outputs(out)
+                self._seen[key] = None if outs is None else tensor_specs(outs, self._device)
                 return out
             return self._capture(key, caller, args, kwargs, flat, block, request, spec)
 
@@ -251,8 +240,9 @@ class BlockGraphs:
         """The chain buffers block ``block`` writes for outputs of ``out_specs``, allocated once (outside the
         graphs' pool)."""
         keys = []
-        for j, (shape, stride, dtype) in enumerate(out_specs):
-            k = (request, j, (shape, stride, dtype), block % 2)
+        for j, spec in enumerate(out_specs):
+            k = (request, j, spec, block % 2)
+            shape, stride, dtype, _ = spec
             if k not in self._bufs:
                 self._bufs[k] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 self._chain[id(self._bufs[k])] = k
@@ -293,8 +283,8 @@ class BlockGraphs:
         def work() -> Any:
             inputs = [bufs[k] if k is not None else entry[0] for k, entry in sources]
             output = caller(*rebuild_call(num_args, names, structure, inputs))
-            outs = _outputs(output)
-            if outs is None or _spec(outs, self._device) != out_specs:
+            outs = flatten_outputs(output)
+            if outs is None or tensor_specs(outs, self._device) != out_specs:
                 raise ValueError("the block's outputs differ from those of its eager call (count, shape, strides "
                                  "or dtype)")
             for t, k in zip(outs, writes):

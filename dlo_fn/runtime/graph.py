@@ -67,7 +67,8 @@ from typing import Any, Mapping
 import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
-from dlo_fn.runtime.graph_parts import ShapeLRU, capture_guard, flatten_call, rebuild_call
+from dlo_fn.runtime.graph_parts import (ShapeLRU, capture_guard, flatten_call, flatten_outputs, rebuild_call,
+                                       tensor_specs)
 
 __all__ = ["GRAPH_NCCL_ENV", "StepGraphs", "graph_support"]
 
@@ -141,20 +142,6 @@ def _flat(args: tuple, kwargs: dict) -> tuple[list[Any] | None, tuple]:
     if flattened is None:
         return None, (len(args), tuple(kwargs), None)
     return flattened[0], (len(args), tuple(kwargs), flattened[1])
-
-
-def _spec(flat: list[Any] | None) -> tuple | None:
-    if flat is None or not all(isinstance(t, torch.Tensor) for t in flat):
-        return None
-    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in flat)
-
-
-def _out_flat(out: Any) -> list[Any] | None:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
-        return list(out)
-    return None
 
 
 def _rebuild(like: Any, flat: list[Any]) -> Any:
@@ -268,7 +255,7 @@ class StepGraphs:
             return
         op, rec = run.program.schedule.ops[i], live.record
         if rec is not None and rec.ok:
-            of = _out_flat(out)
+            of = flatten_outputs(out)
             if of is None:
                 rec.ok = False
                 self._log_once("a block returns something other than a tensor or a tuple of tensors")
@@ -286,7 +273,7 @@ class StepGraphs:
         steps = self.steps_of(run.program)
         step = next(s for s in steps if s.start <= i < s.end)
         flat, structure = _flat(args, kwargs)
-        spec = _spec(flat)
+        spec = tensor_specs(flat)
         if spec is None:
             self._log_once("a block takes an argument other than a tensor, a tuple of them or a constant")
             return _Live(step, "record", None)
@@ -316,7 +303,7 @@ class StepGraphs:
             return
         r = op.request
         if op.block == 0:
-            spec = _spec(flat)
+            spec = tensor_specs(flat)
             if structure != rec.structure or spec is None or (r > 0 and spec != rec.specs[0]):
                 rec.ok = False
                 self._log_once("the requests of one load differ in input structure or shape")
@@ -388,7 +375,7 @@ class StepGraphs:
                                         for src, j in rec.wiring[(op.block, r)]]
                             _, caller = p.args[i]
                             out = caller(*rebuild_call(n_args, names, items, flat))
-                            prev[r] = _out_flat(out)
+                            prev[r] = flatten_outputs(out)
                             outs[r] = out
                         evs[i] = new()
                         evs[i].record(stream)
@@ -415,7 +402,7 @@ class StepGraphs:
                                 f"a tensor, a tuple of them or a constant, unlike when its step was captured: run "
                                 f"this model with graph=False")
         if op.block == 0:
-            if r and _spec(flat) != live.record.specs[r]:  # request 0's shapes are in the key; the others here
+            if r and tensor_specs(flat) != live.record.specs[r]:  # request 0's shapes are in the key; the others here
                 raise ScheduleError(f"cuda graph: request {r} of this load has other input shapes than when the "
                                     f"step was captured: give every request of one load the same shapes, or "
                                     f"run with graph=False")

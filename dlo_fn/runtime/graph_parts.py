@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShapeLRU", "capture_guard", "flatten_call", "rebuild_call"]
+__all__ = ["ShapeLRU", "capture_guard", "flatten_call", "flatten_outputs", "rebuild_call", "tensor_specs"]
 
 
 @contextlib.contextmanager
@@ -107,3 +107,21 @@ class ShapeLRU:
 
     def clear(self) -> None:
         self._keys.clear()
+
+
+def tensor_specs(flat: list[Any] | None, device_type: str | None = None) -> tuple | None:
+    """``(shape, stride, dtype, device)`` of each tensor of ``flat``, what a graph's key holds; None if ``flat`` is
+    None or holds anything else (or a tensor on another device type than ``device_type``)."""
+    if flat is None or not all(isinstance(t, torch.Tensor) and (device_type is None or t.device.type == device_type)
+                               for t in flat):
+        return None
+    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in flat)
+
+
+def flatten_outputs(out: Any) -> list[torch.Tensor] | None:
+    """A block's outputs as a list (a tensor, or a tuple / list of tensors); None for anything else."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+        return list(out)
+    return None
