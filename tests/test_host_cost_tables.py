@@ -32,3 +32,12 @@ def test_tables_from_the_committed_runs():
     graphs = hc.graph_rows(hc.load("bench_step"))
     assert {(r["workload"], r["variant"]) for r in graphs} >= {("image", "block graphs"), ("video", "step graph")}
     assert all(r["equal_to_resident"] is True for r in graphs)
+
+
+def test_the_takeaway_is_computed_from_the_reports():
+    bench = hc.load("bench_step")
+    s = hc.summary(hc.load("driver_cost"), hc.load("bench_small40"), bench)
+    eager = [r["proxy_host_us_per_block"] for rep in (hc.load("bench_small40"), bench)
+             for n, r in rep["dispatch"]["variants"].items() if n in ("dlo-rank-local", "dlo-rank-local-swap")]
+    assert s["ours, eager"] == f"{min(eager):.1f}-{max(eager):.1f} us"
+    assert s["reference host work per block"] == "2083 us" and set(s) >= {"block graphs, video", "block graphs, image"}

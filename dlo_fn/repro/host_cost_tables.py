@@ -10,7 +10,8 @@
 * :func:`executor_rows` - the executor's own host time per block and the whole pass's over resident, per variant
   (``bench step``'s dispatch rows), in the runs committed;
 * :func:`graph_rows` - eager, block graphs and the step graph on the bench model: ratio to the bound, host time
-  per step, peak device memory.
+  per step, peak device memory;
+* :func:`summary` - the takeaway, computed from the same reports.
 
 Every number comes from the committed JSON under ``figures/data/`` (machine, command and date inside).
 """
@@ -26,7 +27,7 @@ from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
 __all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_driver_calls", "steady_schedule", "driver_rows",
-           "executor_rows", "graph_rows"]
+           "executor_rows", "graph_rows", "summary"]
 
 NANO_BLOCKS = 72  # the reference's Nano DiT: the 150 ms/step is over its 72 blocks
 
@@ -118,3 +119,24 @@ def graph_rows(report: dict[str, Any]) -> list[dict[str, object]]:
                          "peak_GB": f"{r['peak_device_bytes'] / 1e9:.2f}",
                          "equal_to_resident": r.get("equal_to_resident", "")})
     return rows
+
+
+def summary(driver: dict[str, Any], *reports: dict[str, Any]) -> dict[str, str]:
+    """The notebook's takeaway, computed: the executor's cost per block eager and with block graphs (range over
+    the runs' dispatch rows), the driver's share, and what block graphs add in device memory and step time on the
+    bench model (the last report with workloads that has both variants)."""
+    def us(names: tuple[str, ...]) -> str:
+        vals = [r["proxy_host_us_per_block"] for rep in reports for n, r in rep["dispatch"]["variants"].items()
+                if n in names]
+        return f"{min(vals):.1f}-{max(vals):.1f} us"
+
+    out = {"reference host work per block": f"{1e3 * published('perf.nano.allgather_overhead.total').value / NANO_BLOCKS:.0f} us",
+           "ours, eager": us(("dlo-rank-local", "dlo-rank-local-swap")),
+           "ours, block graphs": us(("dlo-rank-local-bgraph",)),
+           "of which driver calls, eager": f"{driver['driver_us_per_block']:.1f} us"}
+    for w in reports[-1]["workloads"]:
+        v = {r["variant"]: r for r in w["variants"]}
+        eager, bg = v["dlo-rank-local-swap"], v["dlo-rank-local-bgraph"]
+        out[f"block graphs, {w['name']}"] = (f"{bg['ratio_to_bound']:.3f}x bound (eager {eager['ratio_to_bound']:.3f}x), "
+                                             f"+{(bg['peak_device_bytes'] - eager['peak_device_bytes']) / 1e9:.2f} GB peak")
+    return out
