@@ -30,3 +30,19 @@ def build_case(case: dict):
     else:
         kw["landing_offset"] %= kw["num_landing"]
     return build_schedule(kw.pop("num_blocks"), kw.pop("num_steps"), **kw)
+
+
+# Load groups (rank-local op sequence): G loads moving as one on S = m * G slots, m >= 2.
+grouped_cases = st.integers(2, 3).flatmap(lambda g: st.fixed_dictionaries({
+    "num_blocks": st.integers(1, 12),
+    "num_steps": st.integers(1, 3),
+    "num_slots": st.integers(2, 3).map(lambda m: m * g),
+    "num_landing": st.just(0),
+    "requests_per_load": st.integers(1, 3),
+    "mode": st.just("rank-local"),
+    "warm_start": st.booleans(),
+    "prefetch_next": st.booleans(),
+    "slot_offset": st.integers(0, 8),
+    "landing_offset": st.just(0),
+    "load_group": st.just(g),
+}))

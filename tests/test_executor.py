@@ -65,7 +65,8 @@ def toy(num_blocks: int = 5, seed: int = 0, d: int = 16) -> ToyDiT:
 @pytest.mark.parametrize("mode,opts", [
     ("allgather", {}), ("allgather", {"block_call": "swap"}), ("allgather", {"num_slots": 3, "num_landing": 1}),
     ("rank-local", {}), ("rank-local", {"rank_local_source": "mmap"}), ("rank-local", {"num_slots": 1}),
-    ("resident", {}),
+    ("resident", {}), ("rank-local", {"num_slots": 4, "load_group": 2}),
+    ("allgather", {"num_slots": 6, "load_group": 3}),  # W = 1: the rank-local sequence, so load groups apply
 ])
 def test_offloaded_equals_resident_over_passes(mode, opts):
     ref = toy()
@@ -222,7 +223,8 @@ def test_cuda_streams_events_bit_exact(mode):
     assert ex.measured_device_bytes <= 1.05 * ex.planned_device_weight_bytes + 2 * 2**20
 
 
-@pytest.mark.parametrize("mode,opts", [("allgather", {}), ("rank-local", {"num_slots": 3})])
+@pytest.mark.parametrize("mode,opts", [("allgather", {}), ("rank-local", {"num_slots": 3}),
+                                       ("rank-local", {"num_slots": 4, "load_group": 2})])
 def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
     # The CUDA eager path (bound driver calls per segment, runtime.program.fast_segments) on the host: copies are
     # real memmoves of the arena's bytes into the slots, so a wrong pointer, size or order changes the output.
@@ -242,14 +244,44 @@ def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
             x = torch.randn(2, 16)
             assert torch.equal(o.model(x), ref(x))
     assert ex.stats.computes == 5 * 5 and driver.calls > 0
-    # Every compute took the fast path but those whose segment has a slot's first use in the run (it waits on the
-    # previous run's last use of that slot, known only at run time): at most S - 1 per run, 4 runs.
-    assert 5 * 5 - 4 * (ex.num_slots - 1) <= len(fast) < 5 * 5
+    # Every compute took the fast path, those whose segment has a slot's first use in the run too: the wait on the
+    # previous run's last use of that slot is bound when the run begins (fast_segments' carry).
+    assert len(fast) == 5 * 5
     with pytest.raises(ScheduleError, match="computes are all done"):  # one block too many, on this path too
         with o.run(1):
             o.model(x)
             o.model.blocks[0](x, ctx=x)
     assert torch.equal(o.model(x), ref(x))  # the ring restarted cold
+
+
+@pytest.mark.parametrize("block_call", ["swap", "functional_call"])
+def test_load_groups_cut_the_driver_calls_per_block(monkeypatch, block_call):
+    # A run of T passes on the driver-call path (fast segments, the tail bound too): one load per block makes 5
+    # driver calls per block (the H2D, its wait and record, the compute's wait and record); groups of G make 5 per
+    # G blocks: one wait, one copy (the slots are one allocation and the arena holds consecutive blocks back to
+    # back, so the G copies merge), one record on each stream. At the run's boundary the S slots' first uses each
+    # wait on the previous run (at most 2 S calls more per run) and the partial prefetch group copies once more.
+    # Bit-exact either way, and every wait comes after its record in the run (strict driver).
+    from dlo_fn.bench.hostloop import host_executor
+
+    ref, B, T = toy(8), 8, 6
+    for g in (1, 2, 4):
+        o, driver = host_executor(copy.deepcopy(ref), "rank-local", block_call=block_call, monkeypatch=monkeypatch,
+                                  strict=True, num_slots=2 * g, load_group=g)
+        for _ in range(2):  # cold, then warm implicit runs
+            o.model(torch.randn(2, 16))
+        calls, copies = driver.calls, driver.copies
+        with o.run(T):
+            for _ in range(T):
+                x = torch.randn(2, 16)
+                assert torch.equal(o.model(x), ref(x))
+        per_block = (driver.calls - calls) / (T * B)
+        copies_per_block = (driver.copies - copies) / (T * B)
+        if g == 1:
+            assert (per_block, copies_per_block) == (5.0, 1.0)
+        else:
+            assert 5 / g < per_block <= 5 / g + 2 * (2 * g) / (T * B), (g, per_block)
+            assert copies_per_block == 1 / g + 1 / (T * B), (g, copies_per_block)
 
 
 def test_release_gives_back_the_buffers_and_refuses_to_run():

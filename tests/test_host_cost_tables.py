@@ -20,6 +20,20 @@ def test_the_plans_driver_calls_are_the_executors():
     assert cold["copies"] == 25 / 24 and cold["total"] == 5 + 3 / 24
 
 
+def test_load_groups_planned_calls_are_the_executors():
+    # Groups of G on 2G slots: per group one wait, one (merged) copy and one record per stream, plus the run's
+    # boundary (each slot's first use waits on the previous run; the partial prefetch group copies once more).
+    from dlo_fn.bench.hostloop import measure
+
+    totals = {}
+    for g in (2, 4):
+        planned = hc.planned_driver_calls(hc.steady_schedule(24, 2 * g, g))
+        assert measure(num_blocks=24, passes=4, load_group=g)["driver_calls_per_block"] == planned["total"]
+        assert planned["copies"] == (24 // g + 1) / 24
+        totals[g] = planned["total"]
+    assert 5 / 2 < totals[2] < 3 and 5 / 4 < totals[4] < totals[2]
+
+
 def test_tables_from_the_committed_runs():
     published = {r["part"]: r for r in hc.published_rows()}
     assert published["total"]["us_per_block"] == "2083"  # 150 ms / 72 blocks

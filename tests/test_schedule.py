@@ -377,3 +377,121 @@ def test_a_ring_chains_any_runs_like_next_schedule(case, runs):
         assert nxt == next_schedule(prev, num_steps, requests_per_load=requests, prefetch_next=prefetch)
         check_schedule(nxt, prev=prev)
         ring, prev = ring.after(nxt), nxt
+
+
+# --- load groups (dlo_fn.plan.lowering, "Load groups") ----------------------------------------------------------
+
+from strategies import grouped_cases  # noqa: E402
+
+
+def test_golden_load_groups_of_two_on_four_slots():
+    # Each group of two loads is issued as one, when its last load's slot is free; its first H2D waits on the
+    # last compute of the slots' previous occupants, the second waits on nothing; the first compute of a group waits
+    # on the group's last H2D, the second on nothing.
+    s = build_schedule(6, 1, num_slots=4, mode="rank-local", load_group=2)
+    _assert_golden(s, [
+        "H2D k0 b0>s0", "H2D k1 b1>s1", "H2D k2 b2>s2", "H2D k3 b3>s3",
+        "C k0 b0@s0 r0 <- 1", "C k1 b1@s1 r0",
+        "H2D k4 b4>s0 <- 5", "H2D k5 b5>s1",
+        "C k2 b2@s2 r0 <- 3", "C k3 b3@s3 r0",
+        "C k4 b4@s0 r0 <- 7", "C k5 b5@s1 r0",
+    ])
+    assert s.load_group == 2 and Ring.of(s).load_group == 2
+
+
+def test_load_group_one_is_the_published_schedule():
+    for kw in (dict(num_slots=2), dict(num_slots=4, requests_per_load=2, prefetch_next=True)):
+        a = build_schedule(7, 2, mode="rank-local", **kw)
+        b = build_schedule(7, 2, mode="rank-local", load_group=1, **kw)
+        assert a == b and a.ops == b.ops and a.deps == b.deps
+
+
+def test_load_group_arguments_are_named():
+    with pytest.raises(ValueError, match="load_group = 2 needs the rank-local op sequence"):
+        build_schedule(4, 1, num_slots=4, mode="allgather", load_group=2)
+    with pytest.raises(ValueError, match="num_slots a multiple of it and >= 4.*pass num_slots = 4"):
+        build_schedule(4, 1, num_slots=2, mode="rank-local", load_group=2)
+    with pytest.raises(ValueError, match="multiple"):
+        build_schedule(4, 1, num_slots=5, mode="rank-local", load_group=2)
+    with pytest.raises(ValueError, match="load_group must be an int >= 1"):
+        build_schedule(4, 1, num_slots=4, mode="rank-local", load_group=0)
+    # allgather over one rank is the rank-local sequence, so it takes load groups
+    s = build_schedule(4, 1, num_slots=4, mode="allgather", num_shards=1, load_group=2)
+    assert s.mode == "rank-local" and s.load_group == 2
+    a = build_schedule(4, 1, num_slots=4, mode="rank-local", load_group=2, prefetch_next=True)
+    other = Ring.of(a).after(a)
+    assert other.load_group == 2 and other.restart().load_group == 2
+    with pytest.raises(ScheduleError, match=r"load_group = 2 \(the ring has 1\)"):
+        dataclasses.replace(other, load_group=1).check(next_schedule(a, 1))
+
+
+def _group_structure(s: Schedule) -> None:
+    """Per group: its H2Ds back to back, waits only on the first; a compute waits, if at all, on its group's last
+    H2D, and only the first compute of each group that this run loads waits."""
+    g, o = s.load_group, s.slot_offset
+    h2d = [(i, op) for i, op in enumerate(s.ops) if op.kind == H2D]
+    groups: dict[int, list[int]] = {}
+    for i, op in h2d:
+        groups.setdefault((o + op.load) // g, []).append(i)
+    for idx in groups.values():
+        assert idx == list(range(idx[0], idx[0] + len(idx))), s.describe()
+        assert all(not s.deps[i] for i in idx[1:]), s.describe()
+    last_of = {s.ops[i].load: idx[-1] for idx in groups.values() for i in idx}
+    for i, op in enumerate(s.ops):
+        if op.kind == C and s.deps[i]:
+            assert s.deps[i] == (last_of[op.load],), s.describe()
+    waiting = sum(1 for i, op in enumerate(s.ops) if op.kind == C and s.deps[i])
+    assert waiting <= len(groups), s.describe()
+
+
+@settings(max_examples=150, deadline=None)
+@given(grouped_cases, st.integers(0, 2**31))
+def test_every_grouped_schedule_is_valid_hazard_free_and_grouped(case, seed):
+    s = _build(case)
+    check_schedule(s)
+    _replay_in_time(s, seed)
+    _group_structure(s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped_cases, st.data())
+def test_every_grouped_wait_is_needed(case, data):
+    s = _build(case)
+    waits = [(i, d) for i, deps in enumerate(s.deps) for d in deps]
+    if not waits:
+        return
+    i, d = data.draw(st.sampled_from(waits))
+    with pytest.raises(ScheduleError):
+        check_schedule(_with_deps(s, i, tuple(x for x in s.deps[i] if x != d)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped_cases, st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.booleans()), min_size=1,
+                               max_size=4), st.integers(0, 2**31))
+def test_grouped_runs_chain_on_the_ring(case, runs, seed):
+    prev = _build(dict(case, prefetch_next=True))
+    ring = Ring.of(prev).after(prev)
+    for num_steps, requests, prefetch in runs:
+        nxt = ring.next_schedule(num_steps, requests, prefetch_next=prefetch)
+        check_schedule(nxt, prev=prev)
+        _replay_in_time(nxt, seed)
+        _group_structure(nxt)
+        ring, prev = ring.after(nxt), nxt
+
+
+def test_load_groups_keep_the_steady_load_period():
+    # H2D-bound blocks (h = 3 > c = 1), the plan's own timeline on the schedule's waits: a group of G loads starts
+    # computing G H2Ds in (not 1), the load period per block is unchanged, and the run ends G - 1 computes later
+    # (the last group's computes all wait for its last H2D).
+    def timeline(g: int, steps: int):
+        s = build_schedule(8, steps, num_slots=2 * g, mode="rank-local", load_group=g)
+        return simulate(s, lambda op: 3.0 if op.kind == H2D else 1.0)
+
+    def first_compute_s(g: int) -> float:
+        return min(sp.start_s for sp in timeline(g, 1).spans if sp.op.startswith("C "))
+
+    for g in (2, 4):
+        assert timeline(g, 3).makespan_s - timeline(g, 2).makespan_s == 8 * 3.0
+        assert timeline(1, 3).makespan_s - timeline(1, 2).makespan_s == 8 * 3.0
+        assert timeline(g, 1).makespan_s == timeline(1, 1).makespan_s + (g - 1) * 1.0
+        assert first_compute_s(g) == g * 3.0 and first_compute_s(1) == 3.0

@@ -36,10 +36,10 @@ class _Event:
 
 class HostDriver:
     """The :class:`~dlo_fn.runtime.cuda_raw.RawCuda` interface on the host: copies are ``memmove``, events are
-    no-ops; ``calls`` counts every driver call made through it."""
+    no-ops; ``calls`` counts every driver call made through it, ``copies`` the copies among them."""
 
     def __init__(self, strict: bool = False) -> None:
-        self.calls = 0
+        self.calls = self.copies = 0
         self._next = 1
         # strict: every wait of a fast segment (bind_wait: the waits on the run's own ops) must come after that
         # event's record in the same run (new_run starts one), or the device would wait on the previous run's
@@ -64,6 +64,7 @@ class HostDriver:
 
         def copy(dst: int, src: int, nbytes: int, stream: int) -> int:
             self.calls += 1
+            self.copies += 1
             ctypes.memmove(dst, src, nbytes)
             return 0
 
@@ -87,6 +88,9 @@ class HostDriver:
 
     def bind_wait(self, stream: int, event: int) -> tuple[Any, tuple]:
         return self._fast_wait, (stream, event, 0)
+
+    def bind_carry_wait(self, stream: int, event: int) -> tuple[Any, tuple]:
+        return self._wait, (stream, event, 0)  # the previous run's record: not in this run's set
 
     def bind_record(self, event: int, stream: int) -> tuple[Any, tuple]:
         return self._record, (event, stream)
@@ -136,8 +140,9 @@ def host_executor(model: nn.Module, mode: str = "rank-local", *, block_call: str
     return off, driver
 
 
-def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200) -> dict:
-    """Median over passes of the executor's host time per block (us) and driver calls per block."""
+def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200, load_group: int = 1) -> dict:
+    """Median over passes of the executor's host time per block (us) and driver calls per block (one implicit run
+    per pass; ``load_group`` G on 2G slots)."""
 
     class Stack(nn.Module):
         def __init__(self) -> None:
@@ -155,7 +160,7 @@ def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200) -> d
     want = ref(x)
     import copy
 
-    off, driver = host_executor(copy.deepcopy(ref))
+    off, driver = host_executor(copy.deepcopy(ref), num_slots=2 * load_group, load_group=load_group)
     ex = off.executor
     per_block, calls = [], []
     with torch.no_grad():
@@ -167,7 +172,7 @@ def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200) -> d
             calls.append((driver.calls - c0) / num_blocks)
     assert torch.equal(got, want), "the offloaded pass differs from resident"
     return {"executor_host_us_per_block": statistics.median(per_block[passes // 4:]),
-            "driver_calls_per_block": statistics.median(calls), "num_blocks": num_blocks,
+            "driver_calls_per_block": statistics.median(calls), "num_blocks": num_blocks, "load_group": load_group,
             "tensors_per_block": num_tensors, "passes": passes, "equal_to_resident": True}
 
 

@@ -13,6 +13,8 @@ variant                  how the blocks' weights reach the device
 ``resident-graph``       resident, the whole pass captured as one CUDA graph (CUDA only; a diagnostic)
 ``resident-compile``     resident, every block compiled with ``torch.compile`` (``nn.Module.compile``)
 ``dlo-rank-local-compile``  dlo-rank-local on blocks compiled the same way (compared with resident-compile)
+``dlo-*-g2``, ``-g4``    load groups (``load_group`` G on 2G slots): G blocks' copies as one, one wait and one
+                         record per group on each stream
 ``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
 ``naive-sync``           per block: synchronous copy from the pinned arena into one slot, then compute
 =======================  =====================================================================================
@@ -41,17 +43,21 @@ __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
             "dlo-allgather-graph", "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers", "naive-sync",
-            "resident-compile", "dlo-rank-local-compile", "resident-graph")
+            "resident-compile", "dlo-rank-local-compile", "resident-graph", "dlo-rank-local-swap-g2",
+            "dlo-rank-local-swap-g4", "dlo-rank-local-g2")
 # compiling takes minutes on a CPU; resident-graph is a diagnostic (CUDA only)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "resident-graph")))
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
 
 
 def variant_options(variant: str) -> dict:
-    """Executor options of a ``dlo-*`` variant."""
+    """Executor options of a ``dlo-*`` variant: its mode, then suffixes ``-swap`` / ``-compile`` (block call),
+    ``-graph`` / ``-bgraph`` (CUDA graphs), ``-g<G>`` (load groups of G on 2G slots)."""
+    parts = variant.split("-")
+    group = next((int(p[1:]) for p in parts if p[:1] == "g" and p[1:].isdigit()), 1)
     return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
-            "block_call": {"-swap": "swap", "-compile": "compile"}.get(variant[variant.rfind("-"):], "functional_call"),
-            "graph": "block" if variant.endswith("-bgraph") else variant.endswith("-graph")}
+            "block_call": "swap" if "swap" in parts else "compile" if "compile" in parts else "functional_call",
+            "graph": "block" if "bgraph" in parts else "graph" in parts, "load_group": group}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
@@ -192,10 +198,10 @@ class _Stack(nn.Module):
 
 
 def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
-                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool = False
-                  ) -> tuple[PassFn, Executor]:
+                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool | str = False,
+                  load_group: int = 1) -> tuple[PassFn, Executor]:
     ex = Executor(platform, layout, store, blocks, aliases, group=group if mode == "allgather" else None,
-                  mode=mode, block_call=block_call, graph=graph)
+                  mode=mode, block_call=block_call, graph=graph, num_slots=2 * load_group, load_group=load_group)
     proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -42,6 +42,16 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if getattr(args, "graph_shapes", 1) < 1:
         raise UsageError(f"generate: --graph-shapes {args.graph_shapes}: give >= 1 (the input shapes whose CUDA "
                          f"graphs are kept)")
+    group = getattr(args, "load_group", 1)
+    if group < 1:
+        raise UsageError(f"generate: --load-group {group}: give >= 1 (1 = one load per block)")
+    slots = getattr(args, "slots", None)
+    if group > 1 and slots == "auto":
+        raise UsageError(f"generate: --load-group {group} with --slots auto: give --slots (a multiple of {group}, "
+                         f">= {2 * group}; the policy chooses slots per block)")
+    if group > 1 and isinstance(slots, int) and (slots % group or slots < 2 * group):
+        raise UsageError(f"generate: --load-group {group} --slots {slots}: give --slots a multiple of {group} and "
+                         f">= {2 * group} (two groups in flight), or leave --slots out ({2 * group})")
     if not args.max_wait_s >= 0:
         raise UsageError(f"generate: --max-wait-s {args.max_wait_s}: give a number of seconds >= 0")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):

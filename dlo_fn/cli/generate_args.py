@@ -8,6 +8,7 @@ into one :class:`~dlo_fn.cli.UsageError` line (see :mod:`dlo_fn.cli.generate` fo
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from dlo_fn.cli import UsageError
 from dlo_fn.plan.modes import MODES
@@ -31,8 +32,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight placement (default allgather; auto: the policy chooses from start-up probes)")
     parser.add_argument("--no-allgather", action="store_true", help="same as --mode rank-local")
     parser.add_argument("--resident", action="store_true", help="same as --mode resident (no offload)")
-    parser.add_argument("--slots", type=_int_or_auto("--slots"), default=2,
-                        help="device slots (2 = double buffer; auto: the policy chooses from start-up probes)")
+    parser.add_argument("--slots", type=_int_or_auto("--slots"), default=None,
+                        help="device slots (default 2 = double buffer, 2G with --load-group G; auto: the policy "
+                             "chooses from start-up probes)")
     parser.add_argument("--landing", type=int, default=None, help="landing buffers (allgather; default 2)")
     parser.add_argument("--rank-local-source", choices=("pinned", "mmap"), default="pinned",
                         help="rank-local: private pinned copy (fast H2D) or stream from the shared mmap")
@@ -50,6 +52,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graph-shapes", type=int, default=4, metavar="N",
                         help="with --cuda-graph: keep the graphs of the N most recently used input shapes (a new "
                              "shape beyond frees the least recently used one's graphs and buffers)")
+    parser.add_argument("--load-group", type=int, default=1, metavar="G",
+                        help="move G consecutive blocks as one load (one wait and one record for their copies, and "
+                             "for their computes): for models of many small blocks, where the host's 5 driver calls "
+                             "per block are the bound. Rank-local op sequence only (rank-local, or allgather on one "
+                             "rank); needs --slots a multiple of G and >= 2G (default 2G)")
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
@@ -103,16 +110,23 @@ def mode_from_args(args: argparse.Namespace) -> str:
     return chosen.pop() if chosen else "allgather"
 
 
+def slots_from_args(args: argparse.Namespace, auto: Any) -> Any:
+    """``--slots``: the number given, ``auto`` for ``auto``, else the default: 2 slots per load group."""
+    if args.slots == "auto":
+        return auto
+    return args.slots if args.slots is not None else 2 * args.load_group
+
+
 def options_from_args(args: argparse.Namespace):
     from dlo_fn.runtime.offload import OffloadOptions
 
     mode = mode_from_args(args)
     return OffloadOptions(mode="allgather" if mode == "auto" else mode,  # auto: replaced once probed
-                          num_slots=2 if args.slots == "auto" else args.slots, num_landing=args.landing,
+                          num_slots=slots_from_args(args, 2), num_landing=args.landing,
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
                           progress=True, graph=args.cuda_graph or False, graph_shapes=args.graph_shapes,
-                          shard_group=args.shard_group)
+                          shard_group=args.shard_group, load_group=args.load_group)
 
 
 def _defaults(args: argparse.Namespace) -> dict:

@@ -12,7 +12,7 @@ import json
 import logging
 import pathlib
 
-from dlo_fn.cli.generate_args import mode_from_args, submissions_from_args
+from dlo_fn.cli.generate_args import mode_from_args, slots_from_args, submissions_from_args
 
 # Logged under the command's module name, as before this module was split out of it (not a literal: a module
 # name in a string reads as an import to tests/test_layering.py, and generate imports this module).
@@ -43,7 +43,7 @@ def choose_auto(args: argparse.Namespace, model, ctx):
     found = probe(model, ctx, request)
     mode = None if args.mode == "auto" else mode_from_args(args)
     sps = auto_sps(args, ctx.world_size, getattr(model.config, "num_heads", None))
-    result = choose(found, mode=mode, num_slots=None if args.slots == "auto" else args.slots,
+    result = choose(found, mode=mode, num_slots=slots_from_args(args, None),
                     requests_per_rank=args.requests_per_rank, sps=sps)
     chosen = [result.chosen]
     if ctx.group is not None:

@@ -91,7 +91,7 @@ def check_layout_args(args: argparse.Namespace, command: str = "plan") -> None:
     """The layout flags ``plan`` and ``generate`` share, checked before anything is built or loaded."""
     if getattr(args, "num_shards", 1) < 1:
         raise UsageError(f"{command}: --shard-world {args.num_shards}: give the number of ranks, >= 1")
-    if args.slots != "auto" and args.slots < 1:
+    if isinstance(args.slots, int) and args.slots < 1:
         raise UsageError(f"{command}: --slots {args.slots}: give >= 1 device slots (2 = double buffer)")
     if args.landing is not None and args.landing < 1:
         raise UsageError(f"{command}: --landing {args.landing}: give >= 1 landing buffers (default 2)")

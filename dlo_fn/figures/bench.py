@@ -23,6 +23,9 @@ LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into
           "dlo-rank-local-graph": "ours: 2 slots, CUDA graph", "dlo-allgather-graph": "ours: allgather W=1, CUDA graph",
           "dlo-rank-local-bgraph": "ours: 2 slots, block graphs", "dlo-allgather-bgraph": "ours: allgather W=1, block graphs",
           "resident-compile": "resident, torch.compile", "dlo-rank-local-compile": "ours: 2 slots, torch.compile",
+          "dlo-rank-local-swap-g2": "ours: load groups of 2 (4 slots)",
+          "dlo-rank-local-swap-g4": "ours: load groups of 4 (8 slots)",
+          "dlo-rank-local-g2": "ours: functional_call, groups of 2",
           "diffusers": "diffusers group offload", "naive-sync": "naive sync per block"}
 COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "naive-sync": COLORS["measured"]}
 

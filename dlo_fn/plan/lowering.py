@@ -25,6 +25,24 @@ the slot's previous occupant (after all ``R`` of them), and computes ``r > 0`` o
 **Issue order.** The ops of load ``k + S - 1`` are issued before the first compute of load ``k``: that load's
 slot was freed by the computes of load ``k - 1``, so with ``S = 2`` the next block starts loading the moment the
 current one starts computing, and the H2D stream runs up to ``N`` loads ahead of the all-gathers.
+
+**Load groups** (``G = load_group``, rank-local op sequence, ``S`` a multiple of ``G`` and ``>= 2G``). For blocks so
+small that the host's driver calls per block are the bound (five per block: the H2D, its wait for the slot and its
+record, the compute's wait and record; ``bench.driver_cost``), ``G`` consecutive loads on ``G`` consecutive slots
+move as one unit. Load ``k`` is in group ``(o + k) // G`` (slots ``G*j .. G*j+G-1`` for some ``j``), and:
+
+* a group is issued as one, at the point its *last* load would be (:func:`group_last`);
+* its first H2D waits for everything any of its loads must wait for, so the others wait for nothing (stream
+  order);
+* a compute waits for the H2D of the *last* load of its group, so the other computes of the group need no wait and
+  the other H2Ds no record.
+
+That leaves per group one wait, ``G`` copies (one, where the slots and the arena are contiguous: the executor
+merges them), one record on the H2D stream, and one wait and one record on the compute stream: ``4 + G`` calls for
+``G`` blocks instead of ``5 G``, and ``5`` instead of ``5 G`` with merged copies. The price: ``S = 2G`` slots, and the first
+compute of a group starts only when the whole group has landed: a run's first compute starts ``G - 1`` H2D times
+later and, when the H2D is the bound, its last group ends ``G - 1`` computes later; the load period per block is
+unchanged (``tests/test_schedule.py``, on the plan's timeline). ``G = 1`` is the published design, op for op.
 """
 
 from __future__ import annotations
@@ -33,7 +51,8 @@ from dataclasses import dataclass
 
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
 
-__all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies", "buffer_uses"]
+__all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies",
+           "buffer_uses", "check_load_group", "group_last", "load_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +71,42 @@ def lowered_mode(mode: str, num_shards: int | None) -> str:
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     return "rank-local" if mode == "allgather" and num_shards == 1 else mode
+
+
+def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "") -> None:
+    """ValueError naming the field unless ``load_group`` fits the ring (see "Load groups" in the module doc)."""
+    if not isinstance(load_group, int) or isinstance(load_group, bool) or load_group < 1:
+        raise ValueError(f"{owner}load_group must be an int >= 1 (1 = one load per block), got {load_group!r}")
+    if load_group == 1:
+        return
+    if mode != "rank-local":
+        raise ValueError(f"{owner}load_group = {load_group} needs the rank-local op sequence (rank-local mode, or "
+                         f"allgather over one rank): the all-gather of W > 1 shards runs per block; use load_group=1")
+    if num_slots % load_group or num_slots < 2 * load_group:
+        raise ValueError(f"{owner}load_group = {load_group} needs num_slots a multiple of it and >= "
+                         f"{2 * load_group} (two groups in flight), got num_slots = {num_slots}: pass num_slots = "
+                         f"{2 * load_group}")
+
+
+def group_last(k: int, load_group: int, slot_offset: int, end: int) -> int:
+    """The last load issued (``< end``) of load ``k``'s group ``(slot_offset + k) // load_group``."""
+    return min(((slot_offset + k) // load_group + 1) * load_group - 1 - slot_offset, end - 1)
+
+
+def load_groups(ops: tuple[Op, ...], load_group: int, slot_offset: int) -> tuple[int | None, ...]:
+    """Per op, the index of the last load op of its group (``load_group > 1``, rank-local: H2D ops only; a group's
+    loads are issued back to back); None for computes and for every op when ``load_group == 1``."""
+    if load_group == 1:
+        return (None,) * len(ops)
+    out: list[int | None] = [None] * len(ops)
+    members: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        if op.kind == H2D:
+            members.setdefault((slot_offset + op.load) // load_group, []).append(i)
+    for idx in members.values():
+        for i in idx:
+            out[i] = idx[-1]
+    return tuple(out)
 
 
 def compute_order(num_blocks: int, num_steps: int, requests_per_load: int = 1) -> tuple[ComputeItem, ...]:
@@ -81,13 +136,14 @@ def _load_ops(k: int, num_blocks: int, num_slots: int, num_landing: int, mode: s
 
 def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_landing: int, mode: str,
               slot_offset: int = 0, landing_offset: int = 0, warm_start: bool = False,
-              prefetch_next: bool = False) -> tuple[Op, ...]:
+              prefetch_next: bool = False, load_group: int = 1) -> tuple[Op, ...]:
     """Pass 2: insert the loads into the compute ops, giving the host issue order.
 
     Loads ``first .. end-1`` are issued, ``first = S-1`` if ``warm_start`` (the previous run left loads
     ``0 .. S-2`` in the slots) else 0, and ``end = L + S-1`` if ``prefetch_next`` else ``L``. The ops of load
     ``j`` are issued before the first compute of load ``j - S + 1``, the earliest point where its slot's previous
-    occupant (load ``j - S``) has all its computes issued.
+    occupant (load ``j - S``) has all its computes issued; with load groups, at the point of the group's last load
+    (:func:`group_last`), so a group's loads are issued back to back.
     """
     num_loads = 1 + max((op.load for op in computes), default=-1)
     first = num_slots - 1 if warm_start else 0
@@ -96,7 +152,7 @@ def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_
     next_load = first
     for op in computes:
         if op.request == 0:
-            while next_load < end and next_load <= op.load + num_slots - 1:
+            while next_load < end and group_last(next_load, load_group, slot_offset, end) <= op.load + num_slots - 1:
                 ops.extend(_load_ops(next_load, num_blocks, num_slots, num_landing, mode, slot_offset,
                                      landing_offset))
                 next_load += 1
@@ -106,14 +162,18 @@ def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_
     return tuple(ops)
 
 
-def add_dependencies(ops: tuple[Op, ...]) -> tuple[tuple[int, ...], ...]:
+def add_dependencies(ops: tuple[Op, ...], groups: tuple[int | None, ...] | None = None) -> tuple[tuple[int, ...], ...]:
     """Pass 3: the event waits of each op, from the buffer hazards in issue order.
 
     Read-after-write waits on the buffer's last writer; write-after-read on every reader since that write (or
     the last writer if none). Then only the waits not already implied are kept: implied by issue order on the
     op's own stream (e.g. compute ``r1`` of a load needs no wait of its own: compute ``r0`` waited for the load)
     or by another kept wait. Every remaining wait is necessary (``tests/test_schedule.py`` checks it).
+
+    ``groups`` (:func:`load_groups`): a group's first load takes the write hazards of all its loads, and a read
+    of a slot that a grouped load wrote waits for the group's last load (see "Load groups" in the module doc).
     """
+    groups = groups if groups is not None else (None,) * len(ops)
     last_write: dict[str, int] = {}
     readers: dict[str, list[int]] = {}
     clocks = HappensBefore()
@@ -122,9 +182,12 @@ def add_dependencies(ops: tuple[Op, ...]) -> tuple[tuple[int, ...], ...]:
         needed: set[int] = set()
         for buf in op.reads:
             if buf in last_write:
-                needed.add(last_write[buf])
-        for buf in op.writes:
-            needed.update(readers.get(buf) or ([last_write[buf]] if buf in last_write else []))
+                w = last_write[buf]
+                needed.add(groups[w] if groups[w] is not None else w)
+        first_of_group = groups[i] is not None and (i == 0 or groups[i - 1] != groups[i])
+        for member in (ops[i : groups[i] + 1] if first_of_group else (op,)):
+            for buf in member.writes:
+                needed.update(readers.get(buf) or ([last_write[buf]] if buf in last_write else []))
         base = clocks.base(op.stream)
         candidates = sorted((d for d in needed if not clocks.covers(base, d)), reverse=True)
         kept: list[int] = []

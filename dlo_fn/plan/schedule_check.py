@@ -11,7 +11,8 @@ Checked, in order (the first failure raises :class:`ScheduleError` with the op a
 2. every op is well formed for the mode and within ``num_blocks`` / ``num_slots`` / ``num_landing`` / requests;
 3. the computes are exactly the compute-only order on slots ``(o + k) % S``;
 4. the loads issued are exactly ``first .. end-1`` (warm start / prefetch), each on slot ``(o + k) % S`` and
-   landing ``(lo + k) % N``, H2D before AG, and each issued before the first compute of load ``k - S + 1``;
+   landing ``(lo + k) % N``, H2D before AG, and each issued before the first compute of load ``k' - S + 1``,
+   ``k'`` the last load of its group (``k`` itself without load groups);
 5. replaying buffer contents in issue order: every compute reads a slot holding its own load and every AG a
    landing buffer holding its own shard; every write happens after every pending read of the old contents
    and after the previous write (no buffer is written while a pending op still reads it);
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from dlo_fn.plan.lowering import buffer_uses, compute_order, place_computes
+from dlo_fn.plan.lowering import buffer_uses, compute_order, group_last, place_computes
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 
@@ -93,10 +94,11 @@ def _check_order(s: "Schedule") -> None:
                     _fail(s, i, "load k must go to slot (slot_offset + k) % num_slots")
             if op.landing is not None and op.landing != (s.landing_offset + op.load) % s.num_landing:
                 _fail(s, i, "load k must use landing buffer (landing_offset + k) % num_landing")
-            before = first_compute.get(op.load - s.num_slots + 1)
+            due = group_last(op.load, s.load_group, s.slot_offset, loads.stop) - s.num_slots + 1
+            before = first_compute.get(due)
             if before is not None and i > before:
-                _fail(s, i, f"must be issued before op {before}, the first compute of load "
-                            f"{op.load - s.num_slots + 1} (prefetch depth num_slots - 1)")
+                _fail(s, i, f"must be issued before op {before}, the first compute of load {due} (prefetch depth "
+                            f"num_slots - 1{', for the last load of its group' if s.load_group > 1 else ''})")
 
 
 def _initial_slots(s: "Schedule") -> dict[str, int]:
@@ -156,7 +158,7 @@ def _check_hazards(s: "Schedule") -> None:
 
 
 def _check_chain(s: "Schedule", prev: "Schedule") -> None:
-    for name in ("num_blocks", "num_slots", "num_landing", "mode"):
+    for name in ("num_blocks", "num_slots", "num_landing", "mode", "load_group"):
         if getattr(s, name) != getattr(prev, name):
             _fail(s, None, f"{name} = {getattr(s, name)!r} differs from the previous run's {getattr(prev, name)!r}")
     ring = Ring.of(prev).after(prev)

@@ -22,6 +22,7 @@ import json
 import pathlib
 from typing import Any
 
+from dlo_fn.plan.lowering import load_groups
 from dlo_fn.plan.schedule import C, H2D, Ring, Schedule
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
@@ -46,20 +47,36 @@ def published_rows() -> list[dict[str, object]]:
 
 
 def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
-    """Driver calls per compute of ``schedule`` by kind, as the eager loop issues them: each op waits on its
-    ``deps`` (and a buffer's first use on the previous run's last use), runs (one copy per H2D op; a compute is
-    the block's kernels, no driver call of ours) and records its event."""
+    """Driver calls per compute of ``schedule`` by kind, as the eager loop issues them
+    (:func:`~dlo_fn.runtime.program.fast_segments`): each op waits on its ``deps`` (and a buffer's first use on
+    the previous run's last use), runs (an H2D op one copy; a compute is the block's kernels, no driver call of
+    ours) and records its event if something waits on it: a later op, or the next run (a buffer's last use; a
+    grouped load's is its group's last H2D). An H2D right after another on the next slot with the next block,
+    with no wait or record in between, is the same copy (the executor's slots are one allocation and the arena
+    holds the blocks back to back, so their bytes continue)."""
     computes = sum(1 for op in schedule.ops if op.kind == C) or 1
+    lead = load_groups(schedule.ops, schedule.load_group, schedule.slot_offset)
+    waited = {d for deps in schedule.deps for d in deps}
+    waited |= {lead[i] if lead[i] is not None else i for _, i in schedule.last_use}
     waits = sum(len(d) for d in schedule.deps) + len(schedule.first_use)
-    copies = sum(1 for op in schedule.ops if op.kind == H2D)
-    records = len(schedule.ops)
+    first_uses = {i for _, i in schedule.first_use}
+    records = len(waited)
+    copies, prev = 0, None
+    for i, op in enumerate(schedule.ops):
+        if op.kind != H2D:
+            prev = None
+            continue
+        merges = (prev is not None and prev not in waited and not schedule.deps[i] and i not in first_uses
+                  and op.slot == schedule.ops[prev].slot + 1 and op.block == schedule.ops[prev].block + 1)
+        copies += not merges
+        prev = i
     return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
             "total": (waits + copies + records) / computes}
 
 
-def steady_schedule(num_blocks: int, num_slots: int = 2) -> Schedule:
+def steady_schedule(num_blocks: int, num_slots: int = 2, load_group: int = 1) -> Schedule:
     """The rank-local ring's schedule of one pass after the first (what every later pass repeats)."""
-    ring = Ring.cold(num_blocks, num_slots=num_slots, mode="rank-local")
+    ring = Ring.cold(num_blocks, num_slots=num_slots, mode="rank-local", load_group=load_group)
     first = ring.next_schedule(1)
     return ring.after(first).next_schedule(1)
 

@@ -63,6 +63,10 @@ class RawCuda:
         vp = ctypes.c_void_p
         return self._fast["cuStreamWaitEvent"], (vp(stream), vp(event), ctypes.c_uint(0))
 
+    def bind_carry_wait(self, stream: int, event: int) -> tuple[Any, tuple]:
+        """:meth:`bind_wait` on an event of the previous run (recorded before this run began)."""
+        return self.bind_wait(stream, event)
+
     def bind_record(self, event: int, stream: int) -> tuple[Any, tuple]:
         vp = ctypes.c_void_p
         return self._fast["cuEventRecord"], (vp(event), vp(stream))

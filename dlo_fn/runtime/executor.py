@@ -2,7 +2,8 @@
 
 State (all allocated once, in ``__init__``):
 
-* ``num_slots`` slots of ``ModelLayout.max_padded_block_bytes`` (a gathered block) and, in allgather mode,
+* ``num_slots`` slots of ``ModelLayout.max_padded_block_bytes`` (a gathered block; one allocation, slot ``s`` at
+  ``s x`` the slot size, so a load group's copies into consecutive slots can be one) and, in allgather mode,
   ``num_landing`` landing buffers of ``max_shard_bytes`` (a local shard): device weight bytes are
   ``S x max_padded_block + N x max_shard``, whatever the depth;
 * typed weight views per (slot, block layout), and per (op kind, block, buffer) byte views, built per
@@ -75,7 +76,7 @@ class Executor:
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "swap", async_collectives: bool = False,
                  record_timeline: bool = False, rank: int = 0, graph: bool | str = False,
-                 graph_shapes: int = 4) -> None:
+                 graph_shapes: int = 4, load_group: int = 1) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
         if graph not in GRAPH_SCOPES:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {graph!r}")
@@ -96,7 +97,9 @@ class Executor:
         # it to the rank-local ring (H2D straight into the slot, no landing buffer, no AG op), so the ring's mode
         # is the program's (what the timeline records) and ``mode`` the one asked for.
         self.ring = Ring.cold(layout.num_blocks, num_slots=num_slots, mode=mode,
-                              num_landing=num_landing if mode == "allgather" else None, num_shards=layout.num_shards)
+                              num_landing=num_landing if mode == "allgather" else None, num_shards=layout.num_shards,
+                              load_group=load_group)
+        self.load_group = load_group
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.async_collectives = async_collectives and not platform.is_accelerator
         self.record_timeline = record_timeline
@@ -104,8 +107,10 @@ class Executor:
         self.aliases = tuple(aliases) if aliases is not None else tuple({} for _ in blocks)
         dev = platform.device
         before = platform.memory_allocated()
-        self.slots = tuple(torch.empty(layout.max_padded_block_bytes, dtype=torch.uint8, device=dev)
-                           for _ in range(num_slots))
+        slot_bytes = layout.max_padded_block_bytes
+        ring_buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=dev)
+        self.slots = tuple(ring_buffer[s * slot_bytes : (s + 1) * slot_bytes] for s in range(num_slots))
+        del ring_buffer
         self.landing = tuple(torch.empty(layout.max_shard_bytes, dtype=torch.uint8, device=dev)
                              for _ in range(self.num_landing))
         self.measured_device_bytes = platform.memory_allocated() - before
@@ -165,7 +170,8 @@ class Executor:
     @property
     def device_weight_bytes(self) -> int:
         """Bytes of the slots and landing buffers (their storages): the executor's whole weight footprint."""
-        return sum(t.untyped_storage().nbytes() for t in self.slots + self.landing)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.slots + self.landing}
+        return sum(storages.values())
 
     @property
     def planned_device_weight_bytes(self) -> int:
@@ -216,7 +222,8 @@ class Executor:
         cstream, fast = stream, None
         if self._raw is not None:
             cstream = RawStream(self._raw, stream_handle(stream))
-            fast = fast_segments(program, self._raw, cstream.handle)
+            carry = {buf: ev.handle for buf, ev in self._carry.items() if ev is not None}
+            fast = fast_segments(program, self._raw, cstream.handle, carry)
         self._run = RunState(program, events, starts, compute, _implicit, stream, index=self._run_count,
                              cstream=cstream, fast=fast)
         self._run_count += 1
@@ -235,6 +242,16 @@ class Executor:
             raise ScheduleError(f"run ended with {left} block computes not done: the model called fewer blocks "
                                 f"than the schedule's {run.program.schedule.num_steps} step(s) x "
                                 f"{run.program.schedule.num_blocks} blocks x {run.program.schedule.requests_per_load}")
+        tail = run.fast[n] if run.fast is not None and run.compute and self.graphs is None else None
+        if tail is not None and tail[0] == run.cursor:  # the driver-call path: the prefetch, bound
+            flush_record(self, run)
+            t0 = time.perf_counter()
+            for fn, a in tail[1]:
+                if code := fn(*a):
+                    self._driver_failed(run, fn, code, n - 1)
+            run.cursor = n
+            self.stats.loads += tail[4]
+            self.stats.load_issue_s += time.perf_counter() - t0
         issue_until(self, run, n)
         self._carry = {buf: run.events[i] for buf, i in run.program.last_use}
         self.ring = self.ring.after(run.program.schedule)
@@ -382,7 +399,9 @@ class Executor:
         out = caller(args, kwargs)
         t2 = time.perf_counter()
         last = p.next_compute[i + 1] >= len(p.kinds)
-        if self._defer_record and not last and self.graphs is None:
+        if record is None:  # nothing waits on this compute (fast_segments)
+            pass
+        elif self._defer_record and not last and self.graphs is None:
             run.pending = (record, rargs, i)  # issued first thing at the next driver call (see __init__)
         elif code := record(*rargs):
             self._driver_failed(run, record, code, i)

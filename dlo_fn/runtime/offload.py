@@ -64,6 +64,11 @@ class OffloadOptions:
     # The input shapes (per request slot) whose graphs are kept; a new one beyond drops the least recently used
     # shape's graphs and buffers, so serving many resolutions keeps device memory bounded.
     graph_shapes: int = 4
+    # Loads that move as one (dlo_fn.plan.lowering, "Load groups"): G consecutive blocks' H2D with one wait and one
+    # record, and their computes with one wait and one record, so small blocks cost the host 5 driver calls per G
+    # blocks instead of per block. Needs the rank-local op sequence (rank-local, or allgather over one rank) and
+    # num_slots a multiple of G and >= 2G.
+    load_group: int = 1
     shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
     # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
@@ -80,6 +85,11 @@ class OffloadOptions:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {self.graph!r}")
         if self.graph_shapes < 1:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
+        if not isinstance(self.load_group, int) or self.load_group < 1:
+            raise ValueError(f"load_group must be an int >= 1, got {self.load_group!r}")
+        if self.load_group > 1 and (self.num_slots % self.load_group or self.num_slots < 2 * self.load_group):
+            raise ValueError(f"load_group={self.load_group} needs num_slots a multiple of it and >= "
+                             f"{2 * self.load_group} (two groups in flight): pass num_slots={2 * self.load_group}")
         if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
             raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
@@ -200,7 +210,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
                         mode=options.mode, num_slots=options.num_slots, num_landing=options.num_landing,
                         block_call=options.block_call, async_collectives=options.async_collectives,
                         record_timeline=options.record_timeline, rank=ctx.rank, graph=options.graph,
-                        graph_shapes=options.graph_shapes)
+                        graph_shapes=options.graph_shapes, load_group=options.load_group)
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.lowering import load_groups
 from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
@@ -66,12 +67,14 @@ class Program:
     args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: (out, inp); C: (block, caller)
     next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
     events: list[Any]
+    # Per buffer, the op whose event the next run's first use of it waits on: the schedule's last use, or for a
+    # grouped load the group's last H2D (compile_schedule).
     last_use: tuple[tuple[str, int], ...] = ()
     # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
     # source), ...)); compute ops: None (they run on the caller's stream).
     raw: tuple[Any, ...] | None = None
-    # The driver-call fast path, per compute stream handle (see fast_segments).
-    fast: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    # The driver-call fast path, per (compute stream handle, carried event handles) (see fast_segments).
+    fast: dict[tuple, tuple[Any, ...]] = field(default_factory=dict)
 
 
 class Programs:
@@ -169,34 +172,71 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
             for dst, src in a))
             for k, s, a in zip(kinds, op_streams, args))
+    # A grouped load's last use of its slot is carried as its group's last H2D: the same stream, issued later, so
+    # the next run's wait on it covers the whole group and the other H2Ds of the group need no record.
+    lead = load_groups(sch.ops, sch.load_group, sch.slot_offset)
+    last_use = tuple((buf, lead[i] if lead[i] is not None else i) for buf, i in sch.last_use)
     return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
-                   tuple(nxt), events, sch.last_use, raw)
+                   tuple(nxt), events, last_use, raw)
 
 
-def fast_segments(p: Program, cu: Any, compute_handle: int) -> tuple[Any, ...]:
-    """Per op index: for a compute op whose segment (the ops since the previous compute, then its own waits) has
-    no wait on the previous run (``carry``, known only at run time),
+def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, int] | None = None
+                  ) -> tuple[Any, ...]:
+    """Per op index: for a compute op, its segment (the ops since the previous compute, then its own waits) as
     ``(start, calls, record_fn, record_args, num_loads, block, caller)``: ``start`` the cursor the segment begins
     at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)`` records the
-    compute's event, ``block`` / ``caller`` the compute's block index and bound call; None elsewhere (the executor's generic loop). Events are
-    the program's own (driver calls run only without a recorder), so every handle is fixed at compile time."""
-    cached = p.fast.get(compute_handle)
+    compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's block index and
+    bound call; at ``len(kinds)`` the ops after the last compute (the next run's prefetch) in the same form, with no
+    record, block or caller; None elsewhere. Events are the program's own (driver calls run only without a recorder), so every
+    handle is fixed at compile time but those of the previous run: ``carry`` (buffer -> event handle of the
+    previous run's last use) binds the waits of the buffers' first uses, and is part of the cache key (a steady
+    ring runs after the same program, so it binds once).
+
+    Only the events something waits on are recorded: a later op of the run (``waits``) or the next run (an op
+    that is a buffer's ``last_use``). With load groups (:mod:`dlo_fn.plan.lowering`) that drops the records of
+    all but a group's last H2D and of all but the computes a load waits on. Copies that follow each other on one
+    stream with nothing in between and whose source and destination ranges both continue the previous one's are
+    one call (a group's loads, where the slots and the arena are contiguous)."""
+    carry = carry or {}
+    key = (compute_handle, tuple(sorted(carry.items())))
+    cached = p.fast.get(key)
     if cached is not None:
         return cached
     handles = [ev.handle for ev in p.events]
+    waited = {d for w in p.waits for d in w} | {i for _, i in p.last_use}
     out: list[Any] = [None] * (len(p.kinds) + 1)  # indexed by next_compute, which is len(kinds) past the last
-    start, calls, clean, loads = 0, [], True, 0
+    start, calls, loads = 0, [], 0
+    run: list[Any] = []  # copies not yet bound: [dst, src, bytes, stream, device source]
+
+    def bind_copies() -> None:
+        calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, h, dev in run)
+        run.clear()
+
     for i, kind in enumerate(p.kinds):
-        clean = clean and not p.carry[i]
         h = compute_handle if kind == _C else p.raw[i][0]
-        calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
+        carried = [carry[buf] for buf in p.carry[i] if buf in carry]
+        if p.waits[i] or carried:
+            bind_copies()
+            calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
+            calls.extend(cu.bind_carry_wait(h, ev) for ev in carried)
         if kind == _C:
-            if clean:
-                out[i] = (start, tuple(calls), *cu.bind_record(handles[i], h), loads, *p.args[i])
-            start, calls, clean, loads = i + 1, [], True, 0
+            bind_copies()
+            record = cu.bind_record(handles[i], h) if i in waited else (None, ())
+            out[i] = (start, tuple(calls), *record, loads, *p.args[i])
+            start, calls, loads = i + 1, [], 0
             continue
-        calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
-        calls.append(cu.bind_record(handles[i], h))
+        for dst, src, n, dev in p.raw[i][1]:
+            last = run[-1] if run else None
+            if last is not None and last[3] == h and last[4] == dev and last[0] + last[2] == dst \
+                    and last[1] + last[2] == src:
+                last[2] += n
+            else:
+                run.append([dst, src, n, h, dev])
+        if i in waited:
+            bind_copies()
+            calls.append(cu.bind_record(handles[i], h))
         loads += 1
-    p.fast[compute_handle] = result = tuple(out)
+    bind_copies()
+    out[len(p.kinds)] = (start, tuple(calls), None, (), loads, None, None)  # the run's tail (Executor.end_run)
+    p.fast[key] = result = tuple(out)
     return result

@@ -135,7 +135,7 @@ def rank_local_replica(offloaded: Offloaded, reload: Reload) -> None:
     old.release()  # before the new slots are allocated: they take the old ones' device memory
     executor = Executor(offloaded.ctx.platform, layout, store, blocks, aliases, group=None, mode="rank-local",
                         num_slots=old.num_slots, block_call=old.block_call, record_timeline=old.record_timeline,
-                        rank=old.rank)
+                        rank=old.rank, load_group=old.load_group)
     for module in offloaded.model.modules():
         if isinstance(module, BlockProxy) and module.block is blocks[module.block_index]:
             module.__dict__["_dlo_compute"] = executor.compute
