@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from dlo_fn.cli import main
+from dlo_fn.cli import UsageError, main
 from dlo_fn.cli.make_checkpoint import SIZES_BF16_BYTES, config_names
 
 SMALL = ["--steps", "2", "--height", "32", "--width", "32", "--frames", "5"]
@@ -63,6 +63,26 @@ def test_generate_accepts_one_slot_as_plan_does(checkpoint, tmp_path):
     assert options.num_slots == 1 and [s.request_id for s in subs] == ["req0000"]
 
 
+def test_generate_load_group_slots_and_shard_group(checkpoint, tmp_path, monkeypatch):
+    from dlo_fn.cli import build_parser
+    from dlo_fn.cli.generate import check_generate_args
+
+    def parse(*extra):
+        return build_parser().parse_args(_generate(checkpoint, tmp_path, "--prompt", "x", *extra))
+
+    options, _ = check_generate_args(parse("--load-group", "3"))
+    assert (options.load_group, options.num_slots) == (3, 6)  # two groups in flight by default
+    assert check_generate_args(parse())[0].num_slots == 2
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: allgather shards each block over both ranks
+    with pytest.raises(UsageError, match=r"--load-group 2 needs the rank-local op sequence.*over 2 ranks"):
+        check_generate_args(parse("--load-group", "2"))
+    assert check_generate_args(parse("--load-group", "2", "--no-allgather"))[0].mode == "rank-local"
+    # --sp 2 with the shard group sp: each block over 2 ranks; with dp: over 1 (the identity), so groups apply
+    with pytest.raises(UsageError, match="over 2 ranks"):
+        check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "sp"))
+    assert check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "dp"))[0].load_group == 2
+
+
 def _generate(checkpoint, tmp_path, *extra):
     return ["generate", "--checkpoint", checkpoint, "--out", str(tmp_path / "out"), *SMALL, *extra]
 
@@ -77,6 +97,9 @@ def _generate(checkpoint, tmp_path, *extra):
     (["--prompt", "x", "--requests-per-rank", "0"], ["--requests-per-rank 0"]),
     (["--prompt", "x", "--cuda-graph", "block", "--graph-shapes", "0"], ["--graph-shapes 0", ">= 1"]),
     (["--prompt", "x", "--timeout", "0"], ["--timeout 0"]),
+    (["--prompt", "x", "--load-group", "0"], ["--load-group 0", ">= 1"]),
+    (["--prompt", "x", "--load-group", "2", "--slots", "3"], ["--load-group 2 --slots 3", "multiple of 2", ">= 4"]),
+    (["--prompt", "x", "--load-group", "2", "--slots", "auto"], ["--load-group 2 with --slots auto", "give --slots"]),
     (["--prompt", "x", "--resident", "--no-allgather"], ["conflicting modes"]),
     ([], ["--prompt", "--prompts"]),
 ])

@@ -70,3 +70,9 @@ def test_sp_that_does_not_divide_the_ranks_is_one_line(checkpoint, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr  # a usage error, before anything loads
     assert proc.stderr.strip().splitlines() == [
         "dlo_fn generate: error: --sp 2 does not divide the 1 rank(s) (torchrun --nproc-per-node): use --sp in [1]"]
+
+
+def test_load_groups_write_the_resident_hashes(checkpoint, resident_rows, tmp_path):
+    # One process: allgather over one rank is the rank-local sequence, so --load-group applies (4 slots by default).
+    rows = _generate(checkpoint, tmp_path / "g2", "--load-group", "2")
+    assert [r["sha256"] for r in rows] == [r["sha256"] for r in resident_rows]

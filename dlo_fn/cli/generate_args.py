@@ -170,6 +170,11 @@ def check_sp_args(args: argparse.Namespace, config) -> None:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise UsageError(f"generate: --sp {args.sp} does not divide the {world} rank(s) "
                          f"(torchrun --nproc-per-node): use --sp in {divisors}")
+    shards = {"world": world, "dp": world // args.sp, "sp": args.sp}.get(args.shard_group, world)
+    if args.load_group > 1 and args.mode != "auto" and mode_from_args(args) == "allgather" and shards > 1:
+        raise UsageError(f"generate: --load-group {args.load_group} needs the rank-local op sequence, but allgather "
+                         f"shards each block over {shards} ranks (--shard-group {args.shard_group}): add "
+                         f"--no-allgather, or drop --load-group")
     if args.sp > 1 and config is not None and hasattr(config, "num_heads"):
         from dlo_fn.models.sp import check_sp_heads
 
