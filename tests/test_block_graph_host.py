@@ -204,3 +204,13 @@ def test_the_timeline_records_every_op_of_a_block_graphed_run():
     for j in range(1, 4):  # run 0 starts the ring cold (its own schedule)
         spans = [s for s in tl.spans if s.op.startswith(f"run{j} ")]
         assert len(spans) == per_run and all(s.end_s >= s.start_s for s in spans)
+
+
+def test_the_wrapper_benchmark_replays_every_block():
+    # bench.hostloop --block-graphs times the wrapper's host work per replayed call: after the first (eager) pass
+    # every call is a replay (the capturing call replays once too), else it would time eager calls.
+    from dlo_fn.bench.hostloop import block_graph_call_us
+
+    r = block_graph_call_us(num_blocks=4, passes=10)
+    assert r["block_graph_captures"] == 4 and r["block_graph_replays"] == 4 * (5 + 10) - 4  # pass 1 eager
+    assert r["block_graph_call_us"] > 0

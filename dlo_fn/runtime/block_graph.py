@@ -187,17 +187,18 @@ class BlockGraphs:
             got = self._graphs.get(key)
             if got is not None:
                 bufs = self._bufs
-                if any(flat[j] is not bufs[k] for j, k in got.direct):
-                    self._log_once("a block's input is not the chain buffer it was at capture (the model changed "
-                                   "it between blocks)")
-                    return caller(args, kwargs)
+                for j, k in got.direct:  # loops, not generators: this is the replay's host work per block
+                    if flat[j] is not bufs[k]:
+                        self._log_once("a block's input is not the chain buffer it was at capture (the model "
+                                       "changed it between blocks)")
+                        return caller(args, kwargs)
                 if self._held(got.writes):
                     return caller(args, kwargs)
                 for j, entry in got.copied:
                     self._copy_in(entry, flat[j])
                 got.graph.replay()
                 self.replays += 1
-                return self._bufs[got.writes[0]] if got.single else tuple(self._bufs[k] for k in got.writes)
+                return bufs[got.writes[0]] if got.single else tuple([bufs[k] for k in got.writes])
             if key in self._eager or key not in self._seen:
                 out = caller(args, kwargs)
                 if key not in self._seen:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -111,11 +112,26 @@ class ShapeLRU:
 
 def tensor_specs(flat: list[Any] | None, device_type: str | None = None) -> tuple | None:
     """``(shape, stride, dtype, device)`` of each tensor of ``flat``, what a graph's key holds; None if ``flat`` is
-    None or holds anything else (or a tensor on another device type than ``device_type``)."""
-    if flat is None or not all(isinstance(t, torch.Tensor) and (device_type is None or t.device.type == device_type)
-                               for t in flat):
+    None or holds anything else (or a tensor on another device type than ``device_type``). Called per block call
+    in the graph modes: the device type is checked through ``Tensor.is_cuda`` / ``is_cpu`` where torch has one
+    (``device.type`` builds a string per tensor, ~1 us on a slow host)."""
+    if flat is None:
         return None
-    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in flat)
+    on = None
+    if device_type is not None:
+        on = _ON_DEVICE.get(device_type)
+        if on is None:
+            on = _ON_DEVICE[device_type] = (operator.attrgetter(f"is_{device_type}") if hasattr(
+                torch.Tensor, f"is_{device_type}") else (lambda t: t.device.type == device_type))
+    specs = []
+    for t in flat:  # one loop, no generators: this runs per block call
+        if not isinstance(t, torch.Tensor) or (on is not None and not on(t)):
+            return None
+        specs.append((t.shape, t.stride(), t.dtype, t.device))
+    return tuple(specs)
+
+
+_ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {}
 
 
 def flatten_outputs(out: Any) -> list[torch.Tensor] | None:
