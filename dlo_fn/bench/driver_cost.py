@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -211,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("driver_cost: needs a CUDA device", file=sys.stderr)
         return 2
-    from dlo_fn.bench.step import machine
+    from dlo_fn.bench.report import emit, stamp
     from dlo_fn.runtime.platform import platform_for
 
     # The executor's default (a compute's record issued with the next block's calls) and, side by side, each
@@ -219,14 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     result, setup = in_pass(a.passes, defer_record=True)
     result["record_after_block_call"] = in_pass(a.passes, defer_record=False)[0]
     result.update(outside(setup, a.calls))
-    result.update(machine=machine(platform_for("cuda", 0)), date=datetime.datetime.now(datetime.timezone.utc)
-                  .isoformat(timespec="seconds"),
-                  command="python -m dlo_fn.bench.driver_cost " + " ".join(argv if argv is not None else sys.argv[1:]))
-    text = json.dumps(result, indent=1, sort_keys=True)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(stamp(result, "dlo_fn.bench.driver_cost", argv, platform_for("cuda", 0)), a.out)
     return 0
 
 

@@ -11,7 +11,6 @@ during it. ``--eager`` traces the eager executor instead. One JSON line per cond
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
@@ -66,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from dlo_fn.bench import step_variants as sv
+    from dlo_fn.bench.report import emit, stamp
     from dlo_fn.bench.step import WORKLOADS
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.plan.layout import model_layout
@@ -144,14 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     row = {"before": before, "graph": not a.eager, "before_eager": a.before_eager, "dummy_gb": a.dummy_gb,
            "free_dummy": a.free_dummy, "empty_cache": a.empty_cache, "pre_graphs": a.pre_graphs, "clear_graphs": a.clear_graphs, "traced_passes": a.traced,
            "pass_s": start.elapsed_time(end) / 1e3 / a.traced,
-           "graph_replays": ex.graphs.replays if ex.graphs is not None else 0, **_gaps(trace, a.gap_ms),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python -m dlo_fn.bench.graph_gaps " + " ".join(argv if argv is not None else sys.argv[1:])}
-    text = json.dumps(row, sort_keys=True)
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text + "\n")
+           "graph_replays": ex.graphs.replays if ex.graphs is not None else 0, **_gaps(trace, a.gap_ms)}
+    emit(stamp(row, "dlo_fn.bench.graph_gaps", argv), a.out, append=True)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import time
 from typing import Any
@@ -259,22 +258,36 @@ def block_graph_call_us(num_blocks: int = 24, passes: int = 3000) -> dict:
             "block_graph_captures": bg.captures}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=24)
     p.add_argument("--passes", type=int, default=200)
     p.add_argument("--cuda", action="store_true", help="also time the bound driver calls on the GPU")
     p.add_argument("--block-graphs", action="store_true",
                    help="also time the block-graph wrapper's host work per replayed block call (replay a no-op)")
-    p.add_argument("--load-group", type=int, default=1, metavar="G", help="load groups of G on 2G slots")
-    a = p.parse_args()
+    p.add_argument("--load-groups", default="1", metavar="G,...",
+                   help="load groups of G on 2G slots; several: measured in turn, 3 rounds, medians per G")
+    p.add_argument("--out", default=None, help="JSON path (default: print only)")
+    a = p.parse_args(argv)
     t0 = time.perf_counter()
-    result = measure(a.blocks, passes=a.passes, load_group=a.load_group)
+    groups = [int(g) for g in a.load_groups.split(",") if g]
+    if len(groups) == 1:
+        result = measure(a.blocks, passes=a.passes, load_group=groups[0])
+    else:
+        rounds = [[measure(a.blocks, passes=a.passes, load_group=g) for g in groups] for _ in range(3)]
+        result = {"num_blocks": a.blocks, "passes": a.passes, "by_load_group": {str(g): {
+            "executor_host_us_per_block": statistics.median(r[i]["executor_host_us_per_block"] for r in rounds),
+            "driver_calls_per_block": rounds[0][i]["driver_calls_per_block"],
+            "equal_to_resident": all(r[i]["equal_to_resident"] for r in rounds)} for i, g in enumerate(groups)}}
     if a.block_graphs:
         result.update(block_graph_call_us(a.blocks))
     if a.cuda:
         result.update(driver_call_us())
-    print(json.dumps(result, indent=1))
+    from dlo_fn.bench.report import emit, stamp
+    from dlo_fn.runtime.platform import platform_for
+
+    emit(stamp(result, "dlo_fn.bench.hostloop", argv, platform_for("cuda", 0) if a.cuda else platform_for("cpu")),
+         a.out)
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 
