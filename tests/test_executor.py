@@ -284,6 +284,37 @@ def test_load_groups_cut_the_driver_calls_per_block(monkeypatch, block_call):
             assert copies_per_block == 1 / g + 1 / (T * B), (g, copies_per_block)
 
 
+@torch.no_grad()
+def test_load_groups_on_the_driver_path_with_requests_and_a_partly_pinned_store(monkeypatch):
+    # Two requests per load (each block computed twice in a row: only the last compute of a slot's occupant is
+    # waited on, so the first one records nothing), runs of 1 and 3 steps on the ring, and a host budget that pins
+    # three blocks: the other four are copied from the module's own (pageable) tensors, whose bytes do not continue
+    # the arena's, so their copies stay apart.
+    from dlo_fn.bench.hostloop import host_executor
+
+    ref = toy(7)
+    sizes = [s.shard_bytes for s in offload(toy(7), "blocks", CTX, mode="rank-local").layout.shards]
+    o, driver = host_executor(copy.deepcopy(ref), monkeypatch=monkeypatch, strict=True, num_slots=6, load_group=3,
+                              pinned_budget_bytes=sum(sizes[:3]))
+    assert o.store.num_pinned_blocks == 3
+
+    def steps(model, num_steps, x0):
+        xs, cs = list(x0), list(x0)
+        for _ in range(num_steps):
+            for block in model.blocks:
+                for r in range(2):
+                    xs[r], cs[r] = block(xs[r], ctx=cs[r])
+        return xs + cs
+
+    for num_steps in (1, 3, 1):
+        x0 = [torch.randn(2, 16) for _ in range(2)]
+        want = steps(ref, num_steps, x0)
+        with o.run(num_steps, 2):
+            got = steps(o.model, num_steps, x0)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert driver.copies > 0 and o.executor.stats.computes == 5 * 7 * 2
+
+
 def test_release_gives_back_the_buffers_and_refuses_to_run():
     import gc
     import weakref
