@@ -53,8 +53,8 @@ def register(subparsers) -> None:
                    help=f"comma list of {', '.join(VARIANTS)}. dlo-MODE is ours with the torch.func "
                         f"functional_call block call; suffixes: -swap the swap call (the product default), -graph "
                         f"one CUDA graph per step, -bgraph one per block compute (copies eager), -compile "
-                        f"torch.compile'd blocks, -g2 / -g4 load groups of 2 / 4 blocks on 2G slots; diffusers: its group offloading; naive-sync: a synchronous copy "
-                        f"per block")
+                        f"torch.compile'd blocks, -g2 / -g4 load groups of 2 / 4 blocks on 2G slots; diffusers: its "
+                        f"group offloading; naive-sync: a synchronous copy per block")
     p.add_argument("--warmup", type=int, default=2, help="untimed passes per variant and workload")
     p.add_argument("--repeats", type=int, default=7, help="timed passes (median reported)")
     p.add_argument("--host-repeats", type=int, default=3, help="passes timed on the host from an idle device")

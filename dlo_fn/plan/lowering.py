@@ -38,9 +38,9 @@ move as one unit. Load ``k`` is in group ``(o + k) // G`` (slots ``G*j .. G*j+G-
   the other H2Ds no record.
 
 That leaves per group one wait, ``G`` copies (one, where the slots and the arena are contiguous: the executor
-merges them), one record on the H2D stream, and one wait and one record on the compute stream: ``4 + G`` calls for
-``G`` blocks instead of ``5 G``, and ``5`` instead of ``5 G`` with merged copies. The price: ``S = 2G`` slots, and the first
-compute of a group starts only when the whole group has landed: a run's first compute starts ``G - 1`` H2D times
+merges them), one record on the H2D stream, and one wait and one record on the compute stream: ``4 + G`` calls
+for ``G`` blocks instead of ``5 G``, and ``5`` with merged copies. The price: ``S = 2G`` slots, and the first compute
+of a group starts only when the whole group has landed: a run's first compute starts ``G - 1`` H2D times
 later and, when the H2D is the bound, its last group ends ``G - 1`` computes later; the load period per block is
 unchanged (``tests/test_schedule.py``, on the plan's timeline). ``G = 1`` is the published design, op for op.
 """

@@ -187,8 +187,8 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
     at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)`` records the
     compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's block index and
     bound call; at ``len(kinds)`` the ops after the last compute (the next run's prefetch) in the same form, with no
-    record, block or caller; None elsewhere. Events are the program's own (driver calls run only without a recorder), so every
-    handle is fixed at compile time but those of the previous run: ``carry`` (buffer -> event handle of the
+    record, block or caller; None elsewhere. Events are the program's own (driver calls run only without a
+    recorder), so every handle is fixed at compile time but those of the previous run: ``carry`` (buffer -> event handle of the
     previous run's last use) binds the waits of the buffers' first uses, and is part of the cache key (a steady
     ring runs after the same program, so it binds once).
 
