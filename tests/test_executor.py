@@ -328,3 +328,16 @@ def test_release_gives_back_the_buffers_and_refuses_to_run():
     assert slots and all(ref() is None for ref in slots) and o.executor.landing == ()
     with pytest.raises(ScheduleError, match="this executor was released"):
         o.model(x)
+
+
+def test_load_group_options_are_checked():
+    from dlo_fn.runtime.offload import OffloadOptions
+
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="load_group must be an int >= 1"):
+            OffloadOptions(load_group=bad)
+    with pytest.raises(ValueError, match="load_group=2 needs num_slots a multiple of it and >= 4.*num_slots=4"):
+        OffloadOptions(load_group=2)
+    assert OffloadOptions(load_group=2, num_slots=6).load_group == 2
+    with pytest.raises(ValueError, match="needs the rank-local op sequence"):  # allgather over 2 ranks: the ring
+        Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2)

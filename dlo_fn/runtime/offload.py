@@ -85,7 +85,7 @@ class OffloadOptions:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {self.graph!r}")
         if self.graph_shapes < 1:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
-        if not isinstance(self.load_group, int) or self.load_group < 1:
+        if not isinstance(self.load_group, int) or isinstance(self.load_group, bool) or self.load_group < 1:
             raise ValueError(f"load_group must be an int >= 1, got {self.load_group!r}")
         if self.load_group > 1 and (self.num_slots % self.load_group or self.num_slots < 2 * self.load_group):
             raise ValueError(f"load_group={self.load_group} needs num_slots a multiple of it and >= "
