@@ -55,3 +55,14 @@ def test_the_takeaway_is_computed_from_the_reports():
              for n, r in rep["dispatch"]["variants"].items() if n in ("dlo-rank-local", "dlo-rank-local-swap")]
     assert s["ours, eager"] == f"{min(eager):.1f}-{max(eager):.1f} us"
     assert s["reference host work per block"] == "2083 us" and set(s) >= {"block graphs, video", "block graphs, image"}
+
+
+def test_the_takeaway_gives_load_groups_where_a_run_measured_them():
+    import copy
+
+    small40 = hc.load("bench_small40")
+    assert not any("load groups" in k for k in hc.summary(hc.load("driver_cost"), small40, hc.load("bench_step")))
+    measured = copy.deepcopy(small40)
+    measured["dispatch"]["variants"]["dlo-rank-local-swap-g2"] = {"proxy_host_us_per_block": 21.25}
+    s = hc.summary(hc.load("driver_cost"), measured, hc.load("bench_step"))
+    assert s["ours, eager, load groups of 2"] == "21.2-21.2 us" and "ours, eager, load groups of 4" not in s

@@ -139,9 +139,10 @@ def graph_rows(report: dict[str, Any]) -> list[dict[str, object]]:
 
 
 def summary(driver: dict[str, Any], *reports: dict[str, Any]) -> dict[str, str]:
-    """The notebook's takeaway, computed: the executor's cost per block eager and with block graphs (range over
-    the runs' dispatch rows), the driver's share, and what block graphs add in device memory and step time on the
-    bench model (the last report with workloads that has both variants)."""
+    """The notebook's takeaway, computed: the executor's cost per block eager (with load groups too, where a run
+    measured them) and with block graphs (range over the runs' dispatch rows), the driver's share, and what block
+    graphs add in device memory and step time on the bench model (the last report with workloads that has both
+    variants)."""
     def us(names: tuple[str, ...]) -> str:
         vals = [r["proxy_host_us_per_block"] for rep in reports for n, r in rep["dispatch"]["variants"].items()
                 if n in names]
@@ -151,6 +152,10 @@ def summary(driver: dict[str, Any], *reports: dict[str, Any]) -> dict[str, str]:
            "ours, eager": us(("dlo-rank-local", "dlo-rank-local-swap")),
            "ours, block graphs": us(("dlo-rank-local-bgraph",)),
            "of which driver calls, eager": f"{driver['driver_us_per_block']:.1f} us"}
+    for g in (2, 4):  # load groups, in the reports that measured them (bench step's -g<G> variants)
+        names = (f"dlo-rank-local-swap-g{g}",)
+        if any(n in rep["dispatch"]["variants"] for rep in reports for n in names):
+            out[f"ours, eager, load groups of {g}"] = us(names)
     for w in reports[-1]["workloads"]:
         v = {r["variant"]: r for r in w["variants"]}
         eager, bg = v["dlo-rank-local-swap"], v["dlo-rank-local-bgraph"]
