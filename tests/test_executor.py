@@ -341,3 +341,54 @@ def test_load_group_options_are_checked():
     assert OffloadOptions(load_group=2, num_slots=6).load_group == 2
     with pytest.raises(ValueError, match="needs the rank-local op sequence"):  # allgather over 2 ranks: the ring
         Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2)
+
+
+@pytest.mark.parametrize("load_group", [1, 2])
+@torch.no_grad()
+def test_generic_loop_records_only_what_is_waited_on(monkeypatch, load_group):
+    # The torch-event loop (CPU here; NPU, and CUDA without driver calls): an op records its event only if a
+    # later op of the run or the next run waits on it, and every wait is on an event recorded in this run (a
+    # dependency) or in the previous one (a carried last use): never on a stale record.
+    from dlo_fn.runtime.platform import HostEvent, HostStream
+
+    ref = toy(8)
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", num_slots=2 * load_group,
+                load_group=load_group)
+    ex = o.executor
+    now: set[int] = set()
+    carried: set[int] = set()
+    records = []
+    record, wait = HostEvent.record, HostStream.wait_event
+
+    def counted_record(self, stream=None):
+        now.add(id(self))
+        records.append(id(self))
+        return record(self, stream)
+
+    def checked_wait(self, event):
+        assert id(event) in now or id(event) in carried, "a wait on an event not recorded in this run"
+        return wait(self, event)
+
+    begin = ex.begin_run
+
+    def begin_run(*args, **kwargs):
+        carried.clear()
+        carried.update(id(e) for e in ex._carry.values() if id(e) in now)
+        now.clear()
+        return begin(*args, **kwargs)
+
+    monkeypatch.setattr(HostEvent, "record", counted_record)
+    monkeypatch.setattr(HostStream, "wait_event", checked_wait)
+    monkeypatch.setattr(ex, "begin_run", begin_run)
+    for _ in range(4):
+        x = torch.randn(2, 16)
+        assert torch.equal(o.model(x), ref(x))
+    records.clear()
+    with o.run(3):
+        for _ in range(3):
+            x = torch.randn(2, 16)
+            assert torch.equal(o.model(x), ref(x))
+    program = next(p for p in ex._programs._cache.values() if p.schedule.num_steps == 3)
+    assert len(records) == len(program.recorded) <= len(program.kinds)
+    per_block = len(records) / (3 * 8)  # one load per block: every H2D and compute is waited on
+    assert per_block == 2.0 if load_group == 1 else per_block < 1.2, per_block

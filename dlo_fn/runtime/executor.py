@@ -19,7 +19,8 @@ must continue :attr:`Executor.ring`; checked in full when first compiled) or the
 stops: block 0 of the next step or request is loaded during the last block). The executor compiles each
 schedule once, caches it, and walks its ops in issue order: each op waits on the events of its ``deps`` (and,
 for a buffer's first use in the run, on the previous run's last use of it), is launched on its stream and
-records its event. There is no host synchronisation in the steady state.
+records its event if a later op or the next run waits on it. There is no host synchronisation in the steady
+state.
 
 A block proxy's call advances the cursor to the next compute op, issuing the loads in front of it (the
 schedule puts the loads of block k+1 before the compute of block k), checks that it is the expected block,
@@ -371,7 +372,8 @@ class Executor:
         t1 = time.perf_counter()
         out = caller(args, kwargs)
         t2 = time.perf_counter()
-        events[i].record(stream)
+        if run.starts is not None or i in p.recorded:  # an event nothing waits on is not recorded (Program)
+            events[i].record(stream)
         if graphs is not None:
             graphs.after_eager(run, i, out)
         run.cursor = i + 1

@@ -2,7 +2,8 @@
 
 :func:`issue_until` walks the ops ``run.cursor .. stop-1`` of the executor's open run in issue order: each op
 waits on the events of its ``deps`` (and, for a buffer's first use in the run, on the previous run's last use of
-it), is launched on its stream and records its event. Through torch's streams and events, or, where the
+it), is launched on its stream and records its event if something waits on it (``Program.recorded``; a timeline
+records every op). Through torch's streams and events, or, where the
 executor has driver calls (:mod:`dlo_fn.runtime.cuda_raw`), through bare driver calls with the handles bound
 at compile time. The executor's compute ops call it for the loads in front of each block, and ``end_run`` for
 what is left.
@@ -75,7 +76,8 @@ def issue_until(ex: Any, run: RunState, stop: int) -> None:
                         continue
             elif run.compute:
                 raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
-            events[i].record(stream)
+            if starts is not None or i in p.recorded:  # an event nothing waits on is not recorded (Program)
+                events[i].record(stream)
     finally:
         if current is not run.stream:
             set_stream(run.stream)
@@ -95,7 +97,8 @@ def _issue_until_raw(ex: Any, run: RunState, stop: int) -> None:
             if op is None:
                 if run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
-                events[i].record(run.cstream)
+                if i in p.recorded:
+                    events[i].record(run.cstream)
                 continue
             h, copies = op
             for d in p.waits[i]:
@@ -109,9 +112,10 @@ def _issue_until_raw(ex: Any, run: RunState, stop: int) -> None:
             for dst, src, n, dev in copies:
                 copy(dst, src, n, h, dev)
             loads += 1
-            code = record(events[i].handle, h)
-            if code:
-                check(code, "cuEventRecord")
+            if i in p.recorded:
+                code = record(events[i].handle, h)
+                if code:
+                    check(code, "cuEventRecord")
     finally:
         run.cursor = max(run.cursor, stop)
         ex.stats.loads += loads

@@ -75,6 +75,9 @@ class Program:
     raw: tuple[Any, ...] | None = None
     # The driver-call fast path, per (compute stream handle, carried event handles) (see fast_segments).
     fast: dict[tuple, tuple[Any, ...]] = field(default_factory=dict)
+    # The ops whose event something waits on (a later op, or the next run): the others record nothing, unless a
+    # timeline is being recorded (every op's end then is a measurement).
+    recorded: frozenset[int] = frozenset()
 
 
 class Programs:
@@ -156,6 +159,8 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     carry: list[list[str]] = [[] for _ in sch.ops]
     for buf, i in sch.first_use:
         carry[i].append(buf)
+    lead = load_groups(sch.ops, sch.load_group, sch.slot_offset)
+    _merge_group_copies(args, lead, sch.deps, carry)
     nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
     for i in range(len(sch.ops), -1, -1):
         if i < len(sch.ops) and kinds[i] == _C:
@@ -174,10 +179,44 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             for k, s, a in zip(kinds, op_streams, args))
     # A grouped load's last use of its slot is carried as its group's last H2D: the same stream, issued later, so
     # the next run's wait on it covers the whole group and the other H2Ds of the group need no record.
-    lead = load_groups(sch.ops, sch.load_group, sch.slot_offset)
     last_use = tuple((buf, lead[i] if lead[i] is not None else i) for buf, i in sch.last_use)
+    recorded = frozenset(d for deps in sch.deps for d in deps) | {i for _, i in last_use}
     return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
-                   tuple(nxt), events, last_use, raw)
+                   tuple(nxt), events, last_use, raw, recorded=recorded)
+
+
+def _merge_group_copies(args: list[Any], lead: tuple[int | None, ...], deps: Sequence[tuple[int, ...]],
+                        carry: Sequence[Sequence[str]]) -> None:
+    """In place: the copies of a load group's H2D that continue the previous H2D's last copy in both its source
+    and its destination (one storage each: the slots are one allocation, the arena holds the blocks back to back)
+    join that copy, and the later H2D is left with none. Only an H2D that waits for nothing (no dependency, no
+    previous-run wait) joins the one before it, so every copy still runs after the waits it needs."""
+    into = None  # the H2D of this group whose copies the next one may join
+    for i in range(len(args)):
+        if lead[i] is None:
+            into = None
+            continue
+        if into is None or lead[into] != lead[i] or deps[i] or carry[i] or not args[i] or not args[into]:
+            into = i
+            continue
+        (d0, s0), (d1, s1) = args[into][-1], args[i][0]
+        if not (_continues(d0, d1) and _continues(s0, s1)):
+            into = i
+            continue
+        n = d0.numel() + d1.numel()
+        args[into] = (*args[into][:-1], (_byte_view(d0, n), _byte_view(s0, n)), *args[i][1:])
+        args[i] = ()
+
+
+def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b``'s bytes start where ``a``'s end, in the same storage (both flat uint8 views)."""
+    return (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.data_ptr() + a.numel() == b.data_ptr())
+
+
+def _byte_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` bytes of ``t``'s storage from ``t``'s first byte."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (n,))
 
 
 def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, int] | None = None
@@ -185,58 +224,37 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
     """Per op index: for a compute op, its segment (the ops since the previous compute, then its own waits) as
     ``(start, calls, record_fn, record_args, num_loads, block, caller)``: ``start`` the cursor the segment begins
     at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)`` records the
-    compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's block index and
-    bound call; at ``len(kinds)`` the ops after the last compute (the next run's prefetch) in the same form, with no
-    record, block or caller; None elsewhere. Events are the program's own (driver calls run only without a
-    recorder), so every handle is fixed at compile time but those of the previous run: ``carry`` (buffer -> event handle of the
-    previous run's last use) binds the waits of the buffers' first uses, and is part of the cache key (a steady
-    ring runs after the same program, so it binds once).
+    compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's block index
+    and bound call; at ``len(kinds)`` the ops after the last compute (the next run's prefetch) in the same form,
+    with no record, block or caller; None elsewhere.
 
-    Only the events something waits on are recorded: a later op of the run (``waits``) or the next run (an op
-    that is a buffer's ``last_use``). With load groups (:mod:`dlo_fn.plan.lowering`) that drops the records of
-    all but a group's last H2D and of all but the computes a load waits on. Copies that follow each other on one
-    stream with nothing in between and whose source and destination ranges both continue the previous one's are
-    one call (a group's loads, where the slots and the arena are contiguous)."""
+    Events are the program's own (driver calls run only without a recorder), so every handle is fixed at compile
+    time but those of the previous run: ``carry`` (buffer -> event handle of the previous run's last use) binds
+    the waits of the buffers' first uses, and is part of the cache key (a steady ring runs after the same
+    program, so it binds once). Only the events something waits on are recorded (``Program.recorded``); with
+    load groups (:mod:`dlo_fn.plan.lowering`) that drops the records of all but a group's last H2D and of all but
+    the computes a load waits on, and a group's copies were joined at compile time where their bytes continue."""
     carry = carry or {}
     key = (compute_handle, tuple(sorted(carry.items())))
     cached = p.fast.get(key)
     if cached is not None:
         return cached
     handles = [ev.handle for ev in p.events]
-    waited = {d for w in p.waits for d in w} | {i for _, i in p.last_use}
     out: list[Any] = [None] * (len(p.kinds) + 1)  # indexed by next_compute, which is len(kinds) past the last
     start, calls, loads = 0, [], 0
-    run: list[Any] = []  # copies not yet bound: [dst, src, bytes, stream, device source]
-
-    def bind_copies() -> None:
-        calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, h, dev in run)
-        run.clear()
-
     for i, kind in enumerate(p.kinds):
         h = compute_handle if kind == _C else p.raw[i][0]
-        carried = [carry[buf] for buf in p.carry[i] if buf in carry]
-        if p.waits[i] or carried:
-            bind_copies()
-            calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
-            calls.extend(cu.bind_carry_wait(h, ev) for ev in carried)
+        calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
+        calls.extend(cu.bind_carry_wait(h, carry[buf]) for buf in p.carry[i] if buf in carry)
         if kind == _C:
-            bind_copies()
-            record = cu.bind_record(handles[i], h) if i in waited else (None, ())
+            record = cu.bind_record(handles[i], h) if i in p.recorded else (None, ())
             out[i] = (start, tuple(calls), *record, loads, *p.args[i])
             start, calls, loads = i + 1, [], 0
             continue
-        for dst, src, n, dev in p.raw[i][1]:
-            last = run[-1] if run else None
-            if last is not None and last[3] == h and last[4] == dev and last[0] + last[2] == dst \
-                    and last[1] + last[2] == src:
-                last[2] += n
-            else:
-                run.append([dst, src, n, h, dev])
-        if i in waited:
-            bind_copies()
+        calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
+        if i in p.recorded:
             calls.append(cu.bind_record(handles[i], h))
         loads += 1
-    bind_copies()
     out[len(p.kinds)] = (start, tuple(calls), None, (), loads, None, None)  # the run's tail (Executor.end_run)
     p.fast[key] = result = tuple(out)
     return result
