@@ -115,6 +115,25 @@ class Schedule:
         """Loads this run computes, ``L = num_steps * num_blocks`` (prefetched ones for the next run excluded)."""
         return self.num_steps * self.num_blocks
 
+    @property
+    def load_group_last(self) -> tuple[int | None, ...]:
+        """Per op, the index of its load group's last H2D (None: a compute, or no load groups)."""
+        return load_groups(self.ops, self.load_group, self.slot_offset)
+
+    @property
+    def carried_last_use(self) -> tuple[tuple[str, int], ...]:
+        """Per buffer, the op whose event the next run's first use of it waits on: its last use, or for a
+        grouped load its group's last H2D (the same stream, issued later: the wait covers the whole group, and
+        the group's other H2Ds need no event)."""
+        lead = self.load_group_last
+        return tuple((buf, lead[i] if lead[i] is not None else i) for buf, i in self.last_use)
+
+    @property
+    def recorded(self) -> frozenset[int]:
+        """The ops whose event something waits on, a later op of the run or the next run: the executor records
+        no other (unless it records a timeline)."""
+        return frozenset(d for deps in self.deps for d in deps) | {i for _, i in self.carried_last_use}
+
     def step_of(self, op: Op) -> int:
         """Denoising step of an op; ``num_steps`` for a load prefetched for the next run."""
         return op.load // self.num_blocks

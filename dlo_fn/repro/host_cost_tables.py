@@ -22,7 +22,6 @@ import json
 import pathlib
 from typing import Any
 
-from dlo_fn.plan.lowering import load_groups
 from dlo_fn.plan.schedule import C, H2D, Ring, Schedule
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
@@ -50,24 +49,23 @@ def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
     """Driver calls per compute of ``schedule`` by kind, as the eager loop issues them
     (:func:`~dlo_fn.runtime.program.fast_segments`): each op waits on its ``deps`` (and a buffer's first use on
     the previous run's last use), runs (an H2D op one copy; a compute is the block's kernels, no driver call of
-    ours) and records its event if something waits on it: a later op, or the next run (a buffer's last use; a
-    grouped load's is its group's last H2D). An H2D right after another on the next slot with the next block,
-    with no wait or record in between, is the same copy (the executor's slots are one allocation and the arena
-    holds the blocks back to back, so their bytes continue)."""
+    ours) and records its event if something waits on it (``Schedule.recorded``). An H2D of a load group that
+    waits for nothing, right after another of its group on the next slot with the next block, is the same copy
+    (the executor's slots are one allocation and the arena holds the blocks back to back, so their bytes
+    continue: ``runtime.program._merge_group_copies``)."""
     computes = sum(1 for op in schedule.ops if op.kind == C) or 1
-    lead = load_groups(schedule.ops, schedule.load_group, schedule.slot_offset)
-    waited = {d for deps in schedule.deps for d in deps}
-    waited |= {lead[i] if lead[i] is not None else i for _, i in schedule.last_use}
+    lead = schedule.load_group_last
     waits = sum(len(d) for d in schedule.deps) + len(schedule.first_use)
     first_uses = {i for _, i in schedule.first_use}
-    records = len(waited)
+    records = len(schedule.recorded)
     copies, prev = 0, None
     for i, op in enumerate(schedule.ops):
         if op.kind != H2D:
             prev = None
             continue
-        merges = (prev is not None and prev not in waited and not schedule.deps[i] and i not in first_uses
-                  and op.slot == schedule.ops[prev].slot + 1 and op.block == schedule.ops[prev].block + 1)
+        merges = (prev is not None and lead[i] is not None and lead[i] == lead[prev] and not schedule.deps[i]
+                  and i not in first_uses and op.slot == schedule.ops[prev].slot + 1
+                  and op.block == schedule.ops[prev].block + 1)
         copies += not merges
         prev = i
     return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
@@ -148,17 +146,19 @@ def summary(driver: dict[str, Any], *reports: dict[str, Any]) -> dict[str, str]:
                 if n in names]
         return f"{min(vals):.1f}-{max(vals):.1f} us"
 
-    out = {"reference host work per block": f"{1e3 * published('perf.nano.allgather_overhead.total').value / NANO_BLOCKS:.0f} us",
+    reference_us = 1e3 * published("perf.nano.allgather_overhead.total").value / NANO_BLOCKS
+    out = {"reference host work per block": f"{reference_us:.0f} us",
            "ours, eager": us(("dlo-rank-local", "dlo-rank-local-swap")),
            "ours, block graphs": us(("dlo-rank-local-bgraph",)),
            "of which driver calls, eager": f"{driver['driver_us_per_block']:.1f} us"}
     for g in (2, 4):  # load groups, in the reports that measured them (bench step's -g<G> variants)
-        names = (f"dlo-rank-local-swap-g{g}",)
-        if any(n in rep["dispatch"]["variants"] for rep in reports for n in names):
-            out[f"ours, eager, load groups of {g}"] = us(names)
+        name = f"dlo-rank-local-swap-g{g}"
+        if any(name in rep["dispatch"]["variants"] for rep in reports):
+            out[f"ours, eager, load groups of {g}"] = us((name,))
     for w in reports[-1]["workloads"]:
         v = {r["variant"]: r for r in w["variants"]}
         eager, bg = v["dlo-rank-local-swap"], v["dlo-rank-local-bgraph"]
-        out[f"block graphs, {w['name']}"] = (f"{bg['ratio_to_bound']:.3f}x bound (eager {eager['ratio_to_bound']:.3f}x), "
-                                             f"+{(bg['peak_device_bytes'] - eager['peak_device_bytes']) / 1e9:.2f} GB peak")
+        extra_gb = (bg["peak_device_bytes"] - eager["peak_device_bytes"]) / 1e9
+        out[f"block graphs, {w['name']}"] = (f"{bg['ratio_to_bound']:.3f}x bound (eager "
+                                             f"{eager['ratio_to_bound']:.3f}x), +{extra_gb:.2f} GB peak")
     return out

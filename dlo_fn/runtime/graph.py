@@ -120,8 +120,7 @@ def split_steps(program: Any) -> tuple[_Step, ...]:
     for i, deps in enumerate(sch.deps):
         for d in deps:
             needed_later[d] = max(needed_later.get(d, -1), i)
-    # The next run waits on the program's last uses (a grouped load's is its group's last H2D; compile_schedule).
-    last_use = {i for _, i in sch.last_use} | {i for _, i in program.last_use}
+    last_use = {i for _, i in sch.carried_last_use}  # what the next run waits on
     first_use: dict[int, list[str]] = {}
     for buf, i in sch.first_use:
         first_use.setdefault(i, []).append(buf)

@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.plan.lowering import load_groups
 from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
@@ -67,16 +66,14 @@ class Program:
     args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: (out, inp); C: (block, caller)
     next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
     events: list[Any]
-    # Per buffer, the op whose event the next run's first use of it waits on: the schedule's last use, or for a
-    # grouped load the group's last H2D (compile_schedule).
-    last_use: tuple[tuple[str, int], ...] = ()
+    last_use: tuple[tuple[str, int], ...] = ()  # Schedule.carried_last_use: what the next run waits on
     # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
     # source), ...)); compute ops: None (they run on the caller's stream).
     raw: tuple[Any, ...] | None = None
     # The driver-call fast path, per (compute stream handle, carried event handles) (see fast_segments).
     fast: dict[tuple, tuple[Any, ...]] = field(default_factory=dict)
-    # The ops whose event something waits on (a later op, or the next run): the others record nothing, unless a
-    # timeline is being recorded (every op's end then is a measurement).
+    # Schedule.recorded, once (the hot loops test it per op): the others record nothing, unless a timeline is
+    # being recorded (every op's end then is a measurement).
     recorded: frozenset[int] = frozenset()
 
 
@@ -159,8 +156,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     carry: list[list[str]] = [[] for _ in sch.ops]
     for buf, i in sch.first_use:
         carry[i].append(buf)
-    lead = load_groups(sch.ops, sch.load_group, sch.slot_offset)
-    _merge_group_copies(args, lead, sch.deps, carry)
+    _merge_group_copies(args, sch.load_group_last, sch.deps, carry)
     nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
     for i in range(len(sch.ops), -1, -1):
         if i < len(sch.ops) and kinds[i] == _C:
@@ -177,12 +173,8 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
             for dst, src in a))
             for k, s, a in zip(kinds, op_streams, args))
-    # A grouped load's last use of its slot is carried as its group's last H2D: the same stream, issued later, so
-    # the next run's wait on it covers the whole group and the other H2Ds of the group need no record.
-    last_use = tuple((buf, lead[i] if lead[i] is not None else i) for buf, i in sch.last_use)
-    recorded = frozenset(d for deps in sch.deps for d in deps) | {i for _, i in last_use}
     return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
-                   tuple(nxt), events, last_use, raw, recorded=recorded)
+                   tuple(nxt), events, sch.carried_last_use, raw, recorded=sch.recorded)
 
 
 def _merge_group_copies(args: list[Any], lead: tuple[int | None, ...], deps: Sequence[tuple[int, ...]],
@@ -225,8 +217,8 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
     ``(start, calls, record_fn, record_args, num_loads, block, caller)``: ``start`` the cursor the segment begins
     at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)`` records the
     compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's block index
-    and bound call; at ``len(kinds)`` the ops after the last compute (the next run's prefetch) in the same form,
-    with no record, block or caller; None elsewhere.
+    and bound call; None elsewhere (the ops after the last compute, the next run's prefetch, are issued by
+    ``end_run`` through :func:`~dlo_fn.runtime.issue.issue_until`).
 
     Events are the program's own (driver calls run only without a recorder), so every handle is fixed at compile
     time but those of the previous run: ``carry`` (buffer -> event handle of the previous run's last use) binds
@@ -255,6 +247,5 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
         if i in p.recorded:
             calls.append(cu.bind_record(handles[i], h))
         loads += 1
-    out[len(p.kinds)] = (start, tuple(calls), None, (), loads, None, None)  # the run's tail (Executor.end_run)
     p.fast[key] = result = tuple(out)
     return result
