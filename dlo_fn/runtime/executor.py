@@ -243,16 +243,6 @@ class Executor:
             raise ScheduleError(f"run ended with {left} block computes not done: the model called fewer blocks "
                                 f"than the schedule's {run.program.schedule.num_steps} step(s) x "
                                 f"{run.program.schedule.num_blocks} blocks x {run.program.schedule.requests_per_load}")
-        tail = run.fast[n] if run.fast is not None and run.compute and self.graphs is None else None
-        if tail is not None and tail[0] == run.cursor:  # the driver-call path: the prefetch, bound
-            flush_record(self, run)
-            t0 = time.perf_counter()
-            for fn, a in tail[1]:
-                if code := fn(*a):
-                    self._driver_failed(run, fn, code, n - 1)
-            run.cursor = n
-            self.stats.loads += tail[4]
-            self.stats.load_issue_s += time.perf_counter() - t0
         issue_until(self, run, n)
         self._carry = {buf: run.events[i] for buf, i in run.program.last_use}
         self.ring = self.ring.after(run.program.schedule)
