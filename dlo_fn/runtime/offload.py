@@ -29,6 +29,7 @@ from torch import nn
 
 from dlo_fn.plan.host_budget import pinned_prefix
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
+from dlo_fn.plan.lowering import check_load_group
 from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
@@ -85,11 +86,9 @@ class OffloadOptions:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {self.graph!r}")
         if self.graph_shapes < 1:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
-        if not isinstance(self.load_group, int) or isinstance(self.load_group, bool) or self.load_group < 1:
-            raise ValueError(f"load_group must be an int >= 1, got {self.load_group!r}")
-        if self.load_group > 1 and (self.num_slots % self.load_group or self.num_slots < 2 * self.load_group):
-            raise ValueError(f"load_group={self.load_group} needs num_slots a multiple of it and >= "
-                             f"{2 * self.load_group} (two groups in flight): pass num_slots={2 * self.load_group}")
+        # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank
+        # is the rank-local sequence, known only with the shard group).
+        check_load_group(self.load_group, self.num_slots, "rank-local")
         if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
             raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
