@@ -254,6 +254,35 @@ def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
     assert torch.equal(o.model(x), ref(x))  # the ring restarted cold
 
 
+def test_driver_call_segments_chain_every_compute_in_order(monkeypatch):
+    # The driver-call path takes the next compute's segment from the run (RunState.next), not through a lookup
+    # by cursor: from the first compute each segment links to the next, its op index in issue order, and only the
+    # last one ends the run. A drained run (compute=False) leaves the path; the next run takes it again.
+    from dlo_fn.bench.hostloop import host_executor
+    from dlo_fn.runtime.program import _C
+
+    ref = toy(6)
+    o, driver = host_executor(copy.deepcopy(ref), "rank-local", monkeypatch=monkeypatch, strict=True, num_slots=4,
+                              load_group=2)
+    ex = o.executor
+    ex.begin_run(3)
+    run = ex._run
+    seg, seen = run.next, []
+    while seg is not None:
+        seen.append(seg[7])
+        assert seg[8] is (seg[9] is None) and seg[5] == run.program.args[seg[7]][0]
+        seg = seg[9]
+    assert seen == [i for i, k in enumerate(run.program.kinds) if k == _C] and len(seen) == 6 * 3
+    x = torch.randn(2, 16)
+    o.model(x)  # the first of three passes
+    assert run.next is not None and run.next[7] == seen[6]
+    ex.drain()
+    assert ex._run is None
+    with o.run(1):
+        assert ex._run.next is not None
+        assert torch.equal(o.model(x), ref(x))
+
+
 @pytest.mark.parametrize("block_call", ["swap", "functional_call"])
 def test_load_groups_cut_the_driver_calls_per_block(monkeypatch, block_call):
     # A run of T passes on the driver-call path (fast segments, the tail bound too): one load per block makes 5

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
+from time import perf_counter as _clock  # the per-block path reads it as one global
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -225,8 +225,9 @@ class Executor:
             cstream = RawStream(self._raw, stream_handle(stream))
             carry = {buf: ev.handle for buf, ev in self._carry.items() if ev is not None}
             fast = fast_segments(program, self._raw, cstream.handle, carry)
+        first = fast[program.next_compute[0]] if fast is not None and compute and self.graphs is None else None
         self._run = RunState(program, events, starts, compute, _implicit, stream, index=self._run_count,
-                             cstream=cstream, fast=fast)
+                             cstream=cstream, fast=fast, next=first)
         self._run_count += 1
         self.stats.runs += 1
         return program.schedule
@@ -274,6 +275,7 @@ class Executor:
         if self._run is None:
             raise ScheduleError("no run is open to drain")
         self._run.compute = False
+        self._run.next = None
         self.end_run()
 
     def abort(self) -> None:
@@ -315,12 +317,11 @@ class Executor:
     # -- issuing: runtime/issue.py ---------------------------------------------------------------------------
     def compute(self, block_index: int, args: tuple, kwargs: dict) -> Any:
         """Run block ``block_index`` for the next compute op of the open (or an implicit) run."""
-        t0 = time.perf_counter()
+        t0 = _clock()
         run = self._run
-        if run is not None and run.fast is not None:  # the driver-call path: one bound segment per block
-            seg = run.fast[run.program.next_compute[run.cursor]]
-            if seg is not None and seg[0] == run.cursor and seg[5] == block_index and run.compute \
-                    and self.graphs is None:
+        if run is not None:  # the driver-call path, its segments in order: one bound segment per block
+            seg = run.next
+            if seg is not None and seg[5] == block_index:
                 return self._compute_fast(run, seg, args, kwargs, t0)
         if run is None:
             self.begin_run(1, 1, _implicit=True)
@@ -349,7 +350,7 @@ class Executor:
                 if run.implicit and p.next_compute[run.cursor] >= len(p.kinds):
                     self.end_run()
                 self.stats.computes += 1
-                self.stats.issue_s += time.perf_counter() - t0
+                self.stats.issue_s += _clock() - t0
                 return out
         seg = run.fast[i] if run.fast is not None else None
         if seg is not None and seg[0] == run.cursor:  # graph mode's eager (recorded) steps
@@ -359,9 +360,9 @@ class Executor:
         wait_for(stream, p, i, events, self._carry)
         if run.starts is not None:
             run.starts[i].record(stream)
-        t1 = time.perf_counter()
+        t1 = _clock()
         out = caller(args, kwargs)
-        t2 = time.perf_counter()
+        t2 = _clock()
         if run.starts is not None or i in p.recorded:  # an event nothing waits on is not recorded (Program)
             events[i].record(stream)
         if graphs is not None:
@@ -372,41 +373,41 @@ class Executor:
         st = self.stats
         st.computes += 1
         st.call_s += t2 - t1
-        st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
+        st.issue_s += (t1 - t0) + (_clock() - t2)
         return out
 
     def _compute_fast(self, run: RunState, seg: tuple, args: tuple, kwargs: dict, t0: float) -> Any:
         """:meth:`compute` on the driver-call path: the segment's bound calls (its loads, then this compute's
         waits), the block, its record (see :func:`~dlo_fn.runtime.program.fast_segments`)."""
-        _, calls, record, rargs, loads, _, caller = seg
-        p = run.program
-        i = p.next_compute[run.cursor]
+        _, calls, record, rargs, loads, _, caller, i, last, nxt = seg
         run.cursor = i
         if run.pending is not None:
             flush_record(self, run)
         for fn, a in calls:
             if code := fn(*a):
                 self._driver_failed(run, fn, code, i)
-        t1 = time.perf_counter()
+        t1 = _clock()
         out = caller(args, kwargs)
-        t2 = time.perf_counter()
-        last = p.next_compute[i + 1] >= len(p.kinds)
+        t2 = _clock()
+        graphs = self.graphs
         if record is None:  # nothing waits on this compute (fast_segments)
             pass
-        elif self._defer_record and not last and self.graphs is None:
+        elif self._defer_record and not last and graphs is None:
             run.pending = (record, rargs, i)  # issued first thing at the next driver call (see __init__)
         elif code := record(*rargs):
             self._driver_failed(run, record, code, i)
-        if self.graphs is not None:  # an eager step of graph mode: its wiring is recorded for the capture
-            self.graphs.after_eager(run, i, out)
+        if graphs is not None:  # an eager step of graph mode: its wiring is recorded for the capture
+            graphs.after_eager(run, i, out)
         run.cursor = i + 1
-        st = self.stats
-        if run.implicit and last:
+        if run.next is not None:  # on the in-order path (see begin_run): the next compute's segment
+            run.next = nxt
+        if last and run.implicit:
             self.end_run()
+        st = self.stats
         st.computes += 1
         st.loads += loads
         st.call_s += t2 - t1
-        st.issue_s += (t1 - t0) + (time.perf_counter() - t2)
+        st.issue_s += (t1 - t0) + (_clock() - t2)
         return out
 
     def _driver_failed(self, run: RunState, fn: Any, code: int, i: int) -> None:

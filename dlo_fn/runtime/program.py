@@ -32,7 +32,7 @@ __all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule
 _H2D, _AG, _C = 0, 1, 2
 
 
-@dataclass
+@dataclass(slots=True)
 class ExecutorStats:
     """Host-side counters (seconds, from ``time.perf_counter``). ``issue_s`` is the host time the executor
     spends outside the blocks' own calls (issuing loads, waits, records, bookkeeping), of which
@@ -111,7 +111,7 @@ class Programs:
         return program
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the per-block path reads and writes its fields (fewer cache lines per access)
 class RunState:
     program: Program
     events: list[Any]
@@ -125,6 +125,9 @@ class RunState:
     fast: tuple[Any, ...] | None = None  # driver calls: fast_segments(program, cu, compute stream handle)
     # A compute's event record held back to the next driver call of the run: (record fn, args, op index).
     pending: tuple[Any, tuple, int] | None = None
+    # The driver-call path's segment for the next compute (an entry of ``fast``) while every compute of the run
+    # takes that path in order (no graphs, computing, nothing issued out of turn); None otherwise.
+    next: tuple[Any, ...] | None = None
 
 
 def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots: Sequence[torch.Tensor],
@@ -214,11 +217,12 @@ def _byte_view(t: torch.Tensor, n: int) -> torch.Tensor:
 def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, int] | None = None
                   ) -> tuple[Any, ...]:
     """Per op index: for a compute op, its segment (the ops since the previous compute, then its own waits) as
-    ``(start, calls, record_fn, record_args, num_loads, block, caller)``: ``start`` the cursor the segment begins
-    at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)`` records the
-    compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's block index
-    and bound call; None elsewhere (the ops after the last compute, the next run's prefetch, are issued by
-    ``end_run`` through :func:`~dlo_fn.runtime.issue.issue_until`).
+    ``(start, calls, record_fn, record_args, num_loads, block, caller, index, last, next)``: ``start`` the cursor
+    the segment begins at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)``
+    records the compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's
+    block index and bound call, ``index`` its op index, ``last`` whether it is the run's last compute and
+    ``next`` the next compute's segment (which starts right after it); None elsewhere (the ops after the last
+    compute, the next run's prefetch, are issued by ``end_run`` through :func:`~dlo_fn.runtime.issue.issue_until`).
 
     Events are the program's own (driver calls run only without a recorder), so every handle is fixed at compile
     time but those of the previous run: ``carry`` (buffer -> event handle of the previous run's last use) binds
@@ -240,12 +244,16 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
         calls.extend(cu.bind_carry_wait(h, carry[buf]) for buf in p.carry[i] if buf in carry)
         if kind == _C:
             record = cu.bind_record(handles[i], h) if i in p.recorded else (None, ())
-            out[i] = (start, tuple(calls), *record, loads, *p.args[i])
+            out[i] = (start, tuple(calls), *record, loads, *p.args[i], i)
             start, calls, loads = i + 1, [], 0
             continue
         calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
         if i in p.recorded:
             calls.append(cu.bind_record(handles[i], h))
         loads += 1
+    nxt = None  # link each compute's segment to the next one's, from the last compute back
+    for i in reversed(range(len(p.kinds))):
+        if out[i] is not None:
+            out[i] = nxt = (*out[i], nxt is None, nxt)
     p.fast[key] = result = tuple(out)
     return result
