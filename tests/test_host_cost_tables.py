@@ -60,9 +60,29 @@ def test_the_takeaway_is_computed_from_the_reports():
 def test_the_takeaway_gives_load_groups_where_a_run_measured_them():
     import copy
 
-    small40 = hc.load("bench_small40")
+    small40 = copy.deepcopy(hc.load("bench_small40"))
+    for g in (2, 4):
+        small40["dispatch"]["variants"].pop(f"dlo-rank-local-swap-g{g}")
     assert not any("load groups" in k for k in hc.summary(hc.load("driver_cost"), small40, hc.load("bench_step")))
-    measured = copy.deepcopy(small40)
-    measured["dispatch"]["variants"]["dlo-rank-local-swap-g2"] = {"proxy_host_us_per_block": 21.25}
-    s = hc.summary(hc.load("driver_cost"), measured, hc.load("bench_step"))
+    small40["dispatch"]["variants"]["dlo-rank-local-swap-g2"] = {"proxy_host_us_per_block": 21.25}
+    s = hc.summary(hc.load("driver_cost"), small40, hc.load("bench_step"))
     assert s["ours, eager, load groups of 2"] == "21.2-21.2 us" and "ours, eager, load groups of 4" not in s
+
+
+def test_load_group_tables_from_the_committed_runs():
+    # The H200 runs with load groups: the A/B of two trees in alternating processes, and the bench model's step
+    # time with and without groups (every output byte-identical to resident).
+    ab = hc.load("hostcost_ab")
+    rows = {r["variant"]: r for r in hc.ab_rows(ab)}
+    assert set(rows) >= {"dlo-rank-local-swap", "dlo-rank-local-swap-g2", "dlo-rank-local-swap-g4"}
+    for tree in ("base", "new"):
+        assert len(rows["dlo-rank-local-swap"][f"{tree}_rounds_us"].split(" / ")) == 3
+        # four loads share five calls: the cheapest eager loop in each tree
+        assert float(rows["dlo-rank-local-swap-g4"][f"{tree}_median_us"]) < float(
+            rows["dlo-rank-local-swap"][f"{tree}_median_us"])
+    s = hc.summary(hc.load("driver_cost"), hc.load("groups_bench_step"), hc.load("bench_step"), ab=ab)
+    g4 = [r["proxy_host_us_per_block"]["dlo-rank-local-swap-g4"] for r in ab["rounds"]]
+    assert s["ours, eager, load groups of 4, 6 processes"] == f"{min(g4):.1f}-{max(g4):.1f} us"
+    groups = hc.graph_rows(hc.load("groups_bench_step"), hc.GROUP_VARIANTS)
+    assert {r["variant"] for r in groups} == set(hc.GROUP_VARIANTS.values())
+    assert all(r["equal_to_resident"] is True for r in groups)

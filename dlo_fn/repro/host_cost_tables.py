@@ -9,8 +9,10 @@
   forward; with the stream memory operations measured beside them;
 * :func:`executor_rows` - the executor's own host time per block and the whole pass's over resident, per variant
   (``bench step``'s dispatch rows), in the runs committed;
-* :func:`graph_rows` - eager, block graphs and the step graph on the bench model: ratio to the bound, host time
-  per step, peak device memory;
+* :func:`ab_rows` - the executor's host time per block in alternating processes of two trees (load groups of
+  1 / 2 / 4 and the modes side by side, median and every round);
+* :func:`graph_rows` - eager, block graphs and the step graph on the bench model (or, with ``GROUP_VARIANTS``,
+  eager with and without load groups): ratio to the bound, host time per step, peak device memory;
 * :func:`summary` - the takeaway, computed from the same reports.
 
 Every number comes from the committed JSON under ``figures/data/`` (machine, command and date inside).
@@ -27,7 +29,7 @@ from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
 __all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_driver_calls", "steady_schedule", "driver_rows",
-           "executor_rows", "graph_rows", "summary"]
+           "executor_rows", "ab_rows", "graph_rows", "GRAPH_VARIANTS", "GROUP_VARIANTS", "summary"]
 
 NANO_BLOCKS = 72  # the reference's Nano DiT: the 150 ms/step is over its 72 blocks
 
@@ -118,17 +120,34 @@ def executor_rows(*reports: dict[str, Any]) -> list[dict[str, object]]:
     return rows
 
 
+def ab_rows(report: dict[str, Any]) -> list[dict[str, object]]:
+    """Per variant: the median of each tree's rounds and every round in run order (``hostcost_ab``)."""
+    trees = list(report["median_proxy_host_us_per_block"])
+    rows = []
+    for name in report["rounds"][0]["proxy_host_us_per_block"]:
+        row: dict[str, object] = {"variant": name}
+        for t in trees:
+            rounds = [r["proxy_host_us_per_block"][name] for r in report["rounds"] if r["tree"] == t]
+            row[f"{t}_median_us"] = f"{report['median_proxy_host_us_per_block'][t][name]:.1f}"
+            row[f"{t}_rounds_us"] = " / ".join(f"{v:.1f}" for v in rounds)
+        rows.append(row)
+    return rows
+
+
 GRAPH_VARIANTS = {"dlo-rank-local-swap": "eager (swap)", "dlo-rank-local-bgraph": "block graphs",
                   "dlo-rank-local-graph": "step graph", "resident": "resident"}
+GROUP_VARIANTS = {"resident": "resident", "dlo-rank-local-swap": "eager (swap)",
+                  "dlo-rank-local-swap-g2": "swap, load groups of 2", "dlo-rank-local-swap-g4": "swap, load groups of 4",
+                  "dlo-rank-local": "eager (functional_call)", "dlo-rank-local-g2": "functional_call, groups of 2"}
 
 
-def graph_rows(report: dict[str, Any]) -> list[dict[str, object]]:
+def graph_rows(report: dict[str, Any], variants: dict[str, str] = GRAPH_VARIANTS) -> list[dict[str, object]]:
     rows = []
     for w in report["workloads"]:
         for r in w["variants"]:
-            if r["variant"] not in GRAPH_VARIANTS:
+            if r["variant"] not in variants:
                 continue
-            rows.append({"workload": w["name"], "variant": GRAPH_VARIANTS[r["variant"]],
+            rows.append({"workload": w["name"], "variant": variants[r["variant"]],
                          "step_ms": f"{1e3 * r['step_s']:.1f}", "x_bound": f"{r['ratio_to_bound']:.3f}",
                          "host_ms_per_step": f"{1e3 * r['host_s']:.1f}",
                          "peak_GB": f"{r['peak_device_bytes'] / 1e9:.2f}",
@@ -136,11 +155,11 @@ def graph_rows(report: dict[str, Any]) -> list[dict[str, object]]:
     return rows
 
 
-def summary(driver: dict[str, Any], *reports: dict[str, Any]) -> dict[str, str]:
+def summary(driver: dict[str, Any], *reports: dict[str, Any], ab: dict[str, Any] | None = None) -> dict[str, str]:
     """The notebook's takeaway, computed: the executor's cost per block eager (with load groups too, where a run
-    measured them) and with block graphs (range over the runs' dispatch rows), the driver's share, and what block
-    graphs add in device memory and step time on the bench model (the last report with workloads that has both
-    variants)."""
+    measured them) and with block graphs (range over the runs' dispatch rows; with ``ab``, a ``hostcost_ab``
+    report, also the load groups' range over its processes), the driver's share, and what block graphs add in
+    device memory and step time on the bench model (the last report with workloads that has both variants)."""
     def us(names: tuple[str, ...]) -> str:
         vals = [r["proxy_host_us_per_block"] for rep in reports for n, r in rep["dispatch"]["variants"].items()
                 if n in names]
@@ -155,6 +174,9 @@ def summary(driver: dict[str, Any], *reports: dict[str, Any]) -> dict[str, str]:
         name = f"dlo-rank-local-swap-g{g}"
         if any(name in rep["dispatch"]["variants"] for rep in reports):
             out[f"ours, eager, load groups of {g}"] = us((name,))
+        if ab is not None and name in ab["rounds"][0]["proxy_host_us_per_block"]:
+            vals = [r["proxy_host_us_per_block"][name] for r in ab["rounds"]]
+            out[f"ours, eager, load groups of {g}, {len(vals)} processes"] = f"{min(vals):.1f}-{max(vals):.1f} us"
     for w in reports[-1]["workloads"]:
         v = {r["variant"]: r for r in w["variants"]}
         eager, bg = v["dlo-rank-local-swap"], v["dlo-rank-local-bgraph"]
