@@ -81,6 +81,11 @@ def test_generate_load_group_slots_and_shard_group(checkpoint, tmp_path, monkeyp
     with pytest.raises(UsageError, match="over 2 ranks"):
         check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "sp"))
     assert check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "dp"))[0].load_group == 2
+    # auto: the policy chooses G (and the slots, unless given) once probed; allgather over 2 ranks is left to it
+    # (it offers groups on the rank-local op sequence only), so no refusal here
+    options, _ = check_generate_args(parse("--load-group", "auto"))
+    assert (options.load_group, options.num_slots) == (1, 2)  # placeholders until the probe
+    assert check_generate_args(parse("--load-group", "2", "--slots", "auto", "--no-allgather"))[0].load_group == 2
 
 
 def _generate(checkpoint, tmp_path, *extra):
@@ -97,9 +102,8 @@ def _generate(checkpoint, tmp_path, *extra):
     (["--prompt", "x", "--requests-per-rank", "0"], ["--requests-per-rank 0"]),
     (["--prompt", "x", "--cuda-graph", "block", "--graph-shapes", "0"], ["--graph-shapes 0", ">= 1"]),
     (["--prompt", "x", "--timeout", "0"], ["--timeout 0"]),
-    (["--prompt", "x", "--load-group", "0"], ["--load-group 0", ">= 1"]),
+    (["--prompt", "x", "--load-group", "0"], ["--load-group 0", ">= 1", "auto"]),
     (["--prompt", "x", "--load-group", "2", "--slots", "3"], ["--load-group 2 --slots 3", "multiple of 2", ">= 4"]),
-    (["--prompt", "x", "--load-group", "2", "--slots", "auto"], ["--load-group 2 with --slots auto", "give --slots"]),
     (["--prompt", "x", "--resident", "--no-allgather"], ["conflicting modes"]),
     ([], ["--prompt", "--prompts"]),
 ])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -76,3 +77,17 @@ def test_load_groups_write_the_resident_hashes(checkpoint, resident_rows, tmp_pa
     # One process: allgather over one rank is the rank-local sequence, so --load-group applies (4 slots by default).
     rows = _generate(checkpoint, tmp_path / "g2", "--load-group", "2")
     assert [r["sha256"] for r in rows] == [r["sha256"] for r in resident_rows]
+
+
+def test_load_group_auto_is_chosen_from_the_probe_and_writes_the_resident_hashes(checkpoint, resident_rows, tmp_path):
+    # --load-group auto: the start-up probe prices the host work per block, the policy chooses G with the slots
+    # (each G on slots that are a multiple of it, >= 2G), the choice is logged, and the bytes are resident's.
+    out = tmp_path / "auto"
+    log, rows = run_generate(checkpoint, out, "--load-group", "auto", "--no-allgather")
+    assert [r["sha256"] for r in rows] == [r["sha256"] for r in resident_rows]
+    chosen = re.search(r"auto: DP1xSP1 rank-local S(\d+) R1( G(\d))?:", log)
+    assert chosen, log[-3000:]
+    slots, group = int(chosen.group(1)), int(chosen.group(3) or 1)
+    assert group in (1, 2, 4) and slots % group == 0 and slots >= 2 * group
+    table = json.loads((out / "auto_policy.json").read_text())
+    assert "topology" in table

@@ -181,3 +181,52 @@ def test_minimax_routes_signs_and_frontier_on_8xb300():
     verdicts = {r["route"]: r["verdict"] for r in pt.minimax_sign_rows()}
     assert verdicts["DP4xSP2"] == "tie within the model"
     assert all(r["predicted_videos_per_h"] is True for r in pt.minimax_frontier_rows() if r["route"].startswith("ordered"))
+
+
+SMALL = PolicyModel(ModelSizes.uniform("small", 24 * MB, 24), hidden_dim=64)  # 24 blocks of 1 MB
+
+
+def test_load_groups_only_on_the_rank_local_op_sequence():
+    cands = candidates(2, slots=(2, 3, 4, 8), load_groups=(1, 2, 4))
+    grouped = [c for c in cands if c.load_group > 1]
+    assert grouped and all(c.num_shards == 1 for c in grouped)  # rank-local, or allgather over one rank
+    assert {(c.num_slots, c.load_group) for c in grouped} == {(4, 2), (8, 2), (8, 4)}  # multiples of G, >= 2G
+    assert {c.label for c in grouped} >= {"DP2xSP1 rank-local S8 R1 G4", "DP1xSP2 allgather W1 S4 R1 G2"}
+    assert candidates(2, load_groups=(1,)) == candidates(2)  # the default: one load per block, as before
+    with pytest.raises(ValueError, match="load groups must be >= 1"):
+        candidates(2, load_groups=(0,))
+
+
+def test_load_groups_are_chosen_where_the_host_is_the_bound():
+    """24 blocks of 1 MB, 20 us of compute, 50 us of host work per block at one load per block: the host bounds the
+    step, and groups of 4 cut it (host_scale: 0.53 of the calls' cost per block), at 8 slots of HBM. With 50 ms of
+    compute per block the host is hidden, and the cheapest plan (2 slots, one load per block) is chosen."""
+    host = (("allgather", 50e-6), ("rank-local", 50e-6))
+    fast = topo(1, h2d=1e12, block_s=20e-6, host_s_per_block=host)
+    r = plan(SMALL, fast, WL, slots=(2, 4, 8), modes=("rank-local",), load_groups=(1, 2, 4))
+    assert r.chosen.candidate.label == "DP1xSP1 rank-local S8 R1 G4" and r.chosen.bound == "host"
+    one = next(row for row in r.rows if row.candidate.load_group == 1)
+    assert r.chosen.step_s < 0.6 * one.step_s
+    slow = topo(1, h2d=1e12, block_s=0.05, host_s_per_block=host)
+    r = plan(SMALL, slow, WL, slots=(2, 4, 8), modes=("rank-local",), load_groups=(1, 2, 4))
+    assert r.chosen.candidate.label == "DP1xSP1 rank-local S2 R1" and r.chosen.bound == "compute"
+    # One load per block is costed as before: the same rows with and without groups on offer.
+    base = {row.candidate: row.step_s for row in plan(SMALL, fast, WL, slots=(2, 4, 8)).rows}
+    mixed = {row.candidate: row.step_s for row in plan(SMALL, fast, WL, slots=(2, 4, 8), load_groups=(1, 4)).rows}
+    assert base == {c: s for c, s in mixed.items() if c.load_group == 1}
+
+
+def test_host_scale_against_the_h200_measurement():
+    """The model's fixed share is fitted on G = 4 of the committed A/B (24 blocks, bench-narrow); G = 2 checks it."""
+    import json
+
+    from dlo_fn.plan.host_cost import host_scale
+    from dlo_fn.repro.data import DATA_DIR
+
+    ab = json.loads((DATA_DIR / "hostcost_ab_nvidia-h200.json").read_text())["median_proxy_host_us_per_block"]
+    assert host_scale(24, 2, 1) == 1.0 and host_scale(24, 8, 4) < host_scale(24, 4, 2) < 1.0
+    for tree in ("base", "new"):
+        one = ab[tree]["dlo-rank-local-swap"]
+        for g, tol in ((2, 0.10), (4, 0.03)):
+            measured = ab[tree][f"dlo-rank-local-swap-g{g}"]
+            assert abs(one * host_scale(24, 2 * g, g) / measured - 1) < tol, (tree, g, measured)

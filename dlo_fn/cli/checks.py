@@ -43,13 +43,10 @@ def check_engine_args(args: argparse.Namespace) -> None:
         raise UsageError(f"generate: --graph-shapes {args.graph_shapes}: give >= 1 (the input shapes whose CUDA "
                          f"graphs are kept)")
     group = getattr(args, "load_group", 1)
-    if group < 1:
-        raise UsageError(f"generate: --load-group {group}: give >= 1 (1 = one load per block)")
+    if group != "auto" and group < 1:
+        raise UsageError(f"generate: --load-group {group}: give >= 1 (1 = one load per block) or auto")
     slots = getattr(args, "slots", None)
-    if group > 1 and slots == "auto":
-        raise UsageError(f"generate: --load-group {group} with --slots auto: give --slots (a multiple of {group}, "
-                         f">= {2 * group}; the policy chooses slots per block)")
-    if group > 1 and isinstance(slots, int) and (slots % group or slots < 2 * group):
+    if group != "auto" and group > 1 and isinstance(slots, int) and (slots % group or slots < 2 * group):
         raise UsageError(f"generate: --load-group {group} --slots {slots}: give --slots a multiple of {group} and "
                          f">= {2 * group} (two groups in flight), or leave --slots out ({2 * group})")
     if not args.max_wait_s >= 0:

@@ -103,7 +103,7 @@ def mesh_from_args(args: argparse.Namespace, ctx):
 
 def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto: bool = False):
     """Load a checkpoint (its config names the model; mmap views, nothing copied) and offload per ``options``
-    (with ``auto``, a callable model -> PlanRow, its chosen mode and slots) on ``mesh`` (None: the world; with
+    (with ``auto``, a callable model -> PlanRow, its chosen mode, slots and load group) on ``mesh`` (None: the world; with
     ``sp_auto`` the (dp, sp) mesh and shard group the policy chose). Returns ``(offloaded, mesh)``."""
     from dlo_fn.runtime.load import load_model
     from dlo_fn.runtime.mesh import build_mesh
@@ -114,7 +114,8 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
         import dataclasses
 
         chosen = auto(model).candidate
-        options = dataclasses.replace(options, mode=chosen.mode, num_slots=chosen.num_slots)
+        options = dataclasses.replace(options, mode=chosen.mode, num_slots=chosen.num_slots,
+                                      load_group=chosen.load_group)
         if sp_auto:
             group = "dp" if chosen.shard_group == "dp" else "world"
             options = dataclasses.replace(options, shard_group=group)

@@ -52,12 +52,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graph-shapes", type=int, default=4, metavar="N",
                         help="with --cuda-graph: keep the graphs of the N most recently used input shapes (a new "
                              "shape beyond frees the least recently used one's graphs and buffers)")
-    parser.add_argument("--load-group", type=int, default=1, metavar="G",
+    parser.add_argument("--load-group", type=_int_or_auto("--load-group"), default=1, metavar="G",
                         help="move G consecutive blocks as one load (one wait and one record for their copies, and "
                              "for their computes): for models of many small blocks, where the host's 5 driver calls "
                              "per block are the bound (one H200: 46 -> 24 us of host time per block at G = 4). "
                              "Rank-local op sequence only (rank-local, or allgather on one rank); needs --slots a "
-                             "multiple of G and >= 2G (default 2G)")
+                             "multiple of G and >= 2G (default 2G; with --slots auto the policy picks them). auto: "
+                             "the policy chooses G in 1, 2, 4 (and the slots, unless --slots is given) from the "
+                             "start-up probes")
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")
@@ -113,7 +115,7 @@ def mode_from_args(args: argparse.Namespace) -> str:
 
 def slots_from_args(args: argparse.Namespace, auto: Any) -> Any:
     """``--slots``: the number given, ``auto`` for ``auto``, else the default: 2 slots per load group."""
-    if args.slots == "auto":
+    if args.slots == "auto" or (args.slots is None and args.load_group == "auto"):
         return auto
     return args.slots if args.slots is not None else 2 * args.load_group
 
@@ -122,12 +124,13 @@ def options_from_args(args: argparse.Namespace):
     from dlo_fn.runtime.offload import OffloadOptions
 
     mode = mode_from_args(args)
+    group = 1 if args.load_group == "auto" else args.load_group  # auto: replaced once probed, as the slots are
     return OffloadOptions(mode="allgather" if mode == "auto" else mode,  # auto: replaced once probed
-                          num_slots=slots_from_args(args, 2), num_landing=args.landing,
+                          num_slots=slots_from_args(args, 2 * group), num_landing=args.landing,
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
                           progress=True, graph=args.cuda_graph or False, graph_shapes=args.graph_shapes,
-                          shard_group=args.shard_group, load_group=args.load_group)
+                          shard_group=args.shard_group, load_group=group)
 
 
 def _defaults(args: argparse.Namespace) -> dict:
@@ -172,7 +175,8 @@ def check_sp_args(args: argparse.Namespace, config) -> None:
         raise UsageError(f"generate: --sp {args.sp} does not divide the {world} rank(s) "
                          f"(torchrun --nproc-per-node): use --sp in {divisors}")
     shards = {"world": world, "dp": world // args.sp, "sp": args.sp}.get(args.shard_group, world)
-    if args.load_group > 1 and args.mode != "auto" and mode_from_args(args) == "allgather" and shards > 1:
+    if args.load_group != "auto" and args.load_group > 1 and args.mode != "auto" \
+            and mode_from_args(args) == "allgather" and shards > 1:
         raise UsageError(f"generate: --load-group {args.load_group} needs the rank-local op sequence, but allgather "
                          f"shards each block over {shards} ranks (--shard-group {args.shard_group}): add "
                          f"--no-allgather, or drop --load-group")

@@ -1,4 +1,4 @@
-"""`generate --mode auto / --slots auto / --sp auto` (issue 14): probe at start-up, let the policy choose, log why.
+"""`generate --mode auto / --slots auto / --sp auto / --load-group auto` (issues 14, 16): probe at start-up, let the policy choose, log why.
 
 :func:`choose_auto` probes this machine for the first request (:mod:`dlo_fn.runtime.probe`), rank 0's choice
 goes to every rank, and ``<out>/auto_policy.json`` keeps the measured topology; after the serve
@@ -21,7 +21,7 @@ log = logging.getLogger(f"{__package__}.generate")
 
 def is_auto(args: argparse.Namespace) -> bool:
     return (args.mode == "auto" or args.sp == "auto"
-            or (args.slots == "auto" and mode_from_args(args) != "resident"))
+            or ("auto" in (args.slots, args.load_group) and mode_from_args(args) != "resident"))
 
 
 def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
@@ -44,7 +44,8 @@ def choose_auto(args: argparse.Namespace, model, ctx):
     mode = None if args.mode == "auto" else mode_from_args(args)
     sps = auto_sps(args, ctx.world_size, getattr(model.config, "num_heads", None))
     result = choose(found, mode=mode, num_slots=slots_from_args(args, None),
-                    requests_per_rank=args.requests_per_rank, sps=sps)
+                    requests_per_rank=args.requests_per_rank, sps=sps,
+                    load_group=None if args.load_group == "auto" else args.load_group)
     chosen = [result.chosen]
     if ctx.group is not None:
         torch.distributed.broadcast_object_list(chosen, src=0, group=ctx.group)
@@ -63,8 +64,13 @@ def _write_probe(args: argparse.Namespace, found, sps) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "auto_policy.json"
     path.write_text(json.dumps(probe_to_dict(found.topology, found.model, found.workload, sps), indent=1))
-    log.info("auto: measured topology in %s (python -m dlo_fn policy --topology %s --slots 2,3,4,5,6 prints "
-             "its table)", path, path)
+    from dlo_fn.runtime.probe import AUTO_LOAD_GROUPS, AUTO_SLOTS
+
+    groups = AUTO_LOAD_GROUPS if args.load_group == "auto" else (args.load_group,)
+    slots = ",".join(map(str, sorted(set(AUTO_SLOTS) | {2 * g for g in groups})))  # as choose() offers them
+    groups = ",".join(map(str, groups))
+    log.info("auto: measured topology in %s (python -m dlo_fn policy --topology %s --slots %s --load-groups %s "
+             "prints its table)", path, path, slots, groups)
 
 
 def log_predicted_vs_measured(report, chosen) -> None:

@@ -1,4 +1,4 @@
-"""`python -m dlo_fn policy`: rank every (dp, sp, mode, shard group, slots, R) of a model on a topology.
+"""`python -m dlo_fn policy`: rank every (dp, sp, mode, shard group, slots, R, load group) of a model on a topology.
 
 ``--topology`` is a named machine (``1xH200``, ``4xB300``, ``8xB300``, ``4xAscend910B3``: every field with its
 source, :mod:`dlo_fn.repro.topologies`) or a JSON file with the same fields
@@ -30,6 +30,8 @@ def register(subparsers) -> None:
     p.add_argument("--slots", default="2,3,4", help="comma list of slot counts")
     p.add_argument("--requests-per-rank", default="1", help="comma list of R")
     p.add_argument("--landing", type=int, default=2, help="landing buffers (1 = the reference's serial H2D->AG)")
+    p.add_argument("--load-groups", default="1", help="comma list of load groups G (G consecutive blocks as one "
+                   "load, rank-local op sequence, slots a multiple of G and >= 2G; e.g. 1,2,4 with --slots 2,4,8)")
     p.add_argument("--limit", type=int, default=20, help="rows to print")
     p.set_defaults(func=run)
 
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         sps = tuple(sp for sp in sps if topology.num_ranks % sp == 0) or None
     result = plan(model, topology, workload, objective=args.objective, slots=_ints("--slots", args.slots),
                   requests_per_rank=_ints("--requests-per-rank", args.requests_per_rank),
-                  num_landing=args.landing, sps=sps)
+                  num_landing=args.landing, sps=sps, load_groups=_ints("--load-groups", args.load_groups))
     print(f"{model.name} on {topology.name} ({topology.num_ranks} ranks), {workload.name}: {workload.tokens} "
           f"tokens x {workload.cfg_branches}, {workload.num_steps} steps; objective {args.objective}")
     keep = ("rank", "plan", "step_s", "wave_s", "outputs_per_s", "bound", "exposed_ms_per_step", "hbm_gb",

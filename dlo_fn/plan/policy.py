@@ -1,12 +1,15 @@
-"""Topology policy: enumerate (dp, sp, mode, shard group, slots, R) on a :class:`~dlo_fn.plan.topology.Topology`,
-predict each with the planner's own schedule, simulator and memory models, drop what does not fit, rank; pure.
+"""Topology policy: enumerate (dp, sp, mode, shard group, slots, R, load group) on a
+:class:`~dlo_fn.plan.topology.Topology`, predict each with the planner's own schedule, simulator and memory models,
+drop what does not fit, rank; pure.
 
 **Candidates.** ``dp x sp = N``; mode ``rank-local`` (``W = 1``) or ``allgather`` over the shard group ``mesh``
 (every rank in lockstep, ``W = dp sp``) or ``dp`` (the reference: SP partners hold identical shards, ``W = dp``);
 ``S`` slots; ``R`` requests per rank run block-major through each loaded block. An all-gather over a shard group
 of one rank (``W = 1``: rank-local mode, or ``allgather`` over ``dp = 1``) is the identity, and the lowering runs
 the rank-local op sequence for it (one H2D straight into the slot, no landing buffer, no AG, rank-local host work
-per block): such a row is costed and sized as rank-local, and on a tie the rank-local label is chosen.
+per block): such a row is costed and sized as rank-local, and on a tie the rank-local label is chosen. A load
+group ``G > 1`` (``load_groups``; :mod:`dlo_fn.plan.lowering`) applies to that op sequence only, on ``S`` slots
+a multiple of ``G`` and ``>= 2G``.
 
 **Per-op durations** (block ``b``, one request; ``L`` tokens per branch, ``g`` branches)::
 
@@ -14,6 +17,8 @@ per block): such a row is costed and sized as rank-local, and on a tie the rank-
     AG    ((W - 1) / W) W s_b / busbw        (W = 1: none, see above)
     C     c(L, sp) + u + h        host serial (the reference)
           max(c(L, sp) + u, h)    host runs ahead (ours)
+          h = h_1 x host_scale(B, S, G)    with load groups (:func:`~dlo_fn.plan.host_cost.host_scale`: the
+                                           driver calls per block from the plan, a fixed share for the Python)
           + o(L, g) on block 0 of every step: the per-step work outside the blocks
     u     k g ceil(L / sp) D e ((sp - 1) / sp) / beta_a2a      Ulysses (k all-to-alls per block, e bytes)
 
@@ -35,7 +40,8 @@ limiting memory is the one nearer its capacity.
 
 **Choice.** ``objective="throughput"`` scores ``outputs_per_s``, ``"latency"`` scores ``1 / wave``. Among the
 fitting rows within ``min_gain`` (relative) of the best score, the cheapest is chosen: smallest R (latency), then
-least HBM (slots and landing buffers), then least host work per block, then fewest slots. So a request, a slot or
+least HBM (slots and landing buffers), then least host work per block, then fewest slots (and one load per
+block before groups). So a request, a slot or
 a byte is spent only where it buys more than ``min_gain``.
 """
 
@@ -45,6 +51,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dlo_fn.plan.hbm import hbm_per_card
+from dlo_fn.plan.host_cost import host_scale
 from dlo_fn.plan.lowering import lowered_mode
 from dlo_fn.plan.memory import pinned_host_bytes_per_rank
 from dlo_fn.plan.ops import Op
@@ -70,6 +77,7 @@ class Candidate:
     num_slots: int
     requests_per_rank: int
     num_landing: int
+    load_group: int = 1  # G consecutive loads as one (rank-local op sequence only)
 
     @property
     def num_shards(self) -> int:
@@ -80,7 +88,8 @@ class Candidate:
     @property
     def label(self) -> str:
         group = f" W{self.num_shards}" if self.mode == "allgather" else ""
-        return f"DP{self.dp}xSP{self.sp} {self.mode}{group} S{self.num_slots} R{self.requests_per_rank}"
+        load = f" G{self.load_group}" if self.load_group > 1 else ""
+        return f"DP{self.dp}xSP{self.sp} {self.mode}{group} S{self.num_slots} R{self.requests_per_rank}{load}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +147,11 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_per_rank: tuple[int, ...] = (1,),
                modes: tuple[str, ...] = ("allgather", "rank-local"), sps: tuple[int, ...] | None = None,
-               num_landing: int = DEFAULT_NUM_LANDING) -> tuple[Candidate, ...]:
-    """Every (dp, sp, mode, shard group, S, R) with ``dp sp = N``; shard groups that give the same ``W`` are one."""
+               num_landing: int = DEFAULT_NUM_LANDING, load_groups: tuple[int, ...] = (1,)) -> tuple[Candidate, ...]:
+    """Every (dp, sp, mode, shard group, S, R, G) with ``dp sp = N``; shard groups that give the same ``W`` are one.
+    A load group ``G > 1`` only where the op sequence is rank-local and ``S`` is a multiple of ``G``, ``>= 2G``."""
+    if any(g < 1 for g in load_groups):
+        raise ValueError(f"load groups must be >= 1, got {load_groups}")
     out = []
     for sp in (sps or _divisors(num_ranks)):
         if num_ranks % sp:
@@ -151,11 +163,13 @@ def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_p
         if "rank-local" in modes:
             groups.append(("rank-local", "-"))
         for mode, group in groups:
+            w = dp * sp if group == "mesh" else dp
             for s in slots:
                 for r in requests_per_rank:
-                    w = dp * sp if group == "mesh" else dp
                     landing = num_landing if mode == "allgather" and w > 1 else 0  # W = 1: lowered, no landing
-                    out.append(Candidate(dp, sp, mode, group, s, r, landing))
+                    for g in load_groups:
+                        if g == 1 or ((mode == "rank-local" or w == 1) and s % g == 0 and s >= 2 * g):
+                            out.append(Candidate(dp, sp, mode, group, s, r, landing, g))
     return tuple(out)
 
 
@@ -180,7 +194,7 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
     h2d_s = tuple(n / topology.h2d_bytes_per_s for n in h2d)
     device = (topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
               + all_to_all_s(model, topology, workload, cand.sp))
-    host = topology.host_s(mode)
+    host = topology.host_s(mode) * host_scale(sizes.num_blocks, cand.num_slots, cand.load_group)
     comp = device + host if topology.host_serial else max(device, host)
 
     def duration(op: Op) -> float:
@@ -215,7 +229,8 @@ def predict(model: PolicyModel, topology: Topology, workload: Workload, cand: Ca
     b, r, mode = model.sizes.num_blocks, cand.requests_per_rank, op_mode(cand)
     steps = min(workload.num_steps, 3)
     schedule = build_schedule(b, steps, requests_per_load=r, num_slots=cand.num_slots,
-                              num_landing=cand.num_landing if mode == "allgather" else None, mode=mode)
+                              num_landing=cand.num_landing if mode == "allgather" else None, mode=mode,
+                              load_group=cand.load_group)
     ends = sorted(s.end_s for s in simulate(schedule, duration).spans if s.stream == "compute")
     first = ends[b * r - 1]
     if steps == 1:
@@ -279,7 +294,8 @@ def _score(row: PlanRow, objective: str) -> float:
 def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objective: str = "throughput",
          slots: tuple[int, ...] = (2, 3, 4), requests_per_rank: tuple[int, ...] = (1,),
          modes: tuple[str, ...] = ("allgather", "rank-local"), sps: tuple[int, ...] | None = None,
-         num_landing: int = DEFAULT_NUM_LANDING, min_gain: float = 0.005) -> PolicyResult:
+         num_landing: int = DEFAULT_NUM_LANDING, min_gain: float = 0.005,
+         load_groups: tuple[int, ...] = (1,)) -> PolicyResult:
     """Rank every candidate (module docstring); the chosen plan is ``result.rows[0]``."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
@@ -287,11 +303,12 @@ def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objectiv
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
     rows = [predict(model, topology, workload, c)
             for c in candidates(topology.num_ranks, slots=slots, requests_per_rank=requests_per_rank, modes=modes,
-                                sps=sps, num_landing=num_landing)]
+                                sps=sps, num_landing=num_landing, load_groups=load_groups)]
     fitting = [r for r in rows if r.fits]
     dropped = tuple(r for r in rows if not r.fits)
     cheap = lambda r: (r.candidate.requests_per_rank, r.hbm_bytes, topology.host_s(op_mode(r.candidate)),  # noqa: E731
-                       r.candidate.num_slots, r.candidate.mode != op_mode(r.candidate), r.candidate.label)
+                       r.candidate.num_slots, r.candidate.load_group, r.candidate.mode != op_mode(r.candidate),
+                       r.candidate.label)
     ordered = sorted(fitting, key=lambda r: (-_score(r, objective),) + cheap(r))
     if ordered:
         best = _score(ordered[0], objective)

@@ -3,7 +3,7 @@
 
 * :func:`published_rows` - the reference's AllGather overhead per step (Nano DP4, 72 blocks) and per block;
 * :func:`planned_driver_calls` - the driver calls per block the eager loop makes for a schedule (pure: a wait per
-  dependency, a record per op, a copy per H2D op), over a steady run of the ring;
+  dependency, a record per op, a copy per H2D op), over a steady run of the ring (from :mod:`dlo_fn.plan.host_cost`);
 * :func:`driver_rows` - per driver call kind, its cost on the H200: inside the pass (each compute's record sent
   with the next block's calls, and right after the block), back to back, and one call right after a block
   forward; with the stream memory operations measured beside them;
@@ -24,7 +24,7 @@ import json
 import pathlib
 from typing import Any
 
-from dlo_fn.plan.schedule import C, H2D, Ring, Schedule
+from dlo_fn.plan.host_cost import planned_driver_calls, steady_schedule
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
@@ -45,40 +45,6 @@ def published_rows() -> list[dict[str, object]]:
         p = published(f"perf.nano.allgather_overhead.{part}")
         rows.append({"part": part, "ms_per_step": f"{p.value:g}", "us_per_block": f"{1e3 * p.value / NANO_BLOCKS:.0f}"})
     return rows
-
-
-def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
-    """Driver calls per compute of ``schedule`` by kind, as the eager loop issues them
-    (:func:`~dlo_fn.runtime.program.fast_segments`): each op waits on its ``deps`` (and a buffer's first use on
-    the previous run's last use), runs (an H2D op one copy; a compute is the block's kernels, no driver call of
-    ours) and records its event if something waits on it (``Schedule.recorded``). An H2D of a load group that
-    waits for nothing, right after another of its group on the next slot with the next block, is the same copy
-    (the executor's slots are one allocation and the arena holds the blocks back to back, so their bytes
-    continue: ``runtime.program._merge_group_copies``)."""
-    computes = sum(1 for op in schedule.ops if op.kind == C) or 1
-    lead = schedule.load_group_last
-    waits = sum(len(d) for d in schedule.deps) + len(schedule.first_use)
-    first_uses = {i for _, i in schedule.first_use}
-    records = len(schedule.recorded)
-    copies, prev = 0, None
-    for i, op in enumerate(schedule.ops):
-        if op.kind != H2D:
-            prev = None
-            continue
-        merges = (prev is not None and lead[i] is not None and lead[i] == lead[prev] and not schedule.deps[i]
-                  and i not in first_uses and op.slot == schedule.ops[prev].slot + 1
-                  and op.block == schedule.ops[prev].block + 1)
-        copies += not merges
-        prev = i
-    return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
-            "total": (waits + copies + records) / computes}
-
-
-def steady_schedule(num_blocks: int, num_slots: int = 2, load_group: int = 1) -> Schedule:
-    """The rank-local ring's schedule of one pass after the first (what every later pass repeats)."""
-    ring = Ring.cold(num_blocks, num_slots=num_slots, mode="rank-local", load_group=load_group)
-    first = ring.next_schedule(1)
-    return ring.after(first).next_schedule(1)
 
 
 def driver_rows(report: dict[str, Any]) -> list[dict[str, object]]:

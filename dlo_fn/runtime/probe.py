@@ -45,11 +45,12 @@ from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.dist import DistContext, all_gather_bytes
 
-__all__ = ["Probe", "probe", "choose", "sp_choices", "AUTO_SLOTS"]
+__all__ = ["Probe", "probe", "choose", "sp_choices", "AUTO_SLOTS", "AUTO_LOAD_GROUPS"]
 
 log = logging.getLogger(__name__)
 
 AUTO_SLOTS = (2, 3, 4, 5, 6)
+AUTO_LOAD_GROUPS = (1, 2, 4)
 A2A_CAP_BYTES = 64 << 20  # per rank: bounds the probe's all-to-all on a long video
 
 
@@ -218,12 +219,17 @@ def sp_choices(world_size: int, num_heads: int | None) -> tuple[int, ...]:
 
 
 def choose(found: Probe, *, mode: str | None = None, num_slots: int | None = None, requests_per_rank: int = 1,
-           objective: str = "throughput", sps: tuple[int, ...] = (1,)) -> PolicyResult:
-    """The planner on the probed topology; ``mode`` / ``num_slots`` None = the policy chooses (``auto``);
+           objective: str = "throughput", sps: tuple[int, ...] = (1,), load_group: int | None = 1) -> PolicyResult:
+    """The planner on the probed topology; ``mode`` / ``num_slots`` / ``load_group`` None = the policy chooses
+    (``auto``: slots from ``AUTO_SLOTS``, and with the load group chosen too their multiples up to 2 x 4);
     ``sps``: the sp sizes to consider (one: fixed; :func:`sp_choices` for ``--sp auto``)."""
     modes = OFFLOAD_MODES if mode is None else (mode,)
-    slots = AUTO_SLOTS if num_slots is None else (num_slots,)
+    groups = AUTO_LOAD_GROUPS if load_group is None else (load_group,)
+    if num_slots is not None:
+        slots = (num_slots,)
+    else:
+        slots = tuple(sorted(set(AUTO_SLOTS) | {2 * g for g in groups}))
     result = plan(found.model, found.topology, found.workload, objective=objective, slots=slots,
-                  requests_per_rank=(requests_per_rank,), modes=modes, sps=tuple(sps))
+                  requests_per_rank=(requests_per_rank,), modes=modes, sps=tuple(sps), load_groups=groups)
     log.info("policy: %s", result.why())
     return result
