@@ -86,3 +86,14 @@ def test_load_group_tables_from_the_committed_runs():
     groups = hc.graph_rows(hc.load("groups_bench_step"), hc.GROUP_VARIANTS)
     assert {r["variant"] for r in groups} == set(hc.GROUP_VARIANTS.values())
     assert all(r["equal_to_resident"] is True for r in groups)
+
+
+def test_the_policy_takes_load_groups_only_where_the_host_is_the_bound():
+    # One H200's topology (48 us of host work per block at one load per block, 55 GB/s H2D), 20 us of compute per
+    # block: the host bounds blocks whose H2D is shorter than its work, and there groups halve the step.
+    rows = {r["block_MB"]: r for r in hc.policy_rows()}
+    assert rows["0.5"]["chosen"] == "S8 R1 G4" and rows["0.5"]["bound"] == "host"
+    assert float(rows["0.5"]["step_ms"]) < 0.6 * float(rows["0.5"]["one_load_per_block_ms"])
+    for mb in ("3", "4", "8"):  # H2D >= the host's work: one load per block on two slots, the cheapest plan
+        assert rows[mb]["chosen"] == "S2 R1" and rows[mb]["bound"] == "h2d"
+        assert rows[mb]["step_ms"] == rows[mb]["one_load_per_block_ms"]

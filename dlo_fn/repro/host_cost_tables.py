@@ -13,6 +13,8 @@
   1 / 2 / 4 and the modes side by side, median and every round);
 * :func:`graph_rows` - eager, block graphs and the step graph on the bench model (or, with ``GROUP_VARIANTS``,
   eager with and without load groups): ratio to the bound, host time per step, peak device memory;
+* :func:`policy_rows` - what the policy chooses, load groups on offer, for blocks of a given size and compute on
+  the H200's measured topology (pure: the planner's prediction, no measurement);
 * :func:`summary` - the takeaway, computed from the same reports.
 
 Every number comes from the committed JSON under ``figures/data/`` (machine, command and date inside).
@@ -24,12 +26,12 @@ import json
 import pathlib
 from typing import Any
 
-from dlo_fn.plan.host_cost import planned_driver_calls, steady_schedule
+from dlo_fn.plan.host_cost import host_scale, planned_driver_calls, steady_schedule
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
 __all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_driver_calls", "steady_schedule", "driver_rows",
-           "executor_rows", "ab_rows", "graph_rows", "GRAPH_VARIANTS", "GROUP_VARIANTS", "summary"]
+           "executor_rows", "ab_rows", "policy_rows", "graph_rows", "GRAPH_VARIANTS", "GROUP_VARIANTS", "summary"]
 
 NANO_BLOCKS = 72  # the reference's Nano DiT: the 150 ms/step is over its 72 blocks
 
@@ -97,6 +99,38 @@ def ab_rows(report: dict[str, Any]) -> list[dict[str, object]]:
             row[f"{t}_median_us"] = f"{report['median_proxy_host_us_per_block'][t][name]:.1f}"
             row[f"{t}_rounds_us"] = " / ".join(f"{v:.1f}" for v in rounds)
         rows.append(row)
+    return rows
+
+
+def policy_rows(block_mb: tuple[float, ...] = (0.5, 1, 2, 3, 4, 8), compute_us: float = 20.0,
+                num_blocks: int = 72) -> list[dict[str, object]]:
+    """Per block size: the policy's choice among 2 / 4 / 8 slots and load groups of 1 / 2 / 4 (rank-local, one H200:
+    ``repro.topologies`` ``1xH200``, its measured H2D rate and host work per block, the per-step and per-request
+    work left out), for ``num_blocks`` blocks of ``compute_us`` each; beside it the best plan with one load per
+    block. The host bounds the step only while a block's H2D takes less than the host's work per block."""
+    import dataclasses
+
+    from dlo_fn.plan.policy import plan
+    from dlo_fn.plan.sizes import ModelSizes
+    from dlo_fn.plan.topology import BlockCompute, PolicyModel
+    from dlo_fn.plan.workload import Workload
+    from dlo_fn.repro.topologies import topology
+
+    wl = Workload("small blocks", tokens=256, num_steps=4, cfg_branches=1)
+    topo = dataclasses.replace(topology("1xH200"), compute=BlockCompute(table=((wl.tokens, 1, compute_us * 1e-6),)),
+                               step_overhead=(), request_overhead=())
+    rows = []
+    for mb in block_mb:
+        model = PolicyModel(ModelSizes.uniform(f"{mb:g} MB blocks", round(num_blocks * mb * 10**6), num_blocks),
+                            hidden_dim=1024)
+        chosen = plan(model, topo, wl, slots=(2, 4, 8), modes=("rank-local",), load_groups=(1, 2, 4)).chosen
+        one = plan(model, topo, wl, slots=(2, 4, 8), modes=("rank-local",)).chosen
+        c = chosen.candidate
+        host_s = topo.host_s("rank-local") * host_scale(num_blocks, c.num_slots, c.load_group)
+        rows.append({"block_MB": f"{mb:g}", "h2d_us_per_block": f"{1e6 * mb * 10**6 / topo.h2d_bytes_per_s:.0f}",
+                     "host_us_per_block": f"{1e6 * host_s:.0f}",
+                     "chosen": chosen.candidate.label.removeprefix("DP1xSP1 rank-local "), "bound": chosen.bound,
+                     "step_ms": f"{1e3 * chosen.step_s:.2f}", "one_load_per_block_ms": f"{1e3 * one.step_s:.2f}"})
     return rows
 
 
