@@ -206,7 +206,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     store = build_host_store(layout, 0, tensors, platform, progress=not args.quick)
     del tensors
     peaks = [sv.pinned_peak_bytes_per_s(platform, store, layout)]
-    cpu = sv.cpu_blocks(blocks) if "diffusers" in variants else None
+    cpu = {v: sv.cpu_blocks(blocks) for v in variants if v.startswith("diffusers")}  # one set per variant
     for block in blocks:
         strip_block(block, platform.device)
     sv.release(platform)
@@ -231,16 +231,16 @@ def run_step_bench(args: argparse.Namespace) -> dict:
                     "weight_device_bytes_planned": ex.planned_device_weight_bytes})})
             ex.synchronize()
             del run_pass, ex
-        elif variant == "diffusers":
+        elif variant.startswith("diffusers"):
             try:
-                run_pass = sv.diffusers_pass(platform, cpu)
+                run_pass = sv.diffusers_pass(platform, cpu.pop(variant),
+                                             record_stream=variant.endswith("-record-stream"))
             except ImportError as exc:
                 skipped[variant] = str(exc)
                 log.warning("bench step: skipping %s: %s", variant, exc)
                 continue
             measure(variant, run_pass)
             del run_pass
-            cpu = None
         elif variant == "naive-sync":
             measure(variant, sv.naive_pass(platform, layout, store, blocks, aliases),
                     extra={"weight_device_bytes_planned": layout.max_padded_block_bytes})

@@ -52,7 +52,7 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
         resident, _ = sv.host_pass_delta_s(platform, resident_pass, resident_pass, x, kwargs, **reps)
         tensors, aliases = sv.block_states(blocks)
         store = build_host_store(layout, 0, tensors, platform)
-        cpu = sv.cpu_blocks(blocks) if "diffusers" in variants else None
+        cpu = {v: sv.cpu_blocks(blocks) for v in variants if v.startswith("diffusers")}  # one set per variant
         del tensors
         for block in blocks:
             strip_block(block, platform.device)
@@ -70,10 +70,10 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
                 row["proxy_host_us_per_block"] = ex.stats.issue_us_per_compute
                 row["load_issue_us_per_block"] = 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1)
                 ex.synchronize()
-            elif variant == "diffusers":
+            elif variant.startswith("diffusers"):
                 try:
-                    host, delta = sv.host_pass_delta_s(platform, sv.diffusers_pass(platform, cpu), resident_pass,
-                                                       x, kwargs, **reps)
+                    run = sv.diffusers_pass(platform, cpu.pop(variant), variant.endswith("-record-stream"))
+                    host, delta = sv.host_pass_delta_s(platform, run, resident_pass, x, kwargs, **reps)
                 except ImportError:
                     continue
             else:

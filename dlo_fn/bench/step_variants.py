@@ -16,6 +16,8 @@ variant                  how the blocks' weights reach the device
 ``dlo-*-g2``, ``-g4``    load groups (``load_group`` G on 2G slots): G blocks' copies as one, one wait and one
                          record per group on each stream
 ``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
+``diffusers-record-stream``  the same with ``record_stream=True`` (the allocator told that the compute stream
+                         uses each onloaded tensor)
 ``naive-sync``           per block: synchronous copy from the pinned arena into one slot, then compute
 =======================  =====================================================================================
 """
@@ -42,7 +44,8 @@ __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow
            "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
 VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
-            "dlo-allgather-graph", "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers", "naive-sync",
+            "dlo-allgather-graph", "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers",
+            "diffusers-record-stream", "naive-sync",
             "resident-compile", "dlo-rank-local-compile", "resident-graph", "dlo-rank-local-swap-g2",
             "dlo-rank-local-swap-g4", "dlo-rank-local-g2")
 # compiling takes minutes on a CPU; resident-graph is a diagnostic (CUDA only)
@@ -212,8 +215,9 @@ def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blo
     return run_pass, ex
 
 
-def diffusers_pass(platform: Platform, blocks: nn.ModuleList) -> PassFn:
-    """diffusers group offloading on ``blocks`` (CPU modules; it pins a copy of every tensor at set-up)."""
+def diffusers_pass(platform: Platform, blocks: nn.ModuleList, record_stream: bool = False) -> PassFn:
+    """diffusers group offloading on ``blocks`` (CPU modules; it pins a copy of every tensor at set-up; each
+    variant needs blocks of its own: the hooks move their tensors); ``record_stream`` as diffusers takes it."""
     from diffusers.hooks import apply_group_offloading
     from diffusers.utils import is_accelerate_available
 
@@ -223,7 +227,8 @@ def diffusers_pass(platform: Platform, blocks: nn.ModuleList) -> PassFn:
     stack = _Stack(blocks)
     apply_group_offloading(stack, onload_device=platform.device, offload_device=torch.device("cpu"),
                            offload_type="block_level", num_blocks_per_group=1,
-                           use_stream=platform.is_accelerator)
+                           use_stream=platform.is_accelerator,
+                           record_stream=record_stream and platform.is_accelerator)
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         return stack(x, **kwargs)

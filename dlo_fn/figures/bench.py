@@ -26,8 +26,10 @@ LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into
           "dlo-rank-local-swap-g2": "ours: load groups of 2 (4 slots)",
           "dlo-rank-local-swap-g4": "ours: load groups of 4 (8 slots)",
           "dlo-rank-local-g2": "ours: functional_call, groups of 2",
-          "diffusers": "diffusers group offload", "naive-sync": "naive sync per block"}
-COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "naive-sync": COLORS["measured"]}
+          "diffusers": "diffusers group offload", "diffusers-record-stream": "diffusers, record_stream",
+          "naive-sync": "naive sync per block"}
+COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "diffusers-record-stream": COLORS["published"],
+         "naive-sync": COLORS["measured"]}
 
 
 def find_bench_json(data_dir: pathlib.Path = DATA_DIR, pattern: str = "bench_step_*.json") -> pathlib.Path | None:
