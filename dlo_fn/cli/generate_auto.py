@@ -1,4 +1,5 @@
-"""`generate --mode auto / --slots auto / --sp auto / --load-group auto` (issues 14, 16): probe at start-up, let the policy choose, log why.
+"""`generate --mode auto / --slots auto / --sp auto / --load-group auto` (issues 14, 16): probe at start-up, let the
+policy choose, log why.
 
 :func:`choose_auto` probes this machine for the first request (:mod:`dlo_fn.runtime.probe`), rank 0's choice
 goes to every rank, and ``<out>/auto_policy.json`` keeps the measured topology; after the serve

@@ -137,7 +137,8 @@ def policy_rows(block_mb: tuple[float, ...] = (0.5, 1, 2, 3, 4, 8), compute_us: 
 GRAPH_VARIANTS = {"dlo-rank-local-swap": "eager (swap)", "dlo-rank-local-bgraph": "block graphs",
                   "dlo-rank-local-graph": "step graph", "resident": "resident"}
 GROUP_VARIANTS = {"resident": "resident", "dlo-rank-local-swap": "eager (swap)",
-                  "dlo-rank-local-swap-g2": "swap, load groups of 2", "dlo-rank-local-swap-g4": "swap, load groups of 4",
+                  "dlo-rank-local-swap-g2": "swap, load groups of 2",
+                  "dlo-rank-local-swap-g4": "swap, load groups of 4",
                   "dlo-rank-local": "eager (functional_call)", "dlo-rank-local-g2": "functional_call, groups of 2"}
 
 
