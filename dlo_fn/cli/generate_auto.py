@@ -65,11 +65,10 @@ def _write_probe(args: argparse.Namespace, found, sps) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "auto_policy.json"
     path.write_text(json.dumps(probe_to_dict(found.topology, found.model, found.workload, sps), indent=1))
-    from dlo_fn.runtime.probe import AUTO_LOAD_GROUPS, AUTO_SLOTS
+    from dlo_fn.runtime.probe import AUTO_LOAD_GROUPS, auto_slots
 
     groups = AUTO_LOAD_GROUPS if args.load_group == "auto" else (args.load_group,)
-    slots = ",".join(map(str, sorted(set(AUTO_SLOTS) | {2 * g for g in groups})))  # as choose() offers them
-    groups = ",".join(map(str, groups))
+    slots, groups = ",".join(map(str, auto_slots(groups))), ",".join(map(str, groups))
     log.info("auto: measured topology in %s (python -m dlo_fn policy --topology %s --slots %s --load-groups %s "
              "prints its table)", path, path, slots, groups)
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
 
 __all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies",
-           "buffer_uses", "check_load_group", "group_last", "load_groups"]
+           "buffer_uses", "check_load_group", "load_group_problem", "group_last", "load_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,19 +73,27 @@ def lowered_mode(mode: str, num_shards: int | None) -> str:
     return "rank-local" if mode == "allgather" and num_shards == 1 else mode
 
 
-def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "") -> None:
-    """ValueError naming the field unless ``load_group`` fits the ring (see "Load groups" in the module doc)."""
+def load_group_problem(load_group: int, num_slots: int, mode: str) -> str | None:
+    """Why ``load_group`` does not fit a ring of ``num_slots`` slots running ``mode``'s op sequence (see "Load
+    groups" in the module doc), or None where it fits: the one rule the ring, the options and the policy apply."""
     if not isinstance(load_group, int) or isinstance(load_group, bool) or load_group < 1:
-        raise ValueError(f"{owner}load_group must be an int >= 1 (1 = one load per block), got {load_group!r}")
+        return f"load_group must be an int >= 1 (1 = one load per block), got {load_group!r}"
     if load_group == 1:
-        return
+        return None
     if mode != "rank-local":
-        raise ValueError(f"{owner}load_group = {load_group} needs the rank-local op sequence (rank-local mode, or "
-                         f"allgather over one rank): the all-gather of W > 1 shards runs per block; use load_group=1")
+        return (f"load_group = {load_group} needs the rank-local op sequence (rank-local mode, or allgather over "
+                f"one rank): the all-gather of W > 1 shards runs per block; use load_group=1")
     if num_slots % load_group or num_slots < 2 * load_group:
-        raise ValueError(f"{owner}load_group = {load_group} needs num_slots a multiple of it and >= "
-                         f"{2 * load_group} (two groups in flight), got num_slots = {num_slots}: pass num_slots = "
-                         f"{2 * load_group}")
+        return (f"load_group = {load_group} needs num_slots a multiple of it and >= {2 * load_group} (two groups in "
+                f"flight), got num_slots = {num_slots}: pass num_slots = {2 * load_group}")
+    return None
+
+
+def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "") -> None:
+    """ValueError naming the field (after ``owner``) unless ``load_group`` fits (:func:`load_group_problem`)."""
+    problem = load_group_problem(load_group, num_slots, mode)
+    if problem is not None:
+        raise ValueError(owner + problem)
 
 
 def group_last(k: int, load_group: int, slot_offset: int, end: int) -> int:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 
 from dlo_fn.plan.hbm import hbm_per_card
 from dlo_fn.plan.host_cost import host_scale
-from dlo_fn.plan.lowering import lowered_mode
+from dlo_fn.plan.lowering import load_group_problem, lowered_mode
 from dlo_fn.plan.memory import pinned_host_bytes_per_rank
 from dlo_fn.plan.ops import Op
 from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, H2D, build_schedule
@@ -164,12 +164,12 @@ def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_p
             groups.append(("rank-local", "-"))
         for mode, group in groups:
             w = dp * sp if group == "mesh" else dp
+            ops = lowered_mode(mode, w)  # the op sequence the row runs (rank-local mode: itself)
             for s in slots:
                 for r in requests_per_rank:
                     landing = num_landing if mode == "allgather" and w > 1 else 0  # W = 1: lowered, no landing
-                    for g in load_groups:
-                        if g == 1 or ((mode == "rank-local" or w == 1) and s % g == 0 and s >= 2 * g):
-                            out.append(Candidate(dp, sp, mode, group, s, r, landing, g))
+                    out.extend(Candidate(dp, sp, mode, group, s, r, landing, g) for g in load_groups
+                               if load_group_problem(g, s, ops) is None)
     return tuple(out)
 
 

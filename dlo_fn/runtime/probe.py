@@ -45,7 +45,7 @@ from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.dist import DistContext, all_gather_bytes
 
-__all__ = ["Probe", "probe", "choose", "sp_choices", "AUTO_SLOTS", "AUTO_LOAD_GROUPS"]
+__all__ = ["Probe", "probe", "choose", "auto_slots", "sp_choices", "AUTO_SLOTS", "AUTO_LOAD_GROUPS"]
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +218,11 @@ def sp_choices(world_size: int, num_heads: int | None) -> tuple[int, ...]:
                  if world_size % d == 0 and (num_heads is None or num_heads % d == 0))
 
 
+def auto_slots(load_groups: tuple[int, ...]) -> tuple[int, ...]:
+    """The slot counts ``--slots auto`` offers: ``AUTO_SLOTS``, and two groups' worth for each load group."""
+    return tuple(sorted(set(AUTO_SLOTS) | {2 * g for g in load_groups}))
+
+
 def choose(found: Probe, *, mode: str | None = None, num_slots: int | None = None, requests_per_rank: int = 1,
            objective: str = "throughput", sps: tuple[int, ...] = (1,), load_group: int | None = 1) -> PolicyResult:
     """The planner on the probed topology; ``mode`` / ``num_slots`` / ``load_group`` None = the policy chooses
@@ -225,10 +230,7 @@ def choose(found: Probe, *, mode: str | None = None, num_slots: int | None = Non
     ``sps``: the sp sizes to consider (one: fixed; :func:`sp_choices` for ``--sp auto``)."""
     modes = OFFLOAD_MODES if mode is None else (mode,)
     groups = AUTO_LOAD_GROUPS if load_group is None else (load_group,)
-    if num_slots is not None:
-        slots = (num_slots,)
-    else:
-        slots = tuple(sorted(set(AUTO_SLOTS) | {2 * g for g in groups}))
+    slots = auto_slots(groups) if num_slots is None else (num_slots,)
     result = plan(found.model, found.topology, found.workload, objective=objective, slots=slots,
                   requests_per_rank=(requests_per_rank,), modes=modes, sps=tuple(sps), load_groups=groups)
     log.info("policy: %s", result.why())
