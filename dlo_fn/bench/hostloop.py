@@ -258,6 +258,16 @@ def block_graph_call_us(num_blocks: int = 24, passes: int = 3000) -> dict:
             "block_graph_captures": bg.captures}
 
 
+def _groups(text: str) -> tuple[int, ...]:
+    try:
+        groups = tuple(int(g) for g in text.split(",") if g.strip())
+    except ValueError:
+        groups = ()
+    if not groups or min(groups) < 1:
+        raise argparse.ArgumentTypeError(f"a comma list of integers >= 1, got {text!r}")
+    return groups
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=24)
@@ -265,12 +275,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cuda", action="store_true", help="also time the bound driver calls on the GPU")
     p.add_argument("--block-graphs", action="store_true",
                    help="also time the block-graph wrapper's host work per replayed block call (replay a no-op)")
-    p.add_argument("--load-groups", default="1", metavar="G,...",
+    p.add_argument("--load-groups", type=_groups, default=(1,), metavar="G,...",
                    help="load groups of G on 2G slots; several: measured in turn, 3 rounds, medians per G")
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    groups = [int(g) for g in a.load_groups.split(",") if g]
+    groups = a.load_groups
     if len(groups) == 1:
         result = measure(a.blocks, passes=a.passes, load_group=groups[0])
     else:
