@@ -39,3 +39,35 @@ def test_probes_refuse_without_cuda_in_one_line(probe, capsys):
     assert probe.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a CUDA device" in err[0]
+
+
+def test_allgather_host_bench_runs_two_ranks_and_splits_the_collective_off():
+    # bench.allgather_host on the CPU: two gloo ranks, each block sharded over both; the torch-event loop and the
+    # driver-call path (on the host driver) with load groups, outputs equal to resident on both ranks, and the
+    # executor's own time is its host time less the time inside the collective calls.
+    from dlo_fn.bench import allgather_host
+
+    out = allgather_host.measure("tiny", ("torch-events", "driver-g2"), quick=True, nccl=torch.cuda.is_available())
+    r = out["gloo_two_ranks"]
+    assert r["world_size"] == 2 and len(r["by_rank"]) == 2 and ("nccl_one_rank" in out) is torch.cuda.is_available()
+    for rows in r["by_rank"]:  # on CUDA the driver variant makes the real driver calls, on a CPU the host's
+        assert rows["torch-events"]["driver_calls"] is False and rows["driver-g2"]["driver_calls"] is True
+        assert rows["driver-g2"]["host_driver"] is (not torch.cuda.is_available())
+        assert rows["driver-g2"]["num_slots"] == 4 and rows["driver-g2"]["num_landing"] == 4  # 2G each
+        for row in rows.values():
+            assert row["equal_to_resident"] and row["collective_call_us_per_block"] > 0
+            assert row["executor_own_us_per_block"] == pytest.approx(
+                row["proxy_host_us_per_block"] - row["collective_call_us_per_block"])
+    if torch.cuda.is_available():  # one NCCL rank, the allgather op sequence kept: a real collective per load
+        n = out["nccl_one_rank"]
+        assert n["backend"] == "nccl" and n["world_size"] == 1 and all(n["calls"]["gathered_equal"].values())
+        assert all(v["equal_to_resident"] and v["collective_call_us_per_block"] > 0 for v in n["variants"].values())
+    else:  # the same on a one-rank gloo group (the host driver): a real one-rank all-gather per load group
+        from dlo_fn.runtime.dist import run_ranks
+
+        (one,) = run_ranks(allgather_host._rank, 1, "tiny", ("driver", "driver-g2"), True, True, timeout_s=120)
+        assert one["backend"] == "gloo" and one["shard_bytes"] > r["shard_bytes"]  # one rank's shard: the block
+        for row in one["variants"].values():
+            assert row["equal_to_resident"] and row["host_driver"] and row["collective_call_us_per_block"] > 0
+    with pytest.raises(SystemExit):
+        allgather_host.main(["--variants", "driver,nope"])

@@ -74,13 +74,14 @@ def test_generate_load_group_slots_and_shard_group(checkpoint, tmp_path, monkeyp
     assert (options.load_group, options.num_slots) == (3, 6)  # two groups in flight by default
     assert check_generate_args(parse())[0].num_slots == 2
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: allgather shards each block over both ranks
-    with pytest.raises(UsageError, match=r"--load-group 2 needs the rank-local op sequence.*over 2 ranks"):
-        check_generate_args(parse("--load-group", "2"))
+    options, _ = check_generate_args(parse("--load-group", "2"))  # one collective per group of 2
+    assert (options.mode, options.load_group, options.num_slots, options.num_landing) == ("allgather", 2, 4, None)
+    with pytest.raises(UsageError, match=r"--load-group 2 --landing 3: give --landing a multiple of 2"):
+        check_generate_args(parse("--load-group", "2", "--landing", "3"))
+    with pytest.raises(UsageError, match=r"--landing 0: give >= 1"):
+        check_generate_args(parse("--landing", "0"))
     assert check_generate_args(parse("--load-group", "2", "--no-allgather"))[0].mode == "rank-local"
-    # --sp 2 with the shard group sp: each block over 2 ranks; with dp: over 1 (the identity), so groups apply
-    with pytest.raises(UsageError, match="over 2 ranks"):
-        check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "sp"))
-    assert check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "dp"))[0].load_group == 2
+    assert check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "sp"))[0].load_group == 2
     # auto: the policy chooses G (and the slots, unless given) once probed; allgather over 2 ranks is left to it
     # (it offers groups on the rank-local op sequence only), so no refusal here
     options, _ = check_generate_args(parse("--load-group", "auto"))

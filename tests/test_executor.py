@@ -369,8 +369,10 @@ def test_load_group_options_are_checked():
     with pytest.raises(ValueError, match=slots):
         OffloadOptions(load_group=2)
     assert OffloadOptions(load_group=2, num_slots=6).load_group == 2
-    with pytest.raises(ValueError, match="needs the rank-local op sequence"):  # allgather over 2 ranks: the ring
-        Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2)
+    # allgather over 2 ranks: the ring checks the landing buffers (a group's shards side by side), default 2G
+    with pytest.raises(ValueError, match="num_landing a multiple of it.*got num_landing = 3"):
+        Ring.cold(4, num_slots=4, num_landing=3, mode="allgather", num_shards=2, load_group=2)
+    assert Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2).num_landing == 4
 
 
 @pytest.mark.parametrize("load_group", [1, 2])

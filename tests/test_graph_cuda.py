@@ -301,7 +301,8 @@ def test_many_shapes_keep_graph_memory_bounded(scope):
 
 # -- W = 2: two gloo ranks sharing the GPU (the all-gathers go through the host; correctness only) -------------
 
-def _gloo_cuda_rank(ctx, scope, num_blocks: int) -> dict:
+def _gloo_cuda_rank(ctx, scope, num_blocks: int, load_group: int = 1) -> dict:
+    import contextlib
     import dataclasses
 
     from dlo_fn.runtime.platform import Platform
@@ -309,18 +310,33 @@ def _gloo_cuda_rank(ctx, scope, num_blocks: int) -> dict:
     torch.cuda.set_device(0)
     ctx = dataclasses.replace(ctx, platform=Platform("cuda", torch.device("cuda", 0), "gloo"))
     ref = toy(num_blocks, d=1024).to("cuda")
-    o = offload(toy(num_blocks, d=1024), "blocks", ctx, mode="allgather", graph=scope)
+    o = offload(toy(num_blocks, d=1024), "blocks", ctx, mode="allgather", graph=scope, num_slots=2 * load_group,
+                load_group=load_group)
     ex = o.executor
     gen = torch.Generator("cuda").manual_seed(100 * ctx.rank)  # each rank serves its own requests
     xs = [torch.randn(64, 1024, device="cuda", generator=gen) for _ in range(6)]
     with torch.no_grad():
         want = [ref(x).clone() for x in xs]
         got = [o.model(x).clone() for x in xs]  # back to back, no host synchronisation
+        if scope is False:  # and a multi-step run, two requests per load (block-major)
+            def steps(model, run):
+                hs, cs = list(xs[:2]), list(xs[:2])
+                with run:
+                    for _ in range(3):
+                        for block in model.blocks:
+                            for r in range(2):
+                                hs[r], cs[r] = block(hs[r], ctx=cs[r])
+                        hs, cs = [h.clone() for h in hs], [c.clone() for c in cs]
+                return hs + cs
+
+            want += steps(ref, contextlib.nullcontext())
+            got += steps(o.model, o.run(3, 2))
     torch.cuda.synchronize()
     graphs = ex.block_graphs or ex.graphs
     return {"equal": all(torch.equal(g, w) for g, w in zip(got, want)), "sharded": ex.layout.num_shards,
             "step_graphs": ex.graphs is not None, "block_graphs": ex.block_graphs is not None,
-            "captures": getattr(graphs, "captures", 0), "replays": getattr(graphs, "replays", 0)}
+            "captures": getattr(graphs, "captures", 0), "replays": getattr(graphs, "replays", 0),
+            "driver_calls": ex._raw is not None and ex.stats.computes > 0}
 
 
 @pytest.mark.parametrize("scope", ["block", True])
@@ -333,10 +349,22 @@ def test_two_gloo_ranks_on_one_gpu_block_graphs_and_step_fallback(scope):
     num_blocks = 7
     for r in run_ranks(_gloo_cuda_rank, 2, scope, num_blocks, timeout_s=300):
         assert r["equal"] and r["sharded"] == 2
+        assert r["driver_calls"]  # the eager ops through driver calls, the all-gathers the group's own calls
         if scope == "block":
             assert r["block_graphs"] and r["captures"] == 2 * num_blocks and r["replays"] > 0
         else:
             assert not r["step_graphs"] and r["captures"] == 0  # eager, logged once
+
+
+@pytest.mark.parametrize("load_group", [1, 2, 4])
+def test_two_gloo_ranks_on_one_gpu_driver_calls_and_load_groups(load_group):
+    """Allgather mode at W = 2 on the driver-call path (bound driver calls on the copy and all-gather streams'
+    handles, the collective a bound call with the all-gather stream current), one load per block and load groups
+    (a group's all-gathers one coalesced collective): bit-identical to resident on every rank."""
+    from dlo_fn.runtime.dist import run_ranks
+
+    for r in run_ranks(_gloo_cuda_rank, 2, False, 8, load_group, timeout_s=300):
+        assert r["equal"] and r["sharded"] == 2 and r["driver_calls"]
 
 
 @pytest.mark.parametrize("scope", [False, True, "block"])
@@ -380,3 +408,62 @@ def test_load_groups_bit_exact_on_cuda_streams(scope, load_group):
         copies = sum(1 for seg in segs if seg is not None for fn, _ in seg[1] if fn is copy_fn)
         loads = sum(1 for op in prog.schedule.ops if op.kind == "H2D")
         assert copies < loads and copies <= -(-loads // load_group) + 1, (copies, loads)
+
+
+# -- one NCCL rank with the allgather op sequence kept (Executor(gather_one_rank=True)) -------------------------
+
+def _nccl_one_rank(ctx, scope, load_group: int) -> dict:
+    """Executor over a NCCL group of one rank that keeps the W > 1 program (H2D into landing buffers, an NCCL
+    all-gather per load or per group into the slots): eager on driver calls, or captured as step graphs, the
+    NCCL collectives inside the capture."""
+    from dlo_fn.bench.step_variants import block_states
+    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.plan.spec import spec_from_module
+    from dlo_fn.runtime.blocks import BlockProxy, strip_block
+    from dlo_fn.runtime.executor import Executor
+    from dlo_fn.runtime.host_store import build_host_store
+
+    ref, model = toy(8, d=1024).to("cuda"), toy(8, d=1024).to("cuda")
+    blocks = list(model.blocks)
+    layout = model_layout(spec_from_module(model, "blocks"), 1)
+    tensors, aliases = block_states(blocks)
+    store = build_host_store(layout, 0, tensors, ctx.platform)
+    for block in blocks:
+        strip_block(block, ctx.platform.device)
+    ex = Executor(ctx.platform, layout, store, blocks, aliases, group=ctx.group, mode="allgather", graph=scope,
+                  num_slots=2 * load_group, load_group=load_group, gather_one_rank=True)
+    proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
+
+    def run(stack, x):
+        h, c = x, x
+        for block in stack:
+            h, c = block(h, ctx=c)
+        return (h + c).clone()
+
+    xs = [torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(s)) for s in range(8)]
+    with torch.no_grad():
+        want = [run(ref.blocks, x) for x in xs]
+        got = [run(proxies, x) for x in xs]  # back to back: recorded, captured, replayed
+    torch.cuda.synchronize()
+    graphs = ex.graphs
+    return {"equal": all(torch.equal(g, w) for g, w in zip(got, want)), "backend": ctx.platform.backend,
+            "gathers": ex._gather_group is not None and ex.ring.mode == "allgather"
+            and ex.num_landing == 2 * load_group,
+            "step_graphs": graphs is not None, "captures": getattr(graphs, "captures", 0),
+            "replays": getattr(graphs, "replays", 0), "driver_calls": ex._raw is not None}
+
+
+@pytest.mark.parametrize("scope", [False, True])
+@pytest.mark.parametrize("load_group", [1, 2])
+def test_one_nccl_rank_allgather_program_eager_and_captured(scope, load_group):
+    """The W > 1 program on one GPU, its all-gathers real NCCL calls (one per group: coalesced): bit-identical to
+    resident eager on driver calls, and as step graphs that capture the NCCL collectives (the path W > 1 takes
+    with DLO_FN_GRAPH_NCCL=1)."""
+    from dlo_fn.runtime.dist import run_ranks
+
+    (r,) = run_ranks(_nccl_one_rank, 1, scope, load_group, platform="cuda", timeout_s=300)
+    assert r["equal"] and r["backend"] == "nccl" and r["gathers"], r
+    if scope:
+        assert r["step_graphs"] and r["captures"] >= 1 and r["replays"] > 0, r
+    else:
+        assert r["driver_calls"] and not r["step_graphs"], r

@@ -398,6 +398,23 @@ def test_golden_load_groups_of_two_on_four_slots():
     assert s.load_group == 2 and Ring.of(s).load_group == 2
 
 
+def test_golden_allgather_load_groups_of_two_on_four_slots_and_two_landing_buffers():
+    # A group's H2Ds, then its AGs (one collective in the executor): the first H2D waits on the last AG that read
+    # the group's landing buffers, the first AG on the group's last H2D and on the slots' previous occupants, the
+    # others on nothing; a group's first compute waits on its last AG. Only the last of each kind records.
+    s = build_schedule(6, 1, num_slots=4, mode="allgather", num_landing=2, load_group=2)
+    _assert_golden(s, [
+        "H2D k0 b0>l0", "H2D k1 b1>l1", "AG k0 b0 l0>s0 <- 1", "AG k1 b1 l1>s1",
+        "H2D k2 b2>l0 <- 3", "H2D k3 b3>l1", "AG k2 b2 l0>s2 <- 5", "AG k3 b3 l1>s3",
+        "C k0 b0@s0 r0 <- 3", "C k1 b1@s1 r0",
+        "H2D k4 b4>l0 <- 7", "H2D k5 b5>l1", "AG k4 b4 l0>s0 <- 9,11", "AG k5 b5 l1>s1",
+        "C k2 b2@s2 r0 <- 7", "C k3 b3@s3 r0",
+        "C k4 b4@s0 r0 <- 13", "C k5 b5@s1 r0",
+    ])
+    waited = {d for deps in s.deps for d in deps}
+    assert waited == {1, 3, 5, 7, 9, 11, 13}
+
+
 def test_load_group_one_is_the_published_schedule():
     for kw in (dict(num_slots=2), dict(num_slots=4, requests_per_load=2, prefetch_next=True)):
         a = build_schedule(7, 2, mode="rank-local", **kw)
@@ -406,8 +423,10 @@ def test_load_group_one_is_the_published_schedule():
 
 
 def test_load_group_arguments_are_named():
-    with pytest.raises(ValueError, match="load_group = 2 needs the rank-local op sequence"):
-        build_schedule(4, 1, num_slots=4, mode="allgather", load_group=2)
+    with pytest.raises(ValueError, match="load_group = 2 in allgather mode needs num_landing a multiple of it.*got "
+                                         "num_landing = 3: pass num_landing = 4"):
+        build_schedule(4, 1, num_slots=4, mode="allgather", num_landing=3, load_group=2)
+    assert build_schedule(4, 1, num_slots=4, mode="allgather", load_group=2).num_landing == 4  # default 2G
     with pytest.raises(ValueError, match="num_slots a multiple of it and >= 4.*pass num_slots = 4"):
         build_schedule(4, 1, num_slots=2, mode="rank-local", load_group=2)
     with pytest.raises(ValueError, match="multiple"):
@@ -425,17 +444,22 @@ def test_load_group_arguments_are_named():
 
 
 def _group_structure(s: Schedule) -> None:
-    """Per group: its H2Ds back to back, waits only on the first; a compute waits, if at all, on its group's last
-    H2D, and only the first compute of each group that this run loads waits."""
+    """Per group: its H2Ds back to back (allgather: then its AGs, back to back), waits only on the first of each
+    kind; a compute waits, if at all, on its group's last load op (rank-local: H2D, allgather: AG), and only the
+    first compute of each group that this run loads waits."""
     g, o = s.load_group, s.slot_offset
-    h2d = [(i, op) for i, op in enumerate(s.ops) if op.kind == H2D]
-    groups: dict[int, list[int]] = {}
-    for i, op in h2d:
-        groups.setdefault((o + op.load) // g, []).append(i)
-    for idx in groups.values():
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, op in enumerate(s.ops):
+        if op.kind != C:
+            groups.setdefault((op.kind, (o + op.load) // g), []).append(i)
+    for (kind, n), idx in groups.items():
         assert idx == list(range(idx[0], idx[0] + len(idx))), s.describe()
         assert all(not s.deps[i] for i in idx[1:]), s.describe()
-    last_of = {s.ops[i].load: idx[-1] for idx in groups.values() for i in idx}
+        if kind == AG:  # right after the group's H2Ds
+            assert groups[H2D, n][-1] + 1 == idx[0], s.describe()
+    last = AG if s.mode == "allgather" else H2D
+    last_of = {s.ops[i].load: idx[-1] for (kind, _), idx in groups.items() if kind == last for i in idx}
+    groups = {key: idx for key, idx in groups.items() if key[0] == last}
     for i, op in enumerate(s.ops):
         if op.kind == C and s.deps[i]:
             assert s.deps[i] == (last_of[op.load],), s.describe()

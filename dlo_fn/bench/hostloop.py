@@ -108,19 +108,21 @@ class _Tiny(nn.Module):
 
 
 def host_executor(model: nn.Module, mode: str = "rank-local", *, block_call: str = "swap", monkeypatch: Any = None,
-                  strict: bool = False, paths: Any = "blocks", **options: Any):
+                  strict: bool = False, paths: Any = "blocks", ctx: Any = None, **options: Any):
     """``(offloaded, driver)``: ``model`` offloaded on the CPU with its executor on :class:`HostDriver` (the
     driver-call path of CUDA). ``monkeypatch`` (pytest's) sets ``stream_handle`` for host streams; without it the
     module attribute is set directly and left set (a benchmark process). ``strict``: the driver checks that no
     wait comes before its event's record in a run (:class:`HostDriver`). ``paths``: the block lists (as
-    :func:`~dlo_fn.runtime.offload.offload` takes them)."""
+    :func:`~dlo_fn.runtime.offload.offload` takes them). ``ctx``: the rank's
+    :class:`~dlo_fn.runtime.dist.DistContext` (default: one process, no group); with a group of W > 1 ranks the
+    all-gathers are the group's real collectives, called between the emulated driver calls."""
     import dlo_fn.runtime.executor as executor_mod
     from dlo_fn.runtime.dist import DistContext
     from dlo_fn.runtime.offload import offload
     from dlo_fn.runtime.platform import platform_for
     from dlo_fn.runtime.program import Programs
 
-    ctx = DistContext(0, 1, 0, platform_for("cpu"), None)
+    ctx = ctx if ctx is not None else DistContext(0, 1, 0, platform_for("cpu"), None)
     off = offload(model, paths, ctx, mode=mode, block_call=block_call, **options)
     ex = off.executor
     driver = HostDriver(strict)

@@ -202,9 +202,10 @@ class _Stack(nn.Module):
 
 def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
                   aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool | str = False,
-                  load_group: int = 1) -> tuple[PassFn, Executor]:
+                  load_group: int = 1, **options: Any) -> tuple[PassFn, Executor]:
     ex = Executor(platform, layout, store, blocks, aliases, group=group if mode == "allgather" else None,
-                  mode=mode, block_call=block_call, graph=graph, num_slots=2 * load_group, load_group=load_group)
+                  mode=mode, block_call=block_call, graph=graph, num_slots=2 * load_group, load_group=load_group,
+                  **options)
     proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -49,6 +49,12 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if group != "auto" and group > 1 and isinstance(slots, int) and (slots % group or slots < 2 * group):
         raise UsageError(f"generate: --load-group {group} --slots {slots}: give --slots a multiple of {group} and "
                          f">= {2 * group} (two groups in flight), or leave --slots out ({2 * group})")
+    landing = getattr(args, "landing", None)
+    if landing is not None and landing < 1:
+        raise UsageError(f"generate: --landing {landing}: give >= 1 (allgather's landing buffers), or leave it out")
+    if group != "auto" and group > 1 and landing is not None and landing % group:
+        raise UsageError(f"generate: --load-group {group} --landing {landing}: give --landing a multiple of {group} "
+                         f"(a group's shards land side by side), or leave --landing out ({2 * group})")
     if not args.max_wait_s >= 0:
         raise UsageError(f"generate: --max-wait-s {args.max_wait_s}: give a number of seconds >= 0")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):

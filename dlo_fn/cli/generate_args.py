@@ -35,7 +35,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=_int_or_auto("--slots"), default=None,
                         help="device slots (default 2 = double buffer, 2G with --load-group G; auto: the policy "
                              "chooses from start-up probes)")
-    parser.add_argument("--landing", type=int, default=None, help="landing buffers (allgather; default 2)")
+    parser.add_argument("--landing", type=int, default=None,
+                        help="landing buffers (allgather; default 2, 2G with --load-group G)")
     parser.add_argument("--rank-local-source", choices=("pinned", "mmap"), default="pinned",
                         help="rank-local: private pinned copy (fast H2D) or stream from the shared mmap")
     parser.add_argument("--block-call", choices=("functional_call", "swap"), default="swap",
@@ -174,12 +175,6 @@ def check_sp_args(args: argparse.Namespace, config) -> None:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise UsageError(f"generate: --sp {args.sp} does not divide the {world} rank(s) "
                          f"(torchrun --nproc-per-node): use --sp in {divisors}")
-    shards = {"world": world, "dp": world // args.sp, "sp": args.sp}.get(args.shard_group, world)
-    if args.load_group != "auto" and args.load_group > 1 and args.mode != "auto" \
-            and mode_from_args(args) == "allgather" and shards > 1:
-        raise UsageError(f"generate: --load-group {args.load_group} needs the rank-local op sequence, but allgather "
-                         f"shards each block over {shards} ranks (--shard-group {args.shard_group}): add "
-                         f"--no-allgather, or drop --load-group")
     if args.sp > 1 and config is not None and hasattr(config, "num_heads"):
         from dlo_fn.models.sp import check_sp_heads
 

@@ -26,7 +26,8 @@ the slot's previous occupant (after all ``R`` of them), and computes ``r > 0`` o
 slot was freed by the computes of load ``k - 1``, so with ``S = 2`` the next block starts loading the moment the
 current one starts computing, and the H2D stream runs up to ``N`` loads ahead of the all-gathers.
 
-**Load groups** (``G = load_group``, rank-local op sequence, ``S`` a multiple of ``G`` and ``>= 2G``). For blocks so
+**Load groups** (``G = load_group``, ``S`` a multiple of ``G`` and ``>= 2G``; allgather: ``N`` a multiple of ``G``,
+default ``2G``). For blocks so
 small that the host's driver calls per block are the bound (five per block: the H2D, its wait for the slot and its
 record, the compute's wait and record; ``bench.driver_cost``), ``G`` consecutive loads on ``G`` consecutive slots
 move as one unit. Load ``k`` is in group ``(o + k) // G`` (slots ``G*j .. G*j+G-1`` for some ``j``), and:
@@ -43,16 +44,25 @@ for ``G`` blocks instead of ``5 G``, and ``5`` with merged copies. The price: ``
 of a group starts only when the whole group has landed: a run's first compute starts ``G - 1`` H2D times
 later and, when the H2D is the bound, its last group ends ``G - 1`` computes later; the load period per block is
 unchanged (``tests/test_schedule.py``, on the plan's timeline). ``G = 1`` is the published design, op for op.
+
+In allgather mode (``W > 1``) a group is its ``G`` H2Ds into ``G`` consecutive landing buffers, then its ``G``
+AGs into its ``G`` slots, grouped the same way: the first AG waits for the last H2D and for the slots' previous
+occupants, the others wait for nothing, a compute waits for the last AG, and only the last H2D and the last AG
+record. The executor issues a group's AGs as one coalesced collective (NCCL: one group launch) and its H2Ds as one
+copy where the bytes continue: per group one wait, one copy and one record on each of the H2D and the all-gather
+streams, one collective, and one wait and one record on the compute stream, for ``G`` blocks instead of one.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
 
 __all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies",
-           "buffer_uses", "check_load_group", "load_group_problem", "group_last", "load_groups"]
+           "buffer_uses", "check_load_group", "default_num_landing", "load_group_problem", "group_last",
+           "load_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,25 +83,33 @@ def lowered_mode(mode: str, num_shards: int | None) -> str:
     return "rank-local" if mode == "allgather" and num_shards == 1 else mode
 
 
-def load_group_problem(load_group: int, num_slots: int, mode: str) -> str | None:
-    """Why ``load_group`` does not fit a ring of ``num_slots`` slots running ``mode``'s op sequence (see "Load
-    groups" in the module doc), or None where it fits: the one rule the ring, the options and the policy apply."""
+def load_group_problem(load_group: int, num_slots: int, mode: str, num_landing: int | None = None) -> str | None:
+    """Why ``load_group`` does not fit a ring of ``num_slots`` slots (and, in allgather mode, ``num_landing``
+    landing buffers; None: not known yet) running ``mode``'s op sequence (see "Load groups" in the module doc), or
+    None where it fits: the one rule the ring, the options and the policy apply."""
     if not isinstance(load_group, int) or isinstance(load_group, bool) or load_group < 1:
         return f"load_group must be an int >= 1 (1 = one load per block), got {load_group!r}"
     if load_group == 1:
         return None
-    if mode != "rank-local":
-        return (f"load_group = {load_group} needs the rank-local op sequence (rank-local mode, or allgather over "
-                f"one rank): the all-gather of W > 1 shards runs per block; use load_group=1")
     if num_slots % load_group or num_slots < 2 * load_group:
         return (f"load_group = {load_group} needs num_slots a multiple of it and >= {2 * load_group} (two groups in "
                 f"flight), got num_slots = {num_slots}: pass num_slots = {2 * load_group}")
+    if mode == "allgather" and num_landing is not None and num_landing % load_group:
+        return (f"load_group = {load_group} in allgather mode needs num_landing a multiple of it (a group's shards "
+                f"land side by side), got num_landing = {num_landing}: pass num_landing = {2 * load_group}, or "
+                f"leave it out")
     return None
 
 
-def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "") -> None:
+def default_num_landing(load_group: int = 1) -> int:
+    """Landing buffers of an allgather ring when none are asked for: two loads (two groups) in flight."""
+    return 2 * load_group
+
+
+def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "", num_landing: int | None = None
+                     ) -> None:
     """ValueError naming the field (after ``owner``) unless ``load_group`` fits (:func:`load_group_problem`)."""
-    problem = load_group_problem(load_group, num_slots, mode)
+    problem = load_group_problem(load_group, num_slots, mode, num_landing)
     if problem is not None:
         raise ValueError(owner + problem)
 
@@ -102,15 +120,15 @@ def group_last(k: int, load_group: int, slot_offset: int, end: int) -> int:
 
 
 def load_groups(ops: tuple[Op, ...], load_group: int, slot_offset: int) -> tuple[int | None, ...]:
-    """Per op, the index of the last load op of its group (``load_group > 1``, rank-local: H2D ops only; a group's
-    loads are issued back to back); None for computes and for every op when ``load_group == 1``."""
+    """Per load op, the index of the last op of its kind (H2D, AG) in its group (``load_group > 1``; a group's
+    H2Ds are issued back to back, then its AGs); None for computes and for every op when ``load_group == 1``."""
     if load_group == 1:
         return (None,) * len(ops)
     out: list[int | None] = [None] * len(ops)
-    members: dict[int, list[int]] = {}
+    members: dict[tuple[str, int], list[int]] = {}
     for i, op in enumerate(ops):
-        if op.kind == H2D:
-            members.setdefault((slot_offset + op.load) // load_group, []).append(i)
+        if op.kind != C:
+            members.setdefault((op.kind, (slot_offset + op.load) // load_group), []).append(i)
     for idx in members.values():
         for i in idx:
             out[i] = idx[-1]
@@ -133,13 +151,19 @@ def place_computes(order: tuple[ComputeItem, ...], num_slots: int, slot_offset: 
                  for it in order)
 
 
-def _load_ops(k: int, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-              slot_offset: int, landing_offset: int) -> tuple[Op, ...]:
-    block, slot = k % num_blocks, (slot_offset + k) % num_slots
-    if mode == "rank-local":
-        return (Op(H2D, k, block, slot=slot),)
-    landing = (landing_offset + k) % num_landing
-    return Op(H2D, k, block, landing=landing), Op(AG, k, block, slot=slot, landing=landing)
+def _load_ops(loads: range, num_blocks: int, num_slots: int, num_landing: int, mode: str,
+              slot_offset: int, landing_offset: int, load_group: int) -> list[Op]:
+    """The ops of ``loads`` in issue order: per load its H2D (then its AG); with load groups, per group its H2Ds,
+    then its AGs (so that a group's all-gathers can be one collective call)."""
+    out: list[Op] = []
+    for _, group in itertools.groupby(loads, key=lambda k: (slot_offset + k) // load_group):
+        ks = [(k, k % num_blocks, (slot_offset + k) % num_slots) for k in group]
+        if mode == "rank-local":
+            out += [Op(H2D, k, block, slot=slot) for k, block, slot in ks]
+            continue
+        out += [Op(H2D, k, block, landing=(landing_offset + k) % num_landing) for k, block, _ in ks]
+        out += [Op(AG, k, block, slot=slot, landing=(landing_offset + k) % num_landing) for k, block, slot in ks]
+    return out
 
 
 def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_landing: int, mode: str,
@@ -158,15 +182,15 @@ def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_
     end = num_loads + (num_slots - 1 if prefetch_next else 0)
     ops: list[Op] = []
     next_load = first
+    shape = (num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, load_group)
     for op in computes:
         if op.request == 0:
+            start = next_load
             while next_load < end and group_last(next_load, load_group, slot_offset, end) <= op.load + num_slots - 1:
-                ops.extend(_load_ops(next_load, num_blocks, num_slots, num_landing, mode, slot_offset,
-                                     landing_offset))
                 next_load += 1
+            ops.extend(_load_ops(range(start, next_load), *shape))
         ops.append(op)
-    for k in range(next_load, end):
-        ops.extend(_load_ops(k, num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset))
+    ops.extend(_load_ops(range(next_load, end), *shape))
     return tuple(ops)
 
 

@@ -8,8 +8,9 @@ drop what does not fit, rank; pure.
 of one rank (``W = 1``: rank-local mode, or ``allgather`` over ``dp = 1``) is the identity, and the lowering runs
 the rank-local op sequence for it (one H2D straight into the slot, no landing buffer, no AG, rank-local host work
 per block): such a row is costed and sized as rank-local, and on a tie the rank-local label is chosen. A load
-group ``G > 1`` (``load_groups``; :mod:`dlo_fn.plan.lowering`) applies to that op sequence only, on ``S`` slots
-a multiple of ``G`` and ``>= 2G``.
+group ``G > 1`` (``load_groups``; :mod:`dlo_fn.plan.lowering`) is offered on that op sequence only, on ``S`` slots
+a multiple of ``G`` and ``>= 2G``: the executor also runs groups at ``W > 1`` (one collective per group), but
+their host work per block (the NCCL launch in it) is measured on no machine yet, so the policy does not cost them.
 
 **Per-op durations** (block ``b``, one request; ``L`` tokens per branch, ``g`` branches)::
 
@@ -77,7 +78,7 @@ class Candidate:
     num_slots: int
     requests_per_rank: int
     num_landing: int
-    load_group: int = 1  # G consecutive loads as one (rank-local op sequence only)
+    load_group: int = 1  # G consecutive loads as one (offered on the rank-local op sequence only)
 
     @property
     def num_shards(self) -> int:
@@ -169,7 +170,7 @@ def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_p
                 for r in requests_per_rank:
                     landing = num_landing if mode == "allgather" and w > 1 else 0  # W = 1: lowered, no landing
                     out.extend(Candidate(dp, sp, mode, group, s, r, landing, g) for g in load_groups
-                               if load_group_problem(g, s, ops) is None)
+                               if (g == 1 or ops == "rank-local") and load_group_problem(g, s, ops) is None)
     return tuple(out)
 
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dlo_fn.plan.lowering import (
-    ComputeItem, add_dependencies, add_loads, buffer_uses, check_load_group, compute_order, load_groups, lowered_mode,
-    place_computes,
+    ComputeItem, add_dependencies, add_loads, buffer_uses, check_load_group, compute_order, default_num_landing,
+    load_groups, lowered_mode, place_computes,
 )
 from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
 from dlo_fn.plan.ops import AG, C, H2D, KINDS, STREAM_OF_KIND, STREAMS, Op
@@ -44,8 +44,9 @@ __all__ = [
     "build_schedule", "next_slot_offset", "next_landing_offset", "next_schedule",
 ]
 
-# Two landing buffers let the H2D of load k+1 overlap the all-gather of load k (see "Landing buffers" above).
-DEFAULT_NUM_LANDING = 2
+# Two landing buffers let the H2D of load k+1 overlap the all-gather of load k (see "Landing buffers" above); with
+# load groups, two per block of the group (lowering.default_num_landing).
+DEFAULT_NUM_LANDING = default_num_landing(1)
 
 
 class ScheduleError(ValueError, RuntimeError):
@@ -73,7 +74,7 @@ def _check_ring_fields(owner: str, num_blocks: int, num_slots: int, num_landing:
         raise ValueError(f"{owner}slot_offset must be in [0, {num_slots}), got {slot_offset}")
     if not 0 <= landing_offset < max(num_landing, 1):
         raise ValueError(f"{owner}landing_offset must be in [0, {num_landing}), got {landing_offset}")
-    check_load_group(load_group, num_slots, mode, owner)
+    check_load_group(load_group, num_slots, mode, owner, num_landing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +118,15 @@ class Schedule:
 
     @property
     def load_group_last(self) -> tuple[int | None, ...]:
-        """Per op, the index of its load group's last H2D (None: a compute, or no load groups)."""
+        """Per op, the index of the last op of its kind (H2D, AG) in its load group (None: a compute, or no load
+        groups)."""
         return load_groups(self.ops, self.load_group, self.slot_offset)
 
     @property
     def carried_last_use(self) -> tuple[tuple[str, int], ...]:
         """Per buffer, the op whose event the next run's first use of it waits on: its last use, or for a
-        grouped load its group's last H2D (the same stream, issued later: the wait covers the whole group, and
-        the group's other H2Ds need no event)."""
+        grouped load the last op of its kind in its group (the same stream, issued later: the wait covers the
+        whole group, and the group's other loads need no event)."""
         lead = self.load_group_last
         return tuple((buf, lead[i] if lead[i] is not None else i) for buf, i in self.last_use)
 
@@ -194,14 +196,14 @@ class Ring:
     @classmethod
     def cold(cls, num_blocks: int, *, num_slots: int = 2, num_landing: int | None = None,
              mode: str = "allgather", num_shards: int | None = None, load_group: int = 1) -> "Ring":
-        """``num_landing`` defaults to :data:`DEFAULT_NUM_LANDING` in allgather mode, 0 in rank-local mode.
-        ``num_shards`` (the shard group's size, if known): ``allgather`` over one rank is lowered to the rank-local
-        ring (:func:`~dlo_fn.plan.lowering.lowered_mode`; its ``num_landing`` is then ignored). ``load_group``:
-        loads that move as one (rank-local op sequence only; "Load groups" in :mod:`dlo_fn.plan.lowering`)."""
+        """``num_landing`` defaults to :data:`DEFAULT_NUM_LANDING` per load group in allgather mode, 0 in
+        rank-local mode. ``num_shards`` (the shard group's size, if known): ``allgather`` over one rank is lowered
+        to the rank-local ring (:func:`~dlo_fn.plan.lowering.lowered_mode`; its ``num_landing`` is then ignored).
+        ``load_group``: loads that move as one ("Load groups" in :mod:`dlo_fn.plan.lowering`)."""
         if lowered_mode(mode, num_shards) != mode:
             mode, num_landing = lowered_mode(mode, num_shards), None
         if num_landing is None:
-            num_landing = DEFAULT_NUM_LANDING if mode == "allgather" else 0
+            num_landing = default_num_landing(load_group) if mode == "allgather" else 0
         return cls(num_blocks, num_slots, num_landing, mode, load_group=load_group)
 
     @classmethod
@@ -265,7 +267,7 @@ def build_schedule(num_blocks: int, num_steps: int, *, requests_per_load: int = 
     if lowered_mode(mode, num_shards) != mode:
         mode, num_landing = lowered_mode(mode, num_shards), None
     if num_landing is None:
-        num_landing = DEFAULT_NUM_LANDING if mode == "allgather" else 0
+        num_landing = default_num_landing(load_group) if mode == "allgather" else 0
     compute_order(num_blocks, num_steps, requests_per_load)  # names a bad count before the ring's fields
     ring = Ring(num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, warm_start, load_group)
     return ring.next_schedule(num_steps, requests_per_load, prefetch_next=prefetch_next)

@@ -47,7 +47,7 @@ from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.block_graph import BlockGraphs
 from dlo_fn.runtime.blocks import layout_key, make_caller, make_views
 from dlo_fn.runtime.cuda_raw import RawStream, raw_cuda, stream_handle
-from dlo_fn.runtime.dist import all_gather_bytes
+from dlo_fn.runtime.dist import all_gather_bytes, bound_all_gather
 from dlo_fn.runtime.graph import StepGraphs, graph_support
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.issue import flush_record, issue_until, wait_for
@@ -77,7 +77,7 @@ class Executor:
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "swap", async_collectives: bool = False,
                  record_timeline: bool = False, rank: int = 0, graph: bool | str = False,
-                 graph_shapes: int = 4, load_group: int = 1) -> None:
+                 graph_shapes: int = 4, load_group: int = 1, gather_one_rank: bool = False) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
         if graph not in GRAPH_SCOPES:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {graph!r}")
@@ -91,15 +91,18 @@ class Executor:
         if group is None and layout.num_shards != 1:
             raise ValueError(f"a layout sharded over {layout.num_shards} ranks needs a process group")
         self.platform, self.layout, self.store, self.group = platform, layout, store, group
-        self._gather_group = group if layout.num_shards > 1 else None
+        # gather_one_rank (benchmarks): a group of one rank keeps the allgather op sequence, its all-gather a real
+        # one-rank collective, so that the W > 1 path's host cost is measured on one GPU (bench.allgather_host).
+        one_rank = gather_one_rank and group is not None and mode == "allgather" and layout.num_shards == 1
+        self._gather_group = group if layout.num_shards > 1 or one_rank else None
         self.mode, self.rank, self.block_call = mode, rank, block_call
         # The ring checks slots and landing buffers; rank-local has none, whatever num_landing says (one
         # OffloadOptions carries it for both modes). An all-gather over one rank is the identity: the plan lowers
         # it to the rank-local ring (H2D straight into the slot, no landing buffer, no AG op), so the ring's mode
         # is the program's (what the timeline records) and ``mode`` the one asked for.
         self.ring = Ring.cold(layout.num_blocks, num_slots=num_slots, mode=mode,
-                              num_landing=num_landing if mode == "allgather" else None, num_shards=layout.num_shards,
-                              load_group=load_group)
+                              num_landing=num_landing if mode == "allgather" else None,
+                              num_shards=None if one_rank else layout.num_shards, load_group=load_group)
         self.load_group = load_group
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.async_collectives = async_collectives and not platform.is_accelerator
@@ -112,11 +115,12 @@ class Executor:
         ring_buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=dev)
         self.slots = tuple(ring_buffer[s * slot_bytes : (s + 1) * slot_bytes] for s in range(num_slots))
         del ring_buffer
-        self.landing = tuple(torch.empty(layout.max_shard_bytes, dtype=torch.uint8, device=dev)
-                             for _ in range(self.num_landing))
+        landing_bytes = layout.max_shard_bytes  # one allocation too: a load group's shards land side by side
+        landing = torch.empty(self.num_landing * landing_bytes, dtype=torch.uint8, device=dev)
+        self.landing = tuple(landing[n * landing_bytes : (n + 1) * landing_bytes] for n in range(self.num_landing))
+        del landing
         self.measured_device_bytes = platform.memory_allocated() - before
         self._set_stream = platform.stream_setter()
-        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.h2d_stream = platform.new_stream("h2d")
         self.allgather_stream = platform.new_stream("allgather")
         # Views: one dict per (slot, distinct block layout); one caller per (block, slot).
@@ -138,9 +142,10 @@ class Executor:
                 callers = [self.block_graphs.wrap(c, b, s) for s, c in enumerate(callers)]
             self._callers.append(tuple(callers))
         self.num_view_sets = len(shared) * num_slots
-        # Driver calls for the eager loop where every op is a copy or an event (W = 1, pinned arena, no recorder).
-        self._raw = (raw_cuda(platform) if self._gather_group is None and store.arena is not None
-                     and not record_timeline else None)
+        # Driver calls for the eager loop's copies and events (pinned arena, no recorder); an all-gather (W > 1) is
+        # one bound call of its process group between them, on the all-gather stream (_bind_gather).
+        self._raw = (raw_cuda(platform) if store.arena is not None and not record_timeline
+                     and not self.async_collectives else None)
         # On the driver-call path a compute's event record is issued with the next block's driver calls instead
         # of right after its block call: a driver call made just after a block's Python costs ~4 us more than
         # one made after another call (cold caches; bench.driver_cost), so the pass pays that once per block, not
@@ -186,6 +191,29 @@ class Executor:
             all_gather_bytes(self.slots[0][: n * self.layout.num_shards], self.landing[0][:n], self.group)
         self.platform.synchronize()
 
+    def _bind_gather(self, pairs: tuple, restore: Any) -> tuple[Any, tuple]:
+        """``(fn, ())`` for a driver-call segment: ``fn()`` issues the all-gather of ``pairs`` (one collective,
+        :func:`~dlo_fn.runtime.dist.bound_all_gather`) with the all-gather stream current, which the group's
+        collective orders itself after (its waits were issued on that stream's handle just before), then makes
+        ``restore`` (the compute stream) current again and returns 0 (a driver call's success)."""
+        call, set_stream, stream = bound_all_gather(pairs, self._gather_group), self._set_stream, self.allgather_stream
+
+        def gather() -> int:
+            set_stream(stream)
+            try:
+                call()
+            finally:
+                set_stream(restore)
+            return 0
+
+        gather.__name__ = "all_gather"
+        return gather, ()
+
+    def _gather_now(self, pairs: tuple, restore: Any) -> None:
+        """The all-gather of ``pairs`` now (the driver-call issue loop outside the segments: ``end_run``)."""
+        fn, args = self._bind_gather(pairs, restore)
+        fn(*args)
+
     def next_schedule(self, num_steps: int = 1, requests_per_load: int = 1) -> Schedule:
         """The schedule the ring gives for the next run (cold for the first run or after an error)."""
         return self.ring.next_schedule(num_steps, requests_per_load)
@@ -224,7 +252,8 @@ class Executor:
         if self._raw is not None:
             cstream = RawStream(self._raw, stream_handle(stream))
             carry = {buf: ev.handle for buf, ev in self._carry.items() if ev is not None}
-            fast = fast_segments(program, self._raw, cstream.handle, carry)
+            fast = fast_segments(program, self._raw, cstream.handle, carry,
+                                 lambda pairs: self._bind_gather(pairs, stream))
         first = fast[program.next_compute[0]] if fast is not None and compute and self.graphs is None else None
         self._run = RunState(program, events, starts, compute, _implicit, stream, index=self._run_count,
                              cstream=cstream, fast=fast, next=first)

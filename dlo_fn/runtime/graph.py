@@ -67,6 +67,7 @@ from typing import Any, Mapping
 import torch
 
 from dlo_fn.plan.schedule import AG, C, H2D, ScheduleError
+from dlo_fn.runtime.dist import all_gather_pairs
 from dlo_fn.runtime.graph_parts import (ShapeLRU, capture_guard, flatten_call, flatten_outputs, rebuild_call,
                                        tensor_specs)
 
@@ -364,8 +365,8 @@ class StepGraphs:
                             for dst, src in p.args[i]:
                                 dst.copy_(src, non_blocking=True)
                         elif op.kind == AG:
-                            out, inp = p.args[i]
-                            ex._all_gather(out, inp, group=ex._gather_group)
+                            if p.args[i]:
+                                all_gather_pairs(p.args[i], ex._gather_group)
                         else:
                             r = op.request
                             if op.block == 0:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from dlo_fn.plan.schedule import ScheduleError
+from dlo_fn.runtime.dist import all_gather_pairs
 from dlo_fn.runtime.program import _AG, _C, _H2D, RunState
 from dlo_fn.runtime.recorder import stamp_on_completion
 
@@ -51,7 +52,7 @@ def issue_until(ex: Any, run: RunState, stop: int) -> None:
         return _issue_until_raw(ex, run, stop)
     t0 = time.perf_counter()
     p, events, starts, set_stream = run.program, run.events, run.starts, ex._set_stream
-    current = run.stream
+    current, group_work = run.stream, None
     try:
         for i in range(run.cursor, stop):
             kind = p.kinds[i]
@@ -66,9 +67,11 @@ def issue_until(ex: Any, run: RunState, stop: int) -> None:
                 for dst, src in p.args[i]:
                     dst.copy_(src, non_blocking=True)
                 ex.stats.loads += 1
-            elif kind == _AG:
-                out, inp = p.args[i]  # W > 1: a shard group of one has no AG op (plan.lowering)
-                work = ex._all_gather(out, inp, group=ex._gather_group, async_op=ex.async_collectives)
+            elif kind == _AG:  # W > 1: a shard group of one has no AG op (plan.lowering)
+                if p.args[i]:
+                    work = group_work = all_gather_pairs(p.args[i], ex._gather_group, ex.async_collectives)
+                else:  # joined its group's first AG (Program): with async collectives, that call's work is its own
+                    work = group_work
                 if work is not None:
                     events[i].work = work
                     if starts is not None:
@@ -86,7 +89,8 @@ def issue_until(ex: Any, run: RunState, stop: int) -> None:
 
 
 def _issue_until_raw(ex: Any, run: RunState, stop: int) -> None:
-    """:func:`issue_until` through driver calls: explicit stream handles, no stream switch, no copy_."""
+    """:func:`issue_until` through driver calls: explicit stream handles, no copy_; an all-gather is the
+    executor's collective call on its stream."""
     t0 = time.perf_counter()
     p, events, carry, cu = run.program, run.events, ex._carry, ex._raw
     wait, record, copy, check = cu._wait, cu._record, cu.copy, cu.check
@@ -111,6 +115,8 @@ def _issue_until_raw(ex: Any, run: RunState, stop: int) -> None:
                     check(wait(h, ev.handle, 0), "cuStreamWaitEvent")
             for dst, src, n, dev in copies:
                 copy(dst, src, n, h, dev)
+            if p.kinds[i] == _AG and p.args[i]:
+                ex._gather_now(p.args[i], run.stream)
             loads += 1
             if i in p.recorded:
                 code = record(events[i].handle, h)

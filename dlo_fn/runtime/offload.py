@@ -52,7 +52,7 @@ class OffloadOptions:
 
     mode: str = "allgather"
     num_slots: int = 2
-    num_landing: int | None = None  # allgather default 2
+    num_landing: int | None = None  # allgather default 2 (2G with load groups)
     rank_local_source: str = "pinned"  # "pinned": private pinned copy; "mmap": stream from the shared mmap
     block_call: str = "swap"  # or "functional_call" (same bits, ~3x the host time; dlo_fn.runtime.blocks)
     async_collectives: bool = False  # CPU/gloo: overlap all-gathers with compute
@@ -66,9 +66,9 @@ class OffloadOptions:
     # shape's graphs and buffers, so serving many resolutions keeps device memory bounded.
     graph_shapes: int = 4
     # Loads that move as one (dlo_fn.plan.lowering, "Load groups"): G consecutive blocks' H2D with one wait and one
-    # record, and their computes with one wait and one record, so small blocks cost the host 5 driver calls per G
-    # blocks instead of per block. Needs the rank-local op sequence (rank-local, or allgather over one rank) and
-    # num_slots a multiple of G and >= 2G.
+    # record, their all-gathers as one collective (W > 1), and their computes with one wait and one record, so
+    # small blocks cost the host the driver calls of one load per G blocks. Needs num_slots a multiple of G and
+    # >= 2G and, in allgather mode over W > 1 ranks, num_landing a multiple of G (default 2G).
     load_group: int = 1
     shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
     # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and

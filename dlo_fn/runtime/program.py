@@ -11,7 +11,7 @@ The eager hot loop then is one loop of bare driver calls per block, with no per-
 Compiling resolves every op once (at the first run that uses the schedule) into what the hot loop needs: its
 kind, stream, the indices of the events it waits on, the buffers whose previous-run last use it waits on, and
 its arguments as ready-made byte views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing
-bytes); ``C``: (block index, caller bound to the slot's weight views)).
+bytes) pairs, one collective; ``C``: (block index, caller bound to the slot's weight views)).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Program:
     streams: tuple[Any, ...]
     waits: tuple[tuple[int, ...], ...]
     carry: tuple[tuple[str, ...], ...]  # buffers whose previous-run last use this op must wait for
-    args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: (out, inp); C: (block, caller)
+    args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: ((out, inp), ...), one collective; C: (block, caller)
     next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
     events: list[Any]
     last_use: tuple[tuple[str, int], ...] = ()  # Schedule.carried_last_use: what the next run waits on
@@ -148,7 +148,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
             kinds.append(_AG)
             op_streams.append(streams[1])
             n = shard.shard_bytes
-            args.append((slots[op.slot][: n * layout.num_shards], landing[op.landing][:n]))
+            args.append(((slots[op.slot][: n * layout.num_shards], landing[op.landing][:n]),))
         else:
             kinds.append(_C)
             op_streams.append(None)
@@ -159,7 +159,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     carry: list[list[str]] = [[] for _ in sch.ops]
     for buf, i in sch.first_use:
         carry[i].append(buf)
-    _merge_group_copies(args, sch.load_group_last, sch.deps, carry)
+    _merge_group_loads(kinds, args, sch.load_group_last, sch.deps, carry)
     nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
     for i in range(len(sch.ops), -1, -1):
         if i < len(sch.ops) and kinds[i] == _C:
@@ -168,11 +168,9 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     events = [new_event() for _ in sch.ops]
     raw = None
     if raw_stream is not None:
-        # Driver calls issue copies and events only: a shard group of one has no AG op (the plan lowers it to
-        # H2D straight into the slot), and a collective needs its process group's call.
-        if _AG in kinds:
-            raise ValueError("the driver-call loop runs no all-gather: compile without raw_stream")
-        raw = tuple(None if k == _C else (raw_stream(s), tuple(
+        # Driver calls issue the copies and events; an all-gather is its process group's call (its stream handle
+        # here, its copies none: fast_segments binds the collective).
+        raw = tuple(None if k == _C else (raw_stream(s), () if k == _AG else tuple(
             (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
             for dst, src in a))
             for k, s, a in zip(kinds, op_streams, args))
@@ -180,27 +178,37 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
                    tuple(nxt), events, sch.carried_last_use, raw, recorded=sch.recorded)
 
 
-def _merge_group_copies(args: list[Any], lead: tuple[int | None, ...], deps: Sequence[tuple[int, ...]],
-                        carry: Sequence[Sequence[str]]) -> None:
+def _merge_group_loads(kinds: Sequence[int], args: list[Any], lead: tuple[int | None, ...],
+                       deps: Sequence[tuple[int, ...]], carry: Sequence[list[str]]) -> None:
     """In place: the copies of a load group's H2D that continue the previous H2D's last copy in both its source
-    and its destination (one storage each: the slots are one allocation, the arena holds the blocks back to back)
-    join that copy, and the later H2D is left with none. Only an H2D that waits for nothing (no dependency, no
-    previous-run wait) joins the one before it, so every copy still runs after the waits it needs."""
-    into = None  # the H2D of this group whose copies the next one may join
+    and its destination (one storage each: the slots and the landing buffers are one allocation each, the arena
+    holds the blocks back to back) join that copy, and the later H2D is left with none; a load group's AG joins
+    the previous AG's collective (one call for the group: ``runtime.dist.all_gather_pairs``) and is left with
+    none. Only a load that waits for nothing in the run joins the one before it (the plan gives a group's first
+    load every wait of the group: ``lowering.add_dependencies``), so every copy and collective still runs after
+    the waits it needs; a joining load's waits on the previous run's last uses (``carry``, the buffers' first
+    uses in this run) move to the load it joins: those events were all recorded before this run began, so waiting
+    for them a few ops earlier on the same stream only holds the group until its buffers are free."""
+    into = None  # the load of this group (and kind: ``lead`` is per kind) that the next one may join
     for i in range(len(args)):
         if lead[i] is None:
             into = None
             continue
-        if into is None or lead[into] != lead[i] or deps[i] or carry[i] or not args[i] or not args[into]:
+        if into is None or lead[into] != lead[i] or deps[i] or not args[i] or not args[into]:
             into = i
             continue
-        (d0, s0), (d1, s1) = args[into][-1], args[i][0]
-        if not (_continues(d0, d1) and _continues(s0, s1)):
-            into = i
-            continue
-        n = d0.numel() + d1.numel()
-        args[into] = (*args[into][:-1], (_byte_view(d0, n), _byte_view(s0, n)), *args[i][1:])
-        args[i] = ()
+        if kinds[i] == _AG:
+            args[into], args[i] = (*args[into], *args[i]), ()
+        else:
+            (d0, s0), (d1, s1) = args[into][-1], args[i][0]
+            if not (_continues(d0, d1) and _continues(s0, s1)):
+                into = i
+                continue
+            n = d0.numel() + d1.numel()
+            args[into] = (*args[into][:-1], (_byte_view(d0, n), _byte_view(s0, n)), *args[i][1:])
+            args[i] = ()
+        carry[into].extend(buf for buf in carry[i] if buf not in carry[into])
+        carry[i].clear()
 
 
 def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -214,8 +222,8 @@ def _byte_view(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (n,))
 
 
-def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, int] | None = None
-                  ) -> tuple[Any, ...]:
+def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, int] | None = None,
+                  bind_gather: Callable[[tuple], tuple[Any, tuple]] | None = None) -> tuple[Any, ...]:
     """Per op index: for a compute op, its segment (the ops since the previous compute, then its own waits) as
     ``(start, calls, record_fn, record_args, num_loads, block, caller, index, last, next)``: ``start`` the cursor
     the segment begins at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)``
@@ -227,9 +235,11 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
     Events are the program's own (driver calls run only without a recorder), so every handle is fixed at compile
     time but those of the previous run: ``carry`` (buffer -> event handle of the previous run's last use) binds
     the waits of the buffers' first uses, and is part of the cache key (a steady ring runs after the same
-    program, so it binds once). Only the events something waits on are recorded (``Program.recorded``); with
-    load groups (:mod:`dlo_fn.plan.lowering`) that drops the records of all but a group's last H2D and of all but
-    the computes a load waits on, and a group's copies were joined at compile time where their bytes continue."""
+    program, so it binds once). An all-gather op is its waits, ``bind_gather(pairs)`` (the executor's bound
+    collective on the all-gather stream, which returns to the compute stream after it) and its record. Only the
+    events something waits on are recorded (``Program.recorded``); with load groups (:mod:`dlo_fn.plan.lowering`)
+    that drops the records of all but a group's last H2D (and AG) and of all but the computes a load waits on, and
+    a group's copies and all-gathers were joined at compile time (copies where their bytes continue)."""
     carry = carry or {}
     key = (compute_handle, tuple(sorted(carry.items())))
     cached = p.fast.get(key)
@@ -248,6 +258,10 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
             start, calls, loads = i + 1, [], 0
             continue
         calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
+        if kind == _AG and p.args[i]:
+            if bind_gather is None:
+                raise ValueError("a program with all-gathers needs bind_gather for its driver-call segments")
+            calls.append(bind_gather(p.args[i]))
         if i in p.recorded:
             calls.append(cu.bind_record(handles[i], h))
         loads += 1
