@@ -15,6 +15,9 @@
   eager with and without load groups): ratio to the bound, host time per step, peak device memory;
 * :func:`policy_rows` - what the policy chooses, load groups on offer, for blocks of a given size and compute on
   the H200's measured topology (pure: the planner's prediction, no measurement);
+* :func:`allgather_rows` / :func:`allgather_reading` - allgather mode with the all-gather a collective
+  (``bench.allgather_host``): the executor's host time per block, the collective calls' share and its own, on one
+  NCCL rank with the allgather op sequence kept and on two gloo ranks sharing the GPU, per run;
 * :func:`summary` - the takeaway, computed from the same reports.
 
 Every number comes from the committed JSON under ``figures/data/`` (machine, command and date inside).
@@ -31,7 +34,8 @@ from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
 __all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_driver_calls", "steady_schedule", "driver_rows",
-           "executor_rows", "ab_rows", "policy_rows", "graph_rows", "GRAPH_VARIANTS", "GROUP_VARIANTS", "summary"]
+           "executor_rows", "ab_rows", "policy_rows", "graph_rows", "GRAPH_VARIANTS", "GROUP_VARIANTS", "summary",
+           "allgather_rows", "allgather_reading"]
 
 NANO_BLOCKS = 72  # the reference's Nano DiT: the 150 ms/step is over its 72 blocks
 
@@ -100,6 +104,46 @@ def ab_rows(report: dict[str, Any]) -> list[dict[str, object]]:
             row[f"{t}_rounds_us"] = " / ".join(f"{v:.1f}" for v in rounds)
         rows.append(row)
     return rows
+
+
+_AG_PARTS = {"nccl_one_rank": "1 NCCL rank", "gloo_two_ranks": "2 gloo ranks"}
+
+
+def _ag_values(report: dict[str, Any], part: str, variant: str, key: str) -> list[float]:
+    return [run[part]["variants"][variant][key] for run in report["runs"] if variant in run[part]["variants"]]
+
+
+def allgather_rows(report: dict[str, Any]) -> list[dict[str, object]]:
+    """Per set-up and variant: the executor's host time per block, the part inside the collective calls and its
+    own (us, every run in order) and whether every output equalled resident (``allgather_host``)."""
+    rows = []
+    for part, label in _AG_PARTS.items():
+        for variant in report["runs"][0][part]["variants"]:
+            row: dict[str, object] = {"set_up": label, "variant": variant}
+            for key, name in (("proxy_host_us_per_block", "executor_us"),
+                              ("collective_call_us_per_block", "in_collective_us"),
+                              ("executor_own_us_per_block", "own_us")):
+                row[name] = " / ".join(f"{v:.1f}" for v in _ag_values(report, part, variant, key))
+            row["equal"] = all(run[part]["variants"][variant]["equal_to_resident"] for run in report["runs"])
+            rows.append(row)
+    return rows
+
+
+def allgather_reading(report: dict[str, Any], target_us: float = 30.0) -> dict[str, str]:
+    """The reading of :func:`allgather_rows`: on the NCCL rank, the executor's own part and the NCCL calls' per
+    block at G = 4 against ``target_us``, and one NCCL call's host time back to back (ranges over the runs)."""
+    def span(values: list[float]) -> str:
+        return f"{min(values):.1f}-{max(values):.1f} us"
+
+    own = _ag_values(report, "nccl_one_rank", "driver-g4", "executor_own_us_per_block")
+    coll = _ag_values(report, "nccl_one_rank", "driver-g4", "collective_call_us_per_block")
+    one = [run["nccl_one_rank"]["calls"]["host_us_per_call"]["bound_call_G1"] for run in report["runs"]]
+    four = [run["nccl_one_rank"]["calls"]["host_us_per_call"]["bound_call_G4"] for run in report["runs"]]
+    return {"own part at G = 4": f"{span(own)} per block ({'under' if max(own) < target_us else 'not under'} "
+                                 f"{target_us:.0f} us in every run)",
+            "NCCL calls at G = 4": f"{span(coll)} per block (one coalesced call per 4 blocks)",
+            "one NCCL call, back to back": f"{span(one)} (coalesced over 4 blocks: {span(four)})",
+            "runs": ", ".join(run["date"] for run in report["runs"])}
 
 
 def policy_rows(block_mb: tuple[float, ...] = (0.5, 1, 2, 3, 4, 8), compute_us: float = 20.0,
