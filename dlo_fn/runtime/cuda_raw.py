@@ -6,7 +6,8 @@ Each op of the hot loop is one driver call (``cuMemcpyHtoDAsync``, ``cuMemcpyDto
 costs ~5-10 us and an op takes 3-5 of them (measured on the H200 host: 36 us of load issue per block through
 torch); a ``ctypes`` call costs ~1 us. The bytes moved and the order of the streams are the same, so the output
 is bit-identical. Kernels still come from torch on its current stream, whose handle the compute ops wait and
-record on.
+record on; an all-gather (W > 1) is its process group's call between the driver calls, with the all-gather
+stream made current around it (``Executor._bind_gather``).
 
 :func:`raw_cuda` returns None (the executor keeps the torch calls) off CUDA, where ``libcuda`` cannot be loaded,
 or when ``DLO_FN_RAW_CUDA=0``.

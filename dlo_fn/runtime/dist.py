@@ -103,60 +103,49 @@ def _coalesces(pg: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> b
     return len(pairs) > 1 and dist.get_backend(pg) != "gloo"
 
 
+def _group(group: Any) -> Any:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
 def all_gather_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group: Any, async_op: bool = False) -> Any:
     """:func:`all_gather_bytes` for each ``(output, input)`` pair, issued as one call: one pair is one all-gather,
     several are one coalesced collective (NCCL: one group launch; a load group's blocks, ``runtime.program``; gloo:
-    one after the other, the last one's work returned, the work of every one before it done)."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    one after the other, the last one's work returned with ``async_op``, every one before it done)."""
+    if not async_op:
+        return bound_all_gather(pairs, group)()
+    pg = _group(group)
     if not _coalesces(pg, pairs):
         for out, inp in pairs[:-1]:
             all_gather_bytes(out, inp, group)
-        return all_gather_bytes(*pairs[-1], group, async_op)
+        return all_gather_bytes(*pairs[-1], group, async_op=True)
     opts = dist.distributed_c10d.AllgatherOptions()
-    opts.asyncOp = async_op
-    work = pg.allgather_into_tensor_coalesced([o for o, _ in pairs], [i for _, i in pairs], opts)
-    if async_op:
-        return work
-    if work is not None:
-        work.wait()
-    return None
+    opts.asyncOp = True
+    return pg.allgather_into_tensor_coalesced([o for o, _ in pairs], [i for _, i in pairs], opts)
 
 
 def bound_all_gather(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group: Any) -> Callable[[], None]:
-    """``call()`` doing :func:`all_gather_pairs` (synchronous: on a device, issued on the current stream, which waits
-    for it) with everything resolved once: the group, the options, the tensor lists. The executor's driver-call
-    path calls it once per all-gather op: ``torch.distributed``'s wrapper (argument checks, the default group, the
-    coalescing state) costs several microseconds a call that this skips. The collective is the group's own
-    (``ProcessGroup._allgather_base``, what the wrapper calls), or the wrapper where a group lacks it."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    """``call()`` doing :func:`all_gather_pairs` synchronously (on a device: issued on the current stream, which
+    then waits for it) with everything resolved once: the group, the options, the tensor lists. The executor's
+    driver-call path calls it once per all-gather op: ``torch.distributed``'s wrapper (argument checks, the default
+    group, the coalescing state) costs several microseconds a call that this skips. The collective is the group's
+    own (``ProcessGroup._allgather_base``, what the wrapper calls), or the wrapper where a group lacks it."""
+    pg = _group(group)
     opts = dist.distributed_c10d.AllgatherOptions()
     opts.asyncOp = False
     pairs = tuple(pairs)
     if _coalesces(pg, pairs):
         outs, ins = [o for o, _ in pairs], [i for _, i in pairs]
-        coalesced = pg.allgather_into_tensor_coalesced
-
-        def call() -> None:
-            work = coalesced(outs, ins, opts)
-            if work is not None:
-                work.wait()
-        return call
-    base = getattr(pg, "_allgather_base", None)
-    if base is None:
-        return lambda: all_gather_pairs(pairs, group)
-    if len(pairs) > 1:  # gloo (_coalesces): one after the other
-        def call() -> None:
-            for out, inp in pairs:
-                work = base(out, inp, opts)
-                if work is not None:
-                    work.wait()
-        return call
-    (out, inp), = pairs
+        gather, args = pg.allgather_into_tensor_coalesced, ((outs, ins, opts),)
+    elif hasattr(pg, "_allgather_base"):
+        gather, args = pg._allgather_base, tuple((out, inp, opts) for out, inp in pairs)  # gloo: one by one
+    else:
+        gather, args = (lambda out, inp, _: all_gather_bytes(out, inp, group)), tuple((o, i, opts) for o, i in pairs)
 
     def call() -> None:
-        work = base(out, inp, opts)
-        if work is not None:
-            work.wait()
+        for a in args:
+            work = gather(*a)
+            if work is not None:
+                work.wait()
     return call
 
 

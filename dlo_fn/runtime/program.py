@@ -68,7 +68,8 @@ class Program:
     events: list[Any]
     last_use: tuple[tuple[str, int], ...] = ()  # Schedule.carried_last_use: what the next run waits on
     # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
-    # source), ...)); compute ops: None (they run on the caller's stream).
+    # source), ...)), an all-gather's copies none (its collective is bound by fast_segments); compute ops: None
+    # (they run on the caller's stream).
     raw: tuple[Any, ...] | None = None
     # The driver-call fast path, per (compute stream handle, carried event handles) (see fast_segments).
     fast: dict[tuple, tuple[Any, ...]] = field(default_factory=dict)
