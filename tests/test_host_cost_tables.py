@@ -88,6 +88,30 @@ def test_load_group_tables_from_the_committed_runs():
     assert all(r["equal_to_resident"] is True for r in groups)
 
 
+def test_allgather_tables_from_the_committed_runs():
+    # bench.allgather_host's two runs: every variant of both set-ups, every output equal to resident; the
+    # executor's own part is its host time less the collective calls', and the driver path and load groups cut it
+    ag = hc.load("allgather_host")
+    rows = {(r["set_up"], r["variant"]): r for r in hc.allgather_rows(ag)}
+    assert {v for _, v in rows} == {"torch-events", "driver", "driver-g2", "driver-g4", "graph"}
+    assert ("2 gloo ranks", "graph") not in rows and all(r["equal"] is True for r in rows.values())
+    for (part, variant), row in rows.items():
+        runs = [[float(x) for x in row[k].split(" / ")] for k in ("executor_us", "in_collective_us", "own_us")]
+        assert all(abs(t - c - o) < 0.15 for t, c, o in zip(*runs)), row
+    for part in ("1 NCCL rank", "2 gloo ranks"):
+        own = {v: max(float(x) for x in rows[part, v]["own_us"].split(" / ")) for v in
+               ("torch-events", "driver", "driver-g2", "driver-g4")}
+        assert own["driver-g4"] < own["driver-g2"] < own["driver"] < own["torch-events"], own
+    reading = hc.allgather_reading(ag)
+    own4 = [r["nccl_one_rank"]["variants"]["driver-g4"]["executor_own_us_per_block"] for r in ag["runs"]]
+    assert reading["own part at G = 4"].startswith(f"{min(own4):.1f}-{max(own4):.1f} us per block")
+    assert ("not under" in reading["own part at G = 4"]) is (max(own4) >= 30)
+    s = hc.summary(hc.load("driver_cost"), hc.load("bench_small40"), hc.load("bench_step"), allgather=ag)
+    total4 = [float(x) for x in rows["1 NCCL rank", "driver-g4"]["executor_us"].split(" / ")]
+    assert s["ours, allgather program over NCCL (one rank), load groups of 4"].startswith(
+        f"{min(total4):.1f}-{max(total4):.1f} us, of which NCCL calls")
+
+
 def test_the_policy_takes_load_groups_only_where_the_host_is_the_bound():
     # One H200's topology (48 us of host work per block at one load per block, 55 GB/s H2D), 20 us of compute per
     # block: the host bounds blocks whose H2D is shorter than its work, and there groups halve the step.

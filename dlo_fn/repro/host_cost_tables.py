@@ -200,11 +200,14 @@ def graph_rows(report: dict[str, Any], variants: dict[str, str] = GRAPH_VARIANTS
     return rows
 
 
-def summary(driver: dict[str, Any], *reports: dict[str, Any], ab: dict[str, Any] | None = None) -> dict[str, str]:
+def summary(driver: dict[str, Any], *reports: dict[str, Any], ab: dict[str, Any] | None = None,
+            allgather: dict[str, Any] | None = None) -> dict[str, str]:
     """The notebook's takeaway, computed: the executor's cost per block eager (with load groups too, where a run
     measured them) and with block graphs (range over the runs' dispatch rows; with ``ab``, a ``hostcost_ab``
-    report, also the load groups' range over its processes), the driver's share, and what block graphs add in
-    device memory and step time on the bench model (the last report with workloads that has both variants)."""
+    report, also the load groups' range over its processes), the driver's share, what block graphs add in
+    device memory and step time on the bench model (the last report with workloads that has both variants) and,
+    with ``allgather`` (an ``allgather_host`` report), the allgather program's cost over NCCL at one load per
+    block and in groups of 4, with the NCCL calls' part."""
     def us(names: tuple[str, ...]) -> str:
         vals = [r["proxy_host_us_per_block"] for rep in reports for n, r in rep["dispatch"]["variants"].items()
                 if n in names]
@@ -222,6 +225,12 @@ def summary(driver: dict[str, Any], *reports: dict[str, Any], ab: dict[str, Any]
         if ab is not None and name in ab["rounds"][0]["proxy_host_us_per_block"]:
             vals = [r["proxy_host_us_per_block"][name] for r in ab["rounds"]]
             out[f"ours, eager, load groups of {g}, {len(vals)} processes"] = f"{min(vals):.1f}-{max(vals):.1f} us"
+    if allgather is not None:
+        for variant, label in (("driver", "one load per block"), ("driver-g4", "load groups of 4")):
+            total = _ag_values(allgather, "nccl_one_rank", variant, "proxy_host_us_per_block")
+            coll = _ag_values(allgather, "nccl_one_rank", variant, "collective_call_us_per_block")
+            out[f"ours, allgather program over NCCL (one rank), {label}"] = (
+                f"{min(total):.1f}-{max(total):.1f} us, of which NCCL calls {min(coll):.1f}-{max(coll):.1f} us")
     for w in reports[-1]["workloads"]:
         v = {r["variant"]: r for r in w["variants"]}
         eager, bg = v["dlo-rank-local-swap"], v["dlo-rank-local-bgraph"]
