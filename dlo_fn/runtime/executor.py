@@ -4,7 +4,7 @@ State (all allocated once, in ``__init__``):
 
 * ``num_slots`` slots of ``ModelLayout.max_padded_block_bytes`` (a gathered block; one allocation, slot ``s`` at
   ``s x`` the slot size, so a load group's copies into consecutive slots can be one) and, in allgather mode,
-  ``num_landing`` landing buffers of ``max_shard_bytes`` (a local shard): device weight bytes are
+  ``num_landing`` landing buffers of ``max_shard_bytes`` (a local shard; one allocation too): device weight bytes are
   ``S x max_padded_block + N x max_shard``, whatever the depth;
 * typed weight views per (slot, block layout), and per (op kind, block, buffer) byte views, built per
   schedule when it is first compiled and reused every time that schedule runs;
