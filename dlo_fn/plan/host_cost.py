@@ -32,13 +32,13 @@ def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
     (:func:`~dlo_fn.runtime.program.fast_segments`): each op waits on its ``deps`` (and a buffer's first use on
     the previous run's last use), runs (an H2D op one copy; a compute is the block's kernels, no driver call of
     ours) and records its event if something waits on it (``Schedule.recorded``). An H2D of a load group that
-    waits for nothing, right after another of its group on the next slot with the next block, is the same copy
-    (the executor's slots are one allocation and the arena holds the blocks back to back, so their bytes
-    continue: ``runtime.program._merge_group_copies``)."""
+    waits for nothing in the run, right after another of its group on the next slot with the next block, is the
+    same copy (the executor's slots are one allocation and the arena holds the blocks back to back, so their
+    bytes continue: ``runtime.program._merge_group_loads``, which moves its wait on the previous run, if any, to
+    the copy it joins: the same number of waits)."""
     computes = sum(1 for op in schedule.ops if op.kind == C) or 1
     lead = schedule.load_group_last
     waits = sum(len(d) for d in schedule.deps) + len(schedule.first_use)
-    first_uses = {i for _, i in schedule.first_use}
     records = len(schedule.recorded)
     copies, prev = 0, None
     for i, op in enumerate(schedule.ops):
@@ -46,8 +46,7 @@ def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
             prev = None
             continue
         merges = (prev is not None and lead[i] is not None and lead[i] == lead[prev] and not schedule.deps[i]
-                  and i not in first_uses and op.slot == schedule.ops[prev].slot + 1
-                  and op.block == schedule.ops[prev].block + 1)
+                  and op.slot == schedule.ops[prev].slot + 1 and op.block == schedule.ops[prev].block + 1)
         copies += not merges
         prev = i
     return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
