@@ -54,10 +54,9 @@ def test_allgather_host_bench_runs_two_ranks_and_splits_the_collective_off():
         assert rows["torch-events"]["driver_calls"] is False and rows["driver-g2"]["driver_calls"] is True
         assert rows["driver-g2"]["host_driver"] is (not torch.cuda.is_available())
         assert rows["driver-g2"]["num_slots"] == 4 and rows["driver-g2"]["num_landing"] == 4  # 2G each
-        for row in rows.values():
-            assert row["equal_to_resident"] and row["collective_call_us_per_block"] > 0
-            assert row["executor_own_us_per_block"] == pytest.approx(
-                row["proxy_host_us_per_block"] - row["collective_call_us_per_block"])
+        for row in rows.values():  # the collective calls are timed inside the executor's own timer
+            assert row["equal_to_resident"]
+            assert 0 < row["collective_call_us_per_block"] < row["proxy_host_us_per_block"]
     if torch.cuda.is_available():  # one NCCL rank, the allgather op sequence kept: a real collective per load
         n = out["nccl_one_rank"]
         assert n["backend"] == "nccl" and n["world_size"] == 1 and all(n["calls"]["gathered_equal"].values())

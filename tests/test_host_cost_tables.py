@@ -89,15 +89,13 @@ def test_load_group_tables_from_the_committed_runs():
 
 
 def test_allgather_tables_from_the_committed_runs():
-    # bench.allgather_host's two runs: every variant of both set-ups, every output equal to resident; the
-    # executor's own part is its host time less the collective calls', and the driver path and load groups cut it
+    # bench.allgather_host's two runs: every variant of both set-ups, every output equal to resident, two runs per
+    # row; the driver path and load groups cut the executor's own part
     ag = hc.load("allgather_host")
     rows = {(r["set_up"], r["variant"]): r for r in hc.allgather_rows(ag)}
     assert {v for _, v in rows} == {"torch-events", "driver", "driver-g2", "driver-g4", "graph"}
     assert ("2 gloo ranks", "graph") not in rows and all(r["equal"] is True for r in rows.values())
-    for (part, variant), row in rows.items():
-        runs = [[float(x) for x in row[k].split(" / ")] for k in ("executor_us", "in_collective_us", "own_us")]
-        assert all(abs(t - c - o) < 0.15 for t, c, o in zip(*runs)), row
+    assert all(len(r[k].split(" / ")) == 2 for r in rows.values() for k in ("executor_us", "in_collective_us"))
     for part in ("1 NCCL rank", "2 gloo ranks"):
         own = {v: max(float(x) for x in rows[part, v]["own_us"].split(" / ")) for v in
                ("torch-events", "driver", "driver-g2", "driver-g4")}

@@ -122,8 +122,8 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
                 if ex._gather_group is None:
                     raise RuntimeError("internal: the executor runs no all-gather")
                 rows[name] = {"driver_calls": ex._raw is not None, "host_driver": isinstance(ex._raw, HostDriver),
-                              "load_group": group, "graph_replays": ex.graphs.replays if ex.graphs else 0, "num_slots": ex.num_slots,
-                              "num_landing": ex.num_landing, "proxy_host_us_per_block": proxy,
+                              "load_group": group, "graph_replays": ex.graphs.replays if ex.graphs else 0,
+                              "num_slots": ex.num_slots, "num_landing": ex.num_landing, "proxy_host_us_per_block": proxy,
                               "collective_call_us_per_block": coll, "executor_own_us_per_block": proxy - coll,
                               "dispatch_us_per_block": 1e6 * delta / layout.num_blocks, "pass_host_s": host,
                               "equal_to_resident": equal}

@@ -110,7 +110,10 @@ def _group(group: Any) -> Any:
 def all_gather_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group: Any, async_op: bool = False) -> Any:
     """:func:`all_gather_bytes` for each ``(output, input)`` pair, issued as one call: one pair is one all-gather,
     several are one coalesced collective (NCCL: one group launch; a load group's blocks, ``runtime.program``; gloo:
-    one after the other, the last one's work returned with ``async_op``, every one before it done)."""
+    one after the other, the last one's work returned with ``async_op``, every one before it done). The torch-event
+    loop calls it per all-gather op: one pair goes straight to :func:`all_gather_bytes`, nothing built per call."""
+    if len(pairs) == 1:
+        return all_gather_bytes(*pairs[0], group, async_op)
     if not async_op:
         return bound_all_gather(pairs, group)()
     pg = _group(group)

@@ -206,7 +206,6 @@ class Executor:
                 set_stream(restore)
             return 0
 
-        gather.__name__ = "all_gather"
         return gather, ()
 
     def _gather_now(self, pairs: tuple, restore: Any) -> None:
