@@ -299,6 +299,19 @@ def test_many_shapes_keep_graph_memory_bounded(scope):
     assert reserved[2] <= reserved[1], reserved  # the third cycle allocates nothing new
 
 
+def _block_major_steps(model, run, x0, c0):
+    """Three passes of two requests through each block in turn (block-major: what a run of R = 2 expects) inside
+    ``run``; the outputs of both requests, hidden states then contexts."""
+    xs, cs = list(x0), list(c0)
+    with run:
+        for _ in range(3):
+            for block in model.blocks:
+                for r in range(2):
+                    xs[r], cs[r] = block(xs[r], ctx=cs[r])
+            xs, cs = [x.clone() for x in xs], [c.clone() for c in cs]
+    return xs + cs
+
+
 # -- W = 2: two gloo ranks sharing the GPU (the all-gathers go through the host; correctness only) -------------
 
 def _gloo_cuda_rank(ctx, scope, num_blocks: int, load_group: int = 1) -> dict:
@@ -319,18 +332,8 @@ def _gloo_cuda_rank(ctx, scope, num_blocks: int, load_group: int = 1) -> dict:
         want = [ref(x).clone() for x in xs]
         got = [o.model(x).clone() for x in xs]  # back to back, no host synchronisation
         if scope is False:  # and a multi-step run, two requests per load (block-major)
-            def steps(model, run):
-                hs, cs = list(xs[:2]), list(xs[:2])
-                with run:
-                    for _ in range(3):
-                        for block in model.blocks:
-                            for r in range(2):
-                                hs[r], cs[r] = block(hs[r], ctx=cs[r])
-                        hs, cs = [h.clone() for h in hs], [c.clone() for c in cs]
-                return hs + cs
-
-            want += steps(ref, contextlib.nullcontext())
-            got += steps(o.model, o.run(3, 2))
+            want += _block_major_steps(ref, contextlib.nullcontext(), xs[:2], xs[:2])
+            got += _block_major_steps(o.model, o.run(3, 2), xs[:2], xs[:2])
     torch.cuda.synchronize()
     graphs = ex.block_graphs or ex.graphs
     return {"equal": all(torch.equal(g, w) for g, w in zip(got, want)), "sharded": ex.layout.num_shards,
@@ -387,19 +390,9 @@ def test_load_groups_bit_exact_on_cuda_streams(scope, load_group):
     torch.cuda.synchronize()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
-    def steps(model, run, x0, c0):
-        xs, cs = list(x0), list(c0)
-        with run:
-            for _ in range(3):
-                for block in model.blocks:
-                    for r in range(2):
-                        xs[r], cs[r] = block(xs[r], ctx=cs[r])
-                xs, cs = [x.clone() for x in xs], [c.clone() for c in cs]
-        return xs + cs
-
     x0 = [torch.randn(32, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(9 + r)) for r in range(2)]
-    want2 = steps(ref, contextlib.nullcontext(), x0, x0)
-    got2 = steps(o.model, o.run(3, 2), x0, x0)
+    want2 = _block_major_steps(ref, contextlib.nullcontext(), x0, x0)
+    got2 = _block_major_steps(o.model, o.run(3, 2), x0, x0)
     assert all(torch.equal(a, b) for a, b in zip(want2, got2))
     if scope is False:
         copy_fn = ex._raw._fast["cuMemcpyHtoDAsync_v2"]
