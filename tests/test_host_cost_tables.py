@@ -88,19 +88,31 @@ def test_load_group_tables_from_the_committed_runs():
     assert all(r["equal_to_resident"] is True for r in groups)
 
 
+def ag_col(report, variant):
+    return [r["nccl_one_rank"]["variants"][variant]["collective_call_us_per_block"] for r in report["runs"]]
+
+
 def test_allgather_tables_from_the_committed_runs():
     # bench.allgather_host's two runs: every variant of both set-ups, every output equal to resident, two runs per
     # row; the driver path and load groups cut the executor's own part
     ag = hc.load("allgather_host")
     rows = {(r["set_up"], r["variant"]): r for r in hc.allgather_rows(ag)}
-    assert {v for _, v in rows} == {"torch-events", "driver", "driver-g2", "driver-g4", "graph"}
-    assert ("2 gloo ranks", "graph") not in rows and all(r["equal"] is True for r in rows.values())
+    assert {v for _, v in rows} == {"torch-events", "driver", "driver-g2", "driver-g4", "graph", "own", "own-g2",
+                                    "own-g4"}
+    assert all(("2 gloo ranks", v) not in rows for v in ("graph", "own", "own-g2", "own-g4"))
+    assert all(r["equal"] is True for r in rows.values())
     assert all(len(r[k].split(" / ")) == 2 for r in rows.values() for k in ("executor_us", "in_collective_us"))
     for part in ("1 NCCL rank", "2 gloo ranks"):
         own = {v: max(float(x) for x in rows[part, v]["own_us"].split(" / ")) for v in
                ("torch-events", "driver", "driver-g2", "driver-g4")}
         assert own["driver-g4"] < own["driver-g2"] < own["driver"] < own["torch-events"], own
+    for g in ("", "-g2", "-g4"):  # the own communicator's NCCL calls cost less than c10d's, in every run
+        c10d, own = (ag_col(ag, v) for v in (f"driver{g}", f"own{g}"))
+        assert all(o < c for o, c in zip(own, c10d)), (g, own, c10d)
     reading = hc.allgather_reading(ag)
+    total_own4 = [r["nccl_one_rank"]["variants"]["own-g4"]["proxy_host_us_per_block"] for r in ag["runs"]]
+    assert reading["own communicator, G = 4"].startswith(f"{min(total_own4):.1f}-{max(total_own4):.1f} us per block")
+    assert ("not under" in reading["own communicator, G = 4"]) is (max(total_own4) >= 30)
     own4 = [r["nccl_one_rank"]["variants"]["driver-g4"]["executor_own_us_per_block"] for r in ag["runs"]]
     assert reading["own part at G = 4"].startswith(f"{min(own4):.1f}-{max(own4):.1f} us per block")
     assert ("not under" in reading["own part at G = 4"]) is (max(own4) >= 30)

@@ -10,8 +10,9 @@ device keeps up, the host timer sees host work) in allgather mode, in two set-up
   one is otherwise lowered to the rank-local sequence): the W > 1 program op for op, its all-gathers real NCCL
   calls (over one rank, a copy), so the host work per block is that of W > 1 less the traffic of more GPUs.
 
-Per variant (the torch-event loop; the driver-call path at load groups G = 1 / 2 / 4; on the NCCL rank also the
-step graph, NCCL all-gathers captured)::
+Per variant (the torch-event loop; the driver-call path at load groups G = 1 / 2 / 4 with c10d's all-gather; on
+the NCCL rank also the same with the executor's own communicator, ``own*``: bound ``ncclAllGather`` calls,
+:mod:`dlo_fn.runtime.nccl_raw`, and the step graph, c10d's NCCL all-gathers captured)::
 
     proxy_host_us_per_block       the executor's host time outside the block calls, per block (ExecutorStats)
     collective_call_us_per_block  of which inside the process group's all-gather calls (timed around each call)
@@ -19,7 +20,8 @@ step graph, NCCL all-gathers captured)::
 
 and the host microseconds of one NCCL all-gather call as the executor makes it (``runtime.dist.bound_all_gather``,
 the all-gather stream made current and the compute stream restored), single and coalesced over G blocks, next to
-``torch.distributed``'s wrapper. Written with machine, command, date. On a CPU (``--quick``, the tests) only the
+``torch.distributed``'s wrapper and the own communicator's bound calls (``own_call_G*``). Written with machine,
+command, date. On a CPU (``--quick``, the tests) only the
 gloo part runs, its driver variants on :class:`~dlo_fn.bench.hostloop.HostDriver` (the driver-call path's Python;
 copies are memmoves).
 """
@@ -37,9 +39,13 @@ import torch
 
 __all__ = ["VARIANTS", "measure", "main"]
 
-# name -> (driver calls, load group, step graphs); "graph": the one-rank NCCL part only (gloo is not capturable)
-VARIANTS = {"torch-events": (False, 1, False), "driver": (True, 1, False), "driver-g2": (True, 2, False),
-            "driver-g4": (True, 4, False), "graph": (True, 1, True)}
+# name -> (driver calls, load group, step graphs, own NCCL communicator); "graph" and "own*": the one-rank NCCL
+# part only (gloo is not capturable, and has no NCCL communicator). "driver*" call c10d's all-gather
+# (DLO_FN_RAW_NCCL=0), "own*" the executor's own communicator (runtime.nccl_raw).
+VARIANTS = {"torch-events": (False, 1, False, False), "driver": (True, 1, False, False),
+            "driver-g2": (True, 2, False, False), "driver-g4": (True, 4, False, False),
+            "own": (True, 1, False, True), "own-g2": (True, 2, False, True), "own-g4": (True, 4, False, True),
+            "graph": (True, 1, True, False)}
 
 
 def _timed(fn: Any, acc: list[float]) -> Any:
@@ -57,6 +63,7 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
     one, the allgather op sequence kept)."""
     import dlo_fn.runtime.executor as executor_mod
     import dlo_fn.runtime.issue as issue_mod
+    import dlo_fn.runtime.nccl_raw as nccl_raw
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.bench.hostloop import HostDriver
     from dlo_fn.bench.step_dispatch import DISPATCH_SIZE
@@ -88,8 +95,11 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
 
     acc = [0.0]
     bound, pairs, handle = executor_mod.bound_all_gather, issue_mod.all_gather_pairs, executor_mod.stream_handle
+    own_bind = nccl_raw.NcclComm.bind
     executor_mod.bound_all_gather = lambda p, g: _timed(bound(p, g), acc)
     issue_mod.all_gather_pairs = _timed(pairs, acc)
+    # the own communicator's bound calls, each timed (a Python frame around each ctypes call: ~0.2 us more)
+    nccl_raw.NcclComm.bind = lambda comm, p, st: tuple((_timed(fn, acc), a) for fn, a in own_bind(comm, p, st))
     rows: dict[str, dict] = {}
     try:
         with torch.no_grad():
@@ -100,10 +110,11 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
             for block in blocks:
                 strip_block(block, platform.device)
             for name in variants:
-                driver, group, graph = VARIANTS[name]
-                if graph and not (one_rank and platform.kind == "cuda"):
+                driver, group, graph, own = VARIANTS[name]
+                if (graph or own) and not (one_rank and platform.kind == "cuda"):
                     continue
                 os.environ["DLO_FN_RAW_CUDA"] = "1" if driver else "0"  # read when the executor is built
+                os.environ[nccl_raw.RAW_NCCL_ENV] = "1" if own else "0"
                 run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode="allgather",
                                                 group=ctx.group, block_call="swap", load_group=group, graph=graph,
                                                 gather_one_rank=one_rank)
@@ -121,17 +132,23 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
                 proxy, coll = ex.stats.issue_us_per_compute, 1e6 * acc[0] / n
                 if ex._gather_group is None:
                     raise RuntimeError("internal: the executor runs no all-gather")
+                if (ex._nccl is not None) != own:
+                    raise RuntimeError(f"internal: variant {name} wants own_nccl={own}, the executor has "
+                                       f"{ex._nccl is not None}")
                 rows[name] = {"driver_calls": ex._raw is not None, "host_driver": isinstance(ex._raw, HostDriver),
+                              "own_nccl": own,
                               "load_group": group, "graph_replays": ex.graphs.replays if ex.graphs else 0,
-                              "num_slots": ex.num_slots, "num_landing": ex.num_landing, "proxy_host_us_per_block": proxy,
+                              "num_slots": ex.num_slots, "num_landing": ex.num_landing,
+                              "proxy_host_us_per_block": proxy,
                               "collective_call_us_per_block": coll, "executor_own_us_per_block": proxy - coll,
                               "dispatch_us_per_block": 1e6 * delta / layout.num_blocks, "pass_host_s": host,
                               "equal_to_resident": equal}
                 ex.release()
     finally:
         executor_mod.bound_all_gather, issue_mod.all_gather_pairs = bound, pairs
-        executor_mod.stream_handle = handle
+        executor_mod.stream_handle, nccl_raw.NcclComm.bind = handle, own_bind
         os.environ.pop("DLO_FN_RAW_CUDA", None)
+        os.environ.pop(nccl_raw.RAW_NCCL_ENV, None)
     return {"rank": ctx.rank, "platform": platform.kind, "backend": platform.backend, "num_blocks": layout.num_blocks,
             "tensors_per_block": len(layout.shards[0].block.placements), "tokens_per_sample": tokens,
             "shard_bytes": layout.shards[0].shard_bytes, "config": getattr(cfg, "name", cfg), "variants": rows}
@@ -144,6 +161,7 @@ def _nccl_calls(ctx: Any, shard_bytes: int, groups: tuple[int, ...], calls: int)
     import torch.distributed as dist
 
     from dlo_fn.runtime.dist import all_gather_bytes, bound_all_gather
+    from dlo_fn.runtime.nccl_raw import own_communicator
 
     platform = ctx.platform
     side, main_stream = torch.cuda.Stream(), torch.cuda.current_stream()
@@ -184,6 +202,26 @@ def _nccl_calls(ctx: Any, shard_bytes: int, groups: tuple[int, ...], calls: int)
     for _ in range(50):
         all_gather_bytes(o, i, ctx.group)
     out["torch_distributed_wrapper_G1"] = time_calls(lambda: all_gather_bytes(o, i, ctx.group))
+    comm, why = own_communicator(ctx.group, platform.device, True)
+    if comm is None:
+        raise RuntimeError(f"no own NCCL communicator: {why}")
+    for g in groups:  # the executor's own communicator: its bound ncclAllGather calls on the side stream
+        pairs = [(torch.zeros(shard_bytes, dtype=torch.uint8, device="cuda"),
+                  torch.randint(0, 256, (shard_bytes,), dtype=torch.uint8, device="cuda")) for _ in range(g)]
+        calls_g = comm.bind(pairs, side.cuda_stream)
+
+        def own_call() -> None:
+            for fn, a in calls_g:
+                if fn(*a):
+                    raise RuntimeError("ncclAllGather failed")
+
+        own_call()
+        torch.cuda.synchronize()
+        gathered[f"own_G{g}"] = all(torch.equal(o, i) for o, i in pairs)
+        for _ in range(50):
+            own_call()
+        out[f"own_call_G{g}"] = time_calls(own_call)
+    comm.close()
     return {"backend": dist.get_backend(ctx.group), "world_size": ctx.world_size, "shard_bytes": shard_bytes,
             "calls": calls, "host_us_per_call": out, "gathered_equal": gathered}
 
@@ -204,6 +242,7 @@ def _summary(per_rank: list[dict], variants: tuple[str, ...]) -> dict:
                                      "executor_own_us_per_block", "dispatch_us_per_block")}
                        | {"equal_to_resident": all(r["variants"][v]["equal_to_resident"] for r in per_rank),
                           "driver_calls": per_rank[0]["variants"][v]["driver_calls"], "load_group": VARIANTS[v][1],
+                          "own_nccl": VARIANTS[v][3],
                           "graph_replays": per_rank[0]["variants"][v]["graph_replays"]}
                        for v in variants if v in per_rank[0]["variants"]}
     return out

@@ -17,7 +17,8 @@
   the H200's measured topology (pure: the planner's prediction, no measurement);
 * :func:`allgather_rows` / :func:`allgather_reading` - allgather mode with the all-gather a collective
   (``bench.allgather_host``): the executor's host time per block, the collective calls' share and its own, on one
-  NCCL rank with the allgather op sequence kept and on two gloo ranks sharing the GPU, per run;
+  NCCL rank with the allgather op sequence kept (through c10d's calls and the executor's own communicator) and
+  on two gloo ranks sharing the GPU, per run;
 * :func:`summary` - the takeaway, computed from the same reports.
 
 Every number comes from the committed JSON under ``figures/data/`` (machine, command and date inside).
@@ -137,13 +138,24 @@ def allgather_reading(report: dict[str, Any], target_us: float = 30.0) -> dict[s
 
     own = _ag_values(report, "nccl_one_rank", "driver-g4", "executor_own_us_per_block")
     coll = _ag_values(report, "nccl_one_rank", "driver-g4", "collective_call_us_per_block")
-    one = [run["nccl_one_rank"]["calls"]["host_us_per_call"]["bound_call_G1"] for run in report["runs"]]
-    four = [run["nccl_one_rank"]["calls"]["host_us_per_call"]["bound_call_G4"] for run in report["runs"]]
-    return {"own part at G = 4": f"{span(own)} per block ({'under' if max(own) < target_us else 'not under'} "
-                                 f"{target_us:.0f} us in every run)",
-            "NCCL calls at G = 4": f"{span(coll)} per block (one coalesced call per 4 blocks)",
-            "one NCCL call, back to back": f"{span(one)} (coalesced over 4 blocks: {span(four)})",
-            "runs": ", ".join(run["date"] for run in report["runs"])}
+    def calls(name: str) -> list[float]:
+        return [run["nccl_one_rank"]["calls"]["host_us_per_call"][name] for run in report["runs"]]
+
+    out = {"own part at G = 4": f"{span(own)} per block ({'under' if max(own) < target_us else 'not under'} "
+                                f"{target_us:.0f} us in every run)",
+           "NCCL calls at G = 4": f"{span(coll)} per block (one coalesced call per 4 blocks)",
+           "one NCCL call, back to back": f"{span(calls('bound_call_G1'))} (coalesced over 4 blocks: "
+                                          f"{span(calls('bound_call_G4'))})"}
+    if "own-g4" in report["runs"][0]["nccl_one_rank"]["variants"]:  # the own communicator (runtime.nccl_raw)
+        total = _ag_values(report, "nccl_one_rank", "own-g4", "proxy_host_us_per_block")
+        own_coll = _ag_values(report, "nccl_one_rank", "own-g4", "collective_call_us_per_block")
+        under = "under" if max(total) < target_us else "not under"
+        out["own communicator, G = 4"] = (f"{span(total)} per block ({under} {target_us:.0f} us in every run), of "
+                                          f"which NCCL calls {span(own_coll)}")
+        out["one ncclAllGather, back to back"] = (f"{span(calls('own_call_G1'))} (4 in one group launch: "
+                                                  f"{span(calls('own_call_G4'))})")
+    out["runs"] = ", ".join(run["date"] for run in report["runs"])
+    return out
 
 
 def policy_rows(block_mb: tuple[float, ...] = (0.5, 1, 2, 3, 4, 8), compute_us: float = 20.0,
@@ -226,8 +238,12 @@ def summary(driver: dict[str, Any], *reports: dict[str, Any], ab: dict[str, Any]
             vals = [r["proxy_host_us_per_block"][name] for r in ab["rounds"]]
             out[f"ours, eager, load groups of {g}, {len(vals)} processes"] = f"{min(vals):.1f}-{max(vals):.1f} us"
     if allgather is not None:
-        for variant, label in (("driver", "one load per block"), ("driver-g4", "load groups of 4")):
+        for variant, label in (("driver", "one load per block"), ("driver-g4", "load groups of 4"),
+                               ("own", "own communicator, one load per block"),
+                               ("own-g4", "own communicator, load groups of 4")):
             total = _ag_values(allgather, "nccl_one_rank", variant, "proxy_host_us_per_block")
+            if not total:  # a report from before the own communicator
+                continue
             coll = _ag_values(allgather, "nccl_one_rank", variant, "collective_call_us_per_block")
             out[f"ours, allgather program over NCCL (one rank), {label}"] = (
                 f"{min(total):.1f}-{max(total):.1f} us, of which NCCL calls {min(coll):.1f}-{max(coll):.1f} us")

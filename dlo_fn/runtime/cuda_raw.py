@@ -6,8 +6,9 @@ Each op of the hot loop is one driver call (``cuMemcpyHtoDAsync``, ``cuMemcpyDto
 costs ~5-10 us and an op takes 3-5 of them (measured on the H200 host: 36 us of load issue per block through
 torch); a ``ctypes`` call costs ~1 us. The bytes moved and the order of the streams are the same, so the output
 is bit-identical. Kernels still come from torch on its current stream, whose handle the compute ops wait and
-record on; an all-gather (W > 1) is its process group's call between the driver calls, with the all-gather
-stream made current around it (``Executor._bind_gather``).
+record on; an all-gather (W > 1) is a bound ``ncclAllGather`` on the executor's own communicator
+(:mod:`dlo_fn.runtime.nccl_raw`), or else its process group's call with the all-gather stream made current
+around it (``Executor._bind_gather``).
 
 :func:`raw_cuda` returns None (the executor keeps the torch calls) off CUDA, where ``libcuda`` cannot be loaded,
 or when ``DLO_FN_RAW_CUDA=0``.
@@ -48,6 +49,8 @@ class RawCuda:
         self._record.argtypes = (vp, vp)
         self._wait = lib.cuStreamWaitEvent
         self._wait.argtypes = (vp, vp, u)
+        self._query = lib.cuEventQuery  # 0: done, 600 (CUDA_ERROR_NOT_READY): pending (runtime.nccl_raw's watchdog)
+        self._query.argtypes = (vp,)
         self._h2d = lib.cuMemcpyHtoDAsync_v2
         self._h2d.argtypes = (ctypes.c_uint64, vp, sz, vp)
         self._d2d = lib.cuMemcpyDtoDAsync_v2

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from time import perf_counter as _clock  # the per-block path reads it as one global
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -77,7 +78,8 @@ class Executor:
                  mode: str = "allgather", num_slots: int = 2, num_landing: int | None = None,
                  block_call: str = "swap", async_collectives: bool = False,
                  record_timeline: bool = False, rank: int = 0, graph: bool | str = False,
-                 graph_shapes: int = 4, load_group: int = 1, gather_one_rank: bool = False) -> None:
+                 graph_shapes: int = 4, load_group: int = 1, gather_one_rank: bool = False,
+                 collective_timeout_s: float | None = None) -> None:
         check_mode(mode, OFFLOAD_MODES, "executor mode")
         if graph not in GRAPH_SCOPES:
             raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {graph!r}")
@@ -159,8 +161,10 @@ class Executor:
         self._recorder = RunRecorder(platform, rank) if record_timeline else None
         self._run_count = 0
         self.stats = ExecutorStats()
+        self._nccl = None
         if self._gather_group is not None and mode == "allgather":
             self._warm_up_collective()
+            self._nccl = self._own_communicator(collective_timeout_s)
         self.graphs = None
         if graph in (True, "step"):
             backend = dist.get_backend(self._gather_group) if self._gather_group is not None else None
@@ -191,11 +195,43 @@ class Executor:
             all_gather_bytes(self.slots[0][: n * self.layout.num_shards], self.landing[0][:n], self.group)
         self.platform.synchronize()
 
-    def _bind_gather(self, pairs: tuple, restore: Any) -> tuple[Any, tuple]:
-        """``(fn, ())`` for a driver-call segment: ``fn()`` issues the all-gather of ``pairs`` (one collective,
-        :func:`~dlo_fn.runtime.dist.bound_all_gather`) with the all-gather stream current, which the group's
-        collective orders itself after (its waits were issued on that stream's handle just before), then makes
-        ``restore`` (the compute stream) current again and returns 0 (a driver call's success)."""
+    def _own_communicator(self, timeout_s: float | None) -> Any:
+        """The driver-call path's NCCL communicator (:mod:`dlo_fn.runtime.nccl_raw`), warmed up and watched, or
+        None (c10d's calls; why is logged once). Every rank of the shard group calls it (it agrees first)."""
+        if self.platform.kind != "cuda":
+            return None
+        from dlo_fn.runtime.dist import DEFAULT_TIMEOUT_S
+        from dlo_fn.runtime.nccl_raw import RAW_NCCL_ENV, group_timeout_s, own_communicator
+
+        off = os.environ.get(RAW_NCCL_ENV, "1") == "0"
+        why = (f"{RAW_NCCL_ENV}=0" if off else
+               "the driver-call path is off (no pinned arena, a recorded timeline, or DLO_FN_RAW_CUDA=0)")
+        group, dev = self._gather_group, self.platform.device
+        if timeout_s is None:
+            timeout_s = group_timeout_s(group, dev, DEFAULT_TIMEOUT_S)
+        comm, why = own_communicator(group, dev, self._raw is not None and not off, why, timeout_s)
+        if comm is None:
+            log.info("all-gathers through torch.distributed's calls: %s", why)
+            return None
+        handle = stream_handle(self.allgather_stream)
+        n = self.layout.shards[0].shard_bytes
+        comm.all_gather(((self.slots[0][: n * comm.world], self.landing[0][:n]),), handle)
+        self.platform.synchronize()
+        comm.watch(self._raw, handle, timeout_s)
+        weakref.finalize(self, comm.close)
+        log.info("all-gathers on the executor's own NCCL communicator (NCCL %d, %d ranks, timeout %.0f s)",
+                 comm.nccl.version, comm.world, timeout_s)
+        return comm
+
+    def _bind_gather(self, pairs: tuple, restore: Any) -> tuple[tuple[Any, tuple], ...]:
+        """The driver-call segment's calls ``(fn, args)`` that issue the all-gather of ``pairs`` (one collective)
+        on the all-gather stream, ordered after the waits issued on its handle just before: the bound
+        ``ncclAllGather`` calls of the executor's own communicator (:meth:`NcclComm.bind
+        <dlo_fn.runtime.nccl_raw.NcclComm.bind>`), or else one ``fn()`` that makes the all-gather stream current,
+        calls :func:`~dlo_fn.runtime.dist.bound_all_gather`, makes ``restore`` (the compute stream) current
+        again and returns 0 (a driver call's success)."""
+        if self._nccl is not None:
+            return self._nccl.bind(pairs, stream_handle(self.allgather_stream))
         call, set_stream, stream = bound_all_gather(pairs, self._gather_group), self._set_stream, self.allgather_stream
 
         def gather() -> int:
@@ -206,12 +242,13 @@ class Executor:
                 set_stream(restore)
             return 0
 
-        return gather, ()
+        return ((gather, ()),)
 
     def _gather_now(self, pairs: tuple, restore: Any) -> None:
         """The all-gather of ``pairs`` now (the driver-call issue loop outside the segments: ``end_run``)."""
-        fn, args = self._bind_gather(pairs, restore)
-        fn(*args)
+        for fn, args in self._bind_gather(pairs, restore):
+            if code := fn(*args):
+                raise RuntimeError(_failed_call(fn, code, self._nccl))
 
     def next_schedule(self, num_steps: int = 1, requests_per_load: int = 1) -> Schedule:
         """The schedule the ring gives for the next run (cold for the first run or after an error)."""
@@ -330,6 +367,8 @@ class Executor:
         self.slots, self.landing, self._callers = (), (), []
         self._programs, self._carry = Programs(self._compile), {}
         self.graphs = self.block_graphs = None
+        if self._nccl is not None:
+            self._nccl.close()
 
     def synchronize(self) -> None:
         """Wait for everything issued so far (tests, timing, shutdown); never called in the steady state."""
@@ -441,8 +480,8 @@ class Executor:
     def _driver_failed(self, run: RunState, fn: Any, code: int, i: int) -> None:
         op = run.program.schedule.ops[i]
         self.abort()
-        raise RuntimeError(f"CUDA driver call {getattr(fn, '__name__', fn)} failed with CUresult {code} while "
-                           f"issuing up to {op}; the run was aborted (the next one starts cold)")
+        raise RuntimeError(f"{_failed_call(fn, code, self._nccl)} while issuing up to {op}; the run was aborted "
+                           "(the next one starts cold)")
 
     # -- measured timeline ----------------------------------------------------------------------------------
     @property
@@ -462,3 +501,11 @@ class Executor:
                 # "world_size": the key the committed measured timelines (figures/data) carry for num_shards.
                 ("num_landing", str(self.num_landing)), ("world_size", str(self.layout.num_shards)))
         return self._recorder.take(base + tuple(meta))
+
+
+def _failed_call(fn: Any, code: int, nccl: Any) -> str:
+    """One line for a driver or NCCL call that returned ``code``."""
+    name = getattr(fn, "__name__", str(fn))
+    if name.startswith("nccl") and nccl is not None:
+        return f"NCCL call {name} failed: {nccl.nccl.error(code)} (ncclResult_t {code})"
+    return f"CUDA driver call {name} failed with CUresult {code}"

@@ -59,6 +59,7 @@ like the copies. What must hold for it to be safe, and why it stays opt-in until
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -340,7 +341,8 @@ class StepGraphs:
         h2d, agst = ex.h2d_stream, ex.allgather_stream
         n_args, names, items = rec.structure
         try:
-            with capture_guard():
+            # the own communicator's watchdog records a marker on the all-gather stream, which is capturing here
+            with capture_guard(), ex._nccl.paused() if ex._nccl is not None else contextlib.nullcontext():
                 g = torch.cuda.CUDAGraph()
                 ex.platform.synchronize()
                 # thread_local: NCCL's watchdog thread keeps calling CUDA while this thread captures (module doc).

@@ -224,7 +224,7 @@ def _byte_view(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, int] | None = None,
-                  bind_gather: Callable[[tuple], tuple[Any, tuple]] | None = None) -> tuple[Any, ...]:
+                  bind_gather: Callable[[tuple], tuple[tuple[Any, tuple], ...]] | None = None) -> tuple[Any, ...]:
     """Per op index: for a compute op, its segment (the ops since the previous compute, then its own waits) as
     ``(start, calls, record_fn, record_args, num_loads, block, caller, index, last, next)``: ``start`` the cursor
     the segment begins at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)``
@@ -236,8 +236,9 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
     Events are the program's own (driver calls run only without a recorder), so every handle is fixed at compile
     time but those of the previous run: ``carry`` (buffer -> event handle of the previous run's last use) binds
     the waits of the buffers' first uses, and is part of the cache key (a steady ring runs after the same
-    program, so it binds once). An all-gather op is its waits, ``bind_gather(pairs)`` (the executor's bound
-    collective on the all-gather stream, which returns to the compute stream after it) and its record. Only the
+    program, so it binds once). An all-gather op is its waits, the calls ``bind_gather(pairs)`` (the executor's
+    bound collective on the all-gather stream: ``ncclAllGather`` calls on its own communicator, or one call that
+    returns to the compute stream after c10d's) and its record. Only the
     events something waits on are recorded (``Program.recorded``); with load groups (:mod:`dlo_fn.plan.lowering`)
     that drops the records of all but a group's last H2D (and AG) and of all but the computes a load waits on, and
     a group's copies and all-gathers were joined at compile time (copies where their bytes continue)."""
@@ -262,7 +263,7 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
         if kind == _AG and p.args[i]:
             if bind_gather is None:
                 raise ValueError("a program with all-gathers needs bind_gather for its driver-call segments")
-            calls.append(bind_gather(p.args[i]))
+            calls.extend(bind_gather(p.args[i]))
         if i in p.recorded:
             calls.append(cu.bind_record(handles[i], h))
         loads += 1
