@@ -71,6 +71,8 @@ class Executor:
     ``aliases[b]`` its tied-weight names. ``group`` is the shard group (None: a single process, the
     "all-gather" of one rank is a copy). ``async_collectives`` (CPU/gloo) issues all-gathers with
     ``async_op=True`` and waits for them at their dependents, overlapping communication with compute on CPU.
+    ``collective_timeout_s`` bounds the own NCCL communicator's all-gathers (:mod:`dlo_fn.runtime.nccl_raw`;
+    default: the process group's timeout).
     """
 
     def __init__(self, platform: Platform, layout: ModelLayout, store: HostStore, blocks: Sequence[nn.Module],
@@ -145,7 +147,8 @@ class Executor:
             self._callers.append(tuple(callers))
         self.num_view_sets = len(shared) * num_slots
         # Driver calls for the eager loop's copies and events (pinned arena, no recorder); an all-gather (W > 1) is
-        # one bound call of its process group between them, on the all-gather stream (_bind_gather).
+        # bound ncclAllGather calls on the executor's own communicator between them (runtime.nccl_raw), or one
+        # bound call of its process group, on the all-gather stream (_bind_gather).
         self._raw = (raw_cuda(platform) if store.arena is not None and not record_timeline
                      and not self.async_collectives else None)
         # On the driver-call path a compute's event record is issued with the next block's driver calls instead
@@ -369,6 +372,7 @@ class Executor:
         self.graphs = self.block_graphs = None
         if self._nccl is not None:
             self._nccl.close()
+            self._nccl = None
 
     def synchronize(self) -> None:
         """Wait for everything issued so far (tests, timing, shutdown); never called in the steady state."""

@@ -238,10 +238,10 @@ def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, 
     the waits of the buffers' first uses, and is part of the cache key (a steady ring runs after the same
     program, so it binds once). An all-gather op is its waits, the calls ``bind_gather(pairs)`` (the executor's
     bound collective on the all-gather stream: ``ncclAllGather`` calls on its own communicator, or one call that
-    returns to the compute stream after c10d's) and its record. Only the
-    events something waits on are recorded (``Program.recorded``); with load groups (:mod:`dlo_fn.plan.lowering`)
-    that drops the records of all but a group's last H2D (and AG) and of all but the computes a load waits on, and
-    a group's copies and all-gathers were joined at compile time (copies where their bytes continue)."""
+    returns to the compute stream after c10d's) and its record. Only the events something waits on are recorded
+    (``Program.recorded``); with load groups (:mod:`dlo_fn.plan.lowering`) that drops the records of all but a
+    group's last H2D (and AG) and of all but the computes a load waits on, and a group's copies and all-gathers were
+    joined at compile time (copies where their bytes continue)."""
     carry = carry or {}
     key = (compute_handle, tuple(sorted(carry.items())))
     cached = p.fast.get(key)
