@@ -100,6 +100,45 @@ def test_monitor_kills_a_process_whose_beats_stop_and_leaves_a_beating_one(capfd
         calm.kill()
 
 
+_ORPHAN = textwrap.dedent("""
+    import os, time
+    from dlo_fn.runtime.nccl_raw import Monitor
+
+    mon = Monitor(2.0, "killed {s}")
+    child = os.fork()
+    if child == 0:  # holds the pipe's write end: the monitor sees no EOF when its parent dies
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1), os.dup2(null, 2)  # not the test's pipes, which it would hold open
+        time.sleep(30)
+        os._exit(0)
+    print(mon.proc.pid, child, flush=True)
+    os._exit(0)  # the watched process gone without stopping its monitor
+""")
+
+
+def test_monitor_of_a_dead_parent_exits_without_killing():
+    import os
+
+    out = subprocess.run([sys.executable, "-c", _ORPHAN], capture_output=True, text=True, timeout=60)
+    monitor, child = (int(x) for x in out.stdout.split())
+    try:
+        def gone(pid):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        assert _until(lambda: gone(monitor), 10)
+        time.sleep(2.5)  # past the limit: the forked child (another pid) was never the target, and lives
+        assert not gone(child) and "killed" not in out.stderr
+    finally:
+        try:
+            os.kill(child, 9)
+        except ProcessLookupError:
+            pass
+
+
 def test_load_nccl_says_why_not():
     lib, why = load_nccl()
     if lib is None:  # a CPU machine: no library, and the reason names it

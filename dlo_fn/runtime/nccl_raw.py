@@ -181,15 +181,18 @@ class Watchdog:
 
 _MONITOR = """
 import os, select, signal, sys, time
-pid, limit, line = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+pid, limit, line, parent = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+# parent: it watches its parent, whose death (this process reparented) means nothing to kill, not a stall
 last = time.monotonic()
 while True:
-    ready, _, _ = select.select([0], [], [], max(0.0, last + limit - time.monotonic()))
+    ready, _, _ = select.select([0], [], [], min(1.0, max(0.0, last + limit - time.monotonic())))
     if ready:
         data = os.read(0, 4096)
         if not data or b"q" in data:
             sys.exit(0)
         last = time.monotonic()
+    elif parent and os.getppid() != pid:
+        sys.exit(0)
     elif time.monotonic() - last >= limit:
         print(line.replace("{s}", f"{time.monotonic() - last:.0f}"), file=sys.stderr, flush=True)
         try:
@@ -203,7 +206,8 @@ while True:
 class Monitor:
     """A small process that kills ``pid`` (SIGKILL) and prints ``line`` (``{s}``: the seconds it waited) when no
     :meth:`beat` came for ``limit_s``; it exits quietly on :meth:`stop` or when the beating process is gone (its
-    pipe closes).
+    pipe closes; or, watching its own parent, once it is reparented: a child forked from the parent may hold the
+    pipe open, and a dead parent's pid may be reused).
 
     Why a process: while one thread of a CUDA process waits in a synchronous copy (``.cpu()``, ``.item()``) for a
     stream that never finishes, the driver blocks every other thread's CUDA calls (seen on the H200: a thread's
@@ -215,7 +219,9 @@ class Monitor:
         import subprocess
 
         self.limit_s = limit_s
-        self.proc = subprocess.Popen([sys.executable, "-c", _MONITOR, str(pid or os.getpid()), str(limit_s), line],
+        target = pid or os.getpid()
+        self.proc = subprocess.Popen([sys.executable, "-c", _MONITOR, str(target), str(limit_s), line,
+                                      "1" if target == os.getpid() else "0"],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
         self._fd = self.proc.stdin.fileno()
         os.set_blocking(self._fd, False)
@@ -334,11 +340,12 @@ class NcclComm:
             self.monitor.stop()
         # ncclCommAbort frees device memory, which can wait for the device (the kernel that holds the stream): it
         # gets a few seconds, then the process ends anyway (the driver tears its context down)
+        _report(f"dlo_fn: rank {self.rank}: aborting the executor's all-gather communicator and ending this process "
+                f"(exit {FAULT_EXIT_CODE}), so that no output is computed from unfinished weights: {reason}")
         aborting = threading.Thread(target=self.abort, daemon=True)
         aborting.start()
         aborting.join(_ABORT_WAIT_S)
-        _end_process(f"dlo_fn: rank {self.rank}: the executor's all-gather communicator was aborted, so that no "
-                     f"output is computed from unfinished weights: {reason}")
+        os._exit(FAULT_EXIT_CODE)
 
     def close(self) -> None:
         """Stop the watchdog and destroy the communicator (after the device has finished its all-gathers; an
@@ -405,11 +412,18 @@ def _ending(line: str) -> str:
     return line + ": restart the job (DLO_FN_RAW_NCCL=0 uses torch.distributed's NCCL calls instead)"
 
 
-def _end_process(line: str) -> None:
-    line = _ending(line + f"; ending this process (exit {FAULT_EXIT_CODE})")
+def _report(line: str) -> None:
+    """``line`` (and the way out) once, through the application's logging or on stderr, flushed: the process ends
+    right after (the one line comes first: the abort that follows may not return)."""
+    line = _ending(line)
     if log.hasHandlers():  # the application's logging (the CLI's goes to stderr)
         log.critical(line)
-        logging.shutdown()
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
     else:
         print(line, file=sys.stderr, flush=True)
+
+
+def _end_process(line: str) -> None:
+    _report(line + f"; ending this process (exit {FAULT_EXIT_CODE})")
     os._exit(FAULT_EXIT_CODE)
