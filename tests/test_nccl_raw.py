@@ -5,6 +5,7 @@ process within the timeout with one line."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -84,7 +85,8 @@ def test_monitor_kills_a_process_whose_beats_stop_and_leaves_a_beating_one(capfd
         assert victim.poll() is None
         assert victim.wait(timeout=10) == -9 and time.monotonic() - t0 < 6  # beats stopped: killed
         assert mon.proc.wait(timeout=5) == 0
-        assert capfd.readouterr().err.strip().splitlines() == ["rank 3: no beat for 1 s"]
+        (line,) = capfd.readouterr().err.strip().splitlines()
+        assert re.fullmatch(r"rank 3: no beat for \d+ s", line), line
     finally:
         victim.kill()
     calm = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -122,12 +124,12 @@ def test_monitor_of_a_dead_parent_exits_without_killing():
     out = subprocess.run([sys.executable, "-c", _ORPHAN], capture_output=True, text=True, timeout=60)
     monitor, child = (int(x) for x in out.stdout.split())
     try:
-        def gone(pid):
+        def gone(pid):  # exited: no such process, or a zombie its new parent has not reaped (a container's init)
             try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
                 return True
-            return False
 
         assert _until(lambda: gone(monitor), 10)
         time.sleep(2.5)  # past the limit: the forked child (another pid) was never the target, and lives
