@@ -283,6 +283,7 @@ class NcclComm:
         self.watchdog: Watchdog | None = None
         self.monitor: Monitor | None = None
         self.closed = False
+        self._pid = os.getpid()  # a forked child's copy must not stop the parent's monitor or destroy its comm
 
     def async_error(self) -> str | None:
         code = ctypes.c_int()
@@ -349,7 +350,9 @@ class NcclComm:
 
     def close(self) -> None:
         """Stop the watchdog and destroy the communicator (after the device has finished its all-gathers; an
-        aborted one is gone already)."""
+        aborted one is gone already). A no-op in a process forked from the one that made it."""
+        if os.getpid() != self._pid:
+            return
         if self.watchdog is not None:
             self.watchdog.stop()
             self.monitor.stop()
