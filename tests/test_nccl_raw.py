@@ -161,6 +161,19 @@ def test_a_gloo_group_keeps_c10d_calls_on_every_rank():
         assert none and "backend is 'gloo', not NCCL" in why
 
 
+def _timeout_of_group(ctx):
+    from dlo_fn.runtime.nccl_raw import group_timeout_s
+
+    return group_timeout_s(ctx.group, torch.device("cpu"), -1.0), group_timeout_s(object(), torch.device("cpu"), -1.0)
+
+
+def test_the_watchdog_timeout_defaults_to_the_process_groups():
+    from dlo_fn.runtime.dist import run_ranks
+
+    # the group's own timeout (what init_process_group was given), and the default where a group hides it
+    assert run_ranks(_timeout_of_group, 1, timeout_s=77) == [(77.0, -1.0)]
+
+
 def test_failed_calls_are_named():
     from dlo_fn.runtime.executor import _failed_call
 
