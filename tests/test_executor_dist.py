@@ -118,6 +118,7 @@ def _driver_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
     import dlo_fn.runtime.executor as executor_mod
     from dlo_fn.bench.hostloop import host_executor
     from dlo_fn.models import BLOCK_PATHS, generate
+    from dlo_fn.plan.host_cost import planned_driver_calls
     from dlo_fn.runtime.program import _AG
 
     out, counted = {}, []
@@ -153,10 +154,12 @@ def _driver_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
                 o.idle(num_steps=3)
             out[f"driver_after_exact[G={g}]"] = torch.equal(generate(o.model, reqs[1]).latents, expected[1].latents)
             c0, n0 = driver.calls, ex.stats.computes  # one run of all 3 steps: fewer run boundaries per block
-            with o.run(num_steps=3):
+            with o.run(num_steps=3) as schedule:
                 out[f"driver_run_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents,
                                                               expected[0].latents)
             out[f"driver_calls_per_block_in_a_run[G={g}]"] = (driver.calls - c0) / (ex.stats.computes - n0)
+            # the plan's count of the same run (what the policy's host_scale prices, plan.host_cost)
+            out[f"planned_calls_per_block_in_a_run[G={g}]"] = planned_driver_calls(schedule)["total"]
     finally:
         executor_mod.stream_handle, executor_mod.bound_all_gather = handle, bound
     return out
@@ -187,6 +190,8 @@ def _assert_all(results: list[dict], world: int) -> None:
             # steady state: 8 per group)
             in_run = res["driver_calls_per_block_in_a_run[G=1]"], res["driver_calls_per_block_in_a_run[G=2]"]
             assert in_run[0] == pytest.approx(8) and in_run[1] <= 0.65 * in_run[0], res
+            for g in (1, 2):  # the plan counts what the executor issues, in allgather mode too
+                assert res[f"planned_calls_per_block_in_a_run[G={g}]"] == pytest.approx(in_run[g - 1]), res
 
 
 def test_single_rank_reference_and_third_party(tiny_checkpoint):

@@ -10,7 +10,7 @@ def test_the_plans_driver_calls_are_the_executors():
     from dlo_fn.bench.hostloop import measure
 
     planned = hc.planned_driver_calls(hc.steady_schedule(24))
-    assert planned == {"waits": 2.0, "copies": 1.0, "records": 2.0, "total": 5.0}
+    assert planned == {"waits": 2.0, "copies": 1.0, "records": 2.0, "total": 5.0, "collectives": 0.0}
     assert measure(num_blocks=24, passes=6)["driver_calls_per_block"] == planned["total"]
     # The ring's first pass loads blocks 0 and 1 before the first compute and block 0 of the next pass during
     # its last block: 25 copies for 24 computes, each with its wait and record.

@@ -186,12 +186,15 @@ def test_minimax_routes_signs_and_frontier_on_8xb300():
 SMALL = PolicyModel(ModelSizes.uniform("small", 24 * MB, 24), hidden_dim=64)  # 24 blocks of 1 MB
 
 
-def test_load_groups_only_on_the_rank_local_op_sequence():
+def test_load_groups_on_both_op_sequences():
     cands = candidates(2, slots=(2, 3, 4, 8), load_groups=(1, 2, 4))
     grouped = [c for c in cands if c.load_group > 1]
-    assert grouped and all(c.num_shards == 1 for c in grouped)  # rank-local, or allgather over one rank
     assert {(c.num_slots, c.load_group) for c in grouped} == {(4, 2), (8, 2), (8, 4)}  # multiples of G, >= 2G
-    assert {c.label for c in grouped} >= {"DP2xSP1 rank-local S8 R1 G4", "DP1xSP2 allgather W1 S4 R1 G2"}
+    assert {c.label for c in grouped} >= {"DP2xSP1 rank-local S8 R1 G4", "DP1xSP2 allgather W1 S4 R1 G2",
+                                          "DP2xSP1 allgather W2 S8 R1 G4"}
+    for c in grouped:  # W > 1: on 2G landing buffers (a group's shards land side by side); W = 1: none
+        assert c.num_landing == (2 * c.load_group if c.num_shards > 1 else 0), c
+    assert all(c.num_landing == 2 for c in cands if c.load_group == 1 and c.num_shards > 1)
     assert candidates(2, load_groups=(1,)) == candidates(2)  # the default: one load per block, as before
     with pytest.raises(ValueError, match="load groups must be >= 1"):
         candidates(2, load_groups=(0,))
@@ -214,6 +217,40 @@ def test_load_groups_are_chosen_where_the_host_is_the_bound():
     base = {row.candidate: row.step_s for row in plan(SMALL, fast, WL, slots=(2, 4, 8)).rows}
     mixed = {row.candidate: row.step_s for row in plan(SMALL, fast, WL, slots=(2, 4, 8), load_groups=(1, 4)).rows}
     assert base == {c: s for c, s in mixed.items() if c.load_group == 1}
+
+
+def test_load_groups_are_chosen_at_w_gt_1_where_the_host_is_the_bound():
+    """The same 24 blocks of 1 MB over two ranks in allgather mode (W = 2, 2G landing buffers): the host bounds the
+    step at one load per block, and the policy takes groups, priced with the allgather program's share."""
+    host = (("allgather", 50e-6), ("rank-local", 50e-6))
+    fast = topo(2, h2d=1e12, bus=1e12, block_s=20e-6, host_s_per_block=host)
+    r = plan(SMALL, fast, WL, slots=(2, 4, 8), modes=("allgather",), sps=(1,), load_groups=(1, 2, 4))
+    chosen = r.chosen.candidate
+    assert chosen.num_shards == 2 and chosen.load_group > 1 and r.chosen.bound == "host", r.chosen
+    assert chosen.num_landing == 2 * chosen.load_group
+    one = min(row.step_s for row in r.rows if row.candidate.load_group == 1 and row.candidate.num_shards == 2)
+    assert r.chosen.step_s < 0.8 * one
+
+
+def test_allgather_host_scale_against_the_h200_measurement():
+    """The allgather program's fixed share is fitted on G = 4 of the committed one-NCCL-rank runs (the own
+    communicator's rows, means of the two runs); G = 2 checks it. Its NCCL enqueue per all-gather does not shrink
+    with G, so groups save less there than on the rank-local sequence."""
+    import statistics
+
+    from dlo_fn.plan.host_cost import host_scale
+    from dlo_fn.repro import host_cost_tables as hc
+
+    runs = hc.load("allgather_host")["runs"]
+
+    def mean(variant):
+        return statistics.mean(r["nccl_one_rank"]["variants"][variant]["proxy_host_us_per_block"] for r in runs)
+
+    one = mean("own")
+    for g, tol in ((2, 0.10), (4, 0.01)):
+        assert abs(one * host_scale(24, 2 * g, g, "allgather") / mean(f"own-g{g}") - 1) < tol, g
+    for g in (2, 4):
+        assert host_scale(24, 2 * g, g) < host_scale(24, 2 * g, g, "allgather") < 1.0
 
 
 def test_host_scale_against_the_h200_measurement():

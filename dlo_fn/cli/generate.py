@@ -119,6 +119,8 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
         chosen = auto(model).candidate
         options = dataclasses.replace(options, mode=chosen.mode, num_slots=chosen.num_slots,
                                       load_group=chosen.load_group)
+        if chosen.load_group > 1 and chosen.num_landing:  # allgather at W > 1: the 2G landing buffers it priced
+            options = dataclasses.replace(options, num_landing=chosen.num_landing)
         if sp_auto:
             group = "dp" if chosen.shard_group == "dp" else "world"
             options = dataclasses.replace(options, shard_group=group)

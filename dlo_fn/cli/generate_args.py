@@ -60,8 +60,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "Every mode (allgather over W > 1 ranks: a group's all-gathers as one collective, "
                              "--landing a multiple of G, default 2G); needs --slots a multiple of G and >= 2G "
                              "(default 2G; with --slots auto the policy picks them). auto: the policy chooses G in 1, "
-                             "2, 4 (and the slots, unless --slots is given) from the start-up probes; it offers G > 1 "
-                             "on the rank-local op sequence only (rank-local, or allgather on one rank)")
+                             "2, 4 (and the slots, unless --slots is given) from the start-up probes (at W > 1 on 2G "
+                             "landing buffers, its host work priced from one NCCL rank's measurements)")
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--requests-per-rank", default="1", help="comma list of R")
     p.add_argument("--landing", type=int, default=2, help="landing buffers (1 = the reference's serial H2D->AG)")
     p.add_argument("--load-groups", default="1", help="comma list of load groups G (G consecutive blocks as one "
-                   "load; offered on the rank-local op sequence, slots a multiple of G and >= 2G; e.g. 1,2,4 with "
+                   "load; slots a multiple of G and >= 2G, at W > 1 on 2G landing buffers; e.g. 1,2,4 with "
                    "--slots 2,4,8)")
     p.add_argument("--limit", type=int, default=20, help="rows to print")
     p.set_defaults(func=run)

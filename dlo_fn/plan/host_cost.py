@@ -14,17 +14,26 @@ the loop's Python, which every block pays, and the rest scales with the driver c
 ``f = 0.30`` is fitted on one H200 (``figures/data/hostcost_ab_nvidia-h200.json``, bench-narrow, 24 blocks,
 medians of three processes: 45.7 us per block at G = 1 and 24.3 at G = 4, where the calls go 5 -> 1.67 per
 block); it predicts 31.3 us at G = 2, measured 29.8 (tests/test_policy.py checks both against the data).
+
+The allgather program (``W > 1``: H2D into landing buffers, all-gathers into the slots) has its own share,
+``f = HOST_FIXED_SHARE_ALLGATHER``: besides the Python it holds the NCCL enqueue, which the executor's own
+communicator pays per all-gather, grouped or not (``runtime.nccl_raw``). Fitted on the H200's one NCCL rank with
+the op sequence kept (``figures/data/allgather_host_nvidia-h200.json``, ``own`` rows, means of the two runs: 69.9
+us per block at G = 1 and 46.65 at G = 4, where the calls go 8 -> 2.83 per block), it predicts 54.2 us at G = 2,
+measured 51.05; the NCCL call's cost over several GPUs is not in it (no multi-GPU machine was lent).
 """
 
 from __future__ import annotations
 
 import functools
 
-from dlo_fn.plan.schedule import C, H2D, Ring, Schedule
+from dlo_fn.plan.lowering import default_num_landing
+from dlo_fn.plan.schedule import AG, C, H2D, Ring, Schedule
 
-__all__ = ["HOST_FIXED_SHARE", "planned_driver_calls", "steady_schedule", "host_scale"]
+__all__ = ["HOST_FIXED_SHARE", "HOST_FIXED_SHARE_ALLGATHER", "planned_driver_calls", "steady_schedule", "host_scale"]
 
 HOST_FIXED_SHARE = 0.30
+HOST_FIXED_SHARE_ALLGATHER = 0.485
 
 
 def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
@@ -33,9 +42,10 @@ def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
     the previous run's last use), runs (an H2D op one copy; a compute is the block's kernels, no driver call of
     ours) and records its event if something waits on it (``Schedule.recorded``). An H2D of a load group that
     waits for nothing in the run, right after another of its group on the next slot with the next block, is the
-    same copy (the executor's slots are one allocation and the arena holds the blocks back to back, so their
-    bytes continue: ``runtime.program._merge_group_loads``, which moves its wait on the previous run, if any, to
-    the copy it joins: the same number of waits)."""
+    same copy (the executor's slots are one allocation, and so are its landing buffers, and the arena holds the
+    blocks back to back, so their bytes continue: ``runtime.program._merge_group_loads``, which moves its wait on
+    the previous run, if any, to the copy it joins: the same number of waits). ``collectives``: the all-gathers
+    (one ``ncclAllGather`` each on the executor's own communicator, a group's in one launch), not in ``total``."""
     computes = sum(1 for op in schedule.ops if op.kind == C) or 1
     lead = schedule.load_group_last
     waits = sum(len(d) for d in schedule.deps) + len(schedule.first_use)
@@ -45,27 +55,38 @@ def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
         if op.kind != H2D:
             prev = None
             continue
-        merges = (prev is not None and lead[i] is not None and lead[i] == lead[prev] and not schedule.deps[i]
-                  and op.slot == schedule.ops[prev].slot + 1 and op.block == schedule.ops[prev].block + 1)
+        before = schedule.ops[prev] if prev is not None else None
+        merges = (before is not None and lead[i] is not None and lead[i] == lead[prev] and not schedule.deps[i]
+                  and op.block == before.block + 1
+                  and (op.slot == before.slot + 1 if op.slot is not None else op.landing == before.landing + 1))
         copies += not merges
         prev = i
+    collectives = sum(1 for op in schedule.ops if op.kind == AG)
     return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
-            "total": (waits + copies + records) / computes}
+            "total": (waits + copies + records) / computes, "collectives": collectives / computes}
 
 
-def steady_schedule(num_blocks: int, num_slots: int = 2, load_group: int = 1) -> Schedule:
-    """The rank-local ring's schedule of one pass after the first (what every later pass repeats)."""
-    ring = Ring.cold(num_blocks, num_slots=num_slots, mode="rank-local", load_group=load_group)
+def steady_schedule(num_blocks: int, num_slots: int = 2, load_group: int = 1, mode: str = "rank-local") -> Schedule:
+    """The ring's schedule of one pass after the first (what every later pass repeats): the rank-local op sequence,
+    or (``mode="allgather"``) the allgather one over two ranks on ``2G`` landing buffers (its calls do not depend
+    on ``W > 1``)."""
+    if mode == "rank-local":
+        ring = Ring.cold(num_blocks, num_slots=num_slots, mode=mode, load_group=load_group)
+    else:
+        ring = Ring.cold(num_blocks, num_slots=num_slots, mode=mode, num_shards=2,
+                         num_landing=default_num_landing(load_group), load_group=load_group)
     first = ring.next_schedule(1)
     return ring.after(first).next_schedule(1)
 
 
 @functools.lru_cache(maxsize=256)
-def host_scale(num_blocks: int, num_slots: int, load_group: int) -> float:
+def host_scale(num_blocks: int, num_slots: int, load_group: int, mode: str = "rank-local") -> float:
     """Host work per block with load groups of ``load_group`` on ``num_slots`` slots, relative to one load per block
-    on as many slots (module docstring); exactly 1 at ``load_group = 1``."""
+    on as many slots, on the op sequence ``mode`` (``rank-local``, or ``allgather`` at ``W > 1``; module
+    docstring); exactly 1 at ``load_group = 1``."""
     if load_group == 1:
         return 1.0
-    calls = planned_driver_calls(steady_schedule(num_blocks, num_slots, load_group))["total"]
-    one = planned_driver_calls(steady_schedule(num_blocks, num_slots, 1))["total"]
-    return HOST_FIXED_SHARE + (1 - HOST_FIXED_SHARE) * calls / one
+    calls = planned_driver_calls(steady_schedule(num_blocks, num_slots, load_group, mode))["total"]
+    one = planned_driver_calls(steady_schedule(num_blocks, num_slots, 1, mode))["total"]
+    fixed = HOST_FIXED_SHARE if mode == "rank-local" else HOST_FIXED_SHARE_ALLGATHER
+    return fixed + (1 - fixed) * calls / one

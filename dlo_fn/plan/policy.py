@@ -8,9 +8,10 @@ drop what does not fit, rank; pure.
 of one rank (``W = 1``: rank-local mode, or ``allgather`` over ``dp = 1``) is the identity, and the lowering runs
 the rank-local op sequence for it (one H2D straight into the slot, no landing buffer, no AG, rank-local host work
 per block): such a row is costed and sized as rank-local, and on a tie the rank-local label is chosen. A load
-group ``G > 1`` (``load_groups``; :mod:`dlo_fn.plan.lowering`) is offered on that op sequence only, on ``S`` slots
-a multiple of ``G`` and ``>= 2G``: the executor also runs groups at ``W > 1`` (one collective per group), but
-their host work per block (the NCCL launch in it) is measured on no machine yet, so the policy does not cost them.
+group ``G > 1`` (``load_groups``; :mod:`dlo_fn.plan.lowering`) is offered on ``S`` slots a multiple of ``G`` and
+``>= 2G``, on both op sequences; at ``W > 1`` with ``2G`` landing buffers, its host work priced with the allgather
+program's own fixed share (:func:`~dlo_fn.plan.host_cost.host_scale`: fitted on one NCCL rank, the NCCL enqueue
+per all-gather in it; its cost over several GPUs is measured on no machine yet).
 
 **Per-op durations** (block ``b``, one request; ``L`` tokens per branch, ``g`` branches)::
 
@@ -53,7 +54,7 @@ from dataclasses import dataclass, replace
 
 from dlo_fn.plan.hbm import hbm_per_card
 from dlo_fn.plan.host_cost import host_scale
-from dlo_fn.plan.lowering import load_group_problem, lowered_mode
+from dlo_fn.plan.lowering import default_num_landing, load_group_problem, lowered_mode
 from dlo_fn.plan.memory import pinned_host_bytes_per_rank
 from dlo_fn.plan.ops import Op
 from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, H2D, build_schedule
@@ -78,7 +79,7 @@ class Candidate:
     num_slots: int
     requests_per_rank: int
     num_landing: int
-    load_group: int = 1  # G consecutive loads as one (offered on the rank-local op sequence only)
+    load_group: int = 1  # G consecutive loads as one (allgather at W > 1: on 2G landing buffers)
 
     @property
     def num_shards(self) -> int:
@@ -150,7 +151,7 @@ def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_p
                modes: tuple[str, ...] = ("allgather", "rank-local"), sps: tuple[int, ...] | None = None,
                num_landing: int = DEFAULT_NUM_LANDING, load_groups: tuple[int, ...] = (1,)) -> tuple[Candidate, ...]:
     """Every (dp, sp, mode, shard group, S, R, G) with ``dp sp = N``; shard groups that give the same ``W`` are one.
-    A load group ``G > 1`` only where the op sequence is rank-local and ``S`` is a multiple of ``G``, ``>= 2G``."""
+    A load group ``G > 1`` where ``S`` is a multiple of ``G``, ``>= 2G`` (at ``W > 1``: on ``2G`` landing buffers)."""
     if any(g < 1 for g in load_groups):
         raise ValueError(f"load groups must be >= 1, got {load_groups}")
     out = []
@@ -168,9 +169,12 @@ def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_p
             ops = lowered_mode(mode, w)  # the op sequence the row runs (rank-local mode: itself)
             for s in slots:
                 for r in requests_per_rank:
-                    landing = num_landing if mode == "allgather" and w > 1 else 0  # W = 1: lowered, no landing
-                    out.extend(Candidate(dp, sp, mode, group, s, r, landing, g) for g in load_groups
-                               if (g == 1 or ops == "rank-local") and load_group_problem(g, s, ops) is None)
+                    for g in load_groups:
+                        landing = 0  # W = 1: lowered, no landing buffer
+                        if mode == "allgather" and w > 1:
+                            landing = num_landing if g == 1 else default_num_landing(g)
+                        if load_group_problem(g, s, ops, landing or None) is None:
+                            out.append(Candidate(dp, sp, mode, group, s, r, landing, g))
     return tuple(out)
 
 
@@ -195,7 +199,7 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
     h2d_s = tuple(n / topology.h2d_bytes_per_s for n in h2d)
     device = (topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
               + all_to_all_s(model, topology, workload, cand.sp))
-    host = topology.host_s(mode) * host_scale(sizes.num_blocks, cand.num_slots, cand.load_group)
+    host = topology.host_s(mode) * host_scale(sizes.num_blocks, cand.num_slots, cand.load_group, mode)
     comp = device + host if topology.host_serial else max(device, host)
 
     def duration(op: Op) -> float:
