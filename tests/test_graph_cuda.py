@@ -456,12 +456,12 @@ def _nccl_one_rank(ctx, scope, load_group: int, timeout_s: float | None = None) 
             torch.cuda.synchronize()
             busy = time.monotonic()
     torch.cuda.synchronize()
-    graphs, own = ex.graphs, ex._nccl
+    graphs, own = ex.graphs or ex.block_graphs, ex._nccl
     segs = [seg for prog in ex._programs._cache.values() for segs in prog.fast.values() for seg in segs if seg]
     return {"equal": equal, "backend": ctx.platform.backend,
             "gathers": ex._gather_group is not None and ex.ring.mode == "allgather"
             and ex.num_landing == 2 * load_group,
-            "step_graphs": graphs is not None, "captures": getattr(graphs, "captures", 0),
+            "step_graphs": ex.graphs is not None, "captures": getattr(graphs, "captures", 0),
             "replays": getattr(graphs, "replays", 0), "driver_calls": ex._raw is not None,
             "own_nccl": own is not None, "busy_s": busy - t0,
             "watchdog_alive": own is not None and own.watchdog.alive and own.watchdog.fault is None,

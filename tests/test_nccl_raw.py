@@ -195,13 +195,14 @@ def _nccl_rank(ctx, scope, load_group: int, own: bool) -> dict:
 
 
 @cuda
-@pytest.mark.parametrize("scope", [False, True])
+@pytest.mark.parametrize("scope", [False, True, "block"])
 @pytest.mark.parametrize("load_group", [1, 2, 4])
 def test_own_communicator_program_bit_exact_eager_and_captured(scope, load_group):
     """The W > 1 program on one NCCL rank with its all-gathers on the executor's own communicator (bound
-    ncclAllGather calls, one group launch per load group): bit-identical to resident, eager and with step graphs
-    (their eager steps on the own communicator, the captured ones c10d's), and the watchdog, with a timeout of one
-    second, does not fire on a busy healthy stream. DLO_FN_RAW_NCCL=0 keeps c10d's calls."""
+    ncclAllGather calls, one group launch per load group): bit-identical to resident, eager, with step graphs
+    (their eager steps on the own communicator, the captured ones c10d's) and with block graphs (captured on the
+    compute stream while the watchdog thread records its marker on the all-gather stream), and the watchdog, with
+    a timeout of one second, does not fire on a busy healthy stream. DLO_FN_RAW_NCCL=0 keeps c10d's calls."""
     from dlo_fn.runtime.dist import run_ranks
 
     for own in (True, False):
