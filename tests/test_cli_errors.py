@@ -82,8 +82,8 @@ def test_generate_load_group_slots_and_shard_group(checkpoint, tmp_path, monkeyp
         check_generate_args(parse("--landing", "0"))
     assert check_generate_args(parse("--load-group", "2", "--no-allgather"))[0].mode == "rank-local"
     assert check_generate_args(parse("--load-group", "2", "--sp", "2", "--shard-group", "sp"))[0].load_group == 2
-    # auto: the policy chooses G (and the slots, unless given) once probed; allgather over 2 ranks is left to it
-    # (it offers groups on the rank-local op sequence only), so no refusal here
+    # auto: the policy chooses G (and the slots, unless given) once probed, over 2 ranks too (on 2G landing
+    # buffers), so no refusal here
     options, _ = check_generate_args(parse("--load-group", "auto"))
     assert (options.load_group, options.num_slots) == (1, 2)  # placeholders until the probe
     assert check_generate_args(parse("--load-group", "2", "--slots", "auto", "--no-allgather"))[0].load_group == 2

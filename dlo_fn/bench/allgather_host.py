@@ -179,10 +179,13 @@ def _nccl_calls(ctx: Any, shard_bytes: int, groups: tuple[int, ...], calls: int)
         torch.cuda.synchronize()
         return statistics.median(rounds)
 
+    def new_pairs(g: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # (output, input): over one rank, a copy
+        return [(torch.zeros(shard_bytes, dtype=torch.uint8, device="cuda"),
+                 torch.randint(0, 256, (shard_bytes,), dtype=torch.uint8, device="cuda")) for _ in range(g)]
+
     gathered = {}
     for g in groups:
-        pairs = [(torch.zeros(shard_bytes, dtype=torch.uint8, device="cuda"),
-                  torch.randint(0, 256, (shard_bytes,), dtype=torch.uint8, device="cuda")) for _ in range(g)]
+        pairs = new_pairs(g)
         call = bound_all_gather(pairs, ctx.group)
         set_stream(side)
         call()  # once, checked: the gather over one rank is a copy
@@ -206,8 +209,7 @@ def _nccl_calls(ctx: Any, shard_bytes: int, groups: tuple[int, ...], calls: int)
     if comm is None:
         raise RuntimeError(f"no own NCCL communicator: {why}")
     for g in groups:  # the executor's own communicator: its bound ncclAllGather calls on the side stream
-        pairs = [(torch.zeros(shard_bytes, dtype=torch.uint8, device="cuda"),
-                  torch.randint(0, 256, (shard_bytes,), dtype=torch.uint8, device="cuda")) for _ in range(g)]
+        pairs = new_pairs(g)
         calls_g = comm.bind(pairs, side.cuda_stream)
 
         def own_call() -> None:

@@ -145,6 +145,19 @@ def _quiet_stdout() -> None:
         pass
 
 
+def entry() -> None:
+    """``python -m dlo_fn`` and the ``dlo-fn`` script: :func:`main`, then exit with its code. A torchrun rank
+    (``WORLD_SIZE`` > 1) leaves without the interpreter's teardown, its outputs written and its process group
+    destroyed (:func:`~dlo_fn.runtime.dist.exit_now`: a follower's gloo threads aborted it at exit), as
+    ``serve_local``'s ranks do."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from dlo_fn.runtime.dist import exit_now
+
+        exit_now(code)
+    raise SystemExit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse's own errors: its usage line, one error line, exit 2

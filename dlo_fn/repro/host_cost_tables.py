@@ -111,7 +111,7 @@ _AG_PARTS = {"nccl_one_rank": "1 NCCL rank", "gloo_two_ranks": "2 gloo ranks"}
 
 
 def _ag_values(report: dict[str, Any], part: str, variant: str, key: str) -> list[float]:
-    return [run[part]["variants"][variant][key] for run in report["runs"] if variant in run[part]["variants"]]
+    return [run[part]["variants"][variant][key] for run in report["runs"]]
 
 
 def allgather_rows(report: dict[str, Any]) -> list[dict[str, object]]:
@@ -136,26 +136,25 @@ def allgather_reading(report: dict[str, Any], target_us: float = 30.0) -> dict[s
     def span(values: list[float]) -> str:
         return f"{min(values):.1f}-{max(values):.1f} us"
 
-    own = _ag_values(report, "nccl_one_rank", "driver-g4", "executor_own_us_per_block")
-    coll = _ag_values(report, "nccl_one_rank", "driver-g4", "collective_call_us_per_block")
+    def under(values: list[float]) -> str:
+        return f"{'under' if max(values) < target_us else 'not under'} {target_us:.0f} us in every run"
+
     def calls(name: str) -> list[float]:
         return [run["nccl_one_rank"]["calls"]["host_us_per_call"][name] for run in report["runs"]]
 
-    out = {"own part at G = 4": f"{span(own)} per block ({'under' if max(own) < target_us else 'not under'} "
-                                f"{target_us:.0f} us in every run)",
-           "NCCL calls at G = 4": f"{span(coll)} per block (one coalesced call per 4 blocks)",
-           "one NCCL call, back to back": f"{span(calls('bound_call_G1'))} (coalesced over 4 blocks: "
-                                          f"{span(calls('bound_call_G4'))})"}
-    if "own-g4" in report["runs"][0]["nccl_one_rank"]["variants"]:  # the own communicator (runtime.nccl_raw)
-        total = _ag_values(report, "nccl_one_rank", "own-g4", "proxy_host_us_per_block")
-        own_coll = _ag_values(report, "nccl_one_rank", "own-g4", "collective_call_us_per_block")
-        under = "under" if max(total) < target_us else "not under"
-        out["own communicator, G = 4"] = (f"{span(total)} per block ({under} {target_us:.0f} us in every run), of "
-                                          f"which NCCL calls {span(own_coll)}")
-        out["one ncclAllGather, back to back"] = (f"{span(calls('own_call_G1'))} (4 in one group launch: "
-                                                  f"{span(calls('own_call_G4'))})")
-    out["runs"] = ", ".join(run["date"] for run in report["runs"])
-    return out
+    own = _ag_values(report, "nccl_one_rank", "driver-g4", "executor_own_us_per_block")
+    coll = _ag_values(report, "nccl_one_rank", "driver-g4", "collective_call_us_per_block")
+    total = _ag_values(report, "nccl_one_rank", "own-g4", "proxy_host_us_per_block")  # the own communicator
+    own_coll = _ag_values(report, "nccl_one_rank", "own-g4", "collective_call_us_per_block")
+    return {"own part at G = 4": f"{span(own)} per block ({under(own)})",
+            "NCCL calls at G = 4": f"{span(coll)} per block (one coalesced call per 4 blocks)",
+            "one NCCL call, back to back": f"{span(calls('bound_call_G1'))} (coalesced over 4 blocks: "
+                                           f"{span(calls('bound_call_G4'))})",
+            "own communicator, G = 4": f"{span(total)} per block ({under(total)}), of which NCCL calls "
+                                       f"{span(own_coll)}",
+            "one ncclAllGather, back to back": f"{span(calls('own_call_G1'))} (4 in one group launch: "
+                                               f"{span(calls('own_call_G4'))})",
+            "runs": ", ".join(run["date"] for run in report["runs"])}
 
 
 def policy_rows(block_mb: tuple[float, ...] = (0.5, 1, 2, 3, 4, 8), compute_us: float = 20.0,
@@ -242,8 +241,6 @@ def summary(driver: dict[str, Any], *reports: dict[str, Any], ab: dict[str, Any]
                                ("own", "own communicator, one load per block"),
                                ("own-g4", "own communicator, load groups of 4")):
             total = _ag_values(allgather, "nccl_one_rank", variant, "proxy_host_us_per_block")
-            if not total:  # a report from before the own communicator
-                continue
             coll = _ag_values(allgather, "nccl_one_rank", variant, "collective_call_us_per_block")
             out[f"ours, allgather program over NCCL (one rank), {label}"] = (
                 f"{min(total):.1f}-{max(total):.1f} us, of which NCCL calls {min(coll):.1f}-{max(coll):.1f} us")

@@ -193,10 +193,14 @@ class Executor:
     # -- schedules ------------------------------------------------------------------------------------------
     def _warm_up_collective(self) -> None:
         """Create the communicator now (NCCL/HCCL do it lazily on the first collective, with allocations)."""
-        n = self.layout.shards[0].shard_bytes
         with self.platform.use_stream(self.allgather_stream):
-            all_gather_bytes(self.slots[0][: n * self.layout.num_shards], self.landing[0][:n], self.group)
+            all_gather_bytes(*self._first_gather(), self.group)
         self.platform.synchronize()
+
+    def _first_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, input)`` of block 0's all-gather into slot 0 from landing buffer 0 (the warm-ups)."""
+        n = self.layout.shards[0].shard_bytes
+        return self.slots[0][: n * self.layout.num_shards], self.landing[0][:n]
 
     def _own_communicator(self, timeout_s: float | None) -> Any:
         """The driver-call path's NCCL communicator (:mod:`dlo_fn.runtime.nccl_raw`), warmed up and watched, or
@@ -217,8 +221,7 @@ class Executor:
             log.info("all-gathers through torch.distributed's calls: %s", why)
             return None
         handle = stream_handle(self.allgather_stream)
-        n = self.layout.shards[0].shard_bytes
-        comm.all_gather(((self.slots[0][: n * comm.world], self.landing[0][:n]),), handle)
+        comm.all_gather((self._first_gather(),), handle)
         self.platform.synchronize()
         comm.watch(self._raw, handle, timeout_s)
         weakref.finalize(self, comm.close)

@@ -49,6 +49,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from dlo_fn.runtime.dist import exit_now
+
 __all__ = ["FAULT_EXIT_CODE", "Monitor", "NcclComm", "NcclLib", "RAW_NCCL_ENV", "StallProbe", "Watchdog", "load_nccl",
            "own_communicator"]
 
@@ -218,7 +220,6 @@ class Monitor:
     def __init__(self, limit_s: float, line: str, pid: int | None = None) -> None:
         import subprocess
 
-        self.limit_s = limit_s
         target = pid or os.getpid()
         self.proc = subprocess.Popen([sys.executable, "-c", _MONITOR, str(target), str(limit_s), line,
                                       "1" if target == os.getpid() else "0"],
@@ -248,9 +249,8 @@ class StallProbe:
     """The watchdog's check of one stream (``probe()``): a marker event recorded on it, and the time it has
     been pending; a reason once it has been pending ``timeout_s``, or when ``async_error()`` reports one."""
 
-    def __init__(self, cu: Any, stream: int, timeout_s: float, async_error: Callable[[], str | None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.cu, self.stream, self.timeout_s, self.async_error, self.clock = cu, stream, timeout_s, async_error, clock
+    def __init__(self, cu: Any, stream: int, timeout_s: float, async_error: Callable[[], str | None]) -> None:
+        self.cu, self.stream, self.timeout_s, self.async_error = cu, stream, timeout_s, async_error
         self.marker: Any = None
         self.since: float | None = None
 
@@ -260,7 +260,7 @@ class StallProbe:
             return err
         if self.marker is None:
             self.marker = self.cu.new_event()
-        now = self.clock()
+        now = time.monotonic()
         if self.since is not None:
             code = self.cu._query(self.marker.handle)
             if code == _CUDA_ERROR_NOT_READY:
@@ -278,7 +278,7 @@ class NcclComm:
     """One NCCL communicator over a process group's ranks, its bound all-gathers and its watchdog."""
 
     def __init__(self, nccl: NcclLib, handle: int, rank: int, world: int, device: torch.device) -> None:
-        self.nccl, self.handle, self.rank, self.world, self.device = nccl, handle, rank, world, device
+        self.nccl, self.rank, self.world, self.device = nccl, rank, world, device
         self._comm = ctypes.c_void_p(handle)
         self.watchdog: Watchdog | None = None
         self.monitor: Monitor | None = None
@@ -339,14 +339,14 @@ class NcclComm:
     def _fail_process(self, reason: str) -> None:
         if self.monitor is not None:  # this thread ends the process itself now, within _ABORT_WAIT_S
             self.monitor.stop()
-        # ncclCommAbort frees device memory, which can wait for the device (the kernel that holds the stream): it
-        # gets a few seconds, then the process ends anyway (the driver tears its context down)
         _report(f"dlo_fn: rank {self.rank}: aborting the executor's all-gather communicator and ending this process "
                 f"(exit {FAULT_EXIT_CODE}), so that no output is computed from unfinished weights: {reason}")
+        # ncclCommAbort frees device memory, which can wait for the device (the kernel that holds the stream): it
+        # gets a few seconds, then the process ends anyway (the driver tears its context down)
         aborting = threading.Thread(target=self.abort, daemon=True)
         aborting.start()
         aborting.join(_ABORT_WAIT_S)
-        os._exit(FAULT_EXIT_CODE)
+        exit_now(FAULT_EXIT_CODE)
 
     def close(self) -> None:
         """Stop the watchdog and destroy the communicator (after the device has finished its all-gathers; an
@@ -429,4 +429,4 @@ def _report(line: str) -> None:
 
 def _end_process(line: str) -> None:
     _report(line + f"; ending this process (exit {FAULT_EXIT_CODE})")
-    os._exit(FAULT_EXIT_CODE)
+    exit_now(FAULT_EXIT_CODE)

@@ -169,8 +169,8 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     events = [new_event() for _ in sch.ops]
     raw = None
     if raw_stream is not None:
-        # Driver calls issue the copies and events; an all-gather is its process group's call (its stream handle
-        # here, its copies none: fast_segments binds the collective).
+        # Driver calls issue the copies and events; an all-gather's collective is bound by fast_segments (its
+        # stream handle here, its copies none).
         raw = tuple(None if k == _C else (raw_stream(s), () if k == _AG else tuple(
             (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
             for dst, src in a))

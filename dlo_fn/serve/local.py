@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import sys
 import tempfile
 import time
 import traceback
@@ -154,12 +153,10 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
     out.close()
     # Leave without the interpreter's teardown, also on a clean run: the report is sent (a pipe write is
     # synchronous) and the process group destroyed, and what is left is destructors. A failed engine leaves gloo
-    # pairs broken that they could block on, and after a phase in which this rank raised, a fresh clone's run on
-    # a loaded 2-core machine once aborted in them ("terminate called without an active exception", exit -6)
-    # although every request had its answer.
-    logging.shutdown()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)
+    # pairs broken that they could block on (runtime.dist.exit_now).
+    from dlo_fn.runtime.dist import exit_now
+
+    exit_now(code)
 
 
 def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size: int, *, sp_size: int = 1,
