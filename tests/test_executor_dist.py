@@ -97,10 +97,21 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
     for name, build, inputs, paths in cases:
         ref = build()
         want = [ref(**inputs(10 * ctx.rank + s))[0] for s in range(4)]
-        for mode in ("allgather", "rank-local"):
-            o = offload(build(), paths, ctx, mode=mode)
-            out[f"{name}_exact[{mode}]"] = all(torch.equal(o.model(**inputs(10 * ctx.rank + s))[0], w)
+        runs = [("allgather", {}), ("rank-local", {})]
+        if name == "flux":  # load groups over unequal blocks (2 double-stream, then 2 single-stream blocks)
+            # G = 2: two grouped layouts of their own strides (the single blocks' group lands at its smaller stride
+            # inside its slots); G = 4: one group padded to the double blocks; G = 3 does not divide the 4 blocks:
+            # the per-block layout, its all-gathers in one launch per group
+            runs += [("allgather", {"num_slots": 2 * g, "load_group": g}) for g in (2, 4, 3)]
+        for mode, opts in runs:
+            o = offload(build(), paths, ctx, mode=mode, **opts)
+            key = mode + "".join(f",G={v}" for k, v in opts.items() if k == "load_group")
+            out[f"{name}_exact[{key}]"] = all(torch.equal(o.model(**inputs(10 * ctx.rank + s))[0], w)
                                               for s, w in enumerate(want))
+            if opts and ctx.world_size > 1:
+                g = opts["load_group"]
+                out[f"{name}_layout_group[{key}]"] = o.layout.load_group == (g if 4 % g == 0 else 1)
+                out[f"{name}_arena_is_planned[{key}]"] = o.store.arena_bytes == o.layout.shard_bytes_per_rank
     if full and ctx.group is not None:
         # Shard layouts that differ across ranks are refused on every rank, naming the ranks.
         try:
@@ -125,8 +136,8 @@ def _driver_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
     handle, bound = executor_mod.stream_handle, executor_mod.bound_all_gather
 
     def counting(pairs, group):  # every collective call the segments make, with the blocks it gathers
-        call = bound(pairs, group)
-        return lambda: counted.append(len(pairs)) or call()
+        call, shard = bound(pairs, group), o.layout.shards[0].shard_bytes
+        return lambda: counted.append(sum(inp.numel() for _, inp in pairs) // shard) or call()
 
     executor_mod.bound_all_gather = counting
     try:
@@ -141,6 +152,10 @@ def _driver_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
                 any(p.fast.values()) for p in ex._programs._cache.values()) and ex._raw is driver
             out[f"driver_calls_per_block[G={g}]"] = driver.calls / ex.stats.computes
             out[f"blocks_per_collective[G={g}]"] = sorted(set(counted))
+            # a grouped layout (G divides the 4 blocks): one all-gather of the group's pieces, one pair
+            out[f"grouped_layout[G={g}]"] = o.layout.load_group == (g if ctx.world_size > 1 else 1) and all(
+                len(p.args[i]) == 1 for p in ex._programs._cache.values() for i, k in enumerate(p.kinds)
+                if k == _AG and p.args[i])
             # every group's all-gathers are one call (runs end and start inside a group: its two parts are two)
             out[f"one_call_per_group[G={g}]"] = all(
                 sum(1 for i in ags if p.args[i]) == len({p.schedule.load_group_last[i] for i in ags} - {None}) or g == 1
@@ -153,13 +168,16 @@ def _driver_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
             else:
                 o.idle(num_steps=3)
             out[f"driver_after_exact[G={g}]"] = torch.equal(generate(o.model, reqs[1]).latents, expected[1].latents)
-            c0, n0 = driver.calls, ex.stats.computes  # one run of all 3 steps: fewer run boundaries per block
+            c0, n0, k0 = driver.calls, ex.stats.computes, len(counted)  # one run of all 3 steps
             with o.run(num_steps=3) as schedule:
                 out[f"driver_run_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents,
                                                               expected[0].latents)
             out[f"driver_calls_per_block_in_a_run[G={g}]"] = (driver.calls - c0) / (ex.stats.computes - n0)
             # the plan's count of the same run (what the policy's host_scale prices, plan.host_cost)
-            out[f"planned_calls_per_block_in_a_run[G={g}]"] = planned_driver_calls(schedule)["total"]
+            planned = planned_driver_calls(schedule, o.layout.load_group > 1)
+            out[f"planned_calls_per_block_in_a_run[G={g}]"] = planned["total"]
+            out[f"collectives_as_planned[G={g}]"] = (len(counted) - k0) / (ex.stats.computes - n0) == planned[
+                "collectives"]
     finally:
         executor_mod.stream_handle, executor_mod.bound_all_gather = handle, bound
     return out

@@ -405,11 +405,13 @@ def test_load_groups_bit_exact_on_cuda_streams(scope, load_group):
 
 # -- one NCCL rank with the allgather op sequence kept (Executor(gather_one_rank=True)) -------------------------
 
-def nccl_one_rank_executor(ctx, scope, load_group: int, timeout_s: float | None = None) -> tuple:
+def nccl_one_rank_executor(ctx, scope, load_group: int, timeout_s: float | None = None,
+                           grouped: bool = True) -> tuple:
     """``(executor, block proxies, run(stack, x), inputs)``: an executor over a NCCL group of one rank that keeps
-    the W > 1 program (H2D into landing buffers, an NCCL all-gather per load or per group into the slots), eager
-    on driver calls or captured as step graphs (``scope``), the NCCL collectives inside the capture; the
-    resident reference is ``run(reference blocks, x)``, returned as proxies' ``.ref``."""
+    the W > 1 program (H2D into landing buffers, an NCCL all-gather per load, or per group: on the grouped shard
+    layout, ``grouped``, one of the group's chunk, else one per block in one launch, into the slots), eager on
+    driver calls or captured as step graphs (``scope``), the NCCL collectives inside the capture; the resident
+    reference is ``run(reference blocks, x)``, returned as proxies' ``.ref``."""
     from dlo_fn.bench.step_variants import block_states
     from dlo_fn.plan.layout import model_layout
     from dlo_fn.plan.spec import spec_from_module
@@ -419,7 +421,7 @@ def nccl_one_rank_executor(ctx, scope, load_group: int, timeout_s: float | None 
 
     ref, model = toy(8, d=1024).to("cuda"), toy(8, d=1024).to("cuda")
     blocks = list(model.blocks)
-    layout = model_layout(spec_from_module(model, "blocks"), 1)
+    layout = model_layout(spec_from_module(model, "blocks"), 1, load_group=load_group if grouped else 1)
     tensors, aliases = block_states(blocks)
     store = build_host_store(layout, 0, tensors, ctx.platform)
     for block in blocks:
@@ -440,12 +442,12 @@ def nccl_one_rank_executor(ctx, scope, load_group: int, timeout_s: float | None 
     return ex, proxies, run, xs
 
 
-def _nccl_one_rank(ctx, scope, load_group: int, timeout_s: float | None = None) -> dict:
+def _nccl_one_rank(ctx, scope, load_group: int, timeout_s: float | None = None, grouped: bool = True) -> dict:
     """:func:`nccl_one_rank_executor`'s passes back to back (recorded, captured, replayed), each output against
     resident; with ``timeout_s`` also ~2 s more of them (the watchdog's timeout must not fire on a busy stream)."""
     import time
 
-    ex, proxies, run, xs = nccl_one_rank_executor(ctx, scope, load_group, timeout_s)
+    ex, proxies, run, xs = nccl_one_rank_executor(ctx, scope, load_group, timeout_s, grouped)
     with torch.no_grad():
         want = [run(run.ref, x) for x in xs]
         got = [run(proxies, x) for x in xs]
@@ -465,4 +467,8 @@ def _nccl_one_rank(ctx, scope, load_group: int, timeout_s: float | None = None) 
             "replays": getattr(graphs, "replays", 0), "driver_calls": ex._raw is not None,
             "own_nccl": own is not None, "busy_s": busy - t0,
             "watchdog_alive": own is not None and own.watchdog.alive and own.watchdog.fault is None,
-            "nccl_calls": sum(1 for seg in segs for fn, _ in seg[1] if getattr(fn, "__name__", "") == "ncclAllGather")}
+            "nccl_calls": sum(1 for seg in segs for fn, _ in seg[1] if getattr(fn, "__name__", "") == "ncclAllGather"),
+            "layout_load_group": ex.layout.load_group,
+            # per compiled program: its all-gather ops that gather (a group's first), and their pairs
+            "pairs_per_gather": sorted({len(a) for prog in ex._programs._cache.values()
+                                        for k, a in zip(prog.kinds, prog.args) if k == 1 and a})}

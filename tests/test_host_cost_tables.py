@@ -22,14 +22,15 @@ def test_the_plans_driver_calls_are_the_executors():
 
 def test_load_groups_planned_calls_are_the_executors():
     # Groups of G on 2G slots: per group one wait, one (merged) copy and one record per stream, plus the run's
-    # boundary (each slot's first use waits on the previous run; the partial prefetch group copies once more).
+    # boundary (each slot's first use waits on the previous run); a run prefetches whole groups, so the copies are
+    # one per group exactly.
     from dlo_fn.bench.hostloop import measure
 
     totals = {}
     for g in (2, 4):
         planned = hc.planned_driver_calls(hc.steady_schedule(24, 2 * g, g))
         assert measure(num_blocks=24, passes=4, load_group=g)["driver_calls_per_block"] == planned["total"]
-        assert planned["copies"] == (24 // g + 1) / 24
+        assert planned["copies"] == (24 // g) / 24
         totals[g] = planned["total"]
     assert 5 / 2 < totals[2] < 3 and 5 / 4 < totals[4] < totals[2]
 
@@ -97,9 +98,9 @@ def test_allgather_tables_from_the_committed_runs():
     # row; the driver path and load groups cut the executor's own part
     ag = hc.load("allgather_host")
     rows = {(r["set_up"], r["variant"]): r for r in hc.allgather_rows(ag)}
-    assert {v for _, v in rows} == {"torch-events", "driver", "driver-g2", "driver-g4", "graph", "own", "own-g2",
-                                    "own-g4"}
-    assert all(("2 gloo ranks", v) not in rows for v in ("graph", "own", "own-g2", "own-g4"))
+    own_variants = ("own", "own-g2", "own-g4", "own-g8", "own-g4-perblock")
+    assert {v for _, v in rows} == {"torch-events", "driver", "driver-g2", "driver-g4", "graph", *own_variants}
+    assert all(("2 gloo ranks", v) not in rows for v in ("graph", *own_variants))
     assert all(r["equal"] is True for r in rows.values())
     assert all(len(r[k].split(" / ")) == 2 for r in rows.values() for k in ("executor_us", "in_collective_us"))
     for part in ("1 NCCL rank", "2 gloo ranks"):
@@ -113,6 +114,11 @@ def test_allgather_tables_from_the_committed_runs():
     total_own4 = [r["nccl_one_rank"]["variants"]["own-g4"]["proxy_host_us_per_block"] for r in ag["runs"]]
     assert reading["own communicator, G = 4"].startswith(f"{min(total_own4):.1f}-{max(total_own4):.1f} us per block")
     assert ("not under" in reading["own communicator, G = 4"]) is (max(total_own4) >= 30)
+    # the grouped shard layout (one all-gather per group) against the per-block one (four), in every run
+    per_block = [r["nccl_one_rank"]["variants"]["own-g4-perblock"]["proxy_host_us_per_block"] for r in ag["runs"]]
+    assert all(g < p for g, p in zip(total_own4, per_block)), (total_own4, per_block)
+    assert [r["nccl_one_rank"]["variants"][v]["layout_load_group"] for r in ag["runs"]
+            for v in ("own-g4", "own-g4-perblock")] == [4, 1, 4, 1]
     own4 = [r["nccl_one_rank"]["variants"]["driver-g4"]["executor_own_us_per_block"] for r in ag["runs"]]
     assert reading["own part at G = 4"].startswith(f"{min(own4):.1f}-{max(own4):.1f} us per block")
     assert ("not under" in reading["own part at G = 4"]) is (max(own4) >= 30)

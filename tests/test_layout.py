@@ -132,3 +132,61 @@ def test_shard_size_is_exact_above_2_to_the_53_bytes():
     shards = shard_layout(block_layout(BlockSpec("huge", (TensorSpec("w", (n,), torch.uint8),))), 3)
     assert shards.shard_bytes == 2**58 + 256 and shards.padded_bytes >= n
     assert ModelSizes("huge", (n,)).shard_bytes(3) == (shards.shard_bytes,)  # one formula for both planners
+
+
+@settings(max_examples=60, deadline=None)
+@given(group=st.lists(blocks(), min_size=1, max_size=4), num_groups=st.integers(1, 3), world=st.integers(1, 6))
+def test_grouped_layout_gathers_each_group_in_one_all_gather(group, num_groups, world):
+    """Grouped layout (load_group G): every rank's chunk of a group is its G pieces back to back, and ONE
+    all-gather of the chunks (rank-major) is the group's blocks concatenated at the stride padded_bytes, every
+    tensor exact; a rank's host bytes are the sum of the grouped shard sizes."""
+    from dlo_fn.plan.layout import grouped_shard_bytes
+
+    g = len(group)
+    spec = ModelSpec("m", tuple(BlockSpec(f"blocks.{i}", group[i % g].tensors) for i in range(g * num_groups)))
+    layout = model_layout(spec, world, 64, load_group=g)
+    flat = model_layout(spec, world, 64)
+    assert layout.max_padded_block_bytes == flat.max_padded_block_bytes  # the slot size
+    assert layout.max_shard_bytes == flat.max_shard_bytes  # the landing-buffer size
+    sizes = ModelSizes.from_spec(spec, 64)
+    assert layout.shard_bytes_per_rank == sum(grouped_shard_bytes(sizes.block_bytes, world, g, 64))
+    # what the plan prices (plan.memory, the policy) is the layout offload() builds: grouped at W > 1 only
+    from dlo_fn.plan.memory import pinned_host_bytes_per_rank
+
+    built = layout if world > 1 else flat
+    assert pinned_host_bytes_per_rank(sizes, world, "allgather", 64, load_group=g) == built.shard_bytes_per_rank
+    if g == 1:
+        assert layout.digest == flat.digest and layout.shards == flat.shards
+    gen = torch.Generator().manual_seed(1)
+    data = {(b, p.name): torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=gen)
+            for b, s in enumerate(layout.shards) for p in s.block.placements}
+    for first in range(0, len(layout.shards), g):
+        members = layout.shards[first : first + g]
+        q, stride = members[0].shard_bytes, members[0].padded_bytes
+        chunks = []
+        for r in range(world):
+            chunk = torch.zeros(g * q, dtype=torch.uint8)
+            for m, shard in enumerate(members):
+                assert (shard.group_size, shard.member, shard.shard_bytes) == (g, m, q)
+                assert shard.rank_range(r) == ((r * g + m) * q, (r * g + m + 1) * q)
+                for pc in shard.pieces[r]:
+                    owner = first + m if pc.block is None else pc.block
+                    chunk[m * q + pc.dst_start : m * q + pc.dst_stop] = data[(owner, pc.tensor)][pc.src_start : pc.src_stop]
+            chunks.append(chunk)
+        gathered = torch.cat(chunks)  # what all_gather_into_tensor of the chunks writes
+        assert gathered.numel() == g * stride
+        for m, shard in enumerate(members):
+            for p in shard.block.placements:
+                got = gathered[m * stride + p.offset_bytes : m * stride + p.end_bytes]
+                assert torch.equal(got, data[(first + m, p.name)]), (first + m, p.name)
+
+
+def test_grouped_layout_needs_the_group_to_divide_the_blocks():
+    import pytest
+
+    spec = ModelSpec("m", tuple(BlockSpec(f"blocks.{i}", _docstring_block().tensors) for i in range(6)))
+    with pytest.raises(ValueError, match="load_group = 4 does not divide the 6 blocks"):
+        model_layout(spec, 2, load_group=4)
+    two = model_layout(spec, 2, load_group=2)
+    assert two.digest != model_layout(spec, 2).digest  # ranks that group differently disagree at start-up
+    assert "b1.q.weight" in two.shards[0].table()  # rank 1's piece of block 0's slot holds block 1's bytes

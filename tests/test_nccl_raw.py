@@ -185,29 +185,33 @@ def test_failed_calls_are_named():
 
 # -- CUDA ------------------------------------------------------------------------------------------------------
 
-def _nccl_rank(ctx, scope, load_group: int, own: bool) -> dict:
+def _nccl_rank(ctx, scope, load_group: int, own: bool, grouped: bool = True) -> dict:
     import os
 
     os.environ[RAW_NCCL_ENV] = "1" if own else "0"
     from tests.test_graph_cuda import _nccl_one_rank
 
-    return _nccl_one_rank(ctx, scope, load_group, timeout_s=1.0 if own else None)
+    return _nccl_one_rank(ctx, scope, load_group, timeout_s=1.0 if own else None, grouped=grouped)
 
 
 @cuda
 @pytest.mark.parametrize("scope", [False, True, "block"])
-@pytest.mark.parametrize("load_group", [1, 2, 4])
+@pytest.mark.parametrize("load_group", [1, 2, 4, "4-perblock"])
 def test_own_communicator_program_bit_exact_eager_and_captured(scope, load_group):
     """The W > 1 program on one NCCL rank with its all-gathers on the executor's own communicator (bound
-    ncclAllGather calls, one group launch per load group): bit-identical to resident, eager, with step graphs
+    ncclAllGather calls: one per load group on the grouped shard layout, one group launch of G on the per-block
+    one): bit-identical to resident, eager, with step graphs
     (their eager steps on the own communicator, the captured ones c10d's) and with block graphs (captured on the
     compute stream while the watchdog thread records its marker on the all-gather stream), and the watchdog, with
     a timeout of one second, does not fire on a busy healthy stream. DLO_FN_RAW_NCCL=0 keeps c10d's calls."""
     from dlo_fn.runtime.dist import run_ranks
 
+    grouped = load_group != "4-perblock"  # the grouped shard layout: one all-gather (one pair) per group
+    g = int(str(load_group)[0])
     for own in (True, False):
-        (r,) = run_ranks(_nccl_rank, 1, scope, load_group, own, platform="cuda", timeout_s=300)
+        (r,) = run_ranks(_nccl_rank, 1, scope, g, own, grouped, platform="cuda", timeout_s=300)
         assert r["equal"] and r["gathers"] and r["driver_calls"] and r["own_nccl"] is own, r
+        assert r["layout_load_group"] == (g if grouped else 1) and r["pairs_per_gather"] == [1 if grouped else g], r
         if own:
             assert r["busy_s"] > 1.5 and r["watchdog_alive"] and r["nccl_calls"] > 0, r
         if scope:

@@ -12,7 +12,8 @@ device keeps up, the host timer sees host work) in allgather mode, in two set-up
 
 Per variant (the torch-event loop; the driver-call path at load groups G = 1 / 2 / 4 with c10d's all-gather; on
 the NCCL rank also the same with the executor's own communicator, ``own*``: bound ``ncclAllGather`` calls,
-:mod:`dlo_fn.runtime.nccl_raw`, and the step graph, c10d's NCCL all-gathers captured)::
+:mod:`dlo_fn.runtime.nccl_raw`, and the step graph, c10d's NCCL all-gathers captured; a load group on the grouped
+shard layout, one all-gather per group, and ``own-g4-perblock`` on the per-block one, four)::
 
     proxy_host_us_per_block       the executor's host time outside the block calls, per block (ExecutorStats)
     collective_call_us_per_block  of which inside the process group's all-gather calls (timed around each call)
@@ -39,13 +40,16 @@ import torch
 
 __all__ = ["VARIANTS", "measure", "main"]
 
-# name -> (driver calls, load group, step graphs, own NCCL communicator); "graph" and "own*": the one-rank NCCL
-# part only (gloo is not capturable, and has no NCCL communicator). "driver*" call c10d's all-gather
-# (DLO_FN_RAW_NCCL=0), "own*" the executor's own communicator (runtime.nccl_raw).
-VARIANTS = {"torch-events": (False, 1, False, False), "driver": (True, 1, False, False),
-            "driver-g2": (True, 2, False, False), "driver-g4": (True, 4, False, False),
-            "own": (True, 1, False, True), "own-g2": (True, 2, False, True), "own-g4": (True, 4, False, True),
-            "graph": (True, 1, True, False)}
+# name -> (driver calls, load group, step graphs, own NCCL communicator, grouped shard layout); "graph" and "own*":
+# the one-rank NCCL part only (gloo is not capturable, and has no NCCL communicator). "driver*" call c10d's
+# all-gather (DLO_FN_RAW_NCCL=0), "own*" the executor's own communicator (runtime.nccl_raw). A load group runs on
+# the grouped shard layout (one all-gather per group, plan.layout), as offload() builds it where G divides the
+# blocks; "*-perblock" on the per-block layout (G all-gathers per group, in one launch).
+VARIANTS = {"torch-events": (False, 1, False, False, False), "driver": (True, 1, False, False, False),
+            "driver-g2": (True, 2, False, False, True), "driver-g4": (True, 4, False, False, True),
+            "own": (True, 1, False, True, False), "own-g2": (True, 2, False, True, True),
+            "own-g4": (True, 4, False, True, True), "own-g8": (True, 8, False, True, True),
+            "own-g4-perblock": (True, 4, False, True, False), "graph": (True, 1, True, False, False)}
 
 
 def _timed(fn: Any, acc: list[float]) -> Any:
@@ -84,7 +88,11 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
     model = sv.random_model(cfg, platform.device)
     x, kwargs, tokens = sv.block_inputs(model, *((32, 32, 1) if quick else DISPATCH_SIZE), platform.device)
     blocks = list(model.blocks)
-    layout = model_layout(spec_from_module(model, BLOCK_PATHS), ctx.world_size)
+    spec = spec_from_module(model, BLOCK_PATHS)
+    layout = model_layout(spec, ctx.world_size)
+    # one layout per load group the variants lay out per group (plan.layout: its arena holds the group's chunks)
+    layouts = {1: layout} | {VARIANTS[v][1]: model_layout(spec, ctx.world_size, load_group=VARIANTS[v][1])
+                             for v in variants if VARIANTS[v][4] and spec.num_blocks % VARIANTS[v][1] == 0}
     reps = dict(warmup=2, repeats=3) if quick else dict(warmup=sv.GRAPH_WARMUP, repeats=31)
     resident_blocks = [copy.deepcopy(b) for b in blocks]
 
@@ -105,17 +113,21 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
         with torch.no_grad():
             want = resident_pass(x, kwargs)
             tensors, aliases = sv.block_states(blocks)
-            store = build_host_store(layout, ctx.rank, tensors, platform)
+            stores = {g: build_host_store(lay, ctx.rank, tensors, platform) for g, lay in layouts.items()}
             del tensors
             for block in blocks:
                 strip_block(block, platform.device)
             for name in variants:
-                driver, group, graph, own = VARIANTS[name]
+                driver, group, graph, own, grouped = VARIANTS[name]
                 if (graph or own) and not (one_rank and platform.kind == "cuda"):
                     continue
+                lay = layouts.get(group if grouped else 1)
+                if lay is None:
+                    continue  # G does not divide the blocks
                 os.environ["DLO_FN_RAW_CUDA"] = "1" if driver else "0"  # read when the executor is built
                 os.environ[nccl_raw.RAW_NCCL_ENV] = "1" if own else "0"
-                run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, mode="allgather",
+                run_pass, ex = sv.executor_pass(platform, lay, stores[lay.load_group], blocks, aliases,
+                                                mode="allgather",
                                                 group=ctx.group, block_call="swap", load_group=group, graph=graph,
                                                 gather_one_rank=one_rank)
                 if driver and not platform.is_accelerator:  # the driver-call path's Python, on the host's driver
@@ -136,7 +148,7 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
                     raise RuntimeError(f"internal: variant {name} wants own_nccl={own}, the executor has "
                                        f"{ex._nccl is not None}")
                 rows[name] = {"driver_calls": ex._raw is not None, "host_driver": isinstance(ex._raw, HostDriver),
-                              "own_nccl": own,
+                              "own_nccl": own, "layout_load_group": lay.load_group,
                               "load_group": group, "graph_replays": ex.graphs.replays if ex.graphs else 0,
                               "num_slots": ex.num_slots, "num_landing": ex.num_landing,
                               "proxy_host_us_per_block": proxy,
@@ -245,6 +257,7 @@ def _summary(per_rank: list[dict], variants: tuple[str, ...]) -> dict:
                        | {"equal_to_resident": all(r["variants"][v]["equal_to_resident"] for r in per_rank),
                           "driver_calls": per_rank[0]["variants"][v]["driver_calls"], "load_group": VARIANTS[v][1],
                           "own_nccl": VARIANTS[v][3],
+                          "layout_load_group": per_rank[0]["variants"][v]["layout_load_group"],
                           "graph_replays": per_rank[0]["variants"][v]["graph_replays"]}
                        for v in variants if v in per_rank[0]["variants"]}
     return out

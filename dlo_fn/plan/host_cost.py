@@ -13,30 +13,43 @@ the loop's Python, which every block pays, and the rest scales with the driver c
 
 ``f = 0.30`` is fitted on one H200 (``figures/data/hostcost_ab_nvidia-h200.json``, bench-narrow, 24 blocks,
 medians of three processes: 45.7 us per block at G = 1 and 24.3 at G = 4, where the calls go 5 -> 1.67 per
-block); it predicts 31.3 us at G = 2, measured 29.8 (tests/test_policy.py checks both against the data).
+block); it predicts 30.5 us at G = 2, measured 29.8 (tests/test_policy.py checks both against the data). Those runs
+prefetched ``S - 1`` loads, splitting a group at each run's end (one copy more per run); a run now prefetches whole
+groups (``lowering.prefetch_depth``), 1.625 calls per block at G = 4, which the same share prices at 24.1 us.
 
-The allgather program (``W > 1``: H2D into landing buffers, all-gathers into the slots) has its own share,
-``f = HOST_FIXED_SHARE_ALLGATHER``: besides the Python it holds the NCCL enqueue, which the executor's own
-communicator pays per all-gather, grouped or not (``runtime.nccl_raw``). Fitted on the H200's one NCCL rank with
-the op sequence kept (``figures/data/allgather_host_nvidia-h200.json``, ``own`` rows, means of the two runs: 69.9
-us per block at G = 1 and 46.65 at G = 4, where the calls go 8 -> 2.83 per block), it predicts 54.2 us at G = 2,
-measured 51.05; the NCCL call's cost over several GPUs is not in it (no multi-GPU machine was lent).
+The allgather program (``W > 1``: H2D into landing buffers, all-gathers into the slots) is priced the same way
+with its own share, and each all-gather call counted as ``HOST_COLLECTIVE_CALLS`` driver calls (the NCCL enqueue:
+~11 us a call back to back, ``runtime.nccl_raw``)::
+
+    host(G) = host(1) x (f + (1 - f) x (calls(G) + k coll(G)) / (calls(1) + k coll(1))),
+    f = HOST_FIXED_SHARE_ALLGATHER, k = HOST_COLLECTIVE_CALLS
+
+where ``coll(G)`` is one per block on the per-block shard layout and one per group on the grouped one
+(:mod:`dlo_fn.plan.layout`, what ``offload`` builds where ``G`` divides the blocks). Both are fitted on the H200's
+one NCCL rank with the op sequence kept (``figures/data/allgather_host_nvidia-h200.json``, the own communicator's
+rows, means of the two runs: 63.65 us per block at G = 1, 22.95 at G = 4 grouped and 36.95 at G = 4 per-block,
+where the calls go 8 -> 2.625 per block and the all-gathers 1 -> 0.25 or 1). It predicts 35.5 us at G = 2
+grouped, measured 39.4, and 19.8 at G = 8, measured 23.95 (G = 8 runs on 16 slots: measured no cheaper than G = 4);
+the NCCL call's cost over several GPUs is not in it (no multi-GPU machine was lent).
 """
 
 from __future__ import annotations
 
 import functools
 
+from dlo_fn.plan.layout import layout_load_group
 from dlo_fn.plan.lowering import default_num_landing
 from dlo_fn.plan.schedule import AG, C, H2D, Ring, Schedule
 
-__all__ = ["HOST_FIXED_SHARE", "HOST_FIXED_SHARE_ALLGATHER", "planned_driver_calls", "steady_schedule", "host_scale"]
+__all__ = ["HOST_FIXED_SHARE", "HOST_FIXED_SHARE_ALLGATHER", "HOST_COLLECTIVE_CALLS", "planned_driver_calls",
+           "steady_schedule", "host_scale"]
 
 HOST_FIXED_SHARE = 0.30
-HOST_FIXED_SHARE_ALLGATHER = 0.485
+HOST_FIXED_SHARE_ALLGATHER = 0.083
+HOST_COLLECTIVE_CALLS = 3.75
 
 
-def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
+def planned_driver_calls(schedule: Schedule, grouped_layout: bool = False) -> dict[str, float]:
     """Driver calls per compute of ``schedule`` by kind, as the eager loop issues them
     (:func:`~dlo_fn.runtime.program.fast_segments`): each op waits on its ``deps`` (and a buffer's first use on
     the previous run's last use), runs (an H2D op one copy; a compute is the block's kernels, no driver call of
@@ -45,7 +58,8 @@ def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
     same copy (the executor's slots are one allocation, and so are its landing buffers, and the arena holds the
     blocks back to back, so their bytes continue: ``runtime.program._merge_group_loads``, which moves its wait on
     the previous run, if any, to the copy it joins: the same number of waits). ``collectives``: the all-gathers
-    (one ``ncclAllGather`` each on the executor's own communicator, a group's in one launch), not in ``total``."""
+    (one ``ncclAllGather`` each on the executor's own communicator, a group's in one launch), not in ``total``;
+    ``grouped_layout`` (the shards laid out per load group, :mod:`dlo_fn.plan.layout`): one per group."""
     computes = sum(1 for op in schedule.ops if op.kind == C) or 1
     lead = schedule.load_group_last
     waits = sum(len(d) for d in schedule.deps) + len(schedule.first_use)
@@ -61,7 +75,8 @@ def planned_driver_calls(schedule: Schedule) -> dict[str, float]:
                   and (op.slot == before.slot + 1 if op.slot is not None else op.landing == before.landing + 1))
         copies += not merges
         prev = i
-    collectives = sum(1 for op in schedule.ops if op.kind == AG)
+    gathers = [i for i, op in enumerate(schedule.ops) if op.kind == AG]
+    collectives = len({lead[i] for i in gathers}) if grouped_layout and schedule.load_group > 1 else len(gathers)
     return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
             "total": (waits + copies + records) / computes, "collectives": collectives / computes}
 
@@ -82,11 +97,15 @@ def steady_schedule(num_blocks: int, num_slots: int = 2, load_group: int = 1, mo
 @functools.lru_cache(maxsize=256)
 def host_scale(num_blocks: int, num_slots: int, load_group: int, mode: str = "rank-local") -> float:
     """Host work per block with load groups of ``load_group`` on ``num_slots`` slots, relative to one load per block
-    on as many slots, on the op sequence ``mode`` (``rank-local``, or ``allgather`` at ``W > 1``; module
-    docstring); exactly 1 at ``load_group = 1``."""
+    on as many slots, on the op sequence ``mode`` (``rank-local``, or ``allgather`` at ``W > 1``, on the shard
+    layout ``offload`` builds for it; module docstring); exactly 1 at ``load_group = 1``."""
     if load_group == 1:
         return 1.0
-    calls = planned_driver_calls(steady_schedule(num_blocks, num_slots, load_group, mode))["total"]
-    one = planned_driver_calls(steady_schedule(num_blocks, num_slots, 1, mode))["total"]
+    grouped = mode == "allgather" and layout_load_group(num_blocks, 2, load_group) > 1
+
+    def cost(g: int) -> float:
+        calls = planned_driver_calls(steady_schedule(num_blocks, num_slots, g, mode), grouped and g > 1)
+        return calls["total"] + HOST_COLLECTIVE_CALLS * calls["collectives"]
+
     fixed = HOST_FIXED_SHARE if mode == "rank-local" else HOST_FIXED_SHARE_ALLGATHER
-    return fixed + (1 - fixed) * calls / one
+    return fixed + (1 - fixed) * cost(load_group) / cost(1)

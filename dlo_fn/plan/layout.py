@@ -33,6 +33,19 @@ Example: a block with ``q.weight`` (bf16, 64 x 16 = 2048 bytes) and ``norm.weigh
                        norm.weight[0:256] -> [512:768]
     ====  ===========  ==========================================
 
+**Grouped shard layout** (``load_group = G > 1``; :func:`model_layout`, ``B`` a multiple of ``G``). Blocks
+``G i .. G i + G - 1`` form group ``i``: a load group of the ring (:mod:`dlo_fn.plan.lowering`), whose ``G``
+loads land side by side in ``G`` consecutive landing buffers and are gathered into ``G`` consecutive slots. With
+per-block shards that is ``G`` all-gathers (each a collective launch of its own, ~11 us of host work on NCCL
+whether grouped or not); the grouped layout makes it ONE. The group's blocks are concatenated at a stride of
+``P_i = W q_i`` bytes, ``q_i = max_b s_b`` over the group (so block ``g`` of the group starts at ``g P_i``), and
+rank ``r`` owns bytes ``[r G q_i, (r + 1) G q_i)`` of that concatenation: one all-gather of ``G q_i`` bytes from
+each rank then writes the ``G`` blocks at their stride, in place. Block ``g``'s :class:`ShardLayout` describes
+rank ``r``'s ``g``-th piece of ``q_i`` bytes of its chunk (``shard_bytes = q_i``, ``padded_bytes = P_i``): its
+:class:`Piece` s may come from any block of the group (``Piece.block``). A group of equal blocks pads nothing
+more than per-block shards do (``q_i = s_b``); unequal blocks pad to the group's largest. ``G = 1`` is the
+per-block layout above, byte for byte.
+
 A :class:`ModelLayout` holds the shard layout of every block and a digest that ranks compare at start-up: two
 ranks that disagree on any offset, shape, dtype, shard size or number of shards get different digests.
 
@@ -61,8 +74,12 @@ __all__ = [
     "ModelLayout",
     "align_up",
     "equal_shard_bytes",
+    "grouped_shard_bytes",
+    "grouped_layout_problem",
+    "layout_load_group",
     "block_layout",
     "shard_layout",
+    "grouped_shard_layouts",
     "model_layout",
 ]
 
@@ -80,6 +97,42 @@ def equal_shard_bytes(nbytes: int, num_shards: int, alignment_bytes: int = DEFAU
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
     return align_up(-(-nbytes // num_shards), alignment_bytes)
+
+
+def grouped_layout_problem(num_blocks: int, load_group: int) -> str | None:
+    """Why blocks cannot be grouped ``load_group`` at a time for one all-gather per group, or None: the groups
+    must be the same blocks in every pass of the ring, so ``load_group`` must divide the number of blocks."""
+    if not isinstance(load_group, int) or isinstance(load_group, bool) or load_group < 1:
+        return f"load_group must be an int >= 1, got {load_group!r}"
+    if num_blocks % load_group:
+        return (f"load_group = {load_group} does not divide the {num_blocks} blocks, so a load group is not the "
+                f"same blocks in every pass")
+    return None
+
+
+def layout_load_group(num_blocks: int, num_shards: int, load_group: int) -> int:
+    """The load group a shard layout is built for: ``load_group`` over ``W > 1`` ranks where it divides the
+    blocks (one all-gather per group), else 1 (no all-gather to save, or a group that is not the same blocks in
+    every pass: per-block shards, the group's all-gathers in one launch)."""
+    if num_shards == 1 or load_group == 1 or grouped_layout_problem(num_blocks, load_group) is not None:
+        return 1
+    return load_group
+
+
+def grouped_shard_bytes(block_bytes: tuple[int, ...], num_shards: int, load_group: int = 1,
+                        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> tuple[int, ...]:
+    """Per block, its shard size ``s_b`` (``load_group = 1``), or in a grouped layout ``q_i``, the largest ``s_b``
+    of its group (see the module docstring); their sum is a rank's host bytes."""
+    shards = [equal_shard_bytes(n, num_shards, alignment_bytes) for n in block_bytes]
+    if load_group == 1:
+        return tuple(shards)
+    problem = grouped_layout_problem(len(shards), load_group)
+    if problem:
+        raise ValueError(problem)
+    out: list[int] = []
+    for i in range(0, len(shards), load_group):
+        out += [max(shards[i : i + load_group])] * load_group
+    return tuple(out)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -168,13 +221,15 @@ def block_layout(block: BlockSpec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTE
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Copy ``tensor``'s bytes ``[src_start, src_stop)`` into the rank's shard at ``[dst_start, dst_stop)``."""
+    """Copy ``tensor``'s bytes ``[src_start, src_stop)`` into the rank's shard at ``[dst_start, dst_stop)``;
+    ``block`` is the tensor's block where it is not the shard's own (a grouped layout; None: the shard's block)."""
 
     tensor: str
     src_start: int
     src_stop: int
     dst_start: int
     dst_stop: int
+    block: int | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.src_start < self.src_stop and self.src_stop - self.src_start == self.dst_stop - self.dst_start):
@@ -187,12 +242,17 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class ShardLayout:
-    """A block cut into ``num_shards`` equal shards of ``shard_bytes``; ``pieces[r]`` fills rank r's shard."""
+    """A block cut into ``num_shards`` equal shards of ``shard_bytes``; ``pieces[r]`` fills rank r's shard.
+
+    In a grouped layout (``group_size > 1``) the block is member ``member`` of a group of ``group_size`` blocks
+    and ``pieces[r]`` fill rank ``r``'s ``member``-th piece of its chunk of the group (module docstring)."""
 
     block: BlockLayout
     num_shards: int
     shard_bytes: int
     pieces: tuple[tuple[Piece, ...], ...]
+    group_size: int = 1
+    member: int = 0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -212,9 +272,12 @@ class ShardLayout:
         return self.padded_bytes - self.block.nbytes
 
     def rank_range(self, rank: int) -> tuple[int, int]:
+        """Bytes of the padded block that ``rank``'s shard holds; in a grouped layout, bytes of the group's
+        concatenation (blocks at a stride of ``padded_bytes``) that its piece holds."""
         if not 0 <= rank < self.num_shards:
             raise ValueError(f"rank {rank} outside [0, {self.num_shards})")
-        return rank * self.shard_bytes, (rank + 1) * self.shard_bytes
+        start = (rank * self.group_size + self.member) * self.shard_bytes
+        return start, start + self.shard_bytes
 
     def table(self) -> str:
         """The rank | range | tensors table of the module docstring, for this block."""
@@ -222,7 +285,8 @@ class ShardLayout:
         for r in range(self.num_shards):
             a, b = self.rank_range(r)
             parts = "; ".join(
-                f"{p.tensor}[{p.src_start}:{p.src_stop}] -> [{p.dst_start}:{p.dst_stop}]" for p in self.pieces[r]
+                f"{'' if p.block is None else f'b{p.block}.'}{p.tensor}[{p.src_start}:{p.src_stop}] -> "
+                f"[{p.dst_start}:{p.dst_stop}]" for p in self.pieces[r]
             )
             lines.append(f"{r:<5} [{a}, {b})".ljust(28) + (parts or "(padding only)"))
         return "\n".join(lines)
@@ -243,6 +307,33 @@ def shard_layout(layout: BlockLayout, num_shards: int) -> ShardLayout:
     return ShardLayout(layout, num_shards, shard, tuple(per_rank))
 
 
+def _group_pieces(group: tuple[BlockLayout, ...], first: int, num_shards: int, piece_bytes: int, rank: int,
+                  member: int) -> tuple[Piece, ...]:
+    """Rank ``rank``'s ``member``-th piece of its chunk of the group whose first block is ``first``: the bytes
+    ``[(rank G + member) q, +q)`` of the blocks concatenated at a stride of ``W q``."""
+    stride = num_shards * piece_bytes
+    lo = (rank * len(group) + member) * piece_bytes
+    hi = lo + piece_bytes
+    out = []
+    for g, layout in enumerate(group):
+        for p in layout.placements:
+            start, stop = max(lo, g * stride + p.offset_bytes), min(hi, g * stride + p.end_bytes)
+            if start < stop:
+                out.append(Piece(p.name, start - g * stride - p.offset_bytes, stop - g * stride - p.offset_bytes,
+                                 start - lo, stop - lo, first + g))
+    return tuple(out)
+
+
+def grouped_shard_layouts(group: tuple[BlockLayout, ...], num_shards: int, first: int) -> tuple[ShardLayout, ...]:
+    """The shard layouts of one load group's blocks (``first`` the index of its first block) for one all-gather
+    per group (see "Grouped shard layout" in the module docstring)."""
+    q = max(equal_shard_bytes(b.nbytes, num_shards, b.alignment_bytes) for b in group)
+    return tuple(
+        ShardLayout(b, num_shards, q, tuple(_group_pieces(group, first, num_shards, q, r, g)
+                                            for r in range(num_shards)), len(group), g)
+        for g, b in enumerate(group))
+
+
 @dataclass(frozen=True, slots=True)
 class ModelLayout:
     """Shard layouts of every block of a model for one shard group of ``num_shards`` ranks. ``num_shards == 1``
@@ -252,10 +343,13 @@ class ModelLayout:
     shards: tuple[ShardLayout, ...]
     num_shards: int
     alignment_bytes: int
+    load_group: int = 1  # > 1: the grouped layout (one all-gather per group of this many blocks)
 
     def __post_init__(self) -> None:
         if any(s.num_shards != self.num_shards for s in self.shards):
             raise ValueError("every block must be sharded over the same num_shards")
+        if any(s.group_size != self.load_group or s.member != b % self.load_group for b, s in enumerate(self.shards)):
+            raise ValueError(f"every block must be member b % {self.load_group} of a group of {self.load_group}")
 
     @property
     def num_blocks(self) -> int:
@@ -292,7 +386,7 @@ class ModelLayout:
     @property
     def digest(self) -> str:
         """SHA-256 of everything that must agree across ranks (names, shapes, dtypes, offsets, sizes)."""
-        doc = {
+        doc: dict = {
             "world_size": self.num_shards,  # the digest's original key: renaming it would change every digest
             "alignment_bytes": self.alignment_bytes,
             "blocks": [
@@ -305,10 +399,21 @@ class ModelLayout:
                 for s in self.shards
             ],
         }
+        if self.load_group > 1:  # only then: the per-block layouts keep their digests
+            doc["load_group"] = self.load_group
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
-def model_layout(spec: ModelSpec, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ModelLayout:
-    """Flat layout of every block of ``spec``, sharded over ``num_shards`` ranks."""
-    shards = tuple(shard_layout(block_layout(b, alignment_bytes), num_shards) for b in spec.blocks)
-    return ModelLayout(spec.name, shards, num_shards, alignment_bytes)
+def model_layout(spec: ModelSpec, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+                 load_group: int = 1) -> ModelLayout:
+    """Flat layout of every block of ``spec``, sharded over ``num_shards`` ranks; ``load_group > 1`` (it must
+    divide the number of blocks): the grouped layout, one all-gather per group of that many blocks."""
+    blocks = tuple(block_layout(b, alignment_bytes) for b in spec.blocks)
+    if load_group == 1:
+        return ModelLayout(spec.name, tuple(shard_layout(b, num_shards) for b in blocks), num_shards, alignment_bytes)
+    problem = grouped_layout_problem(len(blocks), load_group)
+    if problem:
+        raise ValueError(f"model {spec.name!r}: {problem}; build the per-block layout (load_group=1)")
+    shards = tuple(s for i in range(0, len(blocks), load_group)
+                   for s in grouped_shard_layouts(blocks[i : i + load_group], num_shards, i))
+    return ModelLayout(spec.name, shards, num_shards, alignment_bytes, load_group)

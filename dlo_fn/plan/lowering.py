@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
 
 __all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies",
-           "buffer_uses", "check_load_group", "default_num_landing", "load_group_problem", "group_last",
+           "buffer_uses", "check_load_group", "default_num_landing", "load_group_problem", "group_last", "prefetch_depth",
            "load_groups"]
 
 
@@ -112,6 +112,13 @@ def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = ""
     problem = load_group_problem(load_group, num_slots, mode, num_landing)
     if problem is not None:
         raise ValueError(owner + problem)
+
+
+def prefetch_depth(num_slots: int, load_group: int = 1) -> int:
+    """Loads of the next run a run prefetches (and the next run starts warm from): ``S - G``, the whole groups
+    whose slots the run's last computes do not use (``S - 1`` with one load per block). A group is never split
+    across two runs, so its loads always move as one (one all-gather in a grouped layout)."""
+    return num_slots - load_group
 
 
 def group_last(k: int, load_group: int, slot_offset: int, end: int) -> int:
@@ -171,15 +178,17 @@ def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_
               prefetch_next: bool = False, load_group: int = 1) -> tuple[Op, ...]:
     """Pass 2: insert the loads into the compute ops, giving the host issue order.
 
-    Loads ``first .. end-1`` are issued, ``first = S-1`` if ``warm_start`` (the previous run left loads
-    ``0 .. S-2`` in the slots) else 0, and ``end = L + S-1`` if ``prefetch_next`` else ``L``. The ops of load
+    Loads ``first .. end-1`` are issued, ``first = P`` if ``warm_start`` (the previous run left loads
+    ``0 .. P-1`` in the slots; ``P = prefetch_depth(S, G)``) else 0, and ``end = L + P`` if ``prefetch_next``
+    else ``L``. The ops of load
     ``j`` are issued before the first compute of load ``j - S + 1``, the earliest point where its slot's previous
     occupant (load ``j - S``) has all its computes issued; with load groups, at the point of the group's last load
     (:func:`group_last`), so a group's loads are issued back to back.
     """
     num_loads = 1 + max((op.load for op in computes), default=-1)
-    first = num_slots - 1 if warm_start else 0
-    end = num_loads + (num_slots - 1 if prefetch_next else 0)
+    depth = prefetch_depth(num_slots, load_group)
+    first = depth if warm_start else 0
+    end = num_loads + (depth if prefetch_next else 0)
     ops: list[Op] = []
     next_load = first
     shape = (num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, load_group)

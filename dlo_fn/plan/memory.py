@@ -67,11 +67,13 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def pinned_host_bytes_per_rank(sizes: ModelSizes, num_shards: int, mode: str = "allgather",
-                               alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
-    """Host bytes of one rank's weight arena (see the module docstring)."""
+                               alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, load_group: int = 1) -> int:
+    """Host bytes of one rank's weight arena (see the module docstring); ``load_group``: the ring's, whose
+    grouped shard layout (``W > 1``, :func:`~dlo_fn.plan.layout.layout_load_group`) pads a group's shards to
+    its largest."""
     _check_choice("mode", mode, HOST_MODES)
     if mode == "allgather":
-        return sizes.shard_bytes_per_rank(num_shards, alignment_bytes)
+        return sizes.shard_bytes_per_rank(num_shards, alignment_bytes, load_group)
     if mode == "rank-local":
         return sizes.shard_bytes_per_rank(1, alignment_bytes)  # whole blocks, each at an aligned offset
     return 0

@@ -218,7 +218,8 @@ def _memory(model: PolicyModel, topology: Topology, workload: Workload, cand: Ca
     hbm = hbm_per_card(model.sizes, cand.num_shards, op_mode(cand), num_slots=cand.num_slots,
                        num_landing=max(cand.num_landing, 1), activation_bytes=local_tokens * model.activation_bytes_per_token,
                        communication_bytes=comm, context_bytes=topology.context_bytes)
-    host = pinned_host_bytes_per_rank(model.sizes, cand.num_shards, op_mode(cand)) + topology.framework_host_bytes
+    host = pinned_host_bytes_per_rank(model.sizes, cand.num_shards, op_mode(cand),
+                                      load_group=cand.load_group) + topology.framework_host_bytes
     return hbm.peak_bytes, host
 
 

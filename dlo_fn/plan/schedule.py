@@ -12,8 +12,9 @@ with ``N = 2`` it is ``max(h, a)`` (the cycle ``H2D k -> AG k -> H2D k+2`` spans
 absorb jitter, at ``max_shard_bytes`` of HBM each, so 2 is the default.
 
 **Runs chain into one ring.** Global load ``g`` is block ``g % B`` on slot ``g % S`` and landing ``g % N``; every
-run starts at a multiple of ``B``. A run with ``prefetch_next`` also loads ``k = L .. L+S-2`` (blocks
-``0 .. S-2`` of the next run) into the slots its last computes do not use; the next run starts ``warm_start``
+run starts at a multiple of ``B``. A run with ``prefetch_next`` also loads ``k = L .. L+S-G-1`` (blocks
+``0 .. S-G-1`` of the next run, ``G`` the load group: whole groups; ``lowering.prefetch_depth``) into the slots
+its last computes do not use; the next run starts ``warm_start``
 from them, at the offsets the :class:`Ring` carries (``ring.after(run).next_schedule(...)``, or
 :func:`next_schedule`), and computes without reloading block 0. Across runs the executor keeps, per buffer, the
 event of the previous run's ``last_use`` and makes this run's ``first_use`` op of that buffer wait on it;
@@ -163,7 +164,7 @@ class Ring:
     """What carries from one run to the next on one set of slots and landing buffers; pure.
 
     A run that starts at global load ``g0`` (a multiple of ``B``) has ``slot_offset = g0 % S`` and
-    ``landing_offset = g0 % N``; ``warm`` says the previous run prefetched this run's loads ``0 .. S-2`` into the
+    ``landing_offset = g0 % N``; ``warm`` says the previous run prefetched this run's loads ``0 .. S-G-1`` into the
     slots (``prefetch_next``). After a run of ``L`` loads the ring is at ``g0 + L``:
     ``slot_offset' = (slot_offset + L) % S``, ``landing_offset' = (landing_offset + L) % N`` (0 when
     ``N = 0``), ``warm' = prefetch_next`` of that run. Runs of any length and ``R`` chain this way.
@@ -215,7 +216,7 @@ class Ring:
                       prefetch_next: bool = True) -> Schedule:
         """Compute order -> place computes -> add loads -> add dependencies, from this ring's state.
 
-        ``prefetch_next`` (default: the ring never stops) also loads blocks ``0 .. S-2`` of the next run."""
+        ``prefetch_next`` (default: the ring never stops) also loads blocks ``0 .. S-G-1`` of the next run."""
         order = compute_order(self.num_blocks, num_steps, requests_per_load)
         computes = place_computes(order, self.num_slots, self.slot_offset)
         ops = add_loads(computes, num_blocks=self.num_blocks, num_slots=self.num_slots,

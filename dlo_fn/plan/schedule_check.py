@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from dlo_fn.plan.lowering import buffer_uses, compute_order, group_last, place_computes
+from dlo_fn.plan.lowering import buffer_uses, compute_order, group_last, place_computes, prefetch_depth
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 
@@ -47,8 +47,8 @@ def _fail(schedule: "Schedule", i: int | None, message: str) -> NoReturn:
 
 
 def _load_range(s: "Schedule") -> range:
-    first = s.num_slots - 1 if s.warm_start else 0
-    return range(first, s.num_loads + (s.num_slots - 1 if s.prefetch_next else 0))
+    depth = prefetch_depth(s.num_slots, s.load_group)
+    return range(depth if s.warm_start else 0, s.num_loads + (depth if s.prefetch_next else 0))
 
 
 def _check_ops(s: "Schedule") -> None:
@@ -102,10 +102,10 @@ def _check_order(s: "Schedule") -> None:
 
 
 def _initial_slots(s: "Schedule") -> dict[str, int]:
-    """Slot contents at run start, as this run's load index: warm runs hold loads 0 .. S-2."""
+    """Slot contents at run start, as this run's load index: warm runs hold loads 0 .. S-G-1."""
     if not s.warm_start:
         return {}
-    return {f"s{(s.slot_offset + j) % s.num_slots}": j for j in range(s.num_slots - 1)}
+    return {f"s{(s.slot_offset + j) % s.num_slots}": j for j in range(prefetch_depth(s.num_slots, s.load_group))}
 
 
 def final_slot_contents(s: "Schedule") -> dict[str, int]:

@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, equal_shard_bytes
+from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, equal_shard_bytes, grouped_shard_bytes, layout_load_group
 
 __all__ = ["GB", "GIB", "parse_bytes", "ModelSizes"]
 
@@ -132,8 +132,12 @@ class ModelSizes:
         _check_positive("num_shards", num_shards)
         return tuple(equal_shard_bytes(n, num_shards, alignment_bytes) for n in self.block_bytes)
 
-    def shard_bytes_per_rank(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
-        return sum(self.shard_bytes(num_shards, alignment_bytes))
+    def shard_bytes_per_rank(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+                             load_group: int = 1) -> int:
+        """A rank's host bytes of shards; ``load_group``: of the layout built for it (where it groups the blocks,
+        each group's shards are its largest one's: :func:`dlo_fn.plan.layout.grouped_shard_bytes`)."""
+        group = layout_load_group(self.num_blocks, num_shards, load_group)
+        return sum(grouped_shard_bytes(self.block_bytes, num_shards, group, alignment_bytes))
 
     def max_shard_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
         """Landing-buffer size: the largest local shard."""

@@ -7,7 +7,7 @@ metadata events name the rows. Each event also carries its exact ``start_s``/``e
 is read from ``ts``/``dur``. The timeline's ``meta`` goes to ``otherData``. Open the file in
 https://ui.perfetto.dev or chrome://tracing.
 
-A run prefetches the first ``S - 1`` loads of the next run (``Schedule.prefetch_next``): an ``H2D`` or ``AG`` of
+A run prefetches the first ``S - G`` loads of the next run (``Schedule.prefetch_next``): an ``H2D`` or ``AG`` of
 ``run<j>`` whose load index ``k`` is past the last load that run computes. Those events are named
 ``"<op> (prefetch for next run)"`` with the op itself in ``args["op"]``, so the last run's trailing loads of
 block 0 are not mistaken for work of that run (the next ``generate`` or serve would start from them).

@@ -132,7 +132,8 @@ def allgather_rows(report: dict[str, Any]) -> list[dict[str, object]]:
 
 def allgather_reading(report: dict[str, Any], target_us: float = 30.0) -> dict[str, str]:
     """The reading of :func:`allgather_rows`: on the NCCL rank, the executor's own part and the NCCL calls' per
-    block at G = 4 against ``target_us``, and one NCCL call's host time back to back (ranges over the runs)."""
+    block at G = 4 against ``target_us``, the own communicator's at G = 4 (grouped and per-block shard layouts) and
+    G = 8, and one NCCL call's host time back to back (ranges over the runs)."""
     def span(values: list[float]) -> str:
         return f"{min(values):.1f}-{max(values):.1f} us"
 
@@ -146,12 +147,17 @@ def allgather_reading(report: dict[str, Any], target_us: float = 30.0) -> dict[s
     coll = _ag_values(report, "nccl_one_rank", "driver-g4", "collective_call_us_per_block")
     total = _ag_values(report, "nccl_one_rank", "own-g4", "proxy_host_us_per_block")  # the own communicator
     own_coll = _ag_values(report, "nccl_one_rank", "own-g4", "collective_call_us_per_block")
+    per_block = _ag_values(report, "nccl_one_rank", "own-g4-perblock", "proxy_host_us_per_block")
+    g8 = _ag_values(report, "nccl_one_rank", "own-g8", "proxy_host_us_per_block")
     return {"own part at G = 4": f"{span(own)} per block ({under(own)})",
-            "NCCL calls at G = 4": f"{span(coll)} per block (one coalesced call per 4 blocks)",
+            "NCCL calls at G = 4": f"{span(coll)} per block (one call per 4 blocks)",
             "one NCCL call, back to back": f"{span(calls('bound_call_G1'))} (coalesced over 4 blocks: "
                                            f"{span(calls('bound_call_G4'))})",
             "own communicator, G = 4": f"{span(total)} per block ({under(total)}), of which NCCL calls "
-                                       f"{span(own_coll)}",
+                                       f"{span(own_coll)} (the grouped shard layout: one all-gather per group)",
+            "own communicator, G = 4, per-block layout": f"{span(per_block)} per block (four all-gathers per group, "
+                                                         f"in one launch)",
+            "own communicator, G = 8": f"{span(g8)} per block ({under(g8)})",
             "one ncclAllGather, back to back": f"{span(calls('own_call_G1'))} (4 in one group launch: "
                                                f"{span(calls('own_call_G4'))})",
             "runs": ", ".join(run["date"] for run in report["runs"])}
@@ -239,7 +245,8 @@ def summary(driver: dict[str, Any], *reports: dict[str, Any], ab: dict[str, Any]
     if allgather is not None:
         for variant, label in (("driver", "one load per block"), ("driver-g4", "load groups of 4"),
                                ("own", "own communicator, one load per block"),
-                               ("own-g4", "own communicator, load groups of 4")):
+                               ("own-g4", "own communicator, load groups of 4"),
+                               ("own-g4-perblock", "own communicator, load groups of 4, per-block layout")):
             total = _ag_values(allgather, "nccl_one_rank", variant, "proxy_host_us_per_block")
             coll = _ag_values(allgather, "nccl_one_rank", variant, "collective_call_us_per_block")
             out[f"ours, allgather program over NCCL (one rank), {label}"] = (

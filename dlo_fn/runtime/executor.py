@@ -3,7 +3,8 @@
 State (all allocated once, in ``__init__``):
 
 * ``num_slots`` slots of ``ModelLayout.max_padded_block_bytes`` (a gathered block; one allocation, slot ``s`` at
-  ``s x`` the slot size, so a load group's copies into consecutive slots can be one) and, in allgather mode,
+  ``s x`` the slot size, so a load group's copies into consecutive slots can be one; a grouped layout places a
+  group's blocks at its own stride from the group's first slot, :meth:`Executor.slot_span`) and, in allgather mode,
   ``num_landing`` landing buffers of ``max_shard_bytes`` (a local shard; one allocation too): device weight bytes are
   ``S x max_padded_block + N x max_shard``, whatever the depth;
 * typed weight views per (slot, block layout), and per (op kind, block, buffer) byte views, built per
@@ -108,6 +109,10 @@ class Executor:
                               num_landing=num_landing if mode == "allgather" else None,
                               num_shards=None if one_rank else layout.num_shards, load_group=load_group)
         self.load_group = load_group
+        if layout.load_group > 1 and layout.load_group != load_group:
+            raise ValueError(f"the layout groups its blocks {layout.load_group} at a time (one all-gather per group), "
+                             f"the executor was asked for load_group = {load_group}: pass load_group = "
+                             f"{layout.load_group}, or build the layout with load_group = {load_group}")
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.async_collectives = async_collectives and not platform.is_accelerator
         self.record_timeline = record_timeline
@@ -116,13 +121,12 @@ class Executor:
         dev = platform.device
         before = platform.memory_allocated()
         slot_bytes = layout.max_padded_block_bytes
-        ring_buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=dev)
-        self.slots = tuple(ring_buffer[s * slot_bytes : (s + 1) * slot_bytes] for s in range(num_slots))
-        del ring_buffer
+        self._ring_buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=dev)
+        self.slots = tuple(self._ring_buffer[s * slot_bytes : (s + 1) * slot_bytes] for s in range(num_slots))
         landing_bytes = layout.max_shard_bytes  # one allocation too: a load group's shards land side by side
-        landing = torch.empty(self.num_landing * landing_bytes, dtype=torch.uint8, device=dev)
-        self.landing = tuple(landing[n * landing_bytes : (n + 1) * landing_bytes] for n in range(self.num_landing))
-        del landing
+        self._landing_buffer = torch.empty(self.num_landing * landing_bytes, dtype=torch.uint8, device=dev)
+        self.landing = tuple(self._landing_buffer[n * landing_bytes : (n + 1) * landing_bytes]
+                             for n in range(self.num_landing))
         self.measured_device_bytes = platform.memory_allocated() - before
         self._set_stream = platform.stream_setter()
         self.h2d_stream = platform.new_stream("h2d")
@@ -135,17 +139,22 @@ class Executor:
                 log.warning("cuda graph (per block): %s; running eager", why)
             else:
                 self.block_graphs = BlockGraphs(graph_shapes)
-        shared: dict[tuple, list[dict[str, torch.Tensor]]] = {}
+        shared: dict[tuple, dict[str, torch.Tensor]] = {}
         self._callers: list[tuple[Any, ...]] = []
         for b, shard in enumerate(layout.shards):
             key = layout_key(shard.block, dict(self.aliases[b]))
-            if key not in shared:
-                shared[key] = [make_views(slot, shard.block, dict(self.aliases[b])) for slot in self.slots]
-            callers = [make_caller(block_call, self.blocks[b], shared[key][s]) for s in range(num_slots)]
+            views = []
+            for s in range(num_slots):
+                span = self.slot_span(b, s)
+                at = (key, span.data_ptr())  # a grouped layout places a block at its group's stride in the slots
+                if at not in shared:
+                    shared[at] = make_views(span, shard.block, dict(self.aliases[b]))
+                views.append(shared[at])
+            callers = [make_caller(block_call, self.blocks[b], views[s]) for s in range(num_slots)]
             if self.block_graphs is not None:
                 callers = [self.block_graphs.wrap(c, b, s) for s, c in enumerate(callers)]
             self._callers.append(tuple(callers))
-        self.num_view_sets = len(shared) * num_slots
+        self.num_view_sets = len(shared)
         # Driver calls for the eager loop's copies and events (pinned arena, no recorder); an all-gather (W > 1) is
         # bound ncclAllGather calls on the executor's own communicator between them (runtime.nccl_raw), or one
         # bound call of its process group, on the all-gather stream (_bind_gather).
@@ -185,6 +194,25 @@ class Executor:
         """Bytes of the slots and landing buffers (their storages): the executor's whole weight footprint."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.slots + self.landing}
         return sum(storages.values())
+
+    def slot_span(self, block: int, slot: int) -> torch.Tensor:
+        """The bytes of ``slot`` that ``block`` occupies there: the slot itself, or in a grouped layout
+        (:mod:`dlo_fn.plan.layout`) member ``g`` of a group's ``G`` consecutive slots at ``g`` times the group's
+        stride from the first of them (where one all-gather of the group writes it)."""
+        g, shard = self.layout.load_group, self.layout.shards[block]
+        if g == 1:
+            return self.slots[slot]
+        start = (slot - slot % g) * self.layout.max_padded_block_bytes + (slot % g) * shard.padded_bytes
+        return self._ring_buffer[start : start + shard.padded_bytes]
+
+    def landing_span(self, block: int, landing: int) -> torch.Tensor:
+        """The bytes of landing buffer ``landing`` that ``block``'s shard lands in (grouped layout: at the
+        group's piece size from the group's first landing buffer; see :meth:`slot_span`)."""
+        g, shard = self.layout.load_group, self.layout.shards[block]
+        if g == 1:
+            return self.landing[landing]
+        start = (landing - landing % g) * self.layout.max_shard_bytes + (landing % g) * shard.shard_bytes
+        return self._landing_buffer[start : start + shard.shard_bytes]
 
     @property
     def planned_device_weight_bytes(self) -> int:
@@ -262,7 +290,7 @@ class Executor:
 
     def _compile(self, sch: Schedule) -> Program:
         raw = self._raw
-        return compile_schedule(sch, self.layout, self.store, self.slots, self.landing, self._callers,
+        return compile_schedule(sch, self.layout, self.store, self.slot_span, self.landing_span, self._callers,
                                 (self.h2d_stream, self.allgather_stream),
                                 raw.new_event if raw is not None else self.platform.new_event,
                                 stream_handle if raw is not None else None)
@@ -371,6 +399,7 @@ class Executor:
         except Exception:  # noqa: BLE001 - a broken run (a dead peer) may fail its wait; the buffers go anyway
             pass
         self.slots, self.landing, self._callers = (), (), []
+        self._ring_buffer = self._landing_buffer = None
         self._programs, self._carry = Programs(self._compile), {}
         self.graphs = self.block_graphs = None
         if self._nccl is not None:

@@ -6,6 +6,10 @@ and copies into it, for every block ``b``, the pieces ``layout.shards[b].pieces[
 block; gaps (alignment between tensors, tail padding) are zeroed so every gathered byte is defined. The caller
 then drops the mmap views (the block modules go to the meta device).
 
+In a grouped layout (``ModelLayout.load_group > 1``) the arena holds, group after group, the rank's chunk of
+the group's blocks concatenated (:mod:`dlo_fn.plan.layout`): a load group's H2D is one copy of the chunk, its
+all-gather one collective.
+
 **Exact-size pinning.** ``torch.empty(n, pin_memory=True)`` goes through the caching host allocator, which
 rounds every request up to a power of two (a 13.8 GB arena would pin 16 GB; per-block pinning of 1.2 GiB
 blocks costs 2 GiB each). On CUDA we allocate ``n`` pageable bytes and page-lock exactly those pages with
@@ -213,17 +217,19 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
         bar = tqdm(total=layout.shard_bytes_per_rank, unit="B", unit_scale=True, desc=f"copying shards into {what}")
     sources = []
     copied: list[tuple[int, int]] = []  # source address ranges copied into the arena (released afterwards)
+    def piece_bytes(b: int, p) -> torch.Tensor:  # a grouped layout's piece may hold another block's bytes
+        owner = b if p.block is None else p.block
+        return tensor_bytes(_check_tensor(layout, owner, p.tensor, block_tensors[owner].get(p.tensor)))[
+            p.src_start : p.src_stop]
+
     for b, shard in enumerate(layout.shards):
         base = offsets[b]
         pieces = shard.pieces[shard_rank]
         if b >= k:  # streamed: the H2D reads the rank's pieces where they are
-            sources.append(tuple(
-                H2DSource(tensor_bytes(_check_tensor(layout, b, p.tensor, block_tensors[b].get(p.tensor)))
-                          [p.src_start : p.src_stop], p.dst_start) for p in pieces))
+            sources.append(tuple(H2DSource(piece_bytes(b, p), p.dst_start) for p in pieces))
             continue
         for p in pieces:
-            t = _check_tensor(layout, b, p.tensor, block_tensors[b].get(p.tensor))
-            src = tensor_bytes(t)[p.src_start : p.src_stop]
+            src = piece_bytes(b, p)
             arena[base + p.dst_start : base + p.dst_stop].copy_(src)
             copied.append((src.data_ptr(), src.data_ptr() + src.numel()))
         for lo, hi in _gaps(pieces, shard.shard_bytes):

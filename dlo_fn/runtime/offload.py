@@ -28,7 +28,8 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from dlo_fn.plan.host_budget import pinned_prefix
-from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, model_layout
+from dlo_fn.plan.layout import (DEFAULT_ALIGNMENT_BYTES, ModelLayout, grouped_layout_problem, layout_load_group,
+                                model_layout)
 from dlo_fn.plan.lowering import check_load_group
 from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.plan.schedule import Schedule
@@ -68,7 +69,9 @@ class OffloadOptions:
     # Loads that move as one (dlo_fn.plan.lowering, "Load groups"): G consecutive blocks' H2D with one wait and one
     # record, their all-gathers as one collective (W > 1), and their computes with one wait and one record, so
     # small blocks cost the host the driver calls of one load per G blocks. Needs num_slots a multiple of G and
-    # >= 2G and, in allgather mode over W > 1 ranks, num_landing a multiple of G (default 2G).
+    # >= 2G and, in allgather mode over W > 1 ranks, num_landing a multiple of G (default 2G). There, where G
+    # divides the number of blocks, the shards are laid out per group (dlo_fn.plan.layout, "Grouped shard
+    # layout"): one all-gather per group instead of G; else one per block, in one coalesced launch.
     load_group: int = 1
     shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
     # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
@@ -186,7 +189,11 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     shards = shard_group(ctx, mesh, options.shard_group) if options.mode == "allgather" else ShardGroup(
         "none", None, 1, 0)
     num_shards = shards.size
-    layout = model_layout(spec, num_shards, options.alignment_bytes)
+    group = layout_load_group(spec.num_blocks, num_shards, options.load_group)
+    if group != options.load_group and num_shards > 1 and ctx.is_main:
+        log.info("per-block shard layout: %s; the group's %d all-gathers go in one launch",
+                 grouped_layout_problem(spec.num_blocks, options.load_group), options.load_group)
+    layout = model_layout(spec, num_shards, options.alignment_bytes, group)
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
     files = viewed_files(model)  # before the blocks drop their views: which checkpoint files back this model

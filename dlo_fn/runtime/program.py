@@ -131,25 +131,28 @@ class RunState:
     next: tuple[Any, ...] | None = None
 
 
-def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots: Sequence[torch.Tensor],
-                     landing: Sequence[torch.Tensor], callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
+def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore,
+                     slot_span: Callable[[int, int], torch.Tensor], landing_span: Callable[[int, int], torch.Tensor],
+                     callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
                      new_event: Callable[[], Any], raw_stream: Callable[[Any], int] | None = None) -> Program:
-    """Resolve every op of ``sch`` against the buffers (``streams`` = (H2D stream, all-gather stream));
-    ``raw_stream`` (a stream's handle): also resolve the copies to pointers for the driver-call loop."""
+    """Resolve every op of ``sch`` against the buffers (``slot_span(block, slot)`` / ``landing_span(block,
+    landing)``: the bytes a block occupies there; ``streams`` = (H2D stream, all-gather stream)); ``raw_stream``
+    (a stream's handle): also resolve the copies to pointers for the driver-call loop."""
     kinds, op_streams, args = [], [], []
     for op in sch.ops:
         shard = layout.shards[op.block]
         if op.kind == H2D:
             kinds.append(_H2D)
             op_streams.append(streams[0])
-            dst = slots[op.slot] if op.slot is not None else landing[op.landing]
+            dst = slot_span(op.block, op.slot) if op.slot is not None else landing_span(op.block, op.landing)
             args.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
                               for s in store.sources[op.block]))
         elif op.kind == AG:
             kinds.append(_AG)
             op_streams.append(streams[1])
             n = shard.shard_bytes
-            args.append(((slots[op.slot][: n * layout.num_shards], landing[op.landing][:n]),))
+            args.append(((slot_span(op.block, op.slot)[: n * layout.num_shards],
+                          landing_span(op.block, op.landing)[:n]),))
         else:
             kinds.append(_C)
             op_streams.append(None)
@@ -160,7 +163,9 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
     carry: list[list[str]] = [[] for _ in sch.ops]
     for buf, i in sch.first_use:
         carry[i].append(buf)
-    _merge_group_loads(kinds, args, sch.load_group_last, sch.deps, carry)
+    _merge_group_loads(kinds, args, sch.load_group_last, sch.deps, carry, layout.load_group > 1)
+    if layout.load_group > 1:
+        _check_group_gathers(sch, layout, kinds, args)
     nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
     for i in range(len(sch.ops), -1, -1):
         if i < len(sch.ops) and kinds[i] == _C:
@@ -180,7 +185,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, slots
 
 
 def _merge_group_loads(kinds: Sequence[int], args: list[Any], lead: tuple[int | None, ...],
-                       deps: Sequence[tuple[int, ...]], carry: Sequence[list[str]]) -> None:
+                       deps: Sequence[tuple[int, ...]], carry: Sequence[list[str]], spans: bool = False) -> None:
     """In place: the copies of a load group's H2D that continue the previous H2D's last copy in both its source
     and its destination (one storage each: the slots and the landing buffers are one allocation each, the arena
     holds the blocks back to back) join that copy, and the later H2D is left with none; a load group's AG joins
@@ -189,7 +194,11 @@ def _merge_group_loads(kinds: Sequence[int], args: list[Any], lead: tuple[int | 
     load every wait of the group: ``lowering.add_dependencies``), so every copy and collective still runs after
     the waits it needs; a joining load's waits on the previous run's last uses (``carry``, the buffers' first
     uses in this run) move to the load it joins: those events were all recorded before this run began, so waiting
-    for them a few ops earlier on the same stream only holds the group until its buffers are free."""
+    for them a few ops earlier on the same stream only holds the group until its buffers are free.
+
+    ``spans`` (a grouped layout, :mod:`dlo_fn.plan.layout`): a group's AGs join like its copies, into one
+    all-gather of the group's landing bytes into its slot bytes (their bytes continue), which is the only
+    all-gather of that layout that gathers whole blocks (:func:`_check_group_gathers`)."""
     into = None  # the load of this group (and kind: ``lead`` is per kind) that the next one may join
     for i in range(len(args)):
         if lead[i] is None:
@@ -198,18 +207,36 @@ def _merge_group_loads(kinds: Sequence[int], args: list[Any], lead: tuple[int | 
         if into is None or lead[into] != lead[i] or deps[i] or not args[i] or not args[into]:
             into = i
             continue
-        if kinds[i] == _AG:
+        if kinds[i] == _AG and not spans:
             args[into], args[i] = (*args[into], *args[i]), ()
         else:
             (d0, s0), (d1, s1) = args[into][-1], args[i][0]
             if not (_continues(d0, d1) and _continues(s0, s1)):
                 into = i
                 continue
-            n = d0.numel() + d1.numel()
-            args[into] = (*args[into][:-1], (_byte_view(d0, n), _byte_view(s0, n)), *args[i][1:])
+            joined = (_byte_view(d0, d0.numel() + d1.numel()), _byte_view(s0, s0.numel() + s1.numel()))
+            args[into] = (*args[into][:-1], joined, *args[i][1:])
             args[i] = ()
         carry[into].extend(buf for buf in carry[i] if buf not in carry[into])
         carry[i].clear()
+
+
+def _check_group_gathers(sch: Schedule, layout: ModelLayout, kinds: Sequence[int], args: Sequence[Any]) -> None:
+    """ScheduleError unless every all-gather of a grouped layout is one whole group's (one pair of ``G`` pieces):
+    a part of a group gathers rank-major pieces that are no block (a schedule whose load groups are not the
+    layout's, or a run that splits a group)."""
+    g = layout.load_group
+    for i, kind in enumerate(kinds):
+        if kind != _AG or not args[i]:
+            continue
+        op = sch.ops[i]
+        want = g * layout.shards[op.block].shard_bytes
+        if len(args[i]) != 1 or args[i][0][1].numel() != want or layout.shards[op.block].member:
+            raise ScheduleError(
+                f"op {i} ({op}): the layout gathers blocks {g} at a time (one all-gather per group), but this "
+                f"schedule's all-gather there is not one whole group's (load_group = {sch.load_group}, slot_offset "
+                f"= {sch.slot_offset}, landing_offset = {sch.landing_offset}): run the ring's schedules "
+                f"(load_group = {g}) on it")
 
 
 def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
