@@ -171,7 +171,8 @@ def test_grouped_layout_gathers_each_group_in_one_all_gather(group, num_groups, 
                 assert shard.rank_range(r) == ((r * g + m) * q, (r * g + m + 1) * q)
                 for pc in shard.pieces[r]:
                     owner = first + m if pc.block is None else pc.block
-                    chunk[m * q + pc.dst_start : m * q + pc.dst_stop] = data[(owner, pc.tensor)][pc.src_start : pc.src_stop]
+                    src = data[(owner, pc.tensor)][pc.src_start : pc.src_stop]
+                    chunk[m * q + pc.dst_start : m * q + pc.dst_stop] = src
             chunks.append(chunk)
         gathered = torch.cat(chunks)  # what all_gather_into_tensor of the chunks writes
         assert gathered.numel() == g * stride

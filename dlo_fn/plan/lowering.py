@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
 
 __all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies",
-           "buffer_uses", "check_load_group", "default_num_landing", "load_group_problem", "group_last", "prefetch_depth",
-           "load_groups"]
+           "buffer_uses", "check_load_group", "default_num_landing", "load_group_problem", "group_last",
+           "prefetch_depth", "load_groups"]
 
 
 @dataclass(frozen=True, slots=True)
