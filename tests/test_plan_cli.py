@@ -75,3 +75,25 @@ def test_unknown_model_is_named():
 
     with pytest.raises(CheckpointError, match="nano2"):
         spec_for("nano2")
+
+
+def test_load_group_plans_the_grouped_layout(capsys):
+    # W > 1 with G dividing the blocks: the grouped layout offload builds (its digest, host bytes, 2G landing
+    # buffers); G = 5 does not divide Nano's 72 blocks, and W = 1 gathers nothing: per-block shards
+    spec = spec_for("cosmos3-nano")
+    plan = _plan(capsys, "--model", "cosmos3-nano", "--num-shards", "4", "--load-group", "4", "--slots", "8")
+    grouped = model_layout(spec, 4, load_group=4)
+    assert (plan["load_group"], plan["num_landing"], plan["layout_digest"]) == (4, 8, grouped.digest)
+    assert plan["shard_bytes_per_rank"] == grouped.shard_bytes_per_rank
+    assert plan["hbm_weight_bytes"] == 8 * grouped.max_padded_block_bytes + 8 * grouped.max_shard_bytes
+    assert plan["rank_terms"]["arena_bytes"] == grouped.shard_bytes_per_rank
+    per_block = _plan(capsys, "--model", "cosmos3-nano", "--num-shards", "4", "--load-group", "5", "--slots", "10")
+    assert (per_block["load_group"], per_block["layout_digest"]) == (1, model_layout(spec, 4).digest)
+    one = _plan(capsys, "--model", "cosmos3-nano", "--load-group", "4", "--slots", "8")
+    assert (one["load_group"], one["layout_digest"]) == (1, model_layout(spec, 1).digest)
+
+
+def test_load_group_needs_its_slots(capsys):
+    assert main(["plan", "--model", "tiny", "--num-shards", "2", "--load-group", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--load-group 2: load_group = 2 needs num_slots a multiple of it" in err[0], err

@@ -8,6 +8,7 @@ import json
 from dlo_fn.cli import HelpFormatter, UsageError
 from dlo_fn.plan.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
 from dlo_fn.plan.modes import OFFLOAD_MODES
+from dlo_fn.plan.lowering import default_num_landing, load_group_problem
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 FIELD_HELP = """\
@@ -18,8 +19,12 @@ fields:
   resident_bytes              tensors outside the block lists: kept on every device
   num_shards                  ranks in the shard group (W; --num-shards)
   max_padded_block_bytes      the largest block after packing and padding to W equal shards = one slot
+  num_landing                 landing buffers (allgather at W > 1; default 2, 2G with --load-group G)
+  load_group                  the shard layout's load group: G with --load-group G at W > 1 where G divides
+                              the blocks (one all-gather per group of G blocks), else 1 (per-block shards)
   shard_bytes_per_rank        host bytes of one rank's shards: sum over blocks of align_up(ceil(n/W), A)
-                              (allgather); 0 in rank-local mode (no sharding)
+                              (allgather; a grouped layout pads each group's to its largest); 0 in rank-local
+                              mode (no sharding)
   pinned_host_bytes_per_rank  the rank's exact-size pinned arena: its shards (allgather), or every block
                               unsharded (rank-local with a private pinned copy)
   hbm_weight_bytes            device bytes held for weights: slots x max_padded_block_bytes + landing
@@ -57,8 +62,13 @@ def register(subparsers) -> None:
                    help="allgather: shard over W ranks and gather each block; rank-local: whole blocks per rank")
     p.add_argument("--slots", type=int, default=2,
                    help="device slots (2 = the published double buffer; 1 = load, then compute, no overlap)")
-    p.add_argument("--landing", type=int, default=DEFAULT_NUM_LANDING,
-                   help="landing buffers for the local shard (allgather)")
+    p.add_argument("--landing", type=int, default=None,
+                   help=f"landing buffers for the local shard (allgather; default {DEFAULT_NUM_LANDING}, 2G with "
+                        f"--load-group G)")
+    p.add_argument("--load-group", type=int, default=1, metavar="G",
+                   help="G consecutive blocks loaded as one (needs --slots a multiple of G and >= 2G): at W > 1 the "
+                        "shards are laid out per group where G divides the blocks (one all-gather per group; its "
+                        "own digest; unequal blocks pad to their group's largest). Default 1")
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
     p.add_argument("--block-paths", default=None,
                    help="comma-separated dotted paths of the block list(s) (checkpoints: auto-detected)")
@@ -153,6 +163,11 @@ def run(args: argparse.Namespace) -> int:
     from dlo_fn.runtime.sources import spec_for
 
     check_layout_args(args)
+    if args.landing is None:
+        args.landing = default_num_landing(args.load_group)
+    problem = load_group_problem(args.load_group, args.slots, args.mode, args.landing)
+    if problem:
+        raise UsageError(f"plan: --load-group {args.load_group}: {problem}")
     mesh = _mesh(args)
     block_paths = tuple(args.block_paths.split(",")) if args.block_paths else None
     try:
@@ -160,14 +175,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         raise UsageError(f"plan: --model {args.model}: {exc}") from exc
     num_shards = mesh.num_shards if mesh else args.num_shards
-    summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment)
+    summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment, args.load_group)
     mesh_doc, notes = _mesh_doc(args, spec, mesh) if mesh else (None, [])
     from dlo_fn.cli.rank_rows import TERM_FORMULAS
     from dlo_fn.plan.rank_memory import rank_terms
     from dlo_fn.plan.sizes import ModelSizes
 
     terms = dict(rank_terms(ModelSizes.from_spec(spec, args.alignment), num_shards, args.mode, "cuda",
-                            num_slots=args.slots, num_landing=args.landing, alignment_bytes=args.alignment).items())
+                            num_slots=args.slots, num_landing=args.landing, alignment_bytes=args.alignment,
+                            load_group=args.load_group).items())
     if args.json:
         print(json.dumps({**summary.to_dict(), "rank_terms": terms,
                           **({"mesh": mesh_doc, "notes": notes} if mesh else {})}, indent=2))

@@ -139,17 +139,19 @@ def _check(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 def rank_terms(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", device: str = "cpu", *,
                num_slots: int = 2, num_landing: int = 2, activation_bytes: int = 0, staging_bytes: int = 0,
-               process_group: bool | None = None, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> RankTerms:
+               process_group: bool | None = None, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+               load_group: int = 1) -> RankTerms:
     """The terms for ``num_ranks`` ranks on one host (allgather shards over all of them). ``process_group``:
     whether the ranks have one (the allgather warm-up runs a real collective); default ``num_ranks > 1``
-    (a single process runs without a group unless launched by torchrun or ``run_ranks``)."""
+    (a single process runs without a group unless launched by torchrun or ``run_ranks``). ``load_group``: the
+    ring's, whose grouped shard layout pads a group's shards to its largest (:mod:`dlo_fn.plan.layout`)."""
     _check_positive("num_ranks", num_ranks)
     _check("mode", mode, RANK_MODES)
     _check("device", device, DEVICES)
     gather = mode == "allgather"
     w = num_ranks if gather else 1
     blocks = sizes.total_block_bytes
-    arena = 0 if mode == "rank-local-mmap" else sizes.shard_bytes_per_rank(w, alignment_bytes)
+    arena = 0 if mode == "rank-local-mmap" else sizes.shard_bytes_per_rank(w, alignment_bytes, load_group)
     read = 0 if mode == "rank-local-mmap" else (blocks + w - 1) // w
     slot = sizes.max_padded_block_bytes(w, alignment_bytes)
     cpu = device == "cpu"
