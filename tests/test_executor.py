@@ -424,3 +424,38 @@ def test_generic_loop_records_only_what_is_waited_on(monkeypatch, load_group):
     assert len(records) == len(program.recorded) <= len(program.kinds)
     per_block = len(records) / (3 * 8)  # one load per block: every H2D and compute is waited on
     assert per_block == 2.0 if load_group == 1 else per_block < 1.2, per_block
+
+
+def test_a_grouped_layout_compiles_only_whole_group_gathers():
+    # The grouped shard layout (plan.layout) gathers a group in ONE all-gather: compiled against it, the ring's
+    # schedule of that group joins each group's AGs into one pair of the group's bytes; a schedule whose groups are
+    # not the layout's (one load per block, or groups shifted by a slot) is refused, naming the op.
+    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.plan.spec import spec_from_module
+    from dlo_fn.runtime.blocks import block_state
+    from dlo_fn.runtime.host_store import build_host_store
+    from dlo_fn.runtime.program import _AG, compile_schedule
+
+    model = toy(4)
+    layout = model_layout(spec_from_module(model, "blocks"), 2, load_group=2)
+    store = build_host_store(layout, 0, [block_state(b)[0] for b in model.blocks], platform_for("cpu"))
+    slots = torch.zeros(4 * layout.max_padded_block_bytes, dtype=torch.uint8)
+    landing = torch.zeros(4 * layout.max_shard_bytes, dtype=torch.uint8)
+
+    def span(buffer, unit, size):  # the executor's placement (Executor.slot_span / landing_span)
+        return lambda b, i: buffer[(i - i % 2) * unit + (i % 2) * size(b):][: size(b)]
+
+    def compile_(schedule):
+        return compile_schedule(schedule, layout, store,
+                                span(slots, layout.max_padded_block_bytes, lambda b: layout.shards[b].padded_bytes),
+                                span(landing, layout.max_shard_bytes, lambda b: layout.shards[b].shard_bytes),
+                                [[None] * 4 for _ in range(4)], (None, None), lambda: None)
+
+    ring = Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2)
+    program = compile_(ring.next_schedule(2))
+    pairs = [a for k, a in zip(program.kinds, program.args) if k == _AG and a]
+    assert pairs and all(len(a) == 1 and a[0][1].numel() == 2 * layout.shards[0].shard_bytes for a in pairs)
+    with pytest.raises(ScheduleError, match="not one whole group's"):
+        compile_(build_schedule(4, 1, num_slots=4, num_landing=4, mode="allgather"))
+    with pytest.raises(ScheduleError, match="not one whole group's"):
+        compile_(build_schedule(4, 1, num_slots=4, num_landing=4, mode="allgather", slot_offset=1, load_group=2))

@@ -72,7 +72,7 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
     from dlo_fn.bench.hostloop import HostDriver
     from dlo_fn.bench.step_dispatch import DISPATCH_SIZE
     from dlo_fn.models import BLOCK_PATHS
-    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.plan.layout import grouped_layout_problem, model_layout
     from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.blocks import strip_block
     from dlo_fn.runtime.host_store import build_host_store
@@ -92,7 +92,8 @@ def _rank(ctx: Any, config: str, variants: tuple[str, ...], quick: bool, one_ran
     layout = model_layout(spec, ctx.world_size)
     # one layout per load group the variants lay out per group (plan.layout: its arena holds the group's chunks)
     layouts = {1: layout} | {VARIANTS[v][1]: model_layout(spec, ctx.world_size, load_group=VARIANTS[v][1])
-                             for v in variants if VARIANTS[v][4] and spec.num_blocks % VARIANTS[v][1] == 0}
+                             for v in variants
+                             if VARIANTS[v][4] and grouped_layout_problem(spec.num_blocks, VARIANTS[v][1]) is None}
     reps = dict(warmup=2, repeats=3) if quick else dict(warmup=sv.GRAPH_WARMUP, repeats=31)
     resident_blocks = [copy.deepcopy(b) for b in blocks]
 

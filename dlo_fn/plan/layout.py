@@ -292,45 +292,37 @@ class ShardLayout:
         return "\n".join(lines)
 
 
+def _range_pieces(blocks: tuple[BlockLayout, ...], stride: int, lo: int, hi: int,
+                  first: int | None) -> tuple[Piece, ...]:
+    """The tensor bytes of ``blocks`` laid end to end at ``stride`` that fall in ``[lo, hi)``, as pieces of a
+    shard starting at ``lo``; ``first``: the index of ``blocks[0]``, named in each piece (None: one block, its
+    own shard)."""
+    out = []
+    for g, layout in enumerate(blocks):
+        base = g * stride
+        for p in layout.placements:
+            start, stop = max(lo, base + p.offset_bytes), min(hi, base + p.end_bytes)
+            if start < stop:
+                out.append(Piece(p.name, start - base - p.offset_bytes, stop - base - p.offset_bytes, start - lo,
+                                 stop - lo, None if first is None else first + g))
+    return tuple(out)
+
+
 def shard_layout(layout: BlockLayout, num_shards: int) -> ShardLayout:
     """Cut ``layout`` into ``num_shards`` equal, aligned shards (see the module docstring)."""
     shard = equal_shard_bytes(layout.nbytes, num_shards, layout.alignment_bytes)
-    per_rank = []
-    for r in range(num_shards):
-        lo, hi = r * shard, (r + 1) * shard
-        pieces = []
-        for p in layout.placements:
-            start, stop = max(lo, p.offset_bytes), min(hi, p.end_bytes)
-            if start < stop:
-                pieces.append(Piece(p.name, start - p.offset_bytes, stop - p.offset_bytes, start - lo, stop - lo))
-        per_rank.append(tuple(pieces))
-    return ShardLayout(layout, num_shards, shard, tuple(per_rank))
-
-
-def _group_pieces(group: tuple[BlockLayout, ...], first: int, num_shards: int, piece_bytes: int, rank: int,
-                  member: int) -> tuple[Piece, ...]:
-    """Rank ``rank``'s ``member``-th piece of its chunk of the group whose first block is ``first``: the bytes
-    ``[(rank G + member) q, +q)`` of the blocks concatenated at a stride of ``W q``."""
-    stride = num_shards * piece_bytes
-    lo = (rank * len(group) + member) * piece_bytes
-    hi = lo + piece_bytes
-    out = []
-    for g, layout in enumerate(group):
-        for p in layout.placements:
-            start, stop = max(lo, g * stride + p.offset_bytes), min(hi, g * stride + p.end_bytes)
-            if start < stop:
-                out.append(Piece(p.name, start - g * stride - p.offset_bytes, stop - g * stride - p.offset_bytes,
-                                 start - lo, stop - lo, first + g))
-    return tuple(out)
+    pieces = tuple(_range_pieces((layout,), 0, r * shard, (r + 1) * shard, None) for r in range(num_shards))
+    return ShardLayout(layout, num_shards, shard, pieces)
 
 
 def grouped_shard_layouts(group: tuple[BlockLayout, ...], num_shards: int, first: int) -> tuple[ShardLayout, ...]:
     """The shard layouts of one load group's blocks (``first`` the index of its first block) for one all-gather
     per group (see "Grouped shard layout" in the module docstring)."""
-    q = max(equal_shard_bytes(b.nbytes, num_shards, b.alignment_bytes) for b in group)
+    q, n = max(equal_shard_bytes(b.nbytes, num_shards, b.alignment_bytes) for b in group), len(group)
+    # rank r's g-th piece of its chunk: bytes [(r G + g) q, +q) of the blocks laid end to end at W q
     return tuple(
-        ShardLayout(b, num_shards, q, tuple(_group_pieces(group, first, num_shards, q, r, g)
-                                            for r in range(num_shards)), len(group), g)
+        ShardLayout(b, num_shards, q, tuple(_range_pieces(group, num_shards * q, (r * n + g) * q, (r * n + g + 1) * q,
+                                                          first) for r in range(num_shards)), n, g)
         for g, b in enumerate(group))
 
 

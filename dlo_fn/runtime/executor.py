@@ -196,23 +196,24 @@ class Executor:
         return sum(storages.values())
 
     def slot_span(self, block: int, slot: int) -> torch.Tensor:
-        """The bytes of ``slot`` that ``block`` occupies there: the slot itself, or in a grouped layout
-        (:mod:`dlo_fn.plan.layout`) member ``g`` of a group's ``G`` consecutive slots at ``g`` times the group's
-        stride from the first of them (where one all-gather of the group writes it)."""
-        g, shard = self.layout.load_group, self.layout.shards[block]
-        if g == 1:
-            return self.slots[slot]
-        start = (slot - slot % g) * self.layout.max_padded_block_bytes + (slot % g) * shard.padded_bytes
-        return self._ring_buffer[start : start + shard.padded_bytes]
+        """The bytes of ``slot`` that ``block`` occupies there: in a grouped layout (:mod:`dlo_fn.plan.layout`)
+        member ``g`` of a group's ``G`` consecutive slots lies ``g`` times the group's stride from the first of them
+        (where one all-gather of the group writes it); with ``G = 1``, at the slot's start."""
+        return self._span(self._ring_buffer, self.layout.max_padded_block_bytes, slot,
+                          self.layout.shards[block].padded_bytes)
 
     def landing_span(self, block: int, landing: int) -> torch.Tensor:
         """The bytes of landing buffer ``landing`` that ``block``'s shard lands in (grouped layout: at the
         group's piece size from the group's first landing buffer; see :meth:`slot_span`)."""
-        g, shard = self.layout.load_group, self.layout.shards[block]
-        if g == 1:
-            return self.landing[landing]
-        start = (landing - landing % g) * self.layout.max_shard_bytes + (landing % g) * shard.shard_bytes
-        return self._landing_buffer[start : start + shard.shard_bytes]
+        return self._span(self._landing_buffer, self.layout.max_shard_bytes, landing,
+                          self.layout.shards[block].shard_bytes)
+
+    def _span(self, buffer: torch.Tensor, unit: int, index: int, size: int) -> torch.Tensor:
+        """``size`` bytes of buffer ``index`` (of ``unit`` bytes each, one allocation), member ``index % G`` of its
+        load group placed at ``size`` apart from the group's first buffer."""
+        g = self.layout.load_group
+        start = (index - index % g) * unit + (index % g) * size
+        return buffer[start : start + size]
 
     @property
     def planned_device_weight_bytes(self) -> int:
