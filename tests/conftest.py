@@ -189,7 +189,7 @@ def shared_spawns(request):
     import multiprocessing.resource_tracker
     import os
 
-    from dlo_fn.runtime.dist import run_ranks
+    from dlo_fn.serve.ranks import run_ranks
 
     selected = {getattr(item.module, "__name__", None) for item in request.session.items}
     jobs = {world: {name: (module, function, tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg)

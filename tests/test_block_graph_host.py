@@ -1,9 +1,9 @@
-"""Block graphs' bookkeeping on the CPU (runtime/block_graph.py): the keys, the chain buffers and their parity, the
+"""Block graphs' bookkeeping on the CPU (runtime/cuda/block_graph.py): the keys, the chain buffers and their parity, the
 shared inputs copied once per pass, the eager fallback for outputs the model keeps, the input-shape cap and its
 freeing, diffusers' call signatures. CUDA graphs do not exist on the CPU, so a host stand-in for the capture keeps
 the captured work and runs it again at each replay, on the same static tensors: what a replay does with its
 kernels. A wrong buffer, a copy skipped or a buffer overwritten while the model holds it changes the output. What
-only a GPU shows (the capture itself, the pool's memory) is in tests/test_graph_cuda.py."""
+only a GPU shows (the capture itself, the pool's memory) is in tests/test_block_graph_cuda.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import logging
 import pytest
 import torch
 
-from dlo_fn.runtime.block_graph import BlockGraphs
+from dlo_fn.runtime.blocks import BlockProxy
+from dlo_fn.runtime.cuda.block_graph import BlockGraphs
+from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.offload import offload
-from dlo_fn.runtime.program import Programs
 from tests.test_executor import CTX, toy
 
 
@@ -28,7 +29,7 @@ class _Replay:
 
 
 class HostCapture:
-    """:class:`~dlo_fn.runtime.block_graph.CudaCapture`'s interface on the host: the work runs at capture (a CUDA
+    """:class:`~dlo_fn.runtime.cuda.block_graph.CudaCapture`'s interface on the host: the work runs at capture (a CUDA
     capture runs nothing; the work is idempotent on its static inputs) and again at every replay."""
 
     device = "cpu"
@@ -41,11 +42,15 @@ class HostCapture:
 
 
 def block_graphed(model, paths="blocks", max_shapes: int = 4, **options):
+    """``model`` offloaded with the block-graph plug-in on the host capture: the executor ``offload`` built is
+    replaced by one given the plug-in, the proxies pointed at it (as serve.recover does)."""
     o = offload(model, paths, CTX, **options)
-    ex = o.executor
-    bg = ex.block_graphs = BlockGraphs(max_shapes, capture=HostCapture())
-    ex._callers = [tuple(bg.wrap(c, b, s) for s, c in enumerate(cs)) for b, cs in enumerate(ex._callers)]
-    ex._programs = Programs(ex._compile)  # compiled programs bind the callers
+    old, bg = o.executor, BlockGraphs(max_shapes, capture=HostCapture())
+    old.release()
+    o.executor = Executor(CTX.platform, o.layout, o.store, old.blocks, old.aliases, o.options, plugin=bg)
+    for module in o.model.modules():
+        if isinstance(module, BlockProxy):
+            module.__dict__["_dlo_compute"] = o.executor.compute
     return o, bg
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import dlo_fn.runtime.executor as executor_mod
+import dlo_fn.runtime.blocks as blocks_mod
 from dlo_fn.plan.schedule import Ring, build_schedule
 from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
 from dlo_fn.runtime.blocks import BlockProxy
@@ -94,8 +94,8 @@ def test_weight_device_bytes_independent_of_depth():
 
 def test_blocks_lose_their_storage_and_views_are_built_once(monkeypatch):
     calls = []
-    real = executor_mod.make_views
-    monkeypatch.setattr(executor_mod, "make_views", lambda *a: calls.append(1) or real(*a))
+    real = blocks_mod.make_views
+    monkeypatch.setattr(blocks_mod, "make_views", lambda *a: calls.append(1) or real(*a))
     o = offload(toy(6), "blocks", CTX, num_slots=2)
     assert len(calls) == 2 and o.executor.num_view_sets == 2  # one set per slot: all blocks share a layout
     for proxy in o.model.blocks:
@@ -218,94 +218,42 @@ def test_cuda_streams_events_bit_exact(mode):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     ex = o.executor
     assert ex.ring.mode == "rank-local" and ex.landing == ()  # W = 1: no landing buffer, no all-gather
-    assert ex._raw is not None and any(any(p.fast.values()) for p in ex._programs._cache.values())  # driver path
     assert ex.measured_device_bytes >= ex.planned_device_weight_bytes
     assert ex.measured_device_bytes <= 1.05 * ex.planned_device_weight_bytes + 2 * 2**20
 
 
-@pytest.mark.parametrize("mode,opts", [("allgather", {}), ("rank-local", {"num_slots": 3}),
-                                       ("rank-local", {"num_slots": 4, "load_group": 2})])
-def test_driver_call_loop_equals_resident(monkeypatch, mode, opts):
-    # The CUDA eager path (bound driver calls per segment, runtime.program.fast_segments) on the host: copies are
-    # real memmoves of the arena's bytes into the slots, so a wrong pointer, size or order changes the output.
-    from dlo_fn.bench.hostloop import host_executor
-
+def test_one_block_too_many_is_an_error_and_the_ring_restarts():
     ref = toy()
-    o, driver = host_executor(copy.deepcopy(ref), mode, block_call="functional_call", monkeypatch=monkeypatch,
-                              strict=True, **opts)
-    ex, fast = o.executor, []
-    real = ex._compute_fast
-    monkeypatch.setattr(ex, "_compute_fast", lambda run, p, i, *a: fast.append(i) or real(run, p, i, *a))
-    for _ in range(3):  # implicit runs chained on the ring: the first segment of each waits on the previous run
-        x = torch.randn(2, 16)
-        assert torch.equal(o.model(x), ref(x))
-    with o.run(2):
-        for _ in range(2):
-            x = torch.randn(2, 16)
-            assert torch.equal(o.model(x), ref(x))
-    assert ex.stats.computes == 5 * 5 and driver.calls > 0
-    # Every compute took the fast path, those whose segment has a slot's first use in the run too: the wait on the
-    # previous run's last use of that slot is bound when the run begins (fast_segments' carry).
-    assert len(fast) == 5 * 5
-    with pytest.raises(ScheduleError, match="computes are all done"):  # one block too many, on this path too
+    o = offload(copy.deepcopy(ref), "blocks", CTX)
+    x = torch.randn(2, 16)
+    with pytest.raises(ScheduleError, match="computes are all done"):
         with o.run(1):
             o.model(x)
             o.model.blocks[0](x, ctx=x)
     assert torch.equal(o.model(x), ref(x))  # the ring restarted cold
 
 
-def test_driver_call_segments_chain_every_compute_in_order(monkeypatch):
-    # The driver-call path takes the next compute's segment from the run (RunState.next), not through a lookup
-    # by cursor: from the first compute each segment links to the next, its op index in issue order, and only the
-    # last one ends the run. A drained run (compute=False) leaves the path; the next run takes it again.
-    from dlo_fn.bench.hostloop import host_executor
-    from dlo_fn.runtime.program import _C
-
-    ref = toy(6)
-    o, driver = host_executor(copy.deepcopy(ref), "rank-local", monkeypatch=monkeypatch, strict=True, num_slots=4,
-                              load_group=2)
-    ex = o.executor
-    ex.begin_run(3)
-    run = ex._run
-    seg, seen = run.next, []
-    while seg is not None:
-        seen.append(seg[7])
-        assert seg[8] is (seg[9] is None) and seg[5] == run.program.args[seg[7]][0]
-        seg = seg[9]
-    assert seen == [i for i, k in enumerate(run.program.kinds) if k == _C] and len(seen) == 6 * 3
-    x = torch.randn(2, 16)
-    o.model(x)  # the first of three passes
-    assert run.next is not None and run.next[7] == seen[6]
-    ex.drain()
-    assert ex._run is None
-    with o.run(1):
-        assert ex._run.next is not None
-        assert torch.equal(o.model(x), ref(x))
-
-
 @pytest.mark.parametrize("block_call", ["swap", "functional_call"])
-def test_load_groups_cut_the_driver_calls_per_block(monkeypatch, block_call):
-    # A run of T passes on the driver-call path (fast segments, the tail bound too): one load per block makes 5
-    # driver calls per block (the H2D, its wait and record, the compute's wait and record); groups of G make 5 per
-    # G blocks: one wait, one copy (the slots are one allocation and the arena holds consecutive blocks back to
-    # back, so the G copies merge), one record on each stream. At the run's boundary the S slots' first uses each
-    # wait on the previous run (at most 2 S calls more per run); a run prefetches whole groups, so one copy per group.
-    # Bit-exact either way, and every wait comes after its record in the run (strict driver).
-    from dlo_fn.bench.hostloop import host_executor
-
+def test_load_groups_cut_the_stream_ops_per_block(block_call):
+    # A run of T passes: one load per block makes 5 stream operations per block (the H2D, its wait and record,
+    # the compute's wait and record); groups of G make 5 per G blocks: one wait, one copy (the slots are one
+    # allocation and the arena holds consecutive blocks back to back, so the G copies join), one record on each
+    # stream. At the run's boundary the S slots' first uses each wait on the previous run (at most 2 S operations
+    # more per run); a run prefetches whole groups, so one copy per group. Bit-exact either way.
     ref, B, T = toy(8), 8, 6
     for g in (1, 2, 4):
-        o, driver = host_executor(copy.deepcopy(ref), "rank-local", block_call=block_call, monkeypatch=monkeypatch,
-                                  strict=True, num_slots=2 * g, load_group=g)
+        o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", block_call=block_call,
+                    num_slots=2 * g, load_group=g)
+        stats = o.executor.stats
         for _ in range(2):  # cold, then warm implicit runs
             o.model(torch.randn(2, 16))
-        calls, copies = driver.calls, driver.copies
+        ops, copies = stats.stream_ops, stats.copies
         with o.run(T):
             for _ in range(T):
                 x = torch.randn(2, 16)
                 assert torch.equal(o.model(x), ref(x))
-        per_block = (driver.calls - calls) / (T * B)
-        copies_per_block = (driver.copies - copies) / (T * B)
+        per_block = (stats.stream_ops - ops) / (T * B)
+        copies_per_block = (stats.copies - copies) / (T * B)
         if g == 1:
             assert (per_block, copies_per_block) == (5.0, 1.0)
         else:
@@ -314,17 +262,15 @@ def test_load_groups_cut_the_driver_calls_per_block(monkeypatch, block_call):
 
 
 @torch.no_grad()
-def test_load_groups_on_the_driver_path_with_requests_and_a_partly_pinned_store(monkeypatch):
+def test_load_groups_with_requests_and_a_partly_pinned_store():
     # Two requests per load (each block computed twice in a row: only the last compute of a slot's occupant is
     # waited on, so the first one records nothing), runs of 1 and 3 steps on the ring, and a host budget that pins
     # three blocks: the other four are copied from the module's own (pageable) tensors, whose bytes do not continue
     # the arena's, so their copies stay apart.
-    from dlo_fn.bench.hostloop import host_executor
-
     ref = toy(7)
     sizes = [s.shard_bytes for s in offload(toy(7), "blocks", CTX, mode="rank-local").layout.shards]
-    o, driver = host_executor(copy.deepcopy(ref), monkeypatch=monkeypatch, strict=True, num_slots=6, load_group=3,
-                              pinned_budget_bytes=sum(sizes[:3]))
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", num_slots=6, load_group=3,
+                pinned_budget_bytes=sum(sizes[:3]))
     assert o.store.num_pinned_blocks == 3
 
     def steps(model, num_steps, x0):
@@ -341,7 +287,7 @@ def test_load_groups_on_the_driver_path_with_requests_and_a_partly_pinned_store(
         with o.run(num_steps, 2):
             got = steps(o.model, num_steps, x0)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert driver.copies > 0 and o.executor.stats.computes == 5 * 7 * 2
+    assert o.executor.stats.copies > 0 and o.executor.stats.computes == 5 * 7 * 2
 
 
 def test_release_gives_back_the_buffers_and_refuses_to_run():
@@ -378,7 +324,7 @@ def test_load_group_options_are_checked():
 @pytest.mark.parametrize("load_group", [1, 2])
 @torch.no_grad()
 def test_generic_loop_records_only_what_is_waited_on(monkeypatch, load_group):
-    # The torch-event loop (CPU here; NPU, and CUDA without driver calls): an op records its event only if a
+    # The issue loop (the one path on CPU, CUDA and NPU): an op records its event only if a
     # later op of the run or the next run waits on it, and every wait is on an event recorded in this run (a
     # dependency) or in the previous one (a carried last use): never on a stale record.
     from dlo_fn.runtime.platform import HostEvent, HostStream
@@ -420,8 +366,8 @@ def test_generic_loop_records_only_what_is_waited_on(monkeypatch, load_group):
         for _ in range(3):
             x = torch.randn(2, 16)
             assert torch.equal(o.model(x), ref(x))
-    program = next(p for p in ex._programs._cache.values() if p.schedule.num_steps == 3)
-    assert len(records) == len(program.recorded) <= len(program.kinds)
+    program = next(p for p in ex._programs.compiled() if p.schedule.num_steps == 3)
+    assert len(records) == sum(op.recorded for op in program.ops) <= len(program.ops)
     per_block = len(records) / (3 * 8)  # one load per block: every H2D and compute is waited on
     assert per_block == 2.0 if load_group == 1 else per_block < 1.2, per_block
 
@@ -434,7 +380,7 @@ def test_a_grouped_layout_compiles_only_whole_group_gathers():
     from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.blocks import block_state
     from dlo_fn.runtime.host_store import build_host_store
-    from dlo_fn.runtime.program import _AG, compile_schedule
+    from dlo_fn.runtime.program import compile_schedule
 
     model = toy(4)
     layout = model_layout(spec_from_module(model, "blocks"), 2, load_group=2)
@@ -453,7 +399,7 @@ def test_a_grouped_layout_compiles_only_whole_group_gathers():
 
     ring = Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2)
     program = compile_(ring.next_schedule(2))
-    pairs = [a for k, a in zip(program.kinds, program.args) if k == _AG and a]
+    pairs = [op.pairs for op in program.ops if op.kind == "AG" and op.pairs]
     assert pairs and all(len(a) == 1 and a[0][1].numel() == 2 * layout.shards[0].shard_bytes for a in pairs)
     with pytest.raises(ScheduleError, match="not one whole group's"):
         compile_(build_schedule(4, 1, num_slots=4, num_landing=4, mode="allgather"))

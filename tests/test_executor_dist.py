@@ -91,7 +91,7 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
             got2 = _staged_block_major(o, [reqs[0], _requests(ctx.rank + 100)[0]])
             out["block_major_exact"] = torch.equal(got2[0].latents, expected[0].latents)
             out["after_exact"] = torch.equal(generate(o.model, reqs[1]).latents, expected[1].latents)
-    out.update(_driver_path(ctx, ckpt, reqs, expected))
+    out.update(_stream_ops_path(ctx, ckpt, reqs, expected))
     # Third-party DiTs (diffusers): four passes with different inputs per rank.
     cases = (("wan", wan, wan_inputs, "blocks"),) + ((("flux", flux, flux_inputs, FLUX_BLOCKS),) if full else ())
     for name, build, inputs, paths in cases:
@@ -122,64 +122,43 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
     return out
 
 
-def _driver_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
-    """The CUDA eager path (bound driver calls per block, runtime.program.fast_segments) with the driver emulated
-    on the host (bench.hostloop.HostDriver: copies are real memmoves) and the all-gathers the group's real
-    collectives between them: one load per block and groups of 2 (one coalesced collective per group)."""
-    import dlo_fn.runtime.executor as executor_mod
-    from dlo_fn.bench.hostloop import host_executor
+def _stream_ops_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
+    """The issue loop's stream operations and collectives at W > 1, counted by the executor (ExecutorStats) against
+    the plan's count: one load per block and groups of 2 (one collective per group)."""
     from dlo_fn.models import BLOCK_PATHS, generate
-    from dlo_fn.plan.host_cost import planned_driver_calls
-    from dlo_fn.runtime.program import _AG
+    from dlo_fn.plan.host_cost import planned_stream_ops
 
-    out, counted = {}, []
-    handle, bound = executor_mod.stream_handle, executor_mod.bound_all_gather
-
-    def counting(pairs, group):  # every collective call the segments make, with the blocks it gathers
-        call, shard = bound(pairs, group), o.layout.shards[0].shard_bytes
-        return lambda: counted.append(sum(inp.numel() for _, inp in pairs) // shard) or call()
-
-    executor_mod.bound_all_gather = counting
-    try:
-        for g in (1, 2):
-            o, driver = host_executor(load_reference(ckpt), "allgather", paths=BLOCK_PATHS, ctx=ctx, strict=True,
-                                      block_call="functional_call", num_slots=2 * g, load_group=g)
-            ex, counted[:] = o.executor, []
-            got = [generate(o.model, r) for r in reqs]
-            out[f"driver_exact[G={g}]"] = all(torch.equal(a.latents, b.latents) and a.sha256 == b.sha256
-                                              for a, b in zip(got, expected))
-            out[f"driver_every_compute_bound[G={g}]"] = all(
-                any(p.fast.values()) for p in ex._programs._cache.values()) and ex._raw is driver
-            out[f"driver_calls_per_block[G={g}]"] = driver.calls / ex.stats.computes
-            out[f"blocks_per_collective[G={g}]"] = sorted(set(counted))
-            # a grouped layout (G divides the 4 blocks): one all-gather of the group's pieces, one pair
-            out[f"grouped_layout[G={g}]"] = o.layout.load_group == (g if ctx.world_size > 1 else 1) and all(
-                len(p.args[i]) == 1 for p in ex._programs._cache.values() for i, k in enumerate(p.kinds)
-                if k == _AG and p.args[i])
-            # every group's all-gathers are one call (runs end and start inside a group: its two parts are two)
-            out[f"one_call_per_group[G={g}]"] = all(
-                sum(1 for i in ags if p.args[i]) == len({p.schedule.load_group_last[i] for i in ags} - {None}) or g == 1
-                for p in ex._programs._cache.values()
-                for ags in [[i for i, k in enumerate(p.kinds) if k == _AG]])
-            if ctx.rank == 0:  # a partial wave on this path too: the others serve their shards
-                with o.run(num_steps=3):
-                    out[f"driver_partial_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents,
-                                                                      expected[0].latents)
-            else:
-                o.idle(num_steps=3)
-            out[f"driver_after_exact[G={g}]"] = torch.equal(generate(o.model, reqs[1]).latents, expected[1].latents)
-            c0, n0, k0 = driver.calls, ex.stats.computes, len(counted)  # one run of all 3 steps
-            with o.run(num_steps=3) as schedule:
-                out[f"driver_run_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents,
-                                                              expected[0].latents)
-            out[f"driver_calls_per_block_in_a_run[G={g}]"] = (driver.calls - c0) / (ex.stats.computes - n0)
-            # the plan's count of the same run (what the policy's host_scale prices, plan.host_cost)
-            planned = planned_driver_calls(schedule, o.layout.load_group > 1)
-            out[f"planned_calls_per_block_in_a_run[G={g}]"] = planned["total"]
-            out[f"collectives_as_planned[G={g}]"] = (len(counted) - k0) / (ex.stats.computes - n0) == planned[
-                "collectives"]
-    finally:
-        executor_mod.stream_handle, executor_mod.bound_all_gather = handle, bound
+    out = {}
+    for g in (1, 2):
+        o = offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather", block_call="functional_call",
+                    num_slots=2 * g, load_group=g)
+        ex, shard = o.executor, o.layout.shards[0].shard_bytes
+        got = [generate(o.model, r) for r in reqs]
+        out[f"ops_exact[G={g}]"] = all(torch.equal(a.latents, b.latents) and a.sha256 == b.sha256
+                                       for a, b in zip(got, expected))
+        out[f"stream_ops_per_block[G={g}]"] = ex.stats.stream_ops / ex.stats.computes
+        gathers = [op.pairs for p in ex._programs.compiled() for op in p.ops if op.kind == "AG" and op.pairs]
+        out[f"blocks_per_collective[G={g}]"] = sorted({sum(inp.numel() for _, inp in pairs) // shard
+                                                       for pairs in gathers})
+        # a grouped layout (G divides the 4 blocks): one all-gather of the group's pieces, one pair
+        out[f"grouped_layout[G={g}]"] = o.layout.load_group == (g if ctx.world_size > 1 else 1) and all(
+            len(pairs) == 1 for pairs in gathers)
+        if ctx.rank == 0:  # a partial wave: the others serve their shards
+            with o.run(num_steps=3):
+                out[f"ops_partial_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents,
+                                                               expected[0].latents)
+        else:
+            o.idle(num_steps=3)
+        out[f"ops_after_exact[G={g}]"] = torch.equal(generate(o.model, reqs[1]).latents, expected[1].latents)
+        c0, n0, k0 = ex.stats.stream_ops, ex.stats.computes, ex.stats.collectives  # one run of all 3 steps
+        with o.run(num_steps=3) as schedule:
+            out[f"ops_run_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents, expected[0].latents)
+        out[f"stream_ops_per_block_in_a_run[G={g}]"] = (ex.stats.stream_ops - c0) / (ex.stats.computes - n0)
+        # the plan's count of the same run (what the policy's host_scale prices, plan.host_cost)
+        planned = planned_stream_ops(schedule, o.layout.load_group > 1)
+        out[f"planned_ops_per_block_in_a_run[G={g}]"] = planned["total"]
+        out[f"collectives_as_planned[G={g}]"] = (ex.stats.collectives - k0) / (ex.stats.computes - n0) == planned[
+            "collectives"]
     return out
 
 
@@ -197,19 +176,19 @@ def _assert_all(results: list[dict], world: int) -> None:
                 "digest_error"]
     if world > 1:
         assert "partial_wave_exact" in results[0] and "partial_wave_exact" not in results[1]
-        for res in results:  # the driver-call path at W > 1: one collective per block, or per group of 2
+        for res in results:  # W > 1: one collective per block, or per group of 2
             assert res["blocks_per_collective[G=1]"] == [1] and res["blocks_per_collective[G=2]"][-1] == 2, res
             # per block: H2D wait, copy, record; AG wait (x2: landing, slot), record; compute wait, record = 8
             # (and the first uses' waits on the previous run); per group of 2 as many (the tiny model's 4 blocks
             # per one-step run: a run boundary inside a group splits it)
-            assert res["driver_calls_per_block[G=1]"] == pytest.approx(8, abs=0.5), res
-            assert res["driver_calls_per_block[G=2]"] < 0.85 * res["driver_calls_per_block[G=1]"], res
+            assert res["stream_ops_per_block[G=1]"] == pytest.approx(8, abs=0.5), res
+            assert res["stream_ops_per_block[G=2]"] < 0.85 * res["stream_ops_per_block[G=1]"], res
             # in one 3-step run (12 blocks and the next run's prefetch): 8 per block, 5 with groups of 2 (4 in the
             # steady state: 8 per group)
-            in_run = res["driver_calls_per_block_in_a_run[G=1]"], res["driver_calls_per_block_in_a_run[G=2]"]
+            in_run = res["stream_ops_per_block_in_a_run[G=1]"], res["stream_ops_per_block_in_a_run[G=2]"]
             assert in_run[0] == pytest.approx(8) and in_run[1] <= 0.65 * in_run[0], res
             for g in (1, 2):  # the plan counts what the executor issues, in allgather mode too
-                assert res[f"planned_calls_per_block_in_a_run[G={g}]"] == pytest.approx(in_run[g - 1]), res
+                assert res[f"planned_ops_per_block_in_a_run[G={g}]"] == pytest.approx(in_run[g - 1]), res
 
 
 def test_single_rank_reference_and_third_party(tiny_checkpoint):

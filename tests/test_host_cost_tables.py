@@ -9,14 +9,14 @@ from dlo_fn.repro import host_cost_tables as hc
 def test_the_plans_driver_calls_are_the_executors():
     from dlo_fn.bench.hostloop import measure
 
-    planned = hc.planned_driver_calls(hc.steady_schedule(24))
+    planned = hc.planned_stream_ops(hc.steady_schedule(24))
     assert planned == {"waits": 2.0, "copies": 1.0, "records": 2.0, "total": 5.0, "collectives": 0.0}
-    assert measure(num_blocks=24, passes=6)["driver_calls_per_block"] == planned["total"]
+    assert measure(num_blocks=24, passes=6)["stream_ops_per_block"] == planned["total"]
     # The ring's first pass loads blocks 0 and 1 before the first compute and block 0 of the next pass during
     # its last block: 25 copies for 24 computes, each with its wait and record.
     from dlo_fn.plan.schedule import Ring
 
-    cold = hc.planned_driver_calls(Ring.cold(24, num_slots=2, mode="rank-local").next_schedule(1))
+    cold = hc.planned_stream_ops(Ring.cold(24, num_slots=2, mode="rank-local").next_schedule(1))
     assert cold["copies"] == 25 / 24 and cold["total"] == 5 + 3 / 24
 
 
@@ -28,8 +28,8 @@ def test_load_groups_planned_calls_are_the_executors():
 
     totals = {}
     for g in (2, 4):
-        planned = hc.planned_driver_calls(hc.steady_schedule(24, 2 * g, g))
-        assert measure(num_blocks=24, passes=4, load_group=g)["driver_calls_per_block"] == planned["total"]
+        planned = hc.planned_stream_ops(hc.steady_schedule(24, 2 * g, g))
+        assert measure(num_blocks=24, passes=4, load_group=g)["stream_ops_per_block"] == planned["total"]
         assert planned["copies"] == (24 // g) / 24
         totals[g] = planned["total"]
     assert 5 / 2 < totals[2] < 3 and 5 / 4 < totals[4] < totals[2]

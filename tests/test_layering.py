@@ -9,6 +9,9 @@
     figures  -> figures, plan, repro, models          (never runtime, serve, cli)
     bench    -> anything; dlo_fn.cli only for HelpFormatter
     cli      -> anything
+
+The runtime core (every runtime module outside the plug-in package ``dlo_fn.runtime.cuda``) never imports the
+plug-ins; only ``dlo_fn.runtime.offload`` resolves options into them. The plug-ins import the core.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cli": frozenset(LAYERS),
 }
 BENCH_FROM_CLI = frozenset({"HelpFormatter"})
+PLUGINS = "dlo_fn.runtime.cuda"
+PLUGIN_RESOLVER = "dlo_fn.runtime.offload"
 
 
 @dataclass(frozen=True)
@@ -133,11 +138,18 @@ def violations(edges: list[Edge]) -> list[str]:
                 bad.append(f"{edge}: nothing imports __main__")
         elif target not in ALLOWED[source]:
             bad.append(f"{edge}: {source} may import only {', '.join(sorted(ALLOWED[source]))}")
+        elif (source == "runtime" and edge.source != PLUGIN_RESOLVER and not _in_plugins(edge.source)
+              and _in_plugins(edge.target)):
+            bad.append(f"{edge}: the runtime core never imports its plug-ins ({PLUGINS}); offload resolves them")
         elif source == "bench" and target == "cli" and not (
             edge.target == "dlo_fn.cli" and edge.names and set(edge.names) <= BENCH_FROM_CLI
         ):
             bad.append(f"{edge}: bench may take only HelpFormatter from dlo_fn.cli")
     return bad
+
+
+def _in_plugins(module: str) -> bool:
+    return module == PLUGINS or module.startswith(PLUGINS + ".")
 
 
 def cycles(modules: list[str], edges: list[Edge]) -> list[list[str]]:
@@ -234,3 +246,17 @@ def test_planted_violations_are_caught(tmp_path, monkeypatch):
     bench = [Edge("dlo_fn.bench.x", "dlo_fn.cli", ("HelpFormatter",), 1),
              Edge("dlo_fn.bench.x", "dlo_fn.cli", ("main",), 2)]
     assert len(violations(bench)) == 1
+    plugins = [Edge("dlo_fn.runtime.executor", "dlo_fn.runtime.cuda.block_graph", ("BlockGraphs",), 1),
+               Edge("dlo_fn.runtime.offload", "dlo_fn.runtime.cuda", ("plugins_for",), 2),
+               Edge("dlo_fn.runtime.cuda.block_graph", "dlo_fn.runtime.cuda.capture", (), 3),
+               Edge("dlo_fn.serve.engine", "dlo_fn.runtime.cuda", (), 4)]
+    assert [b.split(":")[0] for b in violations(plugins)] == ["dlo_fn.runtime.executor"]
+
+
+def test_the_runtime_core_stays_small():
+    # The core (runtime outside its plug-in package) is read in one sitting: the executor, its program and its
+    # issue loop in particular.
+    lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()
+             if m.startswith("dlo_fn.runtime") and not _in_plugins(m)}
+    assert lines["dlo_fn.runtime.executor"] <= 300
+    assert sum(lines.values()) < 4000, sum(lines.values())

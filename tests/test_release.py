@@ -10,7 +10,7 @@ import mmap
 import pytest
 import torch
 
-from dlo_fn.runtime.dist import run_ranks
+from dlo_fn.serve.ranks import run_ranks
 from dlo_fn.runtime.release import mapped_bytes, release_mapped_tensors, release_ranges, viewed_files
 
 

@@ -81,24 +81,6 @@ def test_third_party_bit_exact(name, mode):
         assert o.executor.device_weight_bytes == o.executor.planned_device_weight_bytes
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("load_group", [1, 2])
-@torch.no_grad()
-def test_third_party_on_the_driver_call_path(monkeypatch, name, load_group):
-    # The CUDA eager path on the host driver (real memmoves from the arena into the slots): Flux's two block
-    # lists have two sizes, so a group's copies merge only where the bytes continue. Strict: no wait before its
-    # record in the run.
-    from dlo_fn.bench.hostloop import host_executor
-
-    _, inputs, paths = CASES[name]
-    ref, want = _reference(name)
-    o, driver = host_executor(copy.deepcopy(ref), monkeypatch=monkeypatch, strict=True, paths=paths,
-                              num_slots=2 * load_group, load_group=load_group)
-    for s, w in enumerate(want):
-        assert torch.equal(o.model(**inputs(s))[0], w)
-    assert driver.copies > 0
-
-
 def test_flux_two_lists_keep_forward_order_and_layouts():
     o = offload(flux(), FLUX_BLOCKS, CTX)
     names = [s.block.name for s in o.layout.shards]

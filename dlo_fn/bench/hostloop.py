@@ -1,18 +1,18 @@
-"""The eager loop's own Python cost per block, on a CPU: the driver-call path with the driver emulated on the host.
+"""The executor's own Python cost per block, on a CPU: the issue loop with host streams and events.
 
-``python -m dlo_fn.bench.hostloop`` builds the executor of a small model on the CPU and gives it
-:class:`HostDriver` in place of ``libcuda``: an H2D copy is a real ``memmove`` of the bytes (so the output is
-still ``torch.equal`` to resident), and an event record or wait is a no-op (everything is synchronous on the
-host). What it measures per block is the executor's host time outside the block call (``ExecutorStats``, the same
-counter ``bench step`` reports as ``proxy_host_us_per_block``) and the number of driver calls it made: on a GPU
-host each real call adds its own cost (the H200 rows of ``bench step``) to the Python cost measured here.
-The blocks are called through ``swap`` with a trivial module so that the block call itself is cheap.
+``python -m dlo_fn.bench.hostloop`` offloads a small model on the CPU and times, per block, the executor's host time
+outside the block call (``ExecutorStats``, the same counter ``bench step`` reports as ``proxy_host_us_per_block``)
+and counts the stream operations it issued (waits, copies, records). On the CPU the streams and events are the
+host's (:class:`~dlo_fn.runtime.platform.HostStream`): what is measured is the loop's Python and the copies; on a
+GPU each stream operation adds the driver's cost (the H200 rows of ``bench step``). The blocks are called through
+``swap`` with a trivial module so that the block call itself is cheap. ``--block-graphs`` times the block-graph
+plug-in's wrapper per replayed call, the replay a no-op.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import copy
 import statistics
 import time
 from typing import Any
@@ -20,83 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HostDriver", "host_executor", "measure"]
-
-
-class _Event:
-    __slots__ = ("driver", "handle", "__weakref__")
-
-    def __init__(self, driver: "HostDriver", handle: int) -> None:
-        self.driver, self.handle = driver, handle
-
-    def record(self, stream: Any) -> None:
-        self.driver._record(self.handle, 0)
-
-
-class HostDriver:
-    """The :class:`~dlo_fn.runtime.cuda_raw.RawCuda` interface on the host: copies are ``memmove``, events are
-    no-ops; ``calls`` counts every driver call made through it, ``copies`` the copies among them."""
-
-    def __init__(self, strict: bool = False) -> None:
-        self.calls = self.copies = 0
-        self._next = 1
-        # strict: every wait of a fast segment (bind_wait: the waits on the run's own ops) must come after that
-        # event's record in the same run (new_run starts one), or the device would wait on the previous run's
-        # record: raises RuntimeError naming the event. The generic loop's waits (the previous run's last uses)
-        # go through the unchecked ``_wait``.
-        self.strict, self.recorded = strict, set()
-
-        def wait(stream: int, event: int, flags: int) -> int:
-            self.calls += 1
-            return 0
-
-        def checked_wait(stream: int, event: int, flags: int) -> int:
-            if event not in self.recorded:
-                raise RuntimeError(f"stream {stream} waits on event {event} before its record in this run")
-            return wait(stream, event, flags)
-
-        def record(event: int, stream: int) -> int:
-            self.calls += 1
-            if self.strict:
-                self.recorded.add(event)
-            return 0
-
-        def copy(dst: int, src: int, nbytes: int, stream: int) -> int:
-            self.calls += 1
-            self.copies += 1
-            ctypes.memmove(dst, src, nbytes)
-            return 0
-
-        self._wait, self._record, self._h2d, self._d2d = wait, record, copy, copy
-        self._fast_wait = checked_wait if strict else wait
-
-    def new_run(self) -> None:
-        self.recorded.clear()
-
-    @staticmethod
-    def check(code: int, what: str) -> None:
-        if code:
-            raise RuntimeError(f"{what} failed with {code}")
-
-    def new_event(self) -> _Event:
-        self._next += 1
-        return _Event(self, self._next)
-
-    def copy(self, dst: int, src: int, nbytes: int, stream: int, device_src: bool) -> None:
-        self._h2d(dst, src, nbytes, stream)
-
-    def bind_wait(self, stream: int, event: int) -> tuple[Any, tuple]:
-        return self._fast_wait, (stream, event, 0)
-
-    def bind_carry_wait(self, stream: int, event: int) -> tuple[Any, tuple]:
-        return self._wait, (stream, event, 0)  # the previous run's record: not in this run's set
-
-    def bind_record(self, event: int, stream: int) -> tuple[Any, tuple]:
-        return self._record, (event, stream)
-
-    def bind_copy(self, dst: int, src: int, nbytes: int, stream: int, device_src: bool) -> tuple[Any, tuple]:
-        return self._h2d, (dst, src, nbytes, stream)
-
+__all__ = ["measure", "block_graph_call_us"]
 
 class _Tiny(nn.Module):
     def __init__(self, width: int, num_tensors: int) -> None:
@@ -107,44 +31,12 @@ class _Tiny(nn.Module):
         return x + self.w[0]
 
 
-def host_executor(model: nn.Module, mode: str = "rank-local", *, block_call: str = "swap", monkeypatch: Any = None,
-                  strict: bool = False, paths: Any = "blocks", ctx: Any = None, **options: Any):
-    """``(offloaded, driver)``: ``model`` offloaded on the CPU with its executor on :class:`HostDriver` (the
-    driver-call path of CUDA). ``monkeypatch`` (pytest's) sets ``stream_handle`` for host streams; without it the
-    module attribute is set directly and left set (a benchmark process). ``strict``: the driver checks that no
-    wait comes before its event's record in a run (:class:`HostDriver`). ``paths``: the block lists (as
-    :func:`~dlo_fn.runtime.offload.offload` takes them). ``ctx``: the rank's
-    :class:`~dlo_fn.runtime.dist.DistContext` (default: one process, no group); with a group of W > 1 ranks the
-    all-gathers are the group's real collectives, called between the emulated driver calls."""
-    import dlo_fn.runtime.executor as executor_mod
+def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200, load_group: int = 1) -> dict:
+    """Median over passes of the executor's host time per block (us) and stream operations per block (one
+    implicit run per pass; ``load_group`` G on 2G slots)."""
     from dlo_fn.runtime.dist import DistContext
     from dlo_fn.runtime.offload import offload
     from dlo_fn.runtime.platform import platform_for
-    from dlo_fn.runtime.program import Programs
-
-    ctx = ctx if ctx is not None else DistContext(0, 1, 0, platform_for("cpu"), None)
-    off = offload(model, paths, ctx, mode=mode, block_call=block_call, **options)
-    ex = off.executor
-    driver = HostDriver(strict)
-    if monkeypatch is not None:
-        monkeypatch.setattr(executor_mod, "stream_handle", id)
-    else:
-        executor_mod.stream_handle = id
-    ex._raw, ex._programs = driver, Programs(ex._compile)
-    if strict:
-        begin = ex.begin_run
-
-        def begin_run(*args: Any, **kwargs: Any) -> Any:
-            driver.new_run()
-            return begin(*args, **kwargs)
-
-        ex.begin_run = begin_run
-    return off, driver
-
-
-def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200, load_group: int = 1) -> dict:
-    """Median over passes of the executor's host time per block (us) and driver calls per block (one implicit run
-    per pass; ``load_group`` G on 2G slots)."""
 
     class Stack(nn.Module):
         def __init__(self) -> None:
@@ -160,55 +52,22 @@ def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200, load
     ref = Stack()
     x = torch.randn(64)
     want = ref(x)
-    import copy
-
-    off, driver = host_executor(copy.deepcopy(ref), num_slots=2 * load_group, load_group=load_group)
+    ctx = DistContext(0, 1, 0, platform_for("cpu"), None)
+    off = offload(copy.deepcopy(ref), "blocks", ctx, mode="rank-local", num_slots=2 * load_group,
+                  load_group=load_group)
     ex = off.executor
-    per_block, calls = [], []
+    per_block, ops = [], []
     with torch.no_grad():
         for _ in range(passes):
             ex.stats.reset()
-            c0 = driver.calls
             got = off.model(x)
             per_block.append(ex.stats.issue_us_per_compute)
-            calls.append((driver.calls - c0) / num_blocks)
-    assert torch.equal(got, want), "the offloaded pass differs from resident"
+            ops.append(ex.stats.stream_ops / num_blocks)
+    if not torch.equal(got, want):
+        raise RuntimeError("the offloaded pass differs from resident")
     return {"executor_host_us_per_block": statistics.median(per_block[passes // 4:]),
-            "driver_calls_per_block": statistics.median(calls), "num_blocks": num_blocks, "load_group": load_group,
+            "stream_ops_per_block": statistics.median(ops), "num_blocks": num_blocks, "load_group": load_group,
             "tensors_per_block": num_tensors, "passes": passes, "equal_to_resident": True}
-
-
-def driver_call_us(calls: int = 20000) -> dict:
-    """On CUDA: host microseconds per bound driver call of the executor's fast segments (an event record, a stream
-    wait on it, a 256-byte pinned H2D copy), the floor under the eager loop's cost per block."""
-    from dlo_fn.runtime.cuda_raw import raw_cuda, stream_handle
-    from dlo_fn.runtime.platform import platform_for
-
-    cu = raw_cuda(platform_for("cuda", 0))
-    if cu is None:
-        raise SystemExit("driver_call_us needs CUDA and libcuda")
-    side, main_stream = torch.cuda.Stream(), torch.cuda.current_stream()
-    ev = cu.new_event()
-    host = torch.empty(256, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(256, dtype=torch.uint8, device="cuda")
-    bound = {"cuEventRecord": cu.bind_record(ev.handle, stream_handle(main_stream)),
-             "cuStreamWaitEvent": cu.bind_wait(stream_handle(side), ev.handle),
-             "cuMemcpyHtoDAsync": cu.bind_copy(dev.data_ptr(), host.data_ptr(), 256, stream_handle(side), False)}
-    out = {}
-    for name, (fn, args) in bound.items():
-        for _ in range(1000):
-            fn(*args)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn(*args)
-        out[name] = 1e6 * (time.perf_counter() - t0) / calls
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        time.perf_counter()
-    out["time.perf_counter"] = 1e6 * (time.perf_counter() - t0) / calls
-    return {"driver_call_us": out, "calls": calls}
 
 
 class _NoReplay:
@@ -231,9 +90,9 @@ class _NoCapture:
 
 def block_graph_call_us(num_blocks: int = 24, passes: int = 3000) -> dict:
     """Median over 5 rounds of the host microseconds per replayed block call of
-    :class:`~dlo_fn.runtime.block_graph.BlockGraphs` (a diffusers-like call: the hidden states and a context from
+    :class:`~dlo_fn.runtime.cuda.block_graph.BlockGraphs` (a diffusers-like call: the hidden states and a context from
     the previous block, a shared embedding, a rotary tuple and a constant), the replay itself a no-op."""
-    from dlo_fn.runtime.block_graph import BlockGraphs
+    from dlo_fn.runtime.cuda.block_graph import BlockGraphs
 
     bg = BlockGraphs(4, capture=_NoCapture())
 
@@ -274,7 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=24)
     p.add_argument("--passes", type=int, default=200)
-    p.add_argument("--cuda", action="store_true", help="also time the bound driver calls on the GPU")
     p.add_argument("--block-graphs", action="store_true",
                    help="also time the block-graph wrapper's host work per replayed block call (replay a no-op)")
     p.add_argument("--load-groups", type=_groups, default=(1,), metavar="G,...",
@@ -289,17 +147,14 @@ def main(argv: list[str] | None = None) -> None:
         rounds = [[measure(a.blocks, passes=a.passes, load_group=g) for g in groups] for _ in range(3)]
         result = {"num_blocks": a.blocks, "passes": a.passes, "by_load_group": {str(g): {
             "executor_host_us_per_block": statistics.median(r[i]["executor_host_us_per_block"] for r in rounds),
-            "driver_calls_per_block": rounds[0][i]["driver_calls_per_block"],
+            "stream_ops_per_block": rounds[0][i]["stream_ops_per_block"],
             "equal_to_resident": all(r[i]["equal_to_resident"] for r in rounds)} for i, g in enumerate(groups)}}
     if a.block_graphs:
         result.update(block_graph_call_us(a.blocks))
-    if a.cuda:
-        result.update(driver_call_us())
     from dlo_fn.bench.report import emit, stamp
     from dlo_fn.runtime.platform import platform_for
 
-    emit(stamp(result, "dlo_fn.bench.hostloop", argv, platform_for("cuda", 0) if a.cuda else platform_for("cpu")),
-         a.out)
+    emit(stamp(result, "dlo_fn.bench.hostloop", argv, platform_for("cpu")), a.out)
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 

@@ -89,7 +89,7 @@ def rank_phases(ctx, checkpoint: str, mode: str, device: str) -> dict:
 
 def run_phases(checkpoint: str, ranks: int, mode: str, device: str = "cpu", timeout_s: float = 600.0) -> list[dict]:
     """Every rank's result of :func:`rank_phases` (rank order)."""
-    from dlo_fn.runtime.dist import run_ranks
+    from dlo_fn.serve.ranks import run_ranks
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -85,7 +85,7 @@ def _rank(ctx, checkpoint: str, dp: int, sp: int) -> list[dict]:
 def measure(dp: int = 2, sp: int = 2) -> dict:
     """Write the checkpoint to a temporary folder, run the ``dp x sp`` ranks, return the records and the sizes."""
     from dlo_fn.models import write_checkpoint
-    from dlo_fn.runtime.dist import run_ranks
+    from dlo_fn.serve.ranks import run_ranks
 
     config = mesh_host_config()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # inherited by the spawned ranks

@@ -251,7 +251,7 @@ def measure(cases: tuple[SPCase, ...], device: str = "cuda", shape: tuple[int, i
             weights: str = "random", threads_per_rank: int = 2, timeout_s: float = 540.0,
             partial_dir: str | None = None, explain: bool = False) -> list[dict]:
     """Run every case on ``max(sp)`` local ranks (gloo); one record per (case, rank), in case order."""
-    from dlo_fn.runtime.dist import run_ranks
+    from dlo_fn.serve.ranks import run_ranks
 
     world = max(c.sp for c in cases)
     per_rank = run_ranks(_rank, world, cases, device, shape, weights, partial_dir, explain, timeout_s=timeout_s,

@@ -217,11 +217,11 @@ def run_step_bench(args: argparse.Namespace) -> dict:
             opts = sv.variant_options(variant)
             own = [copy.deepcopy(b) for b in blocks] if opts["block_call"] == "compile" else blocks  # meta: cheap
             run_pass, ex = sv.executor_pass(platform, layout, store, own, aliases, group=ctx.group, **opts)
-            measure(variant, run_pass, reset=ex.stats.reset, graphs=ex.graphs or ex.block_graphs,
+            measure(variant, run_pass, reset=ex.stats.reset, graphs=ex.plugin,
                     warmup=sv.GRAPH_WARMUP if opts["graph"] or opts["block_call"] == "compile" else 0,
                     extra=lambda ex=ex: {
-                "graph_replays": (ex.graphs.replays if ex.graphs is not None else
-                                  ex.block_graphs.replays if ex.block_graphs is not None else 0),
+                "graph_replays": getattr(ex.plugin, "replays", 0),
+                "stream_ops_per_block": ex.stats.stream_ops / max(ex.stats.computes, 1),
                 "proxy_host_us_per_block": ex.stats.issue_us_per_compute,
                 "load_issue_us_per_block": 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1),
                 "block_call_us_per_block": 1e6 * ex.stats.call_s / max(ex.stats.computes, 1),

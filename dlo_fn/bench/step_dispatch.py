@@ -65,8 +65,8 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
                 rp = dict(reps, warmup=max(reps["warmup"], sv.GRAPH_WARMUP))
                 host, delta = sv.host_pass_delta_s(platform, run_pass, resident_pass, x, kwargs,
                                                    reset=ex.stats.reset, **rp)
-                if ex.graphs is not None or ex.block_graphs is not None:
-                    row["graph_replays"] = (ex.graphs or ex.block_graphs).replays
+                if ex.plugin is not None:
+                    row["graph_replays"] = ex.plugin.replays
                 row["proxy_host_us_per_block"] = ex.stats.issue_us_per_compute
                 row["load_issue_us_per_block"] = 1e6 * ex.stats.load_issue_s / max(ex.stats.computes, 1)
                 ex.synchronize()

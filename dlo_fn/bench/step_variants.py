@@ -8,8 +8,8 @@ variant                  how the blocks' weights reach the device
 ``dlo-allgather``        our executor in allgather mode; over one rank the plan lowers it to the rank-local
                          program (H2D straight into the slots, no landing buffer, no all-gather)
 ``dlo-rank-local-swap``  as dlo-rank-local, blocks called through the pre-resolved swap (not functional_call)
-``dlo-*-graph``          as dlo-rank-local / dlo-allgather, each step captured as a CUDA graph and replayed
-                         (eager where capture is unsupported, e.g. on CPU)
+``dlo-*-bgraph``         as dlo-rank-local / dlo-allgather, each block's compute replayed as a CUDA graph (the
+                         block-graph plug-in; eager where capture is unsupported, e.g. on CPU)
 ``resident-graph``       resident, the whole pass captured as one CUDA graph (CUDA only; a diagnostic)
 ``resident-compile``     resident, every block compiled with ``torch.compile`` (``nn.Module.compile``)
 ``dlo-rank-local-compile``  dlo-rank-local on blocks compiled the same way (compared with resident-compile)
@@ -37,14 +37,16 @@ from torch import nn
 from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.runtime.blocks import BlockProxy, block_state, make_caller, make_views
 from dlo_fn.runtime.executor import Executor
+from dlo_fn.runtime.cuda import plugins_for
 from dlo_fn.runtime.host_store import HostStore
+from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.platform import Platform
 
 __all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow_config", "random_model", "cpu_blocks",
            "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
 
-VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap", "dlo-rank-local-graph",
-            "dlo-allgather-graph", "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers",
+VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap",
+            "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers",
             "diffusers-record-stream", "naive-sync",
             "resident-compile", "dlo-rank-local-compile", "resident-graph", "dlo-rank-local-swap-g2",
             "dlo-rank-local-swap-g4", "dlo-rank-local-g2")
@@ -55,12 +57,12 @@ GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded),
 
 def variant_options(variant: str) -> dict:
     """Executor options of a ``dlo-*`` variant: its mode, then suffixes ``-swap`` / ``-compile`` (block call),
-    ``-graph`` / ``-bgraph`` (CUDA graphs), ``-g<G>`` (load groups of G on 2G slots)."""
+    ``-bgraph`` (block graphs), ``-g<G>`` (load groups of G on 2G slots)."""
     parts = variant.split("-")
     group = next((int(p[1:]) for p in parts if p[:1] == "g" and p[1:].isdigit()), 1)
     return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
             "block_call": "swap" if "swap" in parts else "compile" if "compile" in parts else "functional_call",
-            "graph": "block" if "bgraph" in parts else "graph" in parts, "load_group": group}
+            "graph": "block" if "bgraph" in parts else False, "load_group": group}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
@@ -203,9 +205,10 @@ class _Stack(nn.Module):
 def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
                   aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool | str = False,
                   load_group: int = 1, **options: Any) -> tuple[PassFn, Executor]:
-    ex = Executor(platform, layout, store, blocks, aliases, group=group if mode == "allgather" else None,
-                  mode=mode, block_call=block_call, graph=graph, num_slots=2 * load_group, load_group=load_group,
-                  **options)
+    opts = OffloadOptions(mode=mode, block_call=block_call, graph=graph, num_slots=2 * load_group,
+                          load_group=load_group, **options)
+    ex = Executor(platform, layout, store, blocks, aliases, opts, group=group if mode == "allgather" else None,
+                  plugin=plugins_for(opts, platform))
     proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -68,10 +68,8 @@ outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.json
   printed and in the manifest is the SHA-256 of the video's uint8 bytes (np.load(npy).tobytes()), not of a file:
   it is the same in every mode and world size; the manifest's file_sha256 hashes each written file.
 exit codes: 0 every request produced an output; 1 some did not (each reason is printed and in the manifest);
-  2 a usage error, printed as one line before any model is loaded (nothing ran); 87 (or SIGKILL) a rank whose
-  NCCL all-gathers stalled past the timeout (a peer died), ended by the executor's watchdog with one line.
-environment: DLO_FN_RAW_NCCL=0 makes the all-gathers (CUDA, NCCL, W > 1) torch.distributed's calls instead of
-  the executor's own NCCL communicator's.
+  2 a usage error, printed as one line before any model is loaded (nothing ran). On NCCL a collective that
+  times out (--timeout; a peer died or stalled) ends its process through torch.distributed's watchdog.
 example (a CPU, seconds; random weights, so the video is noise):
   python -m dlo_fn make-checkpoint --model tiny --out ckpt/tiny
   python -m dlo_fn generate --checkpoint ckpt/tiny --prompt "a red fox" --height 64 --width 64 --frames 5 \\

@@ -45,23 +45,22 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "host time)")
     parser.add_argument("--async-collectives", action="store_true",
                         help="CPU/gloo: overlap all-gathers with compute (async_op)")
-    parser.add_argument("--cuda-graph", nargs="?", const="step", default=None, choices=("step", "block"),
-                        help="replay CUDA graphs (eager where unsupported): 'step' (the default when given bare) "
-                             "captures each offloaded step, copies included; 'block' captures each block's compute "
-                             "(its outputs in two buffers reused along the chain) and keeps the copies eager (not "
-                             "slower than eager on a PCIe-bound step)")
+    parser.add_argument("--cuda-graph", nargs="?", const="block", default=None, choices=("block",),
+                        help="replay each block's compute as a CUDA graph, the copies staying eager (CUDA only; "
+                             "eager elsewhere, logged once): host time per block falls to a replay, for models of "
+                             "small blocks; block outputs live in two buffers reused along the chain")
     parser.add_argument("--graph-shapes", type=int, default=4, metavar="N",
                         help="with --cuda-graph: keep the graphs of the N most recently used input shapes (a new "
                              "shape beyond frees the least recently used one's graphs and buffers)")
     parser.add_argument("--load-group", type=_int_or_auto("--load-group"), default=1, metavar="G",
                         help="move G consecutive blocks as one load (one wait and one record for their copies, and "
-                             "for their computes): for models of many small blocks, where the host's 5 driver calls "
-                             "per block are the bound (one H200: 46 -> 24 us of host time per block at G = 4). "
+                             "for their computes): for models of many small blocks, where the host's 5 stream "
+                             "operations per block are the bound (5 per G blocks with groups). "
                              "Every mode (allgather over W > 1 ranks: a group's all-gathers as one collective, "
                              "--landing a multiple of G, default 2G); needs --slots a multiple of G and >= 2G "
                              "(default 2G; with --slots auto the policy picks them). auto: the policy chooses G in 1, "
                              "2, 4 (and the slots, unless --slots is given) from the start-up probes (at W > 1 on 2G "
-                             "landing buffers, its host work priced from one NCCL rank's measurements)")
+                             "landing buffers)")
     parser.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="default: detect")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective fails")
     parser.add_argument("--trace", default=None, help="write the measured timelines as Chrome trace JSON here")

@@ -1,7 +1,7 @@
 """Host work per block from the plan: the eager loop's driver calls per compute, and the policy's host-cost model
 for load groups; pure.
 
-:func:`planned_driver_calls` counts, for a schedule, the driver calls per compute the eager loop issues
+:func:`planned_stream_ops` counts, for a schedule, the driver calls per compute the eager loop issues
 (``runtime.program.fast_segments``: waits, copies, records; the executor's count equals it, tests/test_executor.py
 and notebook 11). :func:`steady_schedule` is the rank-local ring's schedule of a pass after the first.
 
@@ -41,7 +41,7 @@ from dlo_fn.plan.layout import layout_load_group
 from dlo_fn.plan.lowering import default_num_landing
 from dlo_fn.plan.schedule import AG, C, H2D, Ring, Schedule
 
-__all__ = ["HOST_FIXED_SHARE", "HOST_FIXED_SHARE_ALLGATHER", "HOST_COLLECTIVE_CALLS", "planned_driver_calls",
+__all__ = ["HOST_FIXED_SHARE", "HOST_FIXED_SHARE_ALLGATHER", "HOST_COLLECTIVE_CALLS", "planned_stream_ops",
            "steady_schedule", "host_scale"]
 
 HOST_FIXED_SHARE = 0.30
@@ -49,7 +49,7 @@ HOST_FIXED_SHARE_ALLGATHER = 0.083
 HOST_COLLECTIVE_CALLS = 3.75
 
 
-def planned_driver_calls(schedule: Schedule, grouped_layout: bool = False) -> dict[str, float]:
+def planned_stream_ops(schedule: Schedule, grouped_layout: bool = False) -> dict[str, float]:
     """Driver calls per compute of ``schedule`` by kind, as the eager loop issues them
     (:func:`~dlo_fn.runtime.program.fast_segments`): each op waits on its ``deps`` (and a buffer's first use on
     the previous run's last use), runs (an H2D op one copy; a compute is the block's kernels, no driver call of
@@ -104,7 +104,7 @@ def host_scale(num_blocks: int, num_slots: int, load_group: int, mode: str = "ra
     grouped = mode == "allgather" and layout_load_group(num_blocks, 2, load_group) > 1
 
     def cost(g: int) -> float:
-        calls = planned_driver_calls(steady_schedule(num_blocks, num_slots, g, mode), grouped and g > 1)
+        calls = planned_stream_ops(steady_schedule(num_blocks, num_slots, g, mode), grouped and g > 1)
         return calls["total"] + HOST_COLLECTIVE_CALLS * calls["collectives"]
 
     fixed = HOST_FIXED_SHARE if mode == "rank-local" else HOST_FIXED_SHARE_ALLGATHER

@@ -2,7 +2,7 @@
 (one H200), and where ours goes.
 
 * :func:`published_rows` - the reference's AllGather overhead per step (Nano DP4, 72 blocks) and per block;
-* :func:`planned_driver_calls` - the driver calls per block the eager loop makes for a schedule (pure: a wait per
+* :func:`planned_stream_ops` - the driver calls per block the eager loop makes for a schedule (pure: a wait per
   dependency, a record per op, a copy per H2D op), over a steady run of the ring (from :mod:`dlo_fn.plan.host_cost`);
 * :func:`driver_rows` - per driver call kind, its cost on the H200: inside the pass (each compute's record sent
   with the next block's calls, and right after the block), back to back, and one call right after a block
@@ -30,11 +30,11 @@ import json
 import pathlib
 from typing import Any
 
-from dlo_fn.plan.host_cost import host_scale, planned_driver_calls, steady_schedule
+from dlo_fn.plan.host_cost import host_scale, planned_stream_ops, steady_schedule
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
-__all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_driver_calls", "steady_schedule", "driver_rows",
+__all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_stream_ops", "steady_schedule", "driver_rows",
            "executor_rows", "ab_rows", "policy_rows", "graph_rows", "GRAPH_VARIANTS", "GROUP_VARIANTS", "summary",
            "allgather_rows", "allgather_reading"]
 

@@ -15,14 +15,15 @@ arguments to the executor.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from dlo_fn.plan.layout import BlockLayout
+from dlo_fn.plan.layout import BlockLayout, ModelLayout
 
-__all__ = ["block_state", "strip_block", "make_views", "BlockProxy", "layout_key", "CALLS", "make_caller"]
+__all__ = ["block_state", "strip_block", "make_views", "BlockProxy", "layout_key", "CALLS", "make_caller",
+           "build_callers"]
 
 CALLS = ("functional_call", "swap", "compile")
 
@@ -122,6 +123,29 @@ def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> 
                 table[key] = value
 
     return call
+
+
+def build_callers(layout: ModelLayout, blocks: Sequence[nn.Module], aliases: Sequence[Mapping[str, tuple[str, ...]]],
+                  num_slots: int, slot_span: Callable[[int, int], torch.Tensor], kind: str, plugin: Any = None
+                  ) -> tuple[list[tuple[Any, ...]], int]:
+    """``(callers, view sets)``: one call per (block, slot) on the typed views of the bytes ``slot_span(block,
+    slot)``, the views shared by blocks of one layout at one address (every block of a uniform DiT), each call
+    wrapped by ``plugin`` (:class:`~dlo_fn.runtime.executor.CallPlugin`) if there is one."""
+    shared: dict[tuple, dict[str, torch.Tensor]] = {}
+    callers = []
+    for b, shard in enumerate(layout.shards):
+        names = dict(aliases[b])
+        key = layout_key(shard.block, names)
+        row = []
+        for s in range(num_slots):
+            span = slot_span(b, s)
+            at = (key, span.data_ptr())  # a grouped layout places a block at its group's stride in the slots
+            if at not in shared:
+                shared[at] = make_views(span, shard.block, names)
+            call = make_caller(kind, blocks[b], shared[at])
+            row.append(plugin.wrap(call, b, s) if plugin is not None else call)
+        callers.append(tuple(row))
+    return callers, len(shared)
 
 
 class BlockProxy(nn.Module):

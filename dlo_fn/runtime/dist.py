@@ -1,26 +1,21 @@
-"""Process-group helpers: start-up, the one all-gather call, cross-rank agreement checks, local test ranks.
+"""Process-group helpers: start-up, the one all-gather call, cross-rank agreement checks.
 
 Everything multi-rank has a timeout: ``init_process_group(timeout=...)`` bounds every collective (gloo
-enforces it per call; NCCL/HCCL through their watchdogs), and :func:`run_ranks` kills its processes and
-raises ``TimeoutError`` when they do not finish.
+enforces it per call; NCCL/HCCL through their watchdogs). Local test ranks: :mod:`dlo_fn.serve.ranks`.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import queue as queue_mod
 import socket
-import tempfile
-import time
-import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dlo_fn.runtime.platform import Platform, detect_platform, platform_for
+from dlo_fn.runtime.platform import Platform, detect_platform
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -28,11 +23,9 @@ __all__ = [
     "init_distributed",
     "all_gather_bytes",
     "all_gather_pairs",
-    "bound_all_gather",
     "check_same_across_ranks",
     "exit_now",
     "free_port",
-    "run_ranks",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -97,60 +90,26 @@ def all_gather_bytes(output: torch.Tensor, input: torch.Tensor, group: Any, asyn
     return fn(output, input, group=group, async_op=async_op)
 
 
-def _coalesces(pg: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether ``pairs`` go to ``pg`` as one coalesced collective: several pairs, on a device backend. gloo gathers
-    them one by one: its coalesced all-gather of CUDA tensors crashes the process (torch 2.11, seen on the H200),
-    and on the host a coalesced call saves nothing."""
-    return len(pairs) > 1 and dist.get_backend(pg) != "gloo"
-
-
-def _group(group: Any) -> Any:
-    return group if group is not None else dist.distributed_c10d._get_default_group()
-
-
 def all_gather_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group: Any, async_op: bool = False) -> Any:
-    """:func:`all_gather_bytes` for each ``(output, input)`` pair, issued as one call: one pair is one all-gather,
-    several are one coalesced collective (NCCL: one group launch; a load group's blocks, ``runtime.program``; gloo:
-    one after the other, the last one's work returned with ``async_op``, every one before it done). The torch-event
-    loop calls it per all-gather op: one pair goes straight to :func:`all_gather_bytes`, nothing built per call."""
+    """:func:`all_gather_bytes` for each ``(output, input)`` pair, issued as one call: one pair is one all-gather;
+    several (a load group's blocks on the per-block layout, ``runtime.program``) are one coalesced collective on
+    a device backend (NCCL: one group launch), and one after the other on gloo, whose coalesced all-gather of CUDA
+    tensors crashed the process (torch 2.11, on the H200) and saves nothing on the host. Returns the (last) work
+    with ``async_op``, every call before it done."""
     if len(pairs) == 1:
         return all_gather_bytes(*pairs[0], group, async_op)
-    if not async_op:
-        return bound_all_gather(pairs, group)()
-    pg = _group(group)
-    if not _coalesces(pg, pairs):
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if dist.get_backend(pg) == "gloo":
         for out, inp in pairs[:-1]:
             all_gather_bytes(out, inp, group)
-        return all_gather_bytes(*pairs[-1], group, async_op=True)
+        return all_gather_bytes(*pairs[-1], group, async_op)
     opts = dist.distributed_c10d.AllgatherOptions()
-    opts.asyncOp = True
-    return pg.allgather_into_tensor_coalesced([o for o, _ in pairs], [i for _, i in pairs], opts)
-
-
-def bound_all_gather(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group: Any) -> Callable[[], None]:
-    """``call()`` doing :func:`all_gather_pairs` synchronously (on a device: issued on the current stream, which
-    then waits for it) with everything resolved once: the group, the options, the tensor lists. The executor's
-    driver-call path calls it once per all-gather op: ``torch.distributed``'s wrapper (argument checks, the default
-    group, the coalescing state) costs several microseconds a call that this skips. The collective is the group's
-    own (``ProcessGroup._allgather_base``, what the wrapper calls), or the wrapper where a group lacks it."""
-    pg = _group(group)
-    opts = dist.distributed_c10d.AllgatherOptions()
-    opts.asyncOp = False
-    pairs = tuple(pairs)
-    if _coalesces(pg, pairs):
-        outs, ins = [o for o, _ in pairs], [i for _, i in pairs]
-        gather, args = pg.allgather_into_tensor_coalesced, ((outs, ins, opts),)
-    elif hasattr(pg, "_allgather_base"):
-        gather, args = pg._allgather_base, tuple((out, inp, opts) for out, inp in pairs)  # gloo: one by one
-    else:
-        gather, args = (lambda out, inp, _: all_gather_bytes(out, inp, group)), tuple((o, i, opts) for o, i in pairs)
-
-    def call() -> None:
-        for a in args:
-            work = gather(*a)
-            if work is not None:
-                work.wait()
-    return call
+    opts.asyncOp = async_op
+    work = pg.allgather_into_tensor_coalesced([o for o, _ in pairs], [i for _, i in pairs], opts)
+    if async_op:
+        return work
+    work.wait()  # on a device: the current stream waits for the collective, the host does not
+    return None
 
 
 def check_same_across_ranks(value: str, group: Any, platform: Platform, what: str) -> None:
@@ -195,85 +154,3 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, kind: str, timeout_s: float,
-               threads: int, results: Any, args: Sequence[Any]) -> None:
-    torch.set_num_threads(threads)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    try:
-        ctx = init_distributed(platform_for(kind, rank), timeout_s=timeout_s, init_method=f"file://{init_file}",
-                               rank=rank, world_size=world_size)
-        try:
-            out = fn(ctx, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, out))
-    except BaseException as exc:  # report to the parent, which raises with every rank's story
-        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-              platform: str = "cpu", threads_per_rank: int = 1) -> list[Any]:
-    """Run ``fn(ctx: DistContext, *args)`` in ``world_size`` fresh processes (spawn) joined by a file://
-    rendezvous; return the results in rank order. ``fn`` must be importable (module level) and its result
-    picklable. Raises ``RuntimeError`` with the failing ranks' tracebacks, or ``TimeoutError`` after
-    ``timeout_s`` (the processes, which this call started, are then killed)."""
-    import torch.multiprocessing as mp
-
-    mpctx = mp.get_context("spawn")
-    results = mpctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="dlo_fn_ranks_") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            mpctx.Process(target=_rank_main, daemon=True,
-                          args=(r, fn, world_size, init_file, platform, timeout_s, threads_per_rank, results,
-                                tuple(args)))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        got: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(got) < world_size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"run_ranks: ranks {sorted(set(range(world_size)) - set(got))} did not finish within "
-                        f"{timeout_s:.0f} s; finished: {sorted(got)}")
-                try:
-                    rank, ok, value = results.get(timeout=min(left, 0.5))
-                    got[rank] = (ok, value)
-                    continue
-                except queue_mod.Empty:
-                    pass
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
-                if dead:
-                    time.sleep(0.5)  # let a dying rank's report arrive
-                    while True:
-                        try:
-                            rank, ok, value = results.get_nowait()
-                            got[rank] = (ok, value)
-                        except queue_mod.Empty:
-                            break
-                    if any(r not in got for r in dead):
-                        raise RuntimeError(f"run_ranks: ranks {[r for r in dead if r not in got]} died "
-                                           f"(exit codes {[procs[r].exitcode for r in dead]}) without a report")
-                    if not any(ok is False for ok, _ in got.values()):
-                        continue
-                if any(ok is False for ok, _ in got.values()):
-                    break
-        finally:
-            for p in procs:
-                p.join(timeout=5 if len(got) == world_size else 0.1)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-        failures = {r: v for r, (ok, v) in got.items() if not ok}
-        if failures:
-            text = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failures.items()))
-            raise RuntimeError(f"run_ranks: {len(failures)} rank(s) failed:\n{text}")
-        return [got[r][1] for r in range(world_size)]

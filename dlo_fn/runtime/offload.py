@@ -28,72 +28,22 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from dlo_fn.plan.host_budget import pinned_prefix
-from dlo_fn.plan.layout import (DEFAULT_ALIGNMENT_BYTES, ModelLayout, grouped_layout_problem, layout_load_group,
-                                model_layout)
-from dlo_fn.plan.lowering import check_load_group
-from dlo_fn.plan.modes import MODES, check_mode
+from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
+from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.bind import with_address_residues
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
-from dlo_fn.runtime.executor import GRAPH_SCOPES, Executor
+from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
-from dlo_fn.runtime.mesh import Mesh, ShardGroup, check_shard_group, shard_group
+from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
+from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadOptions:
-    """Everything that selects how weights move. ``mode`` is the one switch between the three variants."""
-
-    mode: str = "allgather"
-    num_slots: int = 2
-    num_landing: int | None = None  # allgather default 2 (2G with load groups)
-    rank_local_source: str = "pinned"  # "pinned": private pinned copy; "mmap": stream from the shared mmap
-    block_call: str = "swap"  # or "functional_call" (same bits, ~3x the host time; dlo_fn.runtime.blocks)
-    async_collectives: bool = False  # CPU/gloo: overlap all-gathers with compute
-    record_timeline: bool = False
-    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
-    progress: bool = False
-    # CUDA graphs: True / "step" captures each offloaded step, copies included (dlo_fn.runtime.graph); "block"
-    # captures each block's compute, the copies and events staying eager (dlo_fn.runtime.block_graph).
-    graph: bool | str = False
-    # The input shapes (per request slot) whose graphs are kept; a new one beyond drops the least recently used
-    # shape's graphs and buffers, so serving many resolutions keeps device memory bounded.
-    graph_shapes: int = 4
-    # Loads that move as one (dlo_fn.plan.lowering, "Load groups"): G consecutive blocks' H2D with one wait and one
-    # record, their all-gathers as one collective (W > 1), and their computes with one wait and one record, so
-    # small blocks cost the host the driver calls of one load per G blocks. Needs num_slots a multiple of G and
-    # >= 2G and, in allgather mode over W > 1 ranks, num_landing a multiple of G (default 2G). There, where G
-    # divides the number of blocks, the shards are laid out per group (dlo_fn.plan.layout, "Grouped shard
-    # layout"): one all-gather per group instead of G; else one per block, in one coalesced launch.
-    load_group: int = 1
-    shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
-    # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
-    # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
-    pinned_budget_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        check_mode(self.mode)
-        check_shard_group(self.shard_group)
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
-        if self.rank_local_source not in ("pinned", "mmap"):
-            raise ValueError(f"rank_local_source must be 'pinned' or 'mmap', got {self.rank_local_source!r}")
-        if self.graph not in GRAPH_SCOPES:
-            raise ValueError(f"graph must be one of False, True, 'step', 'block'; got {self.graph!r}")
-        if self.graph_shapes < 1:
-            raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
-        # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank
-        # is the rank-local sequence, known only with the shard group).
-        check_load_group(self.load_group, self.num_slots, "rank-local")
-        if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
-            raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
 
 @dataclass
@@ -157,6 +107,15 @@ def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module
     return out
 
 
+def _plugin(options: OffloadOptions, platform: Any) -> Any:
+    """The executor's plug-in that ``options`` asks for (the one place the plug-in package is imported)."""
+    if not options.graph:
+        return None
+    from dlo_fn.runtime.cuda import plugins_for
+
+    return plugins_for(options, platform)
+
+
 def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ctx: DistContext | None = None,
             options: OffloadOptions | None = None, *, mesh: Mesh | None = None, **overrides: Any) -> Offloaded:
     """Prepare ``model`` (in place) for offloaded execution on ``ctx``'s device; see the module docstring.
@@ -212,11 +171,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
         block = lst[i]
         strip_block(block, platform.device)
         blocks.append(block)
-    executor = Executor(platform, layout, store, blocks, aliases, group=shards.group,
-                        mode=options.mode, num_slots=options.num_slots, num_landing=options.num_landing,
-                        block_call=options.block_call, async_collectives=options.async_collectives,
-                        record_timeline=options.record_timeline, rank=ctx.rank, graph=options.graph,
-                        graph_shapes=options.graph_shapes, load_group=options.load_group)
+    executor = Executor(platform, layout, store, blocks, aliases, options, group=shards.group, rank=ctx.rank,
+                        plugin=_plugin(options, platform))
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)
@@ -226,7 +182,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     if release is not None and streams:
         # Partly pinned: the mapping stays for the streamed blocks; drop the pages already copied out.
         release_copied_pages(store.copied_ranges + release.source_ranges, files)
-    log.info("offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes",
+    log.info("offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes, %s",
              spec.name, layout.num_blocks, options.mode, num_shards, shards.name, store.arena_bytes, store.how,
-             executor.device_weight_bytes)
+             executor.device_weight_bytes, ", ".join(f"{k} {v}" for k, v in options.describe()))
     return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release)

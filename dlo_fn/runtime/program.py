@@ -1,81 +1,92 @@
 """A schedule compiled against an executor's buffers, the state of an open run, and the executor's counters.
 
 The schedule is the planner's (:mod:`dlo_fn.plan.schedule`), handed to the executor as is: compiling resolves
-buffers and streams, never reorders, adds or drops an op.
+buffers and streams, never reorders, adds or drops an op. Each op becomes a :class:`CompiledOp` holding what the
+issue loop (:mod:`dlo_fn.runtime.issue`) needs: its kind (:mod:`dlo_fn.plan.ops`), stream, the ops of the run whose
+events it waits on, the buffers whose previous-run last use it waits on, and its arguments as ready-made byte
+views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing bytes) pairs, one collective; ``C``: the
+block caller bound to the slot's weight views).
 
-With driver calls (CUDA, :mod:`dlo_fn.runtime.cuda_raw`) each compute op also gets its *segment*: every driver
-call from the op after the previous compute up to this compute's own waits, flattened into one tuple of
-``(function, args)`` with the pointers and event handles bound (:func:`fast_segments`), and the record after it.
-The eager hot loop then is one loop of bare driver calls per block, with no per-op lookup, branch or wrapper.
-
-Compiling resolves every op once (at the first run that uses the schedule) into what the hot loop needs: its
-kind, stream, the indices of the events it waits on, the buffers whose previous-run last use it waits on, and
-its arguments as ready-made byte views (``H2D``: (destination, source) pairs; ``AG``: (slot bytes, landing
-bytes) pairs, one collective; ``C``: (block index, caller bound to the slot's weight views)).
+A load group's copies whose bytes continue are joined into one copy here, and its all-gathers into one collective
+(:func:`_merge_group_loads`), so a group costs the stream operations of one load.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.ops import AG, C, H2D
+from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 from dlo_fn.plan.schedule_check import check_schedule
-from dlo_fn.plan.schedule import AG, H2D, Ring, Schedule, ScheduleError
 from dlo_fn.runtime.host_store import HostStore
 
-__all__ = ["ExecutorStats", "Program", "Programs", "RunState", "compile_schedule", "fast_segments"]
+__all__ = ["CompiledOp", "ExecutorStats", "Program", "Programs", "RunState", "compile_schedule"]
 
-_H2D, _AG, _C = 0, 1, 2
+Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(slots=True)
 class ExecutorStats:
-    """Host-side counters (seconds, from ``time.perf_counter``). ``issue_s`` is the host time the executor
-    spends outside the blocks' own calls (issuing loads, waits, records, bookkeeping), of which
-    ``load_issue_s`` issuing the H2D and all-gather ops; ``call_s`` is the time inside the block calls."""
+    """Counters of what the executor issued, and host time (seconds, ``time.perf_counter``). ``waits``,
+    ``copies`` and ``records`` are the stream operations of the loads and computes (a load group's joined copies
+    count once), ``collectives`` the all-gather calls; ``issue_s`` is the host time outside the blocks' own calls
+    (of which ``load_issue_s`` issuing loads, and of that ``collective_s`` inside the all-gather calls), ``call_s``
+    the time inside the blocks' calls."""
 
     computes: int = 0
     loads: int = 0
     runs: int = 0
+    waits: int = 0
+    copies: int = 0
+    records: int = 0
+    collectives: int = 0
     issue_s: float = 0.0
     load_issue_s: float = 0.0
+    collective_s: float = 0.0
     call_s: float = 0.0
 
     def reset(self) -> None:
-        self.computes = self.loads = self.runs = 0
-        self.issue_s = self.load_issue_s = self.call_s = 0.0
+        for name in self.__slots__:
+            setattr(self, name, type(getattr(self, name))())
 
     @property
     def issue_us_per_compute(self) -> float:
         return 1e6 * self.issue_s / max(self.computes, 1)
 
+    @property
+    def stream_ops(self) -> int:
+        """Waits, copies and records issued: what the plan counts (:func:`dlo_fn.plan.host_cost.planned_stream_ops`)."""
+        return self.waits + self.copies + self.records
 
-@dataclass
+
+@dataclass(frozen=True, slots=True)
+class CompiledOp:
+    """One op of a schedule resolved against the executor's buffers (see the module doc)."""
+
+    kind: str  # H2D, AG or C (dlo_fn.plan.ops)
+    block: int
+    stream: Any  # the H2D or all-gather stream; None for a compute (it runs on the caller's current stream)
+    waits: tuple[int, ...]  # ops of this run whose events it waits on
+    carry: tuple[str, ...]  # buffers it uses first in the run: it waits on the previous run's last use of each
+    pairs: tuple[Pair, ...] = ()  # H2D: (dst, src) copies; AG: (out, in) pairs, one collective; () when joined
+    caller: Any = None  # C: the block's call on its slot's views
+    recorded: bool = False  # a later op (or the next run) waits on its event
+
+
+@dataclass(frozen=True, slots=True)
 class Program:
-    """A schedule compiled against this executor's buffers; events are reused each time it runs."""
+    """A schedule compiled against one executor's buffers; its events are reused each time it runs."""
 
     schedule: Schedule
-    kinds: tuple[int, ...]
-    streams: tuple[Any, ...]
-    waits: tuple[tuple[int, ...], ...]
-    carry: tuple[tuple[str, ...], ...]  # buffers whose previous-run last use this op must wait for
-    args: tuple[Any, ...]  # H2D: ((dst, src), ...); AG: ((out, inp), ...), one collective; C: (block, caller)
-    next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len)
-    events: list[Any]
-    last_use: tuple[tuple[str, int], ...] = ()  # Schedule.carried_last_use: what the next run waits on
-    # With driver calls (dlo_fn.runtime.cuda_raw): per op, (stream handle, ((dst ptr, src ptr, bytes, device
-    # source), ...)), an all-gather's copies none (its collective is bound by fast_segments); compute ops: None
-    # (they run on the caller's stream).
-    raw: tuple[Any, ...] | None = None
-    # The driver-call fast path, per (compute stream handle, carried event handles) (see fast_segments).
-    fast: dict[tuple, tuple[Any, ...]] = field(default_factory=dict)
-    # Schedule.recorded, once (the hot loops test it per op): the others record nothing, unless a timeline is
-    # being recorded (every op's end then is a measurement).
-    recorded: frozenset[int] = frozenset()
+    ops: tuple[CompiledOp, ...]
+    next_compute: tuple[int, ...]  # for each cursor position, the index of the next compute op (or len(ops))
+    events: tuple[Any, ...]
+    last_use: tuple[tuple[str, int], ...]  # Schedule.carried_last_use: what the next run waits on
 
 
 class Programs:
@@ -88,6 +99,9 @@ class Programs:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def compiled(self) -> tuple[Program, ...]:
+        return tuple(self._cache.values())
 
     def get(self, ring: Ring, num_steps: int | None, requests_per_load: int | None,
             schedule: Schedule | None) -> Program:
@@ -112,79 +126,68 @@ class Programs:
         return program
 
 
-@dataclass(slots=True)  # slots: the per-block path reads and writes its fields (fewer cache lines per access)
+@dataclass(slots=True)  # slots: the per-block path reads and writes its fields
 class RunState:
+    """An open run: its program and events, the previous run's last uses it waits on (``carry``: buffer ->
+    event), whether this rank computes, and the cursor (the next op to issue)."""
+
     program: Program
-    events: list[Any]
-    starts: list[Any] | None
+    events: Sequence[Any]
+    starts: Sequence[Any] | None  # a recorded timeline's start events (None: not recording)
+    carry: dict[str, Any]
     compute: bool
     implicit: bool
-    stream: Any
-    cursor: int = 0
+    stream: Any  # the compute stream: the caller's current stream when the run opened
     index: int = 0
-    cstream: Any = None  # what compute ops wait and record on: ``stream``, or its RawStream
-    fast: tuple[Any, ...] | None = None  # driver calls: fast_segments(program, cu, compute stream handle)
-    # A compute's event record held back to the next driver call of the run: (record fn, args, op index).
-    pending: tuple[Any, tuple, int] | None = None
-    # The driver-call path's segment for the next compute (an entry of ``fast``) while every compute of the run
-    # takes that path in order (no graphs, computing, nothing issued out of turn); None otherwise.
-    next: tuple[Any, ...] | None = None
+    cursor: int = 0
 
 
 def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore,
                      slot_span: Callable[[int, int], torch.Tensor], landing_span: Callable[[int, int], torch.Tensor],
                      callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
-                     new_event: Callable[[], Any], raw_stream: Callable[[Any], int] | None = None) -> Program:
-    """Resolve every op of ``sch`` against the buffers (``slot_span(block, slot)`` / ``landing_span(block,
-    landing)``: the bytes a block occupies there; ``streams`` = (H2D stream, all-gather stream)); ``raw_stream``
-    (a stream's handle): also resolve the copies to pointers for the driver-call loop."""
-    kinds, op_streams, args = [], [], []
+                     new_event: Callable[[], Any]) -> Program:
+    """Resolve every op of ``sch`` against the buffers: ``slot_span(block, slot)`` / ``landing_span(block,
+    landing)`` are the bytes a block occupies there, ``callers[block][slot]`` its bound call, ``streams`` the
+    (H2D stream, all-gather stream)."""
+    pairs: list[tuple[Pair, ...]] = []
     for op in sch.ops:
-        shard = layout.shards[op.block]
         if op.kind == H2D:
-            kinds.append(_H2D)
-            op_streams.append(streams[0])
             dst = slot_span(op.block, op.slot) if op.slot is not None else landing_span(op.block, op.landing)
-            args.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
-                              for s in store.sources[op.block]))
+            pairs.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
+                               for s in store.sources[op.block]))
         elif op.kind == AG:
-            kinds.append(_AG)
-            op_streams.append(streams[1])
-            n = shard.shard_bytes
-            args.append(((slot_span(op.block, op.slot)[: n * layout.num_shards],
-                          landing_span(op.block, op.landing)[:n]),))
+            n = layout.shards[op.block].shard_bytes
+            pairs.append(((slot_span(op.block, op.slot)[: n * layout.num_shards],
+                           landing_span(op.block, op.landing)[:n]),))
         else:
-            kinds.append(_C)
-            op_streams.append(None)
-            caller = callers[op.block][op.slot]
-            if getattr(caller, "per_request", False):  # a block graph's caller: one graph per request
-                caller = functools.partial(caller, request=op.request)
-            args.append((op.block, caller))
+            pairs.append(())
     carry: list[list[str]] = [[] for _ in sch.ops]
     for buf, i in sch.first_use:
         carry[i].append(buf)
-    _merge_group_loads(kinds, args, sch.load_group_last, sch.deps, carry, layout.load_group > 1)
+    kinds = [op.kind for op in sch.ops]
+    _merge_group_loads(kinds, pairs, sch.load_group_last, sch.deps, carry, layout.load_group > 1)
     if layout.load_group > 1:
-        _check_group_gathers(sch, layout, kinds, args)
-    nxt, upcoming = [0] * (len(sch.ops) + 1), len(sch.ops)
-    for i in range(len(sch.ops), -1, -1):
-        if i < len(sch.ops) and kinds[i] == _C:
+        _check_group_gathers(sch, layout, kinds, pairs)
+    stream_of = {H2D: streams[0], AG: streams[1], C: None}
+    recorded = sch.recorded
+    ops = []
+    for i, op in enumerate(sch.ops):
+        caller = None
+        if op.kind == C:
+            caller = callers[op.block][op.slot]
+            if getattr(caller, "per_request", False):  # a plug-in's caller that keys on the request
+                caller = functools.partial(caller, request=op.request)
+        ops.append(CompiledOp(op.kind, op.block, stream_of[op.kind], sch.deps[i], tuple(carry[i]), pairs[i], caller,
+                              i in recorded))
+    nxt, upcoming = [0] * (len(ops) + 1), len(ops)
+    for i in range(len(ops), -1, -1):
+        if i < len(ops) and ops[i].kind == C:
             upcoming = i
         nxt[i] = upcoming
-    events = [new_event() for _ in sch.ops]
-    raw = None
-    if raw_stream is not None:
-        # Driver calls issue the copies and events; an all-gather's collective is bound by fast_segments (its
-        # stream handle here, its copies none).
-        raw = tuple(None if k == _C else (raw_stream(s), () if k == _AG else tuple(
-            (dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), src.device.type != "cpu")
-            for dst, src in a))
-            for k, s, a in zip(kinds, op_streams, args))
-    return Program(sch, tuple(kinds), tuple(op_streams), sch.deps, tuple(tuple(c) for c in carry), tuple(args),
-                   tuple(nxt), events, sch.carried_last_use, raw, recorded=sch.recorded)
+    return Program(sch, tuple(ops), tuple(nxt), tuple(new_event() for _ in ops), sch.carried_last_use)
 
 
-def _merge_group_loads(kinds: Sequence[int], args: list[Any], lead: tuple[int | None, ...],
+def _merge_group_loads(kinds: Sequence[str], pairs: list[tuple[Pair, ...]], lead: tuple[int | None, ...],
                        deps: Sequence[tuple[int, ...]], carry: Sequence[list[str]], spans: bool = False) -> None:
     """In place: the copies of a load group's H2D that continue the previous H2D's last copy in both its source
     and its destination (one storage each: the slots and the landing buffers are one allocation each, the arena
@@ -200,38 +203,39 @@ def _merge_group_loads(kinds: Sequence[int], args: list[Any], lead: tuple[int | 
     all-gather of the group's landing bytes into its slot bytes (their bytes continue), which is the only
     all-gather of that layout that gathers whole blocks (:func:`_check_group_gathers`)."""
     into = None  # the load of this group (and kind: ``lead`` is per kind) that the next one may join
-    for i in range(len(args)):
+    for i in range(len(pairs)):
         if lead[i] is None:
             into = None
             continue
-        if into is None or lead[into] != lead[i] or deps[i] or not args[i] or not args[into]:
+        if into is None or lead[into] != lead[i] or deps[i] or not pairs[i] or not pairs[into]:
             into = i
             continue
-        if kinds[i] == _AG and not spans:
-            args[into], args[i] = (*args[into], *args[i]), ()
+        if kinds[i] == AG and not spans:
+            pairs[into], pairs[i] = (*pairs[into], *pairs[i]), ()
         else:
-            (d0, s0), (d1, s1) = args[into][-1], args[i][0]
+            (d0, s0), (d1, s1) = pairs[into][-1], pairs[i][0]
             if not (_continues(d0, d1) and _continues(s0, s1)):
                 into = i
                 continue
             joined = (_byte_view(d0, d0.numel() + d1.numel()), _byte_view(s0, s0.numel() + s1.numel()))
-            args[into] = (*args[into][:-1], joined, *args[i][1:])
-            args[i] = ()
+            pairs[into] = (*pairs[into][:-1], joined, *pairs[i][1:])
+            pairs[i] = ()
         carry[into].extend(buf for buf in carry[i] if buf not in carry[into])
         carry[i].clear()
 
 
-def _check_group_gathers(sch: Schedule, layout: ModelLayout, kinds: Sequence[int], args: Sequence[Any]) -> None:
+def _check_group_gathers(sch: Schedule, layout: ModelLayout, kinds: Sequence[str],
+                         pairs: Sequence[tuple[Pair, ...]]) -> None:
     """ScheduleError unless every all-gather of a grouped layout is one whole group's (one pair of ``G`` pieces):
     a part of a group gathers rank-major pieces that are no block (a schedule whose load groups are not the
     layout's, or a run that splits a group)."""
     g = layout.load_group
     for i, kind in enumerate(kinds):
-        if kind != _AG or not args[i]:
+        if kind != AG or not pairs[i]:
             continue
         op = sch.ops[i]
         want = g * layout.shards[op.block].shard_bytes
-        if len(args[i]) != 1 or args[i][0][1].numel() != want or layout.shards[op.block].member:
+        if len(pairs[i]) != 1 or pairs[i][0][1].numel() != want or layout.shards[op.block].member:
             raise ScheduleError(
                 f"op {i} ({op}): the layout gathers blocks {g} at a time (one all-gather per group), but this "
                 f"schedule's all-gather there is not one whole group's (load_group = {sch.load_group}, slot_offset "
@@ -248,55 +252,3 @@ def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _byte_view(t: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` bytes of ``t``'s storage from ``t``'s first byte."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (n,))
-
-
-def fast_segments(p: Program, cu: Any, compute_handle: int, carry: Mapping[str, int] | None = None,
-                  bind_gather: Callable[[tuple], tuple[tuple[Any, tuple], ...]] | None = None) -> tuple[Any, ...]:
-    """Per op index: for a compute op, its segment (the ops since the previous compute, then its own waits) as
-    ``(start, calls, record_fn, record_args, num_loads, block, caller, index, last, next)``: ``start`` the cursor
-    the segment begins at, ``calls`` the driver calls ``(fn, args)`` in issue order, ``record_fn(*record_args)``
-    records the compute's event (``record_fn`` None: nothing waits on it), ``block`` / ``caller`` the compute's
-    block index and bound call, ``index`` its op index, ``last`` whether it is the run's last compute and
-    ``next`` the next compute's segment (which starts right after it); None elsewhere (the ops after the last
-    compute, the next run's prefetch, are issued by ``end_run`` through :func:`~dlo_fn.runtime.issue.issue_until`).
-
-    Events are the program's own (driver calls run only without a recorder), so every handle is fixed at compile
-    time but those of the previous run: ``carry`` (buffer -> event handle of the previous run's last use) binds
-    the waits of the buffers' first uses, and is part of the cache key (a steady ring runs after the same
-    program, so it binds once). An all-gather op is its waits, the calls ``bind_gather(pairs)`` (the executor's
-    bound collective on the all-gather stream: ``ncclAllGather`` calls on its own communicator, or one call that
-    returns to the compute stream after c10d's) and its record. Only the events something waits on are recorded
-    (``Program.recorded``); with load groups (:mod:`dlo_fn.plan.lowering`) that drops the records of all but a
-    group's last H2D (and AG) and of all but the computes a load waits on, and a group's copies and all-gathers were
-    joined at compile time (copies where their bytes continue)."""
-    carry = carry or {}
-    key = (compute_handle, tuple(sorted(carry.items())))
-    cached = p.fast.get(key)
-    if cached is not None:
-        return cached
-    handles = [ev.handle for ev in p.events]
-    out: list[Any] = [None] * (len(p.kinds) + 1)  # indexed by next_compute, which is len(kinds) past the last
-    start, calls, loads = 0, [], 0
-    for i, kind in enumerate(p.kinds):
-        h = compute_handle if kind == _C else p.raw[i][0]
-        calls.extend(cu.bind_wait(h, handles[d]) for d in p.waits[i])
-        calls.extend(cu.bind_carry_wait(h, carry[buf]) for buf in p.carry[i] if buf in carry)
-        if kind == _C:
-            record = cu.bind_record(handles[i], h) if i in p.recorded else (None, ())
-            out[i] = (start, tuple(calls), *record, loads, *p.args[i], i)
-            start, calls, loads = i + 1, [], 0
-            continue
-        calls.extend(cu.bind_copy(dst, src, n, h, dev) for dst, src, n, dev in p.raw[i][1])
-        if kind == _AG and p.args[i]:
-            if bind_gather is None:
-                raise ValueError("a program with all-gathers needs bind_gather for its driver-call segments")
-            calls.extend(bind_gather(p.args[i]))
-        if i in p.recorded:
-            calls.append(cu.bind_record(handles[i], h))
-        loads += 1
-    nxt = None  # link each compute's segment to the next one's, from the last compute back
-    for i in reversed(range(len(p.kinds))):
-        if out[i] is not None:
-            out[i] = nxt = (*out[i], nxt is None, nxt)
-    p.fast[key] = result = tuple(out)
-    return result

@@ -133,14 +133,13 @@ def rank_local_replica(offloaded: Offloaded, reload: Reload) -> None:
     del fresh, tensors  # the store holds the block views it streams from; the rest of the mapping goes
     blocks, aliases = old.blocks, old.aliases
     old.release()  # before the new slots are allocated: they take the old ones' device memory
-    executor = Executor(offloaded.ctx.platform, layout, store, blocks, aliases, group=None, mode="rank-local",
-                        num_slots=old.num_slots, block_call=old.block_call, record_timeline=old.record_timeline,
-                        rank=old.rank, load_group=old.load_group)
+    options = dataclasses.replace(offloaded.options, mode="rank-local", rank_local_source="mmap", graph=False,
+                                  num_slots=old.num_slots)
+    executor = Executor(offloaded.ctx.platform, layout, store, blocks, aliases, options, rank=old.rank)
     for module in offloaded.model.modules():
         if isinstance(module, BlockProxy) and module.block is blocks[module.block_index]:
             module.__dict__["_dlo_compute"] = executor.compute
-    offloaded.options = dataclasses.replace(offloaded.options, mode="rank-local", rank_local_source="mmap",
-                                            graph=False)
+    offloaded.options = options
     offloaded.layout, offloaded.store, offloaded.executor = layout, store, executor
     offloaded.shards = ShardGroup("none", None, 1, 0)
     log.warning("rank %d: now a rank-local replica streaming %d blocks from the checkpoint mapping", old.rank,

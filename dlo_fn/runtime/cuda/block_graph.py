@@ -1,14 +1,14 @@
-"""One CUDA graph per block compute, the copies and events staying eager: ``graph="block"``.
+"""One CUDA graph per block compute, the copies and events staying eager: ``graph="block"``, a plug-in of the
+executor (:class:`~dlo_fn.runtime.executor.CallPlugin`: it wraps each (block, slot) call).
 
-The step graph (:mod:`dlo_fn.runtime.graph`) captures a whole step, copies included, and on the H200 a captured
-H2D copy can run 4-5% slower than an eager one (that module's doc), which costs a PCIe-bound step as much. Here
-only the block's kernels are captured: each compute op replays the graph of
+Only the block's kernels are captured: each compute op replays the graph of
 
     (block, slot, request, input shapes)     the slot fixes the weight views' addresses
 
-and the executor issues its H2D copies, waits and records eagerly around it on its own streams, exactly as in the
-eager loop (a replay is one stream-ordered op on the compute stream, like the kernels it stands for). What it
-saves is the block call's host work: its Python and a launch per kernel become one copy per input and one launch.
+and the executor issues its H2D copies, waits and records eagerly around it on its own streams, exactly as
+without graphs (a replay is one stream-ordered op on the compute stream, like the kernels it stands for), so no
+copy is ever a graph node. What it saves is the block call's host work: its Python and a launch per kernel become
+one copy per input and one launch.
 
 A key is run eager the first time it is seen (lazy initialisation, cuBLAS handles), captured the second time, then
 replayed. What a graph reads:
@@ -51,8 +51,8 @@ from typing import Any, Callable
 
 import torch
 
-from dlo_fn.runtime.graph_parts import (ShapeLRU, capture_guard, flatten_call, flatten_outputs, rebuild_call,
-                                       tensor_specs)
+from dlo_fn.runtime.cuda.capture import (ShapeLRU, capture_guard, flatten_call, flatten_outputs, rebuild_call,
+                                        tensor_specs)
 
 __all__ = ["BlockGraphs", "CudaCapture", "holders"]
 
@@ -99,6 +99,8 @@ class _Captured:
 
 class BlockGraphs:
     """The block graphs of one executor; :meth:`wrap` turns a block caller into one that replays them."""
+
+    name = "block-graphs"
 
     def __init__(self, max_shapes: int = 4, capture: Any = None) -> None:
         self._capturer = capture if capture is not None else CudaCapture()

@@ -1,6 +1,5 @@
-"""What both CUDA graph modes share: the capture guard, a block call flattened to its tensors and back, and the
-least-recently-used set of input shapes whose graphs are kept. The modes: :mod:`dlo_fn.runtime.graph` (a whole
-step) and :mod:`dlo_fn.runtime.block_graph` (each block's compute)."""
+"""What a block graph capture needs (:mod:`dlo_fn.runtime.cuda.block_graph`): the capture guard, a block call
+flattened to its tensors and back, and the least-recently-used set of input shapes whose graphs are kept."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ __all__ = ["ShapeLRU", "capture_guard", "flatten_call", "flatten_outputs", "rebu
 
 @contextlib.contextmanager
 def capture_guard() -> Any:
-    """Around a CUDA graph capture (both graph modes):
+    """Around a CUDA graph capture:
 
     * no garbage collection inside it: a finalizer run by a collection during the capture (a freed host store's
       ``cudaHostUnregister``) is a call that global capture mode forbids, and it invalidates the capture (seen on
@@ -82,7 +81,7 @@ def rebuild_call(num_args: int, names: tuple, structure: tuple, tensors: list[An
 
 
 class ShapeLRU:
-    """The input shapes whose graphs a graph mode keeps (at most ``limit``), least recently used first; each
+    """The input shapes whose graphs are kept (at most ``limit``), least recently used first; each
     shape owns the keys registered under it. :meth:`use` returns the key sets of the shapes it pushes out."""
 
     def __init__(self, limit: int) -> None:
@@ -112,8 +111,8 @@ class ShapeLRU:
 
 def tensor_specs(flat: list[Any] | None, device_type: str | None = None) -> tuple | None:
     """``(shape, stride, dtype, device)`` of each tensor of ``flat``, what a graph's key holds; None if ``flat`` is
-    None or holds anything else (or a tensor on another device type than ``device_type``). Called per block call
-    in the graph modes: the device type is checked through ``Tensor.is_cuda`` / ``is_cpu`` where torch has one
+    None or holds anything else (or a tensor on another device type than ``device_type``). Called per block
+    call: the device type is checked through ``Tensor.is_cuda`` / ``is_cpu`` where torch has one
     (``device.type`` builds a string per tensor, ~1 us on a slow host)."""
     if flat is None:
         return None
