@@ -146,11 +146,13 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
         "pipeline": ("test_pipeline", "check_rank", (FixtureArg("wan_pipeline_folder"),)),
         "context_parallel": ("test_context_parallel", "_rank", ()),
+        "quant": ("test_quant", "quant_rank", (FixtureArg("tiny_checkpoint"),)),
     },
     3: {
         "models_sp": ("test_models_sp", "_rank", ()),
         "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
         "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
+        "quant": ("test_quant", "quant_rank", (FixtureArg("tiny_checkpoint"),)),
     },
     4: {
         "mesh": ("test_mesh", "_rank", ()),

@@ -381,21 +381,16 @@ def test_a_grouped_layout_compiles_only_whole_group_gathers():
     from dlo_fn.runtime.blocks import block_state
     from dlo_fn.runtime.host_store import build_host_store
     from dlo_fn.runtime.program import compile_schedule
+    from dlo_fn.runtime.slots import SlotBuffers
 
     model = toy(4)
     layout = model_layout(spec_from_module(model, "blocks"), 2, load_group=2)
     store = build_host_store(layout, 0, [block_state(b)[0] for b in model.blocks], platform_for("cpu"))
-    slots = torch.zeros(4 * layout.max_padded_block_bytes, dtype=torch.uint8)
-    landing = torch.zeros(4 * layout.max_shard_bytes, dtype=torch.uint8)
-
-    def span(buffer, unit, size):  # the executor's placement (Executor.slot_span / landing_span)
-        return lambda b, i: buffer[(i - i % 2) * unit + (i % 2) * size(b):][: size(b)]
+    buffers = SlotBuffers(platform_for("cpu"), layout, 4, 4)  # the executor's placement of a group's blocks
 
     def compile_(schedule):
-        return compile_schedule(schedule, layout, store,
-                                span(slots, layout.max_padded_block_bytes, lambda b: layout.shards[b].padded_bytes),
-                                span(landing, layout.max_shard_bytes, lambda b: layout.shards[b].shard_bytes),
-                                [[None] * 4 for _ in range(4)], (None, None), lambda: None)
+        return compile_schedule(schedule, layout, store, buffers, [[None] * 4 for _ in range(4)], (None, None),
+                                lambda: None)
 
     ring = Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2)
     program = compile_(ring.next_schedule(2))

@@ -157,7 +157,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
             r.extra.update(extra() if callable(extra) else (extra or {}))
             with torch.no_grad():
                 out = run_pass(x, kwargs)
-            ref = "resident-compile" if variant.endswith("-compile") else "resident"
+            ref = next((r for r in ("resident-compile", "resident-fp8") if variant.endswith(r[8:])), "resident")
             if variant == ref:
                 want[(ref, w)] = out.clone()
             r.extra["equal_to_resident"] = bool(torch.equal(out, want[(ref, w)])) if (ref, w) in want else None
@@ -202,8 +202,22 @@ def run_step_bench(args: argparse.Namespace) -> dict:
         measure("resident-compile", compiled_pass, warmup=3)
         del compiled, compiled_pass
         sv.release(platform)
+    if "resident-fp8" in variants:  # the reference of the -fp8 variants: the blocks fake-quantised, resident
+        fq = sv.fake_quantized(blocks)
+
+        def fp8_pass(x, kwargs):
+            for block in fq:
+                x = block(x, **kwargs)
+            return x
+
+        measure("resident-fp8", fp8_pass)
+        del fq, fp8_pass
+        sv.release(platform)
     tensors, aliases = sv.block_states(blocks)
-    store = build_host_store(layout, 0, tensors, platform, progress=not args.quick)
+    stores = {None: (layout, build_host_store(layout, 0, tensors, platform, progress=not args.quick))}
+    if any(v.endswith("-fp8") and v.startswith("dlo-") for v in variants):
+        stores["fp8"] = sv.fp8_store(spec, tensors, platform)
+    store = stores[None][1]
     del tensors
     peaks = [sv.pinned_peak_bytes_per_s(platform, store, layout)]
     cpu = {v: sv.cpu_blocks(blocks) for v in variants if v.startswith("diffusers")}  # one set per variant
@@ -216,7 +230,8 @@ def run_step_bench(args: argparse.Namespace) -> dict:
         if variant.startswith("dlo-"):
             opts = sv.variant_options(variant)
             own = [copy.deepcopy(b) for b in blocks] if opts["block_call"] == "compile" else blocks  # meta: cheap
-            run_pass, ex = sv.executor_pass(platform, layout, store, own, aliases, group=ctx.group, **opts)
+            lay, st = stores[opts["quantization"]]
+            run_pass, ex = sv.executor_pass(platform, lay, st, own, aliases, group=ctx.group, **opts)
             measure(variant, run_pass, reset=ex.stats.reset, graphs=ex.plugin,
                     warmup=sv.GRAPH_WARMUP if opts["graph"] or opts["block_call"] == "compile" else 0,
                     extra=lambda ex=ex: {
@@ -246,7 +261,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
                     extra={"weight_device_bytes_planned": layout.max_padded_block_bytes})
         sv.release(platform)
     report = _report(args, platform, layout, store, peaks, inputs, results)
-    del store, cpu, model, blocks, inputs, want
+    del store, stores, cpu, model, blocks, inputs, want
     sv.release(platform)
     from dlo_fn.bench.step_dispatch import measure_dispatch
 

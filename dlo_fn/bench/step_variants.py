@@ -15,6 +15,8 @@ variant                  how the blocks' weights reach the device
 ``dlo-rank-local-compile``  dlo-rank-local on blocks compiled the same way (compared with resident-compile)
 ``dlo-*-g2``, ``-g4``    load groups (``load_group`` G on 2G slots): G blocks' copies as one, one wait and one
                          record per group on each stream
+``dlo-*-fp8``            FP8 shards (``quantization="fp8"``): half the bytes moved, dequantised into the slot;
+                         compared with ``resident-fp8`` (the blocks fake-quantised, resident)
 ``diffusers``            diffusers group offloading: block_level, num_blocks_per_group=1, use_stream=True
 ``diffusers-record-stream``  the same with ``record_stream=True`` (the allocator told that the compute stream
                          uses each onloaded tensor)
@@ -49,7 +51,8 @@ VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap"
             "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers",
             "diffusers-record-stream", "naive-sync",
             "resident-compile", "dlo-rank-local-compile", "resident-graph", "dlo-rank-local-swap-g2",
-            "dlo-rank-local-swap-g4", "dlo-rank-local-g2")
+            "dlo-rank-local-swap-g4", "dlo-rank-local-g2", "resident-fp8", "dlo-rank-local-swap-fp8",
+            "dlo-allgather-swap-fp8")
 # compiling takes minutes on a CPU; resident-graph is a diagnostic (CUDA only)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "resident-graph")))
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
@@ -57,12 +60,13 @@ GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded),
 
 def variant_options(variant: str) -> dict:
     """Executor options of a ``dlo-*`` variant: its mode, then suffixes ``-swap`` / ``-compile`` (block call),
-    ``-bgraph`` (block graphs), ``-g<G>`` (load groups of G on 2G slots)."""
+    ``-bgraph`` (block graphs), ``-g<G>`` (load groups of G on 2G slots), ``-fp8`` (FP8 shards)."""
     parts = variant.split("-")
     group = next((int(p[1:]) for p in parts if p[:1] == "g" and p[1:].isdigit()), 1)
     return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
             "block_call": "swap" if "swap" in parts else "compile" if "compile" in parts else "functional_call",
-            "graph": "block" if "bgraph" in parts else False, "load_group": group}
+            "graph": "block" if "bgraph" in parts else False, "load_group": group,
+            "quantization": "fp8" if "fp8" in parts else None}
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
@@ -178,6 +182,26 @@ def random_model(config_name, device: torch.device, dtype: torch.dtype = torch.b
                 p.normal_(0.0, 0.02, generator=gen)
     model.init_buffers(device)
     return model.eval().requires_grad_(False)
+
+
+def fake_quantized(blocks: list[nn.Module]) -> nn.ModuleList:
+    """Copies of ``blocks`` with every weight FP8 shards store fake-quantised (``runtime.quant.fake_quantize``)."""
+    from dlo_fn.runtime.quant import fake_quantize
+
+    holder = nn.Module()
+    holder.blocks = nn.ModuleList(copy.deepcopy(b) for b in blocks)
+    return fake_quantize(holder, "blocks").blocks
+
+
+def fp8_store(spec: Any, tensors: list[dict], platform: Platform) -> tuple[ModelLayout, HostStore]:
+    """The FP8 layout of ``spec`` on one rank and its host store, quantised from ``tensors``."""
+    from dlo_fn.plan.layout import model_layout
+    from dlo_fn.runtime.host_store import build_host_store
+    from dlo_fn.runtime.quant import StoredBlock, needed_ranges
+
+    layout = model_layout(spec, 1, quantization="fp8")
+    stored = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[0])) for t, sh in zip(tensors, layout.shards)]
+    return layout, build_host_store(layout, 0, stored, platform)
 
 
 def cpu_blocks(blocks: list[nn.Module]) -> nn.ModuleList:

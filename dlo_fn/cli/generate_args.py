@@ -52,6 +52,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graph-shapes", type=int, default=4, metavar="N",
                         help="with --cuda-graph: keep the graphs of the N most recently used input shapes (a new "
                              "shape beyond frees the least recently used one's graphs and buffers)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="fp8: keep every >= 2-D block weight as FP8 (e4m3) with a float32 scale per output "
+                             "channel in host memory, move those bytes (about half of bf16's) and dequantise on the "
+                             "device into the slot; outputs equal the model with its weights fake-quantised "
+                             "(dlo_fn.runtime.quant.fake_quantize), not the bf16 model")
     parser.add_argument("--load-group", type=_int_or_auto("--load-group"), default=1, metavar="G",
                         help="move G consecutive blocks as one load (one wait and one record for their copies, and "
                              "for their computes): for models of many small blocks, where the host's 5 stream "
@@ -131,7 +136,7 @@ def options_from_args(args: argparse.Namespace):
                           rank_local_source=args.rank_local_source, block_call=args.block_call,
                           async_collectives=args.async_collectives, record_timeline=bool(args.trace),
                           progress=True, graph=args.cuda_graph or False, graph_shapes=args.graph_shapes,
-                          shard_group=args.shard_group, load_group=group)
+                          shard_group=args.shard_group, load_group=group, quantization=args.quantization)
 
 
 def _defaults(args: argparse.Namespace) -> dict:

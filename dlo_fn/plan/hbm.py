@@ -96,7 +96,8 @@ def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *,
     w = num_shards if mode == "allgather" else 1
     gathered = lowered_mode(mode, w) == "allgather"  # one rank: no landing buffer (plan.lowering)
     return HbmPerCard(
-        slot_bytes=num_slots * sizes.max_padded_block_bytes(w, alignment_bytes),
+        slot_bytes=num_slots * (sizes.max_padded_block_bytes(w, alignment_bytes)  # a quantised slot's staging too
+                                + sizes.staging_bytes(w, alignment_bytes)),
         landing_bytes=num_landing * sizes.max_shard_bytes(w, alignment_bytes) if gathered else 0,
         resident_bytes=sizes.resident_bytes if include_resident else 0,
         activation_bytes=int(activation_bytes),

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dlo_fn.plan.quant import check_quantization, stored_block
 from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES, BlockSpec, ModelSpec
 
 __all__ = [
@@ -336,10 +337,15 @@ class ModelLayout:
     num_shards: int
     alignment_bytes: int
     load_group: int = 1  # > 1: the grouped layout (one all-gather per group of this many blocks)
+    # Quantised shards (dlo_fn.plan.quant): ``shards`` lay out the stored blocks (FP8 and scales: the host arena,
+    # the H2D, the all-gather) and ``compute`` each block as its slot holds it; empty: a block is stored as computed.
+    compute: tuple[BlockLayout, ...] = ()
 
     def __post_init__(self) -> None:
         if any(s.num_shards != self.num_shards for s in self.shards):
             raise ValueError("every block must be sharded over the same num_shards")
+        if self.compute and (len(self.compute) != len(self.shards) or self.load_group != 1):
+            raise ValueError("a quantised layout has one compute layout per block, and no load groups")
         if any(s.group_size != self.load_group or s.member != b % self.load_group for b, s in enumerate(self.shards)):
             raise ValueError(f"every block must be member b % {self.load_group} of a group of {self.load_group}")
 
@@ -348,9 +354,23 @@ class ModelLayout:
         return len(self.shards)
 
     @property
+    def quantized(self) -> bool:
+        return bool(self.compute)
+
+    def compute_block(self, b: int) -> BlockLayout:
+        """Block ``b`` as its slot holds it (the stored block unless quantised)."""
+        return self.compute[b] if self.compute else self.shards[b].block
+
+    @property
     def max_padded_block_bytes(self) -> int:
-        """Slot size: the largest block padded to ``W`` equal shards (gathered)."""
+        """The largest block padded to ``W`` equal shards (gathered): the slot size, or with quantised shards the
+        staging buffer's."""
         return max(s.padded_bytes for s in self.shards)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Slot size: the largest gathered block, or with quantised shards the largest compute block."""
+        return max(c.nbytes for c in self.compute) if self.compute else self.max_padded_block_bytes
 
     @property
     def max_shard_bytes(self) -> int:
@@ -393,13 +413,24 @@ class ModelLayout:
         }
         if self.load_group > 1:  # only then: the per-block layouts keep their digests
             doc["load_group"] = self.load_group
+        if self.compute:
+            doc["compute"] = [[[p.name, list(p.shape), str(p.dtype), p.offset_bytes] for p in c.placements]
+                              for c in self.compute]
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
 def model_layout(spec: ModelSpec, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-                 load_group: int = 1) -> ModelLayout:
+                 load_group: int = 1, quantization: str | None = None, exclude: tuple[str, ...] = ()) -> ModelLayout:
     """Flat layout of every block of ``spec``, sharded over ``num_shards`` ranks; ``load_group > 1`` (it must
-    divide the number of blocks): the grouped layout, one all-gather per group of that many blocks."""
+    divide the number of blocks): the grouped layout, one all-gather per group of that many blocks.
+    ``quantization="fp8"``: the shards lay out the stored blocks and ``compute`` the blocks of ``spec``
+    (:mod:`dlo_fn.plan.quant`; ``exclude``: modules kept as they are)."""
+    if check_quantization(quantization) is not None:
+        if load_group != 1:
+            raise ValueError(f"model {spec.name!r}: quantised shards move one block per load (load_group = 1)")
+        stored = tuple(block_layout(stored_block(b, exclude), alignment_bytes) for b in spec.blocks)
+        return ModelLayout(spec.name, tuple(shard_layout(b, num_shards) for b in stored), num_shards,
+                           alignment_bytes, compute=tuple(block_layout(b, alignment_bytes) for b in spec.blocks))
     blocks = tuple(block_layout(b, alignment_bytes) for b in spec.blocks)
     if load_group == 1:
         return ModelLayout(spec.name, tuple(shard_layout(b, num_shards) for b in blocks), num_shards, alignment_bytes)

@@ -51,6 +51,13 @@ occupants, the others wait for nothing, a compute waits for the last AG, and onl
 record. The executor issues a group's AGs as one coalesced collective (NCCL: one group launch) and its H2Ds as one
 copy where the bytes continue: per group one wait, one copy and one record on each of the H2D and the all-gather
 streams, one collective, and one wait and one record on the compute stream, for ``G`` blocks instead of one.
+
+**Quantised loads** (``quantized``: blocks stored as FP8, :mod:`dlo_fn.plan.quant`). Load ``k`` on slot ``j`` lands in
+``j``'s staging buffer ``q<j>`` (rank-local: its H2D; allgather: its AG, after the H2D of the shard into a landing
+buffer), and a dequantise op ``DQ k b q<j>>s<j>`` on the all-gather stream writes the slot in the compute dtype.
+The staging buffer turns with its slot, so the ring carries nothing new; the dependencies follow from the buffers
+as for every op (the DQ waits for its load and for the slot's previous occupant; the next load into ``q<j>`` for
+the DQ that read it). One block per load (no load groups).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from dlo_fn.plan.ops import AG, C, H2D, HappensBefore, Op
+from dlo_fn.plan.ops import AG, C, DQ, H2D, HappensBefore, Op
 
 __all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies",
            "buffer_uses", "check_load_group", "default_num_landing", "load_group_problem", "group_last",
@@ -83,7 +90,8 @@ def lowered_mode(mode: str, num_shards: int | None) -> str:
     return "rank-local" if mode == "allgather" and num_shards == 1 else mode
 
 
-def load_group_problem(load_group: int, num_slots: int, mode: str, num_landing: int | None = None) -> str | None:
+def load_group_problem(load_group: int, num_slots: int, mode: str, num_landing: int | None = None,
+                       quantized: bool = False) -> str | None:
     """Why ``load_group`` does not fit a ring of ``num_slots`` slots (and, in allgather mode, ``num_landing``
     landing buffers; None: not known yet) running ``mode``'s op sequence (see "Load groups" in the module doc), or
     None where it fits: the one rule the ring, the options and the policy apply."""
@@ -91,6 +99,8 @@ def load_group_problem(load_group: int, num_slots: int, mode: str, num_landing: 
         return f"load_group must be an int >= 1 (1 = one load per block), got {load_group!r}"
     if load_group == 1:
         return None
+    if quantized:
+        return f"load_group = {load_group}: quantised loads (a dequantise op per block) move one block at a time"
     if num_slots % load_group or num_slots < 2 * load_group:
         return (f"load_group = {load_group} needs num_slots a multiple of it and >= {2 * load_group} (two groups in "
                 f"flight), got num_slots = {num_slots}: pass num_slots = {2 * load_group}")
@@ -106,10 +116,10 @@ def default_num_landing(load_group: int = 1) -> int:
     return 2 * load_group
 
 
-def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "", num_landing: int | None = None
-                     ) -> None:
+def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "", num_landing: int | None = None,
+                     quantized: bool = False) -> None:
     """ValueError naming the field (after ``owner``) unless ``load_group`` fits (:func:`load_group_problem`)."""
-    problem = load_group_problem(load_group, num_slots, mode, num_landing)
+    problem = load_group_problem(load_group, num_slots, mode, num_landing, quantized)
     if problem is not None:
         raise ValueError(owner + problem)
 
@@ -159,23 +169,27 @@ def place_computes(order: tuple[ComputeItem, ...], num_slots: int, slot_offset: 
 
 
 def _load_ops(loads: range, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-              slot_offset: int, landing_offset: int, load_group: int) -> list[Op]:
+              slot_offset: int, landing_offset: int, load_group: int, quantized: bool = False) -> list[Op]:
     """The ops of ``loads`` in issue order: per load its H2D (then its AG); with load groups, per group its H2Ds,
-    then its AGs (so that a group's all-gathers can be one collective call)."""
+    then its AGs (so that a group's all-gathers can be one collective call). ``quantized``: the load lands in its
+    slot's staging buffer and a dequantise op writes the slot (see "Quantised loads" in the module doc)."""
     out: list[Op] = []
     for _, group in itertools.groupby(loads, key=lambda k: (slot_offset + k) // load_group):
         ks = [(k, k % num_blocks, (slot_offset + k) % num_slots) for k in group]
+        to = "staging" if quantized else "slot"
         if mode == "rank-local":
-            out += [Op(H2D, k, block, slot=slot) for k, block, slot in ks]
-            continue
-        out += [Op(H2D, k, block, landing=(landing_offset + k) % num_landing) for k, block, _ in ks]
-        out += [Op(AG, k, block, slot=slot, landing=(landing_offset + k) % num_landing) for k, block, slot in ks]
+            out += [Op(H2D, k, block, **{to: slot}) for k, block, slot in ks]
+        else:
+            out += [Op(H2D, k, block, landing=(landing_offset + k) % num_landing) for k, block, _ in ks]
+            out += [Op(AG, k, block, landing=(landing_offset + k) % num_landing, **{to: slot}) for k, block, slot in ks]
+        if quantized:
+            out += [Op(DQ, k, block, slot=slot, staging=slot) for k, block, slot in ks]
     return out
 
 
 def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_landing: int, mode: str,
               slot_offset: int = 0, landing_offset: int = 0, warm_start: bool = False,
-              prefetch_next: bool = False, load_group: int = 1) -> tuple[Op, ...]:
+              prefetch_next: bool = False, load_group: int = 1, quantized: bool = False) -> tuple[Op, ...]:
     """Pass 2: insert the loads into the compute ops, giving the host issue order.
 
     Loads ``first .. end-1`` are issued, ``first = P`` if ``warm_start`` (the previous run left loads
@@ -191,7 +205,7 @@ def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_
     end = num_loads + (depth if prefetch_next else 0)
     ops: list[Op] = []
     next_load = first
-    shape = (num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, load_group)
+    shape = (num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, load_group, quantized)
     for op in computes:
         if op.request == 0:
             start = next_load

@@ -5,12 +5,17 @@ kind        stream           string                         meaning
 ==========  ===============  =============================  ==================================================
 ``H2D``     ``h2d``          ``H2D k5 b3>l1``               local shard of block 3 (load 5): host -> landing 1
                              ``H2D k5 b3>s1``               rank-local: the whole block straight into slot 1
+                             ``H2D k5 b3>q1``               rank-local, quantised: the stored block -> staging 1
 ``AG``      ``allgather``    ``AG k5 b3 l1>s1``             all-gather landing 1 of every rank into slot 1
+                             ``AG k5 b3 l1>q1``             quantised: ... into staging buffer 1
+``DQ``      ``allgather``    ``DQ k5 b3 q1>s1``             dequantise staging 1 into slot 1 (compute dtype)
 ``C``       ``compute``      ``C k5 b3@s1 r0``              block 3 on slot 1 for request 0
 ==========  ===============  =============================  ==================================================
 
 ``k`` is the position of the block load in its run; every field of an op is in its string, so
-``Op.from_str(str(op)) == op``. Buffers are named ``s<i>`` (slot) and ``l<i>`` (landing buffer).
+``Op.from_str(str(op)) == op``. Buffers are named ``s<i>`` (slot), ``l<i>`` (landing buffer) and ``q<i>`` (the
+staging buffer of slot ``i``, where a quantised block is assembled before its dequantise op writes the slot;
+:mod:`dlo_fn.plan.quant`).
 """
 
 from __future__ import annotations
@@ -18,22 +23,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["H2D", "AG", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "GRAMMAR", "Op", "HappensBefore"]
+__all__ = ["H2D", "AG", "DQ", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "GRAMMAR", "Op", "HappensBefore"]
 
-H2D, AG, C = "H2D", "AG", "C"
-KINDS = (H2D, AG, C)
+H2D, AG, DQ, C = "H2D", "AG", "DQ", "C"
+KINDS = (H2D, AG, DQ, C)
 STREAMS = ("h2d", "allgather", "compute")
-STREAM_OF_KIND = {H2D: "h2d", AG: "allgather", C: "compute"}
+STREAM_OF_KIND = {H2D: "h2d", AG: "allgather", DQ: "allgather", C: "compute"}
 
 # The whole grammar: one pattern per kind, matched in full; numbers in canonical form (no sign, no leading 0).
 _N = r"(?:0|[1-9][0-9]*)"
 _PATTERNS = {
-    H2D: re.compile(rf"H2D k(?P<load>{_N}) b(?P<block>{_N})>(?:l(?P<landing>{_N})|s(?P<slot>{_N}))"),
-    AG: re.compile(rf"AG k(?P<load>{_N}) b(?P<block>{_N}) l(?P<landing>{_N})>s(?P<slot>{_N})"),
+    H2D: re.compile(rf"H2D k(?P<load>{_N}) b(?P<block>{_N})>(?:l(?P<landing>{_N})|s(?P<slot>{_N})|q(?P<staging>{_N}))"),
+    AG: re.compile(rf"AG k(?P<load>{_N}) b(?P<block>{_N}) l(?P<landing>{_N})>(?:s(?P<slot>{_N})|q(?P<staging>{_N}))"),
+    DQ: re.compile(rf"DQ k(?P<load>{_N}) b(?P<block>{_N}) q(?P<staging>{_N})>s(?P<slot>{_N})"),
     C: re.compile(rf"C k(?P<load>{_N}) b(?P<block>{_N})@s(?P<slot>{_N}) r(?P<request>{_N})"),
 }
-GRAMMAR = "'H2D k<load> b<block>>l<landing>' | 'H2D k<load> b<block>>s<slot>' | " \
-          "'AG k<load> b<block> l<landing>>s<slot>' | 'C k<load> b<block>@s<slot> r<request>'"
+GRAMMAR = "'H2D k<load> b<block>>{l<landing>|s<slot>|q<staging>}' | 'AG k<load> b<block> l<landing>>{s<slot>|" \
+          "q<staging>}' | 'DQ k<load> b<block> q<staging>>s<slot>' | 'C k<load> b<block>@s<slot> r<request>'"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,26 +52,35 @@ class Op:
     slot: int | None = None
     landing: int | None = None
     request: int | None = None
+    staging: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Op.kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("load", "block", "slot", "landing", "request"):
+        for name in ("load", "block", "slot", "landing", "request", "staging"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"Op.{name} must be a non-negative int, got {value!r}")
-        has = (self.slot is not None, self.landing is not None, self.request is not None)
-        allowed = {H2D: ((True, False, False), (False, True, False)), AG: ((True, True, False),),
-                   C: ((True, False, True),)}[self.kind]
-        if has not in allowed:
-            raise ValueError(f"{self.kind} op has fields slot/landing/request = {has}; the grammar is {GRAMMAR}")
+        has = (self.slot is not None, self.landing is not None, self.request is not None, self.staging is not None)
+        allowed = {H2D: ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 1)), AG: ((1, 1, 0, 0), (0, 1, 0, 1)),
+                   DQ: ((1, 0, 0, 1),), C: ((1, 0, 1, 0),)}[self.kind]
+        if tuple(map(int, has)) not in allowed:
+            raise ValueError(f"{self.kind} op has fields slot/landing/request/staging = {has}; the grammar is "
+                             f"{GRAMMAR}")
+
+    @property
+    def _target(self) -> str:
+        """The buffer a load op writes."""
+        return f"s{self.slot}" if self.slot is not None else f"q{self.staging}"
 
     def __str__(self) -> str:
         if self.kind == H2D:
-            dst = f"s{self.slot}" if self.slot is not None else f"l{self.landing}"
-            return f"H2D k{self.load} b{self.block}>{dst}"
+            return f"H2D k{self.load} b{self.block}>" + (f"l{self.landing}" if self.landing is not None else
+                                                         self._target)
         if self.kind == AG:
-            return f"AG k{self.load} b{self.block} l{self.landing}>s{self.slot}"
+            return f"AG k{self.load} b{self.block} l{self.landing}>{self._target}"
+        if self.kind == DQ:
+            return f"DQ k{self.load} b{self.block} q{self.staging}>s{self.slot}"
         return f"C k{self.load} b{self.block}@s{self.slot} r{self.request}"
 
     @staticmethod
@@ -84,16 +99,21 @@ class Op:
 
     @property
     def reads(self) -> tuple[str, ...]:
-        """Device buffers this op reads ("s1" = slot 1, "l0" = landing buffer 0); host memory is not tracked."""
+        """Device buffers this op reads ("s1" = slot 1, "l0" = landing buffer 0, "q1" = staging buffer 1); host
+        memory is not tracked."""
         if self.kind == AG:
             return (f"l{self.landing}",)
+        if self.kind == DQ:
+            return (f"q{self.staging}",)
         return (f"s{self.slot}",) if self.kind == C else ()
 
     @property
     def writes(self) -> tuple[str, ...]:
         if self.kind == H2D:
-            return (f"s{self.slot}",) if self.slot is not None else (f"l{self.landing}",)
-        return (f"s{self.slot}",) if self.kind == AG else ()
+            return (f"l{self.landing}",) if self.landing is not None else (self._target,)
+        if self.kind == DQ:
+            return (f"s{self.slot}",)
+        return (self._target,) if self.kind == AG else ()
 
 
 class HappensBefore:

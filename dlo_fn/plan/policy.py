@@ -57,7 +57,8 @@ from dlo_fn.plan.host_cost import host_scale
 from dlo_fn.plan.lowering import default_num_landing, load_group_problem, lowered_mode
 from dlo_fn.plan.memory import pinned_host_bytes_per_rank
 from dlo_fn.plan.ops import Op
-from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, H2D, build_schedule
+from dlo_fn.plan.quant import dequant_seconds
+from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, DQ, H2D, build_schedule
 from dlo_fn.plan.timeline import simulate
 from dlo_fn.plan.topology import PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
@@ -207,6 +208,9 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
             return h2d_s[op.block]
         if op.kind == AG:
             return ag[op.block]
+        if op.kind == DQ:  # read the stored block, write the slot (plan.quant)
+            return dequant_seconds(sizes.stored_bytes[op.block], sizes.block_bytes[op.block],
+                                   topology.d2d_copy_bytes_per_s)
         return comp + (step_overhead_s if op.block == 0 else 0.0)
 
     return duration, h2d_s, ag, device, host, comp
@@ -236,7 +240,7 @@ def predict(model: PolicyModel, topology: Topology, workload: Workload, cand: Ca
     steps = min(workload.num_steps, 3)
     schedule = build_schedule(b, steps, requests_per_load=r, num_slots=cand.num_slots,
                               num_landing=cand.num_landing if mode == "allgather" else None, mode=mode,
-                              load_group=cand.load_group)
+                              load_group=cand.load_group, quantized=model.sizes.quantized)
     ends = sorted(s.end_s for s in simulate(schedule, duration).spans if s.stream == "compute")
     first = ends[b * r - 1]
     if steps == 1:
@@ -307,6 +311,8 @@ def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objectiv
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+    if model.sizes.quantized:  # quantised loads move one block each (plan.lowering)
+        load_groups = (1,)
     rows = [predict(model, topology, workload, c)
             for c in candidates(topology.num_ranks, slots=slots, requests_per_rank=requests_per_rank, modes=modes,
                                 sps=sps, num_landing=num_landing, load_groups=load_groups)]

@@ -153,7 +153,7 @@ def rank_terms(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devic
     blocks = sizes.total_block_bytes
     arena = 0 if mode == "rank-local-mmap" else sizes.shard_bytes_per_rank(w, alignment_bytes, load_group)
     read = 0 if mode == "rank-local-mmap" else (blocks + w - 1) // w
-    slot = sizes.max_padded_block_bytes(w, alignment_bytes)
+    slot = sizes.max_padded_block_bytes(w, alignment_bytes) + sizes.staging_bytes(w, alignment_bytes)
     cpu = device == "cpu"
     collective = gather and (num_ranks > 1 if process_group is None else process_group)
     return RankTerms(

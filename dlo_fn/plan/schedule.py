@@ -36,10 +36,10 @@ from dlo_fn.plan.lowering import (
     load_groups, lowered_mode, place_computes,
 )
 from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
-from dlo_fn.plan.ops import AG, C, H2D, KINDS, STREAM_OF_KIND, STREAMS, Op
+from dlo_fn.plan.ops import AG, C, DQ, H2D, KINDS, STREAM_OF_KIND, STREAMS, Op
 
 __all__ = [
-    "H2D", "AG", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "DEFAULT_NUM_LANDING",
+    "H2D", "AG", "DQ", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "DEFAULT_NUM_LANDING",
     "Op", "ComputeItem", "Schedule", "Ring", "ScheduleError",
     "compute_order", "lowered_mode", "place_computes", "add_loads", "add_dependencies", "buffer_uses",
     "build_schedule", "next_slot_offset", "next_landing_offset", "next_schedule",
@@ -59,7 +59,7 @@ class ScheduleError(ValueError, RuntimeError):
 
 
 def _check_ring_fields(owner: str, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-                       slot_offset: int, landing_offset: int, load_group: int = 1) -> None:
+                       slot_offset: int, landing_offset: int, load_group: int = 1, quantized: bool = False) -> None:
     """The invariants a :class:`Ring` and a :class:`Schedule` share (``owner`` prefixes the field names)."""
     check_mode(mode, OFFLOAD_MODES, f"{owner}mode")
     if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -75,7 +75,7 @@ def _check_ring_fields(owner: str, num_blocks: int, num_slots: int, num_landing:
         raise ValueError(f"{owner}slot_offset must be in [0, {num_slots}), got {slot_offset}")
     if not 0 <= landing_offset < max(num_landing, 1):
         raise ValueError(f"{owner}landing_offset must be in [0, {num_landing}), got {landing_offset}")
-    check_load_group(load_group, num_slots, mode, owner, num_landing)
+    check_load_group(load_group, num_slots, mode, owner, num_landing, quantized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +102,11 @@ class Schedule:
     first_use: tuple[tuple[str, int], ...] = ()
     last_use: tuple[tuple[str, int], ...] = ()
     load_group: int = 1  # loads that move as one (see "Load groups" in dlo_fn.plan.lowering)
+    quantized: bool = False  # loads land in staging buffers and a DQ op writes the slot ("Quantised loads")
 
     def __post_init__(self) -> None:
         _check_ring_fields("Schedule.", self.num_blocks, self.num_slots, self.num_landing, self.mode,
-                           self.slot_offset, self.landing_offset, self.load_group)
+                           self.slot_offset, self.landing_offset, self.load_group, self.quantized)
         for name in ("num_steps", "requests_per_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Schedule.{name} must be >= 1, got {getattr(self, name)}")
@@ -189,28 +190,32 @@ class Ring:
     landing_offset: int = 0
     warm: bool = False
     load_group: int = 1
+    quantized: bool = False
 
     def __post_init__(self) -> None:
         _check_ring_fields("", self.num_blocks, self.num_slots, self.num_landing, self.mode, self.slot_offset,
-                           self.landing_offset, self.load_group)
+                           self.landing_offset, self.load_group, self.quantized)
 
     @classmethod
     def cold(cls, num_blocks: int, *, num_slots: int = 2, num_landing: int | None = None,
-             mode: str = "allgather", num_shards: int | None = None, load_group: int = 1) -> "Ring":
+             mode: str = "allgather", num_shards: int | None = None, load_group: int = 1,
+             quantized: bool = False) -> "Ring":
         """``num_landing`` defaults to :data:`DEFAULT_NUM_LANDING` per load group in allgather mode, 0 in
         rank-local mode. ``num_shards`` (the shard group's size, if known): ``allgather`` over one rank is lowered
         to the rank-local ring (:func:`~dlo_fn.plan.lowering.lowered_mode`; its ``num_landing`` is then ignored).
-        ``load_group``: loads that move as one ("Load groups" in :mod:`dlo_fn.plan.lowering`)."""
+        ``load_group``: loads that move as one ("Load groups" in :mod:`dlo_fn.plan.lowering`); ``quantized``: each
+        load lands in its slot's staging buffer and a dequantise op writes the slot ("Quantised loads" there)."""
         if lowered_mode(mode, num_shards) != mode:
             mode, num_landing = lowered_mode(mode, num_shards), None
         if num_landing is None:
             num_landing = default_num_landing(load_group) if mode == "allgather" else 0
-        return cls(num_blocks, num_slots, num_landing, mode, load_group=load_group)
+        return cls(num_blocks, num_slots, num_landing, mode, load_group=load_group, quantized=quantized)
 
     @classmethod
     def of(cls, schedule: Schedule) -> "Ring":
         return cls(schedule.num_blocks, schedule.num_slots, schedule.num_landing, schedule.mode,
-                   schedule.slot_offset, schedule.landing_offset, schedule.warm_start, schedule.load_group)
+                   schedule.slot_offset, schedule.landing_offset, schedule.warm_start, schedule.load_group,
+                   schedule.quantized)
 
     def next_schedule(self, num_steps: int, requests_per_load: int = 1, *,
                       prefetch_next: bool = True) -> Schedule:
@@ -222,12 +227,12 @@ class Ring:
         ops = add_loads(computes, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         num_landing=self.num_landing, mode=self.mode, slot_offset=self.slot_offset,
                         landing_offset=self.landing_offset, warm_start=self.warm, prefetch_next=prefetch_next,
-                        load_group=self.load_group)
+                        load_group=self.load_group, quantized=self.quantized)
         first_use, last_use = buffer_uses(ops)
         deps = add_dependencies(ops, load_groups(ops, self.load_group, self.slot_offset))
         return Schedule(ops, deps, self.num_blocks, num_steps, requests_per_load, self.num_slots,
                         self.num_landing, self.mode, self.slot_offset, self.landing_offset, self.warm,
-                        prefetch_next, first_use, last_use, self.load_group)
+                        prefetch_next, first_use, last_use, self.load_group, self.quantized)
 
     def check(self, schedule: Schedule, what: str = "the ring") -> None:
         """Raise :class:`ScheduleError` naming every field in which ``schedule`` does not start from this ring."""
@@ -245,18 +250,18 @@ class Ring:
         return Ring(self.num_blocks, self.num_slots, self.num_landing, self.mode,
                     (self.slot_offset + n) % self.num_slots,
                     (self.landing_offset + n) % self.num_landing if self.num_landing else 0,
-                    schedule.prefetch_next, self.load_group)
+                    schedule.prefetch_next, self.load_group, self.quantized)
 
     def restart(self) -> "Ring":
         """The same buffers with nothing known in them: the next run starts cold at offset 0."""
         return Ring.cold(self.num_blocks, num_slots=self.num_slots, num_landing=self.num_landing, mode=self.mode,
-                         load_group=self.load_group)
+                         load_group=self.load_group, quantized=self.quantized)
 
 
 def build_schedule(num_blocks: int, num_steps: int, *, requests_per_load: int = 1, num_slots: int = 2,
                    num_landing: int | None = None, mode: str = "allgather", slot_offset: int = 0,
                    landing_offset: int = 0, warm_start: bool = False, prefetch_next: bool = False,
-                   num_shards: int | None = None, load_group: int = 1) -> Schedule:
+                   num_shards: int | None = None, load_group: int = 1, quantized: bool = False) -> Schedule:
     """One run from any ring state (see :meth:`Ring.next_schedule`); by default a cold run that prefetches nothing.
 
     ``num_landing`` defaults to 2 in allgather mode and must be 0 (or None) in rank-local mode. ``num_slots = 1``
@@ -270,7 +275,8 @@ def build_schedule(num_blocks: int, num_steps: int, *, requests_per_load: int = 
     if num_landing is None:
         num_landing = default_num_landing(load_group) if mode == "allgather" else 0
     compute_order(num_blocks, num_steps, requests_per_load)  # names a bad count before the ring's fields
-    ring = Ring(num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, warm_start, load_group)
+    ring = Ring(num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, warm_start, load_group,
+                quantized)
     return ring.next_schedule(num_steps, requests_per_load, prefetch_next=prefetch_next)
 
 

@@ -10,7 +10,8 @@ Checked, in order (the first failure raises :class:`ScheduleError` with the op a
 1. dependencies point strictly backwards (so issue order is topological and no stream can deadlock);
 2. every op is well formed for the mode and within ``num_blocks`` / ``num_slots`` / ``num_landing`` / requests;
 3. the computes are exactly the compute-only order on slots ``(o + k) % S``;
-4. the loads issued are exactly ``first .. end-1`` (warm start / prefetch), each on slot ``(o + k) % S`` and
+4. the loads issued are exactly ``first .. end-1`` (warm start / prefetch), each on slot ``(o + k) % S`` (or its
+   staging buffer, then a DQ into it) and
    landing ``(lo + k) % N``, H2D before AG, and each issued before the first compute of load ``k' - S + 1``,
    ``k'`` the last load of its group (``k`` itself without load groups);
 5. replaying buffer contents in issue order: every compute reads a slot holding its own load and every AG a
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from dlo_fn.plan.lowering import buffer_uses, compute_order, group_last, place_computes, prefetch_depth
-from dlo_fn.plan.ops import AG, C, H2D, HappensBefore
+from dlo_fn.plan.ops import AG, C, DQ, H2D, HappensBefore
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 
 __all__ = ["ScheduleError", "check_schedule", "final_slot_contents"]
@@ -65,9 +66,16 @@ def _check_ops(s: "Schedule") -> None:
             _fail(s, i, f"request out of range (requests_per_load = {s.requests_per_load})")
         if s.mode == "rank-local" and op.kind == AG:
             _fail(s, i, "rank-local mode has no all-gather")
-        if op.kind == H2D and (op.slot is None) != (s.mode == "allgather"):
-            target = "a landing buffer" if s.mode == "allgather" else "a slot"
-            _fail(s, i, f"in {s.mode} mode an H2D writes {target}")
+        if op.staging is not None and op.staging >= s.num_slots:
+            _fail(s, i, f"staging buffer out of range (one per slot, num_slots = {s.num_slots})")
+        direct = "a staging buffer" if s.quantized else "a slot"
+        if op.kind == H2D and (op.landing is not None) != (s.mode == "allgather"):
+            _fail(s, i, f"in {s.mode} mode an H2D writes {'a landing buffer' if s.mode == 'allgather' else direct}")
+        if op.kind in (H2D, AG) and op.landing is None or op.kind == AG:
+            if (op.staging is not None) != s.quantized:
+                _fail(s, i, f"{op.kind} must write {direct} ({'' if s.quantized else 'not '}quantized)")
+        if op.kind == DQ and (not s.quantized or op.staging != op.slot):
+            _fail(s, i, "a dequantise op reads its slot's own staging buffer, in a quantized schedule only")
 
 
 def _check_order(s: "Schedule") -> None:
@@ -83,15 +91,15 @@ def _check_order(s: "Schedule") -> None:
     for i, op in got:
         first_compute.setdefault(op.load, i)
     loads = _load_range(s)
-    for kind in ((H2D, AG) if s.mode == "allgather" else (H2D,)):
+    for kind in ((H2D, AG) if s.mode == "allgather" else (H2D,)) + ((DQ,) if s.quantized else ()):
         issued = [(i, op) for i, op in enumerate(s.ops) if op.kind == kind]
         if [op.load for _, op in issued] != list(loads):
             _fail(s, None, f"{kind} loads {[op.load for _, op in issued]}, expected {list(loads)} "
                            f"(warm_start={s.warm_start}, prefetch_next={s.prefetch_next})")
         for i, op in issued:
-            if op.kind == AG or s.mode == "rank-local":
-                if op.slot != (s.slot_offset + op.load) % s.num_slots:
-                    _fail(s, i, "load k must go to slot (slot_offset + k) % num_slots")
+            if op.landing is None or op.kind == AG:
+                if (op.slot if op.slot is not None else op.staging) != (s.slot_offset + op.load) % s.num_slots:
+                    _fail(s, i, "load k must go to slot (slot_offset + k) % num_slots (or its staging buffer)")
             if op.landing is not None and op.landing != (s.landing_offset + op.load) % s.num_landing:
                 _fail(s, i, "load k must use landing buffer (landing_offset + k) % num_landing")
             due = group_last(op.load, s.load_group, s.slot_offset, loads.stop) - s.num_slots + 1
@@ -158,7 +166,7 @@ def _check_hazards(s: "Schedule") -> None:
 
 
 def _check_chain(s: "Schedule", prev: "Schedule") -> None:
-    for name in ("num_blocks", "num_slots", "num_landing", "mode", "load_group"):
+    for name in ("num_blocks", "num_slots", "num_landing", "mode", "load_group", "quantized"):
         if getattr(s, name) != getattr(prev, name):
             _fail(s, None, f"{name} = {getattr(s, name)!r} differs from the previous run's {getattr(prev, name)!r}")
     ring = Ring.of(prev).after(prev)

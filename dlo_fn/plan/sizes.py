@@ -69,8 +69,13 @@ class ModelSizes:
     block_bytes: tuple[int, ...]
     resident_bytes: int = 0
     source: str = ""
+    # Quantised shards (dlo_fn.plan.quant): each block's stored bytes (FP8 and scales: host, H2D, all-gather);
+    # ``block_bytes`` stay what a slot holds. Empty: blocks are stored as computed.
+    stored_block_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.stored_block_bytes and len(self.stored_block_bytes) != len(self.block_bytes):
+            raise ValueError(f"model {self.name!r}: stored_block_bytes needs one entry per block")
         if not self.block_bytes:
             raise ValueError(f"model {self.name!r}: at least one block is needed")
         if any(not isinstance(n, int) or n < 1 for n in self.block_bytes):
@@ -103,12 +108,26 @@ class ModelSizes:
         return cls(name, (max_block_bytes,) * full + ((rest,) if rest else ()), resident_bytes, source)
 
     @classmethod
-    def from_spec(cls, spec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, source: str = "") -> "ModelSizes":
-        """Exact flat block sizes of a :class:`~dlo_fn.plan.spec.ModelSpec` (tensors packed at ``A``)."""
+    def from_spec(cls, spec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, source: str = "",
+                  quantization: str | None = None, exclude: tuple[str, ...] = ()) -> "ModelSizes":
+        """Exact flat block sizes of a :class:`~dlo_fn.plan.spec.ModelSpec` (tensors packed at ``A``);
+        ``quantization="fp8"``: with the stored blocks' sizes too (:mod:`dlo_fn.plan.quant`)."""
         from dlo_fn.plan.layout import block_layout
+        from dlo_fn.plan.quant import check_quantization, stored_block
 
         blocks = tuple(block_layout(b, alignment_bytes).nbytes for b in spec.blocks)
-        return cls(spec.name, blocks, spec.resident_bytes, source or f"ModelSpec {spec.name!r}")
+        stored = () if check_quantization(quantization) is None else tuple(
+            block_layout(stored_block(b, exclude), alignment_bytes).nbytes for b in spec.blocks)
+        return cls(spec.name, blocks, spec.resident_bytes, source or f"ModelSpec {spec.name!r}", stored)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.stored_block_bytes)
+
+    @property
+    def stored_bytes(self) -> tuple[int, ...]:
+        """Each block's bytes as the host stores and moves them."""
+        return self.stored_block_bytes or self.block_bytes
 
     @property
     def num_blocks(self) -> int:
@@ -130,19 +149,26 @@ class ModelSizes:
     def shard_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> tuple[int, ...]:
         """``s_b = align_up(ceil(n_b / W), A)`` per block (:func:`dlo_fn.plan.layout.equal_shard_bytes`)."""
         _check_positive("num_shards", num_shards)
-        return tuple(equal_shard_bytes(n, num_shards, alignment_bytes) for n in self.block_bytes)
+        return tuple(equal_shard_bytes(n, num_shards, alignment_bytes) for n in self.stored_bytes)
 
     def shard_bytes_per_rank(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
                              load_group: int = 1) -> int:
         """A rank's host bytes of shards; ``load_group``: of the layout built for it (where it groups the blocks,
         each group's shards are its largest one's: :func:`dlo_fn.plan.layout.grouped_shard_bytes`)."""
         group = layout_load_group(self.num_blocks, num_shards, load_group)
-        return sum(grouped_shard_bytes(self.block_bytes, num_shards, group, alignment_bytes))
+        return sum(grouped_shard_bytes(self.stored_bytes, num_shards, group, alignment_bytes))
 
     def max_shard_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
         """Landing-buffer size: the largest local shard."""
         return max(self.shard_bytes(num_shards, alignment_bytes))
 
     def max_padded_block_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
-        """Slot size: the largest block padded to ``W`` equal shards (``W = 1``: aligned whole block)."""
+        """Slot size: the largest block padded to ``W`` equal shards (``W = 1``: aligned whole block); quantised,
+        the largest block as computed."""
+        if self.quantized:
+            return self.max_block_bytes
         return num_shards * self.max_shard_bytes(num_shards, alignment_bytes)
+
+    def staging_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+        """A slot's staging buffer (quantised: the largest stored block gathered; else none)."""
+        return num_shards * self.max_shard_bytes(num_shards, alignment_bytes) if self.quantized else 0

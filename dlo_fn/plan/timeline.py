@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from dlo_fn.plan.schedule import AG, H2D, Op, Schedule
+from dlo_fn.plan.schedule import AG, DQ, H2D, Op, Schedule
 
 __all__ = [
     "Span", "Timeline", "BlockSummary", "BandwidthDurations",
@@ -153,7 +153,8 @@ class BandwidthDurations:
 
     ``H2D``: ``launch_latency_s + h2d_bytes[b] / h2d_bytes_per_s`` (the shard in allgather mode, the whole
     block in rank-local mode); ``AG``: ``launch_latency_s + allgather_bytes[b] / allgather_bytes_per_s``;
-    ``C``: ``launch_latency_s + compute_s[b]`` (one request).
+    ``DQ``: ``launch_latency_s + dequant_s[b]`` (quantised loads: reading the stored block and writing the slot,
+    :func:`dlo_fn.plan.quant.dequant_seconds`); ``C``: ``launch_latency_s + compute_s[b]`` (one request).
     """
 
     h2d_bytes: tuple[float, ...]
@@ -162,10 +163,13 @@ class BandwidthDurations:
     h2d_bytes_per_s: float
     allgather_bytes_per_s: float
     launch_latency_s: float = 0.0
+    dequant_s: tuple[float, ...] = ()  # empty: no quantised loads (a DQ op then costs its launch latency)
 
     def __post_init__(self) -> None:
         if not len(self.h2d_bytes) == len(self.allgather_bytes) == len(self.compute_s):
             raise ValueError("h2d_bytes, allgather_bytes and compute_s need one entry per block")
+        if self.dequant_s and len(self.dequant_s) != len(self.compute_s):
+            raise ValueError("dequant_s needs one entry per block (or none)")
         if self.h2d_bytes_per_s <= 0 or self.allgather_bytes_per_s <= 0 or self.launch_latency_s < 0:
             raise ValueError("bandwidths must be > 0 and launch_latency_s >= 0")
 
@@ -176,6 +180,8 @@ class BandwidthDurations:
             work = self.h2d_bytes[op.block] / self.h2d_bytes_per_s
         elif op.kind == AG:
             work = self.allgather_bytes[op.block] / self.allgather_bytes_per_s
+        elif op.kind == DQ:
+            work = self.dequant_s[op.block] if self.dequant_s else 0.0
         else:
             work = self.compute_s[op.block]
         return self.launch_latency_s + work
@@ -184,7 +190,8 @@ class BandwidthDurations:
 def bandwidth_durations(num_blocks: int, *, h2d_bytes: float | Sequence[float],
                         allgather_bytes: float | Sequence[float], compute_s: float | Sequence[float],
                         h2d_bytes_per_s: float, allgather_bytes_per_s: float,
-                        launch_latency_s: float = 0.0) -> BandwidthDurations:
+                        launch_latency_s: float = 0.0,
+                        dequant_s: float | Sequence[float] | None = None) -> BandwidthDurations:
     """Scalars are broadcast over ``num_blocks``; sequences must have one entry per block."""
 
     def per_block(name: str, value: float | Sequence[float]) -> tuple[float, ...]:
@@ -196,7 +203,8 @@ def bandwidth_durations(num_blocks: int, *, h2d_bytes: float | Sequence[float],
 
     return BandwidthDurations(per_block("h2d_bytes", h2d_bytes), per_block("allgather_bytes", allgather_bytes),
                               per_block("compute_s", compute_s), float(h2d_bytes_per_s),
-                              float(allgather_bytes_per_s), float(launch_latency_s))
+                              float(allgather_bytes_per_s), float(launch_latency_s),
+                              () if dequant_s is None else per_block("dequant_s", dequant_s))
 
 
 def _simulate_one(schedule: Schedule, duration_s: Callable[[Op], float], stream_free: dict[str, float],
@@ -224,6 +232,8 @@ def _meta(schedule: Schedule, extra: Iterable[tuple[str, str]]) -> tuple[tuple[s
     base = (("source", "simulated"), ("mode", schedule.mode), ("num_blocks", str(schedule.num_blocks)),
             ("num_slots", str(schedule.num_slots)), ("num_landing", str(schedule.num_landing)),
             ("requests_per_load", str(schedule.requests_per_load)))
+    if schedule.quantized:
+        base += (("quantization", "fp8"),)
     return base + tuple((str(k), str(v)) for k, v in extra)
 
 
@@ -289,7 +299,7 @@ def block_summary(timeline: Timeline, rank: int | None = None) -> tuple[BlockSum
         if op.kind == H2D:
             row[0] += 1
             row[1] += span.duration_s
-        elif op.kind == AG:
+        elif op.kind in (AG, DQ):  # the all-gather stream's work
             row[2] += span.duration_s
         else:
             row[3] += span.duration_s

@@ -133,15 +133,15 @@ def build_callers(layout: ModelLayout, blocks: Sequence[nn.Module], aliases: Seq
     wrapped by ``plugin`` (:class:`~dlo_fn.runtime.executor.CallPlugin`) if there is one."""
     shared: dict[tuple, dict[str, torch.Tensor]] = {}
     callers = []
-    for b, shard in enumerate(layout.shards):
-        names = dict(aliases[b])
-        key = layout_key(shard.block, names)
+    for b in range(layout.num_blocks):
+        names, block = dict(aliases[b]), layout.compute_block(b)
+        key = layout_key(block, names)
         row = []
         for s in range(num_slots):
             span = slot_span(b, s)
             at = (key, span.data_ptr())  # a grouped layout places a block at its group's stride in the slots
             if at not in shared:
-                shared[at] = make_views(span, shard.block, names)
+                shared[at] = make_views(span, block, names)
             call = make_caller(kind, blocks[b], shared[at])
             row.append(plugin.wrap(call, b, s) if plugin is not None else call)
         callers.append(tuple(row))

@@ -93,7 +93,7 @@ class Executor:
         # mode is the program's (what the timeline records) and ``mode`` the one asked for.
         self.ring = Ring.cold(layout.num_blocks, num_slots=options.num_slots, mode=mode,
                               num_landing=options.num_landing if mode == "allgather" else None,
-                              num_shards=layout.num_shards, load_group=options.load_group)
+                              num_shards=layout.num_shards, load_group=options.load_group, quantized=layout.quantized)
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.blocks = tuple(blocks)
         self.aliases = tuple(aliases) if aliases is not None else tuple({} for _ in blocks)
@@ -132,7 +132,7 @@ class Executor:
         return self.ring.next_schedule(num_steps, requests_per_load)  # cold for the first run or after an error
 
     def _compile(self, sch: Schedule) -> Program:
-        return compile_schedule(sch, self.layout, self.store, self.slot_span, self.landing_span, self._callers,
+        return compile_schedule(sch, self.layout, self.store, self.buffers, self._callers,
                                 (self.h2d_stream, self.allgather_stream), self.platform.new_event)
 
     @property

@@ -2,7 +2,8 @@
 
 Each op waits on the events of its ``deps`` in the run (and, for a buffer's first use in the run, on the previous
 run's last use of it), is launched on its stream (an H2D op: ``copy_(non_blocking=True)`` per pair; an AG op: one
-collective for its pairs) and records its event if something waits on it (``CompiledOp.recorded``; a recorded
+collective for its pairs; a DQ op: its block's dequantise kernels, :mod:`dlo_fn.runtime.quant`) and records its
+event if something waits on it (``CompiledOp.recorded``; a recorded
 timeline records every op, with a start event too). The executor's compute ops call :meth:`Issuer.issue_until`
 for the loads in front of each block (the schedule puts the loads of block ``k + S - 1`` before the compute of
 block ``k``), and ``end_run`` for what is left. There is no host synchronisation.
@@ -14,10 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dlo_fn.plan.ops import AG, H2D
+from dlo_fn.plan.ops import AG, DQ, H2D
 from dlo_fn.plan.schedule import ScheduleError
 from dlo_fn.runtime.dist import all_gather_pairs
 from dlo_fn.runtime.program import CompiledOp, ExecutorStats, RunState
+from dlo_fn.runtime.quant import dequantize_into
 from dlo_fn.runtime.recorder import stamp_on_completion
 
 __all__ = ["Issuer"]
@@ -85,6 +87,12 @@ class Issuer:
                         if starts is not None:
                             stamp_on_completion(work, events[i])
                             continue
+                elif op.kind == DQ:
+                    for dst, src, scale in op.pairs:
+                        if scale is None:
+                            dst.copy_(src)
+                        else:
+                            dequantize_into(dst, src, scale)
                 elif run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
                 if starts is not None or op.recorded:

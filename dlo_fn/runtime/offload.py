@@ -39,6 +39,7 @@ from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
 from dlo_fn.runtime.options import OffloadOptions
+from dlo_fn.runtime.quant import StoredBlock, fp32_modules, needed_ranges
 from dlo_fn.runtime.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
@@ -152,7 +153,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     if group != options.load_group and num_shards > 1 and ctx.is_main:
         log.info("per-block shard layout: %s; the group's %d all-gathers go in one launch",
                  grouped_layout_problem(spec.num_blocks, options.load_group), options.load_group)
-    layout = model_layout(spec, num_shards, options.alignment_bytes, group)
+    layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization,
+                          options.quantize_exclude + fp32_modules(model))
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
     files = viewed_files(model)  # before the blocks drop their views: which checkpoint files back this model
@@ -162,10 +164,14 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     pinned = None
     if options.pinned_budget_bytes is not None and source == "pinned":
         pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
-    store = build_host_store(layout, shards.rank, [t for t, _ in states], platform, source=source,
+    tensors = [t for t, _ in states]
+    if layout.quantized:  # each rank quantises the rows its own pieces read (runtime.quant.StoredBlock)
+        tensors = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]))
+                   for t, sh in zip(tensors, layout.shards)]
+    store = build_host_store(layout, shards.rank, tensors, platform, source=source,
                              progress=options.progress and ctx.is_main, pinned_blocks=pinned)
     aliases = [a for _, a in states]
-    del states  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
+    del states, tensors  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
     blocks = []
     for lst, i in entries:
         block = lst[i]

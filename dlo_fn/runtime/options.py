@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.lowering import check_load_group
 from dlo_fn.plan.modes import check_mode
+from dlo_fn.plan.quant import check_quantization
 from dlo_fn.runtime.blocks import CALLS
 from dlo_fn.runtime.mesh import check_shard_group
 
@@ -52,6 +53,12 @@ class OffloadOptions:
     # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
     pinned_budget_bytes: int | None = None
+    # Quantised shards (dlo_fn.plan.quant): "fp8" stores every >= 2-D floating block weight as FP8 with a float32
+    # scale per output channel (quantised on each rank's own pieces), moves those bytes and dequantises on the
+    # device into the slot; ``quantize_exclude`` names modules to keep as they are (a diffusers model's fp32
+    # modules are always kept). The reference is ``dlo_fn.runtime.quant.fake_quantize``.
+    quantization: str | None = None
+    quantize_exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -69,11 +76,16 @@ class OffloadOptions:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
         # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank
         # is the rank-local sequence, known only with the shard group).
-        check_load_group(self.load_group, self.num_slots, "rank-local")
+        check_quantization(self.quantization)
+        check_load_group(self.load_group, self.num_slots, "rank-local", quantized=self.quantization is not None)
+        if self.quantization is not None and self.rank_local_source == "mmap":
+            raise ValueError("rank_local_source='mmap' streams the checkpoint's own bytes: quantised shards need the "
+                             "pinned source (the default)")
         if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
             raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
     def describe(self) -> tuple[tuple[str, str], ...]:
         """The execution choices as (key, value) strings: for a Timeline's metadata and benchmark records."""
         return (("block_call", self.block_call), ("graph", str(self.graph or "none")),
-                ("load_group", str(self.load_group)), ("async_collectives", str(self.async_collectives)))
+                ("load_group", str(self.load_group)), ("async_collectives", str(self.async_collectives)),
+                ("quantization", str(self.quantization or "none")))

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.plan.ops import AG, C, H2D
+from dlo_fn.plan.ops import AG, C, DQ, H2D
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.runtime.host_store import HostStore
@@ -73,7 +73,9 @@ class CompiledOp:
     stream: Any  # the H2D or all-gather stream; None for a compute (it runs on the caller's current stream)
     waits: tuple[int, ...]  # ops of this run whose events it waits on
     carry: tuple[str, ...]  # buffers it uses first in the run: it waits on the previous run's last use of each
-    pairs: tuple[Pair, ...] = ()  # H2D: (dst, src) copies; AG: (out, in) pairs, one collective; () when joined
+    # H2D: (dst, src) copies; AG: (out, in) pairs, one collective; () when joined; DQ: (slot view, stored view,
+    # scale view or None) per tensor (runtime.quant.dequant_ops)
+    pairs: tuple[tuple[torch.Tensor | None, ...], ...] = ()
     caller: Any = None  # C: the block's call on its slot's views
     recorded: bool = False  # a later op (or the next run) waits on its event
 
@@ -142,23 +144,28 @@ class RunState:
     cursor: int = 0
 
 
-def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore,
-                     slot_span: Callable[[int, int], torch.Tensor], landing_span: Callable[[int, int], torch.Tensor],
+def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffers: Any,
                      callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
                      new_event: Callable[[], Any]) -> Program:
-    """Resolve every op of ``sch`` against the buffers: ``slot_span(block, slot)`` / ``landing_span(block,
-    landing)`` are the bytes a block occupies there, ``callers[block][slot]`` its bound call, ``streams`` the
-    (H2D stream, all-gather stream)."""
+    """Resolve every op of ``sch`` against the ``buffers`` (:class:`~dlo_fn.runtime.slots.SlotBuffers`: the bytes
+    a block occupies in a slot, a landing or a staging buffer, and its dequantise op), ``callers[block][slot]``
+    the block's bound call, ``streams`` the (H2D stream, all-gather stream)."""
+
+    def target(op: Any) -> torch.Tensor:  # what a load writes: its slot, or its slot's staging buffer
+        return buffers.slot_span(op.block, op.slot) if op.slot is not None else buffers.staging_span(op.block,
+                                                                                                    op.staging)
+
     pairs: list[tuple[Pair, ...]] = []
     for op in sch.ops:
         if op.kind == H2D:
-            dst = slot_span(op.block, op.slot) if op.slot is not None else landing_span(op.block, op.landing)
+            dst = buffers.landing_span(op.block, op.landing) if op.landing is not None else target(op)
             pairs.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
                                for s in store.sources[op.block]))
         elif op.kind == AG:
             n = layout.shards[op.block].shard_bytes
-            pairs.append(((slot_span(op.block, op.slot)[: n * layout.num_shards],
-                           landing_span(op.block, op.landing)[:n]),))
+            pairs.append(((target(op)[: n * layout.num_shards], buffers.landing_span(op.block, op.landing)[:n]),))
+        elif op.kind == DQ:
+            pairs.append(buffers.dequant_ops(op.block, op.slot))
         else:
             pairs.append(())
     carry: list[list[str]] = [[] for _ in sch.ops]
@@ -168,7 +175,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore,
     _merge_group_loads(kinds, pairs, sch.load_group_last, sch.deps, carry, layout.load_group > 1)
     if layout.load_group > 1:
         _check_group_gathers(sch, layout, kinds, pairs)
-    stream_of = {H2D: streams[0], AG: streams[1], C: None}
+    stream_of = {H2D: streams[0], AG: streams[1], DQ: streams[1], C: None}
     recorded = sch.recorded
     ops = []
     for i, op in enumerate(sch.ops):
