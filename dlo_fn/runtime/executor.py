@@ -102,7 +102,9 @@ class Executor:
         self.measured_device_bytes = self.buffers.measured_device_bytes
         self.planned_device_weight_bytes = self.buffers.planned_device_bytes
         self.h2d_stream = platform.new_stream("h2d")
-        self.allgather_stream = platform.new_stream("allgather")
+        # High priority, as FSDP's all-gather stream: a gather's or a dequantise op's kernels take free
+        # multiprocessors before the compute's queued thread blocks, so a load ends during the block before it.
+        self.allgather_stream = platform.new_stream("allgather", priority=-1)
         self._callers, self.num_view_sets = build_callers(layout, self.blocks, self.aliases, self.num_slots,
                                                           self.slot_span, options.block_call, plugin)
         self.stats = ExecutorStats()

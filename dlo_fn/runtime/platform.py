@@ -111,12 +111,14 @@ class Platform:
         return getattr(torch, self.kind)
 
     # -- streams and events ------------------------------------------------------------------------
-    def new_stream(self, name: str = "side") -> Any:
+    def new_stream(self, name: str = "side", priority: int = 0) -> Any:
+        """A stream; ``priority < 0`` is higher than the default (0): its kernels get the device's free
+        multiprocessors before those of default-priority streams."""
         if not self.is_accelerator:
             return HostStream(name)
         if hasattr(torch, "Stream") and hasattr(torch.Stream, "__enter__"):
-            return torch.Stream(device=self.device)
-        return self._module.Stream(device=self.device)
+            return torch.Stream(device=self.device, priority=priority)
+        return self._module.Stream(device=self.device, priority=priority)
 
     def current_stream(self) -> Any:
         if not self.is_accelerator:

@@ -29,7 +29,9 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     CUDA tests compare a host-quantised offload with a GPU fake-quantised model)."""
     rows = w.detach().reshape(w.shape[0], -1).float()
     amax = rows.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Divided by a tensor, not a Python number: CUDA multiplies by the reciprocal of a host scalar, which rounds
+    # differently from the host's division; a tensor divisor is an IEEE division on both.
+    scale = torch.where(amax > 0, amax / amax.new_full((), FP8_MAX), torch.ones_like(amax))
     q = (rows / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(w.shape), scale
 
