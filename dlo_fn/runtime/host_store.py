@@ -34,6 +34,7 @@ source         host memory per node (W ranks, model M)      H2D
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -41,9 +42,10 @@ from typing import Mapping, Sequence
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.runtime.host_fill import FillTimings, fill_arena
 from dlo_fn.runtime.platform import Platform
 
-__all__ = ["HostStore", "H2DSource", "alloc_host", "build_host_store", "tensor_bytes", "SOURCES"]
+__all__ = ["HostStore", "H2DSource", "alloc_host", "pin_in_place", "build_host_store", "tensor_bytes", "SOURCES"]
 
 log = logging.getLogger(__name__)
 SOURCES = ("pinned", "mmap")
@@ -94,10 +96,16 @@ def alloc_host(nbytes: int, platform: Platform, pin: bool = True) -> tuple[torch
         return torch.empty(nbytes, dtype=torch.uint8), "pageable", None
     if platform.kind == "cuda":
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        _register_cuda(buf)
-        # The finalizer must not hold ``buf`` (weakref.finalize keeps its arguments alive): pass the address.
-        return buf, "cudaHostRegister", weakref.finalize(buf, _unregister_cuda, buf.data_ptr())
+        return buf, "cudaHostRegister", pin_in_place(buf)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pin_memory", None
+
+
+def pin_in_place(buf: torch.Tensor) -> object:
+    """Page-lock the pages of the CUDA host buffer ``buf`` (``cudaHostRegister``); returns the finalizer that
+    undoes it (run by ``close()`` or when ``buf`` is collected)."""
+    _register_cuda(buf)
+    # The finalizer must not hold ``buf`` (weakref.finalize keeps its arguments alive): pass the address.
+    return weakref.finalize(buf, _unregister_cuda, buf.data_ptr())
 
 
 class HostStore:
@@ -118,6 +126,7 @@ class HostStore:
         self._finalizer = finalizer
         self.num_pinned_blocks = layout.num_blocks if arena is not None else 0
         self.copied_ranges: tuple[tuple[int, int], ...] = ()  # source bytes copied into the arena
+        self.timings: FillTimings | None = None  # where the fill's time went (None for the "mmap" source)
 
     @property
     def streamed_bytes(self) -> int:
@@ -177,14 +186,17 @@ def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None
 
 def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Mapping[str, torch.Tensor]],
                      platform: Platform, *, source: str = "pinned", progress: bool = False,
-                     pinned_blocks: int | None = None) -> HostStore:
+                     pinned_blocks: int | None = None, threads: int | None = None) -> HostStore:
     """Fill this rank's store from the block tensors (typically zero-copy mmap views).
 
     ``block_tensors[b]`` maps each tensor name of block ``b`` (relative, as in the layout) to its tensor.
     ``source="mmap"`` is for rank-local layouts only: nothing is copied, the H2D ops read the views.
     ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.plan.host_budget`): only blocks ``0..k-1`` go into the
     arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
-    tensors (pageable), which must then stay alive (the store holds them).
+    tensors (pageable), which must then stay alive (the store holds them). The arena is filled by ``threads``
+    threads (default: the CPUs this process may use, at most 16) and pinned after the copies
+    (:mod:`dlo_fn.runtime.host_fill`); ``store.timings`` says where the time went. ``progress`` logs the
+    fill's phases at INFO.
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -206,41 +218,39 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     k = layout.num_blocks if pinned_blocks is None else pinned_blocks
     if not 0 <= k <= layout.num_blocks:
         raise ValueError(f"pinned_blocks must be in [0, {layout.num_blocks}], got {pinned_blocks}")
-    arena, how, fin = alloc_host(layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank,
-                                 platform, pin=True)
-    offsets = layout.shard_offsets
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        what = "the pinned arena" if how == "pinned" else f"host memory ({how}: no pinned memory on this device)"
-        bar = tqdm(total=layout.shard_bytes_per_rank, unit="B", unit_scale=True, desc=f"copying shards into {what}")
-    sources = []
-    copied: list[tuple[int, int]] = []  # source address ranges copied into the arena (released afterwards)
     def piece_bytes(b: int, p) -> torch.Tensor:  # a grouped layout's piece may hold another block's bytes
         owner = b if p.block is None else p.block
         return tensor_bytes(_check_tensor(layout, owner, p.tensor, block_tensors[owner].get(p.tensor)))[
             p.src_start : p.src_stop]
 
+    t0 = time.perf_counter()
+    nbytes = layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank
+    # CUDA: pageable now, page-locked once filled (the copies are the pages' first touch, on every thread).
+    late_pin = platform.kind == "cuda" and platform.supports_pinned and nbytes > 0
+    arena, how, fin = (torch.empty(nbytes, dtype=torch.uint8), "pageable", None) if late_pin else alloc_host(
+        nbytes, platform, pin=True)
+    alloc_s = time.perf_counter() - t0
+    tasks, gaps, sources = [], [], []
     for b, shard in enumerate(layout.shards):
-        base = offsets[b]
+        base = layout.shard_offsets[b]
         pieces = shard.pieces[shard_rank]
         if b >= k:  # streamed: the H2D reads the rank's pieces where they are
             sources.append(tuple(H2DSource(piece_bytes(b, p), p.dst_start) for p in pieces))
             continue
-        for p in pieces:
-            src = piece_bytes(b, p)
-            arena[base + p.dst_start : base + p.dst_stop].copy_(src)
-            copied.append((src.data_ptr(), src.data_ptr() + src.numel()))
-        for lo, hi in _gaps(pieces, shard.shard_bytes):
-            arena[base + lo : base + hi].zero_()
+        tasks.extend((base + p.dst_start, p.nbytes, (b, p)) for p in pieces)
+        gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
         sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
-        if bar is not None:
-            bar.update(shard.shard_bytes)
-    if bar is not None:
-        bar.close()
-    log.debug("host store: rank %d, %d bytes, %s, %d/%d blocks pinned", rank, arena.numel(), how, k,
-              layout.num_blocks)
+    fill = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads)
+    t1 = time.perf_counter()
+    if late_pin:
+        fin, how = pin_in_place(arena), "cudaHostRegister"
+    timings = FillTimings(alloc_s, fill.copy_s, fill.zero_s, time.perf_counter() - t1 if late_pin else 0.0,
+                          fill.threads, fill.copied_bytes, fill.zeroed_bytes)
+    (log.info if progress else log.debug)(
+        "host store: rank %d, %d bytes (%s), %d/%d blocks in the arena; alloc %.2f s, copy + first touch %.2f s "
+        "on %d threads, gaps %.3f s, pin %.2f s", rank, arena.numel(), how, k, layout.num_blocks, timings.alloc_s,
+        timings.copy_s, timings.threads, timings.zero_s, timings.pin_s)
     store = HostStore(layout, rank, tuple(sources), arena, how, fin)
-    store.num_pinned_blocks, store.copied_ranges = k, tuple(copied)
+    store.num_pinned_blocks, store.copied_ranges, store.timings = k, fill.copied_ranges, timings
     return store

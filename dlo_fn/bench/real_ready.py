@@ -1,0 +1,264 @@
+"""Time to ready against the host's floor, measured in the same run (`bench real`).
+
+The floor of filling an arena of ``n`` bytes from a checkpoint in the page cache is the sum of what the host
+cannot avoid, each step measured alone on a buffer of its own, with the threads the fill uses:
+
+    touch_s     first touch of ``n`` fresh bytes (the kernel faults and zeroes every page), ``threads`` threads
+    register_s  ``cudaHostRegister`` of those touched pages (CUDA; 0 elsewhere)
+    copy_s      the files' bytes (``n`` of them, from this rank's share) copied from the page cache into the
+                touched buffer: the faster of ``pread`` and ``memmove`` from a mapping, ``threads`` threads
+
+``floor_s = touch_s + register_s + copy_s``; ``register_untouched_s`` (register of a fresh buffer, which makes the
+driver fault every page itself) is beside it, the evidence for the fill's order (copy first, register last).
+Cold cache: :func:`evict` drops the files' pages (``posix_fadvise(DONTNEED)``) and :func:`resident_fraction`
+checks with ``mincore`` that they are gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import os
+import pathlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from dlo_fn.runtime.host_fill import default_threads
+
+__all__ = ["measure_floor", "h2d_peak_bytes_per_s", "evict", "resident_fraction", "cold_read_s", "rank_ready"]
+
+CHUNK = 64 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+def _spans(files: Sequence[pathlib.Path], start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
+    """``(file, file offset, buffer offset, bytes)`` chunks of the files' bytes ``[start, start + nbytes)``
+    (the files concatenated in order), each at most :data:`CHUNK`."""
+    out, pos, dst = [], 0, 0
+    for f in files:
+        size = os.path.getsize(f)
+        lo, hi = max(start, pos), min(start + nbytes, pos + size)
+        for off in range(lo, hi, CHUNK):
+            n = min(CHUNK, hi - off)
+            out.append((str(f), off - pos, dst, n))
+            dst += n
+        pos += size
+    return out
+
+
+def _parallel(fn, items, threads: int) -> float:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(fn, items))
+    return time.perf_counter() - t0
+
+
+def _copy_pread(buf: torch.Tensor, spans, threads: int) -> float:
+    fds = {f: os.open(f, os.O_RDONLY) for f in {s[0] for s in spans}}
+    try:
+        def read(span):
+            f, off, dst, n = span
+            view = (ctypes.c_char * n).from_address(buf.data_ptr() + dst)
+            got = os.preadv(fds[f], [view], off)
+            assert got == n, (f, off, got, n)
+        return _parallel(read, spans, threads)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _copy_mmap(buf: torch.Tensor, spans, threads: int) -> float:
+    maps = {}
+    try:
+        for f in {s[0] for s in spans}:
+            with open(f, "rb") as fh:
+                m = mmap.mmap(fh.fileno(), 0, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            maps[f] = (m, ctypes.addressof(ctypes.c_char.from_buffer(m)))
+
+        def copy(span):
+            f, off, dst, n = span
+            ctypes.memmove(buf.data_ptr() + dst, maps[f][1] + off, n)
+        return _parallel(copy, spans, threads)
+    finally:
+        gc.collect()  # the from_buffer exports must be gone before a mapping closes
+        for m, _ in maps.values():
+            m.close()
+
+
+def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 << 20, chunks: int = 4,
+                         reps: int = 3) -> float | None:
+    """Best of ``reps`` rounds of ``chunks`` H2D copies of ``chunk_bytes`` from the pinned ``host`` buffer."""
+    if platform.kind != "cuda" or not host.is_pinned():
+        return None
+    chunk_bytes = min(chunk_bytes, host.numel() // max(1, chunks)) or host.numel()
+    dst = torch.empty(chunk_bytes, dtype=torch.uint8, device=platform.device)
+    best = 0.0
+    for _ in range(reps + 1):  # the first round warms up
+        start, end = platform.new_event(timing=True), platform.new_event(timing=True)
+        start.record(platform.current_stream())
+        for c in range(chunks):
+            dst.copy_(host[c * chunk_bytes : (c + 1) * chunk_bytes], non_blocking=True)
+        end.record(platform.current_stream())
+        platform.synchronize()
+        best = max(best, chunks * chunk_bytes / (start.elapsed_time(end) / 1e3))
+    return best
+
+
+def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share: tuple[int, int] = (0, 1),
+                  threads: int | None = None, untouched: bool = True) -> dict:
+    """The floor of filling ``nbytes`` (module docstring); ``share=(r, W)`` copies the r-th ``nbytes`` of the
+    files (a rank's part of an allgather set-up)."""
+    from dlo_fn.runtime.host_store import pin_in_place
+
+    threads = threads or default_threads()
+    out: dict = {"bytes": nbytes, "threads": threads, "register_untouched_s": None, "register_s": 0.0,
+                 "h2d_peak_bytes_per_s": None}
+    cuda = platform.kind == "cuda"
+    if cuda and untouched:  # the other order: the driver faults the pages in itself, on one thread
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        fin = pin_in_place(fresh)
+        out["register_untouched_s"] = time.perf_counter() - t0
+        fin()
+        del fresh
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    pages = [(lo, min(CHUNK, nbytes - lo)) for lo in range(0, nbytes, CHUNK)]
+    out["touch_s"] = _parallel(lambda p: ctypes.memset(buf.data_ptr() + p[0], 0, p[1]), pages, threads)
+    fin = None
+    if cuda:
+        t0 = time.perf_counter()
+        fin = pin_in_place(buf)
+        out["register_s"] = time.perf_counter() - t0
+        out["h2d_peak_bytes_per_s"] = h2d_peak_bytes_per_s(platform, buf)
+    total = sum(os.path.getsize(f) for f in files)
+    rank, world = share
+    n = min(nbytes, max(0, total - rank * nbytes))
+    spans = _spans(files, rank * nbytes, n)
+    out["copy_bytes"] = n
+    out["copy_pread_s"] = _copy_pread(buf, spans, threads)
+    out["copy_mmap_s"] = _copy_mmap(buf, spans, threads)
+    out["copy_s"] = min(out["copy_pread_s"], out["copy_mmap_s"])
+    out["floor_s"] = out["touch_s"] + out["register_s"] + out["copy_s"]
+    if fin is not None:
+        fin()
+    del buf
+    return out
+
+
+def evict(files: Sequence[pathlib.Path]) -> None:
+    """Write back, then drop every page of ``files`` from the page cache (pages still mapped by a process stay)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_fraction(files: Sequence[pathlib.Path]) -> float:
+    """Fraction of the files' pages in the page cache (``mincore`` on a fresh read-only mapping: no page read)."""
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for f in files:
+        size = os.path.getsize(f)
+        if size == 0:
+            continue
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {f} failed")
+            try:
+                npages = (size + page - 1) // page
+                vec = (ctypes.c_ubyte * npages)()
+                if _libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {f} failed")
+                resident += sum(v & 1 for v in vec)
+                total += npages
+            finally:
+                _libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return resident / total if total else 0.0
+
+
+def cold_read_s(files: Sequence[pathlib.Path], threads: int | None = None) -> dict:
+    """Evict the files, then read them once with ``threads`` threads (``pread`` into one buffer per thread)."""
+    evict(files)
+    before = resident_fraction(files)
+    threads = threads or default_threads()
+    spans = _spans(files, 0, sum(os.path.getsize(f) for f in files))
+    bufs = {}
+    fds = {f: os.open(f, os.O_RDONLY) for f in {s[0] for s in spans}}
+
+    def read(span):
+        import threading
+
+        buf = bufs.setdefault(threading.get_ident(), bytearray(CHUNK))
+        f, off, _, n = span
+        os.preadv(fds[f], [memoryview(buf)[:n]], off)
+    try:
+        seconds = _parallel(read, spans, threads)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    nbytes = sum(s[3] for s in spans)
+    return {"resident_fraction_before": before, "read_s": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds}
+
+
+def rank_ready(ctx, folder: str, device: str, ref_path: str) -> dict:
+    """One rank of a W-rank allgather set-up (run by :func:`dlo_fn.serve.ranks.run_ranks`): time to ready, memory,
+    one forward compared with the resident output, then the floor for its share, every rank at once."""
+    import dataclasses
+    import hashlib
+
+    import torch.distributed as dist
+
+    from dlo_fn.runtime.load import load_model
+    from dlo_fn.runtime.memstat import process_memory
+    from dlo_fn.runtime.offload import offload
+    from dlo_fn.runtime.platform import Platform
+
+    if device == "cuda":  # every rank on the one GPU, over gloo
+        torch.cuda.set_device(0)
+        ctx = dataclasses.replace(ctx, platform=Platform("cuda", torch.device("cuda", 0), "gloo"))
+        torch.empty(1, device="cuda")  # the CUDA context is made before the clock starts
+    import diffusers  # noqa: F401  the libraries a user's process has imported already: not part of the set-up
+
+    platform = ctx.platform
+    files = sorted(pathlib.Path(folder).glob("*.safetensors"))
+    dist.barrier(ctx.group)
+    t0 = time.perf_counter()
+    model = load_model(folder, progress=False)
+    t1 = time.perf_counter()
+    o = offload(model, ctx=ctx, mode="allgather")
+    platform.synchronize()
+    t2 = time.perf_counter()
+    mem = process_memory()
+    ref = torch.load(ref_path, weights_only=True)
+    inputs = {k: v.to(platform.device) if torch.is_tensor(v) else v for k, v in ref["inputs"].items()}
+    with torch.no_grad():
+        got = o.model(**inputs)[0].cpu()
+    out = {"rank": ctx.rank, "ready_s": t2 - t0, "load_s": t1 - t0, "offload_s": t2 - t1,
+           "store": o.store.timings.as_dict(), "arena_bytes": o.store.arena_bytes,
+           "pinned_bytes": o.pinned_host_bytes, "host_rss_bytes": mem.rss_bytes, "host_uss_bytes": mem.uss_bytes,
+           "num_shards": o.layout.num_shards, "equal_to_resident": bool(torch.equal(got, ref["want"])),
+           "sha256": hashlib.sha256(got.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}
+    arena = o.store.arena_bytes
+    o.synchronize()
+    o.store.close()
+    del o, model, inputs, got
+    gc.collect()
+    dist.barrier(ctx.group)
+    out["floor"] = measure_floor(platform, arena, files, share=(ctx.rank, ctx.world_size), untouched=False)
+    out["ready_over_floor"] = out["ready_s"] / out["floor"]["floor_s"]
+    return out

@@ -1,0 +1,238 @@
+"""One model of `bench real`: its checkpoint and resident reference, then every variant in order, each recorded (or
+skipped with its reason) and written before the next starts."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+from dlo_fn.bench import real_models as rm
+from dlo_fn.bench import real_ready as rr
+from dlo_fn.bench import real_variants as rv
+
+__all__ = ["ModelRun"]
+
+REF_FILE = "bench_real_ref.pt"  # inputs and resident output, for the rank processes
+
+
+class ModelRun:
+    def __init__(self, ctx, case: rm.ModelCase, folder: pathlib.Path, args, deadline: float | None,
+                 write: Callable[[dict], None]) -> None:
+        self.ctx, self.case, self.folder, self.args, self.deadline, self._write = ctx, case, folder, args, deadline, write
+        self.platform = ctx.platform
+        config, workload = case.at(args.quick)
+        self.entry: dict = {"name": case.name, "class": case.cls, "config": config, "source": case.source,
+                            "workload": workload, "tokens_per_row": rm.tokens_per_row(case, args.quick),
+                            "h2d_peaks_bytes_per_s": {}, "variants": []}
+        self.want = self.want_fp8 = None
+        self.fp8_reason = "not requested"
+
+    def write(self) -> None:
+        self._write(self.entry)
+
+    @property
+    def files(self) -> list[pathlib.Path]:
+        return rm.checkpoint_files(self.folder)
+
+    def run(self, variants: list[str]) -> None:
+        self.prepare(variants)
+        for v in variants:
+            self.one(v)
+
+    # -- the checkpoint and the resident reference ------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, variants: list[str]) -> None:
+        from dlo_fn.plan.layout import model_layout
+        from dlo_fn.plan.spec import spec_from_module
+        from dlo_fn.runtime.diffusers_load import block_paths_for
+        from dlo_fn.runtime.load import load_model
+
+        args, case, device = self.args, self.case, self.platform.device
+        self.inputs = rm.forward_inputs(case, args.quick, device)
+        t0 = time.perf_counter()
+        if rm.checkpoint_ready(self.folder, case, args.quick, seed=0):
+            model = load_model(self.folder, progress=False).to(device)
+            ckpt = {"reused": True, "resident_load_s": time.perf_counter() - t0}
+        else:
+            model = rm.build_random(case, device, args.quick, seed=0)
+            ckpt = {"reused": False, "build_s": time.perf_counter() - t0,
+                    **rm.write_checkpoint(model, self.folder, case, args.quick, seed=0)}
+        files = self.files
+        ckpt.update(folder=str(self.folder), files=len(files), bytes=sum(f.stat().st_size for f in files))
+        spec = spec_from_module(model, block_paths_for(model), name=case.cls)
+        self.arena_bytes = model_layout(spec, 1).shard_bytes_per_rank
+        self.entry.update(checkpoint=ckpt, num_blocks=spec.num_blocks, block_bytes=spec.total_block_bytes,
+                          max_block_bytes=max(b.nbytes for b in spec.blocks), arena_bytes=self.arena_bytes,
+                          model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+        self.write()
+        weights = self.platform.memory_allocated()
+        row = rv.measure(self.platform, lambda: ((lambda: model(**self.inputs)[0]), {}, lambda: None),
+                         want=None, warmup=args.warmup, repeats=args.repeats, base_device_bytes=0)
+        row.update(ready_s=None, weight_device_bytes=weights)
+        self.want = row.pop("output").clone()
+        self._add("resident", row)
+        if "ours-fp8" in variants:
+            self.fp8_reason = self._fake_quantized(model)
+        if any(v.startswith("ranks-") for v in variants):
+            cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.inputs.items()}
+            torch.save({"inputs": cpu, "want": self.want.cpu()}, self.folder / REF_FILE)
+        del model
+        rv.release(self.platform)
+        if self.platform.kind == "cuda":  # a first peak, so every row has a bound even if the floor is skipped
+            from dlo_fn.runtime.host_store import alloc_host
+
+            buf, _, fin = alloc_host(1 << 30, self.platform)
+            self.entry["h2d_peaks_bytes_per_s"]["registered_1GiB"] = rr.h2d_peak_bytes_per_s(self.platform, buf)
+            fin()
+            del buf
+        self.write()
+
+    def _fake_quantized(self, model) -> str | None:
+        missing = rv.options_missing(rv.OURS["ours-fp8"])
+        if missing:
+            return f"OffloadOptions has no field {', '.join(missing)} yet (FP8 has not landed)"
+        try:
+            from dlo_fn.runtime.quant import fake_quantize
+        except ImportError as exc:
+            return f"dlo_fn.runtime.quant.fake_quantize is not importable: {exc}"
+        fake_quantize(model)  # in place: the resident model is done with
+        self.want_fp8 = model(**self.inputs)[0].clone()
+        return None
+
+    # -- one variant ------------------------------------------------------------------------------------------
+    def one(self, variant: str) -> None:
+        est = self.estimate(variant)
+        if self.deadline is not None and time.perf_counter() + est > self.deadline:
+            left = self.deadline - time.perf_counter()
+            self._skip(variant, f"budget: needs ~{est:.0f} s, {max(left, 0):.0f} s left")
+            return
+        try:
+            row = self._run(variant)
+        except Skip as exc:
+            self._skip(variant, str(exc))
+            return
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            rv.release(self.platform)
+            self._skip(variant, f"does not fit: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            return
+        except Exception as exc:  # recorded, and the run goes on to the next variant
+            rv.release(self.platform)
+            self._add(variant, {"status": "error", "reason": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc(limit=8)})
+            return
+        row.pop("output", None)
+        self._add(variant, row)
+
+    def _add(self, variant: str, row: dict) -> None:
+        self.entry["variants"].append({"variant": variant, **row})
+        self.write()
+
+    def _skip(self, variant: str, reason: str) -> None:
+        self._add(variant, {"status": "skipped", "reason": reason})
+
+    def _run(self, variant: str) -> dict:
+        args, p, folder = self.args, self.platform, str(self.folder)
+        if variant in rv.OURS:
+            kwargs = rv.OURS[variant]
+            missing = rv.options_missing(kwargs)
+            if missing:
+                raise Skip(f"OffloadOptions has no field {', '.join(missing)} yet")
+            want = self.want
+            if kwargs.get("quantization"):
+                if self.want_fp8 is None:
+                    raise Skip(self.fp8_reason or "no fake-quantized reference")
+                want = self.want_fp8
+            if variant == "ours-rank-local" and "floor" not in self.entry:
+                self.entry["floor"] = rr.measure_floor(p, self.arena_bytes, self.files)
+                self.entry["h2d_peaks_bytes_per_s"]["floor_buffer"] = self.entry["floor"]["h2d_peak_bytes_per_s"]
+                self.write()
+            warmup = max(args.warmup, rv.GRAPH_WARMUP) if kwargs.get("graph") else args.warmup
+            row = rv.measure(p, rv.ours_setup(self.ctx, folder, kwargs, self.inputs,
+                                              probe_peak=variant == "ours-rank-local"),
+                             want=want, warmup=warmup, repeats=args.repeats)
+            if row.get("arena_h2d_peak_bytes_per_s"):
+                self.entry["h2d_peaks_bytes_per_s"]["arena"] = row["arena_h2d_peak_bytes_per_s"]
+            return row
+        if variant in ("diffusers-block", "diffusers-leaf"):
+            self._needs("accelerate")
+            kind = "block_level" if variant == "diffusers-block" else "leaf_level"
+            return rv.measure(p, rv.diffusers_setup(p, folder, self.case.cls, kind, self.inputs), want=self.want,
+                              warmup=args.warmup, repeats=args.repeats)
+        if variant == "model-offload":
+            self._needs("accelerate")
+            if p.kind == "cuda":
+                free = torch.cuda.mem_get_info()[0]
+                if free < 1.15 * self.entry["model_bytes"]:
+                    raise Skip(f"the whole model ({self.entry['model_bytes']} bytes) does not fit in the "
+                               f"{free} bytes free on the device")
+            return rv.measure(p, rv.model_offload_setup(p, folder, self.case.cls, self.inputs), want=self.want,
+                              warmup=args.warmup, repeats=args.repeats)
+        if variant == "ours-cold":
+            files = self.files
+            rv.release(p)  # earlier variants' models (cycles through their hooks) must let go of the mappings
+            rr.evict(files)
+            evicted = rr.resident_fraction(files)
+            row = rv.measure(p, rv.ours_setup(self.ctx, folder, rv.OURS["ours-rank-local"], self.inputs),
+                             want=None, warmup=0, repeats=0)
+            row.update(resident_fraction_after_evict=evicted, evicted=evicted < 0.01,
+                       first_read=rr.cold_read_s(files))
+            return row
+        if variant.startswith("ranks-"):
+            return self._ranks(int(variant.split("-")[1]))
+        if variant == "pipeline":
+            if self.case.family != "flux":
+                raise Skip("the pipeline request is Flux's (--models flux)")
+            self._needs("transformers", "tokenizers")
+            from dlo_fn.bench.real_pipeline import run_pipeline
+
+            return {"status": "ok", **run_pipeline(self.ctx, folder, args.quick, args.pipeline_repeats)}
+        raise ValueError(f"unknown variant {variant!r}")
+
+    def _ranks(self, world: int) -> dict:
+        import os
+
+        from dlo_fn.serve.ranks import run_ranks
+
+        cpus = len(os.sched_getaffinity(0))
+        timeout = max(300.0, 4 * self.estimate(f"ranks-{world}"))
+        ranks = run_ranks(rr.rank_ready, world, str(self.folder), self.platform.kind,
+                          str(self.folder / REF_FILE), timeout_s=timeout, platform="cpu",
+                          threads_per_rank=max(1, cpus // world))
+        return {"status": "ok", "world_size": world, "ranks": ranks,
+                "equal_to_resident": all(r["equal_to_resident"] for r in ranks),
+                "ready_s": max(r["ready_s"] for r in ranks),
+                "ready_over_floor": max(r["ready_over_floor"] for r in ranks),
+                "pinned_bytes_per_rank": [r["pinned_bytes"] for r in ranks],
+                "note": "W ranks share one device over gloo: memory and time to ready, no forward timing"}
+
+    @staticmethod
+    def _needs(*modules: str) -> None:
+        import importlib.util
+
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            raise Skip(f"needs the {', '.join(missing)} package(s)")
+
+    def estimate(self, variant: str) -> float:
+        """Seconds ``variant`` should take here (rough: the set-up at a few GB/s, forwards at the bound)."""
+        a, e = self.args, self.entry
+        m = e.get("block_bytes", 0)
+        peaks = [x for x in e["h2d_peaks_bytes_per_s"].values() if x] or [50e9]
+        r = next((v.get("forward_s") for v in e["variants"] if v["variant"] == "resident"), 0.0) or 0.0
+        b, n = max(r, m / max(peaks)), a.warmup + a.repeats
+        if variant.startswith("ours-"):
+            first = 0.0 if "floor" in e else 2 * m / 3e9
+            warm = rv.GRAPH_WARMUP if "bgraph" in variant else a.warmup
+            return {"ours-cold": 5 + 3 * m / 2e9}.get(variant, 3 + m / 2.5e9 + first + (warm + a.repeats) * 1.05 * b)
+        return {"diffusers-block": 5 + m / 1e9 + n * 1.6 * b, "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,
+                "model-offload": 5 + m / 2e9 + n * (r + 2 * m / 5e9), "ranks-2": 30 + 2 * m / 2e9,
+                "ranks-4": 40 + 2 * m / 2e9,
+                "pipeline": 30 + m / 1e9 + (1 + a.pipeline_repeats) * 28 * (r + b)}.get(variant, 0.0)
+
+
+class Skip(Exception):
+    """A variant that cannot run here, with the one-line reason recorded."""

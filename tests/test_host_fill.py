@@ -1,0 +1,103 @@
+"""The arena fill on several threads (dlo_fn.runtime.host_fill): the same bytes as one thread, every piece copied
+once from one call of its source, gaps zeroed over dirty memory, and the phases timed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dlo_fn.plan.layout import model_layout
+from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
+from dlo_fn.runtime.host_fill import SERIAL_BELOW_BYTES, fill_arena
+from dlo_fn.runtime.host_store import build_host_store, tensor_bytes
+from dlo_fn.runtime.platform import platform_for
+
+CPU = platform_for("cpu")
+MIB = 1 << 20
+
+
+def _model(num_blocks: int, seed: int = 0):
+    """Blocks of ~11 MiB (bf16 matrices, an fp32 vector, an odd-sized tensor so that gaps exist)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"a.weight": ((1024, 2048), torch.bfloat16), "b.weight": ((2048, 1536), torch.bfloat16),
+              "c.bias": ((1023,), torch.float32), "d.weight": ((33, 7), torch.bfloat16)}
+    blocks, tensors = [], []
+    for b in range(num_blocks):
+        values = {n: torch.randn(s, generator=gen).to(d) for n, (s, d) in shapes.items()}
+        blocks.append(BlockSpec(f"blocks.{b}", tuple(TensorSpec(n, s, d) for n, (s, d) in sorted(shapes.items()))))
+        tensors.append(values)
+    return ModelSpec("m", tuple(blocks)), tensors
+
+
+@pytest.mark.parametrize("world,group", [(1, 1), (3, 1), (2, 2)])
+def test_threads_fill_the_same_bytes_as_one_thread(world, group):
+    spec, tensors = _model(6)
+    layout = model_layout(spec, world, load_group=group)
+    assert layout.shard_bytes_per_rank >= SERIAL_BELOW_BYTES or world > 1
+    for rank in range(world):
+        one = build_host_store(layout, rank, tensors, CPU, threads=1)
+        many = build_host_store(layout, rank, tensors, CPU, threads=4)
+        assert torch.equal(one.arena, many.arena)
+        want_threads = 4 if layout.shard_bytes_per_rank >= SERIAL_BELOW_BYTES else 1
+        assert many.timings.threads == want_threads and one.timings.threads == 1
+        assert many.timings.copied_bytes == sum(p.nbytes for s in layout.shards for p in s.pieces[rank])
+        assert sorted(many.copied_ranges) == sorted(one.copied_ranges)
+    # And the bytes are the tensors' (W = 1: each block's shard is the block, padded).
+    if world == 1:
+        store = build_host_store(layout, 0, tensors, CPU, threads=4)
+        for b, shard in enumerate(layout.shards):
+            flat = store.shard(b)
+            for p in shard.block.placements:
+                assert torch.equal(flat[p.offset_bytes : p.end_bytes], tensor_bytes(tensors[b][p.name]))
+
+
+def test_fill_arena_zeroes_gaps_over_dirty_memory_and_calls_each_source_once():
+    n = SERIAL_BELOW_BYTES + 3 * MIB + 5
+    arena = torch.full((n,), 0xAB, dtype=torch.uint8)  # dirty memory: gaps must be written, not assumed zero
+    gen = torch.Generator().manual_seed(1)
+    pieces = {}
+    tasks, gaps, pos = [], [], 0
+    for i, size in enumerate([5 * MIB, 7, 9 * MIB + 3, 1, 4 * MIB, 12 * MIB]):
+        gaps.append((pos, pos + 100 + i))  # a gap before every piece
+        pos += 100 + i
+        pieces[i] = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+        tasks.append((pos, size, i))
+        pos += size
+    gaps.append((pos, n))
+    calls: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def source(key):
+        with lock:
+            calls[key] = calls.get(key, 0) + 1
+        return pieces[key]
+
+    result = fill_arena(arena, tasks, source, gaps, threads=3)
+    assert result.threads == 3 and calls == {i: 1 for i in pieces}
+    for dst, size, key in tasks:
+        assert torch.equal(arena[dst : dst + size], pieces[key])
+    for lo, hi in gaps:
+        assert not arena[lo:hi].any()
+    assert result.zeroed_bytes == sum(hi - lo for lo, hi in gaps)
+    assert result.copied_bytes == sum(p.numel() for p in pieces.values())
+    assert sorted(result.copied_ranges) == sorted((p.data_ptr(), p.data_ptr() + p.numel()) for p in pieces.values())
+
+
+def test_a_bad_tensor_fails_from_a_worker_thread_with_its_name():
+    spec, tensors = _model(4)
+    tensors[2] = dict(tensors[2], **{"b.weight": torch.zeros(3, 3, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match=r"blocks.2: tensor 'b.weight'.*layout says"):
+        build_host_store(model_layout(spec, 1), 0, tensors, CPU, threads=4)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        build_host_store(model_layout(spec, 1), 0, tensors, CPU, threads=0)
+
+
+def test_timings_add_up():
+    spec, tensors = _model(4)
+    store = build_host_store(model_layout(spec, 1), 0, tensors, CPU, threads=2)
+    t = store.timings
+    assert t.pin_s == 0.0 and min(t.alloc_s, t.copy_s, t.zero_s) >= 0 and t.copy_s > 0
+    assert t.as_dict()["total_s"] == pytest.approx(t.alloc_s + t.copy_s + t.zero_s)
+    assert build_host_store(model_layout(spec, 1), 0, tensors, CPU, source="mmap").timings is None
