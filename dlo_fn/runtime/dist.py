@@ -106,7 +106,7 @@ def all_gather_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group: 
     opts = dist.distributed_c10d.AllgatherOptions()
     opts.asyncOp = async_op
     work = pg.allgather_into_tensor_coalesced([o for o, _ in pairs], [i for _, i in pairs], opts)
-    if async_op:
+    if async_op or work is None:  # NCCL returns no work for a synchronous coalesced call (torch 2.11)
         return work
     work.wait()  # on a device: the current stream waits for the collective, the host does not
     return None

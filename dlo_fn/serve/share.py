@@ -87,7 +87,7 @@ class ShareRunner:
         """The executor's measured spans of the last run(s), on the host clock; compute ops relabelled
         ``p<wave position> s<step> b<block>``."""
         ex = self.offloaded.executor
-        if ex is None or not ex.record_timeline:
+        if ex is None or not ex.options.record_timeline:
             return []
         timeline = ex.take_timeline()
         base = ex.timeline_origin_s
@@ -111,7 +111,7 @@ def own_timeline(offloaded: Offloaded, meta: Sequence[tuple[str, str]] = ()) -> 
     """This rank's executor timeline since the last take (device clock on CUDA/NPU), with ``meta`` added;
     None when nothing records one (resident, or ``record_timeline`` off)."""
     ex = offloaded.executor
-    return ex.take_timeline(tuple(meta)) if ex is not None and ex.record_timeline else None
+    return ex.take_timeline(tuple(meta)) if ex is not None and ex.options.record_timeline else None
 
 
 def gather_timelines(channel: Channel, offloaded: Offloaded, world_size: int,
