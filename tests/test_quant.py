@@ -143,6 +143,12 @@ def test_fp8_runs_r_requests_and_records_the_dequantise_ops():
 def test_options_are_checked():
     with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
         OffloadOptions(quantization="int4")
+    with pytest.raises(ValueError, match="dequant must be"):
+        OffloadOptions(quantization="fp8", dequant="triton")
+    if not torch.cuda.is_available():  # the kernel plug-in needs CUDA; auto falls back to torch ops
+        with pytest.raises(ValueError, match="dequant='kernel' needs a CUDA device"):
+            offload(toy(2), "blocks", CTX, mode="rank-local", quantization="fp8", dequant="kernel")
+        assert offload(toy(2), "blocks", CTX, mode="rank-local", quantization="fp8").executor.dequantizer.name == "torch"
     with pytest.raises(ValueError, match="quantised loads"):
         OffloadOptions(quantization="fp8", load_group=2, num_slots=4)
     with pytest.raises(ValueError, match="need the pinned source"):
@@ -199,18 +205,22 @@ def test_fp8_on_gloo_ranks(request, world):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode,graph", [("rank-local", False), ("allgather", False), ("rank-local", "block")])
+@pytest.mark.parametrize("mode,graph,dequant", [("rank-local", False, "torch"), ("rank-local", False, "kernel"),
+                                                ("allgather", False, "kernel"), ("rank-local", "block", "kernel")])
 @torch.no_grad()
-def test_fp8_on_cuda_streams_bit_exact(mode, graph):
+def test_fp8_on_cuda_streams_bit_exact(mode, graph, dequant):
     """FP8 shards on real copy / all-gather / compute streams: the dequantise op runs on the all-gather stream
     between the copy into the staging buffer and the block's compute; blocks large enough that a missing wait
-    would let a compute read a slot still being written; eager and with block graphs."""
+    would let a compute read a slot still being written; eager and with block graphs; the DQ op as torch ops and
+    as the one-launch kernel (runtime.cuda.dequant), both against the GPU fake-quantised model, whose weights were
+    quantised on the GPU (the offload quantises on the host)."""
     from dlo_fn.runtime.dist import DistContext
     from dlo_fn.runtime.platform import platform_for
 
     ctx = DistContext(0, 1, 0, platform_for("cuda", 0), None)
     want = fake_quantize(toy(8, d=1024).to("cuda"), "blocks")
-    o = offload(toy(8, d=1024), "blocks", ctx, mode=mode, quantization="fp8", graph=graph)
+    o = offload(toy(8, d=1024), "blocks", ctx, mode=mode, quantization="fp8", graph=graph, dequant=dequant)
+    assert o.executor.dequantizer.name == dequant
     xs = [torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(s)) for s in range(6)]
     expected = [want(x).clone() for x in xs]
     got = [o.model(x).clone() for x in xs]  # back to back, no host synchronisation

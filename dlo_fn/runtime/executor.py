@@ -27,7 +27,6 @@ import logging
 from time import perf_counter as _clock  # the per-block path reads it as one global
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
-import torch
 from torch import nn
 
 from dlo_fn.plan.layout import ModelLayout
@@ -42,6 +41,7 @@ from dlo_fn.runtime.issue import Issuer
 from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.platform import Platform
 from dlo_fn.runtime.program import ExecutorStats, Program, Programs, RunState, compile_schedule
+from dlo_fn.runtime.quant import TorchDequant
 from dlo_fn.runtime.recorder import RunRecorder
 from dlo_fn.runtime.slots import SlotBuffers
 
@@ -68,13 +68,13 @@ class Executor:
     ``aliases[b]`` its tied-weight names. ``options`` gives the mode, slots, landing buffers, load group, block
     call, async collectives (CPU/gloo: all-gathers with ``async_op=True``, waited for at their dependents) and
     whether to record a timeline. ``group`` is the shard group (None: a single process). ``plugin``: see
-    :class:`CallPlugin`.
+    :class:`CallPlugin`; ``dequantizer``: the DQ op of quantised shards (default torch ops).
     """
 
     def __init__(self, platform: Platform, layout: ModelLayout, store: HostStore, blocks: Sequence[nn.Module],
                  aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None,
                  options: OffloadOptions | None = None, *, group: Any = None, rank: int = 0,
-                 plugin: CallPlugin | None = None) -> None:
+                 plugin: CallPlugin | None = None, dequantizer: Any = None) -> None:
         options = options or OffloadOptions()
         mode = check_mode(options.mode, OFFLOAD_MODES, "executor mode")
         if len(blocks) != layout.num_blocks:
@@ -89,6 +89,7 @@ class Executor:
                              f"{layout.load_group}, or build the layout with load_group = {options.load_group}")
         self.platform, self.layout, self.store, self.options = platform, layout, store, options
         self.mode, self.rank, self.plugin = mode, rank, plugin
+        self.dequantizer = dequantizer or TorchDequant()
         # An all-gather over one rank is the identity: the plan lowers it to the rank-local ring, so the ring's
         # mode is the program's (what the timeline records) and ``mode`` the one asked for.
         self.ring = Ring.cold(layout.num_blocks, num_slots=options.num_slots, mode=mode,
@@ -135,11 +136,9 @@ class Executor:
 
     def _compile(self, sch: Schedule) -> Program:
         return compile_schedule(sch, self.layout, self.store, self.buffers, self._callers,
-                                (self.h2d_stream, self.allgather_stream), self.platform.new_event)
+                                (self.h2d_stream, self.allgather_stream), self.platform.new_event, self.dequantizer)
 
-    @property
-    def in_run(self) -> bool:
-        return self._run is not None
+    in_run = property(lambda self: self._run is not None)
 
     def begin_run(self, num_steps: int | None = None, requests_per_load: int | None = None, *,
                   schedule: Schedule | None = None, compute: bool = True, _implicit: bool = False) -> Schedule:
@@ -296,4 +295,4 @@ class Executor:
             ("source", "measured"), ("platform", self.platform.kind), ("mode", ring.mode),
             ("num_blocks", str(ring.num_blocks)), ("num_slots", str(ring.num_slots)),
             ("num_landing", str(ring.num_landing)), ("world_size", str(self.layout.num_shards)),
-            ("plugin", plugin), *self.options.describe(), *meta))
+            ("plugin", plugin), ("dequant", self.dequantizer.name), *self.options.describe(), *meta))

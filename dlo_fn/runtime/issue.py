@@ -19,7 +19,6 @@ from dlo_fn.plan.ops import AG, DQ, H2D
 from dlo_fn.plan.schedule import ScheduleError
 from dlo_fn.runtime.dist import all_gather_pairs
 from dlo_fn.runtime.program import CompiledOp, ExecutorStats, RunState
-from dlo_fn.runtime.quant import dequantize_into
 from dlo_fn.runtime.recorder import stamp_on_completion
 
 __all__ = ["Issuer"]
@@ -88,11 +87,7 @@ class Issuer:
                             stamp_on_completion(work, events[i])
                             continue
                 elif op.kind == DQ:
-                    for dst, src, scale in op.pairs:
-                        if scale is None:
-                            dst.copy_(src)
-                        else:
-                            dequantize_into(dst, src, scale)
+                    op.caller()
                 elif run.compute:
                     raise ScheduleError(f"internal: compute op {i} reached by the load cursor")
                 if starts is not None or op.recorded:

@@ -108,13 +108,13 @@ def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module
     return out
 
 
-def _plugin(options: OffloadOptions, platform: Any) -> Any:
-    """The executor's plug-in that ``options`` asks for (the one place the plug-in package is imported)."""
-    if not options.graph:
-        return None
-    from dlo_fn.runtime.cuda import plugins_for
+def _plugins(options: OffloadOptions, platform: Any) -> dict[str, Any]:
+    """The executor's plug-ins that ``options`` asks for (the one place the plug-in package is imported)."""
+    if not options.graph and options.quantization is None:
+        return {}
+    from dlo_fn.runtime.cuda import dequantizer_for, plugins_for
 
-    return plugins_for(options, platform)
+    return {"plugin": plugins_for(options, platform), "dequantizer": dequantizer_for(options, platform)}
 
 
 def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ctx: DistContext | None = None,
@@ -178,7 +178,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
         strip_block(block, platform.device)
         blocks.append(block)
     executor = Executor(platform, layout, store, blocks, aliases, options, group=shards.group, rank=ctx.rank,
-                        plugin=_plugin(options, platform))
+                        **_plugins(options, platform))
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     model.to(platform.device)

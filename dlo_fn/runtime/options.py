@@ -59,6 +59,9 @@ class OffloadOptions:
     # modules are always kept). The reference is ``dlo_fn.runtime.quant.fake_quantize``.
     quantization: str | None = None
     quantize_exclude: tuple[str, ...] = ()
+    # The dequantise op: "torch" (torch ops: a cast and a multiply per tensor), "kernel" (one Triton launch per
+    # block, the CUDA plug-in dlo_fn.runtime.cuda.dequant), "auto" (the kernel where CUDA and Triton are there).
+    dequant: str = "auto"
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -77,6 +80,8 @@ class OffloadOptions:
         # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank
         # is the rank-local sequence, known only with the shard group).
         check_quantization(self.quantization)
+        if self.dequant not in ("auto", "torch", "kernel"):
+            raise ValueError(f"dequant must be 'auto', 'torch' or 'kernel'; got {self.dequant!r}")
         check_load_group(self.load_group, self.num_slots, "rank-local", quantized=self.quantization is not None)
         if self.quantization is not None and self.rank_local_source == "mmap":
             raise ValueError("rank_local_source='mmap' streams the checkpoint's own bytes: quantised shards need the "

@@ -73,10 +73,8 @@ class CompiledOp:
     stream: Any  # the H2D or all-gather stream; None for a compute (it runs on the caller's current stream)
     waits: tuple[int, ...]  # ops of this run whose events it waits on
     carry: tuple[str, ...]  # buffers it uses first in the run: it waits on the previous run's last use of each
-    # H2D: (dst, src) copies; AG: (out, in) pairs, one collective; () when joined; DQ: (slot view, stored view,
-    # scale view or None) per tensor (runtime.quant.dequant_ops)
-    pairs: tuple[tuple[torch.Tensor | None, ...], ...] = ()
-    caller: Any = None  # C: the block's call on its slot's views
+    pairs: tuple[Pair, ...] = ()  # H2D: (dst, src) copies; AG: (out, in) pairs, one collective; () when joined
+    caller: Any = None  # C: the block's call on its slot's views; DQ: the dequantise call (staging -> slot)
     recorded: bool = False  # a later op (or the next run) waits on its event
 
 
@@ -146,10 +144,11 @@ class RunState:
 
 def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffers: Any,
                      callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
-                     new_event: Callable[[], Any]) -> Program:
+                     new_event: Callable[[], Any], dequantizer: Any = None) -> Program:
     """Resolve every op of ``sch`` against the ``buffers`` (:class:`~dlo_fn.runtime.slots.SlotBuffers`: the bytes
-    a block occupies in a slot, a landing or a staging buffer, and its dequantise op), ``callers[block][slot]``
-    the block's bound call, ``streams`` the (H2D stream, all-gather stream)."""
+    a block occupies in a slot, a landing or a staging buffer), ``callers[block][slot]`` the block's bound call,
+    ``streams`` the (H2D stream, all-gather stream); a DQ op's call comes from ``dequantizer``
+    (:class:`~dlo_fn.runtime.quant.TorchDequant` or a plug-in's)."""
 
     def target(op: Any) -> torch.Tensor:  # what a load writes: its slot, or its slot's staging buffer
         return buffers.slot_span(op.block, op.slot) if op.slot is not None else buffers.staging_span(op.block,
@@ -164,8 +163,6 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffe
         elif op.kind == AG:
             n = layout.shards[op.block].shard_bytes
             pairs.append(((target(op)[: n * layout.num_shards], buffers.landing_span(op.block, op.landing)[:n]),))
-        elif op.kind == DQ:
-            pairs.append(buffers.dequant_ops(op.block, op.slot))
         else:
             pairs.append(())
     carry: list[list[str]] = [[] for _ in sch.ops]
@@ -179,7 +176,7 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffe
     recorded = sch.recorded
     ops = []
     for i, op in enumerate(sch.ops):
-        caller = None
+        caller = buffers.dequantize(op.block, op.slot, dequantizer) if op.kind == DQ else None
         if op.kind == C:
             caller = callers[op.block][op.slot]
             if getattr(caller, "per_request", False):  # a plug-in's caller that keys on the request

@@ -20,7 +20,8 @@ from dlo_fn.plan.layout import BlockLayout
 from dlo_fn.plan.quant import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX, quantized
 from dlo_fn.plan.spec import spec_from_module
 
-__all__ = ["quantize_rows", "dequantize_into", "StoredBlock", "dequant_ops", "fake_quantize", "fp32_modules"]
+__all__ = ["quantize_rows", "dequantize_into", "StoredBlock", "dequant_ops", "TorchDequant", "fake_quantize",
+           "fp32_modules"]
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +103,27 @@ def dequant_ops(staging: torch.Tensor, slot: torch.Tensor, stored: BlockLayout, 
         scale = view(staging, stored.placement(p.name + SCALE_SUFFIX)) if src.dtype == FP8_DTYPE else None
         out.append((view(slot, p), view(staging, src), scale))
     return tuple(out)
+
+
+class TorchDequant:
+    """The executor's DQ op through torch ops: per tensor a cast and a multiply (:func:`dequantize_into`), or a
+    copy. The CUDA plug-in (:mod:`dlo_fn.runtime.cuda.dequant`) does a block in one kernel launch, with the same
+    bits; an object with this ``prepare`` is what the executor takes."""
+
+    name = "torch"
+
+    def prepare(self, staging: torch.Tensor, slot: torch.Tensor, stored: BlockLayout, compute: BlockLayout):
+        """The call that dequantises ``staging`` (a stored block) into ``slot`` on the current stream."""
+        ops = dequant_ops(staging, slot, stored, compute)
+
+        def run() -> None:
+            for dst, src, scale in ops:
+                if scale is None:
+                    dst.copy_(src)
+                else:
+                    dequantize_into(dst, src, scale)
+
+        return run
 
 
 def fp32_modules(model: nn.Module) -> tuple[str, ...]:
