@@ -78,6 +78,16 @@ def _out_path(args, model: str, slug: str) -> pathlib.Path:
     return DATA_DIR / f"bench_real_{model}_{slug}{'_quick' if args.quick else ''}.json"
 
 
+def _argv(args: argparse.Namespace, models: list[str], variants: list[str]) -> list[str]:
+    """The arguments that reproduce this run (the checkpoint folder and output path aside)."""
+    argv = ["bench", "real", "--models", ",".join(models), "--variants", ",".join(v for v in variants if v != "pipeline"),
+            "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    argv += ["--pipeline", "--pipeline-repeats", str(args.pipeline_repeats)] if "pipeline" in variants else []
+    argv += ["--budget-s", f"{args.budget_s:g}"] if args.budget_s is not None else []
+    argv += ["--quick"] if args.quick else []
+    return argv + (["--platform", args.platform] if args.platform else [])
+
+
 def _finalize(entry: dict) -> None:
     """Ratios against the bound from the best peak measured so far (rewritten with every write)."""
     peaks = [p for p in entry["h2d_peaks_bytes_per_s"].values() if p]
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     for i, name in enumerate(models):
         case = MODELS[name]
         report = stamp({"quick": args.quick, "budget_s": args.budget_s, "repeats": args.repeats,
-                        "warmup": args.warmup}, "dlo_fn", None, platform)
+                        "warmup": args.warmup}, "dlo_fn", _argv(args, models, variants), platform)
         path = _out_path(args, name, slug(platform))
         left = None if args.budget_s is None else (args.budget_s - (time.perf_counter() - t_start)) / (len(models) - i)
         folder = root / (case.checkpoint + ("-quick" if args.quick else ""))

@@ -21,6 +21,7 @@ FIGURE_MODULES = (
     "dlo_fn.figures.waves",
     "dlo_fn.figures.b300",
     "dlo_fn.figures.policy",
+    "dlo_fn.figures.real",  # contributes its figure once bench real data is committed
 )
 
 

@@ -1,0 +1,157 @@
+"""`bench real --quick` on CPU: tiny configs of the real classes, every variant through the public API, real
+safetensors, real gloo ranks; the report's structure, every variant of ours equal to resident, the JSON on disk
+after every variant (and readable after a kill), the budget, and the published configs' sizes on meta."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dlo_fn.cli import build_parser
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("accelerate")
+
+VARIANTS = ("ours-rank-local,ours-fp8,diffusers-block,ours-allgather,ours-bgraph,ours-3-slots,ranks-2,"
+            "diffusers-leaf,ours-cold,model-offload")
+
+
+def _args(tmp, *extra: str):
+    return build_parser().parse_args(["bench", "real", "--quick", "--platform", "cpu", "--repeats", "2",
+                                      "--folder", str(tmp / "ckpt"), "--out", str(tmp / "real_{model}.json"),
+                                      *extra])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("real")
+    args = _args(tmp, "--models", "flux", "--variants", VARIANTS, "--pipeline")
+    assert args.func(args) == 0
+    assert not (tmp / "ckpt" / "flux1-dev-quick").exists()  # deleted when done (no --keep)
+    return json.loads((tmp / "real_flux.json").read_text())
+
+
+@pytest.mark.slow
+def test_report_structure(report):
+    assert report["command"].startswith("python -m dlo_fn bench real") and report["date"] and report["quick"]
+    assert report["machine"]["platform"] == "cpu" and report["machine"]["diffusers"] == diffusers.__version__
+    m = report["model"]
+    assert m["name"] == "flux" and m["class"] == "FluxTransformer2DModel" and m["source"].startswith("https://")
+    assert m["num_blocks"] == 5 and m["block_bytes"] > 0 and m["checkpoint"]["reused"] is False
+    assert [v["variant"] for v in m["variants"]] == ["resident", *VARIANTS.split(","), "pipeline"]
+    assert m["bound_s"] == m["resident_s"] > 0 and m["floor"]["floor_s"] > 0 and m["floor"]["copy_bytes"] > 0
+    for v in m["variants"]:
+        assert v["status"] in ("ok", "skipped"), v
+        if v.get("forward_s"):
+            assert len(v["forward_s_all"]) == 2 and v["ratio_to_bound"] > 0 and v["finite"]
+            assert v["host_rss_bytes"] > 0 and v["peak_device_bytes"] >= 0 and len(v["sha256"]) == 64
+
+
+@pytest.mark.slow
+def test_every_variant_equals_resident(report):
+    rows = {v["variant"]: v for v in report["model"]["variants"]}
+    want = rows["resident"]["sha256"]
+    for name, v in rows.items():
+        if name.startswith(("ours-", "diffusers-", "model-")) and v.get("forward_s"):
+            assert v["equal_to_resident"] is True and v["sha256"] == want, name
+    fp8 = rows["ours-fp8"]
+    assert fp8["status"] == "ok" or "quantization" in fp8["reason"]  # runs as soon as the option lands
+    for name in ("ours-rank-local", "ours-allgather", "ours-bgraph", "ours-3-slots"):
+        assert rows[name]["store"]["copied_bytes"] > 0 and rows[name]["ready_over_floor"] > 0
+    assert rows["ours-3-slots"]["num_slots"] == 3 and rows["diffusers-block"]["use_stream"] is False  # CPU
+    ranks = rows["ranks-2"]
+    assert ranks["equal_to_resident"] and [r["num_shards"] for r in ranks["ranks"]] == [2, 2]
+    assert all(r["sha256"] == want for r in ranks["ranks"])
+    assert sum(r["arena_bytes"] for r in ranks["ranks"]) >= report["model"]["block_bytes"]
+    cold = rows["ours-cold"]
+    assert cold["evicted"] == (cold["resident_fraction_after_evict"] < 0.01) and cold["ready_s"] > 0
+    assert cold["first_read"]["bytes"] == report["model"]["checkpoint"]["bytes"]
+    pipe = rows["pipeline"]
+    assert pipe["ours-rank-local"]["equal_to_resident"] is True
+    assert pipe["ours-rank-local"]["sha256"] == pipe["resident"]["sha256"]
+
+
+@pytest.mark.slow
+def test_the_file_holds_every_finished_variant_and_survives_a_kill(tmp_path):
+    """Killed (SIGKILL) once two variants are on disk: the file is whole JSON and holds them."""
+    out = tmp_path / "real_{model}.json"
+    cmd = [sys.executable, "-m", "dlo_fn", "bench", "real", "--quick", "--platform", "cpu", "--models", "wan480",
+           "--repeats", "2", "--variants", "ours-rank-local,ours-allgather,ours-3-slots,diffusers-block,ranks-2",
+           "--folder", str(tmp_path / "ckpt"), "--out", str(out)]
+    path = tmp_path / "real_wan480.json"
+    seen: list[list[str]] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.exists():
+                names = [v["variant"] for v in json.loads(path.read_text())["model"]["variants"]]
+                if not seen or seen[-1] != names:
+                    seen.append(names)
+                if len(names) >= 3:
+                    break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    names = [v["variant"] for v in json.loads(path.read_text())["model"]["variants"]]
+    assert names[:3] == ["resident", "ours-rank-local", "ours-allgather"]
+    # Each write added one variant: the file went through every prefix (those that lived long enough to be seen).
+    assert all(s == names[: len(s)] for s in seen)
+
+
+@pytest.mark.slow
+def test_the_budget_skips_what_would_not_finish(tmp_path):
+    args = _args(tmp_path, "--models", "ltx", "--variants", "ours-rank-local,diffusers-block", "--budget-s", "0.001")
+    assert args.func(args) == 0
+    rows = json.loads((tmp_path / "real_ltx.json").read_text())["model"]["variants"]
+    assert rows[0]["variant"] == "resident" and rows[0]["status"] == "ok"
+    assert [(v["status"], v["reason"].split(":")[0]) for v in rows[1:]] == [("skipped", "budget")] * 2
+
+
+def test_bad_arguments_are_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="unknown --models"):
+        _args(tmp_path, "--models", "flux,sdxl").func(_args(tmp_path, "--models", "flux,sdxl"))
+    args = build_parser().parse_args(["bench", "real", "--quick", "--models", "flux,ltx", "--out", "x.json"])
+    with pytest.raises(SystemExit, match=r"put \{model\} in the path"):
+        args.func(args)
+
+
+PUBLISHED = {  # blocks, block bytes (bf16; fp32 where the class keeps it), latent tokens per batch row
+    "flux": (57, 23_674_566_656, 4096), "wan480": (40, 28_114_821_120, 14040),
+    "wan720": (40, 28_114_821_120, 32400), "ltx": (28, 3_760_734_208, 7392)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_on_meta(name):
+    from dlo_fn.bench.real_models import MODELS, forward_inputs, tokens_per_row
+    from dlo_fn.plan.spec import spec_from_module
+    from dlo_fn.runtime.diffusers_load import _meta_build, block_paths_for
+
+    case = MODELS[name]
+    model = _meta_build(getattr(diffusers, case.cls), case.config, torch.bfloat16)
+    spec = spec_from_module(model, block_paths_for(model), name=case.cls)
+    assert (spec.num_blocks, spec.total_block_bytes, tokens_per_row(case, False)) == PUBLISHED[name]
+    x = forward_inputs(case, False, torch.device("meta"))["hidden_states"]
+    per_row = x.shape[1] if x.dim() == 3 else x[0, 0].numel() // 4  # Wan: patches of 1x2x2
+    assert x.shape[0] == case.workload["batch"] and per_row == PUBLISHED[name][2]
+
+
+def test_flux_pipeline_component_configs_on_meta():
+    transformers = pytest.importorskip("transformers")
+    from dlo_fn.bench.real_pipeline import CLIP_L, FLUX_VAE, T5_XXL
+
+    with torch.device("meta"):
+        clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(**CLIP_L))
+        t5 = transformers.T5EncoderModel(transformers.T5Config(**T5_XXL))
+        vae = diffusers.AutoencoderKL(**FLUX_VAE)
+    count = [sum(p.numel() for p in m.parameters()) for m in (clip, t5, vae)]
+    assert count == [123_060_480, 4_762_310_656, 83_819_683]
