@@ -19,7 +19,8 @@ Rates derived the same way for every machine:
 * **All-gather and all-to-all** alone: each GPU receives at its link's rate (NCCL's ring over PCIe; through host
   memory without P2P), so the bus rate is the link rate; the shared links then add the H2D's bytes on top.
 * **Compute.** The dense BF16 tensor rate of the datasheet times the fraction of the H200's (989.4 TFLOP/s) that our
-  measured bench block reaches on the H200 (8.9 ms on 1024^2 with CFG: :func:`flop_fraction`, 0.585).
+  measured bench block reaches on the H200 (8.9 ms on 1024^2 with CFG:
+  :func:`dlo_fn.repro.topologies.h200_flop_fraction`, 0.585).
 * **Host memory.** The DRAM peak of the named platform (channels x transfer rate x 8 bytes): an upper bound, so the
   host-memory term it gives is a lower bound.
 * **Host work per block** and framework bytes: ours measured on the H200 (as for the B300 topologies).
@@ -39,11 +40,11 @@ assumptions of a typical 8-GPU 4U server, marked as such in ``sources``; pass a 
 from __future__ import annotations
 
 from dlo_fn.plan.sizes import GIB
-from dlo_fn.plan.topology import BlockCompute, Topology, block_flops
+from dlo_fn.plan.topology import BlockCompute, Topology
 from dlo_fn.repro import ceilings
 from dlo_fn.repro.calibration import FRAMEWORK_HOST_BYTES_PER_RANK
 
-__all__ = ["PCIE_TOPOLOGY_NAMES", "pcie_topology", "link_bytes_per_s", "flop_fraction", "H200_BF16_PEAK_FLOP_PER_S"]
+__all__ = ["PCIE_TOPOLOGY_NAMES", "pcie_topology", "link_bytes_per_s", "H200_BF16_PEAK_FLOP_PER_S"]
 
 PCIE_TOPOLOGY_NAMES = ("8xL40S", "8xRTX4090", "8xH100-PCIe", "8xL20")
 PCIE_RAW_BYTES_PER_S = {4: 16e9 * 16 * 128 / 130 / 8, 5: 32e9 * 16 * 128 / 130 / 8}  # per direction, x16
@@ -53,14 +54,6 @@ H200_BF16_PEAK_FLOP_PER_S = 989.4e12  # NVIDIA H200 datasheet: BF16 tensor 1,979
 def link_bytes_per_s(gen: int) -> float:
     """An x16 link's pinned H2D rate: the raw rate times the fraction our H200 reaches on Gen5 (module doc)."""
     return PCIE_RAW_BYTES_PER_S[gen] * ceilings.H200_PINNED_H2D_BYTES_PER_S / PCIE_RAW_BYTES_PER_S[5]
-
-
-def flop_fraction() -> float:
-    """The fraction of the H200's dense BF16 peak our bench block reaches (1024^2 with CFG, measured 8.9 ms)."""
-    from dlo_fn.repro import topologies
-
-    m, w = topologies.bench_model(), topologies.H200_IMAGE
-    return block_flops(m, w.tokens, w.cfg_branches) / topologies.BENCH_BLOCK_S["image"] / H200_BF16_PEAK_FLOP_PER_S
 
 
 def _ddr_bytes_per_s(channels: int, mega_transfers: int) -> float:
@@ -76,12 +69,14 @@ _SPECS = {
 }
 
 
-def pcie_topology(name: str) -> Topology:
+def pcie_topology(name: str, flop_fraction: float) -> Topology:
+    """The named machine (module docstring); ``flop_fraction``: of a datasheet rate, what a block reaches
+    (:func:`dlo_fn.repro.topologies.h200_flop_fraction`)."""
     if name not in _SPECS:
         raise ValueError(f"unknown PCIe topology {name!r}; named: {', '.join(PCIE_TOPOLOGY_NAMES)}")
     gen, hbm_gb, tflops, peer, per_uplink, (channels, mts), host_gb, sheet = _SPECS[name]
     link = link_bytes_per_s(gen)
-    frac = flop_fraction()
+    frac = flop_fraction
     dram = _ddr_bytes_per_s(channels, mts)
     link_src = (f"PCIe Gen{gen} x16: {PCIE_RAW_BYTES_PER_S[gen] / 1e9:.1f} GB/s per direction x "
                 f"{link / PCIE_RAW_BYTES_PER_S[gen]:.3f} (the H200's measured pinned H2D over its Gen5 x16 rate)")

@@ -36,7 +36,7 @@ import statistics
 from dlo_fn.models import CONFIGS, tokens_for
 from dlo_fn.models.specs import config_spec
 from dlo_fn.plan.sizes import GIB, ModelSizes
-from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
+from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology, block_flops
 from dlo_fn.plan.workload import Workload
 from dlo_fn.repro import b300, ceilings, minimax, pcie_topologies
 from dlo_fn.repro.calibration import DEVICE_CONTEXT_BYTES, FRAMEWORK_HOST_BYTES_PER_RANK
@@ -109,6 +109,13 @@ def h200_topology() -> Topology:
                            f"{1e3 * overhead:.2f} ms (1024^2, 2 slots)"),
          ("request_overhead", f"{SERVE_PROFILE.name}: init_state + decode and hash, {1e3 * per_request:.1f} ms"),
          ("model", m.source)), ((H200_IMAGE.tokens, per_request),))
+
+
+def h200_flop_fraction() -> float:
+    """The fraction of the H200's dense BF16 peak our bench block reaches (1024^2 with CFG, measured 8.9 ms)."""
+    m, w = bench_model(), H200_IMAGE
+    return (block_flops(m, w.tokens, w.cfg_branches) / BENCH_BLOCK_S["image"]
+            / pcie_topologies.H200_BF16_PEAK_FLOP_PER_S)
 
 
 def _b300(num_ranks: int, name: str, compute: BlockCompute, host_per_rank: int) -> Topology:
@@ -201,7 +208,7 @@ def topology(name: str) -> Topology:
     if name == "4xAscend910B3":
         return _ascend()
     if name in pcie_topologies.PCIE_TOPOLOGY_NAMES:
-        return pcie_topologies.pcie_topology(name)
+        return pcie_topologies.pcie_topology(name, h200_flop_fraction())
     raise ValueError(f"unknown topology {name!r}; named: {', '.join(TOPOLOGY_NAMES)} (or a FILE.json)")
 
 

@@ -46,13 +46,12 @@ def decide(topology, model, workload, fields, options, ctx, *, sps=(1,), source=
     return choice
 
 
-def resolve(model, paths, spec, ctx, options, fields, workload, mesh, build):
+def resolve(pending, paths, entries, fields, workload, mesh, build):
     """``offload``'s ``auto`` fields (module docstring): the :class:`~dlo_fn.runtime.offload.Offloaded` of
-    ``build(model, paths, spec, ctx, options, mesh)`` at the chosen options, now or at the first call's end."""
-    from dlo_fn.runtime.offload import Offloaded, _block_lists
-
+    ``build(model, paths, spec, ctx, options, mesh)`` at the chosen options, or ``pending``, built at the end of
+    the first call."""
+    model, ctx, options, spec = pending.model, pending.ctx, pending.options, pending.spec
     sp = (mesh.sp_size if mesh is not None else 1,)
-    entries = _block_lists(model, paths)
 
     def built(choice):
         done = build(model, paths, spec, ctx, replace(options, **plan_auto.option_values(choice.chosen)), mesh)
@@ -73,7 +72,6 @@ def resolve(model, paths, spec, ctx, options, fields, workload, mesh, build):
     if workload is not None:
         raise TypeError(f"offload(workload=...) takes a dlo_fn.plan.workload.Workload, a serve.probe.Probe or "
                         f"None (measured on the first call), got {type(workload).__name__}")
-    pending = Offloaded(model, ctx, options, spec, None, None, None)
     blocks = [lst[i] for lst, i in entries]
     dev, sync = ctx.platform.device, ctx.platform.synchronize
     _to_device(model, {id(m) for b in blocks for m in b.modules()}, dev)

@@ -152,7 +152,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     if fields:  # the policy chooses them, then builds with concrete options (dlo_fn.runtime.auto)
         from dlo_fn.runtime.auto import resolve
 
-        return resolve(model, paths, spec, ctx, options, fields, workload, mesh, _build)
+        pending = Offloaded(model, ctx, options, spec, None, None, None)  # built at the first call's end
+        return resolve(pending, paths, _block_lists(model, paths), fields, workload, mesh, _build)
     return _build(model, paths, spec, ctx, options, mesh)
 
 
