@@ -5,6 +5,7 @@ model; the choice logged and recorded; on real gloo ranks every rank follows ran
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -115,3 +116,23 @@ def test_auto_on_two_gloo_ranks_agrees_and_is_bit_exact():
     own = [r["agree"][0] for r in ranks]
     assert own[0] != own[1] and own[0].endswith("S3 R1"), own  # the inputs disagree ...
     assert {r["agree"][1] for r in ranks} == {own[0]}  # ... and every rank takes rank 0's choice
+
+
+def test_measured_inputs_are_the_first_calls_times():
+    """Pure: the first call's per-block times become the mean block compute (a median over the blocks' FLOP
+    shares: one slow block, a first call's lazy set-up, does not move it), its time outside the blocks the
+    per-step work; the prediction of a compute-bound plan is then the measured pass."""
+    from dlo_fn.plan.auto import LinkRates, measured_inputs, option_values
+    from dlo_fn.plan.policy import Candidate, predict
+
+    sizes = ModelSizes.uniform("toy", 8 * 10**6, 8)
+    links = LinkRates(1e12, 1e12, 1e12, (("allgather", 0.0), ("rank-local", 0.0)), 10**10, 10**10)
+    times = (0.5,) + (0.01,) * 7  # block 0 paid a one-off cost
+    topo, model, wl = measured_inputs(sizes, 64, 2, times, 0.003, 0, links, 1)
+    row = predict(model, topo, wl, Candidate(1, 1, "rank-local", "-", 2, 1, 0))
+    assert row.bound == "compute" and row.step_s == pytest.approx(8 * 0.01 + 0.003)
+    assert option_values(row) == {"mode": "rank-local", "num_slots": 2, "load_group": 1, "shard_group": "world"}
+    grouped = Candidate(2, 1, "allgather", "mesh", 8, 1, 8, 4)
+    assert option_values(dataclasses.replace(row, candidate=grouped))["num_landing"] == 8  # the 2G it priced
+    with pytest.raises(ValueError, match="7 block times for 8 blocks"):
+        measured_inputs(sizes, 64, 2, times[:7], 0.0, 0, links, 1)
