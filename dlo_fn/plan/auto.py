@@ -32,7 +32,7 @@ from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology, compute_sh
 from dlo_fn.plan.workload import Workload
 
 __all__ = ["AUTO", "AUTO_FIELDS", "AUTO_SLOTS", "AUTO_LOAD_GROUPS", "MEASURED_STEPS", "LinkRates", "AutoChoice",
-           "auto_slots", "sp_choices", "choose", "option_values", "topology_from", "measured_inputs"]
+           "auto_slots", "sp_choices", "choose", "option_values", "hidden_dim", "topology_from", "measured_inputs"]
 
 AUTO = "auto"
 AUTO_FIELDS = ("mode", "num_slots", "load_group")
@@ -105,6 +105,11 @@ def option_values(row: PlanRow) -> dict:
     if c.load_group > 1 and c.num_landing:
         values["num_landing"] = c.num_landing
     return values
+
+
+def hidden_dim(block) -> int:
+    """A block's residual width: the input features of its first linear layer (1 if it has none)."""
+    return next((m.in_features for m in block.modules() if type(m).__name__ == "Linear"), 1)
 
 
 def topology_from(name: str, num_ranks: int, links: LinkRates, compute: BlockCompute,

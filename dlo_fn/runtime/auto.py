@@ -1,12 +1,9 @@
-"""``offload(model, ctx=ctx, mode="auto", num_slots="auto", load_group="auto")`` for any model: measure, let the
-policy (:mod:`dlo_fn.plan.auto`) choose, every rank follows rank 0, build once with concrete options.
-
-At ``offload`` the links are probed on block 0's bytes (every rank). With ``workload=`` (a Workload: block FLOPs at
-a measured matmul rate; a :class:`~dlo_fn.serve.probe.Probe`: its inputs) it chooses and builds then. Without, the
-**first call** is a synchronous layerwise pass (each block's tensors copied to the device just before its call,
-nothing to copy on CPU; timed around a sync): no resident copy, the plain model's output. Its end chooses and
-builds; later calls run offloaded. Every rank must make that first call (the choice is broadcast, the build is
-collective), as plain DP calls do; engines pass a workload.
+"""``offload(model, ctx=ctx, mode="auto", num_slots="auto", load_group="auto")`` for any model: the links probed
+on block 0's bytes, then with ``workload=`` (a Workload: block FLOPs at a measured matmul rate; a
+:class:`~dlo_fn.serve.probe.Probe`) the choice (:mod:`dlo_fn.plan.auto`; rank 0's on every rank) and one build with
+concrete options. Without, the **first call** is a synchronous layerwise pass (each block's tensors on the device
+only for its call, nothing to copy on CPU; timed around syncs): no resident copy, the plain model's output; its end
+chooses and builds. Every rank makes that first call (a broadcast, a collective build), as DP calls do.
 """
 
 from __future__ import annotations
@@ -65,7 +62,7 @@ def resolve(pending, paths, entries, fields, workload, mesh, build):
     links = probe_links(flat_block(first), ctx, dtype=dtype)
     sizes = ModelSizes.from_spec(spec, source="the model's spec")
     if isinstance(workload, Workload):
-        pmodel = PolicyModel(sizes, _hidden_dim(first), dtype.itemsize, source="the model's spec")
+        pmodel = PolicyModel(sizes, plan_auto.hidden_dim(first), dtype.itemsize, source="the model's spec")
         topo = plan_auto.topology_from("probe and workload", ctx.world_size, links,
                                        BlockCompute(flop_per_s=_flop_per_s(ctx.platform, dtype)))
         return built(decide(topo, pmodel, workload, fields, options, ctx, sps=sp, source="workload"))
@@ -103,7 +100,7 @@ def resolve(pending, paths, entries, fields, workload, mesh, build):
         for h in hooks:
             h.remove()
         act = max(acc.max_memory_allocated() - st["base"] - max(sizes.block_bytes), 0) if acc else 0
-        topo, pmodel, wl = plan_auto.measured_inputs(sizes, _hidden_dim(first), dtype.itemsize, tuple(times),
+        topo, pmodel, wl = plan_auto.measured_inputs(sizes, plan_auto.hidden_dim(first), dtype.itemsize, tuple(times),
                                                      wall - st["load_s"] - sum(times), act, links, ctx.world_size)
         vars(pending).update(vars(built(decide(topo, pmodel, wl, fields, options, ctx, sps=sp, source="first call"))))
 
@@ -128,11 +125,6 @@ def _to_device(module, skip: set, dev) -> list:
                     table[key] = torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) \
                         else moved
     return saved
-
-
-def _hidden_dim(block) -> int:
-    """The block's residual width: the input features of its first linear layer."""
-    return next((m.in_features for m in block.modules() if isinstance(m, torch.nn.Linear)), 1)
 
 
 def _flop_per_s(platform, dtype) -> float:

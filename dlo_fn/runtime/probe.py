@@ -1,9 +1,7 @@
-"""Start-up measurements of the machine for ``auto`` options (the table of what and how: :mod:`dlo_fn.plan.auto`):
-pinned H2D of block 0's real bytes, the all-gather of its shards over the group (``W > 1``; else a device copy),
-the all-to-all of an activation-sized tensor (``W > 1``, each rank's part capped at 64 MiB), the host's issue cost
-per block (a small copy + event record + wait, plus a collective or copy issue), the device's and host's memory.
-Each the best of ``reps`` after one warm-up, host clock around a device sync; a few seconds in all.
-:func:`dlo_fn.serve.probe.probe` adds what the reference DiT's engine needs for a request.
+"""Start-up measurements of the machine for ``auto`` options (what and how: :mod:`dlo_fn.plan.auto`): pinned H2D of
+block 0's bytes, its all-gather over the group (else a device copy), an all-to-all (``W > 1``, 64 MiB a rank at
+most), the host's issue cost per block, the memories; each the best of ``reps`` around syncs, seconds in all.
+:func:`dlo_fn.serve.probe.probe` adds what the reference DiT's engine does with a request.
 """
 
 from __future__ import annotations
