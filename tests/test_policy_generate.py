@@ -36,7 +36,7 @@ def test_auto_on_two_gloo_ranks_gives_the_resident_bytes(checkpoint, resident_ro
     auto = _generate(checkpoint, tmp_path / "auto", "--mode", "auto", "--slots", "auto", log=tmp_path / "log.txt")
     assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident_rows]
     log = (tmp_path / "log.txt").read_text()
-    assert "dlo_fn.runtime.probe: probe (" in log
+    assert "dlo_fn.serve.probe: probe (" in log
     assert "auto: DP2xSP1 " in log and "runner-up" in log and "predicted step" in log
     # Waves (strict, or rank-local replicas) or ring steps (continuous, the default in allgather mode).
     assert re.search(r"auto: (wave|ring step) \d+: measured [\d.]+ ms per step, predicted", log), log[-3000:]

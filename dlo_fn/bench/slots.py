@@ -3,7 +3,7 @@
 One process, one device, the DP engine with ``dp = 1``, ``R = 1``, one request per wave (the R-sweep's machinery,
 :mod:`dlo_fn.bench.waves_r`). Per workload (``--workloads image,video``: 1024^2 and 832x480x29, both CFG, on the
 ``bench`` config's random weights): the resident model's step; the start-up probe
-(:func:`dlo_fn.runtime.probe.probe`) and the policy's slot choice per mode (:func:`dlo_fn.runtime.probe.choose`);
+(:func:`dlo_fn.serve.probe.probe`) and the policy's slot choice per mode (:func:`dlo_fn.serve.probe.choose`);
 then, for each mode and each of ``{--slots} + {auto}`` slot counts, one warm-up wave (a 2-step request of the same shape) and
 ``--repeats`` timed waves of ``--steps`` steps (the row's latency is their median; every wave's is in the ``.json``). Each row: per-output step time, the bound ``max(resident step, weight bytes /
 pinned peak)`` measured in the same run, their ratio, the policy's predicted step for that plan, and whether the
@@ -83,7 +83,7 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
 
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.runtime.offload import offload
-    from dlo_fn.runtime.probe import choose, probe
+    from dlo_fn.serve.probe import choose, probe
     from dlo_fn.serve.engine import Engine
     from dlo_fn.serve.requests import EngineOptions
 

@@ -1,8 +1,9 @@
 """`generate --mode auto / --slots auto / --sp auto / --load-group auto` (issues 14, 16): probe at start-up, let the
 policy choose, log why.
 
-:func:`choose_auto` probes this machine for the first request (:mod:`dlo_fn.runtime.probe`), rank 0's choice
-goes to every rank, and ``<out>/auto_policy.json`` keeps the measured topology; after the serve
+:func:`choose_auto` probes this machine for the first request (:mod:`dlo_fn.serve.probe`) and decides as
+``offload(..., mode="auto")`` does (:func:`dlo_fn.runtime.auto.decide`: rank 0's choice goes to every rank, logged
+with its runner-up), and ``<out>/auto_policy.json`` keeps the measured topology; after the serve
 :func:`log_predicted_vs_measured` sets the predicted step beside the measured one.
 """
 
@@ -28,7 +29,7 @@ def is_auto(args: argparse.Namespace) -> bool:
 def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
     """The sp sizes the policy may choose: ``--sp`` itself, or (``auto``) the divisors of the ranks that the
     heads allow (an sp > 1 mesh is served as ``--serving`` says: continuous per replica, or strict waves)."""
-    from dlo_fn.runtime.probe import sp_choices
+    from dlo_fn.plan.auto import sp_choices
 
     return (args.sp,) if args.sp != "auto" else sp_choices(world_size, num_heads)
 
@@ -36,24 +37,23 @@ def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -
 def choose_auto(args: argparse.Namespace, model, ctx):
     """Probe this machine for the first request, ask the policy (rank 0 decides for every rank), log the choice
     with the runner-up and the predicted step; returns the chosen :class:`~dlo_fn.plan.policy.PlanRow`."""
-    import torch
+    import types
 
-    from dlo_fn.runtime.probe import choose, probe
+    from dlo_fn.runtime.auto import decide
+    from dlo_fn.serve.probe import probe
 
     request = next(s.request for s in submissions_from_args(args) if s.request is not None)
     found = probe(model, ctx, request)
-    mode = None if args.mode == "auto" else mode_from_args(args)
+    fields = tuple(f for f, given in (("mode", args.mode), ("num_slots", args.slots), ("load_group", args.load_group))
+                   if given == "auto")
+    fixed = types.SimpleNamespace(mode=mode_from_args(args) if args.mode != "auto" else None,
+                                  num_slots=slots_from_args(args, None), load_group=args.load_group, shard_group="world")
     sps = auto_sps(args, ctx.world_size, getattr(model.config, "num_heads", None))
-    result = choose(found, mode=mode, num_slots=slots_from_args(args, None),
-                    requests_per_rank=args.requests_per_rank, sps=sps,
-                    load_group=None if args.load_group == "auto" else args.load_group)
-    chosen = [result.chosen]
-    if ctx.group is not None:
-        torch.distributed.broadcast_object_list(chosen, src=0, group=ctx.group)
+    choice = decide(found.topology, found.model, found.workload, fields, fixed, ctx, sps=sps,
+                    requests_per_rank=args.requests_per_rank)
     if ctx.is_main:
-        log.info("auto: %s; predicted step %.1f ms (%s)", result.why(), 1e3 * chosen[0].step_s, chosen[0].bound)
         _write_probe(args, found, sps)
-    return chosen[0]
+    return choice.chosen
 
 
 def _write_probe(args: argparse.Namespace, found, sps) -> None:
@@ -65,7 +65,7 @@ def _write_probe(args: argparse.Namespace, found, sps) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "auto_policy.json"
     path.write_text(json.dumps(probe_to_dict(found.topology, found.model, found.workload, sps), indent=1))
-    from dlo_fn.runtime.probe import AUTO_LOAD_GROUPS, auto_slots
+    from dlo_fn.plan.auto import AUTO_LOAD_GROUPS, auto_slots
 
     groups = AUTO_LOAD_GROUPS if args.load_group == "auto" else (args.load_group,)
     slots, groups = ",".join(map(str, auto_slots(groups))), ",".join(map(str, groups))

@@ -1,7 +1,7 @@
 """`python -m dlo_fn policy`: rank every (dp, sp, mode, shard group, slots, R, load group) of a model on a topology.
 
-``--topology`` is a named machine (``1xH200``, ``4xB300``, ``8xB300``, ``4xAscend910B3``: every field with its
-source, :mod:`dlo_fn.repro.topologies`) or a JSON file with the same fields
+``--topology`` is a named machine (see below: every field with its source, :mod:`dlo_fn.repro.topologies` and
+:mod:`dlo_fn.repro.pcie_topologies`) or a JSON file with the same fields
 (:func:`dlo_fn.repro.topologies.topology_from_dict`), or the ``auto_policy.json`` that ``generate`` writes under
 ``--out`` with ``--mode/--slots/--sp auto`` (the measured topology with its model, workload and sp sizes). Prints
 the ranked table (the chosen plan first), the sources
@@ -18,13 +18,51 @@ import pathlib
 from dlo_fn.cli import HelpFormatter
 
 
+# Names and schema as --help prints them (tests/test_policy_cli.py checks them against repro.topologies).
+TOPOLOGIES = (
+    ("1xH200", "one H200 SXM, measured here (PCIe Gen5 x16)"),
+    ("4xB300", "4 B300 SXM6, NVLink 5 (fitted to the published Super rows)"),
+    ("8xB300", "8 B300 SXM6, NVLink 5 (the MiniMax-H3 node)"),
+    ("4xAscend910B3", "4 Ascend 910B3, HCCS (the published Nano DP4 split)"),
+    ("8xL40S", "PCIe Gen4, P2P over PCIe, a switch uplink per GPU pair"),
+    ("8xRTX4090", "PCIe Gen4, no P2P: the all-gather goes through host memory"),
+    ("8xH100-PCIe", "PCIe Gen5, P2P over PCIe, no NVLink bridge"),
+    ("8xL20", "PCIe Gen4, P2P over PCIe"),
+)
+WORKLOADS = ("image 1024^2 CFG, 24 steps", "video 832x480x29 CFG, 24 steps", "minimax t2va 768x1344x124",
+             "nano 832x480x29 CFG", "t2i 1024^2", "480p 29f", "480p 121f", "480p 125f", "480p 241f", "480p 245f",
+             "720p 121f", "720p 241f")
+JSON_SCHEMA = """\
+a topology file (JSON; bytes and seconds; optional fields default as shown):
+  {"name": str, "num_ranks": int, "h2d_bytes_per_s": float (one rank's pinned H2D, its GPU link),
+   "allgather_bus_bytes_per_s": float, "all_to_all_bytes_per_s": float, "d2d_copy_bytes_per_s": float,
+   "hbm_bytes_per_rank": int, "host_bytes_per_rank": int,
+   "compute": {"flop_per_s": float} or {"table": [[tokens, cfg_branches, s_per_block], ...]},
+   "host_s_per_block": {"allgather": s, "rank-local": s} (0), "host_serial": bool (false),
+   "step_overhead": [[tokens, cfg_branches, s], ...] ([]), "request_overhead": [[tokens, s], ...] ([]),
+   "context_bytes": int (0), "framework_host_bytes": int (0), "sources": {field: str} ({}),
+   "peer_link": "nvlink" | "pcie" | "host" ("nvlink": the all-gather on links of its own; "pcie": P2P over
+                the H2D's PCIe links; "host": no P2P, staged through host memory),
+   "gpus_per_uplink": int (1), "uplink_bytes_per_s": float or null (null: no shared uplink),
+   "host_memory_bytes_per_s": float or null (null: no limit), "ranks_per_host": int or null (all)}
+or the auto_policy.json a generate --out holds: {"topology": {...}, "model": {...}, "workload": {...}, "sps": [...]}"""
+
+
+def _epilog() -> str:
+    width = max(len(n) for n, _ in TOPOLOGIES)
+    tops = "\n".join(f"  {n:<{width}}  {what}" for n, what in TOPOLOGIES)
+    return (f"named topologies:\n{tops}\n\nnamed workloads (--workload):\n"
+            + "\n".join(f"  {w}" for w in WORKLOADS) + f"\n\n{JSON_SCHEMA}")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("policy", help="rank dp x sp, all-gather vs rank-local, slots and R on a topology",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                              epilog=_epilog())
     p.add_argument("--model", default="bench", help="bench, cosmos3-super, cosmos3-nano, minimax-h3")
     p.add_argument("--world", type=int, default=None, help="ranks (default: the topology's)")
-    p.add_argument("--topology", default="1xH200", help="a named topology, FILE.json, or the auto_policy.json of a "
-                   "generate --out (its model and workload too)")
+    p.add_argument("--topology", default="1xH200", help="a named topology (below), FILE.json (schema below), or the "
+                   "auto_policy.json of a generate --out (its model and workload too)")
     p.add_argument("--workload", default=None, help="a named workload (default: the topology's own)")
     p.add_argument("--objective", choices=("throughput", "latency"), default="throughput")
     p.add_argument("--slots", default="2,3,4", help="comma list of slot counts")
@@ -38,7 +76,7 @@ def register(subparsers) -> None:
 
 
 DEFAULT_WORKLOAD = {"1xH200": "image 1024^2 CFG, 24 steps", "4xB300": "t2i 1024^2",
-                    "8xB300": "minimax t2va 768x1344x124", "4xAscend910B3": "nano 832x480x29 CFG"}
+                    "8xB300": "minimax t2va 768x1344x124", "4xAscend910B3": "nano 832x480x29 CFG"}  # else the image
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:

@@ -24,13 +24,19 @@ per all-gather in it; its cost over several GPUs is measured on no machine yet).
           + o(L, g) on block 0 of every step: the per-step work outside the blocks
     u     k g ceil(L / sp) D e ((sp - 1) / sp) / beta_a2a      Ulysses (k all-to-alls per block, e bytes)
 
+Block ``b``'s compute is ``c_b = c(L, sp) F_b / F`` (:func:`~dlo_fn.plan.topology.compute_shape`: blocks of
+different sizes compute in proportion to their FLOPs).
+
 One wave of ``min(T, 3)`` steps is simulated (:func:`~dlo_fn.plan.timeline.simulate` of
 :func:`~dlo_fn.plan.schedule.build_schedule`); the steady step ``t`` is the period between the ends of the first and
-the last step's computes, and ``wave = t_1 + (T - 1) t + R q`` (``t_1``: the first step, cold ring; ``q``: the
+the last step's computes, raised to the busiest shared link's time per pass where the topology has shared links
+(:func:`~dlo_fn.plan.links.link_busy_s`: on PCIe machines the all-gather and the H2D cross the same links, which
+the simulator's separate streams do not see), and ``wave = t_1 + (T - 1) t + R q`` (``t_1``: the first step, cold ring; ``q``: the
 per-request work outside the ring, noise and text in, latents out, decode and hash, counted serial). Per wave ``dp R``
 outputs; ``outputs_per_s = dp R / wave``; the per-output step is ``t / R`` per replica.
 
-**Bound** of a row: the stream busy >= 99.5% of the steady step (``h2d``, ``allgather``, ``h2d+allgather`` where
+**Bound** of a row: the shared link (``pcie``, ``uplink``, ``host-memory``) or the stream busy >= 99.5% of the
+steady step (``h2d``, ``allgather``, ``h2d+allgather`` where
 one landing buffer serialises the two; ``compute``, or
 ``host`` where the host term is the larger part of C), else ``exposed``: no stream is saturated, the ring cannot
 run ahead across the per-step work (a deeper ring, more slots, hides it).
@@ -54,13 +60,14 @@ from dataclasses import dataclass, replace
 
 from dlo_fn.plan.hbm import hbm_per_card
 from dlo_fn.plan.host_cost import host_scale
+from dlo_fn.plan.links import link_busy_s
 from dlo_fn.plan.lowering import default_num_landing, load_group_problem, lowered_mode
 from dlo_fn.plan.memory import pinned_host_bytes_per_rank
 from dlo_fn.plan.ops import Op
 from dlo_fn.plan.quant import dequant_seconds
 from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, DQ, H2D, build_schedule
 from dlo_fn.plan.timeline import simulate
-from dlo_fn.plan.topology import PolicyModel, Topology
+from dlo_fn.plan.topology import PolicyModel, Topology, compute_shape
 from dlo_fn.plan.workload import Workload
 
 __all__ = ["OBJECTIVES", "SHARD_GROUPS", "Candidate", "PlanRow", "PolicyResult", "candidates", "predict", "plan",
@@ -198,10 +205,11 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
         h2d = sizes.shard_bytes(w)
         ag = tuple((w - 1) * s / topology.allgather_bus_bytes_per_s for s in h2d)
     h2d_s = tuple(n / topology.h2d_bytes_per_s for n in h2d)
-    device = (topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
-              + all_to_all_s(model, topology, workload, cand.sp))
+    a2a = all_to_all_s(model, topology, workload, cand.sp)
+    c = topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
+    device = tuple(c * f + a2a for f in compute_shape(model, workload.tokens, workload.cfg_branches))
     host = topology.host_s(mode) * host_scale(sizes.num_blocks, cand.num_slots, cand.load_group, mode)
-    comp = device + host if topology.host_serial else max(device, host)
+    comp = tuple(d + host if topology.host_serial else max(d, host) for d in device)
 
     def duration(op: Op) -> float:
         if op.kind == H2D:
@@ -211,9 +219,9 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
         if op.kind == DQ:  # read the stored block, write the slot (plan.quant)
             return dequant_seconds(sizes.stored_bytes[op.block], sizes.block_bytes[op.block],
                                    topology.d2d_copy_bytes_per_s)
-        return comp + (step_overhead_s if op.block == 0 else 0.0)
+        return comp[op.block] + (step_overhead_s if op.block == 0 else 0.0)
 
-    return duration, h2d_s, ag, device, host, comp
+    return duration, h2d_s, ag, max(device), host, comp
 
 
 def _memory(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[int, int]:
@@ -247,10 +255,15 @@ def predict(model: PolicyModel, topology: Topology, workload: Workload, cand: Ca
         step = first
     else:
         step = (ends[-1] - first) / (steps - 1)
+    links = link_busy_s(model.sizes, topology, mode, cand.num_shards)  # shared links: at least their busy time
+    link, link_s = links[0] if links else ("", 0.0)
+    step, first = max(step, link_s), max(first, link_s)
     wave = first + (workload.num_steps - 1) * step + r * topology.request_overhead_s(workload.tokens)
-    busy = {"h2d": sum(h2d_s), "allgather": sum(ag), "compute": b * r * comp + r * overhead}
+    busy = {"h2d": sum(h2d_s), "allgather": sum(ag), "compute": r * sum(comp) + r * overhead}
     serial = mode == "allgather" and cand.num_landing == 1
-    if serial and busy["h2d"] + busy["allgather"] >= SATURATED * step > max(busy["h2d"], busy["allgather"]):
+    if link_s >= SATURATED * step and link_s >= max(busy.values()):
+        bound = link
+    elif serial and busy["h2d"] + busy["allgather"] >= SATURATED * step > max(busy["h2d"], busy["allgather"]):
         bound = "h2d+allgather"
     elif busy["h2d"] >= SATURATED * step or busy["allgather"] >= SATURATED * step:
         bound = "h2d" if busy["h2d"] >= busy["allgather"] else "allgather"
@@ -333,7 +346,7 @@ def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objectiv
 
 def with_bandwidth(topology: Topology, factor: float) -> Topology:
     """The same topology with every transfer rate times ``factor`` (the monotonicity property's input)."""
-    return replace(topology, h2d_bytes_per_s=topology.h2d_bytes_per_s * factor,
-                   allgather_bus_bytes_per_s=topology.allgather_bus_bytes_per_s * factor,
-                   all_to_all_bytes_per_s=topology.all_to_all_bytes_per_s * factor,
-                   d2d_copy_bytes_per_s=topology.d2d_copy_bytes_per_s * factor)
+    scaled = {f: getattr(topology, f) * factor for f in (
+        "h2d_bytes_per_s", "allgather_bus_bytes_per_s", "all_to_all_bytes_per_s", "d2d_copy_bytes_per_s",
+        "uplink_bytes_per_s", "host_memory_bytes_per_s") if getattr(topology, f) is not None}
+    return replace(topology, **scaled)

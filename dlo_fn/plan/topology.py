@@ -28,7 +28,20 @@ field                          meaning
                                across it
 ``request_overhead``           per request, host work outside the ring (noise and text tokens in, latents out,
                                decode, hash): ``(tokens, seconds)`` measured; the nearest entry scaled by ``L / L0``
+``peer_link``                  how the all-gather's bytes travel between GPUs (:data:`PEER_LINKS`): ``"nvlink"``
+                               (their own links, independent of H2D), ``"pcie"`` (peer-to-peer over PCIe: the same
+                               link into each GPU as its H2D), ``"host"`` (no peer-to-peer: staged through host
+                               memory, written by the sender and read by the receiver)
+``gpus_per_uplink``            GPUs whose H2D share one upstream port to the host (a PCIe switch's uplink; ranks
+                               sharing one GPU share its link): 1 = each GPU on its own root port
+``uplink_bytes_per_s``         that port's rate (``None``: no shared port)
+``host_memory_bytes_per_s``    host DRAM bandwidth the DMA traffic of ``ranks_per_host`` GPUs shares (``None``: not
+                               a limit)
+``ranks_per_host``             GPUs (ranks) on one host (``None``: all ``N``)
 =============================  ======================================================================================
+
+The last five describe the **shared links** (:mod:`dlo_fn.plan.links`): on machines without NVLink the all-gather
+crosses the links the H2D uses, so its bytes and the H2D's are summed on each link it shares with them.
 
 **Block compute.** One request's compute of one block on one rank at ``sp``, for a sequence of ``L`` tokens per
 CFG branch and ``g`` branches, from the FLOPs of a block (``P`` parameters, hidden ``D``)::
@@ -37,6 +50,7 @@ CFG branch and ``g`` branches, from the FLOPs of a block (``P`` parameters, hidd
     c(L, sp) = F(L) / sp / rate          (FLOP rate)
     c(L, sp) = t(L0) F(L) / F(L0) / sp   (measured table: the entry L0 nearest L, scaled by the FLOP ratio;
                                           exact at a measured L)
+    c_b = c(L, sp) F_b(L) / F(L)         (block b of P_b = n_b / e parameters: :func:`compute_shape`)
 
 Ulysses splits tokens for per-token work and heads for attention, so both terms divide by ``sp``.
 """
@@ -48,7 +62,9 @@ from dataclasses import dataclass
 from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.sizes import ModelSizes
 
-__all__ = ["BlockCompute", "PolicyModel", "Topology", "block_flops"]
+__all__ = ["BlockCompute", "PEER_LINKS", "PolicyModel", "Topology", "block_flops", "compute_shape"]
+
+PEER_LINKS = ("nvlink", "pcie", "host")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +99,18 @@ class PolicyModel:
         return self.sizes.total_block_bytes / self.sizes.num_blocks / self.dtype_bytes
 
 
-def block_flops(model: PolicyModel, tokens: int, cfg_branches: int = 1) -> float:
-    """``F(L) = g (2 P L + 4 D L^2)`` (module docstring)."""
-    return cfg_branches * (2 * model.block_params * tokens + 4 * model.hidden_dim * tokens * tokens)
+def block_flops(model: PolicyModel, tokens: int, cfg_branches: int = 1, params: float | None = None) -> float:
+    """``F(L) = g (2 P L + 4 D L^2)`` (module docstring); ``P`` the mean block's unless ``params`` is given."""
+    p = model.block_params if params is None else params
+    return cfg_branches * (2 * p * tokens + 4 * model.hidden_dim * tokens * tokens)
+
+
+def compute_shape(model: PolicyModel, tokens: int, cfg_branches: int = 1) -> tuple[float, ...]:
+    """Each block's compute over the mean block's, ``F_b(L) / F(L)`` with ``P_b = n_b / e`` (blocks of different
+    sizes, as Flux's two lists, compute in proportion to their FLOPs; all 1 for equal blocks)."""
+    mean = block_flops(model, tokens, cfg_branches)
+    return tuple(block_flops(model, tokens, cfg_branches, n / model.dtype_bytes) / mean
+                 for n in model.sizes.block_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +157,26 @@ class Topology:
     framework_host_bytes: int = 0
     sources: tuple[tuple[str, str], ...] = ()
     request_overhead: tuple[tuple[int, float], ...] = ()
+    peer_link: str = "nvlink"
+    gpus_per_uplink: int = 1
+    uplink_bytes_per_s: float | None = None
+    host_memory_bytes_per_s: float | None = None
+    ranks_per_host: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
             raise ValueError(f"Topology {self.name!r}: num_ranks must be an int >= 1, got {self.num_ranks!r}")
+        if self.peer_link not in PEER_LINKS:
+            raise ValueError(f"Topology {self.name!r}: peer_link must be one of {', '.join(PEER_LINKS)}; got "
+                             f"{self.peer_link!r}")
+        for f in ("gpus_per_uplink", "ranks_per_host"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"Topology {self.name!r}: {f} must be an int >= 1, got {v!r}")
+        for f in ("uplink_bytes_per_s", "host_memory_bytes_per_s"):
+            v = getattr(self, f)
+            if v is not None and not v > 0:
+                raise ValueError(f"Topology {self.name!r}: {f} must be > 0 (or None: not a limit), got {v!r}")
         for f in ("h2d_bytes_per_s", "allgather_bus_bytes_per_s", "all_to_all_bytes_per_s", "d2d_copy_bytes_per_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Topology {self.name!r}: {f} must be > 0, got {getattr(self, f)!r}")

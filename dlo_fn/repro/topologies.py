@@ -14,6 +14,7 @@ topology             fields and where they come from
 ``4xB300``           ``repro.b300``'s three fitted constants (H2D, NVLink all-gather, effective FLOP rate) and its
                      NVLink all-to-all bus rate (not fitted: NCCL's per-link rate x 18 links)
 ``8xB300``           the same B300 constants, 8 ranks (the MiniMax-H3 node)
+``8xL40S`` ...        PCIe machines (the all-gather crosses the H2D's links): :mod:`dlo_fn.repro.pcie_topologies`
 ``4xAscend910B3``    the published Nano DP4 split (``repro.waves_tables.reference_costs``): compute per block
                      ``T_hsdp / B``, HCCL per block, host (stream switching + dispatch) per block, serial with
                      compute; H2D 25 GB/s (assumed, shown not to matter)
@@ -35,9 +36,9 @@ import statistics
 from dlo_fn.models import CONFIGS, tokens_for
 from dlo_fn.models.specs import config_spec
 from dlo_fn.plan.sizes import GIB, ModelSizes
-from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
+from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology, block_flops
 from dlo_fn.plan.workload import Workload
-from dlo_fn.repro import b300, ceilings, minimax
+from dlo_fn.repro import b300, ceilings, minimax, pcie_topologies
 from dlo_fn.repro.calibration import DEVICE_CONTEXT_BYTES, FRAMEWORK_HOST_BYTES_PER_RANK
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import MODELS, published
@@ -45,7 +46,7 @@ from dlo_fn.repro.waves_tables import NANO_BLOCKS, SHARD_H2D_BYTES_PER_S, refere
 
 __all__ = ["TOPOLOGY_NAMES", "MODEL_NAMES", "topology", "model", "workload", "h200_topology", "bench_model",
            "MINIMAX_STEPS", "MINIMAX_WORKLOAD", "MINIMAX_FITS", "minimax_fits", "topology_from_dict",
-           "H200_IMAGE", "H200_VIDEO", "NANO_WORKLOAD", "topology_to_dict", "probe_to_dict", "probe_from_dict"]
+           "H200_IMAGE", "H200_VIDEO", "NANO_WORKLOAD", "workloads", "topology_to_dict", "probe_to_dict", "probe_from_dict"]
 
 BENCH = CONFIGS["bench"]
 SUPER = CONFIGS["cosmos3-super"]
@@ -108,6 +109,13 @@ def h200_topology() -> Topology:
                            f"{1e3 * overhead:.2f} ms (1024^2, 2 slots)"),
          ("request_overhead", f"{SERVE_PROFILE.name}: init_state + decode and hash, {1e3 * per_request:.1f} ms"),
          ("model", m.source)), ((H200_IMAGE.tokens, per_request),))
+
+
+def h200_flop_fraction() -> float:
+    """The fraction of the H200's dense BF16 peak our bench block reaches (1024^2 with CFG, measured 8.9 ms)."""
+    m, w = bench_model(), H200_IMAGE
+    return (block_flops(m, w.tokens, w.cfg_branches) / BENCH_BLOCK_S["image"]
+            / pcie_topologies.H200_BF16_PEAK_FLOP_PER_S)
 
 
 def _b300(num_ranks: int, name: str, compute: BlockCompute, host_per_rank: int) -> Topology:
@@ -199,6 +207,8 @@ def topology(name: str) -> Topology:
         return _b300(8, "8xB300", BlockCompute(table=((MINIMAX_WORKLOAD.tokens, 2, fit),)), 2 * 10**12 // 8)
     if name == "4xAscend910B3":
         return _ascend()
+    if name in pcie_topologies.PCIE_TOPOLOGY_NAMES:
+        return pcie_topologies.pcie_topology(name, h200_flop_fraction())
     raise ValueError(f"unknown topology {name!r}; named: {', '.join(TOPOLOGY_NAMES)} (or a FILE.json)")
 
 
@@ -210,17 +220,22 @@ def model(name: str) -> PolicyModel:
     return makers[name]()
 
 
+def workloads() -> dict[str, Workload]:
+    """Every named workload (``policy --workload``)."""
+    return {w.name: w for w in (H200_IMAGE, H200_VIDEO, MINIMAX_WORKLOAD, NANO_WORKLOAD, *b300.WORKLOADS.values())}
+
+
 def workload(name: str) -> Workload:
-    known = {w.name: w for w in (H200_IMAGE, H200_VIDEO, MINIMAX_WORKLOAD, NANO_WORKLOAD,
-                                 *b300.WORKLOADS.values())}
+    known = workloads()
     if name not in known:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(known)}")
     return known[name]
 
 
-TOPOLOGY_NAMES = ("1xH200", "4xB300", "8xB300", "4xAscend910B3")
+TOPOLOGY_NAMES = ("1xH200", "4xB300", "8xB300", "4xAscend910B3", *pcie_topologies.PCIE_TOPOLOGY_NAMES)
 MODEL_NAMES = ("bench", "cosmos3-super", "cosmos3-nano", "minimax-h3")
 
+_LINK_FIELDS = ("peer_link", "gpus_per_uplink", "uplink_bytes_per_s", "host_memory_bytes_per_s", "ranks_per_host")
 _FIELDS = ("name", "num_ranks", "h2d_bytes_per_s", "allgather_bus_bytes_per_s", "all_to_all_bytes_per_s",
            "d2d_copy_bytes_per_s", "hbm_bytes_per_rank", "host_bytes_per_rank")
 
@@ -233,7 +248,8 @@ def topology_from_dict(data: dict, where: str = "topology") -> Topology:
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     unknown = set(data) - set(_FIELDS) - {"compute", "host_s_per_block", "host_serial", "step_overhead",
-                                          "context_bytes", "framework_host_bytes", "sources", "request_overhead"}
+                                          "context_bytes", "framework_host_bytes", "sources", "request_overhead",
+                                          *_LINK_FIELDS}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     comp = data["compute"]
@@ -246,7 +262,13 @@ def topology_from_dict(data: dict, where: str = "topology") -> Topology:
                     ints["host_bytes_per_rank"], tuple(sorted(host.items())), bool(data.get("host_serial", False)),
                     tuple(tuple(r) for r in data.get("step_overhead", ())), int(data.get("context_bytes", 0)),
                     int(data.get("framework_host_bytes", 0)), tuple(sorted(data.get("sources", {}).items())),
-                    tuple(tuple(r) for r in data.get("request_overhead", ())))
+                    tuple(tuple(r) for r in data.get("request_overhead", ())), str(data.get("peer_link", "nvlink")),
+                    int(data.get("gpus_per_uplink", 1)), _opt(data, "uplink_bytes_per_s", float),
+                    _opt(data, "host_memory_bytes_per_s", float), _opt(data, "ranks_per_host", int))
+
+
+def _opt(data: dict, key: str, kind):
+    return None if data.get(key) is None else kind(data[key])
 
 
 def topology_to_dict(t: Topology) -> dict:
@@ -256,7 +278,8 @@ def topology_to_dict(t: Topology) -> dict:
     return {**{f: getattr(t, f) for f in _FIELDS}, "compute": compute, "host_s_per_block": dict(t.host_s_per_block),
             "host_serial": t.host_serial, "step_overhead": [list(r) for r in t.step_overhead],
             "context_bytes": t.context_bytes, "framework_host_bytes": t.framework_host_bytes,
-            "sources": dict(t.sources), "request_overhead": [list(r) for r in t.request_overhead]}
+            "sources": dict(t.sources), "request_overhead": [list(r) for r in t.request_overhead],
+            **{f: getattr(t, f) for f in _LINK_FIELDS}}
 
 
 def probe_to_dict(t: Topology, m: PolicyModel, w: Workload, sps: tuple[int, ...]) -> dict:

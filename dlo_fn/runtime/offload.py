@@ -60,6 +60,7 @@ class Offloaded:
     executor: Executor | None
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
+    auto: Any = None  # the policy's choice (dlo_fn.plan.auto.AutoChoice) where options were "auto"
 
     @property
     def mode(self) -> str:
@@ -126,6 +127,8 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
     ``block_paths=None``: the model's own block lists (:func:`dlo_fn.runtime.diffusers_load.block_paths_for`:
     the common diffusers DiTs, or the one top-level list of identical blocks): ``offload(transformer, ctx=ctx)``.
+    ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them for ``workload=`` (a Workload),
+    or measured on the first call (:mod:`dlo_fn.runtime.auto`); ``Offloaded.auto`` holds the choice.
     """
     if ctx is None:
         raise TypeError("offload() needs ctx= (dlo_fn.runtime.dist.init_distributed())")
@@ -134,15 +137,30 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
 
         block_paths = block_paths_for(model)
     options = options or OffloadOptions()
+    fields = [f for f in ("mode", "num_slots", "load_group") if overrides.get(f) == "auto"]
+    workload = overrides.pop("workload", None)
+    if workload is not None and not fields:
+        raise ValueError("offload(workload=...) describes the requests for the policy: pass it with mode, "
+                         "num_slots or load_group = 'auto'")
     if overrides:
         import dataclasses
 
-        options = dataclasses.replace(options, **overrides)
+        options = dataclasses.replace(options, **{k: v for k, v in overrides.items() if k not in fields})
     paths = normalize_block_paths(block_paths)
-    platform = ctx.platform
     spec = spec_from_module(model, paths, name=type(model).__name__)
-    if platform.device.type == "cpu":  # the resident model computes from these very tensors: keep their alignment
+    if ctx.platform.device.type == "cpu":  # the resident model computes from these very tensors: keep their alignment
         spec = with_address_residues(spec, model)
+    if fields:  # the policy chooses them, then builds with concrete options (dlo_fn.runtime.auto)
+        from dlo_fn.runtime.auto import resolve
+
+        pending = Offloaded(model, ctx, options, spec, None, None, None)  # built at the first call's end
+        return resolve(pending, paths, _block_lists(model, paths), fields, workload, mesh, _build)
+    return _build(model, paths, spec, ctx, options, mesh)
+
+
+def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistContext, options: OffloadOptions,
+           mesh: Mesh | None) -> Offloaded:
+    platform = ctx.platform
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
