@@ -1,7 +1,7 @@
 """`python -m dlo_fn policy`: rank every (dp, sp, mode, shard group, slots, R, load group) of a model on a topology.
 
-``--topology`` is a named machine (``1xH200``, ``4xB300``, ``8xB300``, ``4xAscend910B3``: every field with its
-source, :mod:`dlo_fn.repro.topologies`) or a JSON file with the same fields
+``--topology`` is a named machine (``--help`` lists them, from :mod:`dlo_fn.repro.topologies`, every field with
+its source) or a JSON file with the same fields
 (:func:`dlo_fn.repro.topologies.topology_from_dict`), or the ``auto_policy.json`` that ``generate`` writes under
 ``--out`` with ``--mode/--slots/--sp auto`` (the measured topology with its model, workload and sp sizes). Prints
 the ranked table (the chosen plan first), the sources
@@ -18,14 +18,54 @@ import pathlib
 from dlo_fn.cli import HelpFormatter
 
 
+class _HelpWithTables(argparse.Action):
+    """``-h/--help``: the usage and options, then the named topologies, models and workloads and the fields of a
+    topology file, generated from :mod:`dlo_fn.repro.topologies` when asked (so ``--help`` of the other commands
+    stays fast, and a topology added there is listed here)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.epilog = help_tables()
+        parser.print_help()
+        parser.exit()
+
+
+def help_tables() -> str:
+    """The epilog of ``policy --help``: every named topology (ranks, H2D, HBM), model, workload, and the JSON
+    fields of a topology file (required and optional)."""
+    from dlo_fn.repro import topologies
+
+    lines = ["named topologies (--topology NAME):"]
+    for name in topologies.TOPOLOGY_NAMES:
+        t = topologies.topology(name)
+        lines.append(f"  {name:<16} {t.num_ranks} rank(s), H2D {t.h2d_bytes_per_s / 1e9:.1f} GB/s, "
+                     f"{t.hbm_bytes_per_rank / 1e9:.0f} GB device memory per rank")
+    lines += ["", "models (--model NAME): " + ", ".join(topologies.MODEL_NAMES), "",
+              "named workloads (--workload NAME; default: the topology's own):"]
+    for name, w in topologies.workloads().items():
+        lines.append(f"  {name!r}: {w.tokens} tokens x {w.cfg_branches} branch(es), {w.num_steps} step(s)")
+    lines += ["", "a topology file (--topology FILE.json) is one JSON object:"]
+    for field, required, form in topologies.TOPOLOGY_FILE_FIELDS:
+        lines.append(f"  {field:<26} {'required' if required else 'optional'}  {form}")
+    lines += ["a named one as such a file: python -c 'import json; from dlo_fn.repro import topologies as t; "
+              "print(json.dumps(t.topology_to_dict(t.topology(\"1xH200\"))))'",
+              "--topology also reads the auto_policy.json that generate --out writes with --mode/--slots/--sp auto."]
+    return "\n".join(lines)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("policy", help="rank dp x sp, all-gather vs rank-local, slots and R on a topology",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--model", default="bench", help="bench, cosmos3-super, cosmos3-nano, minimax-h3")
+                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                              add_help=False)
+    p.add_argument("-h", "--help", action=_HelpWithTables,
+                   help="show this help, the named topologies, models and workloads, and a topology file's fields")
+    p.add_argument("--model", default="bench", help="a named model (listed below)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: the topology's)")
-    p.add_argument("--topology", default="1xH200", help="a named topology, FILE.json, or the auto_policy.json of a "
-                   "generate --out (its model and workload too)")
-    p.add_argument("--workload", default=None, help="a named workload (default: the topology's own)")
+    p.add_argument("--topology", default="1xH200", help="a named topology, FILE.json (fields below), or the "
+                   "auto_policy.json of a generate --out (its model and workload too)")
+    p.add_argument("--workload", default=None, help="a named workload (listed below; default: the topology's own)")
     p.add_argument("--objective", choices=("throughput", "latency"), default="throughput")
     p.add_argument("--slots", default="2,3,4", help="comma list of slot counts")
     p.add_argument("--requests-per-rank", default="1", help="comma list of R")
