@@ -44,8 +44,6 @@ def test_tables_from_the_committed_runs():
     assert {(r["workload"], r["variant"]) for r in graphs} == {
         (w, v) for w in ("video", "image") for v in hc.GRAPH_VARIANTS.values()}
     assert all(r["equal_to_resident"] is True for r in graphs)
-    step = hc.graph_rows(hc.load("bench_step"), hc.STEP_GRAPH_VARIANTS)
-    assert len(step) == len(graphs) + 2
     bg = hc.block_graph_host_rows(*(hc.load(n) for n in hc.BENCH_REPORTS))
     assert [r["run"] for r in bg] == ["bench 2026-12-01", "bench-small40 2026-12-01"]
     groups = hc.graph_rows(hc.load("groups_bench_step"), hc.GROUP_VARIANTS)

@@ -81,8 +81,8 @@ def bench_table(file: str, variants: Iterable[str] = CURRENT) -> str:
                      "peak device GB": " / ".join(f"{r['peak_device_bytes'] / 1e9:.2f}" for r in rs),
                      "bytes equal to resident": " / ".join(str(r.get("equal_to_resident", "-")) for r in rs)})
     note = ("" if host_cost_tables.is_current(report) else
-            " In this run the eager variants issued their stream operations as CUDA driver calls; the runtime "
-            "now issues them through torch streams and events.")
+            " In this run the eager variants issued their stream operations as CUDA driver calls, which the "
+            "runtime does not have (it issues them through torch streams and events).")
     return markdown_table(rows) + "\n\n" + _source([file], report) + note
 
 
@@ -96,6 +96,8 @@ def step_graph_table() -> str:
         for w in report["workloads"]:
             v = {r["variant"]: r for r in w["variants"]}
             eager = v.get("dlo-rank-local-swap", v.get("dlo-rank-local"))
+            if eager is None or "dlo-rank-local-bgraph" not in v or "dlo-rank-local-graph" not in v:
+                continue  # a run without the step graph (it is no longer in the runtime)
             rows.append({"run": f"`{file}`", "model, workload": f"{report['config']}, {w['name']}",
                          "eager": _x(eager), "block graphs": _x(v["dlo-rank-local-bgraph"]),
                          "step graph": _x(v["dlo-rank-local-graph"]),

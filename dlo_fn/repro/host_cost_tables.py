@@ -8,8 +8,8 @@
   GPU, from the ``bench step`` reports written by the runtime as it is (their variant rows carry
   ``stream_ops_per_block``, which the executor counts since its one issue path through torch streams and events);
 * :func:`graph_rows` - block graphs against eager and resident on the bench model (or, with ``GROUP_VARIANTS``,
-  eager with and without load groups; with ``STEP_GRAPH_VARIANTS``, the step graph the runtime no longer has):
-  ratio to the bound, host time per step, peak device memory, output equal to resident;
+  eager with and without load groups): ratio to the bound, host time per step, peak device memory, output equal
+  to resident;
 * :func:`block_graph_host_rows` - the executor's host time per block with block graphs (``bench step``'s dispatch
   rows, bench-narrow: the host is the bottleneck);
 * :func:`policy_rows` - what the policy chooses, load groups on offer, for blocks of a given size and compute on
@@ -31,7 +31,7 @@ from dlo_fn.repro.published import published
 
 __all__ = ["NANO_BLOCKS", "load", "published_rows", "planned_stream_ops", "steady_schedule", "planned_rows",
            "is_current", "torch_path_rows", "graph_rows", "block_graph_host_rows", "policy_rows", "summary",
-           "GRAPH_VARIANTS", "GROUP_VARIANTS", "STEP_GRAPH_VARIANTS", "BENCH_REPORTS"]
+           "GRAPH_VARIANTS", "GROUP_VARIANTS", "BENCH_REPORTS"]
 
 NANO_BLOCKS = 72  # the reference's Nano DiT: the 150 ms/step is over its 72 blocks
 BENCH_REPORTS = ("bench_step", "bench_small40", "groups_bench_step")  # bench step's committed H200 runs
@@ -83,7 +83,6 @@ def torch_path_rows(*reports: dict[str, Any]) -> list[dict[str, object]]:
 
 
 GRAPH_VARIANTS = {"resident": "resident", "dlo-rank-local-swap": "eager", "dlo-rank-local-bgraph": "block graphs"}
-STEP_GRAPH_VARIANTS = {**GRAPH_VARIANTS, "dlo-rank-local-graph": "step graph (no longer in the runtime)"}
 GROUP_VARIANTS = {"resident": "resident", "dlo-rank-local-swap": "eager",
                   "dlo-rank-local-swap-g2": "load groups of 2", "dlo-rank-local-swap-g4": "load groups of 4"}
 
