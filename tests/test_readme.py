@@ -107,3 +107,10 @@ def test_every_relative_link_resolves(name, folder, text):
 
 def _own(name: str) -> pathlib.Path:
     return ROOT / name
+
+
+def test_every_notebook_and_figure_is_in_the_readme():
+    text = README.read_text()
+    files = [*NOTEBOOKS, *sorted((ROOT / "figures").glob("*.png")), *sorted((ROOT / "figures").glob("*.gif"))]
+    missing = [p.relative_to(ROOT).as_posix() for p in files if f"]({p.relative_to(ROOT).as_posix()})" not in text]
+    assert not missing, f"not linked from README.md: {missing}"
