@@ -1,12 +1,14 @@
-"""Notebook 11's tables (dlo_fn.repro.host_cost_tables): the plan's count of driver calls per block matches what
-the executor issues (counted with the host driver), and the tables read the committed H200 JSON."""
+"""Notebook 11's tables (dlo_fn.repro.host_cost_tables): the plan's count of stream operations per block is what
+the executor issues (counted on the CPU), and the tables read the committed H200 JSON."""
 
 from __future__ import annotations
+
+import copy
 
 from dlo_fn.repro import host_cost_tables as hc
 
 
-def test_the_plans_driver_calls_are_the_executors():
+def test_the_plans_stream_ops_are_the_executors():
     from dlo_fn.bench.hostloop import measure
 
     planned = hc.planned_stream_ops(hc.steady_schedule(24))
@@ -20,112 +22,60 @@ def test_the_plans_driver_calls_are_the_executors():
     assert cold["copies"] == 25 / 24 and cold["total"] == 5 + 3 / 24
 
 
-def test_load_groups_planned_calls_are_the_executors():
+def test_load_groups_planned_ops_are_the_executors():
     # Groups of G on 2G slots: per group one wait, one (merged) copy and one record per stream, plus the run's
     # boundary (each slot's first use waits on the previous run); a run prefetches whole groups, so the copies are
     # one per group exactly.
     from dlo_fn.bench.hostloop import measure
 
-    totals = {}
+    rows = {r["load_group"]: r for r in hc.planned_rows(24, (1, 2, 4))}
     for g in (2, 4):
         planned = hc.planned_stream_ops(hc.steady_schedule(24, 2 * g, g))
         assert measure(num_blocks=24, passes=4, load_group=g)["stream_ops_per_block"] == planned["total"]
-        assert planned["copies"] == (24 // g) / 24
-        totals[g] = planned["total"]
-    assert 5 / 2 < totals[2] < 3 and 5 / 4 < totals[4] < totals[2]
+        assert planned["copies"] == (24 // g) / 24 and rows[g]["per_block"] == f"{planned['total']:.3f}"
+    per_block = {g: float(rows[g]["per_block"]) for g in (2, 4)}
+    assert 5 / 2 < per_block[2] < 3 and 5 / 4 < per_block[4] < per_block[2]
 
 
 def test_tables_from_the_committed_runs():
     published = {r["part"]: r for r in hc.published_rows()}
     assert published["total"]["us_per_block"] == "2083"  # 150 ms / 72 blocks
-    dc = hc.load("driver_cost")
-    rows = {r["call"]: r for r in hc.driver_rows(dc)}
-    assert float(rows["all, per block"]["in_pass_us"]) < float(rows["all, per block"]["in_pass_us_record_after_block"])
-    assert rows["cuStreamBatchMemOp 1 op"]["after_a_block_us"].startswith("error")
-    ex = hc.executor_rows(hc.load("bench_small40"), hc.load("bench_step"))
-    assert {r["variant"] for r in ex} >= {"dlo-rank-local-swap", "dlo-rank-local-bgraph", "dlo-rank-local-graph"}
     graphs = hc.graph_rows(hc.load("bench_step"))
-    assert {(r["workload"], r["variant"]) for r in graphs} >= {("image", "block graphs"), ("video", "step graph")}
+    assert {(r["workload"], r["variant"]) for r in graphs} == {
+        (w, v) for w in ("video", "image") for v in hc.GRAPH_VARIANTS.values()}
     assert all(r["equal_to_resident"] is True for r in graphs)
-
-
-def test_the_takeaway_is_computed_from_the_reports():
-    bench = hc.load("bench_step")
-    s = hc.summary(hc.load("driver_cost"), hc.load("bench_small40"), bench)
-    eager = [r["proxy_host_us_per_block"] for rep in (hc.load("bench_small40"), bench)
-             for n, r in rep["dispatch"]["variants"].items() if n in ("dlo-rank-local", "dlo-rank-local-swap")]
-    assert s["ours, eager"] == f"{min(eager):.1f}-{max(eager):.1f} us"
-    assert s["reference host work per block"] == "2083 us" and set(s) >= {"block graphs, video", "block graphs, image"}
-
-
-def test_the_takeaway_gives_load_groups_where_a_run_measured_them():
-    import copy
-
-    small40 = copy.deepcopy(hc.load("bench_small40"))
-    for g in (2, 4):
-        small40["dispatch"]["variants"].pop(f"dlo-rank-local-swap-g{g}")
-    assert not any("load groups" in k for k in hc.summary(hc.load("driver_cost"), small40, hc.load("bench_step")))
-    small40["dispatch"]["variants"]["dlo-rank-local-swap-g2"] = {"proxy_host_us_per_block": 21.25}
-    s = hc.summary(hc.load("driver_cost"), small40, hc.load("bench_step"))
-    assert s["ours, eager, load groups of 2"] == "21.2-21.2 us" and "ours, eager, load groups of 4" not in s
-
-
-def test_load_group_tables_from_the_committed_runs():
-    # The H200 runs with load groups: the A/B of two trees in alternating processes, and the bench model's step
-    # time with and without groups (every output byte-identical to resident).
-    ab = hc.load("hostcost_ab")
-    rows = {r["variant"]: r for r in hc.ab_rows(ab)}
-    assert set(rows) >= {"dlo-rank-local-swap", "dlo-rank-local-swap-g2", "dlo-rank-local-swap-g4"}
-    for tree in ("base", "new"):
-        assert len(rows["dlo-rank-local-swap"][f"{tree}_rounds_us"].split(" / ")) == 3
-        # four loads share five calls: the cheapest eager loop in each tree
-        assert float(rows["dlo-rank-local-swap-g4"][f"{tree}_median_us"]) < float(
-            rows["dlo-rank-local-swap"][f"{tree}_median_us"])
-    s = hc.summary(hc.load("driver_cost"), hc.load("groups_bench_step"), hc.load("bench_step"), ab=ab)
-    g4 = [r["proxy_host_us_per_block"]["dlo-rank-local-swap-g4"] for r in ab["rounds"]]
-    assert s["ours, eager, load groups of 4, 6 processes"] == f"{min(g4):.1f}-{max(g4):.1f} us"
+    bg = hc.block_graph_host_rows(*(hc.load(n) for n in hc.BENCH_REPORTS))
+    assert [r["run"] for r in bg] == ["bench 2026-12-01", "bench-small40 2026-12-01"]
     groups = hc.graph_rows(hc.load("groups_bench_step"), hc.GROUP_VARIANTS)
     assert {r["variant"] for r in groups} == set(hc.GROUP_VARIANTS.values())
     assert all(r["equal_to_resident"] is True for r in groups)
 
 
-def ag_col(report, variant):
-    return [r["nccl_one_rank"]["variants"][variant]["collective_call_us_per_block"] for r in report["runs"]]
+def test_only_runs_of_the_runtime_as_it_is_give_the_torch_paths_host_cost():
+    reports = [hc.load(n) for n in hc.BENCH_REPORTS]
+    assert not any(hc.is_current(r) for r in reports)  # measured before the executor counted stream operations
+    assert hc.torch_path_rows(*reports) == []
+    assert hc.summary(*reports)["ours, eager (torch streams and events), host per block"] == "no committed H200 run yet"
+    current = copy.deepcopy(reports[1])
+    for r in current["workloads"][0]["variants"]:
+        if r["variant"].startswith("dlo-"):
+            r["stream_ops_per_block"] = 5.0
+    rows = {r["variant"]: r for r in hc.torch_path_rows(current)}
+    assert "dlo-rank-local-bgraph" not in rows and rows["dlo-rank-local-swap"]["stream_ops_per_block"] == "5.000"
+    s = hc.summary(current)
+    eager = [float(r["executor_us_per_block"]) for r in rows.values()]
+    assert s["ours, eager (torch streams and events), host per block"] == f"{min(eager):.1f}-{max(eager):.1f} us"
 
 
-def test_allgather_tables_from_the_committed_runs():
-    # bench.allgather_host's two runs: every variant of both set-ups, every output equal to resident, two runs per
-    # row; the driver path and load groups cut the executor's own part
-    ag = hc.load("allgather_host")
-    rows = {(r["set_up"], r["variant"]): r for r in hc.allgather_rows(ag)}
-    own_variants = ("own", "own-g2", "own-g4", "own-g8", "own-g4-perblock")
-    assert {v for _, v in rows} == {"torch-events", "driver", "driver-g2", "driver-g4", "graph", *own_variants}
-    assert all(("2 gloo ranks", v) not in rows for v in ("graph", *own_variants))
-    assert all(r["equal"] is True for r in rows.values())
-    assert all(len(r[k].split(" / ")) == 2 for r in rows.values() for k in ("executor_us", "in_collective_us"))
-    for part in ("1 NCCL rank", "2 gloo ranks"):
-        own = {v: max(float(x) for x in rows[part, v]["own_us"].split(" / ")) for v in
-               ("torch-events", "driver", "driver-g2", "driver-g4")}
-        assert own["driver-g4"] < own["driver-g2"] < own["driver"] < own["torch-events"], own
-    for g in ("", "-g2", "-g4"):  # the own communicator's NCCL calls cost less than c10d's, in every run
-        c10d, own = (ag_col(ag, v) for v in (f"driver{g}", f"own{g}"))
-        assert all(o < c for o, c in zip(own, c10d)), (g, own, c10d)
-    reading = hc.allgather_reading(ag)
-    total_own4 = [r["nccl_one_rank"]["variants"]["own-g4"]["proxy_host_us_per_block"] for r in ag["runs"]]
-    assert reading["own communicator, G = 4"].startswith(f"{min(total_own4):.1f}-{max(total_own4):.1f} us per block")
-    assert ("not under" in reading["own communicator, G = 4"]) is (max(total_own4) >= 30)
-    # the grouped shard layout (one all-gather per group) against the per-block one (four), in every run
-    per_block = [r["nccl_one_rank"]["variants"]["own-g4-perblock"]["proxy_host_us_per_block"] for r in ag["runs"]]
-    assert all(g < p for g, p in zip(total_own4, per_block)), (total_own4, per_block)
-    assert [r["nccl_one_rank"]["variants"][v]["layout_load_group"] for r in ag["runs"]
-            for v in ("own-g4", "own-g4-perblock")] == [4, 1, 4, 1]
-    own4 = [r["nccl_one_rank"]["variants"]["driver-g4"]["executor_own_us_per_block"] for r in ag["runs"]]
-    assert reading["own part at G = 4"].startswith(f"{min(own4):.1f}-{max(own4):.1f} us per block")
-    assert ("not under" in reading["own part at G = 4"]) is (max(own4) >= 30)
-    s = hc.summary(hc.load("driver_cost"), hc.load("bench_small40"), hc.load("bench_step"), allgather=ag)
-    total4 = [float(x) for x in rows["1 NCCL rank", "driver-g4"]["executor_us"].split(" / ")]
-    assert s["ours, allgather program over NCCL (one rank), load groups of 4"].startswith(
-        f"{min(total4):.1f}-{max(total4):.1f} us, of which NCCL calls")
+def test_the_takeaway_is_computed_from_the_reports():
+    bench = hc.load("bench_step")
+    s = hc.summary(hc.load("bench_small40"), bench)
+    bg = [r["proxy_host_us_per_block"] for rep in (hc.load("bench_small40"), bench)
+          for n, r in rep["dispatch"]["variants"].items() if n == "dlo-rank-local-bgraph"]
+    assert s["ours, block graphs, host per block"] == f"{min(bg):.1f}-{max(bg):.1f} us"
+    assert s["reference host work per block"] == "2083 us"
+    assert set(s) >= {"block graphs, bench video", "block graphs, bench image", "block graphs, bench-small40 image"}
+    assert s["stream operations per block, planned = counted"] == "5 (load groups of 4: 1.625)"
 
 
 def test_the_policy_takes_load_groups_only_where_the_host_is_the_bound():

@@ -51,19 +51,18 @@ def test_json_missing_field(tmp_path, capsys):
 
 
 def test_help_names_every_topology_workload_and_the_file_schema(capsys):
-    from dlo_fn.cli import policy as cli_policy
     from dlo_fn.repro import topologies
 
-    assert tuple(n for n, _ in cli_policy.TOPOLOGIES) == topologies.TOPOLOGY_NAMES
-    assert cli_policy.WORKLOADS == tuple(topologies.workloads())
     with pytest.raises(SystemExit):
         main(["policy", "--help"])
     out = capsys.readouterr().out
-    for name in (*topologies.TOPOLOGY_NAMES, *topologies.workloads()):
-        assert f"  {name}" in out, name
+    for name in topologies.TOPOLOGY_NAMES:
+        assert f"  {name} " in out, name
+    for name in topologies.workloads():
+        assert f"  {name!r}:" in out, name
     t = topologies.topology_to_dict(topologies.topology("8xL40S"))
     for field in t:  # every field a topology file can hold
-        assert f'"{field}"' in out, field
+        assert f"  {field} " in out, field
 
 
 @pytest.mark.parametrize("name", ["8xL40S", "8xRTX4090", "8xH100-PCIe", "8xL20"])

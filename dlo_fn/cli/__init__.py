@@ -10,7 +10,8 @@ while working exits with 1; Ctrl-C exits with 130; a closed stdout (``--json | h
 Under ``torchrun`` (``RANK`` set) usage errors, which every rank detects the same way before any model is
 loaded, are printed by rank 0 only; a runtime failure is printed by the rank that had it, prefixed with its
 rank. ``-v`` (before or after the command) shows the traceback as well. Other exceptions are bugs: they
-propagate with their traceback.
+propagate with their traceback. argparse's own mistakes (an unknown flag, a bad choice, a missing argument) are
+one line too (:class:`ArgumentParser`), exit 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 # Command modules, in the order `--help` lists them.
 COMMANDS = (
@@ -45,6 +47,32 @@ EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's own mistakes as one line, like every other: ``dlo_fn <command>: error: <message> (see
+    <command> --help)`` on stderr (rank 0 only under torchrun), then ``SystemExit(2)``. Every subcommand's parser
+    is one of these (``add_subparsers`` makes its parsers of the parent's class)."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # argparse reports these from the top parser: name the (sub)command they were given to
+            self._innermost(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def _innermost(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(chosen, ArgumentParser):
+                    return chosen._innermost(parsed)
+        return self
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("python -m ").removeprefix("dlo_fn").strip()
+        if _rank() == 0:
+            _say(command, f"{message} (see {self.prog} --help)")
+        raise SystemExit(_usage_exit())
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Shows an option's default only when it says something (not None or False) and the help text does not
     already state it."""
@@ -59,7 +87,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m dlo_fn",
         description=(
             "Distributed Layerwise Offload (DLO) for diffusion transformers: plan shard layouts and "
@@ -96,11 +124,12 @@ def _rank() -> int:
 
 def _say(command: str, message: str, *, rank_prefix: bool = False) -> None:
     where = f"rank {_rank()}: " if rank_prefix else ""
+    name = f"dlo_fn {command}".strip()
     lines = []
     for line in str(message).strip().splitlines() or [type(message).__name__]:
-        for prefix in (f"dlo_fn {command}: ", f"{command}: "):  # messages that already name the command
-            line = line[len(prefix):] if line.startswith(prefix) else line
-        lines.append(f"dlo_fn {command}: error: {where}{line}")
+        for prefix in (f"{name}: ", f"{command}: "):  # messages that already name the command
+            line = line[len(prefix):] if command and line.startswith(prefix) else line
+        lines.append(f"{name}: error: {where}{line}")
         print(lines[-1], file=sys.stderr)
     _torchrun_error_file("\n".join(lines))
 
@@ -160,7 +189,7 @@ def entry() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)  # argparse's own errors: its usage line, one error line, exit 2
+    args = parser.parse_args(argv)  # argparse's own errors: one line, exit 2 (ArgumentParser.error)
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,

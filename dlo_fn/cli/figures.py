@@ -1,4 +1,5 @@
-"""`python -m dlo_fn figures`: regenerate every figure (and optionally execute every notebook in place)."""
+"""`python -m dlo_fn figures`: regenerate every figure and the measured tables of README.md and docs/ (and optionally
+execute every notebook in place, in name order: ``notebooks/01_*.ipynb`` to ``12_*.ipynb``)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ def register(subparsers) -> None:
         "figures",
         help="regenerate figures/ (and execute the notebooks with --execute-notebooks)",
         description=(
-            "Regenerate every figure into figures/ (PNG/GIF) and the data behind it into figures/data/. "
-            "Output is byte-stable: running it twice changes no byte. Figures drawn from measurements read "
-            "the committed CSV/JSON under figures/data/; they never re-measure."
+            "Regenerate every figure into figures/ (PNG/GIF) and the data behind it into figures/data/, and the "
+            "measured tables of README.md and docs/ (dlo_fn.repro.doc_tables). Output is byte-stable: running it "
+            "twice changes no byte. Figures and tables drawn from measurements read the committed CSV/JSON under "
+            "figures/data/; they never re-measure."
         ),
     )
     p.add_argument("--out", type=pathlib.Path, default=FIGURES_DIR, help="output folder (default: figures/)")
@@ -84,4 +86,9 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         for path in figures[name](args.out):
             log.info("wrote %s", path.relative_to(args.out.parent) if path.is_relative_to(args.out.parent) else path)
+    if not args.only and args.out.resolve() == FIGURES_DIR.resolve():
+        from dlo_fn.repro.doc_tables import refresh
+
+        for path in refresh(ROOT):
+            log.info("refreshed the tables of %s", path.relative_to(ROOT))
     return 0

@@ -1,7 +1,7 @@
 """`python -m dlo_fn policy`: rank every (dp, sp, mode, shard group, slots, R, load group) of a model on a topology.
 
-``--topology`` is a named machine (see below: every field with its source, :mod:`dlo_fn.repro.topologies` and
-:mod:`dlo_fn.repro.pcie_topologies`) or a JSON file with the same fields
+``--topology`` is a named machine (``--help`` lists them, from :mod:`dlo_fn.repro.topologies`, every field with
+its source) or a JSON file with the same fields
 (:func:`dlo_fn.repro.topologies.topology_from_dict`), or the ``auto_policy.json`` that ``generate`` writes under
 ``--out`` with ``--mode/--slots/--sp auto`` (the measured topology with its model, workload and sp sizes). Prints
 the ranked table (the chosen plan first), the sources
@@ -18,52 +18,54 @@ import pathlib
 from dlo_fn.cli import HelpFormatter
 
 
-# Names and schema as --help prints them (tests/test_policy_cli.py checks them against repro.topologies).
-TOPOLOGIES = (
-    ("1xH200", "one H200 SXM, measured here (PCIe Gen5 x16)"),
-    ("4xB300", "4 B300 SXM6, NVLink 5 (fitted to the published Super rows)"),
-    ("8xB300", "8 B300 SXM6, NVLink 5 (the MiniMax-H3 node)"),
-    ("4xAscend910B3", "4 Ascend 910B3, HCCS (the published Nano DP4 split)"),
-    ("8xL40S", "PCIe Gen4, P2P over PCIe, a switch uplink per GPU pair"),
-    ("8xRTX4090", "PCIe Gen4, no P2P: the all-gather goes through host memory"),
-    ("8xH100-PCIe", "PCIe Gen5, P2P over PCIe, no NVLink bridge"),
-    ("8xL20", "PCIe Gen4, P2P over PCIe"),
-)
-WORKLOADS = ("image 1024^2 CFG, 24 steps", "video 832x480x29 CFG, 24 steps", "minimax t2va 768x1344x124",
-             "nano 832x480x29 CFG", "t2i 1024^2", "480p 29f", "480p 121f", "480p 125f", "480p 241f", "480p 245f",
-             "720p 121f", "720p 241f")
-JSON_SCHEMA = """\
-a topology file (JSON; bytes and seconds; optional fields default as shown):
-  {"name": str, "num_ranks": int, "h2d_bytes_per_s": float (one rank's pinned H2D, its GPU link),
-   "allgather_bus_bytes_per_s": float, "all_to_all_bytes_per_s": float, "d2d_copy_bytes_per_s": float,
-   "hbm_bytes_per_rank": int, "host_bytes_per_rank": int,
-   "compute": {"flop_per_s": float} or {"table": [[tokens, cfg_branches, s_per_block], ...]},
-   "host_s_per_block": {"allgather": s, "rank-local": s} (0), "host_serial": bool (false),
-   "step_overhead": [[tokens, cfg_branches, s], ...] ([]), "request_overhead": [[tokens, s], ...] ([]),
-   "context_bytes": int (0), "framework_host_bytes": int (0), "sources": {field: str} ({}),
-   "peer_link": "nvlink" | "pcie" | "host" ("nvlink": the all-gather on links of its own; "pcie": P2P over
-                the H2D's PCIe links; "host": no P2P, staged through host memory),
-   "gpus_per_uplink": int (1), "uplink_bytes_per_s": float or null (null: no shared uplink),
-   "host_memory_bytes_per_s": float or null (null: no limit), "ranks_per_host": int or null (all)}
-or the auto_policy.json a generate --out holds: {"topology": {...}, "model": {...}, "workload": {...}, "sps": [...]}"""
+class _HelpWithTables(argparse.Action):
+    """``-h/--help``: the usage and options, then the named topologies, models and workloads and the fields of a
+    topology file, generated from :mod:`dlo_fn.repro.topologies` when asked (so ``--help`` of the other commands
+    stays fast, and a topology added there is listed here)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.epilog = help_tables()
+        parser.print_help()
+        parser.exit()
 
 
-def _epilog() -> str:
-    width = max(len(n) for n, _ in TOPOLOGIES)
-    tops = "\n".join(f"  {n:<{width}}  {what}" for n, what in TOPOLOGIES)
-    return (f"named topologies:\n{tops}\n\nnamed workloads (--workload):\n"
-            + "\n".join(f"  {w}" for w in WORKLOADS) + f"\n\n{JSON_SCHEMA}")
+def help_tables() -> str:
+    """The epilog of ``policy --help``: every named topology (ranks, H2D, HBM), model, workload, and the JSON
+    fields of a topology file (required and optional)."""
+    from dlo_fn.repro import topologies
+
+    lines = ["named topologies (--topology NAME):"]
+    for name in topologies.TOPOLOGY_NAMES:
+        t = topologies.topology(name)
+        lines.append(f"  {name:<16} {t.num_ranks} rank(s), H2D {t.h2d_bytes_per_s / 1e9:.1f} GB/s, "
+                     f"{t.hbm_bytes_per_rank / 1e9:.0f} GB device memory per rank")
+    lines += ["", "models (--model NAME): " + ", ".join(topologies.MODEL_NAMES), "",
+              "named workloads (--workload NAME; default: the topology's own):"]
+    for name, w in topologies.workloads().items():
+        lines.append(f"  {name!r}: {w.tokens} tokens x {w.cfg_branches} branch(es), {w.num_steps} step(s)")
+    lines += ["", "a topology file (--topology FILE.json) is one JSON object:"]
+    for field, required, form in topologies.TOPOLOGY_FILE_FIELDS:
+        lines.append(f"  {field:<26} {'required' if required else 'optional'}  {form}")
+    lines += ["a named one as such a file: python -c 'import json; from dlo_fn.repro import topologies as t; "
+              "print(json.dumps(t.topology_to_dict(t.topology(\"1xH200\"))))'",
+              "--topology also reads the auto_policy.json that generate --out writes with --mode/--slots/--sp auto."]
+    return "\n".join(lines)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("policy", help="rank dp x sp, all-gather vs rank-local, slots and R on a topology",
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
-                              epilog=_epilog())
-    p.add_argument("--model", default="bench", help="bench, cosmos3-super, cosmos3-nano, minimax-h3")
+                              add_help=False)
+    p.add_argument("-h", "--help", action=_HelpWithTables,
+                   help="show this help, the named topologies, models and workloads, and a topology file's fields")
+    p.add_argument("--model", default="bench", help="a named model (listed below)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: the topology's)")
-    p.add_argument("--topology", default="1xH200", help="a named topology (below), FILE.json (schema below), or the "
+    p.add_argument("--topology", default="1xH200", help="a named topology, FILE.json (fields below), or the "
                    "auto_policy.json of a generate --out (its model and workload too)")
-    p.add_argument("--workload", default=None, help="a named workload (default: the topology's own)")
+    p.add_argument("--workload", default=None, help="a named workload (listed below; default: the topology's own)")
     p.add_argument("--objective", choices=("throughput", "latency"), default="throughput")
     p.add_argument("--slots", default="2,3,4", help="comma list of slot counts")
     p.add_argument("--requests-per-rank", default="1", help="comma list of R")

@@ -9,7 +9,7 @@ topology             fields and where they come from
 ``1xH200``           measured here: pinned H2D, device copy (``repro.ceilings``), block compute (the ``bench``
                      config's own measured block, ``models.configs``), per-step work outside the blocks (the
                      engine's step-boundary gap on the compute stream, and its per-request host work, from the
-                     serving-path profile ``serve_step_profile_h200.json``), host work per block (README),
+                     serving-path profile ``serve_step_profile_h200.json``), host work per block (docs/performance.md),
                      memory (the run's machine line)
 ``4xB300``           ``repro.b300``'s three fitted constants (H2D, NVLink all-gather, effective FLOP rate) and its
                      NVLink all-to-all bus rate (not fitted: NCCL's per-link rate x 18 links)
@@ -46,7 +46,8 @@ from dlo_fn.repro.waves_tables import NANO_BLOCKS, SHARD_H2D_BYTES_PER_S, refere
 
 __all__ = ["TOPOLOGY_NAMES", "MODEL_NAMES", "topology", "model", "workload", "h200_topology", "bench_model",
            "MINIMAX_STEPS", "MINIMAX_WORKLOAD", "MINIMAX_FITS", "minimax_fits", "topology_from_dict",
-           "H200_IMAGE", "H200_VIDEO", "NANO_WORKLOAD", "workloads", "topology_to_dict", "probe_to_dict", "probe_from_dict"]
+           "H200_IMAGE", "H200_VIDEO", "NANO_WORKLOAD", "topology_to_dict", "probe_to_dict", "probe_from_dict",
+           "workloads", "TOPOLOGY_FILE_FIELDS"]
 
 BENCH = CONFIGS["bench"]
 SUPER = CONFIGS["cosmos3-super"]
@@ -58,7 +59,8 @@ H200_IMAGE = Workload("image 1024^2 CFG, 24 steps", tokens_for(BENCH, 1024, 1024
 H200_VIDEO = Workload("video 832x480x29 CFG, 24 steps", tokens_for(BENCH, 480, 832, 29), 24, 2)
 H200_GPU_BYTES = 150_109_880_320  # gpu_memory_bytes on the R-sweep's machine line
 H200_HOST_BYTES = int(125.9 * GIB)  # "125.9 GiB RAM" on the same line
-# README's measured table: peak device memory of ours (rank-local) on the image, 2.8 GB, minus its 2 slots.
+# bench step's measured peak device memory of ours (rank-local) on the image, 2.8 GB (an earlier commit of
+# figures/data/bench_step_nvidia-h200.json), minus its 2 slots.
 H200_PEAK_IMAGE_BYTES, H200_SLOTS_BYTES = 2.8e9, 1.124e9
 
 MINIMAX_STEPS = 50  # requested steps (49 scheduler updates), as B300's waves count 50
@@ -72,7 +74,7 @@ def bench_model() -> PolicyModel:
     act = (H200_PEAK_IMAGE_BYTES - H200_SLOTS_BYTES - sizes.resident_bytes) / H200_IMAGE.step_tokens
     return PolicyModel(sizes, BENCH.hidden_dim, 2, int(act),
                        source="models.specs.config_spec('bench') (24 blocks of 0.56 GB); activations per token: "
-                              "README measured peak (image, rank-local) - 2 slots - resident, / step tokens")
+                              "bench step's measured peak (image, rank-local) - 2 slots - resident, / step tokens")
 
 
 SERVE_PROFILE = DATA_DIR / "serve_step_profile_h200.json"
@@ -104,7 +106,8 @@ def h200_topology() -> Topology:
          ("compute", "models.configs 'bench' source: one block 8.9 ms (1024^2) / 33.5 ms (832x480x29), CFG"),
          ("hbm_bytes_per_rank", "gpu_memory_bytes, figures/data/waves_r_sweep_h200_steps24.csv"),
          ("host_bytes_per_rank", "125.9 GiB RAM, the same machine line"),
-         ("host_s_per_block", "README: executor host work 176 us (allgather) / 48 us (rank-local) per block"),
+         ("host_s_per_block", "docs/performance.md: executor host work 176 us (allgather) / 48 us (rank-local) "
+                              "per block"),
          ("step_overhead", f"{SERVE_PROFILE.name}: the engine's step-boundary gap, median of 23, "
                            f"{1e3 * overhead:.2f} ms (1024^2, 2 slots)"),
          ("request_overhead", f"{SERVE_PROFILE.name}: init_state + decode and hash, {1e3 * per_request:.1f} ms"),
@@ -132,7 +135,7 @@ def _b300(num_ranks: int, name: str, compute: BlockCompute, host_per_rank: int) 
          ("compute", "see the model: B300_EFFECTIVE_FLOP_PER_S through repro.b300.step_costs, or the MiniMax fit"),
          ("hbm_bytes_per_rank", "NVIDIA B300 datasheet: 288 GB HBM3e"),
          ("host_bytes_per_rank", "assumed 2 TB host RAM / ranks (the published PSS of 532 GiB fits)"),
-         ("host_s_per_block", "README H200 measurement of our executor (no B300 measurement); serial with "
+         ("host_s_per_block", "the H200 measurement of our executor (no B300 measurement); serial with "
                               "compute as the reference's host work is on Ascend (enforce_eager)"),
          ("framework_host_bytes", "repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK")))
 
@@ -221,7 +224,7 @@ def model(name: str) -> PolicyModel:
 
 
 def workloads() -> dict[str, Workload]:
-    """Every named workload (``policy --workload``)."""
+    """Every named workload, by name (``policy --workload NAME``)."""
     return {w.name: w for w in (H200_IMAGE, H200_VIDEO, MINIMAX_WORKLOAD, NANO_WORKLOAD, *b300.WORKLOADS.values())}
 
 
@@ -238,18 +241,34 @@ MODEL_NAMES = ("bench", "cosmos3-super", "cosmos3-nano", "minimax-h3")
 _LINK_FIELDS = ("peer_link", "gpus_per_uplink", "uplink_bytes_per_s", "host_memory_bytes_per_s", "ranks_per_host")
 _FIELDS = ("name", "num_ranks", "h2d_bytes_per_s", "allgather_bus_bytes_per_s", "all_to_all_bytes_per_s",
            "d2d_copy_bytes_per_s", "hbm_bytes_per_rank", "host_bytes_per_rank")
+# A topology file's fields beyond _FIELDS: (field, required, JSON form). ``policy --help`` prints this table.
+_MORE_FIELDS = (
+    ("compute", True, '{"flop_per_s": x} or {"table": [[tokens, cfg_branches, seconds], ...]}'),
+    ("host_s_per_block", False, '{"allgather": seconds, "rank-local": seconds} (default 0)'),
+    ("host_serial", False, "true: host work on the compute stream's critical path (default false)"),
+    ("step_overhead", False, "[[tokens, cfg_branches, seconds], ...]"),
+    ("request_overhead", False, "[[tokens, seconds], ...]"),
+    ("context_bytes", False, "int (default 0)"),
+    ("framework_host_bytes", False, "int (default 0)"),
+    ("sources", False, '{field: "where the number comes from"}'),
+    ("peer_link", False, '"nvlink" (default: the all-gather on links of its own), "pcie" (P2P over the H2D\'s PCIe '
+                         'links) or "host" (no P2P: staged through host memory)'),
+    ("gpus_per_uplink", False, "int: GPUs sharing one switch uplink (default 1)"),
+    ("uplink_bytes_per_s", False, "number or null: the switch uplink's rate (default null: no shared uplink)"),
+    ("host_memory_bytes_per_s", False, "number or null: host memory bandwidth (default null: no limit)"),
+    ("ranks_per_host", False, "int or null (default null: every rank on one host)"),
+)
+TOPOLOGY_FILE_FIELDS = (*((f, True, "string" if f == "name" else "number") for f in _FIELDS), *_MORE_FIELDS)
 
 
 def topology_from_dict(data: dict, where: str = "topology") -> Topology:
     """A Topology from JSON-like data: the scalar fields, ``compute`` as ``{"flop_per_s": x}`` or
     ``{"table": [[tokens, cfg, s], ...]}``, optional ``host_s_per_block`` ({mode: s}), ``host_serial``,
     ``step_overhead`` ([[tokens, cfg, s], ...]), ``context_bytes``, ``framework_host_bytes``, ``sources``."""
-    missing = [f for f in _FIELDS + ("compute",) if f not in data]
+    missing = [f for f, required, _ in TOPOLOGY_FILE_FIELDS if required and f not in data]
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
-    unknown = set(data) - set(_FIELDS) - {"compute", "host_s_per_block", "host_serial", "step_overhead",
-                                          "context_bytes", "framework_host_bytes", "sources", "request_overhead",
-                                          *_LINK_FIELDS}
+    unknown = set(data) - {f for f, _, _ in TOPOLOGY_FILE_FIELDS}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     comp = data["compute"]
