@@ -60,7 +60,8 @@ def test_every_variant_equals_resident(report):
     want = rows["resident"]["sha256"]
     for name, v in rows.items():
         if name.startswith(("ours-", "diffusers-", "model-")) and v.get("forward_s"):
-            assert v["equal_to_resident"] is True and v["sha256"] == want, name
+            assert v["equal_to_resident"] is True, name  # FP8: equal to the fake-quantised resident model
+            assert (v["sha256"] == want) is (name != "ours-fp8"), name
     fp8 = rows["ours-fp8"]
     assert fp8["status"] == "ok" or "quantization" in fp8["reason"]  # runs as soon as the option lands
     for name in ("ours-rank-local", "ours-allgather", "ours-bgraph", "ours-3-slots"):
