@@ -184,7 +184,8 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
         pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     tensors = [t for t, _ in states]
     if layout.quantized:  # each rank quantises the rows its own pieces read (runtime.quant.StoredBlock)
-        tensors = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]))
+        where = platform.device if platform.is_accelerator else None
+        tensors = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
                    for t, sh in zip(tensors, layout.shards)]
     store = build_host_store(layout, shards.rank, tensors, platform, source=source,
                              progress=options.progress and ctx.is_main, pinned_blocks=pinned)

@@ -1,7 +1,8 @@
 """FP8 shards at run time: quantising a rank's own pieces, the dequantise op, and the reference ``fake_quantize``.
 
 The math and which tensors it applies to are :mod:`dlo_fn.plan.quant`'s. Quantisation runs on the host, row by row
-(a row is one output channel, whose scale needs only that row): :class:`StoredBlock` hands ``build_host_store`` the
+(a row is one output channel, whose scale needs only that row), or on the device where there is one (the same
+bits; ``tests/test_quant.py`` crosses the two on a GPU): :class:`StoredBlock` hands ``build_host_store`` the
 stored tensors of a block, computing only the rows that cover the bytes a piece asks for, so a rank reads and
 quantises its own share of the checkpoint and never holds a whole FP8 (or BF16) copy. :func:`dequantize_into` is
 the one dequantise kernel: the executor's DQ op and :func:`fake_quantize` both call it, so the offloaded model and
@@ -53,8 +54,9 @@ class StoredBlock(Mapping):
     costs nothing more."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], stored: BlockLayout,
-                 needed: Mapping[str, Sequence[tuple[int, int]]]) -> None:
+                 needed: Mapping[str, Sequence[tuple[int, int]]], device: torch.device | None = None) -> None:
         self._tensors, self._stored, self._needed = tensors, stored, needed
+        self._device = device  # where the rows are quantised (the same bits on the host and a GPU; faster there)
         self._fp8 = {p.name for p in stored.placements if p.dtype == FP8_DTYPE}
         self._last: tuple[str, torch.Tensor] | None = None
 
@@ -75,7 +77,7 @@ class StoredBlock(Mapping):
         out = torch.empty(w.shape, dtype=FP8_DTYPE) if name == source else torch.empty(w.shape[0])
         for lo, hi in self._needed.get(name, ()):
             r0, r1 = lo // row_bytes, -(-hi // row_bytes)
-            q, scale = quantize_rows(w[r0:r1])
+            q, scale = quantize_rows(w[r0:r1].to(self._device or w.device))
             out[r0:r1] = q if name == source else scale
         self._last = (name, out)
         return out
