@@ -8,8 +8,10 @@ cannot avoid, each step measured alone on a buffer of its own, with the threads 
     copy_s      the files' bytes (``n`` of them, from this rank's share) copied from the page cache into the
                 touched buffer: the faster of ``pread`` and ``memmove`` from a mapping, ``threads`` threads
 
-``floor_s = touch_s + register_s + copy_s``; ``register_untouched_s`` (register of a fresh buffer, which makes the
-driver fault every page itself) is beside it, the evidence for the fill's order (copy first, register last).
+``floor_s = touch_s + register_s + copy_s``. Beside it, evidence for the fill's choices: ``register_untouched_s``
+(register of a fresh buffer, which makes the driver fault every page itself: the other order), and
+``touch_hugepage_s`` / ``register_hugepage_s`` on a buffer advised ``MADV_HUGEPAGE`` (2 MiB pages where the kernel
+gives them: ``hugepage_bytes``, under the host's ``thp`` mode), which the arena does not use yet.
 Cold cache: :func:`evict` drops the files' pages (``posix_fadvise(DONTNEED)``) and :func:`resident_fraction`
 checks with ``mincore`` that they are gone.
 """
@@ -37,6 +39,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def _spans(files: Sequence[pathlib.Path], start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
@@ -112,10 +115,50 @@ def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 <<
     return best
 
 
+def _thp_mode() -> str:
+    try:
+        text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+
+
+def _anon_huge_bytes() -> int:
+    from dlo_fn.runtime.memstat import parse_smaps_rollup
+
+    return parse_smaps_rollup(pathlib.Path("/proc/self/smaps_rollup").read_text()).get("AnonHugePages", 0)
+
+
+def _hugepages(platform, nbytes: int, threads: int) -> dict:
+    """Touch (and register) ``nbytes`` advised ``MADV_HUGEPAGE``: what 2 MiB pages would save."""
+    from dlo_fn.runtime.host_store import pin_in_place
+
+    huge = 2 << 20
+    m = mmap.mmap(-1, nbytes + huge, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    off = (-addr) % huge
+    _libc.madvise(ctypes.c_void_p(addr + off), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
+    before = _anon_huge_bytes()
+    pages = [(lo, min(CHUNK, nbytes - lo)) for lo in range(0, nbytes, CHUNK)]
+    out = {"thp": _thp_mode(),
+           "touch_hugepage_s": _parallel(lambda p: ctypes.memset(addr + off + p[0], 0, p[1]), pages, threads)}
+    out["hugepage_bytes"] = _anon_huge_bytes() - before
+    if platform.kind == "cuda":
+        buf = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)
+        t0 = time.perf_counter()
+        fin = pin_in_place(buf)
+        out["register_hugepage_s"] = time.perf_counter() - t0
+        fin()
+        del buf
+    gc.collect()
+    m.close()
+    return out
+
+
 def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share: tuple[int, int] = (0, 1),
-                  threads: int | None = None, untouched: bool = True) -> dict:
+                  threads: int | None = None, untouched: bool = True, hugepages: bool = True) -> dict:
     """The floor of filling ``nbytes`` (module docstring); ``share=(r, W)`` copies the r-th ``nbytes`` of the
-    files (a rank's part of an allgather set-up)."""
+    files (a rank's part of an allgather set-up); ``untouched`` / ``hugepages``: the evidence beside it."""
     from dlo_fn.runtime.host_store import pin_in_place
 
     threads = threads or default_threads()
@@ -150,6 +193,8 @@ def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share
     if fin is not None:
         fin()
     del buf
+    if hugepages and nbytes:
+        out.update(_hugepages(platform, nbytes, threads))
     return out
 
 
@@ -259,6 +304,7 @@ def rank_ready(ctx, folder: str, device: str, ref_path: str) -> dict:
     del o, model, inputs, got
     gc.collect()
     dist.barrier(ctx.group)
-    out["floor"] = measure_floor(platform, arena, files, share=(ctx.rank, ctx.world_size), untouched=False)
+    out["floor"] = measure_floor(platform, arena, files, share=(ctx.rank, ctx.world_size), untouched=False,
+                                 hugepages=False)
     out["ready_over_floor"] = out["ready_s"] / out["floor"]["floor_s"]
     return out
