@@ -80,7 +80,8 @@ def _out_path(args, model: str, slug: str) -> pathlib.Path:
 
 def _argv(args: argparse.Namespace, models: list[str], variants: list[str]) -> list[str]:
     """The arguments that reproduce this run (the checkpoint folder and output path aside)."""
-    argv = ["bench", "real", "--models", ",".join(models), "--variants", ",".join(v for v in variants if v != "pipeline"),
+    argv = ["bench", "real", "--models", ",".join(models),
+            "--variants", ",".join(v for v in variants if v != "pipeline"),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     argv += ["--pipeline", "--pipeline-repeats", str(args.pipeline_repeats)] if "pipeline" in variants else []
     argv += ["--budget-s", f"{args.budget_s:g}"] if args.budget_s is not None else []

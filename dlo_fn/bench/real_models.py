@@ -56,12 +56,12 @@ LTX_VIDEO = {"activation_fn": "gelu-approximate", "attention_bias": True, "atten
              "norm_elementwise_affine": False, "norm_eps": 1e-06, "num_attention_heads": 32, "num_layers": 28,
              "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "qk_norm": "rms_norm_across_heads"}
 
-FLUX_QUICK = {"patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 3, "attention_head_dim": 16,
-              "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "guidance_embeds": True,
-              "axes_dims_rope": [4, 6, 6]}
+FLUX_QUICK = {"patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 3,
+              "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
+              "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": [4, 6, 6]}
 WAN_QUICK = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 16,
-             "out_channels": 16, "text_dim": 16, "freq_dim": 32, "ffn_dim": 32, "num_layers": 3, "cross_attn_norm": True,
-             "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32}
+             "out_channels": 16, "text_dim": 16, "freq_dim": 32, "ffn_dim": 32, "num_layers": 3,
+             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32}
 LTX_QUICK = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 8,
              "cross_attention_dim": 16, "num_layers": 3, "caption_channels": 16}
 

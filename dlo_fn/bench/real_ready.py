@@ -29,9 +29,8 @@ from typing import Sequence
 
 import torch
 
-from dlo_fn.runtime.host_fill import default_threads
 
-__all__ = ["measure_floor", "h2d_peak_bytes_per_s", "evict", "resident_fraction", "cold_read_s", "rank_ready"]
+__all__ = ["measure_floor", "h2d_peak_bytes_per_s", "evict", "resident_fraction", "cold_read_s"]
 
 CHUNK = 64 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -113,6 +112,11 @@ def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 <<
         platform.synchronize()
         best = max(best, chunks * chunk_bytes / (start.elapsed_time(end) / 1e3))
     return best
+
+
+def default_threads() -> int:
+    """The threads ``build_host_store`` fills a large arena with: the CPUs this process may use, at most 16."""
+    return min(16, len(os.sched_getaffinity(0)))
 
 
 def _thp_mode() -> str:
@@ -258,53 +262,3 @@ def cold_read_s(files: Sequence[pathlib.Path], threads: int | None = None) -> di
             os.close(fd)
     nbytes = sum(s[3] for s in spans)
     return {"resident_fraction_before": before, "read_s": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds}
-
-
-def rank_ready(ctx, folder: str, device: str, ref_path: str) -> dict:
-    """One rank of a W-rank allgather set-up (run by :func:`dlo_fn.serve.ranks.run_ranks`): time to ready, memory,
-    one forward compared with the resident output, then the floor for its share, every rank at once."""
-    import dataclasses
-    import hashlib
-
-    import torch.distributed as dist
-
-    from dlo_fn.runtime.load import load_model
-    from dlo_fn.runtime.memstat import process_memory
-    from dlo_fn.runtime.offload import offload
-    from dlo_fn.runtime.platform import Platform
-
-    if device == "cuda":  # every rank on the one GPU, over gloo
-        torch.cuda.set_device(0)
-        ctx = dataclasses.replace(ctx, platform=Platform("cuda", torch.device("cuda", 0), "gloo"))
-        torch.empty(1, device="cuda")  # the CUDA context is made before the clock starts
-    import diffusers  # noqa: F401  the libraries a user's process has imported already: not part of the set-up
-
-    platform = ctx.platform
-    files = sorted(pathlib.Path(folder).glob("*.safetensors"))
-    dist.barrier(ctx.group)
-    t0 = time.perf_counter()
-    model = load_model(folder, progress=False)
-    t1 = time.perf_counter()
-    o = offload(model, ctx=ctx, mode="allgather")
-    platform.synchronize()
-    t2 = time.perf_counter()
-    mem = process_memory()
-    ref = torch.load(ref_path, weights_only=True)
-    inputs = {k: v.to(platform.device) if torch.is_tensor(v) else v for k, v in ref["inputs"].items()}
-    with torch.no_grad():
-        got = o.model(**inputs)[0].cpu()
-    out = {"rank": ctx.rank, "ready_s": t2 - t0, "load_s": t1 - t0, "offload_s": t2 - t1,
-           "store": o.store.timings.as_dict(), "arena_bytes": o.store.arena_bytes,
-           "pinned_bytes": o.pinned_host_bytes, "host_rss_bytes": mem.rss_bytes, "host_uss_bytes": mem.uss_bytes,
-           "num_shards": o.layout.num_shards, "equal_to_resident": bool(torch.equal(got, ref["want"])),
-           "sha256": hashlib.sha256(got.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}
-    arena = o.store.arena_bytes
-    o.synchronize()
-    o.store.close()
-    del o, model, inputs, got
-    gc.collect()
-    dist.barrier(ctx.group)
-    out["floor"] = measure_floor(platform, arena, files, share=(ctx.rank, ctx.world_size), untouched=False,
-                                 hugepages=False)
-    out["ready_over_floor"] = out["ready_s"] / out["floor"]["floor_s"]
-    return out

@@ -22,7 +22,8 @@ REF_FILE = "bench_real_ref.pt"  # inputs and resident output, for the rank proce
 class ModelRun:
     def __init__(self, ctx, case: rm.ModelCase, folder: pathlib.Path, args, deadline: float | None,
                  write: Callable[[dict], None]) -> None:
-        self.ctx, self.case, self.folder, self.args, self.deadline, self._write = ctx, case, folder, args, deadline, write
+        self.ctx, self.case, self.folder, self.args = ctx, case, folder, args
+        self.deadline, self._write = deadline, write
         self.platform = ctx.platform
         config, workload = case.at(args.quick)
         self.entry: dict = {"name": case.name, "class": case.cls, "config": config, "source": case.source,
@@ -197,11 +198,12 @@ class ModelRun:
     def _ranks(self, world: int) -> dict:
         import os
 
+        from dlo_fn.bench.real_ranks import rank_ready
         from dlo_fn.serve.ranks import run_ranks
 
         cpus = len(os.sched_getaffinity(0))
         timeout = max(300.0, 4 * self.estimate(f"ranks-{world}"))
-        ranks = run_ranks(rr.rank_ready, world, str(self.folder), self.platform.kind,
+        ranks = run_ranks(rank_ready, world, str(self.folder), self.platform.kind,
                           str(self.folder / REF_FILE), timeout_s=timeout, platform="cpu",
                           threads_per_rank=max(1, cpus // world))
         return {"status": "ok", "world_size": world, "ranks": ranks,

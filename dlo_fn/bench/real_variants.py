@@ -157,9 +157,9 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
                  "arena_bytes": store.arena_bytes, "pinning": store.how, "num_slots": o.executor.num_slots,
                  # W = 1, every block in the arena: one pass moves the arena (FP8: its stored bytes)
                  "h2d_bytes_per_forward": store.arena_bytes,
-                 "store": store.timings.as_dict() if store.timings else None,
+                 "store": store.timings,
                  # offload's work besides filling the store (layout, slots, moving the rest, closing the mapping)
-                 "offload_other_s": t2 - t1 - (store.timings.total_s if store.timings else 0.0),
+                 "offload_other_s": t2 - t1 - (store.timings or {}).get("total_s", 0.0),
                  "weight_device_bytes": o.device_weight_bytes,
                  "options": {k: str(v) for k, v in kwargs.items()}}
         if probe_peak and ctx.platform.kind == "cuda" and store.pinned:
