@@ -64,7 +64,7 @@ def test_every_variant_equals_resident(report):
     fp8 = rows["ours-fp8"]
     assert fp8["status"] == "ok" or "quantization" in fp8["reason"]  # runs as soon as the option lands
     for name in ("ours-rank-local", "ours-allgather", "ours-bgraph", "ours-3-slots"):
-        assert rows[name]["store"]["copied_bytes"] > 0 and rows[name]["ready_over_floor"] > 0
+        assert rows[name]["store"]["copy_s"] > 0 and rows[name]["ready_over_floor"] > 0
     assert rows["ours-3-slots"]["num_slots"] == 3 and rows["diffusers-block"]["use_stream"] is False  # CPU
     ranks = rows["ranks-2"]
     assert ranks["equal_to_resident"] and [r["num_shards"] for r in ranks["ranks"]] == [2, 2]
