@@ -114,9 +114,10 @@ def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 <<
     return best
 
 
-def default_threads() -> int:
-    """The threads ``build_host_store`` fills a large arena with: the CPUs this process may use, at most 16."""
-    return min(16, len(os.sched_getaffinity(0)))
+def default_threads(nbytes: int) -> int:
+    """The threads ``build_host_store`` fills an arena of ``nbytes`` with (one below 256 MiB, else the CPUs this
+    process may use, at most 16)."""
+    return 1 if nbytes < 256 << 20 else min(16, len(os.sched_getaffinity(0)))
 
 
 def _thp_mode() -> str:
@@ -165,7 +166,7 @@ def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share
     files (a rank's part of an allgather set-up); ``untouched`` / ``hugepages``: the evidence beside it."""
     from dlo_fn.runtime.host_store import pin_in_place
 
-    threads = threads or default_threads()
+    threads = threads or default_threads(nbytes)
     out: dict = {"bytes": nbytes, "threads": threads, "register_untouched_s": None, "register_s": 0.0,
                  "h2d_peak_bytes_per_s": None}
     cuda = platform.kind == "cuda"
@@ -244,8 +245,8 @@ def cold_read_s(files: Sequence[pathlib.Path], threads: int | None = None) -> di
     """Evict the files, then read them once with ``threads`` threads (``pread`` into one buffer per thread)."""
     evict(files)
     before = resident_fraction(files)
-    threads = threads or default_threads()
     spans = _spans(files, 0, sum(os.path.getsize(f) for f in files))
+    threads = threads or default_threads(sum(s[3] for s in spans))
     bufs = {}
     fds = {f: os.open(f, os.O_RDONLY) for f in {s[0] for s in spans}}
 

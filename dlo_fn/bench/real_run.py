@@ -149,13 +149,13 @@ class ModelRun:
                 if self.want_fp8 is None:
                     raise Skip(self.fp8_reason or "no fake-quantized reference")
                 want = self.want_fp8
-            if variant == "ours-rank-local" and "floor" not in self.entry:
+            first = "floor" not in self.entry  # the floor and the arena's peak, next to the first of ours
+            if first:
                 self.entry["floor"] = rr.measure_floor(p, self.arena_bytes, self.files)
                 self.entry["h2d_peaks_bytes_per_s"]["floor_buffer"] = self.entry["floor"]["h2d_peak_bytes_per_s"]
                 self.write()
             warmup = max(args.warmup, rv.GRAPH_WARMUP) if kwargs.get("graph") else args.warmup
-            row = rv.measure(p, rv.ours_setup(self.ctx, folder, kwargs, self.inputs,
-                                              probe_peak=variant == "ours-rank-local"),
+            row = rv.measure(p, rv.ours_setup(self.ctx, folder, kwargs, self.inputs, probe_peak=first),
                              want=want, warmup=warmup, repeats=args.repeats)
             if row.get("arena_h2d_peak_bytes_per_s"):
                 self.entry["h2d_peaks_bytes_per_s"]["arena"] = row["arena_h2d_peak_bytes_per_s"]
@@ -230,7 +230,7 @@ class ModelRun:
         r = next((v.get("forward_s") for v in e["variants"] if v["variant"] == "resident"), 0.0) or 0.0
         b, n = max(r, m / max(peaks)), a.warmup + a.repeats
         if variant.startswith("ours-"):
-            first = 0.0 if "floor" in e else 2 * m / 3e9
+            first = 0.0 if "floor" in e else m / 1.2e9  # the floor: five passes over the arena's bytes
             warm = rv.GRAPH_WARMUP if "bgraph" in variant else a.warmup
             return {"ours-cold": 5 + 3 * m / 2e9}.get(variant, 3 + m / 2.5e9 + first + (warm + a.repeats) * 1.05 * b)
         return {"diffusers-block": 5 + m / 1e9 + n * 1.6 * b, "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,

@@ -226,8 +226,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     ``source="mmap"`` is for rank-local layouts only: nothing is copied, the H2D ops read the views.
     ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.plan.host_budget`): only blocks ``0..k-1`` go into the
     arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
-    tensors (pageable), which must then stay alive (the store holds them). ``threads`` (default: the CPUs this
-    process may use, at most 16) fill the arena (module docstring); ``progress`` logs ``store.timings``."""
+    tensors (pageable), which must then stay alive (the store holds them). ``threads`` fill the arena (module
+    docstring; default: the CPUs this process may use, at most 16); ``progress`` logs ``store.timings``."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if len(block_tensors) != layout.num_blocks:
@@ -269,8 +269,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
         tasks.extend((base + p.dst_start, p.nbytes, (b, p)) for p in pieces)
         gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
         sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
-    # A small arena (< 32 MiB) costs less than starting threads; past 16 the copies are bound by memory bandwidth.
-    threads = 1 if nbytes < 32 << 20 else threads or min(16, len(os.sched_getaffinity(0)))
+    # Default: one thread below 256 MiB (threads keep ~150 kB of stacks and arenas), else the CPUs, at most 16.
+    threads = threads or (1 if nbytes < 256 << 20 else min(16, len(os.sched_getaffinity(0))))
     copied, copy_s, zero_s = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads)
     t1 = time.perf_counter()
     if late_pin:
