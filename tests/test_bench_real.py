@@ -110,11 +110,30 @@ def test_the_file_holds_every_finished_variant_and_survives_a_kill(tmp_path):
 
 @pytest.mark.slow
 def test_the_budget_skips_what_would_not_finish(tmp_path):
-    args = _args(tmp_path, "--models", "ltx", "--variants", "ours-rank-local,diffusers-block", "--budget-s", "0.001")
+    """A budget too small for a model's checkpoint skips the model; once a model runs, a variant that would end past
+    the deadline is skipped (recorded with the reason), and the file says so."""
+    from dlo_fn.bench.real import _write
+    from dlo_fn.bench.real_models import MODELS
+    from dlo_fn.bench.real_run import ModelRun
+    from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.runtime.platform import platform_for
+
+    args = _args(tmp_path, "--models", "ltx", "--variants", "ours-rank-local", "--budget-s", "0.001")
     assert args.func(args) == 0
-    rows = json.loads((tmp_path / "real_ltx.json").read_text())["model"]["variants"]
-    assert rows[0]["variant"] == "resident" and rows[0]["status"] == "ok"
-    assert [(v["status"], v["reason"].split(":")[0]) for v in rows[1:]] == [("skipped", "budget")] * 2
+    model = json.loads((tmp_path / "real_ltx.json").read_text())["model"]
+    assert model["skipped"].startswith("budget") and model["variants"] == []
+
+    path = tmp_path / "run.json"
+    mr = ModelRun(init_distributed(platform_for("cpu")), MODELS["ltx"], tmp_path / "ckpt" / "ltx", args,
+                  deadline=None, write=lambda entry: _write({"quick": True}, entry, path))
+    mr.prepare(["ours-rank-local", "diffusers-block"])
+    mr.deadline = time.perf_counter() + 0.5 * mr.estimate("ours-rank-local")
+    mr.one("ours-rank-local")
+    mr.one("diffusers-block")
+    rows = json.loads(path.read_text())["model"]["variants"]
+    assert [(v["variant"], v["status"]) for v in rows] == [("resident", "ok"), ("ours-rank-local", "skipped"),
+                                                          ("diffusers-block", "skipped")]
+    assert all(v["reason"].startswith("budget: needs ~") for v in rows[1:])
 
 
 def test_bad_arguments_are_one_line(tmp_path):

@@ -40,9 +40,25 @@ class ModelRun:
         return rm.checkpoint_files(self.folder)
 
     def run(self, variants: list[str]) -> None:
+        est = self.prepare_estimate()
+        if self.deadline is not None and time.perf_counter() + est > self.deadline:
+            self.entry["skipped"] = f"budget: its checkpoint and resident run need ~{est:.0f} s"
+            return
         self.prepare(variants)
         for v in variants:
             self.one(v)
+
+    def prepare_estimate(self) -> float:
+        """Seconds to write the checkpoint (~1 GB/s) or read a complete one back, and run resident."""
+        import diffusers
+
+        from dlo_fn.runtime.diffusers_load import _meta_build
+
+        config, _ = self.case.at(self.args.quick)
+        meta = _meta_build(getattr(diffusers, self.case.cls), config, torch.bfloat16)
+        nbytes = sum(p.numel() * p.element_size() for p in meta.parameters())
+        reuse = rm.checkpoint_ready(self.folder, self.case, self.args.quick, seed=0)
+        return 10 + nbytes / (3e9 if reuse else 1e9)
 
     # -- the checkpoint and the resident reference ------------------------------------------------------------
     @torch.no_grad()
