@@ -174,3 +174,24 @@ def test_flux_pipeline_component_configs_on_meta():
         vae = diffusers.AutoencoderKL(**FLUX_VAE)
     count = [sum(p.numel() for p in m.parameters()) for m in (clip, t5, vae)]
     assert count == [123_060_480, 4_762_310_656, 83_819_683]
+
+
+@pytest.mark.slow
+def test_figure_from_the_report_is_deterministic(report, tmp_path):
+    from dlo_fn.figures.real import find_real_reports, plot_bench_real, real_rows
+
+    data = tmp_path / "data"
+    data.mkdir()
+    report = dict(report, machine=dict(report["machine"], device_name="NVIDIA H200"))
+    for name in ("bench_real_flux_nvidia-h200.json", "bench_real_flux_nvidia-h200_quick.json",
+                 "bench_real_flux_cpu.json", "bench_real_ltx_nvidia-h200.json"):
+        model = dict(report["model"], name=name.split("_")[2])
+        (data / name).write_text(json.dumps(dict(report, model=model)))
+    found = find_real_reports(data)  # the machine with the most models, in model order; quick runs ignored
+    assert [r["model"]["name"] for r in found] == ["flux", "ltx"]
+    first = plot_bench_real(found, tmp_path / "a")
+    second = plot_bench_real(found, tmp_path / "b")
+    assert [p.name for p in first] == ["fig_bench_real.png", "fig_bench_real.csv"]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(first, second))
+    timed = [v for v in report["model"]["variants"] if v.get("forward_s")]
+    assert len(real_rows(found)) == 2 * len(timed)
