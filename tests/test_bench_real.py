@@ -65,7 +65,7 @@ def test_every_variant_equals_resident(report):
     fp8 = rows["ours-fp8"]
     assert fp8["status"] == "ok" or "quantization" in fp8["reason"]  # runs as soon as the option lands
     for name in ("ours-rank-local", "ours-allgather", "ours-bgraph", "ours-3-slots"):
-        assert rows[name]["store"]["copied_bytes"] > 0 and rows[name]["ready_over_floor"] > 0
+        assert rows[name]["store"]["copy_s"] > 0 and rows[name]["ready_over_floor"] > 0
     assert rows["ours-3-slots"]["num_slots"] == 3 and rows["diffusers-block"]["use_stream"] is False  # CPU
     ranks = rows["ranks-2"]
     assert ranks["equal_to_resident"] and [r["num_shards"] for r in ranks["ranks"]] == [2, 2]
@@ -111,11 +111,30 @@ def test_the_file_holds_every_finished_variant_and_survives_a_kill(tmp_path):
 
 @pytest.mark.slow
 def test_the_budget_skips_what_would_not_finish(tmp_path):
-    args = _args(tmp_path, "--models", "ltx", "--variants", "ours-rank-local,diffusers-block", "--budget-s", "0.001")
+    """A budget too small for a model's checkpoint skips the model; once a model runs, a variant that would end past
+    the deadline is skipped (recorded with the reason), and the file says so."""
+    from dlo_fn.bench.real import _write
+    from dlo_fn.bench.real_models import MODELS
+    from dlo_fn.bench.real_run import ModelRun
+    from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.runtime.platform import platform_for
+
+    args = _args(tmp_path, "--models", "ltx", "--variants", "ours-rank-local", "--budget-s", "0.001")
     assert args.func(args) == 0
-    rows = json.loads((tmp_path / "real_ltx.json").read_text())["model"]["variants"]
-    assert rows[0]["variant"] == "resident" and rows[0]["status"] == "ok"
-    assert [(v["status"], v["reason"].split(":")[0]) for v in rows[1:]] == [("skipped", "budget")] * 2
+    model = json.loads((tmp_path / "real_ltx.json").read_text())["model"]
+    assert model["skipped"].startswith("budget") and model["variants"] == []
+
+    path = tmp_path / "run.json"
+    mr = ModelRun(init_distributed(platform_for("cpu")), MODELS["ltx"], tmp_path / "ckpt" / "ltx", args,
+                  deadline=None, write=lambda entry: _write({"quick": True}, entry, path))
+    mr.prepare(["ours-rank-local", "diffusers-block"])
+    mr.deadline = time.perf_counter() + 0.5 * mr.estimate("ours-rank-local")
+    mr.one("ours-rank-local")
+    mr.one("diffusers-block")
+    rows = json.loads(path.read_text())["model"]["variants"]
+    assert [(v["variant"], v["status"]) for v in rows] == [("resident", "ok"), ("ours-rank-local", "skipped"),
+                                                          ("diffusers-block", "skipped")]
+    assert all(v["reason"].startswith("budget: needs ~") for v in rows[1:])
 
 
 def test_bad_arguments_are_one_line(tmp_path):
@@ -156,3 +175,24 @@ def test_flux_pipeline_component_configs_on_meta():
         vae = diffusers.AutoencoderKL(**FLUX_VAE)
     count = [sum(p.numel() for p in m.parameters()) for m in (clip, t5, vae)]
     assert count == [123_060_480, 4_762_310_656, 83_819_683]
+
+
+@pytest.mark.slow
+def test_figure_from_the_report_is_deterministic(report, tmp_path):
+    from dlo_fn.figures.real import find_real_reports, plot_bench_real, real_rows
+
+    data = tmp_path / "data"
+    data.mkdir()
+    report = dict(report, machine=dict(report["machine"], device_name="NVIDIA H200"))
+    for name in ("bench_real_flux_nvidia-h200.json", "bench_real_flux_nvidia-h200_quick.json",
+                 "bench_real_flux_cpu.json", "bench_real_ltx_nvidia-h200.json"):
+        model = dict(report["model"], name=name.split("_")[2])
+        (data / name).write_text(json.dumps(dict(report, model=model)))
+    found = find_real_reports(data)  # the machine with the most models, in model order; quick runs ignored
+    assert [r["model"]["name"] for r in found] == ["flux", "ltx"]
+    first = plot_bench_real(found, tmp_path / "a")
+    second = plot_bench_real(found, tmp_path / "b")
+    assert [p.name for p in first] == ["fig_bench_real.png", "fig_bench_real.csv"]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(first, second))
+    timed = [v for v in report["model"]["variants"] if v.get("forward_s")]
+    assert len(real_rows(found)) == 2 * len(timed)

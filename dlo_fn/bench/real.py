@@ -11,7 +11,7 @@ denoising forward at the workload's shapes, per variant (:mod:`dlo_fn.bench.real
     ready_s            folder -> model ready to run (warm page cache); ours: load_model + offload, with the host
                        store's phases, against the host's floor measured in the same run (real_ready)
     memory             peak device bytes (above what was allocated before), host RSS / USS after set-up, pinned
-    ranks-W            W gloo ranks sharing the device, allocgather: each rank's ready_s against its share's floor
+    ranks-W            W gloo ranks sharing the device, allgather: each rank's ready_s against its share's floor
     ours-cold          ready_s after the files' pages were evicted (checked with mincore), and a timed first read
 
 A variant that does not fit (device or host memory) or whose feature has not landed is recorded as skipped with
@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--models", default="flux,wan480", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "pipeline"),
-                   help=f"comma list, run in this order after resident: {', '.join(VARIANTS)}")
+                   help=f"comma list, run in the order given, after resident: {', '.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (block graphs: at least 4)")
     p.add_argument("--pipeline", action="store_true", help="also a full Flux request (FluxPipeline, 28 steps)")
@@ -80,7 +80,8 @@ def _out_path(args, model: str, slug: str) -> pathlib.Path:
 
 def _argv(args: argparse.Namespace, models: list[str], variants: list[str]) -> list[str]:
     """The arguments that reproduce this run (the checkpoint folder and output path aside)."""
-    argv = ["bench", "real", "--models", ",".join(models), "--variants", ",".join(v for v in variants if v != "pipeline"),
+    argv = ["bench", "real", "--models", ",".join(models),
+            "--variants", ",".join(v for v in variants if v != "pipeline"),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     argv += ["--pipeline", "--pipeline-repeats", str(args.pipeline_repeats)] if "pipeline" in variants else []
     argv += ["--budget-s", f"{args.budget_s:g}"] if args.budget_s is not None else []
@@ -118,9 +119,10 @@ def _write(report: dict, entry: dict, path: pathlib.Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()  # the budget counts from here: imports and device start-up included
     import torch
 
-    from dlo_fn.bench.real_models import MODELS
+    from dlo_fn.bench.real_models import MARKER, MODELS
     from dlo_fn.bench.real_run import ModelRun
     from dlo_fn.bench.real_variants import VARIANTS
     from dlo_fn.bench.report import stamp
@@ -138,7 +140,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("bench real: --repeats must be >= 1 and --warmup >= 0")
     platform = detect_platform(prefer=args.platform or ("cpu" if args.quick else None))
     ctx = init_distributed(platform)
-    t_start = time.perf_counter()
     root = pathlib.Path(args.folder)
     for i, name in enumerate(models):
         case = MODELS[name]
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             mr.write()
         later = {MODELS[m].checkpoint for m in models[i + 1 :]}
-        if not args.keep and case.checkpoint not in later and folder.exists():
+        if not args.keep and case.checkpoint not in later and (folder / MARKER).exists():
             shutil.rmtree(folder, ignore_errors=True)  # disk: the next model's checkpoint needs the room
         print(f"bench real: {name} -> {path}")
         del mr

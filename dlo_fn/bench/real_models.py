@@ -56,12 +56,12 @@ LTX_VIDEO = {"activation_fn": "gelu-approximate", "attention_bias": True, "atten
              "norm_elementwise_affine": False, "norm_eps": 1e-06, "num_attention_heads": 32, "num_layers": 28,
              "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "qk_norm": "rms_norm_across_heads"}
 
-FLUX_QUICK = {"patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 3, "attention_head_dim": 16,
-              "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "guidance_embeds": True,
-              "axes_dims_rope": [4, 6, 6]}
+FLUX_QUICK = {"patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 3,
+              "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
+              "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": [4, 6, 6]}
 WAN_QUICK = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 16,
-             "out_channels": 16, "text_dim": 16, "freq_dim": 32, "ffn_dim": 32, "num_layers": 3, "cross_attn_norm": True,
-             "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32}
+             "out_channels": 16, "text_dim": 16, "freq_dim": 32, "ffn_dim": 32, "num_layers": 3,
+             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32}
 LTX_QUICK = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 8,
              "cross_attention_dim": 16, "num_layers": 3, "caption_channels": 16}
 
@@ -144,20 +144,27 @@ def _marker(case: ModelCase, quick: bool, seed: int) -> dict:
 def checkpoint_ready(folder: pathlib.Path, case: ModelCase, quick: bool, seed: int) -> bool:
     """Whether ``folder`` holds this case's checkpoint, completely written by :func:`write_checkpoint`."""
     try:
-        return json.loads((folder / MARKER).read_text()) == json.loads(json.dumps(_marker(case, quick, seed)))
+        want = dict(_marker(case, quick, seed), complete=True)
+        return json.loads((folder / MARKER).read_text()) == json.loads(json.dumps(want))
     except (OSError, ValueError):
         return False
 
 
 def write_checkpoint(model: nn.Module, folder: pathlib.Path, case: ModelCase, quick: bool, seed: int) -> dict:
     """``model.save_pretrained(folder)`` in shards of at most 5 GB (``save_pretrained`` brings one shard at a
-    time to the host), then the marker; returns what was written and how long it took."""
+    time to the host); the marker is written first (the folder is ours: a later run may delete it) and completed
+    last (the checkpoint is whole: a later run may reuse it). Returns what was written and how long it took."""
     if folder.exists():
+        if not (folder / MARKER).exists() and any(folder.iterdir()):
+            raise ValueError(f"{folder} exists and was not written by bench real (no {MARKER}): pass another --folder")
         shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    marker = _marker(case, quick, seed)
+    (folder / MARKER).write_text(json.dumps(dict(marker, complete=False)))
     t0 = time.perf_counter()
     model.save_pretrained(folder, max_shard_size="5GB", safe_serialization=True)
     seconds = time.perf_counter() - t0
-    (folder / MARKER).write_text(json.dumps(_marker(case, quick, seed), indent=1, sort_keys=True))
+    (folder / MARKER).write_text(json.dumps(dict(marker, complete=True), indent=1, sort_keys=True))
     files = sorted(folder.glob("*.safetensors"))
     return {"write_s": seconds, "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
 

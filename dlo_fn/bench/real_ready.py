@@ -8,8 +8,10 @@ cannot avoid, each step measured alone on a buffer of its own, with the threads 
     copy_s      the files' bytes (``n`` of them, from this rank's share) copied from the page cache into the
                 touched buffer: the faster of ``pread`` and ``memmove`` from a mapping, ``threads`` threads
 
-``floor_s = touch_s + register_s + copy_s``; ``register_untouched_s`` (register of a fresh buffer, which makes the
-driver fault every page itself) is beside it, the evidence for the fill's order (copy first, register last).
+``floor_s = touch_s + register_s + copy_s``. Beside it, evidence for the fill's choices: ``register_untouched_s``
+(register of a fresh buffer, which makes the driver fault every page itself: the other order), and
+``touch_hugepage_s`` / ``register_hugepage_s`` on a buffer advised ``MADV_HUGEPAGE`` (2 MiB pages where the kernel
+gives them: ``hugepage_bytes``, under the host's ``thp`` mode), which the arena does not use yet.
 Cold cache: :func:`evict` drops the files' pages (``posix_fadvise(DONTNEED)``) and :func:`resident_fraction`
 checks with ``mincore`` that they are gone.
 """
@@ -27,9 +29,8 @@ from typing import Sequence
 
 import torch
 
-from dlo_fn.runtime.host_fill import default_threads
 
-__all__ = ["measure_floor", "h2d_peak_bytes_per_s", "evict", "resident_fraction", "cold_read_s", "rank_ready"]
+__all__ = ["measure_floor", "h2d_peak_bytes_per_s", "evict", "resident_fraction", "cold_read_s"]
 
 CHUNK = 64 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -37,6 +38,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def _spans(files: Sequence[pathlib.Path], start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
@@ -112,13 +114,59 @@ def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 <<
     return best
 
 
-def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share: tuple[int, int] = (0, 1),
-                  threads: int | None = None, untouched: bool = True) -> dict:
-    """The floor of filling ``nbytes`` (module docstring); ``share=(r, W)`` copies the r-th ``nbytes`` of the
-    files (a rank's part of an allgather set-up)."""
+def default_threads(nbytes: int) -> int:
+    """The threads ``build_host_store`` fills an arena of ``nbytes`` with (one below 256 MiB, else the CPUs this
+    process may use, at most 16)."""
+    return 1 if nbytes < 256 << 20 else min(16, len(os.sched_getaffinity(0)))
+
+
+def _thp_mode() -> str:
+    try:
+        text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+
+
+def _anon_huge_bytes() -> int:
+    from dlo_fn.runtime.memstat import parse_smaps_rollup
+
+    return parse_smaps_rollup(pathlib.Path("/proc/self/smaps_rollup").read_text()).get("AnonHugePages", 0)
+
+
+def _hugepages(platform, nbytes: int, threads: int) -> dict:
+    """Touch (and register) ``nbytes`` advised ``MADV_HUGEPAGE``: what 2 MiB pages would save."""
     from dlo_fn.runtime.host_store import pin_in_place
 
-    threads = threads or default_threads()
+    huge = 2 << 20
+    m = mmap.mmap(-1, nbytes + huge, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    off = (-addr) % huge
+    _libc.madvise(ctypes.c_void_p(addr + off), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
+    before = _anon_huge_bytes()
+    pages = [(lo, min(CHUNK, nbytes - lo)) for lo in range(0, nbytes, CHUNK)]
+    out = {"thp": _thp_mode(),
+           "touch_hugepage_s": _parallel(lambda p: ctypes.memset(addr + off + p[0], 0, p[1]), pages, threads)}
+    out["hugepage_bytes"] = _anon_huge_bytes() - before
+    if platform.kind == "cuda":
+        buf = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)
+        t0 = time.perf_counter()
+        fin = pin_in_place(buf)
+        out["register_hugepage_s"] = time.perf_counter() - t0
+        fin()
+        del buf
+    gc.collect()
+    m.close()
+    return out
+
+
+def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share: tuple[int, int] = (0, 1),
+                  threads: int | None = None, untouched: bool = True, hugepages: bool = True) -> dict:
+    """The floor of filling ``nbytes`` (module docstring); ``share=(r, W)`` copies the r-th ``nbytes`` of the
+    files (a rank's part of an allgather set-up); ``untouched`` / ``hugepages``: the evidence beside it."""
+    from dlo_fn.runtime.host_store import pin_in_place
+
+    threads = threads or default_threads(nbytes)
     out: dict = {"bytes": nbytes, "threads": threads, "register_untouched_s": None, "register_s": 0.0,
                  "h2d_peak_bytes_per_s": None}
     cuda = platform.kind == "cuda"
@@ -150,6 +198,8 @@ def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share
     if fin is not None:
         fin()
     del buf
+    if hugepages and nbytes:
+        out.update(_hugepages(platform, nbytes, threads))
     return out
 
 
@@ -195,8 +245,8 @@ def cold_read_s(files: Sequence[pathlib.Path], threads: int | None = None) -> di
     """Evict the files, then read them once with ``threads`` threads (``pread`` into one buffer per thread)."""
     evict(files)
     before = resident_fraction(files)
-    threads = threads or default_threads()
     spans = _spans(files, 0, sum(os.path.getsize(f) for f in files))
+    threads = threads or default_threads(sum(s[3] for s in spans))
     bufs = {}
     fds = {f: os.open(f, os.O_RDONLY) for f in {s[0] for s in spans}}
 
@@ -213,52 +263,3 @@ def cold_read_s(files: Sequence[pathlib.Path], threads: int | None = None) -> di
             os.close(fd)
     nbytes = sum(s[3] for s in spans)
     return {"resident_fraction_before": before, "read_s": seconds, "bytes": nbytes, "bytes_per_s": nbytes / seconds}
-
-
-def rank_ready(ctx, folder: str, device: str, ref_path: str) -> dict:
-    """One rank of a W-rank allgather set-up (run by :func:`dlo_fn.serve.ranks.run_ranks`): time to ready, memory,
-    one forward compared with the resident output, then the floor for its share, every rank at once."""
-    import dataclasses
-    import hashlib
-
-    import torch.distributed as dist
-
-    from dlo_fn.runtime.load import load_model
-    from dlo_fn.runtime.memstat import process_memory
-    from dlo_fn.runtime.offload import offload
-    from dlo_fn.runtime.platform import Platform
-
-    if device == "cuda":  # every rank on the one GPU, over gloo
-        torch.cuda.set_device(0)
-        ctx = dataclasses.replace(ctx, platform=Platform("cuda", torch.device("cuda", 0), "gloo"))
-        torch.empty(1, device="cuda")  # the CUDA context is made before the clock starts
-    import diffusers  # noqa: F401  the libraries a user's process has imported already: not part of the set-up
-
-    platform = ctx.platform
-    files = sorted(pathlib.Path(folder).glob("*.safetensors"))
-    dist.barrier(ctx.group)
-    t0 = time.perf_counter()
-    model = load_model(folder, progress=False)
-    t1 = time.perf_counter()
-    o = offload(model, ctx=ctx, mode="allgather")
-    platform.synchronize()
-    t2 = time.perf_counter()
-    mem = process_memory()
-    ref = torch.load(ref_path, weights_only=True)
-    inputs = {k: v.to(platform.device) if torch.is_tensor(v) else v for k, v in ref["inputs"].items()}
-    with torch.no_grad():
-        got = o.model(**inputs)[0].cpu()
-    out = {"rank": ctx.rank, "ready_s": t2 - t0, "load_s": t1 - t0, "offload_s": t2 - t1,
-           "store": o.store.timings.as_dict(), "arena_bytes": o.store.arena_bytes,
-           "pinned_bytes": o.pinned_host_bytes, "host_rss_bytes": mem.rss_bytes, "host_uss_bytes": mem.uss_bytes,
-           "num_shards": o.layout.num_shards, "equal_to_resident": bool(torch.equal(got, ref["want"])),
-           "sha256": hashlib.sha256(got.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()}
-    arena = o.store.arena_bytes
-    o.synchronize()
-    o.store.close()
-    del o, model, inputs, got
-    gc.collect()
-    dist.barrier(ctx.group)
-    out["floor"] = measure_floor(platform, arena, files, share=(ctx.rank, ctx.world_size), untouched=False)
-    out["ready_over_floor"] = out["ready_s"] / out["floor"]["floor_s"]
-    return out

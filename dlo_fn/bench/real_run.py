@@ -22,7 +22,8 @@ REF_FILE = "bench_real_ref.pt"  # inputs and resident output, for the rank proce
 class ModelRun:
     def __init__(self, ctx, case: rm.ModelCase, folder: pathlib.Path, args, deadline: float | None,
                  write: Callable[[dict], None]) -> None:
-        self.ctx, self.case, self.folder, self.args, self.deadline, self._write = ctx, case, folder, args, deadline, write
+        self.ctx, self.case, self.folder, self.args = ctx, case, folder, args
+        self.deadline, self._write = deadline, write
         self.platform = ctx.platform
         config, workload = case.at(args.quick)
         self.entry: dict = {"name": case.name, "class": case.cls, "config": config, "source": case.source,
@@ -39,9 +40,25 @@ class ModelRun:
         return rm.checkpoint_files(self.folder)
 
     def run(self, variants: list[str]) -> None:
+        est = self.prepare_estimate()
+        if self.deadline is not None and time.perf_counter() + est > self.deadline:
+            self.entry["skipped"] = f"budget: its checkpoint and resident run need ~{est:.0f} s"
+            return
         self.prepare(variants)
         for v in variants:
             self.one(v)
+
+    def prepare_estimate(self) -> float:
+        """Seconds to write the checkpoint (~1 GB/s) or read a complete one back, and run resident."""
+        import diffusers
+
+        from dlo_fn.runtime.diffusers_load import _meta_build
+
+        config, _ = self.case.at(self.args.quick)
+        meta = _meta_build(getattr(diffusers, self.case.cls), config, torch.bfloat16)
+        nbytes = sum(p.numel() * p.element_size() for p in meta.parameters())
+        reuse = rm.checkpoint_ready(self.folder, self.case, self.args.quick, seed=0)
+        return 10 + nbytes / (3e9 if reuse else 1e9)
 
     # -- the checkpoint and the resident reference ------------------------------------------------------------
     @torch.no_grad()
@@ -148,13 +165,13 @@ class ModelRun:
                 if self.want_fp8 is None:
                     raise Skip(self.fp8_reason or "no fake-quantized reference")
                 want = self.want_fp8
-            if variant == "ours-rank-local" and "floor" not in self.entry:
+            first = "floor" not in self.entry  # the floor and the arena's peak, next to the first of ours
+            if first:
                 self.entry["floor"] = rr.measure_floor(p, self.arena_bytes, self.files)
                 self.entry["h2d_peaks_bytes_per_s"]["floor_buffer"] = self.entry["floor"]["h2d_peak_bytes_per_s"]
                 self.write()
             warmup = max(args.warmup, rv.GRAPH_WARMUP) if kwargs.get("graph") else args.warmup
-            row = rv.measure(p, rv.ours_setup(self.ctx, folder, kwargs, self.inputs,
-                                              probe_peak=variant == "ours-rank-local"),
+            row = rv.measure(p, rv.ours_setup(self.ctx, folder, kwargs, self.inputs, probe_peak=first),
                              want=want, warmup=warmup, repeats=args.repeats)
             if row.get("arena_h2d_peak_bytes_per_s"):
                 self.entry["h2d_peaks_bytes_per_s"]["arena"] = row["arena_h2d_peak_bytes_per_s"]
@@ -197,11 +214,12 @@ class ModelRun:
     def _ranks(self, world: int) -> dict:
         import os
 
+        from dlo_fn.bench.real_ranks import rank_ready
         from dlo_fn.serve.ranks import run_ranks
 
         cpus = len(os.sched_getaffinity(0))
         timeout = max(300.0, 4 * self.estimate(f"ranks-{world}"))
-        ranks = run_ranks(rr.rank_ready, world, str(self.folder), self.platform.kind,
+        ranks = run_ranks(rank_ready, world, str(self.folder), self.platform.kind,
                           str(self.folder / REF_FILE), timeout_s=timeout, platform="cpu",
                           threads_per_rank=max(1, cpus // world))
         return {"status": "ok", "world_size": world, "ranks": ranks,
@@ -228,7 +246,7 @@ class ModelRun:
         r = next((v.get("forward_s") for v in e["variants"] if v["variant"] == "resident"), 0.0) or 0.0
         b, n = max(r, m / max(peaks)), a.warmup + a.repeats
         if variant.startswith("ours-"):
-            first = 0.0 if "floor" in e else 2 * m / 3e9
+            first = 0.0 if "floor" in e else m / 1.2e9  # the floor: five passes over the arena's bytes
             warm = rv.GRAPH_WARMUP if "bgraph" in variant else a.warmup
             return {"ours-cold": 5 + 3 * m / 2e9}.get(variant, 3 + m / 2.5e9 + first + (warm + a.repeats) * 1.05 * b)
         return {"diffusers-block": 5 + m / 1e9 + n * 1.6 * b, "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,

@@ -20,6 +20,12 @@ with ``cudaHostRegister`` by 1.2 GiB; the 13.5 GB arena of 24 blocks then feeds 
 (``pin_memory=True`` on one arena); its pages are invisible to the cgroup (DESIGN.md, Figure 6). CPU has no
 pinned memory: the arena is plain (pageable) memory.
 
+**Filling at the host's speed.** For 25.8 GB on one H200 host: first touch of fresh pages 3.0 s, ``cudaHostRegister``
+of touched pages 2.5 s, a multi-threaded copy from the page cache 0.5-0.7 s; registering fresh pages makes the driver
+fault each one in on one thread. So the CUDA arena is allocated pageable, the pieces are copied on several threads
+(``ctypes.memmove`` releases the GIL), the copies being the pages' first touch on every thread at once; only the gaps
+are zeroed and the pages are locked last. Each piece has its own byte range: the bytes do not depend on the threads.
+
 **Rank-local mode** (``layout.num_shards == 1``): every rank streams whole blocks. Two sources:
 
 =============  ===========================================  ===============================================
@@ -33,19 +39,22 @@ source         host memory per node (W ranks, model M)      H2D
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.runtime.host_fill import FillTimings, fill_arena
 from dlo_fn.runtime.platform import Platform
 
-__all__ = ["HostStore", "H2DSource", "alloc_host", "pin_in_place", "build_host_store", "tensor_bytes", "SOURCES"]
+__all__ = ["HostStore", "H2DSource", "alloc_host", "pin_in_place", "fill_arena", "build_host_store", "tensor_bytes",
+           "SOURCES"]
 
 log = logging.getLogger(__name__)
 SOURCES = ("pinned", "mmap")
@@ -118,15 +127,13 @@ class HostStore:
                  arena: torch.Tensor | None, how: str, finalizer: object | None = None) -> None:
         if len(sources) != layout.num_blocks:
             raise ValueError(f"{len(sources)} source lists for {layout.num_blocks} blocks")
-        self.layout = layout
-        self.rank = rank
-        self.sources = sources
-        self.arena = arena
-        self.how = how
+        self.layout, self.rank, self.sources, self.arena, self.how = layout, rank, sources, arena, how
         self._finalizer = finalizer
         self.num_pinned_blocks = layout.num_blocks if arena is not None else 0
         self.copied_ranges: tuple[tuple[int, int], ...] = ()  # source bytes copied into the arena
-        self.timings: FillTimings | None = None  # where the fill's time went (None for the "mmap" source)
+        # Seconds of the fill's phases (copy_s includes the first touch of pageable pages; pin_s the registration
+        # after it), its threads and the total; None for the "mmap" source.
+        self.timings: dict | None = None
 
     @property
     def streamed_bytes(self) -> int:
@@ -170,6 +177,32 @@ def _gaps(pieces: Sequence, size: int) -> list[tuple[int, int]]:
     return out
 
 
+def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], source: Callable[[Any], torch.Tensor],
+               gaps: Sequence[tuple[int, int]], threads: int) -> tuple[list[tuple[int, int]], float, float]:
+    """Copy ``source(key)`` (flat uint8, called once per task on the thread that copies it) to ``arena[dst:]`` for
+    each ``(dst, nbytes, key)``, largest first on ``threads`` threads, then zero the ``[lo, hi)`` gaps. Returns the
+    source address ranges read, the copy seconds and the zeroing seconds."""
+    def run(task: tuple[int, int, Any]) -> tuple[int, int]:
+        dst, nbytes, key = task
+        src = source(key)
+        if src.device.type == "cpu":
+            ctypes.memmove(arena.data_ptr() + dst, src.data_ptr(), nbytes)
+        elif nbytes:  # a source on a device (a model offloaded from where it sits)
+            arena[dst : dst + nbytes].copy_(src)
+        return src.data_ptr(), src.data_ptr() + nbytes
+
+    t0 = time.perf_counter()
+    if threads == 1:
+        copied = [run(t) for t in tasks]
+    else:  # each free thread takes the next task: big pieces start early, small ones fill the tail
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dlo_fn-fill") as pool:
+            copied = list(pool.map(run, sorted(tasks, key=lambda t: -t[1])))
+    t1 = time.perf_counter()
+    for lo, hi in gaps:
+        ctypes.memset(arena.data_ptr() + lo, 0, hi - lo)
+    return [c for c in copied if c[1] > c[0]], t1 - t0, time.perf_counter() - t1
+
+
 def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None) -> torch.Tensor:
     block = layout.shards[b].block
     if t is None:
@@ -193,11 +226,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     ``source="mmap"`` is for rank-local layouts only: nothing is copied, the H2D ops read the views.
     ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.plan.host_budget`): only blocks ``0..k-1`` go into the
     arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
-    tensors (pageable), which must then stay alive (the store holds them). The arena is filled by ``threads``
-    threads (default: the CPUs this process may use, at most 16) and pinned after the copies
-    (:mod:`dlo_fn.runtime.host_fill`); ``store.timings`` says where the time went. ``progress`` logs the
-    fill's phases at INFO.
-    """
+    tensors (pageable), which must then stay alive (the store holds them). ``threads`` fill the arena (module
+    docstring; default: the CPUs this process may use, at most 16); ``progress`` logs ``store.timings``."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if len(block_tensors) != layout.num_blocks:
@@ -208,16 +238,15 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     if source == "mmap":
         if layout.num_shards != 1:
             raise ValueError("source='mmap' streams whole blocks: it needs a rank-local (num_shards 1) layout")
-        sources = []
-        for b, shard in enumerate(layout.shards):
-            sources.append(tuple(
-                H2DSource(tensor_bytes(_check_tensor(layout, b, p.name, block_tensors[b].get(p.name))),
-                          p.offset_bytes)
-                for p in shard.block.placements))
-        return HostStore(layout, rank, tuple(sources), None, "mmap")
+        sources = tuple(tuple(H2DSource(tensor_bytes(_check_tensor(layout, b, p.name, block_tensors[b].get(p.name))),
+                                        p.offset_bytes) for p in shard.block.placements)
+                        for b, shard in enumerate(layout.shards))
+        return HostStore(layout, rank, sources, None, "mmap")
     k = layout.num_blocks if pinned_blocks is None else pinned_blocks
     if not 0 <= k <= layout.num_blocks:
         raise ValueError(f"pinned_blocks must be in [0, {layout.num_blocks}], got {pinned_blocks}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
 
     def piece_bytes(b: int, p) -> torch.Tensor:  # a grouped layout's piece may hold another block's bytes
         owner = b if p.block is None else p.block
@@ -226,31 +255,31 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
 
     t0 = time.perf_counter()
     nbytes = layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank
-    # CUDA: pageable now, page-locked once filled (the copies are the pages' first touch, on every thread).
+    # CUDA: pageable now, locked once filled (the copies are the pages' first touch, on every thread).
     late_pin = platform.kind == "cuda" and platform.supports_pinned and nbytes > 0
     arena, how, fin = (torch.empty(nbytes, dtype=torch.uint8), "pageable", None) if late_pin else alloc_host(
         nbytes, platform, pin=True)
     alloc_s = time.perf_counter() - t0
     tasks, gaps, sources = [], [], []
     for b, shard in enumerate(layout.shards):
-        base = layout.shard_offsets[b]
-        pieces = shard.pieces[shard_rank]
+        base, pieces = layout.shard_offsets[b], shard.pieces[shard_rank]
         if b >= k:  # streamed: the H2D reads the rank's pieces where they are
             sources.append(tuple(H2DSource(piece_bytes(b, p), p.dst_start) for p in pieces))
             continue
         tasks.extend((base + p.dst_start, p.nbytes, (b, p)) for p in pieces)
         gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
         sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
-    fill = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads)
+    # Default: one thread below 256 MiB (threads keep ~150 kB of stacks and arenas), else the CPUs, at most 16.
+    threads = threads or (1 if nbytes < 256 << 20 else min(16, len(os.sched_getaffinity(0))))
+    copied, copy_s, zero_s = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads)
     t1 = time.perf_counter()
     if late_pin:
         fin, how = pin_in_place(arena), "cudaHostRegister"
-    timings = FillTimings(alloc_s, fill.copy_s, fill.zero_s, time.perf_counter() - t1 if late_pin else 0.0,
-                          fill.threads, fill.copied_bytes, fill.zeroed_bytes)
-    (log.info if progress else log.debug)(
-        "host store: rank %d, %d bytes (%s), %d/%d blocks in the arena; alloc %.2f s, copy + first touch %.2f s "
-        "on %d threads, gaps %.3f s, pin %.2f s", rank, arena.numel(), how, k, layout.num_blocks, timings.alloc_s,
-        timings.copy_s, timings.threads, timings.zero_s, timings.pin_s)
+    pin_s = time.perf_counter() - t1 if late_pin else 0.0
+    timings = dict(alloc_s=alloc_s, copy_s=copy_s, zero_s=zero_s, pin_s=pin_s, threads=threads,
+                   total_s=alloc_s + copy_s + zero_s + pin_s)
+    (log.info if progress else log.debug)("host store: rank %d, %d bytes (%s), %d/%d blocks in the arena: %s", rank,
+                                          arena.numel(), how, k, layout.num_blocks, timings)
     store = HostStore(layout, rank, tuple(sources), arena, how, fin)
-    store.num_pinned_blocks, store.copied_ranges, store.timings = k, fill.copied_ranges, timings
+    store.num_pinned_blocks, store.copied_ranges, store.timings = k, tuple(copied), timings
     return store
