@@ -20,7 +20,7 @@ per all-gather in it; its cost over several GPUs is measured on no machine yet).
     C     c(L, sp) + u + h        host serial (the reference)
           max(c(L, sp) + u, h)    host runs ahead (ours)
           h = h_1 x host_scale(B, S, G)    with load groups (:func:`~dlo_fn.plan.host_cost.host_scale`: the
-                                           driver calls per block from the plan, a fixed share for the Python)
+                                           stream operations per block from the plan, a fixed share for the Python)
           + o(L, g) on block 0 of every step: the per-step work outside the blocks
     u     k g ceil(L / sp) D e ((sp - 1) / sp) / beta_a2a      Ulysses (k all-to-alls per block, e bytes)
 

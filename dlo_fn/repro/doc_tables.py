@@ -15,7 +15,7 @@ import pathlib
 import re
 from typing import Any, Callable, Iterable
 
-from dlo_fn.repro import continuous_tables, host_cost_tables, policy_tables, waves_tables
+from dlo_fn.repro import continuous_tables, host_cost_tables, policy_tables, real_tables, waves_tables
 from dlo_fn.repro.data import DATA_DIR
 
 __all__ = ["TABLES", "DOC_FILES", "markdown_table", "refresh", "render", "stale"]
@@ -156,6 +156,8 @@ def _rows(rows: list[dict], files: Iterable[str]) -> str:
 def results_table() -> str:
     """README's results: one ratio per row, each linking the doc that holds its method and data."""
     step, small = _json("bench_step_nvidia-h200.json"), _json("bench_small40_nvidia-h200.json")
+    real, fp8 = ({v["variant"]: v for v in _json(f).get("model", {}).get("variants", ())}
+                 for f in (real_tables.REAL_FILE, real_tables.FP8_FILE))
 
     def x(report: dict, variant: str) -> str:
         return " / ".join(_x(r) for w in report["workloads"] for r in w["variants"] if r["variant"] == variant)
@@ -170,8 +172,12 @@ def results_table() -> str:
         ("one step / bound, 24 blocks of 0.56 GB, one H200, video / image", x(step, "dlo-rank-local-swap"),
          "measurements.md#one-step-on-one-h200"),
         ("the same with block graphs", x(step, "dlo-rank-local-bgraph"), "performance.md#block-graphs"),
-        ("diffusers group offloading / bound, same run (its bytes differ from resident)", x(step, "diffusers"),
-         "measurements.md#one-step-on-one-h200"),
+        ("FLUX.1-dev 1024² forward / PCIe bound, one H200: ours (2 slots / 3 slots) / diffusers group offloading",
+         " / ".join(f"{real[v]['ratio_to_bound']:.3f}x" for v in ("ours-rank-local", "ours-3-slots", "diffusers-block")),
+         "measurements.md#users-own-models"),
+        ("FLUX.1-dev, FP8 shards / BF16 offloaded: bytes moved / forward time",
+         f"{fp8['ours-fp8']['h2d_bytes_per_forward'] / fp8['ours-rank-local']['h2d_bytes_per_forward']:.3f} / "
+         f"{fp8['ours-fp8']['forward_s'] / fp8['ours-rank-local']['forward_s']:.3f}", "measurements.md#fp8-shards"),
         ("one step / bound, 40 blocks of 75 MB: eager / block graphs",
          f"{x(small, 'dlo-rank-local-swap')} / {x(small, 'dlo-rank-local-bgraph')}",
          "measurements.md#many-small-blocks"),
@@ -193,6 +199,9 @@ def results_table() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "results": results_table,
+    "real-flux": lambda: _rows(real_tables.real_rows(), [real_tables.REAL_FILE]),
+    "fp8-flux": lambda: _rows(real_tables.fp8_rows(), [real_tables.FP8_FILE]),
+    "core-before-after": lambda: _rows(real_tables.core_rows(), [real_tables.CORE_FILE]),
     "bench-step": lambda: bench_table("bench_step_nvidia-h200.json"),
     "bench-small40": lambda: bench_table("bench_small40_nvidia-h200.json",
                                          (*CURRENT, "dlo-rank-local-swap-g2", "dlo-rank-local-swap-g4")),
