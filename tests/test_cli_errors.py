@@ -176,6 +176,7 @@ def test_make_checkpoint_help_lists_every_size():
     (["--model-bytes", "10GB", "--dp", "2", "--num-blocks", "0"], ["--num-blocks 0"]),
     (["--model-bytes", "10GB", "--dp", "2", "--max-block-bytes", "20GB"], ["--max-block-bytes 20GB", "at most"]),
     (["--model-bytes=-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),
+    (["--model-bytes", "-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),  # not "expected one argument"
     (["--model-bytes", "10XB", "--dp", "2"], ["--model-bytes 10XB", "cannot read"]),
     (["--model", "nano2", "--dp", "2"], ["--model nano2"]),
 ])

@@ -91,3 +91,15 @@ def test_load_group_auto_is_chosen_from_the_probe_and_writes_the_resident_hashes
     assert group in (1, 2, 4) and slots % group == 0 and slots >= 2 * group
     table = json.loads((out / "auto_policy.json").read_text())
     assert "topology" in table
+
+
+@pytest.mark.slow
+def test_generate_takes_an_index_file_as_load_model_does(resident_rows, tmp_path):
+    """``--checkpoint DIR/model.safetensors.index.json`` (what load_model and plan take) writes the same bytes as
+    the folder: the config is the one beside the index."""
+    from dlo_fn.models import write_checkpoint
+
+    folder = write_checkpoint("tiny", tmp_path / "sharded", seed=0, max_shard_bytes=200_000, progress=False)
+    index = next(folder.glob("*.index.json"))
+    rows = _generate(str(index), tmp_path / "out", "--resident")
+    assert [r["sha256"] for r in rows] == [r["sha256"] for r in resident_rows]

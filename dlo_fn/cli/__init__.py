@@ -19,6 +19,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 import traceback
 
@@ -58,8 +59,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse reads a value that starts with ``-`` as a flag unless it is a plain negative number, so
+    ``--model-bytes -5GB`` said "expected one argument" instead of what is wrong with -5GB. Any token that starts
+    with a minus and a digit is a value here (no flag of ours looks like one), which each command then checks
+    and names."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d[\w.+-]*$")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m dlo_fn",
         description=(
             "Distributed Layerwise Offload (DLO) for diffusion transformers: plan shard layouts and "

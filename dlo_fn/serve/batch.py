@@ -48,7 +48,8 @@ import torch
 from dlo_fn.models.request import Request
 from dlo_fn.models.sampler import finish, init_state, model_inputs, update
 
-__all__ = ["Fault", "InjectedFault", "WaveAborted", "Outcome", "run_batch", "FAULT_ENV", "FAULT_EXIT_CODE"]
+__all__ = ["Fault", "InjectedFault", "WaveAborted", "Outcome", "run_batch", "collective_failure", "FAULT_ENV",
+           "FAULT_EXIT_CODE"]
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "DLO_FN_FAULT"
@@ -132,6 +133,34 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# What the backends put in the errors of a collective that a peer broke (gloo raises plain RuntimeErrors
+# naming its own source files; NCCL and HCCL name themselves; a closed socket or a timeout says so).
+_COLLECTIVE_MARKS = ("gloo", "NCCL", "HCCL", "Timed out", "timed out", "Connection closed by peer",
+                     "Connection reset by peer")
+
+
+def collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a collective (a peer died, stalled, or the group broke) rather than from this
+    rank's own work. Such a step cannot complete anywhere: draining it, or running a shadow of it on an sp
+    replica, would only wait for the timeout once more per collective, during which the status board shows this
+    healthy rank as stalled beside the real culprit. So the rank gives up at once and says so."""
+    if isinstance(exc, WaveAborted):
+        return True
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COLLECTIVE_MARKS)
+
+
+def abort_run(executor: Any, rank: int, cause: BaseException) -> WaveAborted:
+    """Drop the open run after a collective failed (see :func:`collective_failure`); the error to raise."""
+    try:
+        executor.abort()
+    except Exception:  # noqa: BLE001 - already failing; the first error is what matters
+        pass
+    return WaveAborted(f"rank {rank}: a collective failed: {_describe(cause)}", cause)
+
+
 @torch.no_grad()
 def run_batch(
     model: Any,
@@ -202,6 +231,8 @@ def run_batch(
     except Exception as exc:
         text = f"rank {rank}: {_describe(exc)}"
         log.error("%s\n%s", text, traceback.format_exc())
+        if opened and collective_failure(exc):
+            raise abort_run(executor, rank, exc) from exc
         if opened:
             _drain(executor, rank, exc)
         elif executor is not None:  # failed before the run opened: still serve this wave's all-gathers

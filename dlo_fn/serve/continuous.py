@@ -76,7 +76,7 @@ from dlo_fn.serve.continuous_fail import recover_ring, step_failure
 from dlo_fn.serve.continuous_rank import ContinuousRank, follow_step
 from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import EngineOptions, RequestResult, StepRecord, Submission, not_dispatched, to_wire
-from dlo_fn.serve.wire import StatusBoard
+from dlo_fn.serve.wire import StatusBoard, diagnosis_wait_s
 
 __all__ = ["ContinuousDriver", "ContinuousRank", "Served", "admission_key", "admission_cost", "follow_step"]
 
@@ -283,7 +283,8 @@ class ContinuousDriver:
 
     def _fail(self, k: int, where: str, exc: BaseException) -> tuple[str, set[int]]:
         """The reason ring step ``k`` failed closed and the culprit ranks the status board names."""
-        return step_failure(self.board, self.ranks[1:], k, where, exc, self.options.grace_s)
+        wait_s = diagnosis_wait_s(self.options.grace_s, self.options.timeout_s, self.replicas)
+        return step_failure(self.board, self.ranks[1:], k, where, exc, wait_s)
 
 
 def _merged(unit: Sequence[int], outcomes: Mapping[int, Sequence[Outcome]]) -> list[tuple[int, Outcome]]:

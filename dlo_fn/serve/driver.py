@@ -25,7 +25,7 @@ from dlo_fn.serve.share import ShareRunner, TraceSpan
 from dlo_fn.serve.wave_results import (
     fail_wave, fill_wave, relative_spans, request_result, spread, wave_shares, wave_steps,
 )
-from dlo_fn.serve.wire import Channel, StatusBoard, culprits
+from dlo_fn.serve.wire import Channel, StatusBoard, culprits, diagnosis_wait_s
 
 __all__ = ["Driver", "Dispatched", "request_result"]
 
@@ -224,7 +224,8 @@ class Driver:
     def _fail(self, wave_id: int | None, where: str, exc: BaseException, ranks: Sequence[int],
               what: str | None = None) -> str:
         """The reason a wave (or ``what``) failed closed, with the culprits the board names among ``ranks``."""
-        verdicts = self.board.diagnose(ranks, wave_id, self.options.grace_s)
+        wait_s = diagnosis_wait_s(self.options.grace_s, self.options.timeout_s, self.replicas)
+        verdicts = self.board.diagnose(ranks, wave_id, wait_s)
         bad = culprits(verdicts)
         # No rank stalled or died: one raised where its peers could not go on without it (inside an sp
         # all-to-all its partners wait for it, and its drain then waits for them); every rank's first error
