@@ -91,7 +91,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print("\nresults:")
     print(result_table(main))
     print(f"\nforcing the incompatible pair (fox, tree) into one wave:\n  {forced}")
-    manifest = write_outputs(out / "outputs", main)
+    manifest = write_outputs(out / "outputs", main, existing="clean")  # the demo owns this folder: rerun in place
     ok = True
     print("\nsame request and seed -> same bytes (SHA-256) in every mode:")
     for name, rep in zip(others, compared):

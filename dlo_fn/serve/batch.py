@@ -20,7 +20,8 @@ the other ranks. If draining fails too (the exception came from a collective: a 
 wave cannot complete anywhere and :class:`WaveAborted` propagates: the engine fails the wave closed.
 
 **Fault injection** (tests and the demo's documented hook, never on by default): a :class:`Fault` names a rank,
-a wave, a step and a kind; when that rank reaches block 0 of that step of that wave it
+a wave, a step and a kind; when that rank reaches block 0 of that step of that wave it (in continuous serving,
+which has no waves, at block 0 of ring step ``step``: ``wave`` must be 0 there, :meth:`Fault.check_serving`)
 
 =========  ==================================================================================
 ``raise``  raises :class:`InjectedFault` (a real exception in the real process)
@@ -29,7 +30,7 @@ a wave, a step and a kind; when that rank reaches block 0 of that step of that w
 =========  ==================================================================================
 
 It comes from ``EngineOptions(fault=...)`` or the environment variable ``DLO_FN_FAULT`` holding JSON such as
-``{"rank": 1, "wave": 0, "kind": "stall", "step": 1}``.
+``{"rank": 1, "wave": 0, "kind": "stall", "step": 1}`` (``wave`` and ``step`` default to 0).
 """
 
 from __future__ import annotations
@@ -87,13 +88,15 @@ class Fault:
 
     @staticmethod
     def parse(text: str | None) -> "Fault | None":
-        """From JSON (the ``DLO_FN_FAULT`` format); None or '' gives None."""
+        """From JSON (the ``DLO_FN_FAULT`` format; ``wave`` and ``step`` default to 0); None or '' gives None."""
         if not text:
             return None
         try:
             data = json.loads(text)
-            return Fault(**data)
-        except (json.JSONDecodeError, TypeError) as exc:
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+            return Fault(**{"wave": 0, **data})
+        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError; so is a bad field
             raise ValueError(
                 f"{FAULT_ENV}={text!r}: expected JSON like "
                 '{"rank": 1, "wave": 0, "kind": "raise|stall|exit", "step": 0} '
@@ -103,6 +106,15 @@ class Fault:
     @staticmethod
     def from_env() -> "Fault | None":
         return Fault.parse(os.environ.get(FAULT_ENV))
+
+    def check_serving(self, continuous: bool) -> "Fault":
+        """Continuous serving runs ring steps, not waves: a ``wave`` other than 0 would be ignored there, so it is
+        refused (``ValueError`` naming what to give instead)."""
+        if continuous and self.wave:
+            raise ValueError(f"{FAULT_ENV}: \"wave\": {self.wave} applies to strict serving (waves); continuous "
+                             f"serving fires the fault at ring step \"step\" (now {self.step}): give the ring step "
+                             f"as \"step\" and leave \"wave\" out, or serve with --serving strict")
+        return self
 
     def fire(self) -> None:
         where = f"rank {self.rank}, wave {self.wave}, step {self.step}"

@@ -30,8 +30,8 @@ the step (the remaining block calls and heads on its partial activations, result
 collectives in the same order; it matches when the raise came between block calls, as the injected fault does,
 else the step breaks and fails closed within the timeout); the partners drop the request at the next step;
 if draining fails (a peer died or timed out), :class:`~dlo_fn.serve.batch.WaveAborted` propagates. The
-injected :class:`~dlo_fn.serve.batch.Fault` fires at block 0 of ring step ``fault.step`` (its ``wave`` field is
-not used: the ring has no waves) when this rank computes there.
+injected :class:`~dlo_fn.serve.batch.Fault` fires at block 0 of ring step ``fault.step`` when this rank computes
+there (the ring has no waves: a fault naming a wave other than 0 is refused when the engine is built).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from dlo_fn.plan.waves import WavePlan
 from dlo_fn.serve.batch import Outcome, WaveAborted
-from dlo_fn.serve.requests import EngineOptions, RequestResult, Submission, WaveRecord
+from dlo_fn.serve.requests import EngineOptions, RequestResult, ResultBook, Submission, WaveRecord
 from dlo_fn.serve.share import ShareRunner, TraceSpan
 from dlo_fn.serve.wave_results import (
     fail_wave, fill_wave, relative_spans, request_result, spread, wave_shares, wave_steps,
@@ -56,13 +56,18 @@ class Driver:
         self.leaders = tuple(r[0] for r in self.replicas)
         self._next_round = 0
 
-    def dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
-        """Run ``waves`` (indices into ``subs``); ``t0`` is when serving began (``time.perf_counter``)."""
-        return self._lockstep(waves, subs, t0) if self.lockstep else self._independent(waves, subs, t0)
+    def dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
+                 publish: Callable[[RequestResult], None] | None = None) -> Dispatched:
+        """Run ``waves`` (indices into ``subs``); ``t0`` is when serving began (``time.perf_counter``);
+        ``publish(result)`` gets each result as its wave (or queue) ends."""
+        results = ResultBook(publish)
+        if self.lockstep:
+            return self._lockstep(waves, subs, t0, results)
+        return self._independent(waves, subs, t0, results)
 
     # -- allgather: one wave at a time, every rank in it ------------------------------------------------------
-    def _lockstep(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
-        results: dict[int, RequestResult] = {}
+    def _lockstep(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
+                  results: ResultBook) -> Dispatched:
         records: list[WaveRecord] = []
         stopped = None
         world, leaders = self.world_size, self.leaders
@@ -117,7 +122,8 @@ class Driver:
         return Dispatched(results, tuple(records), stopped)
 
     # -- rank-local / resident: one queue per rank, results collected rank by rank ----------------------------
-    def _independent(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
+    def _independent(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
+                     results: ResultBook) -> Dispatched:
         world, replicas = self.world_size, self.replicas
         dp = len(replicas)
         queues: list[list[WavePlan]] = [[] for _ in range(dp)]
@@ -130,7 +136,6 @@ class Driver:
         t_start = time.perf_counter()
         owner = {w.wave_id: r for r, q in enumerate(queues) for w in q}
         by_id = {w.wave_id: w for w in waves}
-        results: dict[int, RequestResult] = {}
         records: dict[int, WaveRecord] = {}
         stopped = None
         if world > 1 and waves:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -69,12 +69,19 @@ from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import (
     EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, not_dispatched, rejection,
 )
+from dlo_fn.serve.outputs import RunInfo
 from dlo_fn.serve.share import gather_timelines
 from dlo_fn.serve.stream import StreamIntake
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "OnResult"]
 
 log = logging.getLogger(__name__)
+
+OnResult = Callable[[RequestResult], None]
+
+
+def _ignore(result: RequestResult) -> None:
+    """No ``on_result`` given: the report alone carries the results."""
 
 
 class Engine:
@@ -98,6 +105,7 @@ class Engine:
         self.stopped: str | None = None  # why the engine failed closed; it dispatches nothing more
         self._next_wave = 0
         self._closed = False
+        self._publish: OnResult = _ignore
         self.board.post("idle")
 
     @property
@@ -111,6 +119,12 @@ class Engine:
         return self.dp_size if self.lockstep else 1
 
     # -- public API ------------------------------------------------------------------------------------------
+    @property
+    def run_info(self) -> RunInfo:
+        """What every manifest line repeats about this engine's runs (mode, replicas, R, serving)."""
+        return RunInfo(self.mode, self.dp_size, self.sp_size, self.options.requests_per_rank,
+                       "continuous" if self.continuous else "strict")
+
     def run(self, submissions: Iterable[Request | Submission] | None = None) -> ServeReport | None:
         """Rank 0: :meth:`serve` then :meth:`close`, returning the report; other ranks: :meth:`follow`."""
         if self.rank != 0:
@@ -121,10 +135,14 @@ class Engine:
         finally:
             self.close()
 
-    def serve(self, submissions: Iterable[Request | Submission]) -> ServeReport:
-        """Rank 0: validate, form waves, dispatch, collect; results in submission order (see module doc)."""
+    def serve(self, submissions: Iterable[Request | Submission], on_result: OnResult | None = None) -> ServeReport:
+        """Rank 0: validate, form waves, dispatch, collect; results in submission order (see module doc).
+        ``on_result(result)`` gets every result the moment it exists (a rejection at once, the others as their
+        wave or ring step ends), so a caller can write it before the serve ends
+        (:class:`~dlo_fn.serve.writer.ResultWriter`)."""
         self._require_driver()
         t0 = time.perf_counter()
+        self._publish = on_result or _ignore
         subs = as_submissions(submissions)
         results: dict[int, RequestResult] = {}
         pending: list[Pending] = []
@@ -133,6 +151,7 @@ class Engine:
             reason = rejection(sub, self.config)
             if reason is not None:
                 results[i] = RequestResult(i, sub.request_id, sub.request, False, error=reason)
+                self._publish(results[i])
             else:
                 pending.append(Pending(i, compat_key(sub.request), 0.0))
                 valid.append((i, time.monotonic()))
@@ -145,17 +164,18 @@ class Engine:
         done, waves = self._dispatch(plan.waves, subs, t0)
         return self._report(subs, {**results, **done}, waves, t0)
 
-    def serve_stream(self, source: Any) -> ServeReport:
+    def serve_stream(self, source: Any, on_result: OnResult | None = None) -> ServeReport:
         """Rank 0: serve submissions as they arrive on a ``queue.Queue`` (``None`` closes it), with the bounded
         wait ``options.max_wait_s`` to fill a wave (see :mod:`dlo_fn.serve.stream`). While nothing is due the
         followers get an ``idle`` message every ``timeout_s / 3``, so an empty queue never trips the
-        process-group timeout."""
+        process-group timeout. ``on_result``: as for :meth:`serve`."""
         self._require_driver()
         opts = self.options
         keepalive_s = opts.timeout_s / 3
         t0 = time.perf_counter()
+        self._publish = on_result or _ignore
         intake = StreamIntake(source, self.config, width=self._width, requests_per_rank=opts.requests_per_rank,
-                              max_wait_s=opts.max_wait_s)
+                              max_wait_s=opts.max_wait_s, on_result=self._publish)
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         last_message = time.monotonic()
@@ -186,7 +206,7 @@ class Engine:
                 last_message = time.monotonic()
         return self._report(intake.submissions, {**results, **intake.rejected}, records, t0)
 
-    def serve_forced(self, waves: Sequence[Sequence[Request]]) -> ServeReport:
+    def serve_forced(self, waves: Sequence[Sequence[Request]], on_result: OnResult | None = None) -> ServeReport:
         """Rank 0: dispatch caller-formed waves as given. Every wave is checked first
         (:func:`~dlo_fn.plan.waves.validate_wave`): a mixed one raises ``IncompatibleWaveError`` naming the
         differing fields before anything is dispatched."""
@@ -195,6 +215,7 @@ class Engine:
         for w in waves:
             validate_wave(list(w), width, self.options.requests_per_rank)
         t0 = time.perf_counter()
+        self._publish = on_result or _ignore
         subs = as_submissions([r for w in waves for r in w])
         plans, start = [], 0
         for w in waves:
@@ -251,7 +272,7 @@ class Engine:
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         if self.stopped is None:
-            done = self._driver.dispatch(waves, subs, t0)
+            done = self._driver.dispatch(waves, subs, t0, self._publish)
             results.update(done.results)
             records.extend(done.waves)
             if done.stopped is not None:
@@ -260,6 +281,7 @@ class Engine:
             for i in w.indices:
                 if i not in results:
                     results[i] = not_dispatched(i, subs[i], self.stopped)
+                    self._publish(results[i])
         return results, records
 
     def _serve_continuous(self, subs: Sequence[Submission], rejected: Mapping[int, RequestResult],
@@ -268,7 +290,7 @@ class Engine:
         if self.stopped is not None:
             done = {i: not_dispatched(i, s, self.stopped) for i, s in enumerate(subs)}
             return self._report(subs, {**done, **rejected}, (), t0)
-        served = self._continuous.serve(subs, arrived, closed, wait, t0)
+        served = self._continuous.serve(subs, arrived, closed, wait, t0, self._publish)
         if served.stopped is not None:
             self.stopped = served.stopped
         return self._report(subs, {**rejected, **served.results}, (), t0, steps=tuple(served.steps))
@@ -279,6 +301,7 @@ class Engine:
         for i, s in enumerate(subs):  # anything the engine never reached (it stopped first)
             if i not in results:
                 results[i] = not_dispatched(i, s, self.stopped)
+                self._publish(results[i])
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
                            self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
                            self._stats(), sp_size=self.sp_size, steps=steps,

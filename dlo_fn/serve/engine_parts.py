@@ -76,6 +76,8 @@ def build_parts(model: nn.Module, offloaded: Offloaded, ctx: DistContext, option
     # Continuous serving (dlo_fn.serve.continuous): lockstep ranks (replicas of sp ranks on a mesh), or one
     # rank in any mode. No recovery on an sp mesh (a lost rank breaks its replica's SP group).
     continuous = options.serving == "continuous" and (lockstep or world_size == 1)
+    if options.fault is not None:
+        options.fault.check_serving(continuous)  # on every rank, before any message
     reload = reloader(checkpoint) if continuous and sp_size == 1 else None
     follower.reload = reload
     own = ContinuousRank(model, offloaded, rank, options.fault, runner.sp)

@@ -19,14 +19,14 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from dlo_fn.models.request import Request
 from dlo_fn.serve.batch import Fault
 
-__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "StepRecord",
+__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "ResultBook", "WaveRecord", "StepRecord",
            "ServeReport", "SERVING", "read_prompts", "as_submissions", "wave_table", "result_table", "not_dispatched"]
 
 SERVING = ("strict", "continuous")  # strict: waves (today's behaviour); continuous: see dlo_fn.serve.continuous
@@ -149,7 +149,9 @@ class EngineOptions:
 @dataclass(frozen=True, slots=True)
 class RequestResult:
     """The end of one submission (see the module docstring). ``position``: place in its wave; ``timings``:
-    ``queued_s`` (serve start -> dispatch), ``wave_s`` (dispatch -> results at rank 0), ``compute_s``."""
+    ``queued_s`` (serve start -> dispatch), ``wave_s`` (dispatch -> results at rank 0), ``compute_s``;
+    ``degraded``: why it was served by a degraded ring (continuous serving finished it after losing a rank), or
+    None (requests that ended before the loss were served normally)."""
 
     index: int
     request_id: str
@@ -162,22 +164,41 @@ class RequestResult:
     wave_id: int | None = None
     position: int | None = None
     timings: Mapping[str, float] = field(default_factory=dict)
+    degraded: str | None = None
 
     @property
     def shape(self) -> tuple[int, ...] | None:
         return tuple(self.video.shape) if self.video is not None else None
 
     def __reduce__(self):
-        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
-        fields[2] = to_wire(self.request)
-        fields[-1] = dict(self.timings)
-        return (_request_result, tuple(fields))
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["request"] = to_wire(self.request)
+        fields["timings"] = dict(self.timings)
+        return (_request_result, tuple(fields.values()))
+
+
+class ResultBook(dict):
+    """Results by submission index that hands each one to ``publish`` as it is recorded (what lets rank 0 write
+    a result while the serve goes on: :meth:`dlo_fn.serve.engine.Engine.serve`'s ``on_result``)."""
+
+    def __init__(self, publish: Callable[["RequestResult"], None] | None = None) -> None:
+        super().__init__()
+        self._publish = publish
+
+    def __setitem__(self, index: int, result: "RequestResult") -> None:
+        super().__setitem__(index, result)
+        if self._publish is not None:
+            self._publish(result)
+
+    def update(self, other: Mapping[int, "RequestResult"] = (), **kw: Any) -> None:  # type: ignore[override]
+        for index, result in dict(other, **kw).items():
+            self[index] = result
 
 
 def _request_result(*fields: Any) -> "RequestResult":
-    fields = list(fields)
-    fields[2] = from_wire(fields[2])
-    return RequestResult(*fields)
+    named = dict(zip((f.name for f in dataclasses.fields(RequestResult)), fields))
+    named["request"] = from_wire(named["request"])
+    return RequestResult(**named)
 
 
 def not_dispatched(index: int, sub: Submission, stopped: str | None) -> RequestResult:
