@@ -74,6 +74,7 @@ from dlo_fn.serve.admission import admission_cost, admission_key, admit, queued_
 from dlo_fn.serve.batch import Outcome, WaveAborted
 from dlo_fn.serve.continuous_fail import recover_ring, step_failure
 from dlo_fn.serve.continuous_rank import ContinuousRank, follow_step
+from dlo_fn.serve.progress import RingProgress, ring_progress
 from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import (
     EngineOptions, RequestResult, ResultBook, StepRecord, Submission, not_dispatched, to_wire,
@@ -118,7 +119,13 @@ class ContinuousDriver:
               publish: Callable[[RequestResult], None] | None = None) -> Served:
         """Serve until the input is ``closed`` and nothing is held. ``arrived()``: new valid submissions as
         ``(index, arrival time.monotonic)``; ``wait(until_s)``: block for input until then (monotonic);
-        ``publish(result)``: each result as it ends."""
+        ``publish(result)``: each result as it ends. A bar shows the progress (:mod:`dlo_fn.serve.progress`)."""
+        with ring_progress(self.options.progress) as bar:
+            return self._serve(subs, arrived, closed, wait, t0, publish, bar)
+
+    def _serve(self, subs: Sequence[Submission], arrived: Callable[[], Sequence[tuple[int, float]]],
+               closed: Callable[[], bool], wait: Callable[[float], None], t0: float,
+               publish: Callable[[RequestResult], None] | None, bar: RingProgress) -> Served:
         W, R = self.world_size, self.options.requests_per_rank
         keepalive_s = self.options.timeout_s / 3
         out = Served(publish)
@@ -134,6 +141,7 @@ class ContinuousDriver:
             new = arrived()
             queue.extend(new)
             arrival.update(new)
+            bar.show(sum(i in out.results for i in arrival), len(arrival), len(queue), self.next_step)
             live = self.ranks
             if not queue and not any(held):
                 if closed():

@@ -64,7 +64,8 @@ from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validat
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
-from dlo_fn.serve.engine_parts import build_parts
+from dlo_fn.serve.admission import MemoryAdmission
+from dlo_fn.serve.engine_parts import build_parts, executor_stats, memory_admission
 from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import (
     EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, not_dispatched, rejection,
@@ -102,6 +103,7 @@ class Engine:
         self.lockstep, self.continuous = parts.lockstep, parts.continuous
         self.channel, self.board = parts.channel, parts.board
         self._driver, self._follower, self._continuous = parts.driver, parts.follower, parts.ring
+        self._room, self._memory = parts.room, None
         self.stopped: str | None = None  # why the engine failed closed; it dispatches nothing more
         self._next_wave = 0
         self._closed = False
@@ -147,8 +149,9 @@ class Engine:
         results: dict[int, RequestResult] = {}
         pending: list[Pending] = []
         valid: list[tuple[int, float]] = []
+        memory = self.memory_admission()
         for i, sub in enumerate(subs):
-            reason = rejection(sub, self.config)
+            reason = rejection(sub, self.config, memory)
             if reason is not None:
                 results[i] = RequestResult(i, sub.request_id, sub.request, False, error=reason)
                 self._publish(results[i])
@@ -175,7 +178,7 @@ class Engine:
         t0 = time.perf_counter()
         self._publish = on_result or _ignore
         intake = StreamIntake(source, self.config, width=self._width, requests_per_rank=opts.requests_per_rank,
-                              max_wait_s=opts.max_wait_s, on_result=self._publish)
+                              max_wait_s=opts.max_wait_s, on_result=self._publish, memory=self.memory_admission())
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         last_message = time.monotonic()
@@ -227,6 +230,14 @@ class Engine:
             start += len(w)
         done, records = self._dispatch(tuple(plans), subs, t0)
         return self._report(subs, done, records, t0)
+
+    def memory_admission(self) -> MemoryAdmission | None:
+        """Rank 0: the admission against memory (:class:`~dlo_fn.serve.admission.MemoryAdmission`) over every
+        rank's posted room, built at the first serve; None for a model without a DiT config to size."""
+        if self._memory is None:
+            self._memory = memory_admission(self.model, self.board, self._room, self.options, self.world_size,
+                                            self.sp_size)
+        return self._memory
 
     def close(self) -> None:
         """Rank 0: tell the followers to return (skipped when the engine failed: the group is broken)."""
@@ -304,15 +315,5 @@ class Engine:
                 self._publish(results[i])
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
                            self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
-                           self._stats(), sp_size=self.sp_size, steps=steps,
+                           executor_stats(self.offloaded), sp_size=self.sp_size, steps=steps,
                            serving="continuous" if self.continuous else "strict", degraded=self.degraded)
-
-    def _stats(self) -> dict[str, float]:
-        """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""
-        ex = self.offloaded.executor
-        if ex is None:
-            return {}
-        st = ex.stats
-        return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
-                "issue_s": st.issue_s, "call_s": st.call_s}
-

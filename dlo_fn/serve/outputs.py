@@ -14,7 +14,8 @@ Under ``out_dir``::
                           request ids each rank computed (empty: a gather-only pass), its block-call seconds,
                           requests still queued; and, after a rank was lost, one ``{"degraded": why}`` line
 
-Each request's files and line are written when it finishes (:class:`dlo_fn.serve.writer.ResultWriter`: files
+Each request's files and line are written when it finishes (:mod:`dlo_fn.serve.writer`, which also has
+``write_outputs`` for a finished report: files
 renamed into place, lines appended), so a run that is stopped keeps what it finished; the manifest is rewritten
 in submission order at the end. ``<id>`` is the request id with anything but ``[A-Za-z0-9._-]`` replaced by
 ``_``; the index prefix keeps names unique. The manifest's ``sha256`` is the SHA-256 of the video's uint8 bytes
@@ -37,7 +38,7 @@ import numpy as np
 
 from dlo_fn.serve.requests import RequestResult, ServeReport
 
-__all__ = ["RunInfo", "write_outputs", "preview_strip", "video_sha256", "read_manifest", "manifest_row", "save_video",
+__all__ = ["RunInfo", "preview_strip", "video_sha256", "read_manifest", "manifest_row", "save_video",
            "replace_text", "wave_lines", "step_lines"]
 
 
@@ -150,17 +151,6 @@ def step_lines(report: ServeReport) -> str:
     if report.degraded:
         steps.append({"degraded": report.degraded})
     return "".join(json.dumps(k, sort_keys=True) + "\n" for k in steps)
-
-
-def write_outputs(out_dir: str | pathlib.Path, report: ServeReport, *, previews: bool = True,
-                  existing: str = "refuse") -> pathlib.Path:
-    """Write videos, previews and the manifests of a finished serve (see the module docstring) through a
-    :class:`~dlo_fn.serve.writer.ResultWriter` (``existing``: what to do with an earlier run's files there);
-    returns the manifest's path."""
-    from dlo_fn.serve.writer import ResultWriter
-
-    writer = ResultWriter(out_dir, existing=existing, previews=previews, info=RunInfo.of(report))
-    return writer.finish(report)
 
 
 def read_manifest(path: str | pathlib.Path) -> list[dict[str, Any]]:

@@ -77,16 +77,17 @@ def as_submissions(items: Iterable[Request | Submission]) -> list[Submission]:
 
 
 
-def rejection(sub: "Submission", config: Any) -> str | None:
-    """Why ``sub`` cannot be dispatched (its own parse error, or a field the model's ``config`` refuses), or
-    None: checked on rank 0 before any rank does work for it."""
+def rejection(sub: "Submission", config: Any, memory: Any = None) -> str | None:
+    """Why ``sub`` cannot be dispatched (its own parse error, a field the model's ``config`` refuses, or more
+    memory than a rank has left: ``memory``, a :class:`~dlo_fn.serve.admission.MemoryAdmission`), or None:
+    checked on rank 0 before any rank does work for it."""
     if sub.error is not None:
         return sub.error
     try:
         sub.request.validate(config)
     except ValueError as exc:
         return f"rejected before dispatch: {exc}"
-    return None
+    return memory.refusal(sub.request) if memory is not None else None
 
 def read_prompts(path: str | pathlib.Path, defaults: Mapping[str, Any] | None = None) -> list[Submission]:
     """Parse a prompts file (see the module docstring). A bad line becomes a submission with an error that
@@ -130,6 +131,7 @@ class EngineOptions:
     progress: bool | None = None  # tqdm on rank 0; None: only on a terminal
     serving: str = "continuous"  # or "strict": waves (dlo_fn.serve.continuous says which wins when)
     admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.plan.dispatch.admit_cost_aware)
+    memory_budget_bytes: int | None = None  # cap each rank's room for requests (dlo_fn.serve.admission)
 
     def __post_init__(self) -> None:
         if self.serving not in SERVING:
@@ -144,6 +146,9 @@ class EngineOptions:
             raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.memory_budget_bytes is not None and not (isinstance(self.memory_budget_bytes, int)
+                                                         and self.memory_budget_bytes > 0):
+            raise ValueError(f"memory_budget_bytes must be None or an int > 0, got {self.memory_budget_bytes!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,11 +36,11 @@ import sys
 import threading
 from typing import Any, Iterator, Sequence
 
-from dlo_fn.serve.outputs import manifest_row, replace_text, save_video, step_lines, wave_lines
+from dlo_fn.serve.outputs import RunInfo, manifest_row, replace_text, save_video, step_lines, wave_lines
 from dlo_fn.serve.requests import RequestResult, ServeReport, Submission
 
 __all__ = ["EXISTING", "OWN_FILES", "ExistingOutputError", "ResultWriter", "check_out", "finish_on_sigterm",
-           "own_files"]
+           "own_files", "write_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,15 @@ class ResultWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def write_outputs(out_dir: str | pathlib.Path, report: ServeReport, *, previews: bool = True,
+                  existing: str = "refuse") -> pathlib.Path:
+    """Write videos, previews and the manifests of a finished serve (see the module docstring) through a
+    :class:`~dlo_fn.serve.writer.ResultWriter` (``existing``: what to do with an earlier run's files there);
+    returns the manifest's path."""
+    writer = ResultWriter(out_dir, existing=existing, previews=previews, info=RunInfo.of(report))
+    return writer.finish(report)
 
 
 @contextlib.contextmanager
