@@ -150,10 +150,19 @@ class Driver:
                                              owner_rank=replicas[owner[w.wave_id]][0]))
                 return Dispatched(results, (), stopped)
         outcomes: dict[int, Sequence[Outcome]] = {}
+
+        def fill(wave_id: int, outs: Sequence[Outcome]) -> dict[int, RequestResult]:
+            w, d = by_id[wave_id], owner[wave_id]
+            filled = fill_wave(subs, w, {0: outs}, queued_s=t_start - t0,
+                               wave_s=max((o.compute_s for o in outs), default=0.0))
+            # ran on replica d, whose leader wrote it
+            return {i: dataclasses.replace(res, rank=replicas[d][0]) for i, res in filled.items()}
+
         for (wave_id, steps, share), wave in zip(msg_queues[0], queues[0]):
             with self._progress(subs, wave, steps, len(waves)) as tick:
                 own = self.runner.run(wave_id, steps, share, trace=trace is not None, on_step=tick)
             outcomes[wave_id] = own.outcomes
+            results.update(fill(wave_id, own.outcomes))  # rank 0's own: published now, not after the others
             if trace is not None:
                 trace.extend(own.spans)
         if world > 1 and any(queues[1:]):
@@ -190,9 +199,8 @@ class Driver:
         for wave_id, outs in outcomes.items():
             w, d = by_id[wave_id], owner[wave_id]
             compute_s = max((o.compute_s for o in outs), default=0.0)
-            filled = fill_wave(subs, w, {0: outs}, queued_s=t_start - t0, wave_s=compute_s)
-            # ran on replica d, whose leader wrote it
-            results.update({i: dataclasses.replace(res, rank=replicas[d][0]) for i, res in filled.items()})
+            results.update({i: res for i, res in fill(wave_id, outs).items() if i not in results})
+            filled = {i: results[i] for i in w.indices}
             status = "ok" if all(res.ok for res in filled.values()) else "partial"
             errors = sorted({res.error for res in filled.values() if not res.ok})
             records[wave_id] = WaveRecord(wave_id, w.key.short(), spread(w, d, dp), wave_steps(subs, w),

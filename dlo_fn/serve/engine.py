@@ -299,7 +299,9 @@ class Engine:
                           arrived: Any, closed: Any, wait: Any, t0: float) -> ServeReport:
         """Continuous serving (:mod:`dlo_fn.serve.continuous`) of what ``arrived()`` gives until ``closed()``."""
         if self.stopped is not None:
-            done = {i: not_dispatched(i, s, self.stopped) for i, s in enumerate(subs)}
+            done = {i: not_dispatched(i, s, self.stopped) for i, s in enumerate(subs) if i not in rejected}
+            for result in done.values():
+                self._publish(result)
             return self._report(subs, {**done, **rejected}, (), t0)
         served = self._continuous.serve(subs, arrived, closed, wait, t0, self._publish)
         if served.stopped is not None:

@@ -111,6 +111,8 @@ class ResultWriter:
             if self.stopped is not None:
                 return 0
             self.stopped = reason
+            if self._fd is None:  # finished: every result has its line already
+                return 0
             missing = [i for i in sorted(self._expected) if i not in self._rows]
             for i in missing:
                 sub = self._expected[i]
