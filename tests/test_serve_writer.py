@@ -68,6 +68,22 @@ def test_finish_rewrites_the_manifest_in_submission_order(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_published_result_is_kept_without_its_video_when_asked():
+    """generate writes each video as it ends (keep_videos=False): rank 0 then holds its shape, not its bytes, so a
+    long serve does not keep every video until the end; without a publisher nothing is dropped."""
+    from dlo_fn.serve.requests import ResultBook
+
+    sub = _subs(1)[0]
+    seen = []
+    book = ResultBook(seen.append, keep_videos=False)
+    book[0] = _ok(0, sub)
+    assert seen[0].video is not None and book[0].video is None and book[0].shape == (1, 2, 8, 8, 3)
+    assert book[0].sha256 == seen[0].sha256 and book[0].ok
+    kept = ResultBook(None, keep_videos=False)
+    kept[0] = _ok(0, sub)
+    assert kept[0].video is not None
+
+
 def test_a_reused_folder_is_refused_or_cleaned_of_our_files_only(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -111,13 +127,14 @@ def test_generate_help_says_what_a_reused_out_gets(capsys):
     assert "not completed" in text and "ring step" in text  # on SIGTERM; the fault's step in continuous serving
 
 
-PROMPTS = [  # two ranks, FIFO, R = 1: a | b at ring step 0, c | d at step 1, e at step 2 (d: steps 1-3)
+PROMPTS = [  # two ranks, FIFO, R = 1: a | b at ring step 0, c | d at step 1, e at step 2 (d: steps 1-3); e runs
+    # long enough (seconds) that a SIGTERM finds it, and f, queued behind it, unfinished
     {"id": "a", "prompt": "a fox", "seed": 1, "num_inference_steps": 1},
     {"id": "b", "prompt": "an owl", "seed": 2, "num_inference_steps": 1},
     {"id": "bad", "prompt": "x", "sampler": "unipc"},
     {"id": "c", "prompt": "a cat", "seed": 3, "num_inference_steps": 1},
     {"id": "d", "prompt": "a dog", "seed": 4, "num_inference_steps": 3},
-    {"id": "e", "prompt": "an eel", "seed": 5, "num_inference_steps": 4},
+    {"id": "e", "prompt": "an eel", "seed": 5, "num_inference_steps": 300},
     {"id": "f", "prompt": "a fig", "seed": 6, "num_inference_steps": 2},
 ]
 FINISHED = ("a", "b", "c")  # before ring step 3
@@ -169,10 +186,16 @@ def test_torchrun_worker_exit_keeps_every_finished_result(checkpoint, tmp_path, 
     log, _ = proc.communicate(timeout=200)
     assert proc.returncode != 0, log[-3000:]
     rows = _check_lines(tmp_path / "out", finished_expected)
-    for rid in ("d", "e", "f"):
-        error = rows[rid]["error"]
-        assert error.startswith("not completed: the run was stopped (SIGTERM)") or "rank 1 dead" in error, error
-    assert "stopped by SIGTERM" in log, log[-3000:]
+    # d was on rank 1; rank 0 goes on degraded until the agent's SIGTERM reaches it (which a loaded machine may
+    # delay past e's end: then e is written like any finished request).
+    assert rows["d"]["error"].startswith(("not completed: the run was stopped (SIGTERM)", "ring step 3 failed "
+                                          "closed: rank 1 dead")), rows["d"]["error"]
+    stopped = [rid for rid in ("e", "f") if not rows[rid]["ok"]]
+    for rid in stopped:
+        assert rows[rid]["error"].startswith("not completed: the run was stopped (SIGTERM)"), rows[rid]["error"]
+    for rid in {"e", "f"} - set(stopped):
+        assert rows[rid]["degraded"] and (tmp_path / "out" / rows[rid]["files"][0]).is_file()
+    assert stopped and "stopped by SIGTERM" in log, log[-3000:]
 
 
 @pytest.mark.slow

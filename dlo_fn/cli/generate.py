@@ -210,7 +210,8 @@ def _serve(args: argparse.Namespace, ctx, options, submissions, writer, built: d
     engine = Engine(offloaded.model, offloaded, ctx,
                     EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
                                   timeout_s=args.timeout, fault=Fault.from_env(), progress=None,
-                                  serving=args.serving), mesh=mesh, checkpoint=args.checkpoint)
+                                  serving=args.serving, keep_videos=False),  # written as they end
+                    mesh=mesh, checkpoint=args.checkpoint)
     built["engine"] = engine
     if ctx.is_main:
         timeline = None

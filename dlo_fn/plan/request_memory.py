@@ -24,11 +24,11 @@ their state and held terms. The decode runs on the host after the blocks::
                                                          heap keeps what the blocks freed (glibc returns little
                                                          of it), so the decode's bytes come on top
 
-A model, not a measurement: allocator caching and fragmentation, Python objects and the kernels' own scratch
-(tens of MB on the CPU: MKL's GEMM buffers) are not in it; admission keeps a reserve for them.
-``tests/test_request_memory.py`` checks it against the peak RSS a real request adds on the CPU (within that
-scratch below, and at most twice the measured above). :func:`largest_fitting` finds the largest size of a request's aspect that a
-budget holds.
+A model, not a measurement: allocator caching and fragmentation, Python objects and the kernels' own scratch (tens
+of MB on the CPU: MKL's GEMM buffers) are not in it; admission keeps a reserve for them.
+``tests/test_request_memory.py`` checks it against the peak RSS a real request adds on the CPU (within that scratch
+below, and at most twice the measured above). :func:`largest_fitting` finds the largest size of a request's aspect
+that a budget holds.
 """
 
 from __future__ import annotations

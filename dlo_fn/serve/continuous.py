@@ -90,8 +90,8 @@ class Served:
     """What one continuous serve produced: results by submission index (each handed to ``publish`` as it is
     recorded), the ring steps, why it stopped."""
 
-    def __init__(self, publish: Callable[[RequestResult], None] | None = None) -> None:
-        self.results = ResultBook(publish)
+    def __init__(self, publish: Callable[[RequestResult], None] | None = None, keep_videos: bool = True) -> None:
+        self.results = ResultBook(publish, keep_videos)
         self.steps: list[StepRecord] = []
         self.stopped: str | None = None
 
@@ -128,7 +128,7 @@ class ContinuousDriver:
                publish: Callable[[RequestResult], None] | None, bar: RingProgress) -> Served:
         W, R = self.world_size, self.options.requests_per_rank
         keepalive_s = self.options.timeout_s / 3
-        out = Served(publish)
+        out = Served(publish, self.options.keep_videos)
         held: list[list[int]] = [[] for _ in range(W)]  # by global rank; a lost rank's stays empty
         left: dict[int, int] = {}
         queue: list[tuple[int, float]] = []

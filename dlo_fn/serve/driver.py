@@ -60,7 +60,7 @@ class Driver:
                  publish: Callable[[RequestResult], None] | None = None) -> Dispatched:
         """Run ``waves`` (indices into ``subs``); ``t0`` is when serving began (``time.perf_counter``);
         ``publish(result)`` gets each result as its wave (or queue) ends."""
-        results = ResultBook(publish)
+        results = ResultBook(publish, keep_videos=self.options.keep_videos)
         if self.lockstep:
             return self._lockstep(waves, subs, t0, results)
         return self._independent(waves, subs, t0, results)

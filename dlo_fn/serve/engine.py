@@ -108,6 +108,7 @@ class Engine:
         self._next_wave = 0
         self._closed = False
         self._publish: OnResult = _ignore
+        self._on_result: OnResult | None = None  # what the driver hands each result to (None: nobody)
         self.board.post("idle")
 
     @property
@@ -144,7 +145,7 @@ class Engine:
         (:class:`~dlo_fn.serve.writer.ResultWriter`)."""
         self._require_driver()
         t0 = time.perf_counter()
-        self._publish = on_result or _ignore
+        self._publish, self._on_result = on_result or _ignore, on_result
         subs = as_submissions(submissions)
         results: dict[int, RequestResult] = {}
         pending: list[Pending] = []
@@ -176,7 +177,7 @@ class Engine:
         opts = self.options
         keepalive_s = opts.timeout_s / 3
         t0 = time.perf_counter()
-        self._publish = on_result or _ignore
+        self._publish, self._on_result = on_result or _ignore, on_result
         intake = StreamIntake(source, self.config, width=self._width, requests_per_rank=opts.requests_per_rank,
                               max_wait_s=opts.max_wait_s, on_result=self._publish, memory=self.memory_admission())
         results: dict[int, RequestResult] = {}
@@ -218,7 +219,7 @@ class Engine:
         for w in waves:
             validate_wave(list(w), width, self.options.requests_per_rank)
         t0 = time.perf_counter()
-        self._publish = on_result or _ignore
+        self._publish, self._on_result = on_result or _ignore, on_result
         subs = as_submissions([r for w in waves for r in w])
         plans, start = [], 0
         for w in waves:
@@ -283,7 +284,7 @@ class Engine:
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         if self.stopped is None:
-            done = self._driver.dispatch(waves, subs, t0, self._publish)
+            done = self._driver.dispatch(waves, subs, t0, self._on_result)
             results.update(done.results)
             records.extend(done.waves)
             if done.stopped is not None:
@@ -303,7 +304,7 @@ class Engine:
             for result in done.values():
                 self._publish(result)
             return self._report(subs, {**done, **rejected}, (), t0)
-        served = self._continuous.serve(subs, arrived, closed, wait, t0, self._publish)
+        served = self._continuous.serve(subs, arrived, closed, wait, t0, self._on_result)
         if served.stopped is not None:
             self.stopped = served.stopped
         return self._report(subs, {**rejected, **served.results}, (), t0, steps=tuple(served.steps))

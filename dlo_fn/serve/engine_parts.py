@@ -1,13 +1,13 @@
 """What an :class:`~dlo_fn.serve.engine.Engine` is made of on one rank, built once when it is constructed.
 
-:func:`build_parts` checks what the engine was given before any message (the mode; the mesh's replicas, which
-must cover the ranks with rank 0 leading one; the model's heads against ``sp``), opens the control channel and
-the status board (:mod:`dlo_fn.serve.wire`) and wires the collaborators to them: the
-:class:`~dlo_fn.serve.driver.Driver` (rank 0's waves), the :class:`~dlo_fn.serve.follower.Follower` (the other
-ranks) and, for continuous serving, rank 0's :class:`~dlo_fn.serve.continuous.ContinuousDriver` with the
-checkpoint its survivors reload from (:mod:`dlo_fn.serve.recover`); and it measures what this rank's memory has left for requests and posts it for
-rank 0's admission (:mod:`dlo_fn.serve.memory_room`). The engine keeps what lives across serves
-(wave numbering, the stop state) and handles the requests.
+:func:`build_parts` checks what the engine was given before any message (the mode; the mesh's replicas, which must
+cover the ranks with rank 0 leading one; the model's heads against ``sp``), opens the control channel and the status
+board (:mod:`dlo_fn.serve.wire`) and wires the collaborators to them: the :class:`~dlo_fn.serve.driver.Driver` (rank
+0's waves), the :class:`~dlo_fn.serve.follower.Follower` (the other ranks) and, for continuous serving, rank 0's
+:class:`~dlo_fn.serve.continuous.ContinuousDriver` with the checkpoint its survivors reload from
+(:mod:`dlo_fn.serve.recover`); and it measures what this rank's memory has left for requests and posts it for rank
+0's admission (:mod:`dlo_fn.serve.memory_room`). The engine keeps what lives across serves (wave numbering, the stop
+state) and handles the requests.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import torch
 from dlo_fn.models.request import Request
 from dlo_fn.serve.batch import Fault
 
-__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "ResultBook", "WaveRecord", "StepRecord",
+__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "ResultBook", "WaveRecord",
+           "StepRecord",
            "ServeReport", "SERVING", "read_prompts", "as_submissions", "wave_table", "result_table", "not_dispatched"]
 
 SERVING = ("strict", "continuous")  # strict: waves (today's behaviour); continuous: see dlo_fn.serve.continuous
@@ -132,6 +133,7 @@ class EngineOptions:
     serving: str = "continuous"  # or "strict": waves (dlo_fn.serve.continuous says which wins when)
     admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.plan.dispatch.admit_cost_aware)
     memory_budget_bytes: int | None = None  # cap each rank's room for requests (dlo_fn.serve.admission)
+    keep_videos: bool = True  # False: a result handed to serve's on_result is kept without its video (generate)
 
     def __post_init__(self) -> None:
         if self.serving not in SERVING:
@@ -170,10 +172,11 @@ class RequestResult:
     position: int | None = None
     timings: Mapping[str, float] = field(default_factory=dict)
     degraded: str | None = None
+    video_shape: tuple[int, ...] | None = None  # the shape of a video already written and dropped
 
     @property
     def shape(self) -> tuple[int, ...] | None:
-        return tuple(self.video.shape) if self.video is not None else None
+        return tuple(self.video.shape) if self.video is not None else self.video_shape
 
     def __reduce__(self):
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -184,16 +187,20 @@ class RequestResult:
 
 class ResultBook(dict):
     """Results by submission index that hands each one to ``publish`` as it is recorded (what lets rank 0 write
-    a result while the serve goes on: :meth:`dlo_fn.serve.engine.Engine.serve`'s ``on_result``)."""
+    a result while the serve goes on: :meth:`dlo_fn.serve.engine.Engine.serve`'s ``on_result``). Without
+    ``keep_videos`` it keeps a published result without its video (its shape stays), so a long serve whose
+    results are written as they end does not hold every video until the end."""
 
-    def __init__(self, publish: Callable[["RequestResult"], None] | None = None) -> None:
+    def __init__(self, publish: Callable[["RequestResult"], None] | None = None, keep_videos: bool = True) -> None:
         super().__init__()
-        self._publish = publish
+        self._publish, self._keep_videos = publish, keep_videos
 
     def __setitem__(self, index: int, result: "RequestResult") -> None:
-        super().__setitem__(index, result)
         if self._publish is not None:
             self._publish(result)
+            if not self._keep_videos and result.video is not None:
+                result = dataclasses.replace(result, video=None, video_shape=tuple(result.video.shape))
+        super().__setitem__(index, result)
 
     def update(self, other: Mapping[int, "RequestResult"] = (), **kw: Any) -> None:  # type: ignore[override]
         for index, result in dict(other, **kw).items():

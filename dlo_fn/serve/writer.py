@@ -67,9 +67,10 @@ def check_out(out: str | os.PathLike, existing: str = "refuse") -> None:
         raise ValueError(f"existing={existing!r}: must be one of {', '.join(EXISTING)}")
     found = own_files(pathlib.Path(out))
     if found and existing == "refuse":
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
         raise ExistingOutputError(
-            f"{out} holds an earlier run's outputs ({found[0].name}{f' and {len(found) - 1} more' if len(found) > 1 else ''}"
-            f"): choose a new folder, or clean it first (generate --out-exists clean deletes only these files)")
+            f"{out} holds an earlier run's outputs ({found[0].name}{more}): choose a new folder, or clean it first "
+            f"(generate --out-exists clean deletes only these files)")
 
 
 class ResultWriter:
