@@ -26,8 +26,9 @@ queue of submissions) and :class:`~dlo_fn.serve.share.ShareRunner` (one rank's s
 checked and wired once, when the engine is built (:func:`dlo_fn.serve.engine_parts.build_parts`), and this
 module handles the requests.
 
-**Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one is rejected before any
-dispatch), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per rank), and
+**Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one, or one that needs more memory
+than a rank has left, :class:`~dlo_fn.serve.admission.MemoryAdmission`, is rejected before any dispatch; in
+continuous serving too), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per rank), and
 for each wave:
 
 1. broadcasts it (one ``broadcast_object_list``): rank ``r`` runs the requests at positions ``r, r+W, ...``;
@@ -46,7 +47,8 @@ all-gathers (see :mod:`dlo_fn.serve.batch`). A rank that stalls or dies breaks t
 is bounded by ``timeout_s`` (the process group's timeout; in independent mode also a progress watchdog on the
 board), the wave fails closed (every request in it gets an error naming the wave and the culprit rank, from
 :class:`~dlo_fn.serve.wire.StatusBoard`), the engine stops, and every request not yet dispatched gets a
-"not dispatched" error. Nothing hangs and nothing is dropped silently.
+"not dispatched" error. Nothing hangs and nothing is dropped silently. Every result goes to the caller's ``on_result`` the moment it
+exists (:meth:`Engine.serve`), so it can be on disk before the serve ends (:mod:`dlo_fn.serve.writer`).
 """
 
 from __future__ import annotations
