@@ -119,3 +119,21 @@ def test_a_huge_request_is_refused_under_ulimit_and_the_others_run(checkpoint, t
                     r"[\d.]+ GB \(the address space ulimit -v leaves .*\); the largest size of this aspect that "
                     r"fits .*: height \d+, width \d+$", error), error
     assert f"huge failed: {error}" in done.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_huge_request_is_refused_on_device_memory(checkpoint, tmp_path):
+    lines = [{"id": "fox", "prompt": "a fox"}, {"id": "huge", "prompt": "a huge fox", "height": 100000,
+                                                 "width": 100000}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--prompts", str(prompts),
+           "--out", str(tmp_path / "out"), "--steps", "2", "--height", "32", "--width", "32", "--frames", "5",
+           "--platform", "cuda"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stderr[-3000:]
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out" / "manifest.jsonl").read_text().splitlines())}
+    assert rows["fox"]["ok"], rows["fox"]["error"]
+    assert re.match(r"rejected before dispatch: needs [\d.]+ GB of device memory per rank .* but rank 0 has "
+                    r"[\d.]+ GB \(free device memory, after a 10% reserve\); the largest size of this aspect that "
+                    r"fits .*: height \d+, width \d+$", rows["huge"]["error"]), rows["huge"]["error"]

@@ -99,3 +99,33 @@ def test_the_model_bounds_the_peak_a_request_adds(checkpoint, mode, fields):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["measured"] > 50_000_000, got  # large enough for the terms to dominate
     assert got["measured"] - SCRATCH_BYTES <= got["planned"] <= 2 * got["measured"] + SCRATCH_BYTES, got
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["resident", "rank-local"])
+def test_the_device_terms_bound_the_cuda_peak(checkpoint, mode):
+    """On CUDA the compute terms (latents, held state, the block's peak phase) against the allocator's peak over
+    what the model already held; the decode runs on the host."""
+    import torch
+
+    from dlo_fn.models import generate
+    from dlo_fn.runtime.dist import DistContext
+    from dlo_fn.runtime.platform import platform_for
+    from dlo_fn.serve.local import open_model
+
+    model, _ = open_model(checkpoint, DistContext(0, 1, 0, platform_for("cuda", 0), None), mode)
+    generate(model, Request("warm", height=32, width=32, num_frames=5, num_inference_steps=1))
+    rows = []
+    for fields in (dict(height=1024, width=1024, num_frames=33), dict(height=768, width=1280, num_frames=17),
+                   dict(height=2048, width=2048, num_frames=9, guidance_scale=1.0)):
+        request = Request("a red fox", num_inference_steps=1, **fields)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        generate(model, request)
+        measured = torch.cuda.max_memory_allocated() - base
+        planned = request_memory(DIMS, request_shape(model.config, request)).device_bytes
+        rows.append((fields, measured, planned))
+    print(mode, "measured vs planned device bytes:", rows)
+    for fields, measured, planned in rows:
+        assert measured - SCRATCH_BYTES <= planned <= 2 * measured + SCRATCH_BYTES, rows
