@@ -220,3 +220,15 @@ def test_sigterm_while_rank_0_waits_in_a_collective(checkpoint, tmp_path, finish
     rows = _check_lines(tmp_path / "out", finished_expected)
     for rid in ("d", "e", "f"):
         assert rows[rid]["error"].startswith("not completed: the run was stopped (SIGTERM)"), rows[rid]["error"]
+
+
+def test_a_result_whose_files_cannot_be_written_says_so_and_the_others_go_on(tmp_path):
+    subs = _subs(2)
+    writer = ResultWriter(tmp_path / "out", expected=subs)
+    bad = _ok(0, subs[0])
+    bad = RequestResult(0, bad.request_id, bad.request, True, bad.video, "0" * 64)  # its hash does not match
+    writer.write(bad)  # does not raise into the serve
+    writer.write(_ok(1, subs[1]))
+    rows = {r["id"]: r for r in read_manifest(tmp_path / "out" / "manifest.jsonl")}
+    assert not rows["r0"]["ok"] and rows["r0"]["files"] == [] and "writing its files" in rows["r0"]["error"]
+    assert rows["r1"]["ok"] and not list((tmp_path / "out").glob("*.tmp"))

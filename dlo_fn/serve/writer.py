@@ -25,7 +25,7 @@ first (``existing="clean"``; nothing else in the folder is touched).
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import dataclasses
 import json
 import logging
 import os
@@ -96,13 +96,28 @@ class ResultWriter:
         return len(self._rows)
 
     def write(self, result: RequestResult) -> None:
-        """Write ``result``'s files and append its manifest line (once per submission index)."""
+        """Write ``result``'s files and append its manifest line (once per submission index). It runs inside
+        the serve loop, so a failure to write is this request's, never the serve's: files that cannot be
+        written make its line say so; a line that cannot be appended is logged and tried again by
+        :meth:`finish`."""
         with self._lock:
             if self.stopped is not None or result.index in self._rows:
                 return
-            files = save_video(self.out, result, previews=self.previews)
+            try:
+                files = save_video(self.out, result, previews=self.previews)
+            except Exception as exc:  # noqa: BLE001 - disk full, a read-only folder, a hash that differs
+                log.error("%s: could not write its files: %s: %s", result.request_id, type(exc).__name__, exc)
+                for path in self.out.glob("*.tmp"):
+                    path.unlink(missing_ok=True)
+                files = []
+                result = dataclasses.replace(result, ok=False, video=None, error=(
+                    f"finished, but writing its files under {self.out} failed: {type(exc).__name__}: {exc}"))
             row = manifest_row(result, self.info, files, self.out)
-            self._append(row)
+            try:
+                self._append(row)
+            except OSError as exc:
+                log.error("%s: could not append its manifest line: %s", result.request_id, exc)
+                return
             self._rows[result.index] = row
 
     def stop(self, reason: str) -> int:
