@@ -85,9 +85,9 @@ SCRATCH_BYTES = 32_000_000  # kernel scratch and heap granularity: in admission'
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, fields", [
-    ("resident", dict(height=1024, width=1024, num_frames=33, num_inference_steps=1)),
-    ("resident", dict(height=768, width=1024, num_frames=17, num_inference_steps=2, guidance_scale=1.0)),
-    ("allgather", dict(height=512, width=1024, num_frames=33, num_inference_steps=1, outputs_per_prompt=2)),
+    ("resident", dict(height=768, width=768, num_frames=17, num_inference_steps=1)),
+    ("resident", dict(height=640, width=1024, num_frames=9, num_inference_steps=1, guidance_scale=1.0)),
+    ("allgather", dict(height=512, width=512, num_frames=33, num_inference_steps=1, outputs_per_prompt=2)),
 ])
 def test_the_model_bounds_the_peak_a_request_adds(checkpoint, mode, fields):
     if not os.path.exists("/proc/self/clear_refs"):
@@ -97,7 +97,7 @@ def test_the_model_bounds_the_peak_a_request_adds(checkpoint, mode, fields):
                           text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["measured"] > 50_000_000, got  # large enough for the terms to dominate
+    assert got["measured"] > 40_000_000, got  # large enough for the terms to dominate
     assert got["measured"] - SCRATCH_BYTES <= got["planned"] <= 2 * got["measured"] + SCRATCH_BYTES, got
 
 
