@@ -176,6 +176,7 @@ def test_make_checkpoint_help_lists_every_size():
     (["--model-bytes", "10GB", "--dp", "2", "--num-blocks", "0"], ["--num-blocks 0"]),
     (["--model-bytes", "10GB", "--dp", "2", "--max-block-bytes", "20GB"], ["--max-block-bytes 20GB", "at most"]),
     (["--model-bytes=-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),
+    (["--model-bytes", "-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),  # not "expected one argument"
     (["--model-bytes", "10XB", "--dp", "2"], ["--model-bytes 10XB", "cannot read"]),
     (["--model", "nano2", "--dp", "2"], ["--model nano2"]),
 ])
@@ -232,7 +233,7 @@ def test_partly_bad_prompts_file_runs_the_rest(checkpoint, tmp_path):
     assert "id 'x' is already used on line 2" in skipped[0] and "'frames'" in skipped[1]
     assert "2 of 4 request(s) produced no output" in err.splitlines()[-1]
     assert "wave 0 (2 in this dispatch): 1 request(s) [line0001], 2 step(s)" in err  # a line per wave
-    assert "wave 0 line0001" in err and "2/2" in err  # and the step bar of wave 0
+    assert "wave 0 line0001" not in err and "2/2" not in err  # no step bar: stderr is a log, not a terminal
     assert "timeline" in done.stdout and str(trace) in done.stdout
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     tail = [e for e in events if e["name"].endswith("(prefetch for next run)")]
@@ -260,3 +261,17 @@ def test_torchrun_prints_a_usage_error_once(checkpoint, tmp_path):
     # summary's root cause is our line (from torchrun's error file), not a pointer to its documentation.
     assert "dlo_fn/" not in done.stderr.replace(str(tmp_path), "")
     assert "traceback : dlo_fn generate: error: --height" in done.stderr
+
+
+@pytest.mark.parametrize("fault, words", [
+    ('{"rank": 0, "wave": 1, "kind": "raise"}', ["DLO_FN_FAULT", '"wave": 1', "ring step", '"step"']),
+    ('{"rank": 0, "kind": "nap"}', ["DLO_FN_FAULT", "kind"]),
+])
+def test_generate_fault_that_continuous_serving_would_ignore_is_one_line(capsys, checkpoint, tmp_path, monkeypatch,
+                                                                         fault, words):
+    """Continuous serving has ring steps, not waves: a fault naming wave 1 used to be ignored (it fired at ring step
+    0); now it is refused before loading, with what to give instead."""
+    monkeypatch.setenv("DLO_FN_FAULT", fault)
+    line = _one_line(capsys, _generate(checkpoint, tmp_path, "--prompt", "x"))
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "out").exists()

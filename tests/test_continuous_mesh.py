@@ -124,3 +124,18 @@ def test_generate_cli_sp2_continuous_writes_resident_hashes(checkpoint, expected
     rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out" / "manifest.jsonl").read_text().splitlines())}
     assert {i: r["sha256"] for i, r in rows.items()} == {i: e.sha256 for i, e in expected.items()}
     assert {(r["serving"], r["rank"], r["dp_size"], r["sp_size"]) for r in rows.values()} == {("continuous", 0, 1, 2)}
+
+
+def test_stall_on_an_sp_rank_names_it_and_not_its_partner(checkpoint):
+    """Rank 3 stalls at ring step 1; its sp partner (rank 2) waits for it inside an all-to-all, gives up when the
+    collective times out and says so on the board, so the reason names rank 3 alone."""
+    subs = SUBS[:3]
+    phase = Phase("allgather", subs, engine_options(timeout_s=6.0, serving="continuous",
+                                                    fault=Fault(rank=3, wave=0, kind="stall", step=1)))
+    run = serve_local(checkpoint, [phase], 2, sp_size=2, join_timeout_s=200, grace_s=5)
+    report = run.reports[0]
+    reason = report.by_id()["req0001"].error  # replica 1 (ranks 2, 3) held it
+    assert reason.startswith("ring step 1 failed closed: rank 3 stalled"), reason
+    assert "rank 2" not in reason, reason
+    assert len(report.results) == len(subs) and not any(r.ok for r in report.results)
+    assert run.exitcodes[2] == 0  # the partner returned on its own; only the stalled rank was killed

@@ -64,19 +64,25 @@ def test_recovery_plan_round_trips_through_the_store(tmp_path):
 @pytest.mark.timeout(240)
 def test_raise_then_exit_on_three_ranks(checkpoint, mixed_expected):
     # Phase 0: rank 2 raises at ring step 1 (it holds the tree): only the tree fails, nobody is lost.
-    # Phase 1: rank 1 dies at ring step 2 (the bird): fox (rank 0) and tree (rank 2) redo step 2 from their
-    # latents as rank-local replicas; cat, boat and the second fox, still queued, are served by ranks 0 and 2.
+    # Phase 1: rank 1 dies at ring step 3 (the bird): fox (rank 0) and tree (rank 2) ended at step 2, before it;
+    # cat and boat, started at step 3, redo it from their latents as rank-local replicas; the second fox, still
+    # queued, is served by rank 0 or 2.
     phases = [Phase("allgather", SUBS, engine_options(fault=Fault(rank=2, wave=0, kind="raise", step=1))),
-              Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="exit", step=2)))]
+              Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="exit", step=3)))]
     run = serve_local(checkpoint, phases, 3, join_timeout_s=200, grace_s=30)
     raised, died = run.reports
     _check(raised, mixed_expected, {"req0002": "rank 2: InjectedFault"})
     assert raised.degraded is None
-    _check(died, mixed_expected, {"req0001": "ring step 2 failed closed: rank 1 dead"})
-    assert died.degraded.startswith("degraded since ring step 2: ranks [0, 2] serve as rank-local replicas")
+    _check(died, mixed_expected, {"req0001": "ring step 3 failed closed: rank 1 dead"})
+    assert died.degraded.startswith("degraded since ring step 3: ranks [0, 2] serve as rank-local replicas")
     res = died.by_id()
     assert res["req0002"].rank == 2 and {res[i].rank for i in ("req0003", "req0005", "req0006")} == {0, 2}
-    assert all(s.held[1] == () for s in died.steps if s.step > 2)
+    assert all(s.held[1] == () for s in died.steps if s.step > 3)
+    # Only what the degraded ring finished says so: not the requests that ended before the loss, the rejected
+    # one or the culprit's.
+    assert {i for i, r in res.items() if r.degraded} == {"req0003", "req0005", "req0006"}
+    assert {r.degraded for r in res.values() if r.degraded} == {died.degraded}
+    assert res["req0000"].timings["last_step"] == res["req0002"].timings["last_step"] == 2
     assert run.exitcodes == (0, FAULT_EXIT_CODE, 0)
 
 

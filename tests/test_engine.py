@@ -13,7 +13,8 @@ from dlo_fn.plan.waves import IncompatibleWaveError
 from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.serve.engine import Engine
 from dlo_fn.serve.local import open_model
-from dlo_fn.serve.outputs import read_manifest, video_sha256, write_outputs
+from dlo_fn.serve.outputs import read_manifest, video_sha256
+from dlo_fn.serve.writer import write_outputs
 from dlo_fn.serve.requests import EngineOptions, Submission, read_prompts, wave_table
 
 SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)

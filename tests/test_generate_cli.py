@@ -91,3 +91,58 @@ def test_load_group_auto_is_chosen_from_the_probe_and_writes_the_resident_hashes
     assert group in (1, 2, 4) and slots % group == 0 and slots >= 2 * group
     table = json.loads((out / "auto_policy.json").read_text())
     assert "topology" in table
+
+
+@pytest.mark.slow
+def test_generate_takes_an_index_file_as_load_model_does(resident_rows, tmp_path):
+    """``--checkpoint DIR/model.safetensors.index.json`` (what load_model and plan take) writes the same bytes as
+    the folder: the config is the one beside the index."""
+    from dlo_fn.models import write_checkpoint
+
+    folder = write_checkpoint("tiny", tmp_path / "sharded", seed=0, max_shard_bytes=200_000, progress=False)
+    index = next(folder.glob("*.index.json"))
+    rows = _generate(str(index), tmp_path / "out", "--resident")
+    assert [r["sha256"] for r in rows] == [r["sha256"] for r in resident_rows]
+
+
+def _on_a_terminal(argv: list[str]) -> str:
+    """Run ``argv`` with stderr on a pseudo-terminal of 120 columns; what it wrote there."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        try:
+            data = os.read(master, 65536) if ready else b""
+        except OSError:  # the child closed the terminal
+            break
+        if data:
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    assert proc.wait(timeout=120) == 0, b"".join(chunks)[-3000:]
+    os.close(master)
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_continuous_serving_shows_a_bar_on_a_terminal_and_none_in_a_log(checkpoint, tmp_path):
+    """Rank 0's bar of continuous serving (requests done of those arrived, queued, ring step) on a terminal; a
+    log (stderr not a terminal) gets the log lines only."""
+    argv = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--steps", "1", "--height", "32",
+            "--width", "32", "--frames", "5", "--prompt", "a fox", "--prompt", "an owl", "--prompt", "a cat"]
+    shown = _on_a_terminal(argv + ["--out", str(tmp_path / "tty")])
+    assert re.search(r"serving: 100%.*3/3 .*queued 0, ring step \d", shown), shown[-2000:]
+    logged = subprocess.run(argv + ["--out", str(tmp_path / "log")], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu"))
+    assert logged.returncode == 0 and "ring step 0: req0000 starts" in logged.stderr
+    assert "serving:" not in logged.stderr and "request/s" not in logged.stderr, logged.stderr[-2000:]

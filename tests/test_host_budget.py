@@ -116,3 +116,25 @@ def test_memory_cli_host_budget(capsys, budget, status):
     assert (f"host budget 100.000 GB: partly pinned" in out and "ms more H2D per pass" in out) if status == \
         "partly pinned" else True
     assert ("largest dp that fits is 2" in out and "ms more" not in out) if status == "refused" else True
+
+
+@pytest.mark.parametrize("platform, device", [("cuda", "cuda"), ("ascend", "npu")])
+def test_memory_per_rank_rows_follow_the_platform_and_state_one_high_water_mark(capsys, platform, device):
+    """``memory --platform ascend``: the per-rank rows and the host budget are the NPU's (the pinned arena is
+    driver memory, in no process's RSS: a rank holds c after offload), and the cold-start high-water mark is the
+    per-rank model's, not a second number."""
+    import json
+
+    from dlo_fn.cli import main
+
+    args = ["memory", "--model-bytes", "124GB", "--dp", "4", "--num-blocks", "128", "--platform", platform,
+            "--host-budget", "256GB", "--framework-bytes-per-rank", "3.5GB", "--json"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    ranks = doc["rank_memory"]
+    assert ranks["device"] == device and doc["host_budget"] == "fits"
+    offload = next(p for p in ranks["phases"] if p["phase"] == "offload")
+    arena = ranks["terms"]["arena_bytes"]
+    assert 31e9 <= arena < 31.01e9 and offload["rss_bytes"] == 3_500_000_000 + (arena if device == "cuda" else 0)
+    hwm = [r["value_bytes"] for r in doc["rows"] if r["item"] == "per-rank high-water mark"]
+    assert hwm == [max(p["hwm_bytes"] for p in ranks["phases"])]

@@ -200,3 +200,11 @@ def test_published_overhead_split_reproduces_the_published_wave():
     published_step = perf("perf.nano.dlo_ag_dp4_4req.ms_per_step").value / 1e3
     assert abs(pred.step_s - published_step) / published_step < 0.02
     assert abs(pred.speedup - perf("perf.nano.dlo_ag_dp4_4req.vs_hsdp").value) / 3.3 < 0.05
+
+
+def test_key_label_says_no_cfg_for_guidance_1():
+    """Guidance 1 turns CFG off (``Request.cfg``), whether the prompts file wrote it as 1 or 1.0."""
+    shape = dict(height=32, width=32, num_frames=5, num_inference_steps=2)
+    assert compat_key(Request("a", guidance_scale=1, **shape)).short() == "32x32x5f 2st nocfg"
+    assert compat_key(Request("a", guidance_scale=1.0, **shape)).short() == "32x32x5f 2st nocfg"
+    assert compat_key(Request("a", guidance_scale=5, **shape)).short() == "32x32x5f 2st cfg5"

@@ -20,6 +20,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 import traceback
 from typing import NoReturn
@@ -50,7 +51,15 @@ EXIT_INTERRUPTED = 130
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's own mistakes as one line, like every other: ``dlo_fn <command>: error: <message> (see
     <command> --help)`` on stderr (rank 0 only under torchrun), then ``SystemExit(2)``. Every subcommand's parser
-    is one of these (``add_subparsers`` makes its parsers of the parent's class)."""
+    is one of these (``add_subparsers`` makes its parsers of the parent's class).
+
+    argparse reads a value that starts with ``-`` as a flag unless it is a plain negative number, so
+    ``--model-bytes -5GB`` said "expected one argument" instead of what is wrong with -5GB: any token that starts
+    with a minus and a digit is a value here (no flag of ours looks like one), which each command then checks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d[\w.+-]*$")
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         parsed, extra = self.parse_known_args(args, namespace)

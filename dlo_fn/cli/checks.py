@@ -62,6 +62,12 @@ def check_engine_args(args: argparse.Namespace) -> None:
     out = pathlib.Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"generate: --out {args.out}: is a file, not a directory: choose a directory")
+    from dlo_fn.serve.writer import ExistingOutputError, check_out
+
+    try:  # every rank, before rank 0 writes anything there (it starts once every rank joined the group)
+        check_out(out, getattr(args, "out_exists", "refuse"))
+    except ExistingOutputError as exc:
+        raise UsageError(f"generate: --out {exc}") from None
     if args.trace:
         trace = pathlib.Path(args.trace)
         if trace.is_dir():

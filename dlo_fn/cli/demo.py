@@ -60,7 +60,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from dlo_fn.models.checkpoint import ensure_checkpoint
     from dlo_fn.plan.modes import MODES
     from dlo_fn.serve.local import Phase, serve_local
-    from dlo_fn.serve.outputs import write_outputs
+    from dlo_fn.serve.writer import write_outputs
     from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
 
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print("\nresults:")
     print(result_table(main))
     print(f"\nforcing the incompatible pair (fox, tree) into one wave:\n  {forced}")
-    manifest = write_outputs(out / "outputs", main)
+    manifest = write_outputs(out / "outputs", main, existing="clean")  # the demo owns this folder: rerun in place
     ok = True
     print("\nsame request and seed -> same bytes (SHA-256) in every mode:")
     for name, rep in zip(others, compared):

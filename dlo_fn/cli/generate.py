@@ -12,7 +12,9 @@ the N ranks form a (N / S, S) mesh: waves go to the N / S replicas, the S ranks 
 each holding 1/N; dp: the reference's choice, 1/(N/S)). With ``--serving continuous`` (the default) the
 allgather ring never stops between requests: a rank whose request ends takes the next queued one at the next
 step boundary, and a stalled rank's peers go on without it (:mod:`dlo_fn.serve.continuous`). Rank 0 writes
-under ``--out`` (:mod:`dlo_fn.serve.outputs`):
+under ``--out`` (:mod:`dlo_fn.serve.outputs`), each request's files and manifest line as soon as it ends
+(:mod:`dlo_fn.serve.writer`; a killed run keeps them, and on SIGTERM or Ctrl-C every request still running or
+queued gets a "not completed" line):
 
     <index>-<id>.npy           uint8 video [N, F, H, W, 3] (N = outputs per prompt)
     <index>-<id>.png           preview: one row per output, up to 8 evenly spaced frames side by side
@@ -33,7 +35,8 @@ parsed, repeats an id or fails validation is printed as one line naming ``FILE:L
 lines still run and the bad one gets a manifest line with its reason. Exit codes: 0 when every request produced
 an output, 1 when any failed or was rejected (so torchrun then prints its ChildFailedError summary for rank 0:
 the reasons are in the lines above it and in the manifest), 2 when nothing could run.
-Rank 0 shows a bar of denoising steps per wave and one line per wave on stderr.
+On a terminal rank 0 shows a bar on stderr: the denoising steps of each wave (strict), or the requests done and
+queued and the ring step (continuous); logs (stderr not a terminal) get only the log lines.
 ``DLO_FN_FAULT`` injects a fault for tests (:mod:`dlo_fn.serve.batch`).
 
 This module registers the command and runs it (:func:`run_generate`: load, offload, serve, write); its flags,
@@ -64,12 +67,21 @@ __all__ = [
 
 EPILOG = """\
 outputs: --out gets <index>-<id>.npy (uint8 video), .png previews, manifest.jsonl, waves.jsonl (strict) or
-  steps.jsonl (continuous). The sha256
+  steps.jsonl (continuous). Each request's files and manifest line are written when it ends (files renamed into
+  place, the line appended), so a run that is killed keeps every finished request; on SIGTERM (torchrun sends it
+  to every worker when one exits) or Ctrl-C, rank 0 adds a "not completed" line for each request still running
+  or queued (exit 143 / 130). An --out that holds an earlier run's outputs is refused before anything loads;
+  --out-exists clean deletes those files first. The sha256
   printed and in the manifest is the SHA-256 of the video's uint8 bytes (np.load(npy).tobytes()), not of a file:
   it is the same in every mode and world size; the manifest's file_sha256 hashes each written file.
 exit codes: 0 every request produced an output; 1 some did not (each reason is printed and in the manifest);
-  2 a usage error, printed as one line before any model is loaded (nothing ran). On NCCL a collective that
-  times out (--timeout; a peer died or stalled) ends its process through torch.distributed's watchdog.
+  2 a usage error, printed as one line before any model is loaded (nothing ran); 143 stopped by SIGTERM (every
+  request still without a result gets a "not completed" line first). On NCCL a collective that times out
+  (--timeout; a peer died or stalled) ends its process through torch.distributed's watchdog.
+environment: DLO_FN_FAULT (tests and drills) injects a fault:
+  '{"rank": R, "kind": "raise|stall|exit", "step": S, "wave": W}' makes rank R raise, stall or exit at block 0
+  of denoising step S of wave W (strict serving), or of ring step S (continuous serving, which has no waves:
+  "wave" must be 0 or left out); "step" and "wave" default to 0.
 example (a CPU, seconds; random weights, so the video is noise):
   python -m dlo_fn make-checkpoint --model tiny --out ckpt/tiny
   python -m dlo_fn generate --checkpoint ckpt/tiny --prompt "a red fox" --height 64 --width 64 --frames 5 \\
@@ -129,15 +141,8 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from dlo_fn.plan.trace import to_chrome_trace
     from dlo_fn.runtime.dist import init_distributed
     from dlo_fn.runtime.platform import detect_platform
-    from dlo_fn.serve.batch import Fault
-    from dlo_fn.serve.engine import Engine
-    from dlo_fn.serve.outputs import write_outputs
-    from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
-
-    from dlo_fn.cli.checks import report_failures
 
     options, submissions = check_generate_args(args)
     platform = detect_platform(prefer=args.platform)
@@ -145,42 +150,92 @@ def run_generate(args: argparse.Namespace) -> int:
     from dlo_fn.cli.budget import apply_host_budget
 
     options = apply_host_budget(args, ctx, options)
-    code = 0
-    engine = None
+    writer = _open_writer(args, submissions) if ctx.is_main else None
+    built: dict = {}  # the engine, once _serve built it: whether its group may be destroyed
     try:
-        picked = []
-        auto = (lambda m: picked.append(choose_auto(args, m, ctx)) or picked[-1]) if is_auto(args) else None
-        mesh = mesh_from_args(args, ctx)
-        offloaded, mesh = load_offloaded(args.checkpoint, ctx, options, auto, mesh, sp_auto=args.sp == "auto")
-        engine = Engine(offloaded.model, offloaded, ctx,
-                        EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
-                                      timeout_s=args.timeout, fault=Fault.from_env(), progress=True,
-                                      serving=args.serving), mesh=mesh, checkpoint=args.checkpoint)
-        if ctx.is_main:
-            timeline = None
-            try:
-                report = engine.serve(submissions)
-                if picked:
-                    log_predicted_vs_measured(report, picked[0])
-                if args.trace and engine.stopped is None and engine.degraded is None:
-                    timeline = engine.gather_timeline((("checkpoint", str(args.checkpoint)),))
-            finally:
-                engine.close()
-            manifest = write_outputs(pathlib.Path(args.out), report)
-            print(wave_table(report) if report.waves or not report.steps else
-                  f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)"
-                  + (f"; {report.degraded}" if report.degraded else ""))
-            print(result_table(report))
-            print(f"wrote {sum(r.ok for r in report.results)} output(s), {len(report.results)} manifest line(s): "
-                  f"{manifest}")
-            if timeline is not None:
-                pathlib.Path(args.trace).write_text(json.dumps(to_chrome_trace(timeline)))
-                print(f"wrote every rank's measured timeline ({len(timeline.spans)} spans): {args.trace}")
-            code = report_failures(report, [s.error for s in submissions if s.error])
-        else:
-            engine.follow()
-        offloaded.synchronize()
+        with _sigterm_guard(writer):
+            code = _serve(args, ctx, options, submissions, writer, built)
+    except BaseException as exc:  # every request still without a line gets one, then the error goes on
+        if writer is not None and writer.stopped is None:
+            why = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else (
+                f"the run failed before this request finished: {type(exc).__name__}: {str(exc)[:200]}")
+            writer.stop(why)
+        raise
     finally:
+        engine = built.get("engine")
         if ctx.group is not None and (engine is None or (engine.stopped is None and engine.degraded is None)):
             torch.distributed.destroy_process_group()
+    return code
+
+
+def _open_writer(args: argparse.Namespace, submissions):
+    """Rank 0's :class:`~dlo_fn.serve.writer.ResultWriter` on ``--out`` (every rank has passed its checks: the
+    process group exists), with the prompts lines rejected before loading already written."""
+    from dlo_fn.serve.requests import RequestResult
+    from dlo_fn.serve.writer import ResultWriter
+
+    writer = ResultWriter(args.out, existing=args.out_exists, expected=submissions)
+    for i, sub in enumerate(submissions):
+        if sub.error is not None:
+            writer.write(RequestResult(i, sub.request_id, sub.request, False, error=sub.error))
+    return writer
+
+
+def _sigterm_guard(writer):
+    import contextlib
+
+    from dlo_fn.cli.checks import _stderr
+    from dlo_fn.serve.writer import finish_on_sigterm
+
+    if writer is None:
+        return contextlib.nullcontext()
+    return finish_on_sigterm(writer, say=lambda text: _stderr(f"dlo_fn generate: {text}"))
+
+
+def _serve(args: argparse.Namespace, ctx, options, submissions, writer, built: dict) -> int:
+    """Load, offload and serve (rank 0 writes each result as it ends, then the tables); the exit code.
+    ``built["engine"]``: the engine, as soon as it exists."""
+    from dlo_fn.plan.trace import to_chrome_trace
+    from dlo_fn.serve.batch import Fault
+    from dlo_fn.serve.engine import Engine
+    from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
+
+    from dlo_fn.cli.checks import report_failures
+
+    code = 0
+    picked = []
+    auto = (lambda m: picked.append(choose_auto(args, m, ctx)) or picked[-1]) if is_auto(args) else None
+    mesh = mesh_from_args(args, ctx)
+    offloaded, mesh = load_offloaded(args.checkpoint, ctx, options, auto, mesh, sp_auto=args.sp == "auto")
+    engine = Engine(offloaded.model, offloaded, ctx,
+                    EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
+                                  timeout_s=args.timeout, fault=Fault.from_env(), progress=None,
+                                  serving=args.serving, keep_videos=False),  # written as they end
+                    mesh=mesh, checkpoint=args.checkpoint)
+    built["engine"] = engine
+    if ctx.is_main:
+        timeline = None
+        writer.info = engine.run_info
+        try:
+            report = engine.serve(submissions, on_result=writer.write)
+            if picked:
+                log_predicted_vs_measured(report, picked[0])
+            if args.trace and engine.stopped is None and engine.degraded is None:
+                timeline = engine.gather_timeline((("checkpoint", str(args.checkpoint)),))
+        finally:
+            engine.close()
+        manifest = writer.finish(report)
+        print(wave_table(report) if report.waves or not report.steps else
+              f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)"
+              + (f"; {report.degraded}" if report.degraded else ""))
+        print(result_table(report))
+        print(f"wrote {sum(r.ok for r in report.results)} output(s), {len(report.results)} manifest line(s): "
+              f"{manifest}")
+        if timeline is not None:
+            pathlib.Path(args.trace).write_text(json.dumps(to_chrome_trace(timeline)))
+            print(f"wrote every rank's measured timeline ({len(timeline.spans)} spans): {args.trace}")
+        code = report_failures(report, [s.error for s in submissions if s.error])
+    else:
+        engine.follow()
+    offloaded.synchronize()
     return code

@@ -103,6 +103,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requests each rank runs block-major per wave (one weight load serves R requests)")
     group.add_argument("--max-wait-s", type=float, default=0.0,
                        help="bounded wait to fill a wave (a closed prompts file never waits)")
+    group.add_argument("--out-exists", choices=("refuse", "clean"), default="refuse",
+                       help="an --out that holds an earlier run's outputs (manifest.jsonl, waves.jsonl, steps.jsonl, "
+                            "auto_policy.json, NNNN-*.npy/.png) is refused before anything loads (refuse), or those "
+                            "files are deleted first (clean; nothing else there is touched)")
     group.add_argument("--serving", choices=("strict", "continuous"), default="continuous",
                        help="continuous (default): a rank whose request ends takes the next queued one at the next "
                             "step boundary, and a stalled or dead rank's peers go on without it; strict: waves that "
@@ -205,4 +209,20 @@ def check_generate_args(args: argparse.Namespace) -> tuple:
         raise UsageError(f"generate: {exc}") from None
     config = check_checkpoint(args.checkpoint)
     check_sp_args(args, config)
+    check_fault(args)
     return options, submissions_from_args(args, config)
+
+
+def check_fault(args: argparse.Namespace) -> None:
+    """``DLO_FN_FAULT`` (the fault-injection hook) readable, and meaningful for the serving it will meet."""
+    import os
+
+    from dlo_fn.serve.batch import Fault
+
+    try:
+        fault = Fault.from_env()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if fault is not None and args.serving == "continuous" and (world == 1 or mode_from_args(args) == "allgather"):
+            fault.check_serving(continuous=True)
+    except ValueError as exc:
+        raise UsageError(f"generate: {exc}") from None

@@ -186,11 +186,12 @@ def ensure_checkpoint(folder: str | os.PathLike, config: DiTConfig | str = "tiny
 
 def load_config(checkpoint: str | os.PathLike) -> tuple[DiTConfig, torch.dtype]:
     """(config, checkpoint dtype) from ``config.json`` in a checkpoint directory (or beside a ``.safetensors``
-    file, or the ``config.json`` path itself)."""
+    file or a ``*.safetensors.index.json`` index, which ``load_model`` takes too; or the ``config.json`` path
+    itself)."""
     path = pathlib.Path(checkpoint)
     if path.is_dir():
         path = path / CONFIG_NAME
-    elif path.suffix != ".json":
+    elif path.suffix != ".json" or path.name.endswith(".index.json"):
         path = path.parent / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(

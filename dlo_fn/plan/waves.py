@@ -125,8 +125,9 @@ class CompatKey:
             parts.append(f"{d['width']}x{d['height']}x{d['num_frames']}f")
         if "num_inference_steps" in d:
             parts.append(f"{d['num_inference_steps']}st")
-        if "guidance_scale" in d:
-            parts.append(f"cfg{d['guidance_scale']:g}" if isinstance(d["guidance_scale"], float) else "cfg")
+        if "guidance_scale" in d:  # 1 (int or float) turns CFG off (Request.cfg)
+            g = d["guidance_scale"]
+            parts.append(("nocfg" if g <= 1 else f"cfg{g:g}") if isinstance(g, (int, float)) else "cfg")
         return " ".join(parts) or "key"
 
 

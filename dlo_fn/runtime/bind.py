@@ -4,6 +4,12 @@
 created on the CPU as usual, so non-persistent buffers (rotary tables, ...) are computed by the model's own
 init and persistent ones are small until they are replaced. ``bind_targets`` fetches every tensor first (a
 view, a clone, or a cast) and only then installs them, so a failure leaves the module untouched.
+
+A file whose header length is not a multiple of 8 puts its tensors at addresses that are not a multiple of
+their element size (safetensors hands out such views: 8k + 1 bytes of header puts every tensor at an odd
+address). Kernels and ``view(dtype)`` refuse them, so :func:`aligned` copies each one, byte for byte, into a
+private tensor at an aligned address: the bits are the file's, only sharing the page cache is lost (logged, and
+counted as private bytes in the load report).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from torch import nn
 
 from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
-__all__ = ["BindTarget", "meta_params", "bind_targets", "rollback", "model_from_config", "meta_module_from_header",
-           "with_address_residues", "BUFFER_HOOKS", "buffer_hook", "non_persistent_buffers", "recompute_buffers"]
+__all__ = ["BindTarget", "Bound", "aligned", "meta_params", "bind_targets", "rollback", "model_from_config",
+           "meta_module_from_header", "with_address_residues", "BUFFER_HOOKS", "buffer_hook",
+           "non_persistent_buffers", "recompute_buffers"]
 
 DLO_MODEL_TYPE = "dlo_fn-video-dit"
 
@@ -35,6 +42,27 @@ class BindTarget:
     kind: str  # "param" | "buffer"
     dtype: torch.dtype
     is_parameter: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """One installed tensor and why it is private memory, if it is: ``cast`` to another dtype, or
+    ``realigned`` (copied off a misaligned file offset, bits unchanged)."""
+
+    tensor: torch.Tensor
+    cast: bool = False
+    realigned: bool = False
+
+
+def aligned(view: torch.Tensor) -> torch.Tensor:
+    """``view`` itself when its address is a multiple of its element size, else a private copy at an aligned
+    address with the same bytes (copied as bytes, so no value, NaN payload or signed zero can change)."""
+    if view.element_size() <= 1 or view.data_ptr() % view.element_size() == 0:
+        return view
+    out = torch.empty(view.shape, dtype=view.dtype)
+    if view.numel():  # a byte view of the source is legal at any offset; a typed view is what failed
+        out.reshape(-1).view(torch.uint8).copy_(view.contiguous().reshape(-1).view(torch.uint8))
+    return out
 
 
 @contextlib.contextmanager
@@ -61,16 +89,17 @@ def meta_params() -> Iterator[None]:
 
 def bind_targets(
     ckpt: Checkpoint, targets: Sequence[BindTarget], *, copy: bool, progress: bool | None = None
-) -> list[tuple[torch.Tensor, bool]]:
-    """Fetch then install every target; returns ``[(installed tensor, was cast)]`` in target order.
+) -> list[Bound]:
+    """Fetch then install every target; returns one :class:`Bound` per target, in target order.
 
     A fetched tensor is ``safe_open(file).get_tensor(key)``: a view into one copy-on-write mmap per file
     (one handle per file, so one mapping). ``copy=True`` clones it into private memory (the naive loader);
-    a dtype change casts it (also private). Tied names share one installed tensor."""
+    a dtype change casts it (also private); a view at a misaligned address is copied to an aligned one
+    (:func:`aligned`). Tied names share one installed tensor."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
-    by_key: dict[tuple[str, torch.dtype], tuple[torch.Tensor, bool]] = {}
+    by_key: dict[tuple[str, torch.dtype], Bound] = {}
     handles = {}
     total = sum(ckpt.entries[k].nbytes for k in dict.fromkeys(t.key for t in targets))
     try:
@@ -84,24 +113,25 @@ def bind_targets(
                     handles[entry.file] = safe_open(str(entry.file), framework="pt", device="cpu")
                 view = handles[entry.file].get_tensor(t.key)
                 was_cast = view.dtype != t.dtype
-                tensor = view.to(t.dtype) if was_cast else (view.clone() if copy else view)
-                by_key[(t.key, t.dtype)] = (tensor, was_cast)
+                fixed = aligned(view)
+                tensor = fixed.to(t.dtype) if was_cast else (view.clone() if copy and fixed is view else fixed)
+                by_key[(t.key, t.dtype)] = Bound(tensor, was_cast, fixed is not view)
                 bar.update(entry.nbytes)
     finally:
         handles.clear()  # views keep their mapping alive; copies let it go
     installed: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     out = []
     for t in targets:
-        tensor, was_cast = by_key[(t.key, t.dtype)]
+        bound = by_key[(t.key, t.dtype)]
         value = installed.get((t.key, t.dtype))
         if value is None:
-            value = nn.Parameter(tensor, requires_grad=False) if t.is_parameter else tensor
+            value = nn.Parameter(bound.tensor, requires_grad=False) if t.is_parameter else bound.tensor
             installed[(t.key, t.dtype)] = value
         if t.kind == "param":
             t.module._parameters[t.attr] = value
         else:
             t.module._buffers[t.attr] = value
-        out.append((value, was_cast))
+        out.append(Bound(value, bound.cast, bound.realigned))
     return out
 
 

@@ -14,6 +14,11 @@ Dtype policy: a checkpoint dtype that differs from the module's declared dtype i
 naming the tensor. ``cast_dtype=True`` casts such tensors to the module's dtype; ``cast_dtype=<dtype>`` casts
 every floating-point tensor to that dtype. A cast tensor is a private copy: it is logged and counted in
 ``LoadReport.private_copy_bytes``.
+
+Alignment: a tensor the file places at an address that is not a multiple of its element size (a header length
+that is not a multiple of 8) is copied, bytes unchanged, to an aligned private tensor
+(:func:`dlo_fn.runtime.bind.aligned`): logged once per load with the file, counted in ``private_copy_bytes``
+and listed in ``LoadReport.realigned_tensors``. Offload and every kernel then see ordinary tensors.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class LoadReport:
     ignored_keys: tuple[str, ...] = ()  # checkpoint keys the key map dropped on purpose
     recomputed_buffers: tuple[str, ...] = ()  # non-persistent buffers: the model's own, never loaded
     verified: bool = False
+    realigned_tensors: tuple[str, ...] = ()  # misaligned in the file: copied (same bytes) to aligned memory
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -134,6 +140,12 @@ def load_checkpoint(
         log.warning("cast %d tensor(s) to another dtype; they are private copies (%d bytes), not shared "
                     "page cache: %s", len(report.cast_tensors), report.private_copy_bytes,
                     ", ".join(report.cast_tensors[:5]) + (" ..." if len(report.cast_tensors) > 5 else ""))
+    if report.realigned_tensors:
+        files = sorted({str(ckpt.entries[t.key].file) for t, b in zip(targets, bound) if b.realigned})
+        log.warning("%d tensor(s) sit at misaligned offsets of %s (a header length that is not a multiple of 8): "
+                    "copied, bytes unchanged, to aligned private memory (%d bytes private in all); write the "
+                    "checkpoint again (safetensors' save_file pads the header) to map it zero-copy",
+                    len(report.realigned_tensors), ", ".join(files), report.private_copy_bytes)
     log.info("loaded %s (%s): %d tensors, %d bytes mapped, %d bytes private", ckpt.source, mode,
              report.num_tensors, report.mapped_bytes, report.private_copy_bytes)
     return LoadResult(model, report)
@@ -270,23 +282,27 @@ def _report(ckpt: Checkpoint, mode: str, targets, bound, ignored, recomputed) ->
     except OSError:  # no /proc: trust the construction
         ranges, verified = {}, False
     mapped = private = 0
-    cast = []
+    cast, realigned = [], []
     seen = set()
-    for target, (tensor, was_cast) in zip(targets, bound):
+    for target, b in zip(targets, bound):
+        tensor = b.tensor
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        if was_cast:
+        if b.cast:
             cast.append(target.name)
+        if b.realigned:
+            realigned.append(target.name)
+        own = b.cast or b.realigned  # private by construction
         nbytes = tensor.numel() * tensor.element_size()
         file = str(pathlib.Path(ckpt.entries[target.key].file).resolve())
-        inside = in_mappings(ranges.get(file, []), tensor.data_ptr(), nbytes) if verified else not was_cast
-        if mode == "mmap" and not was_cast and not inside and nbytes:
+        inside = in_mappings(ranges.get(file, []), tensor.data_ptr(), nbytes) if verified else not own
+        if mode == "mmap" and not own and not inside and nbytes:
             raise RuntimeError(f"{target.name}: the safetensors view is not inside a mapping of {file}; "
                                "this safetensors build copies on load, so mmap sharing is lost")
-        if inside or (not verified and mode == "mmap" and not was_cast):
+        if inside or (not verified and mode == "mmap" and not own):
             mapped += nbytes
         else:
             private += nbytes
     return LoadReport(ckpt.source, mode, files, len(seen), mapped, private, tuple(cast), ignored, recomputed,
-                      verified)
+                      verified, tuple(realigned))

@@ -20,7 +20,8 @@ the other ranks. If draining fails too (the exception came from a collective: a 
 wave cannot complete anywhere and :class:`WaveAborted` propagates: the engine fails the wave closed.
 
 **Fault injection** (tests and the demo's documented hook, never on by default): a :class:`Fault` names a rank,
-a wave, a step and a kind; when that rank reaches block 0 of that step of that wave it
+a wave, a step and a kind; when that rank reaches block 0 of that step of that wave it (in continuous serving,
+which has no waves, at block 0 of ring step ``step``: ``wave`` must be 0 there, :meth:`Fault.check_serving`)
 
 =========  ==================================================================================
 ``raise``  raises :class:`InjectedFault` (a real exception in the real process)
@@ -29,7 +30,7 @@ a wave, a step and a kind; when that rank reaches block 0 of that step of that w
 =========  ==================================================================================
 
 It comes from ``EngineOptions(fault=...)`` or the environment variable ``DLO_FN_FAULT`` holding JSON such as
-``{"rank": 1, "wave": 0, "kind": "stall", "step": 1}``.
+``{"rank": 1, "wave": 0, "kind": "stall", "step": 1}`` (``wave`` and ``step`` default to 0).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ import torch
 from dlo_fn.models.request import Request
 from dlo_fn.models.sampler import finish, init_state, model_inputs, update
 
-__all__ = ["Fault", "InjectedFault", "WaveAborted", "Outcome", "run_batch", "FAULT_ENV", "FAULT_EXIT_CODE"]
+__all__ = ["Fault", "InjectedFault", "WaveAborted", "Outcome", "run_batch", "collective_failure", "FAULT_ENV",
+           "FAULT_EXIT_CODE"]
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "DLO_FN_FAULT"
@@ -86,13 +88,15 @@ class Fault:
 
     @staticmethod
     def parse(text: str | None) -> "Fault | None":
-        """From JSON (the ``DLO_FN_FAULT`` format); None or '' gives None."""
+        """From JSON (the ``DLO_FN_FAULT`` format; ``wave`` and ``step`` default to 0); None or '' gives None."""
         if not text:
             return None
         try:
             data = json.loads(text)
-            return Fault(**data)
-        except (json.JSONDecodeError, TypeError) as exc:
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+            return Fault(**{"wave": 0, **data})
+        except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError; so is a bad field
             raise ValueError(
                 f"{FAULT_ENV}={text!r}: expected JSON like "
                 '{"rank": 1, "wave": 0, "kind": "raise|stall|exit", "step": 0} '
@@ -102,6 +106,15 @@ class Fault:
     @staticmethod
     def from_env() -> "Fault | None":
         return Fault.parse(os.environ.get(FAULT_ENV))
+
+    def check_serving(self, continuous: bool) -> "Fault":
+        """Continuous serving runs ring steps, not waves: a ``wave`` other than 0 would be ignored there, so it is
+        refused (``ValueError`` naming what to give instead)."""
+        if continuous and self.wave:
+            raise ValueError(f"{FAULT_ENV}: \"wave\": {self.wave} applies to strict serving (waves); continuous "
+                             f"serving fires the fault at ring step \"step\" (now {self.step}): give the ring step "
+                             f"as \"step\" and leave \"wave\" out, or serve with --serving strict")
+        return self
 
     def fire(self) -> None:
         where = f"rank {self.rank}, wave {self.wave}, step {self.step}"
@@ -130,6 +143,34 @@ class Outcome:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+# What the backends put in the errors of a collective that a peer broke (gloo raises plain RuntimeErrors
+# naming its own source files; NCCL and HCCL name themselves; a closed socket or a timeout says so).
+_COLLECTIVE_MARKS = ("gloo", "NCCL", "HCCL", "Timed out", "timed out", "Connection closed by peer",
+                     "Connection reset by peer")
+
+
+def collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a collective (a peer died, stalled, or the group broke) rather than from this
+    rank's own work. Such a step cannot complete anywhere: draining it, or running a shadow of it on an sp
+    replica, would only wait for the timeout once more per collective, during which the status board shows this
+    healthy rank as stalled beside the real culprit. So the rank gives up at once and says so."""
+    if isinstance(exc, WaveAborted):
+        return True
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COLLECTIVE_MARKS)
+
+
+def abort_run(executor: Any, rank: int, cause: BaseException) -> WaveAborted:
+    """Drop the open run after a collective failed (see :func:`collective_failure`); the error to raise."""
+    try:
+        executor.abort()
+    except Exception:  # noqa: BLE001 - already failing; the first error is what matters
+        pass
+    return WaveAborted(f"rank {rank}: a collective failed: {_describe(cause)}", cause)
 
 
 @torch.no_grad()
@@ -202,6 +243,8 @@ def run_batch(
     except Exception as exc:
         text = f"rank {rank}: {_describe(exc)}"
         log.error("%s\n%s", text, traceback.format_exc())
+        if opened and collective_failure(exc):
+            raise abort_run(executor, rank, exc) from exc
         if opened:
             _drain(executor, rank, exc)
         elif executor is not None:  # failed before the run opened: still serve this wave's all-gathers

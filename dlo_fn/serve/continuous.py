@@ -74,9 +74,12 @@ from dlo_fn.serve.admission import admission_cost, admission_key, admit, queued_
 from dlo_fn.serve.batch import Outcome, WaveAborted
 from dlo_fn.serve.continuous_fail import recover_ring, step_failure
 from dlo_fn.serve.continuous_rank import ContinuousRank, follow_step
+from dlo_fn.serve.progress import RingProgress, ring_progress
 from dlo_fn.serve.recover import Reload
-from dlo_fn.serve.requests import EngineOptions, RequestResult, StepRecord, Submission, not_dispatched, to_wire
-from dlo_fn.serve.wire import StatusBoard
+from dlo_fn.serve.requests import (
+    EngineOptions, RequestResult, ResultBook, StepRecord, Submission, not_dispatched, to_wire,
+)
+from dlo_fn.serve.wire import StatusBoard, diagnosis_wait_s
 
 __all__ = ["ContinuousDriver", "ContinuousRank", "Served", "admission_key", "admission_cost", "follow_step"]
 
@@ -84,10 +87,11 @@ log = logging.getLogger(__name__)
 
 
 class Served:
-    """What one continuous serve produced: results by submission index, the ring steps, why it stopped."""
+    """What one continuous serve produced: results by submission index (each handed to ``publish`` as it is
+    recorded), the ring steps, why it stopped."""
 
-    def __init__(self) -> None:
-        self.results: dict[int, RequestResult] = {}
+    def __init__(self, publish: Callable[[RequestResult], None] | None = None, keep_videos: bool = True) -> None:
+        self.results = ResultBook(publish, keep_videos)
         self.steps: list[StepRecord] = []
         self.stopped: str | None = None
 
@@ -111,12 +115,20 @@ class ContinuousDriver:
         self.degraded: str | None = None
 
     def serve(self, subs: Sequence[Submission], arrived: Callable[[], Sequence[tuple[int, float]]],
-              closed: Callable[[], bool], wait: Callable[[float], None], t0: float) -> Served:
+              closed: Callable[[], bool], wait: Callable[[float], None], t0: float,
+              publish: Callable[[RequestResult], None] | None = None) -> Served:
         """Serve until the input is ``closed`` and nothing is held. ``arrived()``: new valid submissions as
-        ``(index, arrival time.monotonic)``; ``wait(until_s)``: block for input until then (monotonic)."""
+        ``(index, arrival time.monotonic)``; ``wait(until_s)``: block for input until then (monotonic);
+        ``publish(result)``: each result as it ends. A bar shows the progress (:mod:`dlo_fn.serve.progress`)."""
+        with ring_progress(self.options.progress) as bar:
+            return self._serve(subs, arrived, closed, wait, t0, publish, bar)
+
+    def _serve(self, subs: Sequence[Submission], arrived: Callable[[], Sequence[tuple[int, float]]],
+               closed: Callable[[], bool], wait: Callable[[float], None], t0: float,
+               publish: Callable[[RequestResult], None] | None, bar: RingProgress) -> Served:
         W, R = self.world_size, self.options.requests_per_rank
         keepalive_s = self.options.timeout_s / 3
-        out = Served()
+        out = Served(publish, self.options.keep_videos)
         held: list[list[int]] = [[] for _ in range(W)]  # by global rank; a lost rank's stays empty
         left: dict[int, int] = {}
         queue: list[tuple[int, float]] = []
@@ -129,6 +141,7 @@ class ContinuousDriver:
             new = arrived()
             queue.extend(new)
             arrival.update(new)
+            bar.show(sum(i in out.results for i in arrival), len(arrival), len(queue), self.next_step)
             live = self.ranks
             if not queue and not any(held):
                 if closed():
@@ -223,17 +236,18 @@ class ContinuousDriver:
             end = time.monotonic()
             last_message = end
             out.steps.append(StepRecord(k, now - mono0, end - mono0, during, tuple(compute), len(queue)))
-            for u in units:
+            for u in units:  # what ended in a step of the degraded ring was served by it (and says so)
                 for r, o in _merged(u, outcomes):
                     out.results[o.position] = self._result(subs, o.position, o, r, start,
-                                                           arrival[o.position], mono0)
+                                                           arrival[o.position], mono0, degraded=self.degraded)
                 for i in during[u[0]]:
                     if i not in out.results:
                         left[i] -= 1
                         if left[i]:
                             continue
                         out.results[i] = self._result(subs, i, None, u[0], start, arrival[i], mono0,
-                                                      f"rank {u[0]} returned no result at its last ring step {k}")
+                                                      f"rank {u[0]} returned no result at its last ring step {k}",
+                                                      degraded=self.degraded)
                     for g in u:
                         held[g].remove(i)
                     if len(u) > 1:
@@ -268,7 +282,7 @@ class ContinuousDriver:
 
     def _result(self, subs: Sequence[Submission], i: int, o: Outcome | None, rank: int,
                 start: Mapping[int, tuple[int, float, int]], arrival: float, mono0: float,
-                error: str | None = None) -> RequestResult:
+                error: str | None = None, degraded: str | None = None) -> RequestResult:
         _, started, first = start.get(i, (rank, arrival, -1))
         end = time.monotonic()
         timings = {"arrival_s": arrival - mono0, "queued_s": started - arrival, "latency_s": end - arrival,
@@ -276,14 +290,15 @@ class ContinuousDriver:
         sub = subs[i]
         if o is None or error is not None:
             return RequestResult(i, sub.request_id, sub.request, False, error=error or "no outcome returned",
-                                 rank=rank, timings=timings)
+                                 rank=rank, timings=timings, degraded=degraded)
         timings["compute_s"] = o.compute_s
         return RequestResult(i, sub.request_id, sub.request, o.ok, o.video, o.sha256, o.error, rank, None, None,
-                             timings)
+                             timings, degraded)
 
     def _fail(self, k: int, where: str, exc: BaseException) -> tuple[str, set[int]]:
         """The reason ring step ``k`` failed closed and the culprit ranks the status board names."""
-        return step_failure(self.board, self.ranks[1:], k, where, exc, self.options.grace_s)
+        wait_s = diagnosis_wait_s(self.options.grace_s, self.options.timeout_s, self.replicas)
+        return step_failure(self.board, self.ranks[1:], k, where, exc, wait_s)
 
 
 def _merged(unit: Sequence[int], outcomes: Mapping[int, Sequence[Outcome]]) -> list[tuple[int, Outcome]]:

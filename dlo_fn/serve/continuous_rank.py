@@ -30,8 +30,8 @@ the step (the remaining block calls and heads on its partial activations, result
 collectives in the same order; it matches when the raise came between block calls, as the injected fault does,
 else the step breaks and fails closed within the timeout); the partners drop the request at the next step;
 if draining fails (a peer died or timed out), :class:`~dlo_fn.serve.batch.WaveAborted` propagates. The
-injected :class:`~dlo_fn.serve.batch.Fault` fires at block 0 of ring step ``fault.step`` (its ``wave`` field is
-not used: the ring has no waves) when this rank computes there.
+injected :class:`~dlo_fn.serve.batch.Fault` fires at block 0 of ring step ``fault.step`` when this rank computes
+there (the ring has no waves: a fault naming a wave other than 0 is refused when the engine is built).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from dlo_fn.models.sampler import finish, finished, init_state, model_inputs, update
-from dlo_fn.serve.batch import Fault, Outcome, WaveAborted, _drain
+from dlo_fn.serve.batch import Fault, Outcome, WaveAborted, _drain, abort_run, collective_failure
 from dlo_fn.serve.requests import from_wire
 from dlo_fn.serve.wire import StatusBoard
 
@@ -142,6 +142,8 @@ class ContinuousRank:
         except Exception as exc:  # noqa: BLE001 - every request held here gets this error, then keep serving
             text = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             log.error("%s (ring step %d)\n%s", text, k, traceback.format_exc())
+            if opened and collective_failure(exc):  # a peer broke the step: no drain or shadow can finish it
+                raise abort_run(executor, self.rank, exc) from exc
             if opened:  # on an sp replica a shadow run lets the partners finish their step; else drain
                 if not self._shadow(k, embeds, xs, done):
                     _drain(executor, self.rank, exc)

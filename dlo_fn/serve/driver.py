@@ -20,12 +20,12 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from dlo_fn.plan.waves import WavePlan
 from dlo_fn.serve.batch import Outcome, WaveAborted
-from dlo_fn.serve.requests import EngineOptions, RequestResult, Submission, WaveRecord
+from dlo_fn.serve.requests import EngineOptions, RequestResult, ResultBook, Submission, WaveRecord
 from dlo_fn.serve.share import ShareRunner, TraceSpan
 from dlo_fn.serve.wave_results import (
     fail_wave, fill_wave, relative_spans, request_result, spread, wave_shares, wave_steps,
 )
-from dlo_fn.serve.wire import Channel, StatusBoard, culprits
+from dlo_fn.serve.wire import Channel, StatusBoard, culprits, diagnosis_wait_s
 
 __all__ = ["Driver", "Dispatched", "request_result"]
 
@@ -56,13 +56,18 @@ class Driver:
         self.leaders = tuple(r[0] for r in self.replicas)
         self._next_round = 0
 
-    def dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
-        """Run ``waves`` (indices into ``subs``); ``t0`` is when serving began (``time.perf_counter``)."""
-        return self._lockstep(waves, subs, t0) if self.lockstep else self._independent(waves, subs, t0)
+    def dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
+                 publish: Callable[[RequestResult], None] | None = None) -> Dispatched:
+        """Run ``waves`` (indices into ``subs``); ``t0`` is when serving began (``time.perf_counter``);
+        ``publish(result)`` gets each result as its wave (or queue) ends."""
+        results = ResultBook(publish, keep_videos=self.options.keep_videos)
+        if self.lockstep:
+            return self._lockstep(waves, subs, t0, results)
+        return self._independent(waves, subs, t0, results)
 
     # -- allgather: one wave at a time, every rank in it ------------------------------------------------------
-    def _lockstep(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
-        results: dict[int, RequestResult] = {}
+    def _lockstep(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
+                  results: ResultBook) -> Dispatched:
         records: list[WaveRecord] = []
         stopped = None
         world, leaders = self.world_size, self.leaders
@@ -117,7 +122,8 @@ class Driver:
         return Dispatched(results, tuple(records), stopped)
 
     # -- rank-local / resident: one queue per rank, results collected rank by rank ----------------------------
-    def _independent(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float) -> Dispatched:
+    def _independent(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
+                     results: ResultBook) -> Dispatched:
         world, replicas = self.world_size, self.replicas
         dp = len(replicas)
         queues: list[list[WavePlan]] = [[] for _ in range(dp)]
@@ -130,7 +136,6 @@ class Driver:
         t_start = time.perf_counter()
         owner = {w.wave_id: r for r, q in enumerate(queues) for w in q}
         by_id = {w.wave_id: w for w in waves}
-        results: dict[int, RequestResult] = {}
         records: dict[int, WaveRecord] = {}
         stopped = None
         if world > 1 and waves:
@@ -145,10 +150,19 @@ class Driver:
                                              owner_rank=replicas[owner[w.wave_id]][0]))
                 return Dispatched(results, (), stopped)
         outcomes: dict[int, Sequence[Outcome]] = {}
+
+        def fill(wave_id: int, outs: Sequence[Outcome]) -> dict[int, RequestResult]:
+            w, d = by_id[wave_id], owner[wave_id]
+            filled = fill_wave(subs, w, {0: outs}, queued_s=t_start - t0,
+                               wave_s=max((o.compute_s for o in outs), default=0.0))
+            # ran on replica d, whose leader wrote it
+            return {i: dataclasses.replace(res, rank=replicas[d][0]) for i, res in filled.items()}
+
         for (wave_id, steps, share), wave in zip(msg_queues[0], queues[0]):
             with self._progress(subs, wave, steps, len(waves)) as tick:
                 own = self.runner.run(wave_id, steps, share, trace=trace is not None, on_step=tick)
             outcomes[wave_id] = own.outcomes
+            results.update(fill(wave_id, own.outcomes))  # rank 0's own: published now, not after the others
             if trace is not None:
                 trace.extend(own.spans)
         if world > 1 and any(queues[1:]):
@@ -185,9 +199,8 @@ class Driver:
         for wave_id, outs in outcomes.items():
             w, d = by_id[wave_id], owner[wave_id]
             compute_s = max((o.compute_s for o in outs), default=0.0)
-            filled = fill_wave(subs, w, {0: outs}, queued_s=t_start - t0, wave_s=compute_s)
-            # ran on replica d, whose leader wrote it
-            results.update({i: dataclasses.replace(res, rank=replicas[d][0]) for i, res in filled.items()})
+            results.update({i: res for i, res in fill(wave_id, outs).items() if i not in results})
+            filled = {i: results[i] for i in w.indices}
             status = "ok" if all(res.ok for res in filled.values()) else "partial"
             errors = sorted({res.error for res in filled.values() if not res.ok})
             records[wave_id] = WaveRecord(wave_id, w.key.short(), spread(w, d, dp), wave_steps(subs, w),
@@ -224,7 +237,8 @@ class Driver:
     def _fail(self, wave_id: int | None, where: str, exc: BaseException, ranks: Sequence[int],
               what: str | None = None) -> str:
         """The reason a wave (or ``what``) failed closed, with the culprits the board names among ``ranks``."""
-        verdicts = self.board.diagnose(ranks, wave_id, self.options.grace_s)
+        wait_s = diagnosis_wait_s(self.options.grace_s, self.options.timeout_s, self.replicas)
+        verdicts = self.board.diagnose(ranks, wave_id, wait_s)
         bad = culprits(verdicts)
         # No rank stalled or died: one raised where its peers could not go on without it (inside an sp
         # all-to-all its partners wait for it, and its drain then waits for them); every rank's first error

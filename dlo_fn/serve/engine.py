@@ -26,8 +26,9 @@ queue of submissions) and :class:`~dlo_fn.serve.share.ShareRunner` (one rank's s
 checked and wired once, when the engine is built (:func:`dlo_fn.serve.engine_parts.build_parts`), and this
 module handles the requests.
 
-**Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one is rejected before any
-dispatch), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per rank), and
+**Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one, or one that needs more memory
+than a rank has left, :class:`~dlo_fn.serve.admission.MemoryAdmission`, is rejected before any dispatch; in
+continuous serving too), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per rank), and
 for each wave:
 
 1. broadcasts it (one ``broadcast_object_list``): rank ``r`` runs the requests at positions ``r, r+W, ...``;
@@ -46,7 +47,8 @@ all-gathers (see :mod:`dlo_fn.serve.batch`). A rank that stalls or dies breaks t
 is bounded by ``timeout_s`` (the process group's timeout; in independent mode also a progress watchdog on the
 board), the wave fails closed (every request in it gets an error naming the wave and the culprit rank, from
 :class:`~dlo_fn.serve.wire.StatusBoard`), the engine stops, and every request not yet dispatched gets a
-"not dispatched" error. Nothing hangs and nothing is dropped silently.
+"not dispatched" error. Nothing hangs and nothing is dropped silently. Every result goes to the caller's ``on_result`` the moment it
+exists (:meth:`Engine.serve`), so it can be on disk before the serve ends (:mod:`dlo_fn.serve.writer`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -64,17 +66,25 @@ from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validat
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
-from dlo_fn.serve.engine_parts import build_parts
+from dlo_fn.serve.admission import MemoryAdmission
+from dlo_fn.serve.engine_parts import build_parts, executor_stats, memory_admission
 from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import (
     EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, not_dispatched, rejection,
 )
+from dlo_fn.serve.outputs import RunInfo
 from dlo_fn.serve.share import gather_timelines
 from dlo_fn.serve.stream import StreamIntake
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "OnResult"]
 
 log = logging.getLogger(__name__)
+
+OnResult = Callable[[RequestResult], None]
+
+
+def _ignore(result: RequestResult) -> None:
+    """No ``on_result`` given: the report alone carries the results."""
 
 
 class Engine:
@@ -95,9 +105,12 @@ class Engine:
         self.lockstep, self.continuous = parts.lockstep, parts.continuous
         self.channel, self.board = parts.channel, parts.board
         self._driver, self._follower, self._continuous = parts.driver, parts.follower, parts.ring
+        self._room, self._memory = parts.room, None
         self.stopped: str | None = None  # why the engine failed closed; it dispatches nothing more
         self._next_wave = 0
         self._closed = False
+        self._publish: OnResult = _ignore
+        self._on_result: OnResult | None = None  # what the driver hands each result to (None: nobody)
         self.board.post("idle")
 
     @property
@@ -111,6 +124,12 @@ class Engine:
         return self.dp_size if self.lockstep else 1
 
     # -- public API ------------------------------------------------------------------------------------------
+    @property
+    def run_info(self) -> RunInfo:
+        """What every manifest line repeats about this engine's runs (mode, replicas, R, serving)."""
+        return RunInfo(self.mode, self.dp_size, self.sp_size, self.options.requests_per_rank,
+                       "continuous" if self.continuous else "strict")
+
     def run(self, submissions: Iterable[Request | Submission] | None = None) -> ServeReport | None:
         """Rank 0: :meth:`serve` then :meth:`close`, returning the report; other ranks: :meth:`follow`."""
         if self.rank != 0:
@@ -121,18 +140,24 @@ class Engine:
         finally:
             self.close()
 
-    def serve(self, submissions: Iterable[Request | Submission]) -> ServeReport:
-        """Rank 0: validate, form waves, dispatch, collect; results in submission order (see module doc)."""
+    def serve(self, submissions: Iterable[Request | Submission], on_result: OnResult | None = None) -> ServeReport:
+        """Rank 0: validate, form waves, dispatch, collect; results in submission order (see module doc).
+        ``on_result(result)`` gets every result the moment it exists (a rejection at once, the others as their
+        wave or ring step ends), so a caller can write it before the serve ends
+        (:class:`~dlo_fn.serve.writer.ResultWriter`)."""
         self._require_driver()
         t0 = time.perf_counter()
+        self._publish, self._on_result = on_result or _ignore, on_result
         subs = as_submissions(submissions)
         results: dict[int, RequestResult] = {}
         pending: list[Pending] = []
         valid: list[tuple[int, float]] = []
+        memory = self.memory_admission()
         for i, sub in enumerate(subs):
-            reason = rejection(sub, self.config)
+            reason = rejection(sub, self.config, memory)
             if reason is not None:
                 results[i] = RequestResult(i, sub.request_id, sub.request, False, error=reason)
+                self._publish(results[i])
             else:
                 pending.append(Pending(i, compat_key(sub.request), 0.0))
                 valid.append((i, time.monotonic()))
@@ -145,17 +170,18 @@ class Engine:
         done, waves = self._dispatch(plan.waves, subs, t0)
         return self._report(subs, {**results, **done}, waves, t0)
 
-    def serve_stream(self, source: Any) -> ServeReport:
+    def serve_stream(self, source: Any, on_result: OnResult | None = None) -> ServeReport:
         """Rank 0: serve submissions as they arrive on a ``queue.Queue`` (``None`` closes it), with the bounded
         wait ``options.max_wait_s`` to fill a wave (see :mod:`dlo_fn.serve.stream`). While nothing is due the
         followers get an ``idle`` message every ``timeout_s / 3``, so an empty queue never trips the
-        process-group timeout."""
+        process-group timeout. ``on_result``: as for :meth:`serve`."""
         self._require_driver()
         opts = self.options
         keepalive_s = opts.timeout_s / 3
         t0 = time.perf_counter()
+        self._publish, self._on_result = on_result or _ignore, on_result
         intake = StreamIntake(source, self.config, width=self._width, requests_per_rank=opts.requests_per_rank,
-                              max_wait_s=opts.max_wait_s)
+                              max_wait_s=opts.max_wait_s, on_result=self._publish, memory=self.memory_admission())
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         last_message = time.monotonic()
@@ -186,7 +212,7 @@ class Engine:
                 last_message = time.monotonic()
         return self._report(intake.submissions, {**results, **intake.rejected}, records, t0)
 
-    def serve_forced(self, waves: Sequence[Sequence[Request]]) -> ServeReport:
+    def serve_forced(self, waves: Sequence[Sequence[Request]], on_result: OnResult | None = None) -> ServeReport:
         """Rank 0: dispatch caller-formed waves as given. Every wave is checked first
         (:func:`~dlo_fn.plan.waves.validate_wave`): a mixed one raises ``IncompatibleWaveError`` naming the
         differing fields before anything is dispatched."""
@@ -195,6 +221,7 @@ class Engine:
         for w in waves:
             validate_wave(list(w), width, self.options.requests_per_rank)
         t0 = time.perf_counter()
+        self._publish, self._on_result = on_result or _ignore, on_result
         subs = as_submissions([r for w in waves for r in w])
         plans, start = [], 0
         for w in waves:
@@ -206,6 +233,14 @@ class Engine:
             start += len(w)
         done, records = self._dispatch(tuple(plans), subs, t0)
         return self._report(subs, done, records, t0)
+
+    def memory_admission(self) -> MemoryAdmission | None:
+        """Rank 0: the admission against memory (:class:`~dlo_fn.serve.admission.MemoryAdmission`) over every
+        rank's posted room, built at the first serve; None for a model without a DiT config to size."""
+        if self._memory is None:
+            self._memory = memory_admission(self.model, self.board, self._room, self.options, self.world_size,
+                                            self.sp_size)
+        return self._memory
 
     def close(self) -> None:
         """Rank 0: tell the followers to return (skipped when the engine failed: the group is broken)."""
@@ -251,7 +286,7 @@ class Engine:
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         if self.stopped is None:
-            done = self._driver.dispatch(waves, subs, t0)
+            done = self._driver.dispatch(waves, subs, t0, self._on_result)
             results.update(done.results)
             records.extend(done.waves)
             if done.stopped is not None:
@@ -260,15 +295,18 @@ class Engine:
             for i in w.indices:
                 if i not in results:
                     results[i] = not_dispatched(i, subs[i], self.stopped)
+                    self._publish(results[i])
         return results, records
 
     def _serve_continuous(self, subs: Sequence[Submission], rejected: Mapping[int, RequestResult],
                           arrived: Any, closed: Any, wait: Any, t0: float) -> ServeReport:
         """Continuous serving (:mod:`dlo_fn.serve.continuous`) of what ``arrived()`` gives until ``closed()``."""
         if self.stopped is not None:
-            done = {i: not_dispatched(i, s, self.stopped) for i, s in enumerate(subs)}
+            done = {i: not_dispatched(i, s, self.stopped) for i, s in enumerate(subs) if i not in rejected}
+            for result in done.values():
+                self._publish(result)
             return self._report(subs, {**done, **rejected}, (), t0)
-        served = self._continuous.serve(subs, arrived, closed, wait, t0)
+        served = self._continuous.serve(subs, arrived, closed, wait, t0, self._on_result)
         if served.stopped is not None:
             self.stopped = served.stopped
         return self._report(subs, {**rejected, **served.results}, (), t0, steps=tuple(served.steps))
@@ -279,17 +317,8 @@ class Engine:
         for i, s in enumerate(subs):  # anything the engine never reached (it stopped first)
             if i not in results:
                 results[i] = not_dispatched(i, s, self.stopped)
+                self._publish(results[i])
         return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
                            self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
-                           self._stats(), sp_size=self.sp_size, steps=steps,
+                           executor_stats(self.offloaded), sp_size=self.sp_size, steps=steps,
                            serving="continuous" if self.continuous else "strict", degraded=self.degraded)
-
-    def _stats(self) -> dict[str, float]:
-        """Rank 0's executor counters so far: block computes, loads, host issue and block-call seconds."""
-        ex = self.offloaded.executor
-        if ex is None:
-            return {}
-        st = ex.stats
-        return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
-                "issue_s": st.issue_s, "call_s": st.call_s}
-

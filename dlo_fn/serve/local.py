@@ -28,7 +28,7 @@ import torch
 
 from dlo_fn.serve.requests import EngineOptions, ServeReport, Submission
 
-__all__ = ["Phase", "LocalRun", "serve_local", "open_model"]
+__all__ = ["Phase", "LocalRun", "serve_local", "open_model", "thread_lock_for_bars"]
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,21 @@ def _feed(submissions: Sequence[Submission], gaps_s: Sequence[float]) -> Any:
     return source
 
 
+def thread_lock_for_bars() -> None:
+    """Give tqdm a thread lock. Its default also takes a multiprocessing lock, a named semaphore that the
+    resource tracker records; a rank leaves through ``os._exit`` (:func:`~dlo_fn.runtime.dist.exit_now`),
+    which never unlinks it, so every run ended with "resource_tracker: There appear to be N leaked semaphore
+    objects". No bar here is shared between processes, so a thread lock is all they need."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: Sequence[Phase], threads: int,
                out: Any, log_level: int, sp_size: int = 1) -> None:
+    thread_lock_for_bars()
     torch.set_num_threads(threads)
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

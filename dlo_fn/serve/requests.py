@@ -19,14 +19,15 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from dlo_fn.models.request import Request
 from dlo_fn.serve.batch import Fault
 
-__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "WaveRecord", "StepRecord",
+__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "ResultBook", "WaveRecord",
+           "StepRecord",
            "ServeReport", "SERVING", "read_prompts", "as_submissions", "wave_table", "result_table", "not_dispatched"]
 
 SERVING = ("strict", "continuous")  # strict: waves (today's behaviour); continuous: see dlo_fn.serve.continuous
@@ -77,16 +78,17 @@ def as_submissions(items: Iterable[Request | Submission]) -> list[Submission]:
 
 
 
-def rejection(sub: "Submission", config: Any) -> str | None:
-    """Why ``sub`` cannot be dispatched (its own parse error, or a field the model's ``config`` refuses), or
-    None: checked on rank 0 before any rank does work for it."""
+def rejection(sub: "Submission", config: Any, memory: Any = None) -> str | None:
+    """Why ``sub`` cannot be dispatched (its own parse error, a field the model's ``config`` refuses, or more
+    memory than a rank has left: ``memory``, a :class:`~dlo_fn.serve.admission.MemoryAdmission`), or None:
+    checked on rank 0 before any rank does work for it."""
     if sub.error is not None:
         return sub.error
     try:
         sub.request.validate(config)
     except ValueError as exc:
         return f"rejected before dispatch: {exc}"
-    return None
+    return memory.refusal(sub.request) if memory is not None else None
 
 def read_prompts(path: str | pathlib.Path, defaults: Mapping[str, Any] | None = None) -> list[Submission]:
     """Parse a prompts file (see the module docstring). A bad line becomes a submission with an error that
@@ -130,6 +132,8 @@ class EngineOptions:
     progress: bool | None = None  # tqdm on rank 0; None: only on a terminal
     serving: str = "continuous"  # or "strict": waves (dlo_fn.serve.continuous says which wins when)
     admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.plan.dispatch.admit_cost_aware)
+    memory_budget_bytes: int | None = None  # cap each rank's room for requests (dlo_fn.serve.admission)
+    keep_videos: bool = True  # False: a result handed to serve's on_result is kept without its video (generate)
 
     def __post_init__(self) -> None:
         if self.serving not in SERVING:
@@ -144,12 +148,17 @@ class EngineOptions:
             raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.memory_budget_bytes is not None and not (isinstance(self.memory_budget_bytes, int)
+                                                         and self.memory_budget_bytes > 0):
+            raise ValueError(f"memory_budget_bytes must be None or an int > 0, got {self.memory_budget_bytes!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class RequestResult:
     """The end of one submission (see the module docstring). ``position``: place in its wave; ``timings``:
-    ``queued_s`` (serve start -> dispatch), ``wave_s`` (dispatch -> results at rank 0), ``compute_s``."""
+    ``queued_s`` (serve start -> dispatch), ``wave_s`` (dispatch -> results at rank 0), ``compute_s``;
+    ``degraded``: why it was served by a degraded ring (continuous serving finished it after losing a rank), or
+    None (requests that ended before the loss were served normally)."""
 
     index: int
     request_id: str
@@ -162,22 +171,46 @@ class RequestResult:
     wave_id: int | None = None
     position: int | None = None
     timings: Mapping[str, float] = field(default_factory=dict)
+    degraded: str | None = None
+    video_shape: tuple[int, ...] | None = None  # the shape of a video already written and dropped
 
     @property
     def shape(self) -> tuple[int, ...] | None:
-        return tuple(self.video.shape) if self.video is not None else None
+        return tuple(self.video.shape) if self.video is not None else self.video_shape
 
     def __reduce__(self):
-        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
-        fields[2] = to_wire(self.request)
-        fields[-1] = dict(self.timings)
-        return (_request_result, tuple(fields))
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["request"] = to_wire(self.request)
+        fields["timings"] = dict(self.timings)
+        return (_request_result, tuple(fields.values()))
+
+
+class ResultBook(dict):
+    """Results by submission index that hands each one to ``publish`` as it is recorded (what lets rank 0 write
+    a result while the serve goes on: :meth:`dlo_fn.serve.engine.Engine.serve`'s ``on_result``). Without
+    ``keep_videos`` it keeps a published result without its video (its shape stays), so a long serve whose
+    results are written as they end does not hold every video until the end."""
+
+    def __init__(self, publish: Callable[["RequestResult"], None] | None = None, keep_videos: bool = True) -> None:
+        super().__init__()
+        self._publish, self._keep_videos = publish, keep_videos
+
+    def __setitem__(self, index: int, result: "RequestResult") -> None:
+        if self._publish is not None:
+            self._publish(result)
+            if not self._keep_videos and result.video is not None:
+                result = dataclasses.replace(result, video=None, video_shape=tuple(result.video.shape))
+        super().__setitem__(index, result)
+
+    def update(self, other: Mapping[int, "RequestResult"] = (), **kw: Any) -> None:  # type: ignore[override]
+        for index, result in dict(other, **kw).items():
+            self[index] = result
 
 
 def _request_result(*fields: Any) -> "RequestResult":
-    fields = list(fields)
-    fields[2] = from_wire(fields[2])
-    return RequestResult(*fields)
+    named = dict(zip((f.name for f in dataclasses.fields(RequestResult)), fields))
+    named["request"] = from_wire(named["request"])
+    return RequestResult(**named)
 
 
 def not_dispatched(index: int, sub: Submission, stopped: str | None) -> RequestResult:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import queue
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.request import Request
@@ -28,8 +28,9 @@ class StreamIntake:
     ones' results, and the valid ones still waiting for a wave."""
 
     def __init__(self, source: "queue.Queue[Any]", config: DiTConfig | None, *, width: int, requests_per_rank: int,
-                 max_wait_s: float) -> None:
-        self.source, self.config = source, config
+                 max_wait_s: float, on_result: Callable[[RequestResult], None] | None = None,
+                 memory: Any = None) -> None:
+        self.source, self.config, self.on_result, self.memory = source, config, on_result, memory
         self.width, self.requests_per_rank, self.max_wait_s = width, requests_per_rank, max_wait_s
         self.submissions: list[Submission] = []
         self.rejected: dict[int, RequestResult] = {}
@@ -78,10 +79,12 @@ class StreamIntake:
         index = len(self.submissions)
         sub = self._submission(item, index)
         self.submissions.append(sub)
-        reason = rejection(sub, self.config)
+        reason = rejection(sub, self.config, self.memory)
         if reason is not None or stopped is not None:
             self.rejected[index] = RequestResult(index, sub.request_id, sub.request, False, error=reason or (
                 f"not dispatched: the engine stopped earlier ({stopped})"))
+            if self.on_result is not None:
+                self.on_result(self.rejected[index])
         else:
             self._pending.append(Pending(index, compat_key(sub.request), time.monotonic()))
 

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "GroupChannel", "StatusBoard", "RankStatus", "default_store", "culprits"]
+__all__ = ["Channel", "GroupChannel", "StatusBoard", "RankStatus", "default_store", "culprits", "diagnosis_wait_s"]
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,15 @@ def _where(rec: dict[str, Any]) -> str:
     if rec.get("step") is not None:
         out += f" at step {rec['step']}"
     return out
+
+
+def diagnosis_wait_s(grace_s: float, timeout_s: float, replicas: Sequence[Sequence[int]]) -> float:
+    """How long rank 0 waits for the followers' own word (:meth:`StatusBoard.diagnose`) before naming culprits.
+    On an sp mesh a stalled rank's partners wait for it inside an all-to-all, which gives up only ``timeout_s``
+    after they entered it, possibly later than rank 0's own collective did: until they post that their
+    collective failed they look stalled too, so rank 0 waits one timeout more for them (the step fails closed
+    either way)."""
+    return grace_s + (timeout_s if any(len(u) > 1 for u in replicas) else 0.0)
 
 
 def culprits(verdicts: Sequence[RankStatus]) -> tuple[RankStatus, ...]:
