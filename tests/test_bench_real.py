@@ -154,7 +154,7 @@ PUBLISHED = {  # blocks, block bytes (bf16; fp32 where the class keeps it), late
 def test_published_configs_on_meta(name):
     from dlo_fn.bench.real_models import MODELS, forward_inputs, tokens_per_row
     from dlo_fn.plan.spec import spec_from_module
-    from dlo_fn.runtime.diffusers_load import _meta_build, block_paths_for
+    from dlo_fn.io.diffusers_load import _meta_build, block_paths_for
 
     case = MODELS[name]
     model = _meta_build(getattr(diffusers, case.cls), case.config, torch.bfloat16)

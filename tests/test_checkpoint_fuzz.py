@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from dlo_fn.models import BLOCK_PATHS, Request, generate
-from dlo_fn.runtime.checkpoint import CheckpointError
+from dlo_fn.io.checkpoint import CheckpointError
 from dlo_fn.runtime.dist import DistContext
-from dlo_fn.runtime.load import load_model
+from dlo_fn.io.load import load_model
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
-from dlo_fn.runtime.sources import spec_for
+from dlo_fn.io.sources import spec_for
 
 SEED = 0
 BUDGET_S = 150  # the whole fuzz; pytest-timeout stops a hang
@@ -225,7 +225,7 @@ def test_every_accepted_family_offloads_and_steps(tiny_checkpoint, tmp_path, fam
 def test_misaligned_tensors_are_copied_with_their_bits(tiny_checkpoint, tmp_path):
     """8k + 1 bytes of header: every tensor is at an odd address; each is copied to an aligned private tensor
     (counted and named in the report) with exactly the file's bytes."""
-    from dlo_fn.runtime.load import load_checkpoint
+    from dlo_fn.io.load import load_checkpoint
 
     folder = pathlib.Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
     weights = folder / "model.safetensors"

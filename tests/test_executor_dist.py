@@ -20,7 +20,7 @@ SIZE = {"height": 32, "width": 32, "num_frames": 5}
 def load_reference(ckpt: str):
     """Meta-built reference DiT bound to zero-copy mmap views of the checkpoint."""
     from dlo_fn.models import build_model, load_config
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
 
     config, dtype = load_config(ckpt)
     model = build_model(config, "meta", dtype)

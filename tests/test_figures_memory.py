@@ -49,7 +49,7 @@ def test_cli_private_copy_rank_local_cuda(capsys):
 
 def test_cli_named_model_uses_exact_block_sizes(capsys):
     from dlo_fn.plan.summary import plan_summary
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.sources import spec_for
 
     v = _values(_json(capsys, "--model", "tiny", "--dp", "2"))
     summary = plan_summary(spec_for("tiny"), 2)

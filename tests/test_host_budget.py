@@ -54,7 +54,7 @@ def test_step_cost_from_bandwidths():
 
 def _budget_rank(ctx, ckpt: str, mode: str) -> dict:
     from dlo_fn.models import BLOCK_PATHS, Request, generate
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
     req = Request(prompt="a fox", seed=ctx.rank, num_inference_steps=2, height=32, width=32, num_frames=5)

@@ -4,8 +4,9 @@
     plan     -> plan
     models   -> models, plan
     repro    -> repro, plan, models
-    runtime  -> runtime, plan, models
-    serve    -> serve, plan, models, runtime
+    io       -> io, plan, models                        (checkpoints to modules, memory readings)
+    runtime  -> runtime, plan, models, io
+    serve    -> serve, plan, models, io, runtime
     figures  -> figures, plan, repro, models          (never runtime, serve, cli)
     bench    -> anything; dlo_fn.cli only for HelpFormatter
     cli      -> anything
@@ -23,13 +24,14 @@ from dataclasses import dataclass
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dlo_fn"
 
-LAYERS = ("plan", "models", "repro", "runtime", "serve", "figures", "bench", "cli")
+LAYERS = ("plan", "models", "repro", "io", "runtime", "serve", "figures", "bench", "cli")
 ALLOWED: dict[str, frozenset[str]] = {
     "plan": frozenset({"plan"}),
     "models": frozenset({"models", "plan"}),
     "repro": frozenset({"repro", "plan", "models"}),
-    "runtime": frozenset({"runtime", "plan", "models"}),
-    "serve": frozenset({"serve", "plan", "models", "runtime"}),
+    "io": frozenset({"io", "plan", "models"}),
+    "runtime": frozenset({"runtime", "plan", "models", "io"}),
+    "serve": frozenset({"serve", "plan", "models", "io", "runtime"}),
     "figures": frozenset({"figures", "plan", "repro", "models"}),
     "bench": frozenset(LAYERS),  # cli: HelpFormatter only, checked below
     "cli": frozenset(LAYERS),

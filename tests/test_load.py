@@ -1,4 +1,4 @@
-"""mmap binding (dlo_fn.runtime.load): zero-copy views into the file mapping, bit-exact values, key maps,
+"""mmap binding (dlo_fn.io.load): zero-copy views into the file mapping, bit-exact values, key maps,
 ties, casts, copy mode, and the memory it really costs (smaps of this process)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dlo_fn.runtime.bind import meta_module_from_header, meta_params
-from dlo_fn.runtime.checkpoint import read_header
-from dlo_fn.runtime.load import LoadReport, load_checkpoint, load_model
-from dlo_fn.runtime.memstat import file_mappings, in_mappings, process_memory
+from dlo_fn.io.bind import meta_module_from_header, meta_params
+from dlo_fn.io.checkpoint import read_header
+from dlo_fn.io.load import LoadReport, load_checkpoint, load_model
+from dlo_fn.io.memstat import file_mappings, in_mappings, process_memory
 
 
 class Net(nn.Module):

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 import dlo_fn.runtime.offload as offload_mod
 from dlo_fn.plan.layout import block_layout
 from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES, BlockSpec, TensorSpec
-from dlo_fn.runtime.checkpoint import read_header
+from dlo_fn.io.checkpoint import read_header
 from dlo_fn.runtime.dist import DistContext
-from dlo_fn.runtime.load import load_model
+from dlo_fn.io.load import load_model
 from dlo_fn.runtime.platform import platform_for
 
 CTX = DistContext(0, 1, 0, platform_for("cpu"), None)

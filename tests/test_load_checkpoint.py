@@ -1,4 +1,4 @@
-"""Checkpoint resolution and header reading (dlo_fn.runtime.checkpoint): real files, no tensor data read."""
+"""Checkpoint resolution and header reading (dlo_fn.io.checkpoint): real files, no tensor data read."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dlo_fn.plan.spec import spec_from_header
-from dlo_fn.runtime.checkpoint import CheckpointError, open_checkpoint, read_header, resolve_checkpoint
-from dlo_fn.runtime.load import load_checkpoint
+from dlo_fn.io.checkpoint import CheckpointError, open_checkpoint, read_header, resolve_checkpoint
+from dlo_fn.io.load import load_checkpoint
 
 
 def _tensors(num_blocks=2, dim=8):
@@ -126,7 +126,7 @@ def test_repo_id_from_local_hf_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "acme/tiny-dit" is not a local path here
     root, files, _ = resolve_checkpoint("acme/tiny-dit")
     assert root == snap and files == (snap / "model.safetensors",)
-    from dlo_fn.runtime.bind import meta_module_from_header
+    from dlo_fn.io.bind import meta_module_from_header
 
     model, report = load_checkpoint("acme/tiny-dit", meta_module_from_header(read_header(src)))
     assert report.mapped_bytes == sum(t.numel() * t.element_size() for t in tensors.values())

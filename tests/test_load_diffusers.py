@@ -1,4 +1,4 @@
-"""Diffusers models load as they are (dlo_fn.runtime.diffusers_load): a save_pretrained folder, a pipeline folder,
+"""Diffusers models load as they are (dlo_fn.io.diffusers_load): a save_pretrained folder, a pipeline folder,
 a repo id in a local Hugging Face cache, a diffusers class, a meta-built module; each bound zero-copy and equal,
 tensor by tensor and output by output, to from_pretrained; block lists detected for the common DiT classes."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from dlo_fn.runtime.checkpoint import CheckpointError
+from dlo_fn.io.checkpoint import CheckpointError
 from dlo_fn.runtime.dist import DistContext
-from dlo_fn.runtime.load import load_checkpoint, load_model
+from dlo_fn.io.load import load_checkpoint, load_model
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
 from test_load_checkpoint import _fake_hf_cache
@@ -144,7 +144,7 @@ BLOCKS = {  # diffusers 0.42.1 class defaults, built on meta
 
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 def test_block_lists_of_common_dits(name):
-    from dlo_fn.runtime.diffusers_load import block_paths_for
+    from dlo_fn.io.diffusers_load import block_paths_for
 
     with torch.device("meta"):
         model = getattr(diffusers, name)()
@@ -154,7 +154,7 @@ def test_block_lists_of_common_dits(name):
 
 
 def test_undecidable_block_lists_name_the_candidates():
-    from dlo_fn.runtime.diffusers_load import block_paths_for
+    from dlo_fn.io.diffusers_load import block_paths_for
 
     model = nn.Module()
     model.encoder = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
@@ -187,10 +187,10 @@ def test_a_model_whose_buffers_were_cast_gets_a_warning(tmp_path, caplog):
     ref = diffusers.WanTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
     model = diffusers.WanTransformer3DModel.from_config(ref.config).to(torch.bfloat16)  # the obvious way
     assert model.rope.freqs_cos.dtype == torch.bfloat16 != ref.rope.freqs_cos.dtype
-    with caplog.at_level("WARNING", logger="dlo_fn.runtime.load"):
+    with caplog.at_level("WARNING", logger="dlo_fn.io.load"):
         load_checkpoint(tmp_path, model, cast_dtype=True, progress=False)
     assert "rope.freqs_cos, rope.freqs_sin are not in the dtype from_pretrained gives them" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="dlo_fn.runtime.load"):
+    with caplog.at_level("WARNING", logger="dlo_fn.io.load"):
         load_checkpoint(tmp_path, progress=False)
     assert "from_pretrained gives them" not in caplog.text

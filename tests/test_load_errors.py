@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dlo_fn.runtime.bind import meta_params
-from dlo_fn.runtime.checkpoint import CheckpointError
-from dlo_fn.runtime.load import load_checkpoint
+from dlo_fn.io.bind import meta_params
+from dlo_fn.io.checkpoint import CheckpointError
+from dlo_fn.io.load import load_checkpoint
 
 
 class Small(nn.Module):
@@ -262,7 +262,7 @@ def test_a_path_under_an_existing_folder_is_a_path_not_a_repo_id(ckpt, monkeypat
 
 
 def test_missing_weights_file_of_a_dlo_checkpoint_names_that_file(tiny_checkpoint, tmp_path):
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
 
     target = tmp_path / "ckpt" / "model.safetensors"
     target.parent.mkdir()
@@ -275,9 +275,9 @@ def test_index_path_of_a_dlo_checkpoint_loads_and_plans(tiny_checkpoint, tmp_pat
     import pathlib
     import shutil
 
-    from dlo_fn.runtime.checkpoint import read_header
-    from dlo_fn.runtime.load import load_model
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.checkpoint import read_header
+    from dlo_fn.io.load import load_model
+    from dlo_fn.io.sources import spec_for
 
     folder = pathlib.Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
     keys = [k for k in read_header(folder / "model.safetensors") if k != "__metadata__"]
@@ -293,8 +293,8 @@ def test_plan_checks_the_header_against_the_config_model(tiny_checkpoint, tmp_pa
     import pathlib
     import shutil
 
-    from dlo_fn.runtime.load import load_model
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.load import load_model
+    from dlo_fn.io.sources import spec_for
 
     folder = pathlib.Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
     path = folder / "model.safetensors"
@@ -309,7 +309,7 @@ def test_plan_checks_the_header_against_the_config_model(tiny_checkpoint, tmp_pa
 
 
 def test_header_only_plan_errors_are_checkpoint_errors(tmp_path):
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.sources import spec_for
 
     save_file({"a": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="cannot plan from the headers alone: no '<path>.<index>.<name>' keys"):

@@ -1,4 +1,4 @@
-"""Real memory accounting (dlo_fn.runtime.memstat): parsers, this process, a shared mapping across two real
+"""Real memory accounting (dlo_fn.io.memstat): parsers, this process, a shared mapping across two real
 processes, and the cgroup counters where readable."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dlo_fn.runtime.memstat import (
+from dlo_fn.io.memstat import (
     _cgroup_dir,
     cgroup_memory,
     file_mappings,

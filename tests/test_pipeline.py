@@ -58,7 +58,7 @@ def call_args(rank: int) -> dict:
 def check_rank(ctx: DistContext, folder: str) -> dict:
     from diffusers.utils import logging as dlogging
 
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
     dlogging.disable_progress_bar()

@@ -10,7 +10,7 @@ import pytest
 
 from dlo_fn.cli import main
 from dlo_fn.plan.layout import model_layout
-from dlo_fn.runtime.sources import spec_for
+from dlo_fn.io.sources import spec_for
 
 
 def _plan(capsys, *args) -> dict:
@@ -71,7 +71,7 @@ def test_table_output_and_help():
 
 
 def test_unknown_model_is_named():
-    from dlo_fn.runtime.checkpoint import CheckpointError
+    from dlo_fn.io.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="nano2"):
         spec_for("nano2")

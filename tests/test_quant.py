@@ -174,7 +174,7 @@ def quant_rank(ctx, ckpt: str) -> dict:
     """On W gloo ranks: the reference DiT and a diffusers Flux offloaded with FP8 shards, allgather and
     rank-local, against the fake-quantised resident model; each rank's arena is its share of the stored bytes."""
     from dlo_fn.models import BLOCK_PATHS, Request, generate
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from tests.test_third_party import CASES
 
     out = {}

@@ -1,4 +1,4 @@
-"""After the host store is filled no rank keeps checkpoint pages mapped (runtime/release.py): on 2 real gloo ranks
+"""After the host store is filled no rank keeps checkpoint pages mapped (io/release.py): on 2 real gloo ranks
 with a 216 MB checkpoint, each rank's USS after offload is at most its arena + the (host) slots and landing
 buffers + its resident copies + the per-process constant measured in the same rank before offloading, + 5%, and
 the file's mapping is gone; the page cache keeps the file (the OS's)."""
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from dlo_fn.serve.ranks import run_ranks
-from dlo_fn.runtime.release import mapped_bytes, release_mapped_tensors, release_ranges, viewed_files
+from dlo_fn.io.release import mapped_bytes, release_mapped_tensors, release_ranges, viewed_files
 
 
 def _rank(ctx, ckpt: str, mode: str, budget_fraction: float | None = None) -> dict:
     from dlo_fn.models import BLOCK_PATHS
-    from dlo_fn.runtime.checkpoint import open_checkpoint
-    from dlo_fn.runtime.load import load_checkpoint
-    from dlo_fn.runtime.memstat import mapped_file_memory, process_memory
+    from dlo_fn.io.checkpoint import open_checkpoint
+    from dlo_fn.io.load import load_checkpoint
+    from dlo_fn.io.memstat import mapped_file_memory, process_memory
     from dlo_fn.plan.layout import model_layout
     from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.offload import offload
@@ -51,7 +51,7 @@ def test_no_rank_keeps_checkpoint_pages(ckpt_200mb, mode):
 
 
 def test_release_copies_views_keeps_ties_and_identity(checkpoint):
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
 
     model = load_model(checkpoint, progress=False)
     files = viewed_files(model)
@@ -67,7 +67,7 @@ def test_release_copies_views_keeps_ties_and_identity(checkpoint):
 
 
 def test_release_ranges_drops_touched_file_pages(tmp_path):
-    from dlo_fn.runtime.memstat import mapped_file_memory
+    from dlo_fn.io.memstat import mapped_file_memory
 
     path = tmp_path / "blob.bin"
     n = 64 * mmap.PAGESIZE

@@ -110,7 +110,7 @@ def check_folders_rank(ctx: DistContext, root: str) -> dict:
     load_model + offload in both modes (block lists detected), two passes each."""
     import pathlib
 
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
 
     out = {}
     for folder, name, dtype, _ in FOLDERS:

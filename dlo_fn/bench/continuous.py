@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dlo_fn.figures.style import write_csv
     from dlo_fn.models import get_config, write_checkpoint
-    from dlo_fn.runtime.memstat import host_description
+    from dlo_fn.io.memstat import host_description
     from dlo_fn.serve.local import Phase, serve_local
     from dlo_fn.serve.requests import EngineOptions
 

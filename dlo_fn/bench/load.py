@@ -20,7 +20,7 @@ import pathlib
 from dataclasses import dataclass
 
 from dlo_fn.bench.load_worker import WorkerSample, run_group
-from dlo_fn.runtime.memstat import CgroupMemory, ProcessMemory, cgroup_memory, format_bytes, host_description
+from dlo_fn.io.memstat import CgroupMemory, ProcessMemory, cgroup_memory, format_bytes, host_description
 
 __all__ = ["LoadBenchResult", "register", "run_load_bench", "measure_baseline", "make_checkpoint", "SWEEP_FIELDS",
            "LOAD_CONFIGS"]
@@ -47,7 +47,7 @@ def make_checkpoint(name: str, out_dir: str | os.PathLike, progress: bool = Fals
     """Write the ``name`` checkpoint (bf16, seed 0) to ``out_dir`` unless it is already there."""
     out = pathlib.Path(out_dir)
     if (out / "config.json").is_file():
-        from dlo_fn.runtime.checkpoint import open_checkpoint
+        from dlo_fn.io.checkpoint import open_checkpoint
 
         found = (open_checkpoint(out).config or {}).get("config", {}).get("name")
         if found != name:
@@ -126,7 +126,7 @@ PROCESS_FIELDS = ("date", "mode", "ranks", "rank", "rss_bytes", "pss_bytes", "us
 
 def measure_baseline(checkpoint: str | os.PathLike, timeout_s: float = 600.0) -> WorkerSample:
     """The framework constant: one worker that imports torch and builds the meta model, alone."""
-    from dlo_fn.runtime.checkpoint import open_checkpoint
+    from dlo_fn.io.checkpoint import open_checkpoint
 
     files = [str(f) for f in open_checkpoint(checkpoint).files]
     return run_group(os.fspath(checkpoint), ["none"], files, timeout_s)[0][0]
@@ -135,7 +135,7 @@ def measure_baseline(checkpoint: str | os.PathLike, timeout_s: float = 600.0) ->
 def run_load_bench(checkpoint: str | os.PathLike, ranks: int, mode: str = "mmap", *, timeout_s: float = 600.0,
                    baseline: WorkerSample | None = None) -> LoadBenchResult:
     """N = ``ranks`` workers load ``checkpoint`` in ``mode``; see the module docstring."""
-    from dlo_fn.runtime.checkpoint import open_checkpoint
+    from dlo_fn.io.checkpoint import open_checkpoint
 
     if mode not in ("mmap", "copy") or ranks < 1:
         raise ValueError(f"mode must be mmap or copy and ranks >= 1, got {mode!r}, {ranks}")
@@ -172,7 +172,7 @@ def register(subparsers) -> None:
 
 
 def _main(args) -> int:
-    from dlo_fn.runtime.checkpoint import open_checkpoint
+    from dlo_fn.io.checkpoint import open_checkpoint
 
     if args.make:
         make_checkpoint(args.make, args.checkpoint, progress=True)

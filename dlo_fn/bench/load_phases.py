@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-from dlo_fn.runtime.memstat import format_bytes, host_description
+from dlo_fn.io.memstat import format_bytes, host_description
 
 __all__ = ["PHASE_FIELDS", "MODES", "rank_phases", "run_phases", "phase_rows", "print_rows"]
 
@@ -34,7 +34,7 @@ PHASE_FIELDS = ("machine", "checkpoint", "command", "date", "device", "mode", "r
 def _sample(ctx, files, tag: str, out: list) -> None:
     import torch.distributed as dist
 
-    from dlo_fn.runtime.memstat import mapped_file_memory, process_memory
+    from dlo_fn.io.memstat import mapped_file_memory, process_memory
 
     if ctx.group is not None:
         dist.barrier(ctx.group)
@@ -50,8 +50,8 @@ def rank_phases(ctx, checkpoint: str, mode: str, device: str) -> dict:
 
     import dlo_fn.runtime.offload as offload_mod
     from dlo_fn.models import BLOCK_PATHS, Request, generate
-    from dlo_fn.runtime.checkpoint import open_checkpoint
-    from dlo_fn.runtime.load import load_checkpoint
+    from dlo_fn.io.checkpoint import open_checkpoint
+    from dlo_fn.io.load import load_checkpoint
     from dlo_fn.runtime.platform import Platform
 
     if device == "cuda":  # every rank on the one GPU, over gloo (memory only)
@@ -100,7 +100,7 @@ def phase_rows(checkpoint: str, ranks: int, mode: str, results: list[dict], devi
     """One CSV row per (rank-averaged) phase, with the plan's prediction from the measured ``load`` constant."""
     from dlo_fn.plan.rank_memory import ProcessConstant, rank_memory
     from dlo_fn.plan.sizes import ModelSizes
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.sources import spec_for
 
     n = len(results)
     by_phase: dict[str, list] = {}

@@ -23,7 +23,7 @@ COMMAND = ("per-rank sampler (load_phases.rank_phases without the fill hook) ove
 def rows_from_samples(lines, checkpoint: str) -> list[dict]:
     from dlo_fn.plan.rank_memory import ProcessConstant, gloo_cuda_staging_bytes, rank_memory
     from dlo_fn.plan.sizes import ModelSizes
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.sources import spec_for
 
     sizes = ModelSizes.from_spec(spec_for(checkpoint))
     runs: dict[tuple[str, int], list[dict]] = {}

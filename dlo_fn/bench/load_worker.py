@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dlo_fn.runtime.memstat import ProcessMemory, cgroup_memory, mapped_file_memory, process_memory
+from dlo_fn.io.memstat import ProcessMemory, cgroup_memory, mapped_file_memory, process_memory
 
 __all__ = ["WorkerSample", "run_group", "WORKER_MODES"]
 
@@ -100,9 +100,9 @@ def _worker(checkpoint: str, mode: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from dlo_fn.runtime.bind import meta_module_from_header, model_from_config
-    from dlo_fn.runtime.checkpoint import open_checkpoint
-    from dlo_fn.runtime.load import load_checkpoint
+    from dlo_fn.io.bind import meta_module_from_header, model_from_config
+    from dlo_fn.io.checkpoint import open_checkpoint
+    from dlo_fn.io.load import load_checkpoint
 
     import safetensors  # noqa: F401  - imported by every mode, so the constant includes it
     import tqdm.auto  # noqa: F401

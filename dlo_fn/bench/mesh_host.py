@@ -56,8 +56,8 @@ def _rank(ctx, checkpoint: str, dp: int, sp: int) -> list[dict]:
     from dlo_fn.plan.sizes import ModelSizes
     from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.host_store import build_host_store
-    from dlo_fn.runtime.load import load_model
-    from dlo_fn.runtime.memstat import process_memory
+    from dlo_fn.io.load import load_model
+    from dlo_fn.io.memstat import process_memory
 
     model = load_model(checkpoint)
     spec = spec_from_module(model, BLOCK_PATHS)
@@ -98,7 +98,7 @@ def measure(dp: int = 2, sp: int = 2) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlo_fn.runtime.memstat import host_description
+    from dlo_fn.io.memstat import host_description
 
     doc = {"machine": {"platform": "cpu", "cpu": host_description()},
            "command": f"python -m dlo_fn bench mesh-host --dp {args.dp} --sp {args.sp}",

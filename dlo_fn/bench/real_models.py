@@ -129,7 +129,7 @@ def build_random(case: ModelCase, device: torch.device, quick: bool, seed: int =
     ``_keep_in_fp32_modules`` in fp32, buffers from the class's own init), with random weights on ``device``."""
     import diffusers
 
-    from dlo_fn.runtime.diffusers_load import _meta_build  # the loader's own build: same dtypes as load_model
+    from dlo_fn.io.diffusers_load import _meta_build  # the loader's own build: same dtypes as load_model
 
     config, _ = case.at(quick)
     return materialize(_meta_build(getattr(diffusers, case.cls), config, dtype), device, seed)

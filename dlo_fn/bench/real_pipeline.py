@@ -68,8 +68,8 @@ def build_pipeline_parts(device: torch.device, quick: bool, seed: int = 1) -> di
     import transformers
 
     from dlo_fn.bench.real_models import materialize
-    from dlo_fn.runtime.bind import meta_params
-    from dlo_fn.runtime.diffusers_load import _meta_build
+    from dlo_fn.io.bind import meta_params
+    from dlo_fn.io.diffusers_load import _meta_build
 
     clip, t5, vae = (QUICK_CLIP, QUICK_T5, QUICK_VAE) if quick else (CLIP_L, T5_XXL, FLUX_VAE)
     request = QUICK_REQUEST if quick else REQUEST
@@ -108,7 +108,7 @@ def run_pipeline(ctx, folder: str, quick: bool, repeats: int) -> dict:
     import diffusers
 
     from dlo_fn.bench.real_variants import digest, release
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
     platform = ctx.platform

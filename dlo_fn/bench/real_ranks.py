@@ -24,8 +24,8 @@ def rank_ready(ctx, folder: str, device: str, ref_path: str) -> dict:
 
     from dlo_fn.bench.real_variants import digest
 
-    from dlo_fn.runtime.load import load_model
-    from dlo_fn.runtime.memstat import process_memory
+    from dlo_fn.io.load import load_model
+    from dlo_fn.io.memstat import process_memory
     from dlo_fn.runtime.offload import offload
     from dlo_fn.runtime.platform import Platform
 

@@ -129,7 +129,7 @@ def _thp_mode() -> str:
 
 
 def _anon_huge_bytes() -> int:
-    from dlo_fn.runtime.memstat import parse_smaps_rollup
+    from dlo_fn.io.memstat import parse_smaps_rollup
 
     return parse_smaps_rollup(pathlib.Path("/proc/self/smaps_rollup").read_text()).get("AnonHugePages", 0)
 

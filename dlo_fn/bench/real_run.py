@@ -52,7 +52,7 @@ class ModelRun:
         """Seconds to write the checkpoint (~1 GB/s) or read a complete one back, and run resident."""
         import diffusers
 
-        from dlo_fn.runtime.diffusers_load import _meta_build
+        from dlo_fn.io.diffusers_load import _meta_build
 
         config, _ = self.case.at(self.args.quick)
         meta = _meta_build(getattr(diffusers, self.case.cls), config, torch.bfloat16)
@@ -65,8 +65,8 @@ class ModelRun:
     def prepare(self, variants: list[str]) -> None:
         from dlo_fn.plan.layout import model_layout
         from dlo_fn.plan.spec import spec_from_module
-        from dlo_fn.runtime.diffusers_load import block_paths_for
-        from dlo_fn.runtime.load import load_model
+        from dlo_fn.io.diffusers_load import block_paths_for
+        from dlo_fn.io.load import load_model
 
         args, case, device = self.args, self.case, self.platform.device
         self.inputs = rm.forward_inputs(case, args.quick, device)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from dlo_fn.runtime.memstat import process_memory
+from dlo_fn.io.memstat import process_memory
 
 __all__ = ["OURS", "VARIANTS", "digest", "time_forwards", "measure", "ours_setup", "diffusers_setup",
            "model_offload_setup", "release", "options_missing"]
@@ -142,7 +142,7 @@ def measure(platform, setup: Callable[[], tuple[Callable[[], torch.Tensor], dict
 def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False):
     """``load_model`` + ``offload``: the public API, timed in parts; ``probe_peak``: the pinned H2D peak from the
     arena, once ready."""
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
     def setup():

@@ -86,7 +86,7 @@ def _command(args: argparse.Namespace) -> str:
 def machine(platform) -> dict:
     import torch
 
-    from dlo_fn.runtime.memstat import host_description
+    from dlo_fn.io.memstat import host_description
 
     out = dict(platform.describe(), cpu=host_description())
     if platform.kind == "cuda":

@@ -51,7 +51,7 @@ def record_to_dict(schedule: Schedule, measured: Timeline, *, machine: str, comm
 
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.runtime.measure import record_run
-    from dlo_fn.runtime.memstat import host_description
+    from dlo_fn.io.memstat import host_description
     from dlo_fn.runtime.platform import platform_for
 
     plat = platform_for(args.platform)

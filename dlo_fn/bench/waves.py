@@ -209,7 +209,7 @@ def _with_efficiency(rows: list[dict]) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.figures.style import write_csv
     from dlo_fn.models import write_checkpoint
-    from dlo_fn.runtime.memstat import host_description
+    from dlo_fn.io.memstat import host_description
 
     if args.r_sweep:
         return _run_r_sweep(args)

@@ -4,7 +4,7 @@ Each command module defines ``register(subparsers)`` (adds its parser and sets `
 imports inside the function it runs, so ``--help`` stays fast.
 
 :func:`main` is the one error boundary of every command. A mistake in the command line or in a file it names
-(:class:`UsageError`, any ``ValueError`` such as :class:`~dlo_fn.runtime.checkpoint.CheckpointError`, a missing
+(:class:`UsageError`, any ``ValueError`` such as :class:`~dlo_fn.io.checkpoint.CheckpointError`, a missing
 or existing file) prints one line ``dlo_fn <command>: error: ...`` on stderr and exits with 2; an ``OSError``
 while working exits with 1; Ctrl-C exits with 130; a closed stdout (``--json | head``) exits with 1 quietly.
 Under ``torchrun`` (``RANK`` set) usage errors, which every rank detects the same way before any model is

@@ -19,8 +19,8 @@ def apply_host_budget(args, ctx, options):
         return options
     from dlo_fn.plan.host_budget import host_budget
     from dlo_fn.plan.sizes import ModelSizes, parse_bytes
-    from dlo_fn.runtime.memstat import process_memory
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.memstat import process_memory
+    from dlo_fn.io.sources import spec_for
 
     try:
         budget = parse_bytes(args.host_budget)

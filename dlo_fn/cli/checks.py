@@ -79,7 +79,7 @@ def check_engine_args(args: argparse.Namespace) -> None:
 def check_checkpoint(path: str) -> Any:
     """The checkpoint's :class:`~dlo_fn.models.DiTConfig`, after reading its config and every header."""
     from dlo_fn.models import load_config
-    from dlo_fn.runtime.checkpoint import open_checkpoint
+    from dlo_fn.io.checkpoint import open_checkpoint
 
     if not os.path.exists(path):
         raise UsageError(f"generate: --checkpoint {path}: no such directory or file: write one with "

@@ -118,7 +118,7 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
     """Load a checkpoint (its config names the model; mmap views, nothing copied) and offload per ``options``
     (with ``auto``, a callable model -> PlanRow, its chosen mode, slots and load group) on ``mesh`` (None: the
     world; with ``sp_auto`` the (dp, sp) mesh and shard group the policy chose). Returns ``(offloaded, mesh)``."""
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.mesh import build_mesh
     from dlo_fn.runtime.offload import offload
 

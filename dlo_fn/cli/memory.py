@@ -131,7 +131,7 @@ def _sizes(args: argparse.Namespace, parse_bytes):
         if args.num_blocks is not None or args.max_block_bytes or parse_bytes(args.resident_bytes):
             raise UsageError("--model gives exact block sizes: leave out --num-blocks/--max-block-bytes/"
                              "--resident-bytes")
-        from dlo_fn.runtime.sources import spec_for
+        from dlo_fn.io.sources import spec_for
 
         try:
             spec = spec_for(args.model)

@@ -160,7 +160,7 @@ def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.plan.summary import plan_summary
-    from dlo_fn.runtime.sources import spec_for
+    from dlo_fn.io.sources import spec_for
 
     check_layout_args(args)
     if args.landing is None:

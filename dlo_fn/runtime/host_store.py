@@ -213,7 +213,7 @@ def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None
                          f"{pl.shape} {pl.dtype}")
     if t.device.type == "meta":
         raise ValueError(f"block {block.name}: tensor {name!r} is on the meta device: load the checkpoint "
-                         f"(dlo_fn.runtime.load.load_model) before offloading")
+                         f"(dlo_fn.io.load.load_model) before offloading")
     return t.detach()
 
 

@@ -7,10 +7,10 @@
    whole world, see :mod:`dlo_fn.runtime.mesh`; 1 in rank-local mode); compare the layout digest across every
    rank (a rank started with another shard group or checkpoint fails here, not in a collective);
 2. fill this rank's :class:`~dlo_fn.runtime.host_store.HostStore` from the block tensors (mmap views when the
-   model came from :func:`dlo_fn.runtime.load.load_model`): each rank copies only its pieces;
+   model came from :func:`dlo_fn.io.load.load_model`): each rank copies only its pieces;
 3. strip the blocks to meta (dropping those views) and put a :class:`~dlo_fn.runtime.blocks.BlockProxy` in
    each block list entry; move everything else (resident tensors) to the device once, then close the checkpoint
-   mapping (:mod:`dlo_fn.runtime.release`: on CPU the resident tensors get small private copies), so no page
+   mapping (:mod:`dlo_fn.io.release`: on CPU the resident tensors get small private copies), so no page
    this rank read stays charged to it;
 4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once); it interprets
    the schedules it is handed, or its ring's next one.
@@ -32,7 +32,7 @@ from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_
 from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
-from dlo_fn.runtime.bind import with_address_residues
+from dlo_fn.io.bind import with_address_residues
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
 from dlo_fn.runtime.executor import Executor
@@ -40,7 +40,7 @@ from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
 from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.quant import StoredBlock, fp32_modules, needed_ranges
-from dlo_fn.runtime.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
+from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -125,7 +125,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     the world is a (world, 1) mesh.
 
     ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
-    ``block_paths=None``: the model's own block lists (:func:`dlo_fn.runtime.diffusers_load.block_paths_for`:
+    ``block_paths=None``: the model's own block lists (:func:`dlo_fn.io.diffusers_load.block_paths_for`:
     the common diffusers DiTs, or the one top-level list of identical blocks): ``offload(transformer, ctx=ctx)``.
     ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them for ``workload=`` (a Workload),
     or measured on the first call (:mod:`dlo_fn.runtime.auto`); ``Offloaded.auto`` holds the choice.
@@ -133,7 +133,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     if ctx is None:
         raise TypeError("offload() needs ctx= (dlo_fn.runtime.dist.init_distributed())")
     if block_paths is None:
-        from dlo_fn.runtime.diffusers_load import block_paths_for
+        from dlo_fn.io.diffusers_load import block_paths_for
 
         block_paths = block_paths_for(model)
     options = options or OffloadOptions()

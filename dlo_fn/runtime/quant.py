@@ -141,7 +141,7 @@ def fake_quantize(model: nn.Module, block_paths: str | Sequence[str] | None = No
     bit for bit. ``block_paths`` as ``offload`` takes them (None: the model's own block lists); ``exclude`` adds
     to the model's fp32 modules."""
     if block_paths is None:
-        from dlo_fn.runtime.diffusers_load import block_paths_for
+        from dlo_fn.io.diffusers_load import block_paths_for
 
         block_paths = block_paths_for(model)
     spec = spec_from_module(model, block_paths)

@@ -95,7 +95,7 @@ class MemoryAdmission:
     def refusal(self, request: Request) -> str | None:
         """Why ``request`` cannot be admitted (one line), or None."""
         from dlo_fn.plan.request_memory import largest_fitting
-        from dlo_fn.runtime.memstat import format_bytes
+        from dlo_fn.io.memstat import format_bytes
 
         short = self._short(request)
         if short is None:

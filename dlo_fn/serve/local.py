@@ -63,7 +63,7 @@ def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_tim
     """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``
     (its weights sharded over ``shard_group`` of ``mesh``)."""
     from dlo_fn.models import BLOCK_PATHS, build_model, load_config
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
     config, dtype = load_config(checkpoint)
@@ -79,7 +79,7 @@ def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_tim
 def _reopen(checkpoint: str) -> Any:
     """The model as :func:`open_model` maps it, for a recovery's rank-local replica (dlo_fn.serve.recover)."""
     from dlo_fn.models import build_model, load_config
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
 
     config, dtype = load_config(checkpoint)
     return load_model(checkpoint, lambda: build_model(config, "meta", dtype), progress=False).eval()

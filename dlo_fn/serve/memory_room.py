@@ -49,7 +49,7 @@ def _host_room(extra_used: int = 0) -> tuple[int, str]:
     """The least of the three host bounds of the module docstring, and which one it was."""
     import psutil
 
-    from dlo_fn.runtime.memstat import cgroup_memory
+    from dlo_fn.io.memstat import cgroup_memory
 
     bounds = [(psutil.virtual_memory().available, "available host memory")]
     cg = cgroup_memory()

@@ -69,14 +69,14 @@ class RecoveryPlan:
 
 
 def reloader(source: str | os.PathLike | Reload | None) -> Reload | None:
-    """A checkpoint path (loaded as :func:`dlo_fn.runtime.load.load_model` builds it from its config.json), a
+    """A checkpoint path (loaded as :func:`dlo_fn.io.load.load_model` builds it from its config.json), a
     callable, or None (no recovery)."""
     if source is None or callable(source):
         return source
     path = os.fspath(source)
 
     def load() -> nn.Module:
-        from dlo_fn.runtime.load import load_model
+        from dlo_fn.io.load import load_model
 
         return load_model(path, progress=False).eval()
     return load

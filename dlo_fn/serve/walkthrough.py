@@ -2,7 +2,7 @@
 (local ranks, :mod:`dlo_fn.serve.ranks`, run it; it sits above the runtime core, whose modules it only reads).
 
 :func:`offload_and_run` is the function :func:`dlo_fn.serve.ranks.run_ranks` runs on every rank (it must be
-importable, and what it returns picklable): for each mode it maps the checkpoint (:func:`~dlo_fn.runtime.load.
+importable, and what it returns picklable): for each mode it maps the checkpoint (:func:`~dlo_fn.io.load.
 load_model`: meta init, every weight a zero-copy view of the file), offloads the model
 (:func:`~dlo_fn.runtime.offload.offload`, recording a Timeline), runs this rank's request in one explicit run, and
 returns a :class:`RankRun`: the device buffers the executor allocated, the host store it filled, the schedule the
@@ -52,9 +52,9 @@ def offload_and_run(ctx: Any, checkpoint: str, prompts: Sequence[str], request: 
 
     from dlo_fn.models import BLOCK_PATHS, Request, generate
     from dlo_fn.plan.compare import single_run
-    from dlo_fn.runtime.load import load_model
+    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
-    from dlo_fn.runtime.release import viewed_files
+    from dlo_fn.io.release import viewed_files
 
     req = Request(prompts[ctx.rank], seed=ctx.rank, **request)
     runs = []

@@ -30,8 +30,8 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from dlo_fn.runtime.bind import meta_params
-from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
+from dlo_fn.io.bind import meta_params
+from dlo_fn.io.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
 __all__ = ["is_diffusers_config", "is_diffusers_model", "model_class", "build_model", "keeps_fp32",
            "restore_buffers", "cast_buffers", "block_paths_for"]

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES
-from dlo_fn.runtime.memstat import file_mappings, in_mappings
+from dlo_fn.io.memstat import file_mappings, in_mappings
 
 __all__ = ["ReleaseReport", "release_mapped_tensors", "release_ranges", "release_copied_pages", "mapped_bytes",
            "viewed_files"]

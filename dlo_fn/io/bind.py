@@ -21,7 +21,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from dlo_fn.runtime.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
+from dlo_fn.io.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
 __all__ = ["BindTarget", "Bound", "aligned", "meta_params", "bind_targets", "rollback", "model_from_config",
            "meta_module_from_header", "with_address_residues", "BUFFER_HOOKS", "buffer_hook",

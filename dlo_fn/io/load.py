@@ -17,7 +17,7 @@ every floating-point tensor to that dtype. A cast tensor is a private copy: it i
 
 Alignment: a tensor the file places at an address that is not a multiple of its element size (a header length
 that is not a multiple of 8) is copied, bytes unchanged, to an aligned private tensor
-(:func:`dlo_fn.runtime.bind.aligned`): logged once per load with the file, counted in ``private_copy_bytes``
+(:func:`dlo_fn.io.bind.aligned`): logged once per load with the file, counted in ``private_copy_bytes``
 and listed in ``LoadReport.realigned_tensors``. Offload and every kernel then see ordinary tensors.
 """
 
@@ -33,10 +33,10 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from dlo_fn.runtime.bind import (BUFFER_HOOKS, BindTarget, bind_targets, buffer_hook, meta_params,
+from dlo_fn.io.bind import (BUFFER_HOOKS, BindTarget, bind_targets, buffer_hook, meta_params,
                                  non_persistent_buffers, recompute_buffers, rollback)
-from dlo_fn.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from dlo_fn.runtime.memstat import file_mappings, in_mappings
+from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from dlo_fn.io.memstat import file_mappings, in_mappings
 
 __all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "build_for_checkpoint", "plan_targets", "MODES",
            "BUFFER_HOOKS", "CheckpointError"]
@@ -104,7 +104,7 @@ def load_checkpoint(
     called with parameters created on ``meta`` and buffers on the CPU (so non-persistent buffers are computed
     by the model's own init); or ``None`` to build the model ``config.json`` describes: the reference DiT (a
     dlo_fn config) or the diffusers class it names, as ``from_pretrained(torch_dtype=...)`` builds it
-    (:mod:`dlo_fn.runtime.diffusers_load`: ``torch_dtype`` defaults to the checkpoint's own, fp32 modules stay
+    (:mod:`dlo_fn.io.diffusers_load`: ``torch_dtype`` defaults to the checkpoint's own, fp32 modules stay
     fp32, stored tensors are cast to their module's dtype as diffusers casts them). A diffusers model class
     builds from the checkpoint's config too. After binding, the model's buffer hook (:data:`BUFFER_HOOKS`:
     ``init_non_persistent_buffers()`` or ``init_buffers()``, as ``dlo_fn.models.VideoDiT`` has; for a diffusers
@@ -155,14 +155,14 @@ def build_for_checkpoint(ckpt: Checkpoint, model_or_factory=None,
                          torch_dtype: torch.dtype | None = None) -> tuple[nn.Module, bool]:
     """``(model, built from a diffusers config)``: the module :func:`load_checkpoint` binds (see there), with
     no tensor read. A given module is returned as it is."""
-    from dlo_fn.runtime import diffusers_load
+    from dlo_fn.io import diffusers_load
 
     if isinstance(model_or_factory, nn.Module):
         return model_or_factory, False
     if model_or_factory is None:
         if diffusers_load.is_diffusers_config(ckpt.config):
             return diffusers_load.build_model(ckpt, torch_dtype=torch_dtype), True
-        from dlo_fn.runtime.bind import model_from_config
+        from dlo_fn.io.bind import model_from_config
 
         return model_from_config(ckpt), False
     if diffusers_load.is_diffusers_model(model_or_factory) and isinstance(model_or_factory, type):
@@ -253,7 +253,7 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
 
 
 def _warn_cast_buffers(model: nn.Module) -> None:
-    from dlo_fn.runtime import diffusers_load
+    from dlo_fn.io import diffusers_load
 
     if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
         cast = diffusers_load.cast_buffers(model)
@@ -267,7 +267,7 @@ def _buffer_hook(model: nn.Module):
     """The model's :data:`BUFFER_HOOKS` method, else for a diffusers model a fresh build of its class."""
     hook = buffer_hook(model)
     if hook is None:
-        from dlo_fn.runtime import diffusers_load
+        from dlo_fn.io import diffusers_load
 
         if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
             hook = functools.partial(diffusers_load.restore_buffers, model)

@@ -21,14 +21,14 @@ def spec_for(model_or_checkpoint: str | os.PathLike, block_paths: Sequence[str] 
 
     Named configs are built on ``meta`` (no storage, instant even for 400 GB). A checkpoint whose
     ``config.json`` describes a model (dlo_fn or diffusers) is checked, with ``validate`` (the default), against
-    that model built on ``meta`` exactly as :func:`dlo_fn.runtime.load.load_checkpoint` checks it (every name,
+    that model built on ``meta`` exactly as :func:`dlo_fn.io.load.load_checkpoint` checks it (every name,
     shape and dtype, from the headers alone), so a plan fails where a load would, with the same
-    :class:`~dlo_fn.runtime.checkpoint.CheckpointError`; the spec is then that model's, as ``offload`` sees it.
+    :class:`~dlo_fn.io.checkpoint.CheckpointError`; the spec is then that model's, as ``offload`` sees it.
     Without such a config (or with ``validate=False``) it comes from the headers alone. ``block_paths``
     defaults to the model's block lists (dlo_fn: ``blocks``; diffusers: detected), or for headers alone to the
     detected ``<path>.<index>.`` lists. Every bad input is a ``CheckpointError``."""
     from dlo_fn.models import BLOCK_PATHS, CONFIGS, build_model
-    from dlo_fn.runtime.checkpoint import CheckpointError, open_checkpoint
+    from dlo_fn.io.checkpoint import CheckpointError, open_checkpoint
 
     name = os.fspath(model_or_checkpoint)
     if name in CONFIGS:
@@ -43,8 +43,8 @@ def spec_for(model_or_checkpoint: str | os.PathLike, block_paths: Sequence[str] 
     label = str(ckpt.root.name or name)
     config_file = ckpt.root / "config.json"
     if validate and _describes_a_model(ckpt.config):
-        from dlo_fn.runtime.diffusers_load import block_paths_for
-        from dlo_fn.runtime.load import build_for_checkpoint, plan_targets
+        from dlo_fn.io.diffusers_load import block_paths_for
+        from dlo_fn.io.load import build_for_checkpoint, plan_targets
 
         model, by_diffusers = build_for_checkpoint(ckpt, None, torch_dtype)
         plan_targets(ckpt, model, cast_dtype=True if by_diffusers else None)
@@ -60,7 +60,7 @@ def spec_for(model_or_checkpoint: str | os.PathLike, block_paths: Sequence[str] 
 
 
 def _describes_a_model(config) -> bool:
-    from dlo_fn.runtime.bind import DLO_MODEL_TYPE
-    from dlo_fn.runtime.diffusers_load import is_diffusers_config
+    from dlo_fn.io.bind import DLO_MODEL_TYPE
+    from dlo_fn.io.diffusers_load import is_diffusers_config
 
     return isinstance(config, dict) and (config.get("model_type") == DLO_MODEL_TYPE or is_diffusers_config(config))
