@@ -45,25 +45,27 @@ def test_tables_from_the_committed_runs():
         (w, v) for w in ("video", "image") for v in hc.GRAPH_VARIANTS.values()}
     assert all(r["equal_to_resident"] is True for r in graphs)
     bg = hc.block_graph_host_rows(*(hc.load(n) for n in hc.BENCH_REPORTS))
-    assert [r["run"] for r in bg] == ["bench 2026-12-01", "bench-small40 2026-12-01"]
+    assert [r["run"] for r in bg] == ["bench 2026-12-02", "bench-small40 2026-12-02"]
     groups = hc.graph_rows(hc.load("groups_bench_step"), hc.GROUP_VARIANTS)
     assert {r["variant"] for r in groups} == set(hc.GROUP_VARIANTS.values())
     assert all(r["equal_to_resident"] is True for r in groups)
 
 
 def test_only_runs_of_the_runtime_as_it_is_give_the_torch_paths_host_cost():
+    # bench step and bench-small40 ran on the issue loop (their rows count stream operations); the load groups' run
+    # is older (its eager rows issued driver calls): only the first two give the torch path's host cost.
     reports = [hc.load(n) for n in hc.BENCH_REPORTS]
-    assert not any(hc.is_current(r) for r in reports)  # measured before the executor counted stream operations
-    assert hc.torch_path_rows(*reports) == []
-    assert hc.summary(*reports)["ours, eager (torch streams and events), host per block"] == "no committed H200 run yet"
-    current = copy.deepcopy(reports[1])
-    for r in current["workloads"][0]["variants"]:
-        if r["variant"].startswith("dlo-"):
-            r["stream_ops_per_block"] = 5.0
-    rows = {r["variant"]: r for r in hc.torch_path_rows(current)}
-    assert "dlo-rank-local-bgraph" not in rows and rows["dlo-rank-local-swap"]["stream_ops_per_block"] == "5.000"
-    s = hc.summary(current)
-    eager = [float(r["executor_us_per_block"]) for r in rows.values()]
+    assert [hc.is_current(r) for r in reports] == [True, True, False]
+    rows = hc.torch_path_rows(*reports)
+    assert rows and all(r["stream_ops_per_block"] for r in rows)
+    old = copy.deepcopy(reports[0])
+    for w in old["workloads"]:
+        for r in w["variants"]:
+            r.pop("stream_ops_per_block", None)
+    assert hc.torch_path_rows(old) == []
+    assert hc.summary(old)["ours, eager (torch streams and events), host per block"] == "no committed H200 run yet"
+    s = hc.summary(*reports)
+    eager = [float(r["executor_us_per_block"]) for r in rows]
     assert s["ours, eager (torch streams and events), host per block"] == f"{min(eager):.1f}-{max(eager):.1f} us"
 
 
@@ -80,9 +82,10 @@ def test_the_takeaway_is_computed_from_the_reports():
 
 def test_the_policy_takes_load_groups_only_where_the_host_is_the_bound():
     # One H200's topology (48 us of host work per block at one load per block, 55 GB/s H2D), 20 us of compute per
-    # block: the host bounds blocks whose H2D is shorter than its work, and there groups halve the step.
+    # block: the host bounds blocks whose H2D is shorter than its work, and there groups halve the step (groups of 4
+    # bring the host's work to about the compute's: either may bound the grouped step).
     rows = {r["block_MB"]: r for r in hc.policy_rows()}
-    assert rows["0.5"]["chosen"] == "S8 R1 G4" and rows["0.5"]["bound"] == "host"
+    assert rows["0.5"]["chosen"] == "S8 R1 G4" and rows["0.5"]["bound"] in ("host", "compute")
     assert float(rows["0.5"]["step_ms"]) < 0.6 * float(rows["0.5"]["one_load_per_block_ms"])
     for mb in ("3", "4", "8"):  # H2D >= the host's work: one load per block on two slots, the cheapest plan
         assert rows[mb]["chosen"] == "S2 R1" and rows[mb]["bound"] == "h2d"
