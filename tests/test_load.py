@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import sys
+import subprocess
 
 import pytest
 import torch
@@ -155,27 +157,42 @@ def test_load_report_invariants():
 
 @pytest.mark.slow
 def test_mmap_costs_page_cache_and_copy_costs_private_memory(tmp_path):
-    """In this process: touching mmap-bound weights adds file-backed PSS, no anonymous memory; the copy
-    loader adds anonymous memory of the model's size."""
+    """In a fresh process (whose heap holds no pages an earlier test freed, which a copy could reuse and add
+    nothing): touching mmap-bound weights adds file-backed PSS, no anonymous memory; the copy loader adds
+    anonymous memory of the model's size."""
     torch.manual_seed(0)
     big = {f"blocks.{i}.w": torch.randn(1024, 1024) for i in range(16)}  # 64 MiB
     save_file(big, str(tmp_path / "model.safetensors"))
     model_bytes = 16 * 4 * 1024 * 1024
-    header = read_header(tmp_path / "model.safetensors")
-    results = {}
-    for mode in ("mmap", "copy"):
-        gc.collect()
-        before = process_memory()
-        model, _ = load_checkpoint(tmp_path, meta_module_from_header(header), mode=mode)
-        checksum = sum(float(p.sum()) for p in model.parameters())
-        after = process_memory()
-        results[mode] = (after.pss_anon_bytes - before.pss_anon_bytes, after.pss_file_bytes - before.pss_file_bytes)
-        assert checksum == pytest.approx(sum(float(t.sum()) for t in big.values()))
-        del model
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    results = json.loads(out.stdout.splitlines()[-1])
+    assert results["checksum"] == pytest.approx(sum(float(t.sum()) for t in big.values()))
     anon, file = results["mmap"]
     assert anon < 0.1 * model_bytes and file > 0.9 * model_bytes, results
     anon, _ = results["copy"]
     assert anon > 0.95 * model_bytes, results
+
+
+_MEMORY_CHILD = """
+import gc, json, pathlib, sys
+from dlo_fn.io.bind import meta_module_from_header
+from dlo_fn.io.checkpoint import read_header
+from dlo_fn.io.load import load_checkpoint
+from dlo_fn.io.memstat import process_memory
+folder = pathlib.Path(sys.argv[1])
+header = read_header(folder / "model.safetensors")
+results = {}
+for mode in ("mmap", "copy"):
+    gc.collect()
+    before = process_memory()
+    model, _ = load_checkpoint(folder, meta_module_from_header(header), mode=mode)
+    results["checksum"] = sum(float(p.sum()) for p in model.parameters())
+    after = process_memory()
+    results[mode] = (after.pss_anon_bytes - before.pss_anon_bytes, after.pss_file_bytes - before.pss_file_bytes)
+    del model
+print(json.dumps(results))
+"""
 
 
 def test_reference_dit_from_config_generates_bit_exact(tmp_path):

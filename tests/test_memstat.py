@@ -61,14 +61,16 @@ def test_in_mappings():
 
 def test_anonymous_memory_shows_in_uss():
     before = process_memory()
-    block = bytearray(64 * MB)  # zero-filled by calloc/mmap: touch it so pages are resident
+    # A fresh anonymous mapping, touched so its pages are resident (a bytearray could reuse heap pages that an
+    # earlier test left resident, and add nothing).
+    block = mmap.mmap(-1, 64 * MB)
     for i in range(0, len(block), 4096):
         block[i] = 1
     after = process_memory()
     assert after.uss_bytes - before.uss_bytes > 60 * MB
     assert after.pss_anon_bytes - before.pss_anon_bytes > 60 * MB
     assert after.hwm_bytes >= after.rss_bytes >= after.pss_bytes
-    del block
+    block.close()
 
 
 _CHILD = """

@@ -228,3 +228,38 @@ def test_fp8_on_cuda_streams_bit_exact(mode, graph, dequant):
     assert all(torch.equal(g, w) for g, w in zip(got, expected))
     assert o.store.arena.is_pinned() and o.store.arena_bytes == o.layout.shard_bytes_per_rank
     assert o.executor.measured_device_bytes >= o.executor.planned_device_weight_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@torch.no_grad()
+def test_kernel_dequant_equals_torch_ops_on_every_row_length(dtype):
+    """The one-launch kernel against the torch ops, byte for byte over the whole slot: rows whose largest
+    power-of-two divisor is 16, 48's, 3072's and beyond the kernel's tile (several launches), 1-D tensors copied,
+    and a model with many tensors (the program-to-tensor table)."""
+    from dlo_fn.runtime.cuda.dequant import KernelDequant
+    from dlo_fn.runtime.quant import TorchDequant
+
+    torch.manual_seed(0)
+    shapes = [(16, 16), (7, 48), (5, 3072), (3, 12288), (9, 80), (2, 2, 3, 3), (33,), (24576, 16)]
+    block = torch.nn.Module()
+    for i, shape in enumerate(shapes * 3):
+        block.register_buffer(f"t{i}", torch.randn(shape, dtype=dtype) * (i + 1))
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([block])
+    spec = spec_from_module(model, "blocks")
+    layout = model_layout(spec, 1, quantization="fp8")
+    stored, compute = layout.shards[0].block, layout.compute_block(0)
+    staging = torch.zeros(stored.nbytes, dtype=torch.uint8, device="cuda")
+    for p in stored.placements:  # the stored bytes, quantised as a rank does
+        w = block.get_buffer(p.name.removesuffix("_scale"))
+        if p.name.endswith("_scale"):
+            t = quantize_rows(w)[1]
+        else:
+            t = quantize_rows(w)[0] if p.dtype == FP8_DTYPE else w
+        staging[p.offset_bytes : p.offset_bytes + p.nbytes] = t.reshape(-1).view(torch.uint8).cuda()
+    slots = [torch.full((compute.nbytes,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    for d, slot in zip((TorchDequant(), KernelDequant()), slots):
+        d.prepare(staging, slot, stored, compute)()
+    torch.cuda.synchronize()
+    assert torch.equal(slots[0], slots[1])

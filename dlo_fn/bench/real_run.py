@@ -92,7 +92,7 @@ class ModelRun:
         row.update(ready_s=None, weight_device_bytes=weights, wall_s=time.perf_counter() - t0)
         self.want = row.pop("output").clone()
         self._add("resident", row)
-        if "ours-fp8" in variants:
+        if any(rv.OURS.get(v, {}).get("quantization") for v in variants):
             self.fp8_reason = self._fake_quantized(model)
         if any(v.startswith("ranks-") for v in variants):
             cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.inputs.items()}

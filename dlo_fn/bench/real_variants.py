@@ -39,6 +39,7 @@ OURS = {
     "ours-bgraph": dict(mode="rank-local", graph="block"),
     "ours-3-slots": dict(mode="rank-local", num_slots=3),
     "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (its first call measures the blocks)
+    "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
 }
 # Run order (most important first, so a run cut short keeps what matters); "resident" always runs first. An OURS
 # entry not named here runs after the other variants of ours.

@@ -22,6 +22,7 @@ TITLES = {"flux": "FLUX.1-dev", "wan480": "Wan2.1-T2V-14B", "wan720": "Wan2.1-T2
 LABELS = {"resident": "resident (all on the GPU)", "ours-rank-local": "ours: 2 slots", "ours-fp8": "ours: FP8 shards",
           "ours-allgather": "ours: allgather, W=1", "ours-bgraph": "ours: block graphs",
           "ours-3-slots": "ours: 3 slots", "ours-auto": "ours: policy's choice",
+          "ours-fp8-auto": "ours: FP8, policy's choice",
           "diffusers-block": "diffusers group offload, block", "diffusers-leaf": "diffusers group offload, leaf",
           "model-offload": "whole-model offload"}
 FIELDS = ("model", "variant", "forward_s", "ratio_to_bound", "ratio_to_resident", "equal_to_resident", "ready_s",

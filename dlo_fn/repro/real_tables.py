@@ -23,6 +23,7 @@ CORE_FILE = "core_before_after_nvidia-h200.json"
 LABELS = {"resident": "resident", "ours-rank-local": "ours, 2 slots", "ours-fp8": "ours, FP8 shards",
           "ours-allgather": "ours, allgather (W = 1)", "ours-bgraph": "ours, block graphs",
           "ours-3-slots": "ours, 3 slots", "ours-auto": "ours, the policy's choice",
+          "ours-fp8-auto": "ours, FP8 shards, the policy's choice",
           "diffusers-block": "diffusers group offloading, block_level + stream",
           "diffusers-leaf": "diffusers group offloading, leaf_level + stream", "ranks-2": "ours, 2 gloo ranks (allgather)"}
 
@@ -44,7 +45,7 @@ def real_rows(name: str = REAL_FILE) -> list[dict[str, str]]:
             continue
         own = v.get("ratio_to_own_bound")
         ratio = f"{v['ratio_to_bound']:.3f}x" if v.get("ratio_to_bound") else "-"
-        if own and v["variant"] == "ours-fp8":
+        if own and v["variant"].startswith("ours-fp8"):
             ratio += f" (own bound {own:.3f}x)"
         rows.append({"variant": LABELS[v["variant"]],
                      "forward ms": f"{1e3 * v['forward_s']:.1f}" if v.get("forward_s") else "-", "/ bound": ratio,
