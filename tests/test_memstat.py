@@ -63,7 +63,7 @@ def test_anonymous_memory_shows_in_uss():
     before = process_memory()
     # A fresh anonymous mapping, touched so its pages are resident (a bytearray could reuse heap pages that an
     # earlier test left resident, and add nothing).
-    block = mmap.mmap(-1, 64 * MB)
+    block = mmap.mmap(-1, 64 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for i in range(0, len(block), 4096):
         block[i] = 1
     after = process_memory()
