@@ -69,3 +69,27 @@ def test_reference_dit_fp8_error_is_measured(tmp_path):
             assert r["equal_to_fake_quantized"] is True, name
     assert rows["one forward"]["num_elements"] == 2 * 4 * 2 * 4 * 4  # CFG pair x C x T x h x w latents
     assert rows["request video"]["num_elements"] == 5 * 32 * 32 * 3
+
+
+def test_byte_rows_are_the_plans_and_the_simulated_step_has_a_dq_lane():
+    from dlo_fn.models.specs import config_spec
+    from dlo_fn.plan.quant import stored_block
+    from dlo_fn.plan.sizes import ModelSizes
+    from dlo_fn.repro import fp8_tables
+
+    spec = config_spec("tiny")
+    rows = {r["item"]: r for r in fp8_tables.byte_rows(spec, num_slots=2)}
+    sizes = ModelSizes.from_spec(spec, quantization="fp8")
+    assert rows["host arena = pinned = H2D per pass"]["FP8"] == sizes.shard_bytes_per_rank(1) == sum(sizes.stored_bytes)
+    assert rows["staging buffer per slot"]["FP8"] == sizes.staging_bytes(1)
+    assert rows["slot"]["FP8"] == sizes.max_padded_block_bytes(1) == rows["compute block c_0"]["BF16"]
+    block = rows["stored block n_0"]["FP8"]
+    parts = sum(rows[f"block 0: {k}"]["FP8"] for k in ("2-D weights", "scales", "kept as they are"))
+    assert parts <= block < parts + 64 * len(stored_block(spec.blocks[0]).tensors)  # each tensor packed at 64 B
+    assert rows["device weight bytes"]["FP8"] == 2 * (sizes.max_padded_block_bytes(1) + sizes.staging_bytes(1))
+    passes = fp8_tables.h200_passes()
+    assert {s.stream for s in passes["FP8"].spans if s.op.startswith("DQ")} == {"allgather"}
+    assert not passes["BF16"].spans_of("allgather")
+    assert passes["FP8"].busy_s("h2d") < 0.51 * passes["BF16"].busy_s("h2d")
+    sim = {r["weights"]: r for r in fp8_tables.pass_rows(passes)}
+    assert abs(float(sim["BF16"]["simulated ms"]) / float(sim["BF16"]["measured ms"]) - 1) < 0.01

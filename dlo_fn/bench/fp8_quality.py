@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 from dlo_fn.cli import HelpFormatter
 
-__all__ = ["QualityRow", "REQUEST", "quality_rows", "reference_dit_quality", "register", "run"]
+__all__ = ["QualityRow", "REQUEST", "reference_dit_quality", "register", "run"]
 
 # The request measured (notebook 03's shape, four steps: a whole sampling schedule from noise to latents).
 REQUEST = dict(prompt="a red fox in the snow", seed=0, height=32, width=32, num_frames=5, num_inference_steps=4)
-OUTPUTS = ("weights", "one forward", "request latents", "request video")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +53,7 @@ class QualityRow:
         return QualityRow(output, err.rel_l2, err.max_abs, err.cosine, err.num_elements, equal)
 
 
-def _quantized_weights(model, block_paths) -> "torch.Tensor":
+def _quantized_weights(model, block_paths):
     """Every block weight ``fake_quantize`` rewrites, flattened into one float64 vector, in block order."""
     import torch
 
@@ -116,18 +115,6 @@ def reference_dit_quality(checkpoint: str | pathlib.Path, ctx, request=None, mod
             QualityRow.of("request video", result_fp8.video, result_bf16.video, result_fake.video))
 
 
-def quality_rows(rows) -> list[dict]:
-    """Rows (``QualityRow`` or their dicts from a report) for a text table."""
-    out = []
-    for r in rows:
-        r = dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r
-        equal = r["equal_to_fake_quantized"]
-        out.append({"output": r["output"], "elements": r["num_elements"], "rel_l2": f"{r['rel_l2']:.4f}",
-                    "max_abs": f"{r['max_abs']:.4g}", "cosine": f"{r['cosine']:.6f}",
-                    "equal_to_fake_quantize": "-" if equal is None else equal})
-    return out
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("fp8-quality", help="FP8 shards against BF16: output error on the reference DiT",
                               description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
@@ -165,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
     path = pathlib.Path(args.out) if args.out else DATA_DIR / f"fp8_quality_{args.config}_{slug(platform)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
+    from dlo_fn.repro.fp8_tables import quality_rows
     from dlo_fn.repro.tables import text_table
 
-    print(text_table(quality_rows(rows)))
+    print(text_table(quality_rows(report["rows"])))
     print(f"bench fp8-quality: -> {path}")
     return 0

@@ -112,12 +112,14 @@ def pass_rows(passes: dict[str, Timeline]) -> list[dict[str, str]]:
     return rows
 
 
-def quality_rows(name: str = QUALITY_FILE) -> list[dict[str, str]]:
-    """``bench fp8-quality``'s rows: each output's error against BF16 and its equality with fake_quantize."""
-    rows = []
-    for r in load(name)["rows"]:
+def quality_rows(name_or_rows: str | list[dict] = QUALITY_FILE) -> list[dict[str, str]]:
+    """``bench fp8-quality``'s rows (a committed file, or the row dicts of a run): each output's error against
+    BF16 and its equality with fake_quantize."""
+    rows = load(name_or_rows)["rows"] if isinstance(name_or_rows, str) else name_or_rows
+    out = []
+    for r in rows:
         equal = r["equal_to_fake_quantized"]
-        rows.append({"output": r["output"], "elements": f"{r['num_elements']:,d}", "rel L2": f"{r['rel_l2']:.4f}",
-                     "max abs": f"{r['max_abs']:.4g}", "cosine": f"{r['cosine']:.6f}",
-                     "equal to fake_quantize": "-" if equal is None else str(equal)})
-    return rows
+        out.append({"output": r["output"], "elements": f"{r['num_elements']:,d}", "rel L2": f"{r['rel_l2']:.4f}",
+                    "max abs": f"{r['max_abs']:.4g}", "cosine": f"{r['cosine']:.6f}",
+                    "equal to fake_quantize": "-" if equal is None else str(equal)})
+    return out
