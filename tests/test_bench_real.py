@@ -79,6 +79,32 @@ def test_every_variant_equals_resident(report):
     assert pipe["ours-rank-local"]["sha256"] == pipe["resident"]["sha256"]
 
 
+# The bound of tests/test_fp8_quality.py, one e4m3 rounding of a value. Measured on the quick configs (random
+# weights): one forward 4.7% (Flux) and 2.5% (Wan), the Flux pipeline request's images 1.6%.
+E4M3_ROUNDING = 2.0 ** -4
+
+
+@pytest.mark.slow
+def test_every_row_measures_its_error_to_resident(report):
+    """Each row's output against resident's, on the host in float64: 0.0 exactly where the bytes are resident's,
+    FP8 above 0 and below one e4m3 rounding, for one forward and for the whole pipeline request."""
+    rows = {v["variant"]: v for v in report["model"]["variants"]}
+    want = rows["resident"]["sha256"]
+    assert (rows["resident"]["rel_error_to_resident"], rows["resident"]["cosine_to_resident"]) == (0.0, 1.0)
+    for name, v in rows.items():
+        if v.get("forward_s"):
+            assert (v["rel_error_to_resident"] == 0.0) is (v["sha256"] == want), name
+            assert (v["max_abs_error_to_resident"] == 0.0) is (v["sha256"] == want), name
+    fp8 = rows["ours-fp8"]
+    assert 0.0 < fp8["rel_error_to_resident"] < E4M3_ROUNDING and 0.99 < fp8["cosine_to_resident"] < 1.0, fp8
+    assert rows["ranks-2"]["rel_error_to_resident"] == 0.0 and "rel_error_to_resident" not in rows["ours-cold"]
+    pipe = rows["pipeline"]
+    assert pipe["ours-rank-local"]["rel_error_to_resident"] == 0.0 and "rel_error_to_resident" not in pipe["resident"]
+    request = pipe["ours-fp8"]
+    assert request["equal_to_resident"] is False and request["finite"] and request["ratio_to_resident"] > 0
+    assert 0.0 < request["rel_error_to_resident"] < E4M3_ROUNDING and request["cosine_to_resident"] > 0.99, request
+
+
 @pytest.mark.slow
 def test_the_file_holds_every_finished_variant_and_survives_a_kill(tmp_path):
     """Killed (SIGKILL) once two variants are on disk: the file is whole JSON and holds them."""

@@ -7,7 +7,10 @@ denoising forward at the workload's shapes, per variant (:mod:`dlo_fn.bench.real
     forward_s          median of the timed forwards (back to back after warm-up, events on the compute stream)
     ratio_to_bound     forward_s / bound_s, bound_s = max(resident forward_s, block bytes / pinned H2D peak),
                        the peak the best measured in this run (a registered buffer and our arena)
-    equal_to_resident  torch.equal of the output with resident's (and its SHA-256)
+    equal_to_resident  torch.equal of the output with resident's (and its SHA-256); FP8: with the fake-quantised
+                       resident model's
+    rel_error_to_resident  ||out - resident|| / ||resident|| in float64 on the host (0.0 when byte-identical), with
+                       max_abs_error_to_resident and cosine_to_resident: what FP8 shards cost in output
     ready_s            folder -> model ready to run (warm page cache); ours: load_model + offload, with the host
                        store's phases, against the host's floor measured in the same run (real_ready)
     memory             peak device bytes (above what was allocated before), host RSS / USS after set-up, pinned
@@ -49,7 +52,8 @@ def register(subparsers) -> None:
                    help=f"comma list, run in the order given, after resident: {', '.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (block graphs: at least 4)")
-    p.add_argument("--pipeline", action="store_true", help="also a full Flux request (FluxPipeline, 28 steps)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="also a full Flux request (FluxPipeline, 28 steps): resident, ours in BF16 and with FP8 shards")
     p.add_argument("--pipeline-repeats", type=int, default=2, help="timed requests per pipeline")
     p.add_argument("--folder", default=str(pathlib.Path(tempfile.gettempdir()) / "dlo_fn_bench_real"),
                    help="where checkpoints are written, and reused when complete")

@@ -1,7 +1,8 @@
 """The full request of `bench real --pipeline`: ``diffusers.FluxPipeline`` at FLUX.1-dev's published component
 configs with random weights, text encoders and VAE resident on the device, the transformer offloaded (ours,
-rank-local) beside the same pipeline with the transformer resident: wall time per request and whether the images
-are byte-identical. Nothing is downloaded: the tokenizers are word-level tokenizers built here with the special
+rank-local, in BF16 and with FP8 shards) beside the same pipeline with the transformer resident: wall time per request,
+whether the images are byte-identical, and how far each is from the resident images (``rel_error_to_resident``: FP8's
+cost over a whole request, every denoising step and the VAE). Nothing is downloaded: the tokenizers are word-level tokenizers built here with the special
 tokens (and ids) the pipeline and encoders rely on.
 
 Component configs (``text_encoder/``, ``text_encoder_2/``, ``vae/``, ``scheduler/`` of
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-__all__ = ["CLIP_L", "T5_XXL", "FLUX_VAE", "FLUX_SCHEDULER", "build_pipeline_parts", "run_pipeline"]
+__all__ = ["CLIP_L", "T5_XXL", "FLUX_VAE", "FLUX_SCHEDULER", "TRANSFORMERS", "build_pipeline_parts", "run_pipeline"]
 
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
               max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768, layer_norm_eps=1e-5,
@@ -41,6 +42,9 @@ QUICK_T5 = dict(T5_XXL, vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=
 QUICK_VAE = dict(FLUX_VAE, block_out_channels=[8, 8, 8, 8], latent_channels=4, layers_per_block=1, norm_num_groups=4)
 QUICK_REQUEST = dict(height=64, width=64, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=8)
 PROMPT = "a photo of a red fox in the snow at night"
+# The transformer of each request: None resident, else offload() keyword arguments (as bench real's OURS).
+TRANSFORMERS = {"resident": None, "ours-rank-local": dict(mode="rank-local"),
+                "ours-fp8": dict(mode="rank-local", quantization="fp8")}
 
 
 def _word_tokenizer(vocab_size: int, specials: dict[str, int], template: str, max_length: int, **names):
@@ -104,10 +108,11 @@ def _requests(platform, pipe, request: dict, repeats: int) -> tuple[list[float],
 
 @torch.no_grad()
 def run_pipeline(ctx, folder: str, quick: bool, repeats: int) -> dict:
-    """The request with the transformer resident, then offloaded (rank-local), on the same encoders and VAE."""
+    """The request with the transformer resident, then offloaded (:data:`TRANSFORMERS`), on the same encoders and
+    VAE; each offloaded request's images against the resident ones (kept on the host)."""
     import diffusers
 
-    from dlo_fn.bench.real_variants import digest, release
+    from dlo_fn.bench.real_variants import digest, error_to_resident, release
     from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
@@ -115,15 +120,16 @@ def run_pipeline(ctx, folder: str, quick: bool, repeats: int) -> dict:
     parts = build_pipeline_parts(platform.device, quick)
     request = parts.pop("request")
     out: dict = {"request": dict(request, prompt=PROMPT), "repeats": repeats}
-    for name in ("resident", "ours-rank-local"):
+    want = None
+    for name, kwargs in TRANSFORMERS.items():
         release(platform)
         t0 = time.perf_counter()
         transformer = load_model(folder, progress=False)
         o = None
-        if name == "resident":
+        if kwargs is None:
             transformer.to(platform.device)
         else:
-            o = offload(transformer, ctx=ctx, mode="rank-local")
+            o = offload(transformer, ctx=ctx, **kwargs)
         platform.synchronize()
         ready_s = time.perf_counter() - t0
         pipe = diffusers.FluxPipeline(transformer=transformer, **parts)
@@ -131,12 +137,14 @@ def run_pipeline(ctx, folder: str, quick: bool, repeats: int) -> dict:
         times, images = _requests(platform, pipe, request, repeats)
         out[name] = {"ready_s": ready_s, "request_s": statistics.median(times), "request_s_all": times,
                      "sha256": digest(images), "finite": bool(torch.isfinite(images).all())}
-        if name == "resident":
-            want = images
+        if want is None:
+            want = images.cpu()
         else:
-            out[name]["equal_to_resident"] = bool(torch.equal(images, want))
+            out[name]["equal_to_resident"] = bool(torch.equal(images.cpu(), want))
+            out[name].update(error_to_resident(images, want),
+                             ratio_to_resident=out[name]["request_s"] / out["resident"]["request_s"])
             o.synchronize()
             o.store.close()
-        del pipe, transformer, o
+        del pipe, transformer, o, images
     out["ratio_to_resident"] = out["ours-rank-local"]["request_s"] / out["resident"]["request_s"]
     return out

@@ -12,7 +12,8 @@
 =====================  ===========================================================================================
 
 Every timed forward runs back to back after warm-up, timed with events on the compute stream (the device time of
-a denoising loop's step); the last output is compared byte for byte with the resident one.
+a denoising loop's step); the last output is compared byte for byte with the resident one, and measured against it
+(:func:`error_to_resident`: relative L2, max-abs and cosine, in float64 on the host; what FP8 shards cost).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from dlo_fn.io.memstat import process_memory
 
-__all__ = ["OURS", "VARIANTS", "digest", "time_forwards", "measure", "ours_setup", "diffusers_setup",
+__all__ = ["OURS", "VARIANTS", "digest", "error_to_resident", "time_forwards", "measure", "ours_setup", "diffusers_setup",
            "model_offload_setup", "release", "options_missing"]
 
 # Our variants: name -> offload() keyword arguments. One line adds one.
@@ -61,6 +62,17 @@ def options_missing(kwargs: dict) -> list[str]:
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of the tensor's bytes (on the host)."""
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def error_to_resident(out: torch.Tensor, want_host: torch.Tensor) -> dict:
+    """A row's output against the resident one (kept on the host): ``rel_error_to_resident`` (0.0 for
+    byte-identical outputs), ``max_abs_error_to_resident``, ``cosine_to_resident``
+    (:func:`dlo_fn.runtime.quant.output_error`)."""
+    from dlo_fn.runtime.quant import output_error
+
+    err = output_error(out, want_host)
+    return {"rel_error_to_resident": err.rel_l2, "max_abs_error_to_resident": err.max_abs,
+            "cosine_to_resident": err.cosine}
 
 
 def release(platform) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ("load", "step", "waves", "timeline", "slots", "sp_hbm", "mesh_host", "continuous", "real")
+BENCHES = ("load", "step", "waves", "timeline", "slots", "sp_hbm", "mesh_host", "continuous", "real", "fp8_quality")
 
 
 def register(subparsers) -> None:

@@ -14,6 +14,7 @@ import pathlib
 # Figure modules; each contributes FIGURES.
 FIGURE_MODULES = (
     "dlo_fn.figures.timeline",
+    "dlo_fn.figures.fp8",
     "dlo_fn.figures.memory",
     "dlo_fn.figures.minimax",
     "dlo_fn.figures.cold_start",

@@ -36,10 +36,11 @@ ANIMATION_DPI = 90
 
 
 def draw_gantt(ax, timeline: Timeline, *, until_s: float | None = None, arrows: bool = False,
-               labels: bool = True, slots: bool = False) -> None:
-    """Three rows (H2D, all-gather, compute); spans cut at ``until_s``; ``arrows``: the event wait of each
-    compute on its load, drawn once the compute has started; ``slots``: label computes ``b<block>@s<slot>``."""
-    y_of = {stream: len(ROWS) - 1 - i for i, (stream, _) in enumerate(ROWS)}
+               labels: bool = True, slots: bool = False, rows: tuple[tuple[str, str], ...] = ROWS) -> None:
+    """Three rows (H2D, all-gather, compute; ``rows`` names them); spans cut at ``until_s``; ``arrows``: the event
+    wait of each compute on its load, drawn once the compute has started; ``slots``: label computes
+    ``b<block>@s<slot>``."""
+    y_of = {stream: len(rows) - 1 - i for i, (stream, _) in enumerate(rows)}
     color = {"h2d": COLORS["h2d"], "allgather": COLORS["allgather"], "compute": COLORS["compute"]}
     loaded_at: dict[int, float] = {}
     for span in timeline.spans:
@@ -66,8 +67,8 @@ def draw_gantt(ax, timeline: Timeline, *, until_s: float | None = None, arrows: 
                         xytext=(1e3 * loaded_at[op.load], y_of["allgather"] - 0.31),
                         arrowprops={"arrowstyle": "->", "color": COLORS["published"], "linestyle": "--",
                                     "linewidth": 0.8})
-    ax.set_yticks([y_of[s] for s, _ in ROWS], [label for _, label in ROWS])
-    ax.set_ylim(-0.6, len(ROWS) - 0.4)
+    ax.set_yticks([y_of[s] for s, _ in rows], [label for _, label in rows])
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlim(0, 1e3 * timeline.makespan_s * 1.01)
     ax.set_xlabel("time (ms)")
     ax.grid(axis="y", visible=False)

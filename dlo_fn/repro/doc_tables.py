@@ -15,7 +15,7 @@ import pathlib
 import re
 from typing import Any, Callable, Iterable
 
-from dlo_fn.repro import continuous_tables, host_cost_tables, policy_tables, real_tables, waves_tables
+from dlo_fn.repro import continuous_tables, fp8_tables, host_cost_tables, policy_tables, real_tables, waves_tables
 from dlo_fn.repro.data import DATA_DIR
 
 __all__ = ["TABLES", "DOC_FILES", "markdown_table", "refresh", "render", "stale"]
@@ -201,6 +201,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "results": results_table,
     "real-flux": lambda: _rows(real_tables.real_rows(), [real_tables.REAL_FILE]),
     "fp8-flux": lambda: _rows(real_tables.fp8_rows(), [real_tables.FP8_FILE]),
+    "fp8-quality-tiny": lambda: _rows(fp8_tables.quality_rows(), [fp8_tables.QUALITY_FILE]),
+    "fp8-step-simulated": lambda: _rows(fp8_tables.pass_rows(fp8_tables.h200_passes()),
+                                        [fp8_tables.FP8_STEP_FILE, "timeline_fp8.csv"]),
     "core-before-after": lambda: _rows(real_tables.core_rows(), [real_tables.CORE_FILE]),
     "bench-step": lambda: bench_table("bench_step_nvidia-h200.json"),
     "bench-small40": lambda: bench_table("bench_small40_nvidia-h200.json",

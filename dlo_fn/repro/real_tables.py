@@ -3,7 +3,7 @@
 * :func:`real_rows` - one forward of a diffusers model at its published config per variant (``bench real``):
   time against the bound, equality with its reference, time to ready against the host's floor, memory;
 * :func:`fp8_rows` - FP8 shards against BF16 on the same model and machine: bytes moved, pinned and resident host
-  bytes, forward time;
+  bytes, forward time, and the output's error against the resident one where the run measured it;
 * :func:`core_rows` - the runtime before its core was reduced (the driver-call issuer, step graphs) and after, each
   pair measured side by side in one device call: step time / bound of the default variant, and on FLUX.1-dev.
 """
@@ -70,6 +70,9 @@ def fp8_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
                      "FP8 / BF16": f"{fp8[key] / bf16[key]:.3f}"})
     rows.append({"": "forward / BF16 resident", "BF16": f"{bf16['forward_s'] / m['resident_s']:.3f}",
                  "FP8": f"{fp8['forward_s'] / m['resident_s']:.3f}", "FP8 / BF16": ""})
+    if "rel_error_to_resident" in fp8:  # runs since bench real measured it
+        rows.append({"": "output error vs BF16 resident (relative L2)", "BF16": f"{bf16['rel_error_to_resident']:.4f}",
+                     "FP8": f"{fp8['rel_error_to_resident']:.4f}", "FP8 / BF16": ""})
     return rows
 
 

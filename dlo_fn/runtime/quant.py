@@ -6,12 +6,14 @@ bits; ``tests/test_quant.py`` crosses the two on a GPU): :class:`StoredBlock` ha
 stored tensors of a block, computing only the rows that cover the bytes a piece asks for, so a rank reads and
 quantises its own share of the checkpoint and never holds a whole FP8 (or BF16) copy. :func:`dequantize_into` is
 the one dequantise kernel: the executor's DQ op and :func:`fake_quantize` both call it, so the offloaded model and
-the fake-quantised resident one compute from the same bits.
+the fake-quantised resident one compute from the same bits. :func:`output_error` measures what the bits cost
+against the unquantised model's output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -22,7 +24,7 @@ from dlo_fn.plan.quant import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX, quantized
 from dlo_fn.plan.spec import spec_from_module
 
 __all__ = ["quantize_rows", "dequantize_into", "StoredBlock", "dequant_ops", "TorchDequant", "fake_quantize",
-           "fp32_modules"]
+           "fp32_modules", "OutputError", "output_error"]
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,3 +156,33 @@ def fake_quantize(model: nn.Module, block_paths: str | Sequence[str] | None = No
                 q, scale = quantize_rows(w)
                 dequantize_into(w, q.to(w.device), scale.to(w.device))
     return model
+
+
+@dataclass(frozen=True, slots=True)
+class OutputError:
+    """How far an output ``y`` is from its reference ``r`` (:func:`output_error`), over every element::
+
+        rel_l2  = ||y - r||_2 / ||r||_2          max_abs = max |y - r|          cosine = <y, r> / (||y|| ||r||)
+    """
+
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    num_elements: int
+
+
+def output_error(got: torch.Tensor, want: torch.Tensor) -> OutputError:
+    """:class:`OutputError` of ``got`` against ``want`` (same shape), computed on the host in float64, so the
+    measure adds next to no rounding of its own: equal outputs give exactly ``rel_l2 = max_abs = 0.0`` and
+    ``cosine = 1.0`` (two zero tensors too); a zero ``want`` with a non-zero ``got`` has ``rel_l2`` inf and
+    ``cosine`` 0."""
+    if got.shape != want.shape:
+        raise ValueError(f"output_error: shapes differ, {tuple(got.shape)} against {tuple(want.shape)}")
+    y, r = (t.detach().to("cpu", torch.float64).reshape(-1) for t in (got, want))
+    diff, ref = (y - r).norm().item(), r.norm().item()
+    norms = y.norm().item() * ref
+    return OutputError(
+        rel_l2=diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf")),
+        max_abs=(y - r).abs().max().item() if y.numel() else 0.0,
+        cosine=1.0 if diff == 0 else max(-1.0, min(1.0, (y @ r).item() / norms)) if norms > 0 else 0.0,
+        num_elements=y.numel())
