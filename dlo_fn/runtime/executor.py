@@ -35,7 +35,6 @@ from dlo_fn.plan.ops import C
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.blocks import build_callers
-from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.issue import Issuer
 from dlo_fn.runtime.options import OffloadOptions
@@ -43,7 +42,7 @@ from dlo_fn.runtime.platform import Platform
 from dlo_fn.runtime.program import ExecutorStats, Program, Programs, RunState, compile_schedule
 from dlo_fn.runtime.quant import TorchDequant
 from dlo_fn.runtime.recorder import RunRecorder
-from dlo_fn.runtime.slots import SlotBuffers
+from dlo_fn.runtime.slots import SlotBuffers, WarmGather, start_warm_gather
 
 __all__ = ["CallPlugin", "Executor", "ExecutorStats", "ScheduleError"]
 
@@ -68,13 +67,13 @@ class Executor:
     ``aliases[b]`` its tied-weight names. ``options`` gives the mode, slots, landing buffers, load group, block
     call, async collectives (CPU/gloo: all-gathers with ``async_op=True``, waited for at their dependents) and
     whether to record a timeline. ``group`` is the shard group (None: a single process). ``plugin``: see
-    :class:`CallPlugin`; ``dequantizer``: the DQ op of quantised shards (default torch ops).
+    :class:`CallPlugin`; ``dequantizer``: the DQ op of quantised shards; ``warm``: :mod:`~dlo_fn.runtime.slots`.
     """
 
     def __init__(self, platform: Platform, layout: ModelLayout, store: HostStore, blocks: Sequence[nn.Module],
                  aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None,
                  options: OffloadOptions | None = None, *, group: Any = None, rank: int = 0,
-                 plugin: CallPlugin | None = None, dequantizer: Any = None) -> None:
+                 plugin: CallPlugin | None = None, dequantizer: Any = None, warm: WarmGather | None = None) -> None:
         options = options or OffloadOptions()
         mode = check_mode(options.mode, OFFLOAD_MODES, "executor mode")
         if len(blocks) != layout.num_blocks:
@@ -92,13 +91,13 @@ class Executor:
         self.dequantizer = dequantizer or TorchDequant()
         # An all-gather over one rank is the identity: the plan lowers it to the rank-local ring, so the ring's
         # mode is the program's (what the timeline records) and ``mode`` the one asked for.
-        self.ring = Ring.cold(layout.num_blocks, num_slots=options.num_slots, mode=mode,
-                              num_landing=options.num_landing if mode == "allgather" else None,
-                              num_shards=layout.num_shards, load_group=options.load_group, quantized=layout.quantized)
+        self.ring = self.cold_ring(layout, options)
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.blocks = tuple(blocks)
         self.aliases = tuple(aliases) if aliases is not None else tuple({} for _ in blocks)
-        self.buffers = SlotBuffers(platform, layout, self.num_slots, self.num_landing)
+        self.buffers = warm.buffers if warm else SlotBuffers(platform, layout, self.num_slots, self.num_landing)
+        if (len(self.buffers.slots), len(self.buffers.landing)) != (self.num_slots, self.num_landing):
+            raise ValueError("the warm-up gather's buffers are not this executor's: allocate them for cold_ring()")
         self.slot_span, self.landing_span = self.buffers.slot_span, self.buffers.landing_span
         self.measured_device_bytes = self.buffers.measured_device_bytes
         self.planned_device_weight_bytes = self.buffers.planned_device_bytes
@@ -116,19 +115,22 @@ class Executor:
         self._run: RunState | None = None
         self._recorder = RunRecorder(platform, rank) if options.record_timeline else None
         self._run_count = 0
+        self.warm_up_wait_s = 0.0  # seconds this constructor waited for the warm-up all-gather (runtime.slots)
         if self._issuer.group is not None:
-            self._warm_up_collective()
+            with platform.use_stream(self.allgather_stream):
+                warm = warm or start_warm_gather(platform, self.buffers, self._issuer.group, async_op=False)
+            self.warm_up_wait_s = warm.wait()
+
+    @staticmethod
+    def cold_ring(layout: ModelLayout, options: OffloadOptions) -> Ring:
+        """The ring an executor for ``layout`` and ``options`` starts from (its slots and landing buffers)."""
+        return Ring.cold(layout.num_blocks, num_slots=options.num_slots, mode=options.mode,
+                         num_landing=options.num_landing if options.mode == "allgather" else None,
+                         num_shards=layout.num_shards, load_group=options.load_group, quantized=layout.quantized)
 
     slots = property(lambda self: self.buffers.slots)
     landing = property(lambda self: self.buffers.landing)
     device_weight_bytes = property(lambda self: self.buffers.device_bytes)  # the slots' and landing buffers' storages
-
-    def _warm_up_collective(self) -> None:
-        """Create the communicator now (NCCL/HCCL do it lazily on the first collective, with allocations)."""
-        n = self.layout.shards[0].shard_bytes
-        with self.platform.use_stream(self.allgather_stream):
-            all_gather_bytes(self.slots[0][: n * self.layout.num_shards], self.landing[0][:n], self._issuer.group)
-        self.platform.synchronize()
 
     # -- runs -----------------------------------------------------------------------------------------------
     def next_schedule(self, num_steps: int = 1, requests_per_load: int = 1) -> Schedule:

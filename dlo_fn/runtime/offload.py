@@ -13,7 +13,14 @@
    mapping (:mod:`dlo_fn.io.release`: on CPU the resident tensors get small private copies), so no page
    this rank read stays charged to it;
 4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once); it interprets
-   the schedules it is handed, or its ring's next one.
+   the schedules it is handed, or its ring's next one. In allgather mode at W > 1 the slots are allocated before
+   step 2's fill and the warm-up all-gather (:mod:`dlo_fn.runtime.slots`) runs during it.
+
+``Offloaded.timings`` holds the seconds of each phase, from the call: ``describe_s`` (spec and layout),
+``digest_s`` (the digest compared across ranks: it waits for the slowest rank to get there), ``slots_s`` (the
+device buffers and the warm-up issued), ``store_s`` (``store.timings`` splits it), ``warm_up_wait_s`` (what the
+warm-up all-gather took beyond the fill), ``executor_s`` (the rest of the executor), ``to_device_s`` (the resident
+tensors), ``release_s`` (the mapping closed) and ``total_s``.
 
 ``mode="resident"`` is the no-offload baseline: the whole model moves to the device, nothing else happens.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -34,11 +42,12 @@ from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.io.bind import with_address_residues
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
-from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
+from dlo_fn.runtime.dist import DistContext, check_same_across_ranks, local_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
 from dlo_fn.runtime.options import OffloadOptions
+from dlo_fn.runtime.slots import SlotBuffers, start_warm_gather
 from dlo_fn.runtime.quant import StoredBlock, fp32_modules, needed_ranges
 from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 
@@ -61,6 +70,7 @@ class Offloaded:
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
     auto: Any = None  # the policy's choice (dlo_fn.plan.auto.AutoChoice) where options were "auto"
+    timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
 
     @property
     def mode(self) -> str:
@@ -130,6 +140,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them for ``workload=`` (a Workload),
     or measured on the first call (:mod:`dlo_fn.runtime.auto`); ``Offloaded.auto`` holds the choice.
     """
+    t0 = time.perf_counter()
     if ctx is None:
         raise TypeError("offload() needs ctx= (dlo_fn.runtime.dist.init_distributed())")
     if block_paths is None:
@@ -155,12 +166,29 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
 
         pending = Offloaded(model, ctx, options, spec, None, None, None)  # built at the first call's end
         return resolve(pending, paths, _block_lists(model, paths), fields, workload, mesh, _build)
-    return _build(model, paths, spec, ctx, options, mesh)
+    return _build(model, paths, spec, ctx, options, mesh, started_s=t0)
+
+
+class _Laps:
+    """Seconds between marks, by name (``Offloaded.timings``)."""
+
+    def __init__(self, t0: float | None) -> None:
+        self.t0 = self.last = time.perf_counter() if t0 is None else t0
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def done(self, **extra: float) -> dict:
+        return {**self.seconds, **extra, "total_s": self.last - self.t0}
 
 
 def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistContext, options: OffloadOptions,
-           mesh: Mesh | None) -> Offloaded:
+           mesh: Mesh | None, started_s: float | None = None) -> Offloaded:
     platform = ctx.platform
+    lap = _Laps(started_s)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
@@ -173,8 +201,16 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
                  grouped_layout_problem(spec.num_blocks, options.load_group), options.load_group)
     layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization,
                           options.quantize_exclude + fp32_modules(model))
+    lap("describe_s")
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
+    lap("digest_s")
+    warm = None
+    if num_shards > 1:  # the warm-up all-gather overlaps the fill (runtime.slots)
+        ring = Executor.cold_ring(layout, options)
+        warm = start_warm_gather(platform, SlotBuffers(platform, layout, ring.num_slots, ring.num_landing),
+                                 shards.group)
+    lap("slots_s")
     files = viewed_files(model)  # before the blocks drop their views: which checkpoint files back this model
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
@@ -188,7 +224,9 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
         tensors = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
                    for t, sh in zip(tensors, layout.shards)]
     store = build_host_store(layout, shards.rank, tensors, platform, source=source,
-                             progress=options.progress and ctx.is_main, pinned_blocks=pinned)
+                             progress=options.progress and ctx.is_main, pinned_blocks=pinned,
+                             local_ranks=local_ranks(ctx))
+    lap("store_s")
     aliases = [a for _, a in states]
     del states, tensors  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
     blocks = []
@@ -197,17 +235,23 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
         strip_block(block, platform.device)
         blocks.append(block)
     executor = Executor(platform, layout, store, blocks, aliases, options, group=shards.group, rank=ctx.rank,
-                        **_plugins(options, platform))
+                        warm=warm, **_plugins(options, platform))
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
+    lap("executor_s")
     model.to(platform.device)
+    lap("to_device_s")
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
     streams = store.num_pinned_blocks < layout.num_blocks
     release = None if source == "mmap" else release_mapped_tensors(model, files, warn=not streams)
     if release is not None and streams:
         # Partly pinned: the mapping stays for the streamed blocks; drop the pages already copied out.
         release_copied_pages(store.copied_ranges + release.source_ranges, files)
+    lap("release_s")
+    timings = lap.done(warm_up_wait_s=executor.warm_up_wait_s)
+    timings["executor_s"] -= executor.warm_up_wait_s
+    log.debug("offload phases: %s", timings)
     log.info("offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes, %s",
              spec.name, layout.num_blocks, options.mode, num_shards, shards.name, store.arena_bytes, store.how,
              executor.device_weight_bytes, ", ".join(f"{k} {v}" for k, v in options.describe()))
-    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release)
+    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release, timings=timings)
