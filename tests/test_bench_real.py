@@ -71,6 +71,10 @@ def test_every_variant_equals_resident(report):
     assert ranks["equal_to_resident"] and [r["num_shards"] for r in ranks["ranks"]] == [2, 2]
     assert all(r["sha256"] == want for r in ranks["ranks"])
     assert sum(r["arena_bytes"] for r in ranks["ranks"]) >= report["model"]["block_bytes"]
+    assert ranks["ready_from"].startswith("the call to load_model") and ranks["phases_s"]["offload.store_s"] > 0
+    for r in ranks["ranks"]:  # ready is timed from load_model; what came before it, and each phase, beside it
+        assert r["start_s"] > 0 and r["import_s"] >= 0 and r["first_forward_s"] > 0
+        assert r["offload"]["total_s"] <= r["offload_s"] and r["store"]["threads"] >= 1
     cold = rows["ours-cold"]
     assert cold["evicted"] == (cold["resident_fraction_after_evict"] < 0.01) and cold["ready_s"] > 0
     assert cold["first_read"]["bytes"] == report["model"]["checkpoint"]["bytes"]

@@ -115,9 +115,12 @@ def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 <<
 
 
 def default_threads(nbytes: int) -> int:
-    """The threads ``build_host_store`` fills an arena of ``nbytes`` with (one below 256 MiB, else the CPUs this
-    process may use, at most 16)."""
-    return 1 if nbytes < 256 << 20 else min(16, len(os.sched_getaffinity(0)))
+    """The threads the floor uses: those one rank alone fills an arena of ``nbytes`` with (one below 256 MiB, else
+    the CPUs this process may use, at most 16; :func:`dlo_fn.runtime.host_store.fill_threads`). W ranks filling at
+    once each take a share; their floors, measured at once, keep every CPU each."""
+    from dlo_fn.runtime.host_store import fill_threads
+
+    return fill_threads(nbytes)
 
 
 def _thp_mode() -> str:

@@ -219,21 +219,22 @@ class ModelRun:
     def _ranks(self, world: int) -> dict:
         import os
 
-        from dlo_fn.bench.real_ranks import rank_ready
+        from dlo_fn.bench.real_ranks import READY_FROM, rank_ready
         from dlo_fn.serve.ranks import run_ranks
 
         cpus = len(os.sched_getaffinity(0))
         timeout = max(300.0, 4 * self.estimate(f"ranks-{world}"))
         ranks = run_ranks(rank_ready, world, str(self.folder), self.platform.kind,
-                          str(self.folder / REF_FILE), timeout_s=timeout, platform="cpu",
+                          str(self.folder / REF_FILE), time.time(), timeout_s=timeout, platform="cpu",
                           threads_per_rank=max(1, cpus // world))
         return {"status": "ok", "world_size": world, "ranks": ranks,
                 "equal_to_resident": all(r["equal_to_resident"] for r in ranks),
                 # the ranks' outputs stay in their processes: byte-identical is an error of 0.0, else unknown here
                 "rel_error_to_resident": 0.0 if all(r["equal_to_resident"] for r in ranks) else None,
-                "ready_s": max(r["ready_s"] for r in ranks),
+                "ready_s": max(r["ready_s"] for r in ranks), "ready_from": READY_FROM,
                 "ready_over_floor": max(r["ready_over_floor"] for r in ranks),
                 "pinned_bytes_per_rank": [r["pinned_bytes"] for r in ranks],
+                "phases_s": _slowest_phases(ranks),
                 "note": "W ranks share one device over gloo: memory and time to ready, no forward timing"}
 
     @staticmethod
@@ -260,6 +261,15 @@ class ModelRun:
                 "model-offload": 5 + m / 2e9 + n * (r + 2 * m / 5e9), "ranks-2": 30 + 2 * m / 2e9,
                 "ranks-4": 40 + 2 * m / 2e9,
                 "pipeline": 30 + m / 1e9 + (1 + a.pipeline_repeats) * 28 * (r + 1.5 * b)}.get(variant, 0.0)
+
+
+def _slowest_phases(ranks: list[dict]) -> dict:
+    """Each phase of a ``ranks-W`` row, the slowest rank's (rank_ready's docstring names them)."""
+    out = {k: max(r[k] or 0.0 for r in ranks) for k in ("start_s", "import_s", "load_s", "offload_s",
+                                                         "first_forward_s")}
+    out.update({f"offload.{k}": max(r["offload"][k] for r in ranks) for k in ranks[0]["offload"]})
+    out.update({f"store.{k}": max(r["store"][k] for r in ranks) for k in ("copy_s", "pin_s", "threads")})
+    return out
 
 
 class Skip(Exception):

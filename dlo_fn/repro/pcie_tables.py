@@ -17,9 +17,10 @@ from dlo_fn.repro import ceilings, topologies
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.pcie_topologies import PCIE_TOPOLOGY_NAMES
 
-__all__ = ["independent_links", "machine_rows", "choice_rows", "route_rows", "h200_gloo_rows"]
+__all__ = ["independent_links", "machine_rows", "choice_rows", "route_rows", "h200_gloo_rows", "link_share_rows"]
 
 ALLGATHER_HOST = DATA_DIR / "allgather_host_nvidia-h200.json"
+LINK_SHARE = DATA_DIR / "link_share_nvidia-h200.json"  # python -m dlo_fn bench link-share (one H200)
 
 
 def independent_links(t: Topology) -> Topology:
@@ -97,3 +98,24 @@ def h200_gloo_rows() -> list[dict]:
                      "collective_over_link": round(measured / (1e6 * link), 1),
                      "exchange_GB_s": round((w - 1) * shard / measured / 1e3, 2)})
     return rows
+
+
+def link_share_rows(path=LINK_SHARE) -> list[dict]:
+    """W gloo ranks sharing one device, each loading B-byte blocks as the allgather program does
+    (:mod:`dlo_fn.bench.link_share`): per block, the measured H2D of the shards and the whole load (H2D then
+    gloo's all-gather) beside what :mod:`dlo_fn.plan.links` predicts for them (the shared link, and the busiest
+    link of the ``host`` path)."""
+    import pathlib
+
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is not there yet: run `python -m dlo_fn bench link-share --out {path.name}` "
+                                "on the machine (one GPU) and commit it")
+    data = json.loads(path.read_text())
+    ms = lambda x: round(1e3 * x, 2)  # noqa: E731
+    return [{"W": r["world_size"], "shard_MB": round(r["shard_bytes"] / 1e6, 1),
+             "h2d_ms": ms(r["h2d_s"]), "predicted_h2d_ms": ms(r["predicted_h2d_s"]),
+             "independent_h2d_ms": ms(r["independent_s"]), "h2d_over_predicted": round(r["h2d_over_predicted"], 2),
+             "load_ms": ms(r["load_s"]), "predicted_load_ms": ms(r["predicted_load_s"]),
+             "busiest_link": r["predicted_load_link"], "load_over_predicted": round(r["load_over_predicted"], 2),
+             "exact": r["exact"]} for r in data["rows"]]

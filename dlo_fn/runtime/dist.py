@@ -26,6 +26,7 @@ __all__ = [
     "check_same_across_ranks",
     "exit_now",
     "free_port",
+    "local_ranks",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -148,6 +149,12 @@ def exit_now(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)
+
+
+def local_ranks(ctx: DistContext) -> int:
+    """Ranks of ``ctx``'s job on this host, sharing its cores: torchrun's ``LOCAL_WORLD_SIZE``, else the world
+    (:func:`dlo_fn.serve.ranks.run_ranks` starts every rank on this host)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))
 
 
 def free_port() -> int:

@@ -116,6 +116,7 @@ class Executor:
         self._run: RunState | None = None
         self._recorder = RunRecorder(platform, rank) if options.record_timeline else None
         self._run_count = 0
+        self.warm_up_s = 0.0  # seconds of the warm-up all-gather (Offloaded.timings)
         if self._issuer.group is not None:
             self._warm_up_collective()
 
@@ -125,10 +126,11 @@ class Executor:
 
     def _warm_up_collective(self) -> None:
         """Create the communicator now (NCCL/HCCL do it lazily on the first collective, with allocations)."""
-        n = self.layout.shards[0].shard_bytes
+        n, t0 = self.layout.shards[0].shard_bytes, _clock()
         with self.platform.use_stream(self.allgather_stream):
             all_gather_bytes(self.slots[0][: n * self.layout.num_shards], self.landing[0][:n], self._issuer.group)
         self.platform.synchronize()
+        self.warm_up_s = _clock() - t0
 
     # -- runs -----------------------------------------------------------------------------------------------
     def next_schedule(self, num_steps: int = 1, requests_per_load: int = 1) -> Schedule:

@@ -25,6 +25,8 @@ of touched pages 2.5 s, a multi-threaded copy from the page cache 0.5-0.7 s; reg
 fault each one in on one thread. So the CUDA arena is allocated pageable, the pieces are copied on several threads
 (``ctypes.memmove`` releases the GIL), the copies being the pages' first touch on every thread at once; only the gaps
 are zeroed and the pages are locked last. Each piece has its own byte range: the bytes do not depend on the threads.
+W ranks on one host fill at the same time, so each takes its share of the cores (:func:`fill_threads`): on a
+2-core host, 2 gloo ranks filling 1.45 GB each took 2.2 s with 2 threads each and 0.8-1.2 s with one.
 
 **Rank-local mode** (``layout.num_shards == 1``): every rank streams whole blocks. Two sources:
 
@@ -54,7 +56,7 @@ from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.runtime.platform import Platform
 
 __all__ = ["HostStore", "H2DSource", "alloc_host", "pin_in_place", "fill_arena", "build_host_store", "tensor_bytes",
-           "SOURCES"]
+           "fill_threads", "SOURCES"]
 
 log = logging.getLogger(__name__)
 SOURCES = ("pinned", "mmap")
@@ -166,6 +168,15 @@ class HostStore:
         self.sources = tuple(() for _ in self.sources)
 
 
+def fill_threads(nbytes: int, local_ranks: int = 1) -> int:
+    """Threads one rank fills an arena of ``nbytes`` with: one below 256 MiB (threads keep ~150 kB of stacks and
+    arenas), else its share of the CPUs this process may use among ``local_ranks`` ranks filling at once, at
+    most 16."""
+    if local_ranks < 1:
+        raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
+    return 1 if nbytes < 256 << 20 else max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
+
+
 def _gaps(pieces: Sequence, size: int) -> list[tuple[int, int]]:
     out, pos = [], 0
     for p in sorted(pieces, key=lambda p: p.dst_start):
@@ -219,7 +230,7 @@ def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None
 
 def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Mapping[str, torch.Tensor]],
                      platform: Platform, *, source: str = "pinned", progress: bool = False,
-                     pinned_blocks: int | None = None, threads: int | None = None) -> HostStore:
+                     pinned_blocks: int | None = None, threads: int | None = None, local_ranks: int = 1) -> HostStore:
     """Fill this rank's store from the block tensors (typically zero-copy mmap views).
 
     ``block_tensors[b]`` maps each tensor name of block ``b`` (relative, as in the layout) to its tensor.
@@ -227,7 +238,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.plan.host_budget`): only blocks ``0..k-1`` go into the
     arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
     tensors (pageable), which must then stay alive (the store holds them). ``threads`` fill the arena (module
-    docstring; default: the CPUs this process may use, at most 16); ``progress`` logs ``store.timings``."""
+    docstring; default :func:`fill_threads`: the CPUs this process may use, shared by ``local_ranks`` ranks filling
+    at once, at most 16); ``progress`` logs ``store.timings``."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if len(block_tensors) != layout.num_blocks:
@@ -269,8 +281,7 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
         tasks.extend((base + p.dst_start, p.nbytes, (b, p)) for p in pieces)
         gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
         sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
-    # Default: one thread below 256 MiB (threads keep ~150 kB of stacks and arenas), else the CPUs, at most 16.
-    threads = threads or (1 if nbytes < 256 << 20 else min(16, len(os.sched_getaffinity(0))))
+    threads = threads or fill_threads(nbytes, local_ranks)
     copied, copy_s, zero_s = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads)
     t1 = time.perf_counter()
     if late_pin:

@@ -13,7 +13,13 @@
    mapping (:mod:`dlo_fn.io.release`: on CPU the resident tensors get small private copies), so no page
    this rank read stays charged to it;
 4. build the :class:`~dlo_fn.runtime.executor.Executor` (slots and landing buffers allocated once); it interprets
-   the schedules it is handed, or its ring's next one.
+   the schedules it is handed, or its ring's next one (at W > 1 after one warm-up all-gather, which makes the
+   backend create its communicator now rather than in the first step).
+
+``Offloaded.timings`` holds the seconds of each phase, from the call: ``describe_s`` (spec and layout),
+``digest_s`` (the digest compared across ranks: it waits for the slowest rank to get there), ``store_s``
+(``store.timings`` splits it), ``warm_up_s`` (the warm-up all-gather), ``executor_s`` (the rest of the executor),
+``to_device_s`` (the resident tensors), ``release_s`` (the mapping closed) and ``total_s``.
 
 ``mode="resident"`` is the no-offload baseline: the whole model moves to the device, nothing else happens.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -34,7 +41,7 @@ from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.io.bind import with_address_residues
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
-from dlo_fn.runtime.dist import DistContext, check_same_across_ranks
+from dlo_fn.runtime.dist import DistContext, check_same_across_ranks, local_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
@@ -61,6 +68,7 @@ class Offloaded:
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
     auto: Any = None  # the policy's choice (dlo_fn.plan.auto.AutoChoice) where options were "auto"
+    timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
 
     @property
     def mode(self) -> str:
@@ -130,6 +138,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them for ``workload=`` (a Workload),
     or measured on the first call (:mod:`dlo_fn.runtime.auto`); ``Offloaded.auto`` holds the choice.
     """
+    t0 = time.perf_counter()
     if ctx is None:
         raise TypeError("offload() needs ctx= (dlo_fn.runtime.dist.init_distributed())")
     if block_paths is None:
@@ -155,12 +164,29 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
 
         pending = Offloaded(model, ctx, options, spec, None, None, None)  # built at the first call's end
         return resolve(pending, paths, _block_lists(model, paths), fields, workload, mesh, _build)
-    return _build(model, paths, spec, ctx, options, mesh)
+    return _build(model, paths, spec, ctx, options, mesh, started_s=t0)
+
+
+class _Laps:
+    """Seconds between marks, by name (``Offloaded.timings``)."""
+
+    def __init__(self, t0: float | None) -> None:
+        self.t0 = self.last = time.perf_counter() if t0 is None else t0
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def done(self, **extra: float) -> dict:
+        return {**self.seconds, **extra, "total_s": self.last - self.t0}
 
 
 def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistContext, options: OffloadOptions,
-           mesh: Mesh | None) -> Offloaded:
+           mesh: Mesh | None, started_s: float | None = None) -> Offloaded:
     platform = ctx.platform
+    lap = _Laps(started_s)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
@@ -173,8 +199,10 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
                  grouped_layout_problem(spec.num_blocks, options.load_group), options.load_group)
     layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization,
                           options.quantize_exclude + fp32_modules(model))
+    lap("describe_s")
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
+    lap("digest_s")
     files = viewed_files(model)  # before the blocks drop their views: which checkpoint files back this model
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
@@ -188,7 +216,9 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
         tensors = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
                    for t, sh in zip(tensors, layout.shards)]
     store = build_host_store(layout, shards.rank, tensors, platform, source=source,
-                             progress=options.progress and ctx.is_main, pinned_blocks=pinned)
+                             progress=options.progress and ctx.is_main, pinned_blocks=pinned,
+                             local_ranks=local_ranks(ctx))
+    lap("store_s")
     aliases = [a for _, a in states]
     del states, tensors  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
     blocks = []
@@ -200,14 +230,20 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
                         **_plugins(options, platform))
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
+    lap("executor_s")
     model.to(platform.device)
+    lap("to_device_s")
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
     streams = store.num_pinned_blocks < layout.num_blocks
     release = None if source == "mmap" else release_mapped_tensors(model, files, warn=not streams)
     if release is not None and streams:
         # Partly pinned: the mapping stays for the streamed blocks; drop the pages already copied out.
         release_copied_pages(store.copied_ranges + release.source_ranges, files)
+    lap("release_s")
+    timings = lap.done(warm_up_s=executor.warm_up_s)
+    timings["executor_s"] -= executor.warm_up_s
+    log.debug("offload phases: %s", timings)
     log.info("offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes, %s",
              spec.name, layout.num_blocks, options.mode, num_shards, shards.name, store.arena_bytes, store.how,
              executor.device_weight_bytes, ", ".join(f"{k} {v}" for k, v in options.describe()))
-    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release)
+    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release, timings=timings)
