@@ -147,6 +147,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "pipeline": ("test_pipeline", "check_rank", (FixtureArg("wan_pipeline_folder"),)),
         "context_parallel": ("test_context_parallel", "_rank", ()),
         "quant": ("test_quant", "quant_rank", (FixtureArg("tiny_checkpoint"),)),
+        "quantize": ("test_quantize", "quantize_rank", (FixtureArg("quantized_tiny"),)),
     },
     3: {
         "models_sp": ("test_models_sp", "_rank", ()),
@@ -228,6 +229,16 @@ def six_heads(tmp_path_factory) -> str:
     from dlo_fn.models import write_checkpoint
 
     return str(write_checkpoint(SIX_HEADS, tmp_path_factory.mktemp("ckpt") / "six", seed=0, progress=False))
+
+
+@pytest.fixture(scope="session")
+def quantized_tiny(tiny_checkpoint, tmp_path_factory) -> tuple[str, str]:
+    """The tiny checkpoint and its FP8 copy (``python -m dlo_fn quantize``), written once."""
+    from dlo_fn.runtime.quantize import quantize_checkpoint
+
+    dst = tmp_path_factory.mktemp("quantized") / "tiny-fp8"
+    quantize_checkpoint(tiny_checkpoint, dst, progress=False)
+    return tiny_checkpoint, str(dst)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ COMMANDS = (
     "memory",
     "policy",
     "make_checkpoint",
+    "quantize",
     "generate",
     "demo",
     "bench",

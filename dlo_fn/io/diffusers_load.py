@@ -127,8 +127,11 @@ def build_model(ckpt: Checkpoint, cls: type | None = None, torch_dtype: torch.dt
         raise CheckpointError("no diffusers config.json (with _class_name) beside the weights: pass the model "
                               "folder (for a pipeline, its transformer/ folder) or model_or_factory=",
                               file=ckpt.root / CONFIG_FILE)
+    from dlo_fn.io.quantized import stored_format
+
     cls = cls or model_class(ckpt)
-    dtype = torch_dtype or stored_dtype(ckpt, cls)
+    fmt = stored_format(ckpt)  # a quantised folder: the dtype its FP8 tensors dequantise into
+    dtype = torch_dtype or (fmt.torch_dtype if fmt is not None else stored_dtype(ckpt, cls))
     if not dtype.is_floating_point:
         raise ValueError(f"torch_dtype must be a floating dtype, got {dtype}")
     try:

@@ -37,6 +37,7 @@ from dlo_fn.io.bind import (BUFFER_HOOKS, BindTarget, bind_targets, buffer_hook,
                                  non_persistent_buffers, recompute_buffers, rollback)
 from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from dlo_fn.io.memstat import file_mappings, in_mappings
+from dlo_fn.io.quantized import bind_stored, stored_keys
 
 __all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "build_for_checkpoint", "plan_targets", "MODES",
            "BUFFER_HOOKS", "CheckpointError"]
@@ -111,7 +112,8 @@ def load_checkpoint(
     model, a fresh build of its class) recomputes non-persistent buffers left on meta; without a hook they must
     already be real. ``key_map`` maps a checkpoint key to the module's name (a callable returning
     ``None`` drops the key on purpose). ``mode="copy"`` is the naive loader (private clones) for comparison.
-    ``progress``: a tqdm bar on stderr (``None``: only on a terminal).
+    ``progress``: a tqdm bar on stderr (``None``: only on a terminal). A quantised checkpoint
+    (:mod:`dlo_fn.io.quantized`) keeps its FP8 block tensors aside, their module entries on meta.
 
     Returns ``(model, LoadReport)``. Raises :class:`CheckpointError` (a ``ValueError`` naming file and key) for
     bad input, before any tensor is bound; a failure while binding restores the module's original tensors.
@@ -126,12 +128,15 @@ def load_checkpoint(
         cast_dtype = True  # from_pretrained casts every stored tensor to its module's dtype
     elif isinstance(model_or_factory, nn.Module):
         _warn_cast_buffers(model)
-    targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype)
+    stored = stored_keys(ckpt)  # a quantised checkpoint's FP8 tensors: mapped aside (dlo_fn.io.quantized)
+    targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype, stored)
     recomputed, _ = non_persistent_buffers(model, _buffer_hook(model))
     saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]
     try:
         bound = bind_targets(ckpt, targets, copy=(mode == "copy"), progress=progress)
         recompute_buffers(model, recomputed, _buffer_hook(model))
+        if stored:
+            bind_stored(ckpt, model, stored)
         report = _report(ckpt, mode, targets, bound, ignored, recomputed)
     except BaseException:
         rollback(saved)
@@ -185,9 +190,13 @@ def _map_key(key_map: KeyMap | None, key: str) -> str | None:
 
 
 def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = None,
-                 cast_dtype: torch.dtype | bool | None = None) -> tuple[tuple[BindTarget, ...], tuple[str, ...]]:
+                 cast_dtype: torch.dtype | bool | None = None,
+                 stored: tuple[str, ...] = ()) -> tuple[tuple[BindTarget, ...], tuple[str, ...]]:
     """``(targets, ignored keys)``: module tensors matched to checkpoint entries, names, shapes and dtypes
-    checked from the headers alone (no tensor read); the :class:`CheckpointError` of every mismatch."""
+    checked from the headers alone (no tensor read); the :class:`CheckpointError` of every mismatch. ``stored``:
+    a quantised checkpoint's FP8 tensors (:func:`dlo_fn.io.quantized.stored_keys`), left out with their scales
+    (their module entries stay on meta)."""
+    from dlo_fn.plan.quant import SCALE_SUFFIX
     from dlo_fn.plan.spec import dtype_from_safetensors
 
     wanted: dict[str, tuple[nn.Module, str, str, torch.Tensor]] = {}
@@ -204,7 +213,10 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
                 aliases.setdefault(id(t), []).append(prefix + attr)
     names: dict[str, str] = {}  # module name -> checkpoint key
     ignored = []
+    skipped = set(stored) | {k + SCALE_SUFFIX for k in stored}
     for key in ckpt.entries:
+        if key in skipped:
+            continue
         name = _map_key(key_map, key)
         if name is None:
             ignored.append(key)
@@ -223,7 +235,8 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
             file=ckpt.entries[key].file, key=key,
         )
     # A tied tensor (one object under several names) needs one of its names in the checkpoint.
-    missing = [n for n in wanted if n not in names and not any(a in names for a in aliases[id(wanted[n][3])])]
+    missing = [n for n in wanted if n not in names and n not in skipped
+               and not any(a in names for a in aliases[id(wanted[n][3])])]
     if missing:
         raise CheckpointError(
             f"missing key: {len(missing)} module tensor(s) have no checkpoint entry ({', '.join(missing[:5])}"
@@ -232,6 +245,8 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
         )
     targets = []
     for name, (module, attr, kind, t) in wanted.items():
+        if name in skipped and name not in names:
+            continue
         key = names.get(name) or next(names[a] for a in aliases[id(t)] if a in names)
         entry = ckpt.entries[key]
         if tuple(t.shape) != entry.shape:

@@ -40,6 +40,8 @@ from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.io.bind import with_address_residues
+from dlo_fn.io.quantized import StoredWeights, drop_stored, stored_weights
+from dlo_fn.plan.quant import FP8_DTYPE
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks, local_ranks
 from dlo_fn.runtime.executor import Executor
@@ -155,6 +157,7 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
         import dataclasses
 
         options = dataclasses.replace(options, **{k: v for k, v in overrides.items() if k not in fields})
+    _check_stored(model, options)
     paths = normalize_block_paths(block_paths)
     spec = spec_from_module(model, paths, name=type(model).__name__)
     if ctx.platform.device.type == "cpu":  # the resident model computes from these very tensors: keep their alignment
@@ -183,10 +186,29 @@ class _Laps:
         return {**self.seconds, **extra, "total_s": self.last - self.t0}
 
 
+def _check_stored(model: nn.Module, options: OffloadOptions) -> StoredWeights | None:
+    """A model loaded from a quantised checkpoint (:mod:`dlo_fn.io.quantized`) holds FP8 block weights only:
+    it offloads with ``quantization="fp8"`` and the exclude list it was written with, never resident."""
+    stored = stored_weights(model)
+    if stored is None:
+        return None
+    fmt = stored.format
+    if options.quantization != fmt.quantization or options.mode == "resident":
+        raise ValueError(f"{type(model).__name__} comes from a quantised checkpoint (FP8 block weights, no "
+                         f"{fmt.torch_dtype} ones): offload it with quantization={fmt.quantization!r} (CLI: "
+                         f"--quantization {fmt.quantization}) in an offloaded mode, or dequantise it first "
+                         "(dlo_fn.runtime.quant.fake_quantize(model)) to run it resident")
+    if options.quantize_exclude not in ((), fmt.exclude):
+        raise ValueError(f"quantize_exclude {list(options.quantize_exclude)}: the checkpoint was quantised with "
+                         f"exclude {list(fmt.exclude)}; pass that (or nothing), or quantize the source again")
+    return stored
+
+
 def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistContext, options: OffloadOptions,
            mesh: Mesh | None, started_s: float | None = None) -> Offloaded:
     platform = ctx.platform
     lap = _Laps(started_s)
+    stored = _check_stored(model, options)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
@@ -197,13 +219,22 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
     if group != options.load_group and num_shards > 1 and ctx.is_main:
         log.info("per-block shard layout: %s; the group's %d all-gathers go in one launch",
                  grouped_layout_problem(spec.num_blocks, options.load_group), options.load_group)
+    exclude = stored.format.exclude if stored is not None else options.quantize_exclude
     layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization,
-                          options.quantize_exclude + fp32_modules(model))
+                          exclude + fp32_modules(model))
+    if stored is not None:
+        fp8 = {f"{sh.block.name}.{p.name}" for sh in layout.shards for p in sh.block.placements
+               if p.dtype == FP8_DTYPE}
+        if fp8 != set(stored.tensors):
+            raise ValueError(f"the checkpoint's FP8 tensors are not those FP8 shards of block lists {list(paths)} "
+                             f"store (e.g. {sorted(fp8 ^ set(stored.tensors))[0]!r}): offload the block lists it "
+                             "was quantised for, or quantize the source again")
     lap("describe_s")
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
     lap("digest_s")
-    files = viewed_files(model)  # before the blocks drop their views: which checkpoint files back this model
+    # Before the blocks drop their views: which checkpoint files back this model.
+    files = tuple(sorted(set(viewed_files(model)) | set(stored.files if stored is not None else ())))
     entries = _block_lists(model, paths)
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
@@ -211,7 +242,9 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
     if options.pinned_budget_bytes is not None and source == "pinned":
         pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     tensors = [t for t, _ in states]
-    if layout.quantized:  # each rank quantises the rows its own pieces read (runtime.quant.StoredBlock)
+    if stored is not None:  # a quantised checkpoint: the pieces are read from its FP8 and scale views
+        tensors = [stored.block(sh.block.name, t) for t, sh in zip(tensors, layout.shards)]
+    elif layout.quantized:  # each rank quantises the rows its own pieces read (runtime.quant.StoredBlock)
         where = platform.device if platform.is_accelerator else None
         tensors = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
                    for t, sh in zip(tensors, layout.shards)]
@@ -220,7 +253,8 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
                              local_ranks=local_ranks(ctx))
     lap("store_s")
     aliases = [a for _, a in states]
-    del states, tensors  # the mmap views stay referenced (by the store) only for the rank-local "mmap" source
+    del states, tensors, stored  # the mmap views stay referenced (by the store) only for the "mmap" source
+    drop_stored(model)
     blocks = []
     for lst, i in entries:
         block = lst[i]

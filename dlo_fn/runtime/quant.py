@@ -141,7 +141,22 @@ def fake_quantize(model: nn.Module, block_paths: str | Sequence[str] | None = No
     """In place: every block weight that ``offload(..., quantization="fp8")`` stores as FP8 becomes
     ``dequantise(quantise(w))`` in its own dtype, on its own device: the reference the offloaded model equals
     bit for bit. ``block_paths`` as ``offload`` takes them (None: the model's own block lists); ``exclude`` adds
-    to the model's fp32 modules."""
+    to the model's fp32 modules. A model loaded from a quantised checkpoint (:mod:`dlo_fn.io.quantized`) gets
+    its stored weights dequantised, each into a new tensor of its module's dtype (the arguments are the
+    checkpoint's then)."""
+    from dlo_fn.io.quantized import drop_stored, stored_weights
+
+    stored = stored_weights(model)
+    if stored is not None:
+        for name, (q, scale) in stored.tensors.items():
+            path, _, attr = name.rpartition(".")
+            owner = model.get_submodule(path)
+            table = owner._parameters if attr in owner._parameters else owner._buffers
+            w = torch.empty(table[attr].shape, dtype=table[attr].dtype)
+            dequantize_into(w, q, scale)
+            table[attr] = nn.Parameter(w, requires_grad=False) if table is owner._parameters else w
+        drop_stored(model)
+        return model
     if block_paths is None:
         from dlo_fn.io.diffusers_load import block_paths_for
 
