@@ -19,8 +19,8 @@ from dlo_fn.cli import build_parser
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("accelerate")
 
-VARIANTS = ("ours-rank-local,ours-fp8,diffusers-block,ours-allgather,ours-bgraph,ours-3-slots,ranks-2,"
-            "diffusers-leaf,ours-cold,model-offload")
+VARIANTS = ("ours-rank-local,ours-fp8,ours-fp8-prequantized,diffusers-block,ours-allgather,ours-bgraph,ours-3-slots,"
+            "ranks-2,diffusers-leaf,ours-cold,model-offload")
 
 
 def _args(tmp, *extra: str):
@@ -61,8 +61,11 @@ def test_every_variant_equals_resident(report):
     for name, v in rows.items():
         if name.startswith(("ours-", "diffusers-", "model-")) and v.get("forward_s"):
             assert v["equal_to_resident"] is True, name  # FP8: equal to the fake-quantised resident model
-            assert (v["sha256"] == want) is (name != "ours-fp8"), name
-    fp8 = rows["ours-fp8"]
+            assert (v["sha256"] == want) is not name.startswith("ours-fp8"), name
+    fp8, pre = rows["ours-fp8"], rows["ours-fp8-prequantized"]
+    assert pre["sha256"] == fp8["sha256"] and pre["pinned_bytes"] == fp8["pinned_bytes"]  # the quantize command's
+    q = report["model"]["quantized_checkpoint"]
+    assert q["written_bytes"] < q["source_bytes"] and q["quantize_s"] > 0 and "quantize" in q["command"]
     assert fp8["status"] == "ok" or "quantization" in fp8["reason"]  # runs as soon as the option lands
     for name in ("ours-rank-local", "ours-allgather", "ours-bgraph", "ours-3-slots"):
         assert rows[name]["store"]["copy_s"] > 0 and rows[name]["ready_over_floor"] > 0

@@ -264,3 +264,15 @@ def test_writing_streams_in_flat_memory(tmp_path):
         w = f.get_tensor("blocks.1.weight")
         assert torch.equal(_bytes(got["blocks.1.weight"]), _bytes(quantize_rows(w)[0]))
         assert torch.equal(got["embed.weight"], f.get_tensor("embed.weight"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantizing_on_a_gpu_writes_the_same_bytes(tmp_path):
+    from dlo_fn.models import write_checkpoint
+
+    src = write_checkpoint("tiny", tmp_path / "src", max_shard_bytes=200_000, progress=False)
+    for device in ("cpu", "cuda"):
+        quantize_checkpoint(src, tmp_path / device, progress=False, device=device)
+    files = sorted(p.name for p in (tmp_path / "cpu").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "cuda").iterdir())
+    assert all((tmp_path / "cpu" / f).read_bytes() == (tmp_path / "cuda" / f).read_bytes() for f in files)

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dlo_fn.bench.real_models import MARKER, MODELS
     from dlo_fn.bench.real_run import ModelRun
-    from dlo_fn.bench.real_variants import VARIANTS
+    from dlo_fn.bench.real_variants import QUANTIZED_SUFFIX, VARIANTS
     from dlo_fn.bench.report import stamp
     from dlo_fn.bench.step import slug
     from dlo_fn.runtime.dist import init_distributed
@@ -163,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             mr.write()
         later = {MODELS[m].checkpoint for m in models[i + 1 :]}
+        if not args.keep:  # the quantized copy is this run's (rewritten by the next)
+            shutil.rmtree(folder.with_name(folder.name + QUANTIZED_SUFFIX), ignore_errors=True)
         if not args.keep and case.checkpoint not in later and (folder / MARKER).exists():
             shutil.rmtree(folder, ignore_errors=True)  # disk: the next model's checkpoint needs the room
         print(f"bench real: {name} -> {path}")

@@ -151,6 +151,21 @@ class ModelRun:
             row.update(rv.error_to_resident(out, self.want_host))
         self._add(variant, row)
 
+    def _quantized_folder(self) -> str:
+        """The model's checkpoint as `python -m dlo_fn quantize` writes it, beside the model's folder (once)."""
+        out = self.folder.with_name(self.folder.name + rv.QUANTIZED_SUFFIX)
+        if "quantized_checkpoint" not in self.entry:
+            from dlo_fn.runtime.quantize import quantize_checkpoint
+
+            t0 = time.perf_counter()
+            report = quantize_checkpoint(self.folder, out, overwrite=True, progress=False)
+            self.entry["quantized_checkpoint"] = {
+                "folder": str(out), "quantize_s": time.perf_counter() - t0, "tensors": report.num_quantized,
+                "source_bytes": report.source_bytes, "written_bytes": report.written_bytes,
+                "command": f"python -m dlo_fn quantize {self.folder} {out}"}
+            self.write()
+        return str(out)
+
     def _add(self, variant: str, row: dict) -> None:
         self.entry["variants"].append({"variant": variant, **row})
         self.write()
@@ -176,6 +191,8 @@ class ModelRun:
                 self.entry["h2d_peaks_bytes_per_s"]["floor_buffer"] = self.entry["floor"]["h2d_peak_bytes_per_s"]
                 self.write()
             warmup = max(args.warmup, rv.GRAPH_WARMUP) if kwargs.get("graph") else args.warmup
+            if variant in rv.PREQUANTIZED:
+                folder = self._quantized_folder()
             row = rv.measure(p, rv.ours_setup(self.ctx, folder, kwargs, self.inputs, probe_peak=first),
                              want=want, warmup=warmup, repeats=args.repeats)
             if row.get("arena_h2d_peak_bytes_per_s"):
@@ -256,7 +273,9 @@ class ModelRun:
         if variant.startswith("ours-"):
             first = 0.0 if "floor" in e else m / 1.2e9  # the floor: five passes over the arena's bytes
             warm = rv.GRAPH_WARMUP if "bgraph" in variant else a.warmup
-            return {"ours-cold": 5 + 3 * m / 2e9}.get(variant, 3 + m / 2.5e9 + first + (warm + a.repeats) * 1.05 * b)
+            quantize = m / 0.5e9 if variant in rv.PREQUANTIZED and "quantized_checkpoint" not in e else 0.0
+            return {"ours-cold": 5 + 3 * m / 2e9}.get(variant, 3 + m / 2.5e9 + first + quantize
+                                                      + (warm + a.repeats) * 1.05 * b)
         return {"diffusers-block": 5 + m / 1e9 + n * 1.6 * b, "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,
                 "model-offload": 5 + m / 2e9 + n * (r + 2 * m / 5e9), "ranks-2": 30 + 2 * m / 2e9,
                 "ranks-4": 40 + 2 * m / 2e9,

@@ -29,7 +29,7 @@ import torch
 
 from dlo_fn.io.memstat import process_memory
 
-__all__ = ["OURS", "VARIANTS", "digest", "error_to_resident", "time_forwards", "measure", "ours_setup", "diffusers_setup",
+__all__ = ["OURS", "PREQUANTIZED", "QUANTIZED_SUFFIX", "VARIANTS", "digest", "error_to_resident", "time_forwards", "measure", "ours_setup", "diffusers_setup",
            "model_offload_setup", "release", "options_missing"]
 
 # Our variants: name -> offload() keyword arguments. One line adds one.
@@ -41,7 +41,12 @@ OURS = {
     "ours-3-slots": dict(mode="rank-local", num_slots=3),
     "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (its first call measures the blocks)
     "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
+    "ours-fp8-prequantized": dict(mode="rank-local", quantization="fp8"),  # from `quantize`'s folder (PREQUANTIZED)
 }
+# Variants that load the checkpoint `python -m dlo_fn quantize` wrote from the model's (once per run, timed as the
+# entry's "quantized_checkpoint"), so their ready time is the FP8 bytes' and no rank quantises anything.
+PREQUANTIZED = ("ours-fp8-prequantized",)
+QUANTIZED_SUFFIX = "-fp8"
 # Run order (most important first, so a run cut short keeps what matters); "resident" always runs first. An OURS
 # entry not named here runs after the other variants of ours.
 _ORDER = ("resident", "ours-rank-local", "ours-fp8", "diffusers-block", "ours-allgather", "ours-bgraph", "ours-3-slots",

@@ -39,7 +39,8 @@ from dlo_fn.runtime.quant import fp32_modules, quantize_rows
 __all__ = ["QuantizeReport", "quantize_checkpoint", "CHUNK_BYTES"]
 
 log = logging.getLogger(__name__)
-CHUNK_BYTES = 4 << 20  # float32 bytes of rows quantised at once (and bytes copied at once)
+CHUNK_BYTES = 4 << 20  # float32 bytes of rows quantised at once on the host (and bytes copied at once)
+DEVICE_CHUNK_BYTES = 64 << 20  # on a GPU, where the quantise is ~free and the host's reads and writes are the cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,7 @@ def _read(f, offset: int, nbytes: int) -> torch.Tensor:
 
 
 def _write_file(src: pathlib.Path, dst: pathlib.Path, ckpt: Checkpoint, selected: dict[str, torch.dtype],
-                meta: dict[str, str], update: Callable[[int], None]) -> int:
+                meta: dict[str, str], update: Callable[[int], None], device: torch.device) -> int:
     header = read_header(src)
     head, offsets, data_bytes = _header(header, {k: v for k, v in selected.items() if k in header}, meta)
     partial = dst.with_name(dst.name + ".partial")
@@ -127,13 +128,15 @@ def _write_file(src: pathlib.Path, dst: pathlib.Path, ckpt: Checkpoint, selected
                 continue
             dtype = dtype_from_safetensors(e.dtype)
             rows, row_numel = e.shape[0], _numel(e.shape[1:])
-            step, row_bytes = max(1, CHUNK_BYTES // max(1, 4 * row_numel)), row_numel * dtype.itemsize
+            chunk = CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES
+            step, row_bytes = max(1, chunk // max(1, 4 * row_numel)), row_numel * dtype.itemsize
             scales = torch.empty(rows, dtype=torch.float32)
             for r0 in range(0, rows, step):
                 r1 = min(rows, r0 + step)
                 raw = _read(fin, e.offset_bytes + r0 * row_bytes, (r1 - r0) * row_bytes)
                 w = raw.view(dtype).view(r1 - r0, *e.shape[1:]).to(selected[key])  # as load_model casts it
-                q, scales[r0:r1] = quantize_rows(w)
+                q, scale = quantize_rows(w.to(device))  # the same bits on the host and a GPU (runtime.quant)
+                q, scales[r0:r1] = q.cpu(), scale.cpu()
                 fout.seek(offsets[key] + r0 * row_numel)
                 fout.write(q.reshape(-1).view(torch.uint8).numpy())
                 update(raw.numel())
@@ -160,18 +163,20 @@ def _prepare_out(out: pathlib.Path, root: pathlib.Path, overwrite: bool) -> None
 
 def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, exclude: Sequence[str] = (),
                         block_paths: str | Sequence[str] | None = None, model_or_factory=None,
-                        overwrite: bool = False, progress: bool | None = None) -> QuantizeReport:
+                        overwrite: bool = False, progress: bool | None = None,
+                        device: str | torch.device | None = None) -> QuantizeReport:
     """Write ``src`` (a checkpoint ``load_model`` reads: a dlo_fn folder, file or index, a diffusers model
     folder) to the new folder ``dst`` with FP8 block weights (module docstring). ``block_paths``: the block
     lists (default: the model's own, as ``offload`` finds them); ``model_or_factory`` as ``load_model`` takes it;
     ``exclude``: modules to keep as they are, besides the model's fp32 ones; ``progress``: a tqdm bar (None:
-    only on a terminal). Refuses an already quantised ``src`` and a ``dst`` that holds a checkpoint (unless
+    only on a terminal); ``device``: where the rows are quantised (None: a CUDA device where there is one). Refuses an already quantised ``src`` and a ``dst`` that holds a checkpoint (unless
     ``overwrite``) with a ``ValueError`` / ``FileExistsError`` saying what to do."""
     from tqdm.auto import tqdm
 
     from dlo_fn.io.diffusers_load import block_paths_for
     from dlo_fn.io.load import build_for_checkpoint, plan_targets
 
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     ckpt = open_checkpoint(src)
     if stored_format(ckpt) is not None:
         raise CheckpointError("already quantised (fp8): load it as it is, or quantize its source checkpoint",
@@ -197,7 +202,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, exclu
             meta = dict(read_header(file).get("__metadata__") or {})
             meta.update({META_QUANTIZATION: "fp8", META_EXCLUDE: json.dumps(list(exclude)),
                          META_DTYPE: str(max(dtypes, key=dtypes.__getitem__)).removeprefix("torch.")})
-            written += _write_file(file, out / file.name, ckpt, selected, meta, bar.update)
+            written += _write_file(file, out / file.name, ckpt, selected, meta, bar.update, device)
     if index is not None:
         doc = json.loads(index.read_text())
         weight_map = {}
