@@ -2,8 +2,11 @@
 
 * :func:`real_rows` - one forward of a diffusers model at its published config per variant (``bench real``):
   time against the bound, equality with its reference, time to ready against the host's floor, memory;
-* :func:`fp8_rows` - FP8 shards against BF16 on the same model and machine: bytes moved, pinned and resident host
-  bytes, forward time, and the output's error against the resident one where the run measured it;
+* :func:`fp8_rows` - FP8 shards against BF16 on the same model and machine, per model: forward time against BF16
+  offloaded, BF16 resident and its own bound, bytes moved and pinned, host memory, time to ready (on the fly and
+  from a pre-quantised checkpoint), and the output's error against the resident one;
+* :func:`pipeline_rows` - a full FLUX.1-dev request (28 steps) with the transformer resident, offloaded, and FP8;
+* :func:`ranks_rows` - W gloo ranks sharing the H200 in allgather mode: each rank's time to ready and its phases;
 * :func:`core_rows` - the runtime before its core was reduced (the driver-call issuer, step graphs) and after, each
   pair measured side by side in one device call: step time / bound of the default variant, and on FLUX.1-dev.
 """
@@ -15,17 +18,21 @@ from typing import Any
 
 from dlo_fn.repro.data import DATA_DIR
 
-__all__ = ["REAL_FILE", "FP8_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows", "core_rows"]
+__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "PREQUANTIZED_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
+           "pipeline_rows", "ranks_rows", "core_rows"]
 
-REAL_FILE = "bench_real_flux_nvidia-h200.json"
-FP8_FILE = "fp8_bench_real_flux_nvidia-h200.json"
+REAL_FILE = "bench_real_flux_nvidia-h200.json"  # every variant of FLUX.1-dev, diffusers' offloading beside ours
+WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-14B at 480p
+FP8_FILE = "fp8_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev: BF16 and FP8, the pipeline, gloo ranks
+PREQUANTIZED_FILE = "fp8_prequantized_bench_real_flux_nvidia-h200.json"  # FP8 on the fly and pre-quantised
 CORE_FILE = "core_before_after_nvidia-h200.json"
-LABELS = {"resident": "resident", "ours-rank-local": "ours, 2 slots", "ours-fp8": "ours, FP8 shards",
+LABELS = {"resident": "resident", "ours-rank-local": "ours, 2 slots", "ours-fp8": "ours, FP8 shards (2 slots)",
           "ours-allgather": "ours, allgather (W = 1)", "ours-bgraph": "ours, block graphs",
           "ours-3-slots": "ours, 3 slots", "ours-auto": "ours, the policy's choice",
           "ours-fp8-auto": "ours, FP8 shards, the policy's choice",
+          "ours-fp8-prequantized": "ours, FP8 shards from a pre-quantised checkpoint (2 slots)",
           "diffusers-block": "diffusers group offloading, block_level + stream",
-          "diffusers-leaf": "diffusers group offloading, leaf_level + stream", "ranks-2": "ours, 2 gloo ranks (allgather)"}
+          "diffusers-leaf": "diffusers group offloading, leaf_level + stream", "ours-cold": "ours, cold page cache"}
 
 
 def load(name: str) -> dict[str, Any]:
@@ -36,12 +43,16 @@ def _model(report: dict) -> dict:
     return report.get("model", report)
 
 
-def real_rows(name: str = REAL_FILE) -> list[dict[str, str]]:
-    """Per variant that ran: forward time, / bound (FP8: / its own bound too), equal, ready, host and device bytes."""
-    m = _model(load(name))
+def _by(name: str) -> dict[str, dict]:
+    return {v["variant"]: v for v in _model(load(name))["variants"] if v.get("status") == "ok"}
+
+
+def real_rows(name: str = REAL_FILE, skip: tuple[str, ...] = ()) -> list[dict[str, str]]:
+    """Per variant that ran (but those starting with one of ``skip``): forward time, / bound (FP8: / its own bound
+    too), equal, ready, host and pinned bytes."""
     rows = []
-    for v in m["variants"]:
-        if v.get("status") != "ok" or v["variant"] not in LABELS:
+    for v in _model(load(name))["variants"]:
+        if v.get("status") != "ok" or v["variant"] not in LABELS or v["variant"].startswith(skip or ("\0",)):
             continue
         own = v.get("ratio_to_own_bound")
         ratio = f"{v['ratio_to_bound']:.3f}x" if v.get("ratio_to_bound") else "-"
@@ -49,7 +60,7 @@ def real_rows(name: str = REAL_FILE) -> list[dict[str, str]]:
             ratio += f" (own bound {own:.3f}x)"
         rows.append({"variant": LABELS[v["variant"]],
                      "forward ms": f"{1e3 * v['forward_s']:.1f}" if v.get("forward_s") else "-", "/ bound": ratio,
-                     "equal": "-" if v["variant"] == "resident" else str(v.get("equal_to_resident")),
+                     "equal": "-" if v["variant"] in ("resident", "ours-cold") else str(v.get("equal_to_resident")),
                      "ready s (/ floor)": (f"{v['ready_s']:.1f} ({v['ready_over_floor']:.2f})"
                                            if v.get("ready_over_floor") else "-"),
                      "host RSS GB": f"{v['host_rss_bytes'] / 1e9:.1f}" if v.get("host_rss_bytes") else "-",
@@ -57,22 +68,69 @@ def real_rows(name: str = REAL_FILE) -> list[dict[str, str]]:
     return rows
 
 
-def fp8_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
-    """BF16 and FP8 shards of one model in one run: bytes per forward, pinned and host bytes, forward time."""
-    m = _model(load(name))
-    by = {v["variant"]: v for v in m["variants"] if v.get("status") == "ok"}
-    bf16, fp8 = by["ours-rank-local"], by["ours-fp8"]
+def _fp8_row(model: str, v: dict, bf16: dict | None, resident_s: float) -> dict[str, str]:
+    x = lambda a, b: f"{a / b:.3f}" if a and b else "-"  # noqa: E731
+    return {"model": model, "variant": LABELS[v["variant"]], "slots": str(v.get("num_slots", "-")),
+            "forward ms": f"{1e3 * v['forward_s']:.1f}",
+            "/ BF16 offloaded": x(v["forward_s"], bf16 and bf16["forward_s"]),
+            "/ BF16 resident": x(v["forward_s"], resident_s), "/ own bound": x(v.get("ratio_to_own_bound"), 1),
+            "H2D GB per forward": f"{v['h2d_bytes_per_forward'] / 1e9:.2f}",
+            "pinned GB": f"{v['pinned_bytes'] / 1e9:.2f}", "host RSS GB": f"{v['host_rss_bytes'] / 1e9:.2f}",
+            "ready s": f"{v['ready_s']:.1f}", "equal": str(v["equal_to_resident"]),
+            "rel. error vs BF16": f"{v['rel_error_to_resident']:.4f}" if "rel_error_to_resident" in v else "-"}
+
+
+def fp8_rows() -> list[dict[str, str]]:
+    """FP8 shards beside BF16, per model, each model's rows from one run (``equal``: BF16 to the resident model,
+    FP8 to the fake-quantised one; the error is against BF16 resident); the pre-quantised row is its own run's,
+    beside that run's on-the-fly FP8."""
     rows = []
-    for what, key, scale in (("H2D bytes per forward, GB", "h2d_bytes_per_forward", 1e9),
-                             ("pinned host bytes, GB", "pinned_bytes", 1e9), ("host RSS, GB", "host_rss_bytes", 1e9),
-                             ("forward, ms", "forward_s", 1e-3)):
-        rows.append({"": what, "BF16": f"{bf16[key] / scale:.2f}", "FP8": f"{fp8[key] / scale:.2f}",
-                     "FP8 / BF16": f"{fp8[key] / bf16[key]:.3f}"})
-    rows.append({"": "forward / BF16 resident", "BF16": f"{bf16['forward_s'] / m['resident_s']:.3f}",
-                 "FP8": f"{fp8['forward_s'] / m['resident_s']:.3f}", "FP8 / BF16": ""})
-    if "rel_error_to_resident" in fp8:  # runs since bench real measured it
-        rows.append({"": "output error vs BF16 resident (relative L2)", "BF16": f"{bf16['rel_error_to_resident']:.4f}",
-                     "FP8": f"{fp8['rel_error_to_resident']:.4f}", "FP8 / BF16": ""})
+    for model, name in (("FLUX.1-dev 1024²", FP8_FILE), ("Wan2.1-14B 480p", WAN_FILE)):
+        by, resident_s = _by(name), _model(load(name))["resident_s"]
+        bf16 = by["ours-rank-local"]
+        rows += [_fp8_row(model, by[k], bf16, resident_s) for k in ("ours-rank-local", "ours-fp8", "ours-fp8-auto")]
+    pre, resident_s = _by(PREQUANTIZED_FILE), _model(load(PREQUANTIZED_FILE))["resident_s"]
+    rows += [_fp8_row("FLUX.1-dev 1024²", pre[k], None, resident_s) for k in ("ours-fp8", "ours-fp8-prequantized")]
+    return rows
+
+
+def prequantized_facts() -> dict[str, float]:
+    """The quantize command on FLUX.1-dev and what it buys at start-up, from one run."""
+    m = _model(load(PREQUANTIZED_FILE))
+    by, q = _by(PREQUANTIZED_FILE), m["quantized_checkpoint"]
+    return {"quantize_s": q["quantize_s"], "written_over_source": q["written_bytes"] / q["source_bytes"],
+            "ready_on_the_fly_s": by["ours-fp8"]["ready_s"], "ready_prequantized_s": by["ours-fp8-prequantized"]["ready_s"],
+            "same_output": by["ours-fp8"]["sha256"] == by["ours-fp8-prequantized"]["sha256"]}
+
+
+def pipeline_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
+    """A whole FLUX.1-dev request (28 steps at 1024², text encoders and VAE resident) per transformer."""
+    p = _by(name)["pipeline"]
+    base = p["resident"]["request_s"]
+    return [{"transformer": {"resident": "resident", "ours-rank-local": "ours, offloaded (BF16, 2 slots)",
+                             "ours-fp8": "ours, FP8 shards (2 slots)"}[k],
+             "request s": f"{p[k]['request_s']:.2f}", "/ resident": f"{p[k]['request_s'] / base:.3f}",
+             "images equal to resident": "-" if k == "resident" else str(p[k]["equal_to_resident"]),
+             "rel. error vs resident": "-" if k == "resident" else f"{p[k]['rel_error_to_resident']:.4f}"}
+            for k in ("resident", "ours-rank-local", "ours-fp8")]
+
+
+def ranks_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
+    """W gloo ranks sharing the H200 (allgather): the slowest rank's ready time from its call to ``load_model``,
+    against the floor for its share, and the two phases that make it (the store's fill; gloo's warm-up
+    all-gather of a whole shard, through host memory)."""
+    rows = []
+    for k, v in _by(name).items():
+        if not k.startswith("ranks-"):
+            continue
+        slow = max(v["ranks"], key=lambda r: r["ready_s"])
+        floor = slow["floor"]["floor_s"]
+        rows.append({"W": str(v["world_size"]), "pinned GB per rank": f"{slow['pinned_bytes'] / 1e9:.2f}",
+                     "ready s (/ floor of its share)": f"{slow['ready_s']:.2f} ({slow['ready_s'] / floor:.2f})",
+                     "store fill s (/ floor)": f"{slow['offload']['store_s']:.2f} "
+                                               f"({slow['offload']['store_s'] / floor:.2f})",
+                     "gloo warm-up all-gather s": f"{slow['offload']['warm_up_s']:.2f}",
+                     "floor of its share s": f"{floor:.2f}", "equal": str(v["equal_to_resident"])})
     return rows
 
 
