@@ -158,6 +158,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
     4: {
         "mesh": ("test_mesh", "_rank", ()),
         "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
+        "engine_mesh_fp8": ("test_engine_mesh", "_fp8_rank", (FixtureArg("six_heads"),)),
         "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), False)),
     },
 }

@@ -65,6 +65,46 @@ def _rank(ctx: DistContext, checkpoint: str) -> dict:
     return pickle.dumps(out)  # plain bytes: a tensor through the queue would live in shared memory the rank frees
 
 
+@torch.no_grad()
+def _fp8_rank(ctx: DistContext, checkpoint: str) -> bytes:
+    """FP8 shards on the 2 x 2 mesh: every shard group and rank-local, one request per replica in lockstep, and
+    the engine's strict and continuous serving of three requests."""
+    from dlo_fn.runtime.mesh import build_mesh
+    from dlo_fn.serve.engine import Engine
+
+    out: dict = {}
+    mesh = build_mesh(ctx, sp=2)
+    for mode, group in _cases(2, 2):
+        model, off = open_model(checkpoint, ctx, mode, mesh=mesh, shard_group=group, quantization="fp8")
+        got = generate(model, REQUESTS[mesh.dp_rank], sp=mesh.sp)
+        reports = {}
+        for serving in ("strict", "continuous"):
+            options = EngineOptions(timeout_s=60.0, progress=False, serving=serving)
+            engine = Engine(model, off, ctx, options, session=f"fp8-{mode}-{group}-{serving}", mesh=mesh)
+            reports[serving] = engine.run(SUBS)
+        out[(mode, group)] = {"latents": got.latents, "reports": reports, "arena_bytes": off.store.arena_bytes,
+                              "planned_bytes": off.layout.shard_bytes_per_rank}
+    return pickle.dumps(out)
+
+
+@pytest.mark.timeout(600)
+def test_fp8_shards_on_a_mesh_and_both_servings_equal_fake_quantised(request, six_heads):
+    from dlo_fn.models import BLOCK_PATHS
+    from dlo_fn.runtime.quant import fake_quantize
+
+    model, _ = open_model(six_heads, init_distributed(), "resident")
+    fake_quantize(model, BLOCK_PATHS)
+    want = [generate(model, r) for r in REQUESTS]
+    results = [pickle.loads(r) for r in scenario(request, 4, "engine_mesh_fp8")]
+    for mode, group in _cases(2, 2):
+        for rank, res in enumerate(results):
+            got = res[(mode, group)]
+            assert torch.equal(got["latents"], want[rank // 2].latents), (mode, group, rank)
+            assert got["arena_bytes"] == got["planned_bytes"]
+        for serving, report in results[0][(mode, group)]["reports"].items():
+            assert [r.sha256 for r in report.results] == [w.sha256 for w in want], (mode, group, serving)
+
+
 @pytest.fixture(params=[2, 3, 4], ids=["world2", "world3", "world4"])
 def ranks(request):
     """Every rank's results of :func:`_rank` on ``six_heads`` (the shared spawn of this world size,

@@ -59,9 +59,10 @@ class LocalRun:
 
 
 def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_timeline: bool = False,
-               progress: bool = False, mesh: Any = None, shard_group: str = "world") -> tuple[Any, Any]:
+               progress: bool = False, mesh: Any = None, shard_group: str = "world",
+               quantization: str | None = None) -> tuple[Any, Any]:
     """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``
-    (its weights sharded over ``shard_group`` of ``mesh``)."""
+    (its weights sharded over ``shard_group`` of ``mesh``; ``quantization="fp8"``: FP8 shards)."""
     from dlo_fn.models import BLOCK_PATHS, build_model, load_config
     from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
@@ -71,7 +72,7 @@ def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_tim
     model.eval()
     model.init_buffers("cpu")
     offloaded = offload(model, BLOCK_PATHS, ctx, mode=mode, record_timeline=record_timeline, mesh=mesh,
-                        shard_group=shard_group)
+                        shard_group=shard_group, quantization=quantization)
     model.init_buffers(ctx.platform.device)
     return model, offloaded
 
