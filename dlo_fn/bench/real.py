@@ -16,6 +16,8 @@ denoising forward at the workload's shapes, per variant (:mod:`dlo_fn.bench.real
     memory             peak device bytes (above what was allocated before), host RSS / USS after set-up, pinned
     ranks-W            W gloo ranks sharing the device, allgather: each rank's ready_s against its share's floor
     ours-cold          ready_s after the files' pages were evicted (checked with mincore), and a timed first read
+    ours-fp8-prequantized  FP8 shards from the folder `python -m dlo_fn quantize` writes from the model's (once
+                       per run, timed as the model's "quantized_checkpoint"): no rank quantises at start-up
 
 A variant that does not fit (device or host memory) or whose feature has not landed is recorded as skipped with
 its reason; an unexpected error as ``error``. ``--budget-s`` skips what would not finish in time (each model gets an
