@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from dlo_fn.runtime.host_store import fill_threads
 
 __all__ = ["measure_floor", "h2d_peak_bytes_per_s", "evict", "resident_fraction", "cold_read_s"]
 
@@ -114,15 +115,6 @@ def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 <<
     return best
 
 
-def default_threads(nbytes: int) -> int:
-    """The threads the floor uses: those one rank alone fills an arena of ``nbytes`` with (one below 256 MiB, else
-    the CPUs this process may use, at most 16; :func:`dlo_fn.runtime.host_store.fill_threads`). W ranks filling at
-    once each take a share; their floors, measured at once, keep every CPU each."""
-    from dlo_fn.runtime.host_store import fill_threads
-
-    return fill_threads(nbytes)
-
-
 def _thp_mode() -> str:
     try:
         text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
@@ -169,7 +161,7 @@ def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share
     files (a rank's part of an allgather set-up); ``untouched`` / ``hugepages``: the evidence beside it."""
     from dlo_fn.runtime.host_store import pin_in_place
 
-    threads = threads or default_threads(nbytes)
+    threads = threads or fill_threads(nbytes)  # one rank alone: every CPU, at most 16
     out: dict = {"bytes": nbytes, "threads": threads, "register_untouched_s": None, "register_s": 0.0,
                  "h2d_peak_bytes_per_s": None}
     cuda = platform.kind == "cuda"
@@ -249,7 +241,7 @@ def cold_read_s(files: Sequence[pathlib.Path], threads: int | None = None) -> di
     evict(files)
     before = resident_fraction(files)
     spans = _spans(files, 0, sum(os.path.getsize(f) for f in files))
-    threads = threads or default_threads(sum(s[3] for s in spans))
+    threads = threads or fill_threads(sum(s[3] for s in spans))
     bufs = {}
     fds = {f: os.open(f, os.O_RDONLY) for f in {s[0] for s in spans}}
 

@@ -208,7 +208,7 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
            mesh: Mesh | None, started_s: float | None = None) -> Offloaded:
     platform = ctx.platform
     lap = _Laps(started_s)
-    stored = _check_stored(model, options)
+    stored = stored_weights(model)  # checked against the options by offload (the policy never picks resident)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
