@@ -19,21 +19,21 @@ Notation (bytes per rank unless stated; ``N`` ranks on one host; ``W`` shards: `
             NCCL / HCCL
 ==========  =====================================================================================
 
-Phases (CPU; on CUDA ``S, L, w, g`` and the resident copy live on the device, ``x`` is added from the warm-up
-all-gather on, i.e. from fill)::
+Phases (CPU; on CUDA ``S, L`` and the resident copy live on the device, ``w = g = 0`` (the warm-up gathers a
+byte per rank: it only creates the communicator), and ``x`` is added from the first step's all-gather on)::
 
     after load     rss = c                   (views bound, no page read)
     fill           rss = c + s + F + w       (the store filled, the mapping still open)
                    hwm = c + s + F + w + max(g, 2R)          (warm-up transient, or release: file + copy)
     after offload  rss = c + s + R + w       (mapping closed: no checkpoint page mapped)
-    generation     rss = c + s + R + n_S S + n_L L + a,  hwm = max(fill, rss + g)
+    generation     rss = c + s + R + n_S S + n_L L + a + x,  hwm = max(fill, rss + g)
 
 Rank-local mmap streams every block from the open mapping: after offload ``c`` (+ ``R`` read on CUDA), during
 generation ``+ sum_b n_b`` file pages (PSS ``/ N``, USS only when ``N = 1``) + slots.
 
 Not modelled, measured on one H200 (figures/data/load_phases_h200.csv): on CUDA the first compute loads kernel
 modules and library state into host memory (+448 MB RSS per rank rank-local, +534 MB allgather, for the 216 MB
-checkpoint): pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while the warm-up runs.
+checkpoint): pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while a gather runs.
 
 USS = RSS minus shared pages (the constant's own split, file pages read by more than one rank); PSS divides
 shared file pages by ``N``. With the mapping closed the ranks share no weight page, so the sum of PSS over
@@ -204,12 +204,12 @@ def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devi
     # Fill: the store filled and the mapping still open (the state just before the release). Its high-water
     # mark is one of two moments: the warm-up all-gather (CPU: slot w + gloo's transient g) or the release
     # (the resident tensors read once more by every rank, copied on CPU).
-    filled = phase("fill", t.arena_bytes + t.warm_bytes + t.staging_bytes, ((t.read_bytes, t.readers),),
-                   c.rss_bytes)  # the warm-up all-gather already ran: its staging (accelerator + gloo) is held
+    filled = phase("fill", t.arena_bytes + t.warm_bytes, ((t.read_bytes, t.readers),),
+                   c.rss_bytes)  # the warm-up all-gather already ran (CPU: slot 0 touched)
     release_rss = filled.rss_bytes + t.resident_copy_bytes + t.resident_bytes
     fill = RankPhase("fill", filled.rss_bytes, filled.uss_bytes, filled.pss_bytes,
                      max(filled.rss_bytes + t.transient_bytes, release_rss), filled.sum_pss_bytes)
-    after_private = t.arena_bytes + t.resident_copy_bytes + t.warm_bytes + t.staging_bytes
+    after_private = t.arena_bytes + t.resident_copy_bytes + t.warm_bytes
     after = phase("offload", after_private, (), fill.hwm_bytes)
     gen_private = (t.arena_bytes + t.resident_copy_bytes + t.staging_bytes + t.slot_bytes + t.landing_bytes
                    + t.activation_bytes)
