@@ -98,7 +98,7 @@ def run_phases(checkpoint: str, ranks: int, mode: str, device: str = "cpu", time
 
 def phase_rows(checkpoint: str, ranks: int, mode: str, results: list[dict], device: str, meta: dict) -> list[dict]:
     """One CSV row per (rank-averaged) phase, with the plan's prediction from the measured ``load`` constant."""
-    from dlo_fn.plan.rank_memory import ProcessConstant, rank_memory
+    from dlo_fn.plan.rank_memory import ProcessConstant, gloo_cuda_staging_bytes, rank_memory
     from dlo_fn.plan.sizes import ModelSizes
     from dlo_fn.io.sources import spec_for
 
@@ -110,7 +110,9 @@ def phase_rows(checkpoint: str, ranks: int, mode: str, results: list[dict], devi
     mean = {tag: [sum(v[i] for v in vals) // n for i in range(5)] for tag, vals in by_phase.items()}
     sums = {tag: sum(v[2] for v in vals) for tag, vals in by_phase.items()}
     c = ProcessConstant(*mean["load"][:3])
-    plan = rank_memory(ModelSizes.from_spec(spec_for(checkpoint)), ranks, mode, device, constant=c,
+    sizes = ModelSizes.from_spec(spec_for(checkpoint))
+    gloo_staging = gloo_cuda_staging_bytes(sizes, ranks) if device == "cuda" and mode == "allgather" and ranks > 1 else 0
+    plan = rank_memory(sizes, ranks, mode, device, constant=c, staging_bytes=gloo_staging,
                        process_group=True)  # run_ranks always makes one, even for N = 1
     rows = []
     for p in plan.phases:

@@ -23,7 +23,8 @@ Phases (CPU; on CUDA ``S, L`` and the resident copy live on the device, ``w = g 
 byte per rank: it only creates the communicator), and ``x`` is added from the first step's all-gather on)::
 
     after load     rss = c                   (views bound, no page read)
-    fill           rss = c + s + F + w       (the store filled, the mapping still open)
+    fill           rss = c + s + F + w       (the store filled, the mapping still open; on an accelerator
+                                             c + s: moving the resident tensors closed it, F in hwm only)
                    hwm = c + s + F + w + max(g, 2R)          (warm-up transient, or release: file + copy)
     after offload  rss = c + s + R + w       (mapping closed: no checkpoint page mapped)
     generation     rss = c + s + R + n_S S + n_L L + a + x,  hwm = max(fill, rss + g)
@@ -32,8 +33,9 @@ Rank-local mmap streams every block from the open mapping: after offload ``c`` (
 generation ``+ sum_b n_b`` file pages (PSS ``/ N``, USS only when ``N = 1``) + slots.
 
 Not modelled, measured on one H200 (figures/data/load_phases_h200.csv): on CUDA the first compute loads kernel
-modules and library state into host memory (+448 MB RSS per rank rank-local, +534 MB allgather, for the 216 MB
-checkpoint): pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while a gather runs.
+modules and library state into host memory (+460 MB RSS per rank rank-local, +477 MB allgather beside ``x``, for
+the 216 MB checkpoint): pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while a gather
+runs.
 
 USS = RSS minus shared pages (the constant's own split, file pages read by more than one rank); PSS divides
 shared file pages by ``N``. With the mapping closed the ranks share no weight page, so the sum of PSS over
@@ -126,8 +128,9 @@ def gloo_cuda_staging_bytes(sizes: ModelSizes, num_shards: int,
                             alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
     """``x`` for gloo over CUDA tensors: gloo stages the all-gather's input (one shard, ``L``) and output (one
     slot, ``S``) in pinned host buffers from the caching host allocator, which rounds each up to a power of
-    two and keeps them: ``x = pow2(L) + pow2(S)``. (NCCL / HCCL: 0.) Seen on one H200 (figures/data/
-    load_phases_h200.csv): within 1.5% of the measured offload-phase RSS at N = 1, 2."""
+    two and keeps them from the first step's all-gather on: ``x = pow2(L) + pow2(S)``. (NCCL / HCCL: 0.) Seen on
+    one H200 (figures/data/load_phases_h200.csv, N = 2): the allgather rank's first step adds ~120 MB more than
+    the rank-local one's once their arenas' difference is taken out, against ``x`` = 101 MB."""
     return _pow2(sizes.max_shard_bytes(num_shards, alignment_bytes)) + _pow2(
         sizes.max_padded_block_bytes(num_shards, alignment_bytes))
 
@@ -209,6 +212,9 @@ def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devi
     release_rss = filled.rss_bytes + t.resident_copy_bytes + t.resident_bytes
     fill = RankPhase("fill", filled.rss_bytes, filled.uss_bytes, filled.pss_bytes,
                      max(filled.rss_bytes + t.transient_bytes, release_rss), filled.sum_pss_bytes)
+    if device != "cpu":  # the resident tensors' move to the device dropped the mapping's last views: closed
+        closed = phase("fill", t.arena_bytes + t.warm_bytes, (), c.rss_bytes)
+        fill = replace(closed, hwm_bytes=fill.hwm_bytes)
     after_private = t.arena_bytes + t.resident_copy_bytes + t.warm_bytes
     after = phase("offload", after_private, (), fill.hwm_bytes)
     gen_private = (t.arena_bytes + t.resident_copy_bytes + t.staging_bytes + t.slot_bytes + t.landing_bytes

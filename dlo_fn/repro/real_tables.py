@@ -115,10 +115,11 @@ def pipeline_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
             for k in ("resident", "ours-rank-local", "ours-fp8")]
 
 
-def ranks_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
+def ranks_rows(name: str = REAL_FILE) -> list[dict[str, str]]:
     """W gloo ranks sharing the H200 (allgather): the slowest rank's ready time from its call to ``load_model``,
-    against the floor for its share, and the two phases that make it (the store's fill; gloo's warm-up
-    all-gather of a whole shard, through host memory)."""
+    against the floor for its share, the store's fill that makes most of it, the warm-up all-gather (a byte per
+    rank: the communicator), and the first forward after ready (gloo stages every all-gather of device tensors
+    through host memory: no performance figure)."""
     rows = []
     for k, v in _by(name).items():
         if not k.startswith("ranks-"):
@@ -129,8 +130,10 @@ def ranks_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
                      "ready s (/ floor of its share)": f"{slow['ready_s']:.2f} ({slow['ready_s'] / floor:.2f})",
                      "store fill s (/ floor)": f"{slow['offload']['store_s']:.2f} "
                                                f"({slow['offload']['store_s'] / floor:.2f})",
-                     "gloo warm-up all-gather s": f"{slow['offload']['warm_up_s']:.2f}",
-                     "floor of its share s": f"{floor:.2f}", "equal": str(v["equal_to_resident"])})
+                     "fill threads": str(slow["store"]["threads"]),
+                     "warm-up all-gather s": f"{slow['offload']['warm_up_s']:.3f}",
+                     "floor of its share s": f"{floor:.2f}",
+                     "first forward s (gloo)": f"{slow['first_forward_s']:.1f}", "equal": str(v["equal_to_resident"])})
     return rows
 
 
