@@ -157,8 +157,8 @@ def _rows(rows: list[dict], files: Iterable[str]) -> str:
 def results_table() -> str:
     """README's results: one ratio per row, each linking the doc that holds its method and data."""
     step, small = _json("bench_step_nvidia-h200.json"), _json("bench_small40_nvidia-h200.json")
-    real, fp8, wan = ({v["variant"]: v for v in _json(f).get("model", {}).get("variants", ())}
-                      for f in (real_tables.REAL_FILE, real_tables.FP8_FILE, real_tables.WAN_FILE))
+    real, wan = ({v["variant"]: v for v in _json(f).get("model", {}).get("variants", ())}
+                 for f in (real_tables.REAL_FILE, real_tables.WAN_FILE))
 
     def x(report: dict, variant: str) -> str:
         return " / ".join(_x(r) for w in report["workloads"] for r in w["variants"] if r["variant"] == variant)
@@ -178,8 +178,8 @@ def results_table() -> str:
                                                                                          "diffusers-block"))
                                      for r in (real, wan)), "measurements.md#users-own-models"),
         ("FLUX.1-dev, FP8 shards (the policy's slots) / BF16 offloaded: bytes moved / forward time",
-         f"{fp8['ours-fp8-auto']['h2d_bytes_per_forward'] / fp8['ours-rank-local']['h2d_bytes_per_forward']:.3f} / "
-         f"{fp8['ours-fp8-auto']['forward_s'] / fp8['ours-rank-local']['forward_s']:.3f}",
+         f"{real['ours-fp8-auto']['h2d_bytes_per_forward'] / real['ours-rank-local']['h2d_bytes_per_forward']:.3f} / "
+         f"{real['ours-fp8-auto']['forward_s'] / real['ours-rank-local']['forward_s']:.3f}",
          "measurements.md#fp8-shards"),
         ("one step / bound, 40 blocks of 75 MB: eager / block graphs",
          f"{x(small, 'dlo-rank-local-swap')} / {x(small, 'dlo-rank-local-bgraph')}",
@@ -207,8 +207,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "real-wan": lambda: _rows(real_tables.real_rows(real_tables.WAN_FILE), [real_tables.WAN_FILE]),
     "real-pipeline": lambda: _rows(real_tables.pipeline_rows(), [real_tables.FP8_FILE]),
     "real-ranks": lambda: _rows(real_tables.ranks_rows(), [real_tables.REAL_FILE]),
-    "fp8-real": lambda: _rows(real_tables.fp8_rows(), [real_tables.FP8_FILE, real_tables.WAN_FILE,
-                                                      real_tables.PREQUANTIZED_FILE]),
+    "fp8-real": lambda: _rows(real_tables.fp8_rows(), [real_tables.REAL_FILE, real_tables.WAN_FP8_FILE]),
+    "real-wan720": lambda: _rows(real_tables.real_rows(real_tables.WAN720_FILE), [real_tables.WAN720_FILE]),
+    "real-ltx": lambda: _rows(real_tables.real_rows(real_tables.LTX_FILE), [real_tables.LTX_FILE]),
     "link-share": lambda: _rows(pcie_tables.link_share_rows(), [pcie_tables.LINK_SHARE.name]),
     "fp8-quality-tiny": lambda: _rows(fp8_tables.quality_rows(), [fp8_tables.QUALITY_FILE]),
     "fp8-step-simulated": lambda: _rows(fp8_tables.pass_rows(fp8_tables.h200_passes()),

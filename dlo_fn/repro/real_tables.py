@@ -18,13 +18,15 @@ from typing import Any
 
 from dlo_fn.repro.data import DATA_DIR
 
-__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "PREQUANTIZED_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
+__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "LTX_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
            "pipeline_rows", "ranks_rows", "core_rows"]
 
 REAL_FILE = "bench_real_flux_nvidia-h200.json"  # every variant of FLUX.1-dev, diffusers' offloading beside ours
 WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-14B at 480p
-FP8_FILE = "fp8_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev: BF16 and FP8, the pipeline, gloo ranks
-PREQUANTIZED_FILE = "fp8_prequantized_bench_real_flux_nvidia-h200.json"  # FP8 on the fly and pre-quantised
+FP8_FILE = "fp8_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev: the full pipeline request (BF16 and FP8)
+WAN_FP8_FILE = "fp8_bench_real_wan480_nvidia-h200.json"  # Wan2.1-T2V-14B at 480p: BF16 and FP8 (its error)
+WAN720_FILE = "bench_real_wan720_nvidia-h200.json"  # Wan2.1-T2V-14B at 720p
+LTX_FILE = "bench_real_ltx_nvidia-h200.json"  # LTX-Video, 512x704, 161 frames
 CORE_FILE = "core_before_after_nvidia-h200.json"
 LABELS = {"resident": "resident", "ours-rank-local": "ours, 2 slots", "ours-fp8": "ours, FP8 shards (2 slots)",
           "ours-allgather": "ours, allgather (W = 1)", "ours-bgraph": "ours, block graphs",
@@ -82,22 +84,21 @@ def _fp8_row(model: str, v: dict, bf16: dict | None, resident_s: float) -> dict[
 
 def fp8_rows() -> list[dict[str, str]]:
     """FP8 shards beside BF16, per model, each model's rows from one run (``equal``: BF16 to the resident model,
-    FP8 to the fake-quantised one; the error is against BF16 resident); the pre-quantised row is its own run's,
-    beside that run's on-the-fly FP8."""
+    FP8 to the fake-quantised one; the error is against BF16 resident); FLUX.1-dev's pre-quantised row beside its
+    on-the-fly FP8 of the same run."""
     rows = []
-    for model, name in (("FLUX.1-dev 1024²", FP8_FILE), ("Wan2.1-14B 480p", WAN_FILE)):
+    for model, name, keys in (("FLUX.1-dev 1024²", REAL_FILE, ("ours-rank-local", "ours-fp8", "ours-fp8-auto",
+                                                               "ours-fp8-prequantized")),
+                              ("Wan2.1-14B 480p", WAN_FP8_FILE, ("ours-rank-local", "ours-fp8-auto"))):
         by, resident_s = _by(name), _model(load(name))["resident_s"]
-        bf16 = by["ours-rank-local"]
-        rows += [_fp8_row(model, by[k], bf16, resident_s) for k in ("ours-rank-local", "ours-fp8", "ours-fp8-auto")]
-    pre, resident_s = _by(PREQUANTIZED_FILE), _model(load(PREQUANTIZED_FILE))["resident_s"]
-    rows += [_fp8_row("FLUX.1-dev 1024²", pre[k], None, resident_s) for k in ("ours-fp8", "ours-fp8-prequantized")]
+        rows += [_fp8_row(model, by[k], by["ours-rank-local"], resident_s) for k in keys]
     return rows
 
 
 def prequantized_facts() -> dict[str, float]:
     """The quantize command on FLUX.1-dev and what it buys at start-up, from one run."""
-    m = _model(load(PREQUANTIZED_FILE))
-    by, q = _by(PREQUANTIZED_FILE), m["quantized_checkpoint"]
+    m = _model(load(REAL_FILE))
+    by, q = _by(REAL_FILE), m["quantized_checkpoint"]
     return {"quantize_s": q["quantize_s"], "written_over_source": q["written_bytes"] / q["source_bytes"],
             "ready_on_the_fly_s": by["ours-fp8"]["ready_s"], "ready_prequantized_s": by["ours-fp8-prequantized"]["ready_s"],
             "same_output": by["ours-fp8"]["sha256"] == by["ours-fp8-prequantized"]["sha256"]}

@@ -125,11 +125,7 @@ class Executor:
     device_weight_bytes = property(lambda self: self.buffers.device_bytes)  # the slots' and landing buffers' storages
 
     def _warm_up_collective(self) -> None:
-        """Create the communicator now: NCCL/HCCL do it lazily on the first collective, so on an accelerator one
-        all-gather of a byte per rank moves that cost out of the first step (a whole shard would only time the
-        backend's copy: gloo over device tensors stages it through host memory, seconds for a real-size shard,
-        which the first step pays again). On CPU gloo connected at ``init_process_group``; the warm-up gathers
-        the first shard into slot 0, touching its host pages before the first step (``plan.rank_memory``'s w)."""
+        """NCCL/HCCL make the communicator on the first collective: a byte per rank; CPU: slot 0 touched (w)."""
         n, t0 = 1 if self.platform.is_accelerator else self.layout.shards[0].shard_bytes, _clock()
         with self.platform.use_stream(self.allgather_stream):
             all_gather_bytes(self.slots[0][: n * self.layout.num_shards], self.landing[0][:n], self._issuer.group)
