@@ -1,4 +1,4 @@
-"""FP8 quality, measured (dlo_fn.runtime.quant.output_error, dlo_fn.bench.fp8_quality): the metric on constructed
+"""FP8 quality, measured (dlo_fn.bench.fp8_quality.output_error): the metric on constructed
 inputs, then the reference DiT offloaded with FP8 shards against its BF16 self (one forward and a whole request),
 bit for bit equal to ``fake_quantize`` and within the bound of one e4m3 rounding."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dlo_fn.cli import build_parser
-from dlo_fn.runtime.quant import output_error
+from dlo_fn.bench.fp8_quality import output_error
 
 # An e4m3 value has 3 mantissa bits: round to nearest errs by at most 2^-4 of the value in the normal range, where
 # the per-channel scale puts a row's values (its amax at 448), so the weights' relative L2 error is below 2^-4

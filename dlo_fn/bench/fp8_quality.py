@@ -3,7 +3,7 @@
 The reference DiT's checkpoint (BF16 linears, FP32 norms; ``--config``, random weights from ``--seed``) runs three
 ways on one device: resident in BF16 (the reference), resident with :func:`~dlo_fn.runtime.quant.fake_quantize`
 (the FP8 reference) and offloaded with ``quantization="fp8"``. Per output, the offloaded FP8 output against the
-BF16 one (:func:`~dlo_fn.runtime.quant.output_error`: relative L2, max-abs, cosine, in float64 on the host), and
+BF16 one (:func:`output_error`: relative L2, max-abs, cosine, in float64 on the host), and
 whether it equals the fake-quantised model's bit for bit:
 
     weights           every block weight stored as FP8, dequantised, against its BF16 value (the input error)
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from dlo_fn.cli import HelpFormatter
 
-__all__ = ["QualityRow", "REQUEST", "reference_dit_quality", "register", "run"]
+__all__ = ["QualityRow", "output_error", "REQUEST", "reference_dit_quality", "register", "run"]
 
 # The request measured (notebook 03's shape, four steps: a whole sampling schedule from noise to latents).
 REQUEST = dict(prompt="a red fox in the snow", seed=0, height=32, width=32, num_frames=5, num_inference_steps=4)
@@ -33,43 +33,51 @@ REQUEST = dict(prompt="a red fox in the snow", seed=0, height=32, width=32, num_
 
 @dataclass(frozen=True, slots=True)
 class QualityRow:
-    """One output of the FP8 model against the BF16 one (``equal_to_fake_quantized``: None for the weights)."""
+    """How far an ``output`` ``y`` is from its reference ``r`` (:func:`output_error`), over every element::
+
+        rel_l2  = ||y - r||_2 / ||r||_2          max_abs = max |y - r|          cosine = <y, r> / (||y|| ||r||)
+
+    ``equal_to_fake_quantized``: whether ``y`` equals the fake-quantised model's output bit for bit (None: not
+    compared, as for the weights)."""
 
     output: str
     rel_l2: float
     max_abs: float
     cosine: float
     num_elements: int
-    equal_to_fake_quantized: bool | None
+    equal_to_fake_quantized: bool | None = None
 
-    @staticmethod
-    def of(output: str, got, want, fake=None) -> "QualityRow":
-        import torch
 
-        from dlo_fn.runtime.quant import output_error
+def output_error(got, want, output: str = "", fake=None) -> QualityRow:
+    """:class:`QualityRow` of ``got`` against ``want`` (same shape), computed on the host in float64, so the
+    measure adds next to no rounding of its own: equal outputs give exactly ``rel_l2 = max_abs = 0.0`` and
+    ``cosine = 1.0`` (two zero tensors too); a zero ``want`` with a non-zero ``got`` has ``rel_l2`` inf and
+    ``cosine`` 0. ``fake``: the fake-quantised model's output, compared bit for bit."""
+    import torch
 
-        err = output_error(got, want)
-        equal = None if fake is None else bool(torch.equal(got, fake))
-        return QualityRow(output, err.rel_l2, err.max_abs, err.cosine, err.num_elements, equal)
+    if got.shape != want.shape:
+        raise ValueError(f"output_error: shapes differ, {tuple(got.shape)} against {tuple(want.shape)}")
+    y, r = (t.detach().to("cpu", torch.float64).reshape(-1) for t in (got, want))
+    diff, ref = (y - r).norm().item(), r.norm().item()
+    norms = y.norm().item() * ref
+    return QualityRow(
+        output, rel_l2=diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf")),
+        max_abs=(y - r).abs().max().item() if y.numel() else 0.0,
+        cosine=1.0 if diff == 0 else max(-1.0, min(1.0, (y @ r).item() / norms)) if norms > 0 else 0.0,
+        num_elements=y.numel(), equal_to_fake_quantized=None if fake is None else bool(torch.equal(got, fake)))
 
 
 def _quantized_weights(model, block_paths):
     """Every block weight ``fake_quantize`` rewrites, flattened into one float64 vector, in block order."""
     import torch
 
-    from dlo_fn.plan.quant import quantized
+    from dlo_fn.plan.quant import quantized_tensors
     from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.quant import fp32_modules
 
-    spec = spec_from_module(model, block_paths)
-    parts = []
-    for block in spec.blocks:
-        module = model.get_submodule(block.name)
-        for t in block.tensors:
-            if quantized(t, block.name, fp32_modules(model)):
-                w = module.get_parameter(t.name) if t.kind == "param" else module.get_buffer(t.name)
-                parts.append(w.detach().to("cpu", torch.float64).reshape(-1))
-    return torch.cat(parts)
+    names = quantized_tensors(spec_from_module(model, block_paths), fp32_modules(model))
+    weights = [model.get_parameter(k) if t.kind == "param" else model.get_buffer(k) for k, t in names.items()]
+    return torch.cat([w.detach().to("cpu", torch.float64).reshape(-1) for w in weights])
 
 
 def _forward_and_request(model, request):
@@ -109,10 +117,10 @@ def reference_dit_quality(checkpoint: str | pathlib.Path, ctx, request=None, mod
     finally:
         o.synchronize()
         o.store.close()
-    return (QualityRow.of("weights", weights_fp8, weights_bf16),
-            QualityRow.of("one forward", forward_fp8, forward_bf16, forward_fake),
-            QualityRow.of("request latents", result_fp8.latents, result_bf16.latents, result_fake.latents),
-            QualityRow.of("request video", result_fp8.video, result_bf16.video, result_fake.video))
+    return (output_error(weights_fp8, weights_bf16, "weights"),
+            output_error(forward_fp8, forward_bf16, "one forward", forward_fake),
+            output_error(result_fp8.latents, result_bf16.latents, "request latents", result_fake.latents),
+            output_error(result_fp8.video, result_bf16.video, "request video", result_fake.video))
 
 
 def register(subparsers) -> None:

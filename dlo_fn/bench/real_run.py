@@ -31,7 +31,6 @@ class ModelRun:
                             "h2d_peaks_bytes_per_s": {}, "variants": []}
         self.want = self.want_fp8 = None
         self.want_host = None  # the resident output on the host: every row's error is measured against it
-        self.fp8_reason = "not requested"
 
     def write(self) -> None:
         self._write(self.entry)
@@ -96,7 +95,10 @@ class ModelRun:
         row.update(rv.error_to_resident(self.want_host, self.want_host))
         self._add("resident", row)
         if any(rv.OURS.get(v, {}).get("quantization") for v in variants):
-            self.fp8_reason = self._fake_quantized(model)
+            from dlo_fn.runtime.quant import fake_quantize
+
+            fake_quantize(model)  # in place: the resident model is done with
+            self.want_fp8 = model(**self.inputs)[0].clone()
         if any(v.startswith("ranks-") for v in variants):
             cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.inputs.items()}
             torch.save({"inputs": cpu, "want": self.want.cpu()}, self.folder / REF_FILE)
@@ -110,18 +112,6 @@ class ModelRun:
             fin()
             del buf
         self.write()
-
-    def _fake_quantized(self, model) -> str | None:
-        missing = rv.options_missing(rv.OURS["ours-fp8"])
-        if missing:
-            return f"OffloadOptions has no field {', '.join(missing)} yet (FP8 has not landed)"
-        try:
-            from dlo_fn.runtime.quant import fake_quantize
-        except ImportError as exc:
-            return f"dlo_fn.runtime.quant.fake_quantize is not importable: {exc}"
-        fake_quantize(model)  # in place: the resident model is done with
-        self.want_fp8 = model(**self.inputs)[0].clone()
-        return None
 
     # -- one variant ------------------------------------------------------------------------------------------
     def one(self, variant: str) -> None:
@@ -183,7 +173,7 @@ class ModelRun:
             want = self.want
             if kwargs.get("quantization"):
                 if self.want_fp8 is None:
-                    raise Skip(self.fp8_reason or "no fake-quantized reference")
+                    raise Skip("no fake-quantized reference")
                 want = self.want_fp8
             first = "floor" not in self.entry  # the floor and the arena's peak, next to the first of ours
             if first:

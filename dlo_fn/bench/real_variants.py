@@ -72,8 +72,8 @@ def digest(t: torch.Tensor) -> str:
 def error_to_resident(out: torch.Tensor, want_host: torch.Tensor) -> dict:
     """A row's output against the resident one (kept on the host): ``rel_error_to_resident`` (0.0 for
     byte-identical outputs), ``max_abs_error_to_resident``, ``cosine_to_resident``
-    (:func:`dlo_fn.runtime.quant.output_error`)."""
-    from dlo_fn.runtime.quant import output_error
+    (:func:`dlo_fn.bench.fp8_quality.output_error`)."""
+    from dlo_fn.bench.fp8_quality import output_error
 
     err = output_error(out, want_host)
     return {"rel_error_to_resident": err.rel_l2, "max_abs_error_to_resident": err.max_abs,

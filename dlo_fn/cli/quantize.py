@@ -13,16 +13,12 @@ def register(subparsers) -> None:
         "quantize",
         help="write a checkpoint with FP8 block weights, so no rank quantises at start-up",
         description=(
-            "Write SRC to the new folder DST with every block weight that `generate --quantization fp8` (offload("
-            "..., quantization=\"fp8\")) would store as FP8 written as float8_e4m3fn under its own name, plus its "
-            "float32 scales per output channel under <name>_scale: the same bits the on-the-fly path computes. "
-            "Everything else is copied byte for byte; DST keeps SRC's files, index and config.json, and every "
-            "file's metadata marks it quantised. Streams tensor by tensor: memory stays flat whatever the size.\n\n"
-            "SRC: a dlo_fn checkpoint (folder, .safetensors file or index) or a diffusers model folder (a "
-            "pipeline's transformer/; its _keep_in_fp32_modules are kept as they are).\n"
-            "Load DST as any checkpoint (load_model, generate --checkpoint DST): it offloads with "
-            "--quantization fp8 only (quantization=\"fp8\"), reading the FP8 bytes as they are; its resident "
-            "reference is dlo_fn.runtime.quant.fake_quantize(load_model(DST))."
+            "Write SRC to the new folder DST with every block weight `generate --quantization fp8` would store as FP8 "
+            "written as float8_e4m3fn plus float32 scales per output channel (<name>_scale): the on-the-fly bits. "
+            "The rest is copied byte for byte; DST keeps SRC's files, index and config.json, marked quantised. "
+            "Memory stays flat.\n\nSRC: a dlo_fn checkpoint (folder, .safetensors file or index) or a diffusers "
+            "model folder (a pipeline's transformer/; its _keep_in_fp32_modules kept).\nDST loads as any checkpoint, "
+            "offloads with --quantization fp8 only; reference: dlo_fn.runtime.quant.fake_quantize(load_model(DST))."
         ),
         epilog="example:\n  python -m dlo_fn make-checkpoint --model tiny --out ckpt\n"
                "  python -m dlo_fn quantize ckpt ckpt-fp8\n"

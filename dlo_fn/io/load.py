@@ -37,7 +37,7 @@ from dlo_fn.io.bind import (BUFFER_HOOKS, BindTarget, bind_targets, buffer_hook,
                                  non_persistent_buffers, recompute_buffers, rollback)
 from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from dlo_fn.io.memstat import file_mappings, in_mappings
-from dlo_fn.io.quantized import bind_stored, stored_keys
+from dlo_fn.io.quantized import bind_stored, stored_format
 
 __all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "build_for_checkpoint", "plan_targets", "MODES",
            "BUFFER_HOOKS", "CheckpointError"]
@@ -128,15 +128,15 @@ def load_checkpoint(
         cast_dtype = True  # from_pretrained casts every stored tensor to its module's dtype
     elif isinstance(model_or_factory, nn.Module):
         _warn_cast_buffers(model)
-    stored = stored_keys(ckpt)  # a quantised checkpoint's FP8 tensors: mapped aside (dlo_fn.io.quantized)
-    targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype, stored)
+    fmt = stored_format(ckpt)  # a quantised checkpoint: its FP8 tensors mapped aside (dlo_fn.io.quantized)
+    targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype, fmt.keys if fmt is not None else ())
     recomputed, _ = non_persistent_buffers(model, _buffer_hook(model))
     saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]
     try:
         bound = bind_targets(ckpt, targets, copy=(mode == "copy"), progress=progress)
         recompute_buffers(model, recomputed, _buffer_hook(model))
-        if stored:
-            bind_stored(ckpt, model, stored)
+        if fmt is not None:
+            bind_stored(ckpt, model, fmt)
         report = _report(ckpt, mode, targets, bound, ignored, recomputed)
     except BaseException:
         rollback(saved)
@@ -194,8 +194,8 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
                  stored: tuple[str, ...] = ()) -> tuple[tuple[BindTarget, ...], tuple[str, ...]]:
     """``(targets, ignored keys)``: module tensors matched to checkpoint entries, names, shapes and dtypes
     checked from the headers alone (no tensor read); the :class:`CheckpointError` of every mismatch. ``stored``:
-    a quantised checkpoint's FP8 tensors (:func:`dlo_fn.io.quantized.stored_keys`), left out with their scales
-    (their module entries stay on meta)."""
+    a quantised checkpoint's FP8 tensors (:class:`dlo_fn.io.quantized.StoredFormat`'s ``keys``), left out with
+    their scales (their module entries stay on meta)."""
     from dlo_fn.plan.quant import SCALE_SUFFIX
     from dlo_fn.plan.spec import dtype_from_safetensors
 

@@ -45,10 +45,11 @@ def spec_for(model_or_checkpoint: str | os.PathLike, block_paths: Sequence[str] 
     if validate and _describes_a_model(ckpt.config):
         from dlo_fn.io.diffusers_load import block_paths_for
         from dlo_fn.io.load import build_for_checkpoint, plan_targets
-        from dlo_fn.io.quantized import stored_keys
+        from dlo_fn.io.quantized import stored_format
 
         model, by_diffusers = build_for_checkpoint(ckpt, None, torch_dtype)
-        plan_targets(ckpt, model, cast_dtype=True if by_diffusers else None, stored=stored_keys(ckpt))
+        stored = getattr(stored_format(ckpt), "keys", ())  # a quantised checkpoint's FP8 tensors
+        plan_targets(ckpt, model, cast_dtype=True if by_diffusers else None, stored=stored)
         try:
             paths = block_paths or (block_paths_for(model) if by_diffusers else BLOCK_PATHS)
             return spec_from_module(model, paths, name=label)

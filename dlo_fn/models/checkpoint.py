@@ -34,6 +34,7 @@ from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.dit import DTYPES, build_model
 from dlo_fn.models.init import TensorInit, init_plan, init_tensor
 from dlo_fn.plan.sizes import parse_bytes
+from dlo_fn.plan.spec import dtype_from_safetensors
 
 __all__ = [
     "MODEL_TYPE", "CONFIG_NAME", "SINGLE_FILE", "INDEX_FILE", "parse_size", "shard_tensors", "safetensors_header",
@@ -72,29 +73,31 @@ def shard_tensors(tensors: Sequence[TensorInit], max_shard_bytes: int) -> tuple[
     return tuple(tuple(s) for s in shards)
 
 
-def safetensors_header(tensors: Sequence[TensorInit]) -> tuple[bytes, tuple[TensorInit, ...]]:
-    """(``[u64 N][JSON header]`` bytes, tensors in data order). Larger item sizes first keeps every tensor
-    aligned: the data starts at a multiple of 8 and each group's total is a multiple of the next item size."""
-    order = tuple(sorted(tensors, key=lambda t: -t.dtype.itemsize))  # stable: keeps state_dict order
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in order:
-        if t.dtype not in _ST_DTYPES:
-            raise ValueError(f"tensor {t.name!r}: dtype {t.dtype} cannot be written (use bf16, fp16 or fp32)")
-        assert offset % t.dtype.itemsize == 0, (t.name, offset)
-        header[t.name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
+def safetensors_header(items: Sequence[tuple[str, str, Sequence[int], int]], meta: dict | None = None
+                       ) -> tuple[bytes, dict[str, int]]:
+    """(``[u64 N][JSON header]`` bytes, each key's offset in the file) of ``(key, safetensors dtype, shape, nbytes)``
+    items. Larger item sizes first (stable: keeps the items' order) keeps every tensor aligned: the data starts at a
+    multiple of 8 and each group's total is a multiple of the next item size."""
+    header, offset = {"__metadata__": meta or {"format": "pt"}}, 0
+    for key, dtype, shape, nbytes in sorted(items, key=lambda it: -dtype_from_safetensors(it[1]).itemsize):
+        assert offset % dtype_from_safetensors(dtype).itemsize == 0, (key, offset)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, order
+    offsets = {k: 8 + len(text) + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return struct.pack("<Q", len(text)) + text, offsets
 
 
 def _write_file(path: pathlib.Path, tensors: Sequence[TensorInit], seed: int, bar) -> None:
-    head, order = safetensors_header(tensors)
+    for t in tensors:
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {t.name!r}: dtype {t.dtype} cannot be written (use bf16, fp16 or fp32)")
+    head, offsets = safetensors_header([(t.name, _ST_DTYPES[t.dtype], t.shape, t.nbytes) for t in tensors])
     partial = path.with_name(path.name + ".partial")
     with open(partial, "wb") as f:
         f.write(head)
-        for spec in order:
+        for spec in sorted(tensors, key=lambda t: offsets[t.name]):
             data = init_tensor(spec, seed).contiguous().reshape(-1).view(torch.uint8).numpy()
             f.write(memoryview(data))
             bar.update(spec.nbytes)

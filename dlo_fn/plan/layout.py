@@ -345,7 +345,8 @@ class ModelLayout:
         if any(s.num_shards != self.num_shards for s in self.shards):
             raise ValueError("every block must be sharded over the same num_shards")
         if self.compute and (len(self.compute) != len(self.shards) or self.load_group != 1):
-            raise ValueError("a quantised layout has one compute layout per block, and no load groups")
+            raise ValueError(f"model {self.name!r}: quantised shards move one block per load (load_group = 1), "
+                             "with one compute layout per block")
         if any(s.group_size != self.load_group or s.member != b % self.load_group for b, s in enumerate(self.shards)):
             raise ValueError(f"every block must be member b % {self.load_group} of a group of {self.load_group}")
 
@@ -425,12 +426,10 @@ def model_layout(spec: ModelSpec, num_shards: int, alignment_bytes: int = DEFAUL
     divide the number of blocks): the grouped layout, one all-gather per group of that many blocks.
     ``quantization="fp8"``: the shards lay out the stored blocks and ``compute`` the blocks of ``spec``
     (:mod:`dlo_fn.plan.quant`; ``exclude``: modules kept as they are)."""
-    if check_quantization(quantization) is not None:
-        if load_group != 1:
-            raise ValueError(f"model {spec.name!r}: quantised shards move one block per load (load_group = 1)")
+    if check_quantization(quantization) is not None:  # ModelLayout refuses load groups
         stored = tuple(block_layout(stored_block(b, exclude), alignment_bytes) for b in spec.blocks)
         return ModelLayout(spec.name, tuple(shard_layout(b, num_shards) for b in stored), num_shards,
-                           alignment_bytes, compute=tuple(block_layout(b, alignment_bytes) for b in spec.blocks))
+                           alignment_bytes, load_group, tuple(block_layout(b, alignment_bytes) for b in spec.blocks))
     blocks = tuple(block_layout(b, alignment_bytes) for b in spec.blocks)
     if load_group == 1:
         return ModelLayout(spec.name, tuple(shard_layout(b, num_shards) for b in blocks), num_shards, alignment_bytes)

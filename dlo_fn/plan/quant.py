@@ -27,10 +27,9 @@ import torch
 
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 
-__all__ = ["QUANTIZATIONS", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "check_quantization", "quantized",
-           "stored_block", "stored_spec", "compute_block", "dequant_seconds"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "check_quantization", "quantized",
+           "quantized_tensors", "stored_block", "stored_spec", "compute_block", "dequant_seconds"]
 
-QUANTIZATIONS = (None, "fp8")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_SUFFIX = "_scale"
@@ -38,7 +37,7 @@ _FLOATING = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_quantization(quantization: str | None) -> str | None:
-    if quantization not in QUANTIZATIONS:
+    if quantization not in (None, "fp8"):
         raise ValueError(f"quantization must be None or 'fp8' (FP8 e4m3 weights, one float32 scale per output "
                          f"channel); got {quantization!r}")
     return quantization
@@ -53,6 +52,11 @@ def quantized(tensor: TensorSpec, block: str, exclude: Sequence[str] = ()) -> bo
             and not any(name in parts for name in exclude))
 
 
+def quantized_tensors(spec: ModelSpec, exclude: Sequence[str] = ()) -> dict[str, TensorSpec]:
+    """Dotted name -> tensor, for every block tensor of ``spec`` stored as FP8 (:func:`quantized`)."""
+    return {f"{b.name}.{t.name}": t for b in spec.blocks for t in b.tensors if quantized(t, b.name, exclude)}
+
+
 def stored_block(block: BlockSpec, exclude: Sequence[str] = ()) -> BlockSpec:
     """``block`` as FP8 shards store it (module doc); an already stored block (FP8 tensors with their scales, as
     a ``quantize``d checkpoint holds them) is returned as it is."""
@@ -60,11 +64,9 @@ def stored_block(block: BlockSpec, exclude: Sequence[str] = ()) -> BlockSpec:
         return block
     tensors: list[TensorSpec] = []
     for t in block.tensors:
-        if quantized(t, block.name, exclude):
-            tensors.append(TensorSpec(t.name, t.shape, FP8_DTYPE, t.kind))
-            tensors.append(TensorSpec(t.name + SCALE_SUFFIX, (t.shape[0],), torch.float32, "buffer"))
-        else:
-            tensors.append(t)
+        tensors += ([TensorSpec(t.name, t.shape, FP8_DTYPE, t.kind),
+                     TensorSpec(t.name + SCALE_SUFFIX, (t.shape[0],), torch.float32, "buffer")]
+                    if quantized(t, block.name, exclude) else [t])
     return BlockSpec(block.name, tuple(tensors))
 
 

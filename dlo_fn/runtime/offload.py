@@ -40,8 +40,8 @@ from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.io.bind import with_address_residues
-from dlo_fn.io.quantized import StoredWeights, drop_stored, stored_weights
-from dlo_fn.plan.quant import FP8_DTYPE
+from dlo_fn.io.quantized import drop_stored, stored_weights
+from dlo_fn.plan.quant import quantized_tensors
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks, local_ranks
 from dlo_fn.runtime.executor import Executor
@@ -186,13 +186,12 @@ class _Laps:
         return {**self.seconds, **extra, "total_s": self.last - self.t0}
 
 
-def _check_stored(model: nn.Module, options: OffloadOptions) -> StoredWeights | None:
+def _check_stored(model: nn.Module, options: OffloadOptions) -> None:
     """A model loaded from a quantised checkpoint (:mod:`dlo_fn.io.quantized`) holds FP8 block weights only:
     it offloads with ``quantization="fp8"`` and the exclude list it was written with, never resident."""
-    stored = stored_weights(model)
-    if stored is None:
-        return None
-    fmt = stored.format
+    fmt = getattr(stored_weights(model), "format", None)
+    if fmt is None:
+        return
     if options.quantization != fmt.quantization or options.mode == "resident":
         raise ValueError(f"{type(model).__name__} comes from a quantised checkpoint (FP8 block weights, no "
                          f"{fmt.torch_dtype} ones): offload it with quantization={fmt.quantization!r} (CLI: "
@@ -201,7 +200,6 @@ def _check_stored(model: nn.Module, options: OffloadOptions) -> StoredWeights | 
     if options.quantize_exclude not in ((), fmt.exclude):
         raise ValueError(f"quantize_exclude {list(options.quantize_exclude)}: the checkpoint was quantised with "
                          f"exclude {list(fmt.exclude)}; pass that (or nothing), or quantize the source again")
-    return stored
 
 
 def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistContext, options: OffloadOptions,
@@ -219,12 +217,10 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
     if group != options.load_group and num_shards > 1 and ctx.is_main:
         log.info("per-block shard layout: %s; the group's %d all-gathers go in one launch",
                  grouped_layout_problem(spec.num_blocks, options.load_group), options.load_group)
-    exclude = stored.format.exclude if stored is not None else options.quantize_exclude
-    layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization,
-                          exclude + fp32_modules(model))
+    exclude = (stored.format.exclude if stored is not None else options.quantize_exclude) + fp32_modules(model)
+    layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization, exclude)
     if stored is not None:
-        fp8 = {f"{sh.block.name}.{p.name}" for sh in layout.shards for p in sh.block.placements
-               if p.dtype == FP8_DTYPE}
+        fp8 = set(quantized_tensors(spec, exclude))  # what the layout stores as FP8
         if fp8 != set(stored.tensors):
             raise ValueError(f"the checkpoint's FP8 tensors are not those FP8 shards of block lists {list(paths)} "
                              f"store (e.g. {sorted(fp8 ^ set(stored.tensors))[0]!r}): offload the block lists it "

@@ -176,7 +176,10 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffe
     recorded = sch.recorded
     ops = []
     for i, op in enumerate(sch.ops):
-        caller = buffers.dequantize(op.block, op.slot, dequantizer) if op.kind == DQ else None
+        caller = None
+        if op.kind == DQ:  # the stored block in the slot's staging buffer -> the slot, in the compute dtype
+            caller = dequantizer.prepare(buffers.staging_span(op.block, op.slot), buffers.slot_span(op.block, op.slot),
+                                         layout.shards[op.block].block, layout.compute_block(op.block))
         if op.kind == C:
             caller = callers[op.block][op.slot]
             if getattr(caller, "per_request", False):  # a plug-in's caller that keys on the request

@@ -1,30 +1,28 @@
 """FP8 shards at run time: quantising a rank's own pieces, the dequantise op, and the reference ``fake_quantize``.
 
-The math and which tensors it applies to are :mod:`dlo_fn.plan.quant`'s. Quantisation runs on the host, row by row
-(a row is one output channel, whose scale needs only that row), or on the device where there is one (the same
-bits; ``tests/test_quant.py`` crosses the two on a GPU): :class:`StoredBlock` hands ``build_host_store`` the
-stored tensors of a block, computing only the rows that cover the bytes a piece asks for, so a rank reads and
-quantises its own share of the checkpoint and never holds a whole FP8 (or BF16) copy. :func:`dequantize_into` is
-the one dequantise kernel: the executor's DQ op and :func:`fake_quantize` both call it, so the offloaded model and
-the fake-quantised resident one compute from the same bits. :func:`output_error` measures what the bits cost
-against the unquantised model's output.
+The math and which tensors it applies to are :mod:`dlo_fn.plan.quant`'s. Rows (one output channel each, whose scale
+needs only that row) are quantised on the host, or on the device where there is one, with the same bits
+(``tests/test_quant.py`` crosses the two on a GPU): :class:`StoredBlock` computes only the rows covering the bytes a
+rank's pieces read, so no rank holds a whole FP8 (or BF16) copy. :func:`dequantize_into` is the one dequantise
+kernel, called by the executor's DQ op and by :func:`fake_quantize`, so the offloaded model and the fake-quantised
+resident one compute from the same bits (their cost against BF16: :func:`dlo_fn.bench.fp8_quality.output_error`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from dlo_fn.plan.layout import BlockLayout
-from dlo_fn.plan.quant import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX, quantized
+from dlo_fn.plan.quant import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX, quantized_tensors
 from dlo_fn.plan.spec import spec_from_module
+from dlo_fn.runtime.blocks import make_views
 
-__all__ = ["quantize_rows", "dequantize_into", "StoredBlock", "dequant_ops", "TorchDequant", "fake_quantize",
-           "fp32_modules", "OutputError", "output_error"]
+__all__ = ["quantize_rows", "dequantize_into", "StoredBlock", "needed_ranges", "TorchDequant", "fake_quantize",
+           "fp32_modules"]
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,20 +38,20 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(w.shape), scale
 
 
-def dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``dst = dtype(float32(q) * scale)`` without a float32 temporary: every e4m3 value is exact in bf16, fp16 and
     fp32, so ``dst.copy_(q)`` loses nothing, and the in-place multiply by the float32 scale computes in float32 and
-    rounds once into ``dst``'s dtype (two kernels; ``tests/test_quant.py`` checks the bits against the formula)."""
+    rounds once into ``dst``'s dtype (two kernels; ``tests/test_quant.py`` checks the bits against the formula).
+    ``scale`` None: a tensor stored as computed, copied."""
     dst.copy_(q)
-    return dst.mul_(scale.view(-1, *(1,) * (q.dim() - 1)))
+    return dst if scale is None else dst.mul_(scale.view(-1, *(1,) * (q.dim() - 1)))
 
 
 class StoredBlock(Mapping):
     """A block's stored tensors (FP8, scales and the unquantised ones) for ``build_host_store``: an unquantised
-    tensor is the module's own (an mmap view); a quantised one and its scales are computed on first access, only
-    for the rows that cover ``needed[name]`` (the byte ranges this rank's pieces read), the rest left unwritten
-    (pages never touched). The last tensor computed is kept, so a piece that follows another of the same tensor
-    costs nothing more."""
+    tensor is the module's own (an mmap view); a quantised one and its scales are computed on first access, only for
+    the rows covering ``needed[name]`` (the byte ranges this rank's pieces read), the rest left unwritten (pages
+    never touched). The last tensor computed is kept: a piece that follows another of it costs nothing more."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], stored: BlockLayout,
                  needed: Mapping[str, Sequence[tuple[int, int]]], device: torch.device | None = None) -> None:
@@ -69,7 +67,7 @@ class StoredBlock(Mapping):
         return len(self._stored.placements)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        source = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        source = name.removesuffix(SCALE_SUFFIX)
         if source not in self._fp8:
             return self._tensors[name]
         if self._last is not None and self._last[0] == name:
@@ -93,22 +91,6 @@ def needed_ranges(pieces: Sequence) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def dequant_ops(staging: torch.Tensor, slot: torch.Tensor, stored: BlockLayout, compute: BlockLayout
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ...]:
-    """The DQ op of one block: per compute tensor ``(slot view, stored view, scale view or None)``, dequantised
-    (:func:`dequantize_into`) or copied as it is."""
-
-    def view(buf: torch.Tensor, p) -> torch.Tensor:
-        return buf[p.offset_bytes : p.offset_bytes + p.nbytes].view(p.dtype).view(p.shape)
-
-    out = []
-    for p in compute.placements:
-        src = stored.placement(p.name)
-        scale = view(staging, stored.placement(p.name + SCALE_SUFFIX)) if src.dtype == FP8_DTYPE else None
-        out.append((view(slot, p), view(staging, src), scale))
-    return tuple(out)
-
-
 class TorchDequant:
     """The executor's DQ op through torch ops: per tensor a cast and a multiply (:func:`dequantize_into`), or a
     copy. The CUDA plug-in (:mod:`dlo_fn.runtime.cuda.dequant`) does a block in one kernel launch, with the same
@@ -118,14 +100,12 @@ class TorchDequant:
 
     def prepare(self, staging: torch.Tensor, slot: torch.Tensor, stored: BlockLayout, compute: BlockLayout):
         """The call that dequantises ``staging`` (a stored block) into ``slot`` on the current stream."""
-        ops = dequant_ops(staging, slot, stored, compute)
+        src, dst = make_views(staging, stored, {}), make_views(slot, compute, {})
+        ops = tuple((d, src[n], src[n + SCALE_SUFFIX] if src[n].dtype == FP8_DTYPE else None) for n, d in dst.items())
 
         def run() -> None:
-            for dst, src, scale in ops:
-                if scale is None:
-                    dst.copy_(src)
-                else:
-                    dequantize_into(dst, src, scale)
+            for d, q, scale in ops:
+                dequantize_into(d, q, scale)
 
         return run
 
@@ -139,11 +119,11 @@ def fp32_modules(model: nn.Module) -> tuple[str, ...]:
 def fake_quantize(model: nn.Module, block_paths: str | Sequence[str] | None = None,
                   exclude: Sequence[str] = ()) -> nn.Module:
     """In place: every block weight that ``offload(..., quantization="fp8")`` stores as FP8 becomes
-    ``dequantise(quantise(w))`` in its own dtype, on its own device: the reference the offloaded model equals
-    bit for bit. ``block_paths`` as ``offload`` takes them (None: the model's own block lists); ``exclude`` adds
-    to the model's fp32 modules. A model loaded from a quantised checkpoint (:mod:`dlo_fn.io.quantized`) gets
-    its stored weights dequantised, each into a new tensor of its module's dtype (the arguments are the
-    checkpoint's then)."""
+    ``dequantise(quantise(w))`` in its own dtype, on its own device: the reference the offloaded model equals bit
+    for bit. ``block_paths`` as ``offload`` takes them (None: the model's own); ``exclude`` adds to the model's fp32
+    modules. A model loaded from a quantised checkpoint (:mod:`dlo_fn.io.quantized`) gets its stored weights
+    dequantised, each into a new tensor of its module's dtype (the arguments are the checkpoint's then)."""
+    from dlo_fn.io.diffusers_load import block_paths_for
     from dlo_fn.io.quantized import drop_stored, stored_weights
 
     stored = stored_weights(model)
@@ -151,53 +131,13 @@ def fake_quantize(model: nn.Module, block_paths: str | Sequence[str] | None = No
         for name, (q, scale) in stored.tensors.items():
             path, _, attr = name.rpartition(".")
             owner = model.get_submodule(path)
-            table = owner._parameters if attr in owner._parameters else owner._buffers
-            w = torch.empty(table[attr].shape, dtype=table[attr].dtype)
-            dequantize_into(w, q, scale)
-            table[attr] = nn.Parameter(w, requires_grad=False) if table is owner._parameters else w
+            declared = getattr(owner, attr)  # on meta, in the module's dtype
+            w = dequantize_into(torch.empty(declared.shape, dtype=declared.dtype), q, scale)
+            setattr(owner, attr, nn.Parameter(w, requires_grad=False) if attr in owner._parameters else w)
         drop_stored(model)
         return model
-    if block_paths is None:
-        from dlo_fn.io.diffusers_load import block_paths_for
-
-        block_paths = block_paths_for(model)
-    spec = spec_from_module(model, block_paths)
-    exclude = tuple(exclude) + fp32_modules(model)
-    for block in spec.blocks:
-        module = model.get_submodule(block.name)
-        for t in block.tensors:
-            if quantized(t, block.name, exclude):
-                w = module.get_parameter(t.name) if t.kind == "param" else module.get_buffer(t.name)
-                q, scale = quantize_rows(w)
-                dequantize_into(w, q.to(w.device), scale.to(w.device))
+    spec = spec_from_module(model, block_paths_for(model) if block_paths is None else block_paths)
+    for name, t in quantized_tensors(spec, tuple(exclude) + fp32_modules(model)).items():
+        w = model.get_parameter(name) if t.kind == "param" else model.get_buffer(name)
+        dequantize_into(w, *quantize_rows(w))  # both on w's device
     return model
-
-
-@dataclass(frozen=True, slots=True)
-class OutputError:
-    """How far an output ``y`` is from its reference ``r`` (:func:`output_error`), over every element::
-
-        rel_l2  = ||y - r||_2 / ||r||_2          max_abs = max |y - r|          cosine = <y, r> / (||y|| ||r||)
-    """
-
-    rel_l2: float
-    max_abs: float
-    cosine: float
-    num_elements: int
-
-
-def output_error(got: torch.Tensor, want: torch.Tensor) -> OutputError:
-    """:class:`OutputError` of ``got`` against ``want`` (same shape), computed on the host in float64, so the
-    measure adds next to no rounding of its own: equal outputs give exactly ``rel_l2 = max_abs = 0.0`` and
-    ``cosine = 1.0`` (two zero tensors too); a zero ``want`` with a non-zero ``got`` has ``rel_l2`` inf and
-    ``cosine`` 0."""
-    if got.shape != want.shape:
-        raise ValueError(f"output_error: shapes differ, {tuple(got.shape)} against {tuple(want.shape)}")
-    y, r = (t.detach().to("cpu", torch.float64).reshape(-1) for t in (got, want))
-    diff, ref = (y - r).norm().item(), r.norm().item()
-    norms = y.norm().item() * ref
-    return OutputError(
-        rel_l2=diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf")),
-        max_abs=(y - r).abs().max().item() if y.numel() else 0.0,
-        cosine=1.0 if diff == 0 else max(-1.0, min(1.0, (y @ r).item() / norms)) if norms > 0 else 0.0,
-        num_elements=y.numel())

@@ -11,8 +11,6 @@ stride from the first of them, where one all-gather of the group writes it (:met
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
@@ -54,12 +52,6 @@ class SlotBuffers:
     def staging_span(self, block: int, slot: int) -> torch.Tensor:
         """The bytes of ``slot``'s staging buffer that ``block``'s stored bytes (gathered) land in."""
         return self.staging[slot][: self.layout.shards[block].padded_bytes]
-
-    def dequantize(self, block: int, slot: int, dequantizer: Any) -> Callable[[], None]:
-        """The call of ``block``'s dequantise op, from its slot's staging buffer into the slot
-        (``dequantizer.prepare``: :class:`~dlo_fn.runtime.quant.TorchDequant`, or a plug-in's)."""
-        return dequantizer.prepare(self.staging_span(block, slot), self.slot_span(block, slot),
-                                   self.layout.shards[block].block, self.layout.compute_block(block))
 
     def landing_span(self, block: int, landing: int) -> torch.Tensor:
         """The bytes of landing buffer ``landing`` that ``block``'s shard lands in (as :meth:`slot_span`)."""
