@@ -210,7 +210,8 @@ def test_cli_writes_it_and_mistakes_are_one_line(capsys, quantized_tiny, tmp_pat
 
 def test_generate_runs_the_fp8_checkpoint_bit_exact(capsys, quantized_tiny, references, tmp_path):
     src, dst = quantized_tiny
-    args = ["--prompt", "a fox", "--seed", "0", "--steps", "2", "--height", "32", "--width", "32", "--frames", "5"]
+    args = ["--prompt", "a fox", "--seed", "0", "--steps", "2", "--height", "32", "--width", "32", "--frames", "5",
+            "--platform", "cpu"]  # the reference below computes on the host
     assert main(["generate", "--checkpoint", dst, "--quantization", "fp8", *args, "--out", str(tmp_path / "a")]) == 0
     row = json.loads((tmp_path / "a" / "manifest.jsonl").read_text().splitlines()[0])
     want = generate(fake_quantize(load_model(src)), Request.from_dict(row["settings"])).sha256
@@ -231,13 +232,15 @@ class Big(nn.Module):
         self.embed = nn.Embedding(vocab, d, dtype=torch.bfloat16)  # resident: copied
         self.blocks = nn.ModuleList(nn.Linear(d, d, bias=False, dtype=torch.bfloat16) for _ in range(n))
 src, out = sys.argv[1], pathlib.Path(sys.argv[2])
-quantize_checkpoint(src + "/small.safetensors", out / "warm", model_or_factory=lambda: Big(64, 2, 64), progress=False)
+# on the host (a GPU quantises chunks of DEVICE_CHUNK_BYTES, as large as this model's block tensors)
+quantize_checkpoint(src + "/small.safetensors", out / "warm", model_or_factory=lambda: Big(64, 2, 64), progress=False,
+                    device="cpu")
 try:
     pathlib.Path("/proc/self/clear_refs").write_text("5")  # the peak RSS restarts from here
 except OSError:
     pass
 before = process_memory()
-quantize_checkpoint(src + "/big.safetensors", out / "big", model_or_factory=Big, progress=False)
+quantize_checkpoint(src + "/big.safetensors", out / "big", model_or_factory=Big, progress=False, device="cpu")
 after = process_memory()
 print(json.dumps({"rss_bytes": before.rss_bytes, "hwm_bytes": after.hwm_bytes}))
 """
