@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -163,3 +165,31 @@ def test_cuda_registration_is_undone_when_the_buffer_is_collected():
 
     flags = ctypes.c_uint(0)
     assert ctypes.CDLL("libcuda.so.1").cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(ptr)) != 0
+
+
+def _anon_huge_kb(addr: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds ``addr``."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_huge_page_buffer_is_zeroed_private_memory_in_2mib_pages_where_the_kernel_gives_them():
+    from dlo_fn.runtime.host_store import huge_page_buffer
+
+    n = 16 << 20
+    buf = huge_page_buffer(n)
+    assert buf.dtype == torch.uint8 and buf.numel() == n and not buf.any()
+    buf.fill_(7)
+    assert int(buf.sum()) == 7 * n
+    thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp.read_text().split("[")[1].split("]")[0] if thp.exists() else "never"
+    huge_kb = _anon_huge_kb(buf.data_ptr())
+    assert huge_kb > 0 if mode in ("always", "madvise") else huge_kb == 0, (mode, huge_kb)

@@ -91,7 +91,6 @@ def rank_ready(ctx, folder: str, device: str, ref_path: str, spawned_at: float |
     del o, model, inputs, got
     gc.collect()
     dist.barrier(ctx.group)
-    out["floor"] = measure_floor(platform, arena, files, share=(ctx.rank, ctx.world_size), untouched=False,
-                                 hugepages=False)
+    out["floor"] = measure_floor(platform, arena, files, share=(ctx.rank, ctx.world_size), untouched=False)
     out["ready_over_floor"] = out["ready_s"] / out["floor"]["floor_s"]
     return out
