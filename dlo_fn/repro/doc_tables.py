@@ -206,7 +206,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "real-flux": lambda: _rows(real_tables.real_rows(skip=("ours-fp8", "ranks-")), [real_tables.REAL_FILE]),
     "real-wan": lambda: _rows(real_tables.real_rows(real_tables.WAN_FILE), [real_tables.WAN_FILE]),
     "real-pipeline": lambda: _rows(real_tables.pipeline_rows(), [real_tables.FP8_FILE]),
-    "real-ranks": lambda: _rows(real_tables.ranks_rows(), [real_tables.REAL_FILE]),
+    "real-ready": lambda: _rows(real_tables.ready_rows(), [real_tables.REAL_FILE, real_tables.READY_FILE]),
     "fp8-real": lambda: _rows(real_tables.fp8_rows(), [real_tables.REAL_FILE, real_tables.WAN_FP8_FILE]),
     "real-wan720": lambda: _rows(real_tables.real_rows(real_tables.WAN720_FILE), [real_tables.WAN720_FILE]),
     "real-ltx": lambda: _rows(real_tables.real_rows(real_tables.LTX_FILE), [real_tables.LTX_FILE]),

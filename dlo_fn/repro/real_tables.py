@@ -6,7 +6,7 @@
   offloaded, BF16 resident and its own bound, bytes moved and pinned, host memory, time to ready (on the fly and
   from a pre-quantised checkpoint), and the output's error against the resident one;
 * :func:`pipeline_rows` - a full FLUX.1-dev request (28 steps) with the transformer resident, offloaded, and FP8;
-* :func:`ranks_rows` - W gloo ranks sharing the H200 in allgather mode: each rank's time to ready and its phases;
+* :func:`ready_rows` - time to ready, one rank and W gloo ranks sharing the H200, 4 KiB and 2 MiB arena pages;
 * :func:`core_rows` - the runtime before its core was reduced (the driver-call issuer, step graphs) and after, each
   pair measured side by side in one device call: step time / bound of the default variant, and on FLUX.1-dev.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 from dlo_fn.repro.data import DATA_DIR
 
-__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "LTX_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
-           "pipeline_rows", "ranks_rows", "core_rows"]
+__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "LTX_FILE", "READY_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
+           "pipeline_rows", "ready_rows", "core_rows"]
 
 REAL_FILE = "bench_real_flux_nvidia-h200.json"  # every variant of FLUX.1-dev, diffusers' offloading beside ours
 WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-14B at 480p
@@ -27,6 +27,7 @@ FP8_FILE = "fp8_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev: the full pipeli
 WAN_FP8_FILE = "fp8_bench_real_wan480_nvidia-h200.json"  # Wan2.1-T2V-14B at 480p: BF16 and FP8 (its error)
 WAN720_FILE = "bench_real_wan720_nvidia-h200.json"  # Wan2.1-T2V-14B at 720p
 LTX_FILE = "bench_real_ltx_nvidia-h200.json"  # LTX-Video, 512x704, 161 frames
+READY_FILE = "ready_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev's time to ready with the arena in 2 MiB pages
 CORE_FILE = "core_before_after_nvidia-h200.json"
 LABELS = {"resident": "resident", "ours-rank-local": "ours, 2 slots", "ours-fp8": "ours, FP8 shards (2 slots)",
           "ours-allgather": "ours, allgather (W = 1)", "ours-bgraph": "ours, block graphs",
@@ -124,25 +125,32 @@ def pipeline_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
             for k in ("resident", "ours-rank-local", "ours-fp8")]
 
 
-def ranks_rows(name: str = REAL_FILE) -> list[dict[str, str]]:
-    """W gloo ranks sharing the H200 (allgather): the slowest rank's ready time from its call to ``load_model``,
-    against the floor for its share, the store's fill that makes most of it, the warm-up all-gather (a byte per
-    rank: the communicator), and the first forward after ready (gloo stages every all-gather of device tensors
-    through host memory: no performance figure)."""
+def ready_rows() -> list[dict[str, str]]:
+    """FLUX.1-dev's time to ready per set-up, from two runs: one rank alone (the bench's own process) and each of W
+    gloo ranks sharing the H200 (allgather; the slowest rank), with the CUDA arena in 4 KiB pages (``REAL_FILE``)
+    and in 2 MiB pages (``READY_FILE``), against the host's floor for the same bytes with either page size, measured
+    in the same run (for W ranks: by each rank after its set-up, every rank at once). The warm-up all-gather moves a
+    byte per rank; the first forward of W ranks is gloo's (every all-gather of device tensors through host memory):
+    no performance figure."""
     rows = []
-    for k, v in _by(name).items():
-        if not k.startswith("ranks-"):
-            continue
-        slow = max(v["ranks"], key=lambda r: r["ready_s"])
-        floor = slow["floor"]["floor_s"]
-        rows.append({"W": str(v["world_size"]), "pinned GB per rank": f"{slow['pinned_bytes'] / 1e9:.2f}",
-                     "ready s (/ floor of its share: 4 KiB, 2 MiB pages)": _ready(slow, slow["floor"], 2),
-                     "store fill s (/ floor, 4 KiB)": f"{slow['offload']['store_s']:.2f} "
-                                                      f"({slow['offload']['store_s'] / floor:.2f})",
-                     "fill threads": str(slow["store"]["threads"]),
-                     "warm-up all-gather s": f"{slow['offload']['warm_up_s']:.3f}",
-                     "floor of its share s": f"{floor:.2f}",
-                     "first forward s (gloo)": f"{slow['first_forward_s']:.1f}", "equal": str(v["equal_to_resident"])})
+    for name, pages in ((REAL_FILE, "4 KiB"), (READY_FILE, "2 MiB")):
+        model = _model(load(name))
+        for k, v in _by(name).items():
+            if k == "ours-rank-local":
+                r, floor, who = v, model["floor"], "1 rank"
+            elif k.startswith("ranks-"):
+                r = max(v["ranks"], key=lambda x: x["ready_s"])
+                floor, who = r["floor"], f"W = {v['world_size']} ranks (slowest)"
+            else:
+                continue
+            ready = _ready(r, floor, 2)
+            rows.append({"set-up": who, "arena pages": pages, "pinned GB per rank": f"{r['pinned_bytes'] / 1e9:.2f}",
+                         "ready s (/ floor: 4 KiB, 2 MiB pages)": ready,
+                         "store fill s": f"{r['store']['total_s']:.2f}", "fill threads": str(r["store"]["threads"]),
+                         "warm-up all-gather s": f"{r['offload']['warm_up_s']:.3f}" if "offload" in r and
+                                                 "warm_up_s" in r["offload"] and k != "ours-rank-local" else "-",
+                         "first forward s": f"{r['first_forward_s']:.1f}" if "first_forward_s" in r else "-",
+                         "equal": str(v["equal_to_resident"])})
     return rows
 
 

@@ -22,8 +22,10 @@ pinned memory: the arena is plain (pageable) memory.
 
 **Filling at the host's speed.** For 25.8 GB on one H200 host: first touch of fresh pages 3.0 s, ``cudaHostRegister``
 of touched pages 2.5 s, a multi-threaded copy from the page cache 0.5-0.7 s; registering fresh pages makes the driver
-fault each one in on one thread; with 2 MiB pages (``MADV_HUGEPAGE``) touch and register took 0.5 s and 0.7 s
-(``bench real``'s floor). So the CUDA arena is allocated pageable in huge pages (:func:`huge_page_buffer`), the
+fault each one in on one thread; with 2 MiB pages (``MADV_HUGEPAGE``) touch and register took 0.6 s and 0.7 s,
+and a rank's store of FLUX.1-dev 1.6 s against 2.7 s (``bench real``'s floor and rows). So the CUDA arena is
+allocated pageable, in 2 MiB pages (:func:`huge_page_buffer`) where the rank fills alone on its host (2 gloo ranks
+filling 11.8 GB each in 2 MiB pages at once took 5.4 s, in 4 KiB pages 2.8 s; the cause is not isolated), the
 pieces are copied on several threads
 (``ctypes.memmove`` releases the GIL), the copies being the pages' first touch on every thread at once; only the gaps
 are zeroed and the pages are locked last. Each piece has its own byte range: the bytes do not depend on the threads.
@@ -282,8 +284,9 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     nbytes = layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank
     # CUDA: pageable now, locked once filled (the copies are the pages' first touch, on every thread).
     late_pin = platform.kind == "cuda" and platform.supports_pinned and nbytes > 0
-    arena, how, fin = (huge_page_buffer(nbytes), "pageable", None) if late_pin else alloc_host(nbytes, platform,
-                                                                                             pin=True)
+    # 2 MiB pages for a rank filling alone: W ranks faulting them in at once were slower than in 4 KiB (module doc).
+    late = (huge_page_buffer if local_ranks == 1 else lambda n: torch.empty(n, dtype=torch.uint8))
+    arena, how, fin = (late(nbytes), "pageable", None) if late_pin else alloc_host(nbytes, platform, pin=True)
     alloc_s = time.perf_counter() - t0
     tasks, gaps, sources = [], [], []
     for b, shard in enumerate(layout.shards):
