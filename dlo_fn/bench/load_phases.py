@@ -111,9 +111,9 @@ def phase_rows(checkpoint: str, ranks: int, mode: str, results: list[dict], devi
     sums = {tag: sum(v[2] for v in vals) for tag, vals in by_phase.items()}
     c = ProcessConstant(*mean["load"][:3])
     sizes = ModelSizes.from_spec(spec_for(checkpoint))
-    gloo_staging = gloo_cuda_staging_bytes(sizes, ranks) if device == "cuda" and mode == "allgather" and ranks > 1 else 0
-    plan = rank_memory(sizes, ranks, mode, device, constant=c, staging_bytes=gloo_staging,
-                       process_group=True)  # run_ranks always makes one, even for N = 1
+    gloo = device == "cuda" and mode == "allgather" and ranks > 1  # the ranks share the GPU over gloo
+    plan = rank_memory(sizes, ranks, mode, device, constant=c, staging_bytes=gloo_cuda_staging_bytes(sizes, ranks)
+                       * gloo, process_group=True)  # run_ranks always makes one, even for N = 1
     rows = []
     for p in plan.phases:
         rss, uss, pss, hwm, file_rss = mean[p.phase]

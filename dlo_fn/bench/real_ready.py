@@ -8,9 +8,9 @@ cannot avoid, each step measured alone on a buffer of its own, with the threads 
     copy_s      the files' bytes (``n`` of them, from this rank's share) copied from the page cache into the
                 touched buffer: the faster of ``pread`` and ``memmove`` from a mapping, ``threads`` threads
 
-``floor_s = touch_s + register_s + copy_s`` with 4 KiB pages, and ``floor_hugepage_s`` the same with
-``touch_hugepage_s`` / ``register_hugepage_s`` on a buffer advised ``MADV_HUGEPAGE`` (2 MiB pages where the kernel
-gives them: ``hugepage_bytes``, under the host's ``thp`` mode), as the CUDA arena is
+``floor_s = touch_s + register_s + copy_s`` with 4 KiB pages; with 2 MiB pages the same sum of ``copy_s`` and
+``touch_hugepage_s`` / ``register_hugepage_s``, measured on a buffer advised ``MADV_HUGEPAGE`` (2 MiB pages where the
+kernel gives them: ``hugepage_bytes``, under the host's ``thp`` mode), as the CUDA arena of a rank filling alone is
 (:func:`dlo_fn.runtime.host_store.huge_page_buffer`). Beside them, ``register_untouched_s``: register of a fresh
 buffer, which makes the driver fault every page itself (the other order).
 Cold cache: :func:`evict` drops the files' pages (``posix_fadvise(DONTNEED)``) and :func:`resident_fraction`
@@ -196,7 +196,6 @@ def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share
     del buf
     if hugepages and nbytes:
         out.update(_hugepages(platform, nbytes, threads))
-        out["floor_hugepage_s"] = out["touch_hugepage_s"] + out.get("register_hugepage_s", 0.0) + out["copy_s"]
     return out
 
 

@@ -165,8 +165,9 @@ class ModelSizes:
     def max_padded_block_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
         """Slot size: the largest block padded to ``W`` equal shards (``W = 1``: aligned whole block); quantised,
         the largest block as computed."""
-        padded = num_shards * self.max_shard_bytes(num_shards, alignment_bytes)
-        return self.max_block_bytes if self.quantized else padded
+        if self.quantized:
+            return self.max_block_bytes
+        return num_shards * self.max_shard_bytes(num_shards, alignment_bytes)
 
     def staging_bytes(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
         """A slot's staging buffer (quantised: the largest stored block gathered; else none)."""

@@ -22,7 +22,7 @@ _KEYS = ("rss", "uss", "pss", "hwm", "sum_pss")
 
 def read_phases(path: pathlib.Path = PHASES_CSV) -> list[dict]:
     with pathlib.Path(path).open(newline="") as f:
-        return [{k: int(v) if k.endswith("_bytes") or k in ("ranks", "rank") else v for k, v in r.items()}
+        return [{k: int(v) if k.endswith("_bytes") or k == "ranks" else v for k, v in r.items()}
                 for r in csv.DictReader(f)]
 
 
@@ -42,11 +42,10 @@ def published_rank_rows() -> list[dict]:
 
 def measured_rank_rows(rows: list[dict], phases: tuple[str, ...] = ("fill", "offload", "generate"),
                        ranks: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict]:
-    """Measured vs predicted MB per (mode, N, phase), with the worst relative error of the five values.
-    Rows with a ``rank`` column (H200) keep rank 0 only."""
+    """Measured vs predicted MB per (mode, N, phase), with the worst relative error of the five values."""
     out = []
     for r in rows:
-        if r["phase"] not in phases or r["ranks"] not in ranks or r.get("rank", 0) != 0:
+        if r["phase"] not in phases or r["ranks"] not in ranks:
             continue
         row = {"mode": r["mode"], "N": r["ranks"], "phase": r["phase"]}
         worst = 0.0

@@ -18,8 +18,8 @@ from typing import Any
 
 from dlo_fn.repro.data import DATA_DIR
 
-__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "LTX_FILE", "READY_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
-           "pipeline_rows", "ready_rows", "core_rows"]
+__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "LTX_FILE", "READY_FILE", "CORE_FILE",
+           "load", "real_rows", "fp8_rows", "pipeline_rows", "ready_rows", "core_rows"]
 
 REAL_FILE = "bench_real_flux_nvidia-h200.json"  # every variant of FLUX.1-dev, diffusers' offloading beside ours
 WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-14B at 480p
@@ -51,19 +51,23 @@ def _by(name: str) -> dict[str, dict]:
 
 
 def _ready(v: dict, floor: dict, digits: int = 1) -> str:
-    """Ready seconds and their ratio to the host's floor with 4 KiB pages and, where measured, with 2 MiB pages."""
+    """Ready seconds and their ratio to the host's floor (:func:`dlo_fn.bench.real_ready.measure_floor`) with
+    4 KiB pages (``floor_s``) and, where measured, with 2 MiB pages: the same sum with the huge pages' touch and
+    register."""
     if not v.get("ready_over_floor"):
         return "-"
-    huge = floor.get("floor_hugepage_s") or (floor["touch_hugepage_s"] + floor.get("register_hugepage_s", 0.0)
-                                             + floor["copy_s"] if "touch_hugepage_s" in floor else None)
-    return f"{v['ready_s']:.{digits}f} ({v['ready_over_floor']:.2f}" + (f", {v['ready_s'] / huge:.2f})" if huge else ")")
+    text = f"{v['ready_s']:.{digits}f} ({v['ready_over_floor']:.2f}"
+    if "touch_hugepage_s" not in floor:
+        return text + ")"
+    huge = floor["touch_hugepage_s"] + floor.get("register_hugepage_s", 0.0) + floor["copy_s"]
+    return text + f", {v['ready_s'] / huge:.2f})"
 
 
 def real_rows(name: str = REAL_FILE, skip: tuple[str, ...] = ()) -> list[dict[str, str]]:
     """Per variant that ran (but those starting with one of ``skip``): forward time, / bound (FP8: / its own bound
     too), equal, ready, host and pinned bytes."""
-    rows = []
-    for v in _model(load(name))["variants"]:
+    rows, model = [], _model(load(name))
+    for v in model["variants"]:
         if v.get("status") != "ok" or v["variant"] not in LABELS or v["variant"].startswith(skip or ("\0",)):
             continue
         own = v.get("ratio_to_own_bound")
@@ -73,7 +77,7 @@ def real_rows(name: str = REAL_FILE, skip: tuple[str, ...] = ()) -> list[dict[st
         rows.append({"variant": LABELS[v["variant"]],
                      "forward ms": f"{1e3 * v['forward_s']:.1f}" if v.get("forward_s") else "-", "/ bound": ratio,
                      "equal": "-" if v["variant"] in ("resident", "ours-cold") else str(v.get("equal_to_resident")),
-                     "ready s (/ floor: 4 KiB, 2 MiB pages)": _ready(v, _model(load(name)).get("floor", {})),
+                     "ready s (/ floor: 4 KiB, 2 MiB pages)": _ready(v, model.get("floor", {})),
                      "host RSS GB": f"{v['host_rss_bytes'] / 1e9:.1f}" if v.get("host_rss_bytes") else "-",
                      "pinned GB": f"{v['pinned_bytes'] / 1e9:.1f}" if v.get("pinned_bytes") else "-"})
     return rows
@@ -102,15 +106,6 @@ def fp8_rows() -> list[dict[str, str]]:
         by, resident_s = _by(name), _model(load(name))["resident_s"]
         rows += [_fp8_row(model, by[k], by["ours-rank-local"], resident_s) for k in keys]
     return rows
-
-
-def prequantized_facts() -> dict[str, float]:
-    """The quantize command on FLUX.1-dev and what it buys at start-up, from one run."""
-    m = _model(load(REAL_FILE))
-    by, q = _by(REAL_FILE), m["quantized_checkpoint"]
-    return {"quantize_s": q["quantize_s"], "written_over_source": q["written_bytes"] / q["source_bytes"],
-            "ready_on_the_fly_s": by["ours-fp8"]["ready_s"], "ready_prequantized_s": by["ours-fp8-prequantized"]["ready_s"],
-            "same_output": by["ours-fp8"]["sha256"] == by["ours-fp8-prequantized"]["sha256"]}
 
 
 def pipeline_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
@@ -143,13 +138,12 @@ def ready_rows() -> list[dict[str, str]]:
                 floor, who = r["floor"], f"W = {v['world_size']} ranks (slowest)"
             else:
                 continue
-            ready = _ready(r, floor, 2)
+            ranks = k.startswith("ranks-")
             rows.append({"set-up": who, "arena pages": pages, "pinned GB per rank": f"{r['pinned_bytes'] / 1e9:.2f}",
-                         "ready s (/ floor: 4 KiB, 2 MiB pages)": ready,
+                         "ready s (/ floor: 4 KiB, 2 MiB pages)": _ready(r, floor, 2),
                          "store fill s": f"{r['store']['total_s']:.2f}", "fill threads": str(r["store"]["threads"]),
-                         "warm-up all-gather s": f"{r['offload']['warm_up_s']:.3f}" if "offload" in r and
-                                                 "warm_up_s" in r["offload"] and k != "ours-rank-local" else "-",
-                         "first forward s": f"{r['first_forward_s']:.1f}" if "first_forward_s" in r else "-",
+                         "warm-up all-gather s": f"{r['offload']['warm_up_s']:.3f}" if ranks else "-",
+                         "first forward s": f"{r['first_forward_s']:.1f}" if ranks else "-",
                          "equal": str(v["equal_to_resident"])})
     return rows
 

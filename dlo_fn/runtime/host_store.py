@@ -284,9 +284,11 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     nbytes = layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank
     # CUDA: pageable now, locked once filled (the copies are the pages' first touch, on every thread).
     late_pin = platform.kind == "cuda" and platform.supports_pinned and nbytes > 0
-    # 2 MiB pages for a rank filling alone: W ranks faulting them in at once were slower than in 4 KiB (module doc).
-    late = (huge_page_buffer if local_ranks == 1 else lambda n: torch.empty(n, dtype=torch.uint8))
-    arena, how, fin = (late(nbytes), "pageable", None) if late_pin else alloc_host(nbytes, platform, pin=True)
+    if not late_pin:
+        arena, how, fin = alloc_host(nbytes, platform, pin=True)
+    else:  # 2 MiB pages for a rank filling alone: W ranks faulting them in at once were slower (module doc)
+        arena = huge_page_buffer(nbytes) if local_ranks == 1 else torch.empty(nbytes, dtype=torch.uint8)
+        how, fin = "pageable", None
     alloc_s = time.perf_counter() - t0
     tasks, gaps, sources = [], [], []
     for b, shard in enumerate(layout.shards):
