@@ -32,7 +32,7 @@ def _args(tmp, *extra: str):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
-    args = _args(tmp, "--models", "flux", "--variants", VARIANTS, "--pipeline")
+    args = _args(tmp, "--models", "flux", "--variants", VARIANTS, "--pipeline", "--touch-host-gb", "0.05")
     assert args.func(args) == 0
     assert not (tmp / "ckpt" / "flux1-dev-quick").exists()  # deleted when done (no --keep)
     return json.loads((tmp / "real_flux.json").read_text())
@@ -42,6 +42,8 @@ def report(tmp_path_factory):
 def test_report_structure(report):
     assert report["command"].startswith("python -m dlo_fn bench real") and report["date"] and report["quick"]
     assert report["machine"]["platform"] == "cpu" and report["machine"]["diffusers"] == diffusers.__version__
+    assert "--touch-host-gb 0.05" in report["command"] and report["touch_host"]["bytes"] == 50_000_000
+    assert report["touch_host"]["s"] > 0
     m = report["model"]
     assert m["name"] == "flux" and m["class"] == "FluxTransformer2DModel" and m["source"].startswith("https://")
     assert m["num_blocks"] == 5 and m["block_bytes"] > 0 and m["checkpoint"]["reused"] is False

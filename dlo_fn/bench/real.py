@@ -61,6 +61,9 @@ def register(subparsers) -> None:
                    help="where checkpoints are written, and reused when complete")
     p.add_argument("--keep", action="store_true", help="keep each checkpoint folder (default: deleted when done)")
     p.add_argument("--budget-s", type=float, default=None, help="skip variants that would end past this many s")
+    p.add_argument("--touch-host-gb", type=float, default=0.0,
+                   help="first write this many GB of fresh host memory once and free it: on a VM that backs guest "
+                        "memory at first use (a Firecracker microVM), so no variant pays the hypervisor's faults")
     p.add_argument("--quick", action="store_true", help="tiny configs of the same classes (CPU test)")
     p.add_argument("--platform", choices=("cuda", "cpu"), default=None, help="default: detect (cpu with --quick)")
     p.add_argument("--out", default=None, help="JSON path, {model} replaced by the model's name "
@@ -91,6 +94,7 @@ def _argv(args: argparse.Namespace, models: list[str], variants: list[str]) -> l
             "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     argv += ["--pipeline", "--pipeline-repeats", str(args.pipeline_repeats)] if "pipeline" in variants else []
     argv += ["--budget-s", f"{args.budget_s:g}"] if args.budget_s is not None else []
+    argv += ["--touch-host-gb", f"{args.touch_host_gb:g}"] if args.touch_host_gb else []
     argv += ["--quick"] if args.quick else []
     return argv + (["--platform", args.platform] if args.platform else [])
 
@@ -142,15 +146,22 @@ def run(args: argparse.Namespace) -> int:
         variants.append("pipeline")
     if len(models) > 1 and args.out and "{model}" not in args.out:
         raise SystemExit("bench real: --out names one file but --models has several: put {model} in the path")
-    if args.repeats < 1 or args.warmup < 0:
-        raise SystemExit("bench real: --repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.touch_host_gb < 0:
+        raise SystemExit("bench real: --repeats must be >= 1, --warmup and --touch-host-gb >= 0")
     platform = detect_platform(prefer=args.platform or ("cpu" if args.quick else None))
     ctx = init_distributed(platform)
     root = pathlib.Path(args.folder)
+    touched = None
+    if args.touch_host_gb:  # before any checkpoint is written: its page cache must stay
+        from dlo_fn.bench.real_ready import touch_host
+
+        nbytes = int(args.touch_host_gb * 1e9)
+        touched = {"bytes": nbytes, "s": touch_host(nbytes)}
+        log.info("bench real: touched %.1f GB of host memory in %.1f s", nbytes / 1e9, touched["s"])
     for i, name in enumerate(models):
         case = MODELS[name]
         report = stamp({"quick": args.quick, "budget_s": args.budget_s, "repeats": args.repeats,
-                        "warmup": args.warmup}, "dlo_fn", _argv(args, models, variants), platform)
+                        "warmup": args.warmup, "touch_host": touched}, "dlo_fn", _argv(args, models, variants), platform)
         path = _out_path(args, name, slug(platform))
         left = None if args.budget_s is None else (args.budget_s - (time.perf_counter() - t_start)) / (len(models) - i)
         folder = root / (case.checkpoint + ("-quick" if args.quick else ""))

@@ -23,10 +23,10 @@ pinned memory: the arena is plain (pageable) memory.
 **Filling at the host's speed.** For 25.8 GB on one H200 host: first touch of fresh pages 3.0 s, ``cudaHostRegister``
 of touched pages 2.5 s, a multi-threaded copy from the page cache 0.5-0.7 s; registering fresh pages makes the driver
 fault each one in on one thread; with 2 MiB pages (``MADV_HUGEPAGE``) touch and register took 0.6 s and 0.7 s,
-and a rank's store of FLUX.1-dev 1.6 s against 2.7 s (``bench real``'s floor and rows). So the CUDA arena is
-allocated pageable, in 2 MiB pages (:func:`huge_page_buffer`) where the rank fills alone on its host (2 gloo ranks
-filling 11.8 GB each in 2 MiB pages at once took 5.4 s, in 4 KiB pages 2.8 s; the cause is not isolated), the
-pieces are copied on several threads
+and a rank's store of FLUX.1-dev 1.6 s against 2.7 s (``bench real``'s floor and rows); 2 and 4 ranks filling
+22 GB between them from the page cache took 1.3 s / 1.2 s in 2 MiB pages against 2.2-2.9 s / 2.0 s in 4 KiB pages.
+So the CUDA arena is allocated pageable, in 2 MiB pages (:func:`huge_page_buffer`), the pieces are copied on
+several threads
 (``ctypes.memmove`` releases the GIL), the copies being the pages' first touch on every thread at once; only the gaps
 are zeroed and the pages are locked last. Each piece has its own byte range: the bytes do not depend on the threads.
 W ranks on one host fill at the same time, so each takes its share of the cores (:func:`fill_threads`): on a
@@ -286,9 +286,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     late_pin = platform.kind == "cuda" and platform.supports_pinned and nbytes > 0
     if not late_pin:
         arena, how, fin = alloc_host(nbytes, platform, pin=True)
-    else:  # 2 MiB pages for a rank filling alone: W ranks faulting them in at once were slower (module doc)
-        arena = huge_page_buffer(nbytes) if local_ranks == 1 else torch.empty(nbytes, dtype=torch.uint8)
-        how, fin = "pageable", None
+    else:
+        arena, how, fin = huge_page_buffer(nbytes), "pageable", None
     alloc_s = time.perf_counter() - t0
     tasks, gaps, sources = [], [], []
     for b, shard in enumerate(layout.shards):
