@@ -22,15 +22,16 @@ pinned memory: the arena is plain (pageable) memory.
 
 **Filling at the host's speed.** For 25.8 GB on one H200 host: first touch of fresh pages 3.0 s, ``cudaHostRegister``
 of touched pages 2.5 s, a multi-threaded copy from the page cache 0.5-0.7 s; registering fresh pages makes the driver
-fault each one in on one thread; with 2 MiB pages (``MADV_HUGEPAGE``) touch and register took 0.6 s and 0.7 s,
-and a rank's store of FLUX.1-dev 1.6 s against 2.7 s (``bench real``'s floor and rows); 2 and 4 ranks filling
-22 GB between them from the page cache took 1.3 s / 1.2 s in 2 MiB pages against 2.2-2.9 s / 2.0 s in 4 KiB pages.
-So the CUDA arena is allocated pageable, in 2 MiB pages (:func:`huge_page_buffer`), the pieces are copied on
-several threads
-(``ctypes.memmove`` releases the GIL), the copies being the pages' first touch on every thread at once; only the gaps
-are zeroed and the pages are locked last. Each piece has its own byte range: the bytes do not depend on the threads.
-W ranks on one host fill at the same time, so each takes its share of the cores (:func:`fill_threads`): on a
-2-core host, 2 gloo ranks filling 1.45 GB each took 2.2 s with 2 threads each and 0.8-1.2 s with one.
+fault each one in on one thread. So the CUDA arena is allocated pageable in 2 MiB pages (:func:`huge_page_buffer`:
+touch and register of 25.8 GB took 0.6 s and 0.7 s), the pieces are copied on several threads (``ctypes.memmove``
+releases the GIL), the copies being the pages' first touch on every thread at once, and the arena is locked range
+by range (about 1 GiB each, ending at block starts), each as soon as its pieces are in, on a thread of its own,
+while the next ranges are copied. Only the gaps are zeroed. Each piece has its own byte range: the bytes do not
+depend on the threads. W ranks on one host fill at the same time, so each takes its share of the cores
+(:func:`fill_threads`): on a 2-core host, 2 gloo ranks filling 1.45 GB each took 2.2 s with 2 threads each and
+0.8-1.2 s with one. Filling 22 GB from the page cache on the H200 host, 1, 2 and 4 ranks together took 1.2, 1.3
+and 1.2 s in 2 MiB pages against 2.9, 2.2-2.9 and 2.0 s in 4 KiB pages, and locking the ranges during the copy took
+4 KiB pages to 2.2, 1.7-1.8 and 1.5 s (``figures/data/host_fill_pages_nvidia-h200.json``).
 
 **Rank-local mode** (``layout.num_shards == 1``): every rank streams whole blocks. Two sources:
 
@@ -45,10 +46,13 @@ source         host memory per node (W ranks, model M)      H2D
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures
 import ctypes
 import logging
 import mmap
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +69,7 @@ __all__ = ["HostStore", "H2DSource", "alloc_host", "huge_page_buffer", "pin_in_p
 
 log = logging.getLogger(__name__)
 SOURCES = ("pinned", "mmap")
+PIN_RANGE_BYTES = 1 << 30  # a CUDA arena is registered in ranges of about this much, each once it is filled
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,20 +87,22 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _register_cuda(buf: torch.Tensor) -> None:
+def _register_cuda(buf: torch.Tensor) -> int:
     cudart = torch.cuda.cudart()
-    rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)  # torch's binding releases the GIL
     if rc != cudart.cudaError.success:
         raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed with {rc}: not enough lockable "
                            f"host memory (check `ulimit -l` and the container's memory limit)")
+    return buf.data_ptr()
 
 
-def _unregister_cuda(ptr: int) -> None:
+def _unregister_cuda(ptrs: tuple[int, ...]) -> None:
     try:
         torch.cuda.synchronize()  # no copy from these pages may still be in flight when they are unlocked
         # Only ever once per registration (weakref.finalize runs once): a refused unregister would stay as the
         # runtime's last error and surface at torch's next kernel launch as an unrelated failure.
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        for ptr in ptrs:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver releases the registration with the process
         pass
 
@@ -126,12 +133,13 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(m, dtype=torch.uint8)
 
 
-def pin_in_place(buf: torch.Tensor) -> object:
+def pin_in_place(buf: torch.Tensor, ptrs: Sequence[int] | None = None) -> object:
     """Page-lock the pages of the CUDA host buffer ``buf`` (``cudaHostRegister``); returns the finalizer that
-    undoes it (run by ``close()`` or when ``buf`` is collected)."""
-    _register_cuda(buf)
-    # The finalizer must not hold ``buf`` (weakref.finalize keeps its arguments alive): pass the address.
-    return weakref.finalize(buf, _unregister_cuda, buf.data_ptr())
+    undoes it (run by ``close()`` or when ``buf`` is collected). ``ptrs``: ``buf`` is already registered, as the
+    ranges starting at these addresses; only the finalizer is made."""
+    ptrs = (_register_cuda(buf),) if ptrs is None else tuple(ptrs)
+    # The finalizer must not hold ``buf`` (weakref.finalize keeps its arguments alive): pass the addresses.
+    return weakref.finalize(buf, _unregister_cuda, ptrs)
 
 
 class HostStore:
@@ -148,8 +156,9 @@ class HostStore:
         self._finalizer = finalizer
         self.num_pinned_blocks = layout.num_blocks if arena is not None else 0
         self.copied_ranges: tuple[tuple[int, int], ...] = ()  # source bytes copied into the arena
-        # Seconds of the fill's phases (copy_s includes the first touch of pageable pages; pin_s the registration
-        # after it), its threads and the total; None for the "mmap" source.
+        # Seconds of the fill's phases (copy_s includes the first touch of pageable pages and runs beside the
+        # registration of the ranges already filled; pin_s the registration left after it), its threads and the
+        # total; None for the "mmap" source.
         self.timings: dict | None = None
 
     @property
@@ -204,10 +213,27 @@ def _gaps(pieces: Sequence, size: int) -> list[tuple[int, int]]:
 
 
 def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], source: Callable[[Any], torch.Tensor],
-               gaps: Sequence[tuple[int, int]], threads: int) -> tuple[list[tuple[int, int]], float, float]:
-    """Copy ``source(key)`` (flat uint8, called once per task on the thread that copies it) to ``arena[dst:]`` for
-    each ``(dst, nbytes, key)``, largest first on ``threads`` threads, then zero the ``[lo, hi)`` gaps. Returns the
-    source address ranges read, the copy seconds and the zeroing seconds."""
+               gaps: Sequence[tuple[int, int]], threads: int, bounds: Sequence[int] = (),
+               on_full: Callable[[int, int], None] | None = None) -> tuple[list[tuple[int, int]], float, float]:
+    """Zero the ``[lo, hi)`` gaps, then copy ``source(key)`` (flat uint8, called once per task on the thread that
+    copies it) to ``arena[dst:]`` for each ``(dst, nbytes, key)`` on ``threads`` threads: range after range of
+    ``bounds`` (increasing ends, the last the arena's size; no piece crosses one), largest first within a range.
+    ``on_full(lo, hi)`` is called, on the thread that copied its last piece, as soon as a range is whole. Returns
+    the source address ranges read, the copy seconds and the zeroing seconds."""
+    t0 = time.perf_counter()
+    for lo, hi in gaps:
+        ctypes.memset(arena.data_ptr() + lo, 0, hi - lo)
+    zero_s = time.perf_counter() - t0
+    bounds = list(bounds) or [arena.numel()]
+    left = [0] * len(bounds)  # pieces not yet copied, per range
+    for dst, _, _ in tasks:
+        left[bisect.bisect_right(bounds, dst)] += 1
+    lock = threading.Lock()
+
+    def full(i: int) -> None:
+        if on_full is not None:
+            on_full(bounds[i - 1] if i else 0, bounds[i])
+
     def run(task: tuple[int, int, Any]) -> tuple[int, int]:
         dst, nbytes, key = task
         src = source(key)
@@ -215,18 +241,34 @@ def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], sourc
             ctypes.memmove(arena.data_ptr() + dst, src.data_ptr(), nbytes)
         elif nbytes:  # a source on a device (a model offloaded from where it sits)
             arena[dst : dst + nbytes].copy_(src)
+        i = bisect.bisect_right(bounds, dst)
+        with lock:
+            left[i] -= 1
+            last = left[i] == 0
+        if last:
+            full(i)
         return src.data_ptr(), src.data_ptr() + nbytes
 
-    t0 = time.perf_counter()
+    for i in (i for i, n in enumerate(left) if n == 0):  # ranges of gaps alone
+        full(i)
+    t1 = time.perf_counter()
+    ordered = sorted(tasks, key=lambda t: (bisect.bisect_right(bounds, t[0]), -t[1]))
     if threads == 1:
-        copied = [run(t) for t in tasks]
+        copied = [run(t) for t in ordered]
     else:  # each free thread takes the next task: big pieces start early, small ones fill the tail
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dlo_fn-fill") as pool:
-            copied = list(pool.map(run, sorted(tasks, key=lambda t: -t[1])))
-    t1 = time.perf_counter()
-    for lo, hi in gaps:
-        ctypes.memset(arena.data_ptr() + lo, 0, hi - lo)
-    return [c for c in copied if c[1] > c[0]], t1 - t0, time.perf_counter() - t1
+            copied = list(pool.map(run, ordered))
+    return [c for c in copied if c[1] > c[0]], time.perf_counter() - t1, zero_s
+
+
+def _pin_bounds(layout: ModelLayout, k: int, nbytes: int) -> list[int]:
+    """Where the arena's registrations end: after at least :data:`PIN_RANGE_BYTES`, at the start of a block (of a
+    load group: its H2D is one copy), so every H2D copy reads within one registration."""
+    out = []
+    for b in range(layout.load_group, k, layout.load_group):
+        if layout.shard_offsets[b] - (out[-1] if out else 0) >= PIN_RANGE_BYTES:
+            out.append(layout.shard_offsets[b])
+    return out + [nbytes]
 
 
 def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None) -> torch.Tensor:
@@ -299,11 +341,24 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
         gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
         sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
     threads = threads or fill_threads(nbytes, local_ranks)
-    copied, copy_s, zero_s = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads)
-    t1 = time.perf_counter()
-    if late_pin:
-        fin, how = pin_in_place(arena), "cudaHostRegister"
+    bounds = _pin_bounds(layout, k, nbytes) if late_pin else ()
+    pinned: list[concurrent.futures.Future] = []  # each range is locked while the next ones are copied
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo_fn-pin") as pinner:
+        on_full = (lambda lo, hi: pinned.append(pinner.submit(_register_cuda, arena[lo:hi]))) if late_pin else None
+        try:
+            copied, copy_s, zero_s = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads, bounds,
+                                                on_full)
+        finally:  # what was locked is unlocked with the arena, also when the fill failed
+            t1 = time.perf_counter()
+            concurrent.futures.wait(pinned)
+            if late_pin:
+                how = "cudaHostRegister"
+                fin = pin_in_place(arena, [f.result() for f in pinned if f.exception() is None])
     pin_s = time.perf_counter() - t1 if late_pin else 0.0
+    failed = next((f.exception() for f in pinned if f.exception() is not None), None)
+    if failed is not None:
+        fin()
+        raise failed
     timings = dict(alloc_s=alloc_s, copy_s=copy_s, zero_s=zero_s, pin_s=pin_s, threads=threads,
                    total_s=alloc_s + copy_s + zero_s + pin_s)
     (log.info if progress else log.debug)("host store: rank %d, %d bytes (%s), %d/%d blocks in the arena: %s", rank,
