@@ -10,8 +10,9 @@ cannot avoid, each step measured alone on a buffer of its own, with the threads 
 
 ``floor_s = touch_s + register_s + copy_s`` with 4 KiB pages; with 2 MiB pages the same sum of ``copy_s`` and
 ``touch_hugepage_s`` / ``register_hugepage_s``, measured on a buffer advised ``MADV_HUGEPAGE`` (2 MiB pages where the
-kernel gives them: ``hugepage_bytes``, under the host's ``thp`` mode), as the CUDA arena of a rank filling alone is
-(:func:`dlo_fn.runtime.host_store.huge_page_buffer`). Beside them, ``register_untouched_s``: register of a fresh
+kernel gives them: ``hugepage_bytes``, under the host's ``thp`` mode), as the CUDA arena is
+(:func:`dlo_fn.runtime.host_store.huge_page_buffer`). The floor is a sum of phases each measured alone; the store
+overlaps two of them (it locks filled ranges while it copies the next), so it can come in under it. Beside them, ``register_untouched_s``: register of a fresh
 buffer, which makes the driver fault every page itself (the other order).
 Cold cache: :func:`evict` drops the files' pages (``posix_fadvise(DONTNEED)``) and :func:`resident_fraction`
 checks with ``mincore`` that they are gone.
@@ -63,6 +64,11 @@ def _parallel(fn, items, threads: int) -> float:
     with ThreadPoolExecutor(max_workers=threads) as pool:
         list(pool.map(fn, items))
     return time.perf_counter() - t0
+
+
+def _touch(addr: int, nbytes: int, threads: int) -> float:
+    """Write zeros over ``nbytes`` at ``addr`` in chunks on ``threads`` threads (every page's first touch)."""
+    return _parallel(lambda lo: ctypes.memset(addr + lo, 0, min(CHUNK, nbytes - lo)), range(0, nbytes, CHUNK), threads)
 
 
 def _copy_pread(buf: torch.Tensor, spans, threads: int) -> float:
@@ -140,9 +146,7 @@ def _hugepages(platform, nbytes: int, threads: int) -> dict:
     off = (-addr) % huge
     _libc.madvise(ctypes.c_void_p(addr + off), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
     before = _anon_huge_bytes()
-    pages = [(lo, min(CHUNK, nbytes - lo)) for lo in range(0, nbytes, CHUNK)]
-    out = {"thp": _thp_mode(),
-           "touch_hugepage_s": _parallel(lambda p: ctypes.memset(addr + off + p[0], 0, p[1]), pages, threads)}
+    out = {"thp": _thp_mode(), "touch_hugepage_s": _touch(addr + off, nbytes, threads)}
     out["hugepage_bytes"] = _anon_huge_bytes() - before
     if platform.kind == "cuda":
         buf = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)
@@ -174,8 +178,7 @@ def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share
         fin()
         del fresh
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    pages = [(lo, min(CHUNK, nbytes - lo)) for lo in range(0, nbytes, CHUNK)]
-    out["touch_s"] = _parallel(lambda p: ctypes.memset(buf.data_ptr() + p[0], 0, p[1]), pages, threads)
+    out["touch_s"] = _touch(buf.data_ptr(), nbytes, threads)
     fin = None
     if cuda:
         t0 = time.perf_counter()
@@ -207,8 +210,7 @@ def touch_host(nbytes: int, threads: int = 16) -> float:
     from dlo_fn.runtime.host_store import huge_page_buffer
 
     buf = huge_page_buffer(nbytes)
-    pages = [(lo, min(CHUNK, nbytes - lo)) for lo in range(0, nbytes, CHUNK)]
-    seconds = _parallel(lambda p: ctypes.memset(buf.data_ptr() + p[0], 0, p[1]), pages, threads)
+    seconds = _touch(buf.data_ptr(), nbytes, threads)
     del buf
     gc.collect()
     return seconds
