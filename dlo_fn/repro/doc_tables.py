@@ -209,7 +209,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "real-ready": lambda: _rows(real_tables.ready_rows(), [real_tables.REAL_FILE, real_tables.READY_AFTER_FILE,
                                                           real_tables.READY_FILE]),
     "fp8-real": lambda: _rows(real_tables.fp8_rows(), [real_tables.REAL_FILE, real_tables.WAN_FP8_FILE]),
-    "real-wan720": lambda: _rows(real_tables.real_rows(real_tables.WAN720_FILE), [real_tables.WAN720_FILE]),
+    "real-wan720": lambda: _rows(real_tables.real_rows(real_tables.WAN720_FILE)
+                                 + real_tables.real_rows(real_tables.WAN720_DIFFUSERS_FILE, skip=("resident",)),
+                                 [real_tables.WAN720_FILE, real_tables.WAN720_DIFFUSERS_FILE]),
     "real-ltx": lambda: _rows(real_tables.real_rows(real_tables.LTX_FILE), [real_tables.LTX_FILE]),
     "link-share": lambda: _rows(pcie_tables.link_share_rows(), [pcie_tables.LINK_SHARE.name]),
     "fp8-quality-tiny": lambda: _rows(fp8_tables.quality_rows(), [fp8_tables.QUALITY_FILE]),

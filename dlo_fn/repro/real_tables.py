@@ -18,7 +18,7 @@ from typing import Any
 
 from dlo_fn.repro.data import DATA_DIR
 
-__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "LTX_FILE", "READY_FILE",
+__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "WAN720_DIFFUSERS_FILE", "LTX_FILE", "READY_FILE",
            "READY_AFTER_FILE", "CORE_FILE",
            "load", "real_rows", "fp8_rows", "pipeline_rows", "ready_rows", "core_rows"]
 
@@ -27,6 +27,7 @@ WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-1
 FP8_FILE = "fp8_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev: the full pipeline request (BF16 and FP8)
 WAN_FP8_FILE = "fp8_bench_real_wan480_nvidia-h200.json"  # Wan2.1-T2V-14B at 480p: BF16 and FP8 (its error)
 WAN720_FILE = "bench_real_wan720_nvidia-h200.json"  # Wan2.1-T2V-14B at 720p
+WAN720_DIFFUSERS_FILE = "bench_real_wan720_diffusers_nvidia-h200.json"  # its diffusers row, a run of its own
 LTX_FILE = "bench_real_ltx_nvidia-h200.json"  # LTX-Video, 512x704, 161 frames
 READY_FILE = "ready_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev's time to ready: 2 MiB pages, locked while filled
 READY_AFTER_FILE = "ready_locked_after_bench_real_flux_nvidia-h200.json"  # the same run's 2 MiB pages, locked after
