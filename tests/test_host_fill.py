@@ -1,5 +1,6 @@
-"""The host store's fill on several threads (dlo_fn.runtime.host_store.fill_arena): the same bytes as one thread,
-every piece copied once from one call of its source, gaps zeroed over dirty memory, and the phases timed."""
+"""The host store's fill on several threads (dlo_fn.runtime.host_fill.fill_arena): the same bytes as one thread,
+every piece copied once from one call of its source, gaps zeroed over dirty memory, the phases timed, and each
+range handed over (to be locked) as soon as it is whole."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
-from dlo_fn.runtime.host_store import build_host_store, fill_arena, tensor_bytes
+from dlo_fn.runtime.host_fill import fill_arena
+from dlo_fn.runtime.host_store import build_host_store, tensor_bytes
 from dlo_fn.runtime.platform import platform_for
 
 CPU = platform_for("cpu")
@@ -119,3 +121,40 @@ def test_cuda_arena_is_filled_then_registered():
         torch.cuda.synchronize()
         assert torch.equal(dev.cpu(), cpu.shard(1))
         cuda.close()
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_each_range_is_handed_over_once_as_soon_as_its_pieces_and_gaps_are_in(threads):
+    """fill_arena's ``on_full``: once per range of ``bounds`` (one of gaps alone too), and its bytes are final then."""
+    src = torch.arange(100, dtype=torch.int64).to(torch.uint8) + 1
+    arena = torch.full((100,), 0xEE, dtype=torch.uint8)
+    # pieces [0, 10) [10, 30) [40, 60) [60, 70); gaps [30, 40) [70, 100); ranges end at 30, 60, 70, 100
+    tasks = [(0, 10, 0), (10, 20, 10), (40, 20, 40), (60, 10, 60)]
+    seen, lock = [], threading.Lock()
+    want = src.clone()
+    want[30:40] = want[70:] = 0
+
+    def on_full(lo, hi):
+        with lock:
+            seen.append((lo, hi, torch.equal(arena[lo:hi], want[lo:hi])))
+
+    copied, _, _ = fill_arena(arena, tasks, lambda off: src[off : off + dict((t[0], t[1]) for t in tasks)[off]],
+                              [(30, 40), (70, 100)], threads, [30, 60, 70, 100], on_full)
+    assert torch.equal(arena, want) and len(copied) == 4
+    assert sorted(seen) == [(0, 30, True), (30, 60, True), (60, 70, True), (70, 100, True)]
+
+
+def test_registration_ranges_end_at_block_starts_after_at_least_their_size(monkeypatch):
+    from dlo_fn.runtime import host_fill
+
+    spec = ModelSpec("m", tuple(BlockSpec(f"blocks.{b}", (TensorSpec("w", (64, 64), torch.float32),)) for b in range(6)))
+    for group in (1, 2, 3):
+        layout = model_layout(spec, 2, load_group=group)
+        block_bytes = layout.shard_offsets[1] - layout.shard_offsets[0]
+        monkeypatch.setattr(host_fill, "PIN_RANGE_BYTES", 2 * block_bytes)
+        n = layout.shard_bytes_per_rank
+        bounds = host_fill.pin_bounds(layout, layout.num_blocks, n)
+        starts = {layout.shard_offsets[b] for b in range(0, layout.num_blocks, group)}
+        assert bounds[-1] == n and all(b in starts for b in bounds[:-1]), (group, bounds)
+        assert all(hi - lo >= 2 * block_bytes for lo, hi in zip([0, *bounds], bounds[:-1])), (group, bounds)
+        assert host_fill.pin_bounds(layout, 2, layout.shard_offsets[2])[-1] == layout.shard_offsets[2]

@@ -182,7 +182,7 @@ def _anon_huge_kb(addr: int) -> int:
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_huge_page_buffer_is_zeroed_private_memory_in_2mib_pages_where_the_kernel_gives_them():
-    from dlo_fn.runtime.host_store import huge_page_buffer
+    from dlo_fn.runtime.host_fill import huge_page_buffer
 
     n = 16 << 20
     buf = huge_page_buffer(n)
@@ -195,58 +195,17 @@ def test_huge_page_buffer_is_zeroed_private_memory_in_2mib_pages_where_the_kerne
     assert huge_kb > 0 if mode in ("always", "madvise") else huge_kb == 0, (mode, huge_kb)
 
 
-@pytest.mark.parametrize("threads", [1, 4])
-def test_each_range_is_handed_over_once_as_soon_as_its_pieces_and_gaps_are_in(threads):
-    """fill_arena's ``on_full``: once per range of ``bounds`` (one of gaps alone too), and its bytes are final then."""
-    import threading
-
-    from dlo_fn.runtime.host_store import fill_arena
-
-    src = torch.arange(100, dtype=torch.int64).to(torch.uint8) + 1
-    arena = torch.full((100,), 0xEE, dtype=torch.uint8)
-    # pieces [0, 10) [10, 30) [40, 60) [60, 70); gaps [30, 40) [70, 100); ranges end at 30, 60, 70, 100
-    tasks = [(0, 10, 0), (10, 20, 10), (40, 20, 40), (60, 10, 60)]
-    seen, lock = [], threading.Lock()
-    want = src.clone()
-    want[30:40] = want[70:] = 0
-
-    def on_full(lo, hi):
-        with lock:
-            seen.append((lo, hi, torch.equal(arena[lo:hi], want[lo:hi])))
-
-    copied, _, _ = fill_arena(arena, tasks, lambda off: src[off : off + dict((t[0], t[1]) for t in tasks)[off]],
-                              [(30, 40), (70, 100)], threads, [30, 60, 70, 100], on_full)
-    assert torch.equal(arena, want) and len(copied) == 4
-    assert sorted(seen) == [(0, 30, True), (30, 60, True), (60, 70, True), (70, 100, True)]
-
-
-def test_registration_ranges_end_at_block_starts_after_at_least_their_size(monkeypatch):
-    from dlo_fn.runtime import host_store
-
-    spec, _ = _model([[((64, 64), torch.float32)]] * 6)
-    for group in (1, 2, 3):
-        layout = model_layout(spec, 2, load_group=group)
-        block_bytes = layout.shard_offsets[1] - layout.shard_offsets[0]
-        monkeypatch.setattr(host_store, "PIN_RANGE_BYTES", 2 * block_bytes)
-        n = layout.shard_bytes_per_rank
-        bounds = host_store._pin_bounds(layout, layout.num_blocks, n)
-        starts = {layout.shard_offsets[b] for b in range(0, layout.num_blocks, group)}
-        assert bounds[-1] == n and all(b in starts for b in bounds[:-1]), (group, bounds)
-        assert all(hi - lo >= 2 * block_bytes for lo, hi in zip([0, *bounds], bounds[:-1])), (group, bounds)
-        assert host_store._pin_bounds(layout, 2, layout.shard_offsets[2])[-1] == layout.shard_offsets[2]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_arena_locked_range_by_range_is_pinned_and_unlocked_with_its_store(monkeypatch):
     """Several registrations (small ranges): every H2D reads pinned pages, the bytes are the model's, and close()
     unlocks every range."""
     import ctypes
 
-    from dlo_fn.runtime import host_store
+    from dlo_fn.runtime import host_fill
 
     spec, tensors = _model([[((256, 256), torch.float32), ((7,), torch.bfloat16)]] * 5)
     layout = model_layout(spec, 1)
-    monkeypatch.setattr(host_store, "PIN_RANGE_BYTES", 1)  # a range per block
+    monkeypatch.setattr(host_fill, "PIN_RANGE_BYTES", 1)  # a range per block
     store = build_host_store(layout, 0, tensors, platform_for("cuda", 0))
     flags, libcuda = ctypes.c_uint(0), ctypes.CDLL("libcuda.so.1")
 

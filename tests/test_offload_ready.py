@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dlo_fn.runtime.dist import DistContext
-from dlo_fn.runtime.host_store import fill_threads
+from dlo_fn.runtime.host_fill import fill_threads
 from dlo_fn.runtime.platform import platform_for
 
 PHASES = ("describe_s", "digest_s", "store_s", "warm_up_s", "executor_s", "to_device_s", "release_s")

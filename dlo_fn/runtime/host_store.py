@@ -20,18 +20,7 @@ with ``cudaHostRegister`` by 1.2 GiB; the 13.5 GB arena of 24 blocks then feeds 
 (``pin_memory=True`` on one arena); its pages are invisible to the cgroup (DESIGN.md, Figure 6). CPU has no
 pinned memory: the arena is plain (pageable) memory.
 
-**Filling at the host's speed.** For 25.8 GB on one H200 host: first touch of fresh pages 3.0 s, ``cudaHostRegister``
-of touched pages 2.5 s, a multi-threaded copy from the page cache 0.5-0.7 s; registering fresh pages makes the driver
-fault each one in on one thread. So the CUDA arena is allocated pageable in 2 MiB pages (:func:`huge_page_buffer`:
-touch and register of 25.8 GB took 0.6 s and 0.7 s), the pieces are copied on several threads (``ctypes.memmove``
-releases the GIL), the copies being the pages' first touch on every thread at once, and the arena is locked range
-by range (about 1 GiB each, ending at block starts), each as soon as its pieces are in, on a thread of its own,
-while the next ranges are copied. Only the gaps are zeroed. Each piece has its own byte range: the bytes do not
-depend on the threads. W ranks on one host fill at the same time, so each takes its share of the cores
-(:func:`fill_threads`): on a 2-core host, 2 gloo ranks filling 1.45 GB each took 2.2 s with 2 threads each and
-0.8-1.2 s with one. Filling 22 GB from the page cache on the H200 host, 1, 2 and 4 ranks together took 1.2, 1.3
-and 1.2 s in 2 MiB pages against 2.9, 2.2-2.9 and 2.0 s in 4 KiB pages, and locking the ranges during the copy took
-4 KiB pages to 2.2, 1.7-1.8 and 1.5 s (``figures/data/host_fill_pages_nvidia-h200.json``).
+**Filling at the host's speed**: :mod:`dlo_fn.runtime.host_fill`.
 
 **Rank-local mode** (``layout.num_shards == 1``): every rank streams whole blocks. Two sources:
 
@@ -46,30 +35,24 @@ source         host memory per node (W ranks, model M)      H2D
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
-import ctypes
 import logging
-import mmap
-import os
-import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.runtime.host_fill import fill_arena, fill_threads, huge_page_buffer, pin_bounds
 from dlo_fn.runtime.platform import Platform
 
-__all__ = ["HostStore", "H2DSource", "alloc_host", "huge_page_buffer", "pin_in_place", "fill_arena", "build_host_store",
-           "tensor_bytes", "fill_threads", "SOURCES"]
+__all__ = ["HostStore", "H2DSource", "alloc_host", "pin_in_place", "build_host_store", "tensor_bytes", "SOURCES"]
 
 log = logging.getLogger(__name__)
 SOURCES = ("pinned", "mmap")
-PIN_RANGE_BYTES = 1 << 30  # a CUDA arena is registered in ranges of about this much, each once it is filled
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,16 +104,6 @@ def alloc_host(nbytes: int, platform: Platform, pin: bool = True) -> tuple[torch
         buf = torch.empty(nbytes, dtype=torch.uint8)
         return buf, "cudaHostRegister", pin_in_place(buf)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pin_memory", None
-
-
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of pageable memory (a private anonymous mapping) advised ``MADV_HUGEPAGE``: where the kernel's
-    transparent huge pages allow it (``madvise`` or ``always``), the first touch and ``cudaHostRegister`` handle one
-    2 MiB page where they would handle 512 of 4 KiB. The tensor keeps the mapping alive."""
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(m, dtype=torch.uint8)
 
 
 def pin_in_place(buf: torch.Tensor, ptrs: Sequence[int] | None = None) -> object:
@@ -192,15 +165,6 @@ class HostStore:
         self.sources = tuple(() for _ in self.sources)
 
 
-def fill_threads(nbytes: int, local_ranks: int = 1) -> int:
-    """Threads one rank fills an arena of ``nbytes`` with: one below 256 MiB (threads keep ~150 kB of stacks and
-    arenas), else its share of the CPUs this process may use among ``local_ranks`` ranks filling at once, at
-    most 16."""
-    if local_ranks < 1:
-        raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
-    return 1 if nbytes < 256 << 20 else max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
-
-
 def _gaps(pieces: Sequence, size: int) -> list[tuple[int, int]]:
     out, pos = [], 0
     for p in sorted(pieces, key=lambda p: p.dst_start):
@@ -210,65 +174,6 @@ def _gaps(pieces: Sequence, size: int) -> list[tuple[int, int]]:
     if pos < size:
         out.append((pos, size))
     return out
-
-
-def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], source: Callable[[Any], torch.Tensor],
-               gaps: Sequence[tuple[int, int]], threads: int, bounds: Sequence[int] = (),
-               on_full: Callable[[int, int], None] | None = None) -> tuple[list[tuple[int, int]], float, float]:
-    """Zero the ``[lo, hi)`` gaps, then copy ``source(key)`` (flat uint8, called once per task on the thread that
-    copies it) to ``arena[dst:]`` for each ``(dst, nbytes, key)`` on ``threads`` threads: range after range of
-    ``bounds`` (increasing ends, the last the arena's size; no piece crosses one), largest first within a range.
-    ``on_full(lo, hi)`` is called, on the thread that copied its last piece, as soon as a range is whole. Returns
-    the source address ranges read, the copy seconds and the zeroing seconds."""
-    t0 = time.perf_counter()
-    for lo, hi in gaps:
-        ctypes.memset(arena.data_ptr() + lo, 0, hi - lo)
-    zero_s = time.perf_counter() - t0
-    bounds = list(bounds) or [arena.numel()]
-    left = [0] * len(bounds)  # pieces not yet copied, per range
-    for dst, _, _ in tasks:
-        left[bisect.bisect_right(bounds, dst)] += 1
-    lock = threading.Lock()
-
-    def full(i: int) -> None:
-        if on_full is not None:
-            on_full(bounds[i - 1] if i else 0, bounds[i])
-
-    def run(task: tuple[int, int, Any]) -> tuple[int, int]:
-        dst, nbytes, key = task
-        src = source(key)
-        if src.device.type == "cpu":
-            ctypes.memmove(arena.data_ptr() + dst, src.data_ptr(), nbytes)
-        elif nbytes:  # a source on a device (a model offloaded from where it sits)
-            arena[dst : dst + nbytes].copy_(src)
-        i = bisect.bisect_right(bounds, dst)
-        with lock:
-            left[i] -= 1
-            last = left[i] == 0
-        if last:
-            full(i)
-        return src.data_ptr(), src.data_ptr() + nbytes
-
-    for i in (i for i, n in enumerate(left) if n == 0):  # ranges of gaps alone
-        full(i)
-    t1 = time.perf_counter()
-    ordered = sorted(tasks, key=lambda t: (bisect.bisect_right(bounds, t[0]), -t[1]))
-    if threads == 1:
-        copied = [run(t) for t in ordered]
-    else:  # each free thread takes the next task: big pieces start early, small ones fill the tail
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dlo_fn-fill") as pool:
-            copied = list(pool.map(run, ordered))
-    return [c for c in copied if c[1] > c[0]], time.perf_counter() - t1, zero_s
-
-
-def _pin_bounds(layout: ModelLayout, k: int, nbytes: int) -> list[int]:
-    """Where the arena's registrations end: after at least :data:`PIN_RANGE_BYTES`, at the start of a block (of a
-    load group: its H2D is one copy), so every H2D copy reads within one registration."""
-    out = []
-    for b in range(layout.load_group, k, layout.load_group):
-        if layout.shard_offsets[b] - (out[-1] if out else 0) >= PIN_RANGE_BYTES:
-            out.append(layout.shard_offsets[b])
-    return out + [nbytes]
 
 
 def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None) -> torch.Tensor:
@@ -341,7 +246,7 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
         gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
         sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
     threads = threads or fill_threads(nbytes, local_ranks)
-    bounds = _pin_bounds(layout, k, nbytes) if late_pin else ()
+    bounds = pin_bounds(layout, k, nbytes) if late_pin else ()
     pinned: list[concurrent.futures.Future] = []  # each range is locked while the next ones are copied
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo_fn-pin") as pinner:
         on_full = (lambda lo, hi: pinned.append(pinner.submit(_register_cuda, arena[lo:hi]))) if late_pin else None
