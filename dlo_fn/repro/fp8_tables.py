@@ -46,12 +46,11 @@ def _parts(block) -> dict[str, int]:
 def byte_rows(spec: ModelSpec, num_slots: int = 2) -> list[dict[str, Any]]:
     """Item, formula, BF16 and FP8 bytes of ``spec``'s plan at ``W = 1`` (block 0 for the per-block rows)."""
     plain, q = model_layout(spec, 1), model_layout(spec, 1, quantization="fp8")
-    block, stored = spec.blocks[0], stored_block(spec.blocks[0])
-    kept = _parts(stored)["kept"]
+    block, parts = spec.blocks[0], _parts(stored_block(spec.blocks[0]))
+    kept = parts["kept"]
     rows = [
-        ("block 0: 2-D weights", "1 B per element (FP8), 2 B (BF16)", block_layout(block).nbytes - kept,
-         _parts(stored)["fp8"]),
-        ("block 0: scales", "4 B per output channel", 0, _parts(stored)["scales"]),
+        ("block 0: 2-D weights", "1 B per element (FP8), 2 B (BF16)", block_layout(block).nbytes - kept, parts["fp8"]),
+        ("block 0: scales", "4 B per output channel", 0, parts["scales"]),
         ("block 0: kept as they are", "norms, biases: 1-D", kept, kept),
         ("stored block n_0", "the above, packed at 64 B", plain.shards[0].block.nbytes, q.shards[0].block.nbytes),
         ("compute block c_0", "what a slot holds", plain.compute_block(0).nbytes, q.compute_block(0).nbytes),
@@ -71,9 +70,9 @@ def _image(report: dict) -> dict:
 
 
 def h200_passes(num_slots: int = 2) -> dict[str, Timeline]:
-    """The bench model's image step (one pass, rank-local, warm: as a denoising loop runs it), BF16 and FP8, simulated from ``FP8_STEP_FILE``'s
-    measured inputs: compute per block = its resident step / blocks, H2D at its pinned peak, the dequantise op
-    reading the stored block and writing the slot at the H200's device copy traffic."""
+    """The bench model's image step (one pass, rank-local, warm: as a denoising loop runs it), BF16 and FP8,
+    simulated from ``FP8_STEP_FILE``'s measured inputs: compute per block = its resident step / blocks, H2D at its
+    pinned peak, the dequantise op reading the stored block and writing the slot at the H200's device copy traffic."""
     from dlo_fn.models.specs import config_spec
     from dlo_fn.plan.schedule import Ring
     from dlo_fn.plan.sizes import ModelSizes
@@ -102,24 +101,17 @@ def h200_passes(num_slots: int = 2) -> dict[str, Timeline]:
 def pass_rows(passes: dict[str, Timeline]) -> list[dict[str, str]]:
     """Per pass: simulated step, its lanes' busy time, and the step measured in the same H200 run."""
     measured = _image(load(FP8_STEP_FILE))
-    rows = []
-    for name, tl in passes.items():
-        rows.append({"weights": name, "simulated ms": f"{1e3 * tl.makespan_s:.1f}",
-                     "H2D busy ms": f"{1e3 * tl.busy_s('h2d'):.1f}",
-                     "DQ busy ms": f"{1e3 * tl.busy_s('allgather'):.1f}",
-                     "compute busy ms": f"{1e3 * tl.busy_s('compute'):.1f}",
-                     "measured ms": f"{1e3 * measured[_STEP_VARIANTS[name]]['step_s']:.1f}"})
-    return rows
+    return [{"weights": name, "simulated ms": f"{1e3 * tl.makespan_s:.1f}",
+             "H2D busy ms": f"{1e3 * tl.busy_s('h2d'):.1f}", "DQ busy ms": f"{1e3 * tl.busy_s('allgather'):.1f}",
+             "compute busy ms": f"{1e3 * tl.busy_s('compute'):.1f}",
+             "measured ms": f"{1e3 * measured[_STEP_VARIANTS[name]]['step_s']:.1f}"} for name, tl in passes.items()]
 
 
 def quality_rows(name_or_rows: str | list[dict] = QUALITY_FILE) -> list[dict[str, str]]:
     """``bench fp8-quality``'s rows (a committed file, or the row dicts of a run): each output's error against
     BF16 and its equality with fake_quantize."""
     rows = load(name_or_rows)["rows"] if isinstance(name_or_rows, str) else name_or_rows
-    out = []
-    for r in rows:
-        equal = r["equal_to_fake_quantized"]
-        out.append({"output": r["output"], "elements": f"{r['num_elements']:,d}", "rel L2": f"{r['rel_l2']:.4f}",
-                    "max abs": f"{r['max_abs']:.4g}", "cosine": f"{r['cosine']:.6f}",
-                    "equal to fake_quantize": "-" if equal is None else str(equal)})
-    return out
+    return [{"output": r["output"], "elements": f"{r['num_elements']:,d}", "rel L2": f"{r['rel_l2']:.4f}",
+             "max abs": f"{r['max_abs']:.4g}", "cosine": f"{r['cosine']:.6f}",
+             "equal to fake_quantize": "-" if (eq := r["equal_to_fake_quantized"]) is None else str(eq)}
+            for r in rows]

@@ -53,10 +53,8 @@ class OffloadOptions:
     # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
     pinned_budget_bytes: int | None = None
-    # Quantised shards (dlo_fn.plan.quant): "fp8" stores every >= 2-D floating block weight as FP8 with a float32
-    # scale per output channel (quantised on each rank's own pieces), moves those bytes and dequantises on the
-    # device into the slot; ``quantize_exclude`` names modules to keep as they are (a diffusers model's fp32
-    # modules are always kept). The reference is ``dlo_fn.runtime.quant.fake_quantize``.
+    # Quantised shards (dlo_fn.plan.quant): "fp8" stores and moves every >= 2-D floating block weight as FP8,
+    # dequantised on the device; ``quantize_exclude``: modules kept as they are, besides a diffusers model's fp32 ones.
     quantization: str | None = None
     quantize_exclude: tuple[str, ...] = ()
     # The dequantise op: "torch" (torch ops: a cast and a multiply per tensor), "kernel" (one Triton launch per
@@ -77,11 +75,11 @@ class OffloadOptions:
                              f"copies eager); got {self.graph!r}")
         if self.graph_shapes < 1:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
-        # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank
-        # is the rank-local sequence, known only with the shard group).
         check_quantization(self.quantization)
         if self.dequant not in ("auto", "torch", "kernel"):
             raise ValueError(f"dequant must be 'auto', 'torch' or 'kernel'; got {self.dequant!r}")
+        # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank
+        # is the rank-local sequence, known only with the shard group).
         check_load_group(self.load_group, self.num_slots, "rank-local", quantized=self.quantization is not None)
         if self.quantization is not None and self.rank_local_source == "mmap":
             raise ValueError("rank_local_source='mmap' streams the checkpoint's own bytes: quantised shards need the "

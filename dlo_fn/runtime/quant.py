@@ -1,11 +1,10 @@
 """FP8 shards at run time: quantising a rank's own pieces, the dequantise op, and the reference ``fake_quantize``.
 
-The math and which tensors it applies to are :mod:`dlo_fn.plan.quant`'s. Rows (one output channel each, whose scale
-needs only that row) are quantised on the host, or on the device where there is one, with the same bits
-(``tests/test_quant.py`` crosses the two on a GPU): :class:`StoredBlock` computes only the rows covering the bytes a
-rank's pieces read, so no rank holds a whole FP8 (or BF16) copy. :func:`dequantize_into` is the one dequantise
-kernel, called by the executor's DQ op and by :func:`fake_quantize`, so the offloaded model and the fake-quantised
-resident one compute from the same bits (their cost against BF16: :func:`dlo_fn.bench.fp8_quality.output_error`).
+The math and which tensors it applies to are :mod:`dlo_fn.plan.quant`'s. A row (one output channel) needs only its
+own scale, so :class:`StoredBlock` quantises only the rows a rank's pieces read: no rank holds a whole FP8 (or BF16)
+copy. :func:`dequantize_into` is the one dequantise kernel, called by the executor's DQ op and by
+:func:`fake_quantize`, so the offloaded model and the fake-quantised resident one compute from the same bits
+(their cost against BF16: :func:`dlo_fn.bench.fp8_quality.output_error`).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ __all__ = ["quantize_rows", "dequantize_into", "StoredBlock", "needed_ranges", "
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of the rows of ``w`` (dimension 0 = output channels; module doc of plan.quant), on ``w``'s
-    device: IEEE float32 division and c10's one e4m3 conversion give the same bits on the host and on a GPU (the
-    CUDA tests compare a host-quantised offload with a GPU fake-quantised model)."""
+    device: the same bits on the host and a GPU (``tests/test_quant.py`` crosses the two on CUDA)."""
     rows = w.detach().reshape(w.shape[0], -1).float()
     amax = rows.abs().amax(dim=1)
     # Divided by a tensor, not a Python number: CUDA multiplies by the reciprocal of a host scalar, which rounds
@@ -48,10 +46,9 @@ def dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | No
 
 
 class StoredBlock(Mapping):
-    """A block's stored tensors (FP8, scales and the unquantised ones) for ``build_host_store``: an unquantised
-    tensor is the module's own (an mmap view); a quantised one and its scales are computed on first access, only for
-    the rows covering ``needed[name]`` (the byte ranges this rank's pieces read), the rest left unwritten (pages
-    never touched). The last tensor computed is kept: a piece that follows another of it costs nothing more."""
+    """A block's stored tensors for ``build_host_store``: an unquantised tensor is the module's own (an mmap view);
+    a quantised one and its scales are computed on first access, only for the rows covering ``needed[name]`` (the
+    byte ranges this rank's pieces read; other pages never touched), the last one computed kept for the next piece."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], stored: BlockLayout,
                  needed: Mapping[str, Sequence[tuple[int, int]]], device: torch.device | None = None) -> None:

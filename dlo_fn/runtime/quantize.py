@@ -1,16 +1,15 @@
 """Pre-quantised checkpoints (``python -m dlo_fn quantize SRC DST``): :func:`quantize_checkpoint` writes a
 checkpoint's FP8 shards once, so no rank quantises at start-up.
 
-DST keeps SRC's file names, index (its weight map gains the scales, ``total_size`` the new bytes) and ``config.json``.
-Every block tensor ``offload(..., quantization="fp8")`` stores as FP8 (:func:`dlo_fn.plan.quant.quantized_tensors`:
-the model's block lists, its fp32 modules and ``exclude`` kept) is written as ``F8_E4M3`` plus its float32 scales
-under ``<name>_scale``, by :func:`~dlo_fn.runtime.quant.quantize_rows` from the tensor cast to its module's dtype (as
-``load_model`` casts it): the on-the-fly path's bits. The rest is copied byte for byte; each file's ``__metadata__``
-keeps SRC's entries plus the marks of :mod:`dlo_fn.io.quantized`.
+DST is SRC in :mod:`dlo_fn.io.quantized`'s format (its index's weight map gains the scales, ``total_size`` the new
+bytes; SRC's ``__metadata__`` entries stay): each tensor :func:`dlo_fn.plan.quant.quantized_tensors` selects is
+quantised by :func:`~dlo_fn.runtime.quant.quantize_rows` from the tensor cast to its module's dtype (as
+``load_model`` casts it), the on-the-fly path's bits; the rest is copied byte for byte.
 
 Memory stays flat: positioned reads (a mapping would keep every page read charged to this process), rows quantised
-in chunks of at most :data:`CHUNK_BYTES` of float32, each written at its offset in DST as it is done. Larger item
-sizes come first within a file (as safetensors orders them), so every tensor is aligned and maps zero-copy.
+in chunks of :data:`CHUNK_BYTES` of float32 (on a GPU ``DEVICE_CHUNK_BYTES``), each written at its offset in DST as
+it is done. Larger item sizes come first within a file (as safetensors orders them), so every tensor is aligned and
+maps zero-copy.
 """
 
 from __future__ import annotations
