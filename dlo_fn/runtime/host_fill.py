@@ -106,7 +106,9 @@ def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], sourc
 
 def pin_bounds(layout: ModelLayout, k: int, nbytes: int) -> list[int]:
     """Where the arena's registrations end: after at least :data:`PIN_RANGE_BYTES`, at the start of a block (of a
-    load group: its H2D is one copy), so every H2D copy reads within one registration."""
+    load group: its H2D is one copy), so every H2D copy reads within one registration. Blocks start at the layout's
+    alignment (256 bytes), so two ranges may share a 4 KiB page: the driver takes that (the CUDA test registers a
+    range per block at such starts, and FLUX.1-dev's forwards run at the PCIe bound from 1 GiB ranges)."""
     out = []
     for b in range(layout.load_group, k, layout.load_group):
         if layout.shard_offsets[b] - (out[-1] if out else 0) >= PIN_RANGE_BYTES:
