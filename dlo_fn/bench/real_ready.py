@@ -12,8 +12,9 @@ cannot avoid, each step measured alone on a buffer of its own, with the threads 
 ``touch_hugepage_s`` / ``register_hugepage_s``, measured on a buffer advised ``MADV_HUGEPAGE`` (2 MiB pages where the
 kernel gives them: ``hugepage_bytes``, under the host's ``thp`` mode), as the CUDA arena is
 (:func:`dlo_fn.runtime.host_fill.huge_page_buffer`). The floor is a sum of phases each measured alone; the store
-overlaps two of them (it locks filled ranges while it copies the next), so it can come in under it. Beside them, ``register_untouched_s``: register of a fresh
-buffer, which makes the driver fault every page itself (the other order).
+overlaps two of them (it locks filled ranges while it copies the next), so it can come in under it. Beside them,
+``register_untouched_s``: register of a fresh buffer, which makes the driver fault every page itself (the other
+order).
 Cold cache: :func:`evict` drops the files' pages (``posix_fadvise(DONTNEED)``) and :func:`resident_fraction`
 checks with ``mincore`` that they are gone.
 """
@@ -41,7 +42,6 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def _spans(files: Sequence[pathlib.Path], start: int, nbytes: int) -> list[tuple[str, int, int, int]]:
@@ -137,26 +137,20 @@ def _anon_huge_bytes() -> int:
 
 
 def _hugepages(platform, nbytes: int, threads: int) -> dict:
-    """Touch (and register) ``nbytes`` advised ``MADV_HUGEPAGE``: what 2 MiB pages would save."""
+    """Touch (and register) ``nbytes`` in 2 MiB pages, allocated as the CUDA arena is (``huge_page_buffer``)."""
+    from dlo_fn.runtime.host_fill import huge_page_buffer
     from dlo_fn.runtime.host_store import pin_in_place
 
-    huge = 2 << 20
-    m = mmap.mmap(-1, nbytes + huge, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    off = (-addr) % huge
-    _libc.madvise(ctypes.c_void_p(addr + off), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
-    before = _anon_huge_bytes()
-    out = {"thp": _thp_mode(), "touch_hugepage_s": _touch(addr + off, nbytes, threads)}
+    buf, before = huge_page_buffer(nbytes), _anon_huge_bytes()
+    out = {"thp": _thp_mode(), "touch_hugepage_s": _touch(buf.data_ptr(), nbytes, threads)}
     out["hugepage_bytes"] = _anon_huge_bytes() - before
     if platform.kind == "cuda":
-        buf = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)
         t0 = time.perf_counter()
         fin = pin_in_place(buf)
         out["register_hugepage_s"] = time.perf_counter() - t0
         fin()
-        del buf
+    del buf
     gc.collect()
-    m.close()
     return out
 
 

@@ -33,8 +33,8 @@ Rank-local mmap streams every block from the open mapping: after offload ``c`` (
 generation ``+ sum_b n_b`` file pages (PSS ``/ N``, USS only when ``N = 1``) + slots.
 
 Not modelled, measured on one H200 (figures/data/load_phases_h200.csv): on CUDA the first compute loads kernel
-modules and library state into host memory (+460-509 MB RSS per rank beside ``x``, for the 216 MB checkpoint): pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while a gather
-runs.
+modules and library state into host memory (+460-509 MB RSS per rank beside ``x``, for the 216 MB checkpoint):
+pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while a gather runs.
 
 USS = RSS minus shared pages (the constant's own split, file pages read by more than one rank); PSS divides
 shared file pages by ``N``. With the mapping closed the ranks share no weight page, so the sum of PSS over

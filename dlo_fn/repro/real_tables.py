@@ -18,9 +18,8 @@ from typing import Any
 
 from dlo_fn.repro.data import DATA_DIR
 
-__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "WAN720_DIFFUSERS_FILE", "LTX_FILE", "READY_FILE",
-           "READY_AFTER_FILE", "CORE_FILE",
-           "load", "real_rows", "fp8_rows", "pipeline_rows", "ready_rows", "core_rows"]
+__all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "WAN720_DIFFUSERS_FILE", "LTX_FILE",
+           "READY_FILE", "READY_AFTER_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows", "pipeline_rows", "ready_rows", "core_rows"]
 
 REAL_FILE = "bench_real_flux_nvidia-h200.json"  # every variant of FLUX.1-dev, diffusers' offloading beside ours
 WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-14B at 480p

@@ -68,23 +68,24 @@ def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], sourc
         ctypes.memset(arena.data_ptr() + lo, 0, hi - lo)
     zero_s = time.perf_counter() - t0
     bounds = list(bounds) or [arena.numel()]
+    # each piece with its range, range after range, largest first within one
+    ranged = sorted(((bisect.bisect_right(bounds, t[0]), t) for t in tasks), key=lambda it: (it[0], -it[1][1]))
     left = [0] * len(bounds)  # pieces not yet copied, per range
-    for dst, _, _ in tasks:
-        left[bisect.bisect_right(bounds, dst)] += 1
+    for i, _ in ranged:
+        left[i] += 1
     lock = threading.Lock()
 
     def full(i: int) -> None:
         if on_full is not None:
             on_full(bounds[i - 1] if i else 0, bounds[i])
 
-    def run(task: tuple[int, int, Any]) -> tuple[int, int]:
-        dst, nbytes, key = task
+    def run(item: tuple[int, tuple[int, int, Any]]) -> tuple[int, int]:
+        i, (dst, nbytes, key) = item
         src = source(key)
         if src.device.type == "cpu":
             ctypes.memmove(arena.data_ptr() + dst, src.data_ptr(), nbytes)
         elif nbytes:  # a source on a device (a model offloaded from where it sits)
             arena[dst : dst + nbytes].copy_(src)
-        i = bisect.bisect_right(bounds, dst)
         with lock:
             left[i] -= 1
             last = left[i] == 0
@@ -95,12 +96,11 @@ def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], sourc
     for i in (i for i, n in enumerate(left) if n == 0):  # ranges of gaps alone
         full(i)
     t1 = time.perf_counter()
-    ordered = sorted(tasks, key=lambda t: (bisect.bisect_right(bounds, t[0]), -t[1]))
     if threads == 1:
-        copied = [run(t) for t in ordered]
+        copied = [run(it) for it in ranged]
     else:  # each free thread takes the next task: big pieces start early, small ones fill the tail
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dlo_fn-fill") as pool:
-            copied = list(pool.map(run, ordered))
+            copied = list(pool.map(run, ranged))
     return [c for c in copied if c[1] > c[0]], time.perf_counter() - t1, zero_s
 
 
