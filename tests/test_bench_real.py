@@ -223,11 +223,18 @@ def test_figure_from_the_report_is_deterministic(report, tmp_path):
                  "bench_real_flux_cpu.json", "bench_real_ltx_nvidia-h200.json"):
         model = dict(report["model"], name=name.split("_")[2])
         (data / name).write_text(json.dumps(dict(report, model=model)))
+    # A row measured in a run of its own joins its model's, without that run's resident row.
+    extra = [dict(v, variant="model-offload") if v["variant"] == "ours-rank-local" else v
+             for v in report["model"]["variants"] if v["variant"] in ("resident", "ours-rank-local")]
+    (data / "bench_real_flux_model_offload_nvidia-h200.json").write_text(
+        json.dumps(dict(report, model=dict(report["model"], name="flux", variants=extra))))
     found = find_real_reports(data)  # the machine with the most models, in model order; quick runs ignored
     assert [r["model"]["name"] for r in found] == ["flux", "ltx"]
+    flux = [v["variant"] for v in found[0]["model"]["variants"]]
+    assert flux == [v["variant"] for v in report["model"]["variants"]] + ["model-offload"]
     first = plot_bench_real(found, tmp_path / "a")
     second = plot_bench_real(found, tmp_path / "b")
     assert [p.name for p in first] == ["fig_bench_real.png", "fig_bench_real.csv"]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(first, second))
     timed = [v for v in report["model"]["variants"] if v.get("forward_s") and not v["variant"].startswith("ours-fp8")]
-    assert len(real_rows(found)) == 2 * len(timed)
+    assert len(real_rows(found)) == 2 * len(timed) + 1

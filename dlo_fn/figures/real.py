@@ -1,7 +1,8 @@
 """Users' own models: one denoising forward per offload variant against the bound, from `bench real`'s JSON.
 
 Reads the committed ``figures/data/bench_real_<model>_<machine>.json`` (``python -m dlo_fn bench real`` on a GPU;
-quick CPU runs, ``*_quick.json``, are ignored); the machine with the most models wins. The figure is registered
+quick CPU runs, ``*_quick.json``, are ignored); the machine with the most models wins. Rows of runs of their own
+(``bench_real_<model>_<what>_<machine>.json``, each ratio to its own run's resident forward) join their model's. The figure is registered
 only once such data is committed, so ``python -m dlo_fn figures`` skips it until then.
 """
 
@@ -40,7 +41,13 @@ def find_real_reports(data_dir: pathlib.Path = DATA_DIR) -> list[dict]:
         return []
     machine = max(sorted(by_machine), key=lambda k: len(by_machine[k]))
     files = by_machine[machine]
-    return [json.loads(files[m].read_text()) for m in MODEL_ORDER if m in files]
+    reports = {m: json.loads(files[m].read_text()) for m in MODEL_ORDER if m in files}
+    for extra in sorted(k for k in by_machine if k.endswith("_" + machine)):  # rows measured in runs of their own
+        for m, path in by_machine[extra].items():
+            if m in reports:
+                reports[m]["model"]["variants"] += [v for v in json.loads(path.read_text())["model"]["variants"]
+                                                    if v["variant"] != "resident"]
+    return list(reports.values())
 
 
 def _timed(report: dict) -> list[dict]:

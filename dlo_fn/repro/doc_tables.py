@@ -200,11 +200,18 @@ def results_table() -> str:
                           for r, v, d in rows)
 
 
+def _model_offload(model: str) -> list[dict[str, str]]:
+    """The whole-model offload row of ``model``, measured in a run of its own beside that run's resident forward."""
+    return real_tables.real_rows(real_tables.MODEL_OFFLOAD_FILE.format(model=model), skip=("resident",))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "results": results_table,
     # the FP8 and gloo-rank rows of the Flux comparison are an earlier kernel's and set-up's: their own runs below
-    "real-flux": lambda: _rows(real_tables.real_rows(skip=("ours-fp8", "ranks-")), [real_tables.REAL_FILE]),
-    "real-wan": lambda: _rows(real_tables.real_rows(real_tables.WAN_FILE), [real_tables.WAN_FILE]),
+    "real-flux": lambda: _rows(real_tables.real_rows(skip=("ours-fp8", "ranks-")) + _model_offload("flux"),
+                               [real_tables.REAL_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="flux")]),
+    "real-wan": lambda: _rows(real_tables.real_rows(real_tables.WAN_FILE) + _model_offload("wan480"),
+                              [real_tables.WAN_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="wan480")]),
     "real-pipeline": lambda: _rows(real_tables.pipeline_rows(), [real_tables.FP8_FILE]),
     "real-ready": lambda: _rows(real_tables.ready_rows(), [real_tables.REAL_FILE, real_tables.READY_AFTER_FILE,
                                                           real_tables.READY_FILE]),

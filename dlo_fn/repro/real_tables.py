@@ -19,7 +19,8 @@ from typing import Any
 from dlo_fn.repro.data import DATA_DIR
 
 __all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "WAN720_DIFFUSERS_FILE", "LTX_FILE",
-           "READY_FILE", "READY_AFTER_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows", "pipeline_rows", "ready_rows", "core_rows"]
+           "MODEL_OFFLOAD_FILE", "READY_FILE", "READY_AFTER_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
+           "pipeline_rows", "ready_rows", "core_rows"]
 
 REAL_FILE = "bench_real_flux_nvidia-h200.json"  # every variant of FLUX.1-dev, diffusers' offloading beside ours
 WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-14B at 480p
@@ -28,6 +29,7 @@ WAN_FP8_FILE = "fp8_bench_real_wan480_nvidia-h200.json"  # Wan2.1-T2V-14B at 480
 WAN720_FILE = "bench_real_wan720_nvidia-h200.json"  # Wan2.1-T2V-14B at 720p
 WAN720_DIFFUSERS_FILE = "bench_real_wan720_diffusers_nvidia-h200.json"  # its diffusers row, a run of its own
 LTX_FILE = "bench_real_ltx_nvidia-h200.json"  # LTX-Video, 512x704, 161 frames
+MODEL_OFFLOAD_FILE = "bench_real_{model}_model_offload_nvidia-h200.json"  # whole-model offload, a run of its own
 READY_FILE = "ready_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev's time to ready: 2 MiB pages, locked while filled
 READY_AFTER_FILE = "ready_locked_after_bench_real_flux_nvidia-h200.json"  # the same run's 2 MiB pages, locked after
 CORE_FILE = "core_before_after_nvidia-h200.json"
@@ -37,7 +39,8 @@ LABELS = {"resident": "resident", "ours-rank-local": "ours, 2 slots", "ours-fp8"
           "ours-fp8-auto": "ours, FP8 shards, the policy's choice",
           "ours-fp8-prequantized": "ours, FP8 shards from a pre-quantised checkpoint (2 slots)",
           "diffusers-block": "diffusers group offloading, block_level + stream",
-          "diffusers-leaf": "diffusers group offloading, leaf_level + stream", "ours-cold": "ours, cold page cache"}
+          "diffusers-leaf": "diffusers group offloading, leaf_level + stream", "ours-cold": "ours, cold page cache",
+          "model-offload": "whole-model offload (enable_model_cpu_offload's hook)"}
 
 
 def load(name: str) -> dict[str, Any]:
