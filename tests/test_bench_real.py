@@ -72,6 +72,9 @@ def test_every_variant_equals_resident(report):
     for name in ("ours-rank-local", "ours-allgather", "ours-bgraph", "ours-3-slots"):
         assert rows[name]["store"]["copy_s"] > 0 and rows[name]["ready_over_floor"] > 0
     assert rows["ours-3-slots"]["num_slots"] == 3 and rows["diffusers-block"]["use_stream"] is False  # CPU
+    whole = rows["model-offload"]  # each forward (warm-up, then 2 timed) split in the move there + forward, and back
+    assert len(whole["to_device_and_forward_s_all"]) == len(whole["back_to_host_s_all"]) == 3
+    assert all(t > 0 for t in whole["to_device_and_forward_s_all"] + whole["back_to_host_s_all"])
     ranks = rows["ranks-2"]
     assert ranks["equal_to_resident"] and [r["num_shards"] for r in ranks["ranks"]] == [2, 2]
     assert all(r["sha256"] == want for r in ranks["ranks"])

@@ -231,12 +231,18 @@ def model_offload_setup(platform, folder: str, cls_name: str, inputs: dict):
         model = getattr(diffusers, cls_name).from_pretrained(folder, torch_dtype=torch.bfloat16)
         t1 = time.perf_counter()
         _, hook = cpu_offload_with_hook(model, platform.device)
+        there, back = [], []  # per forward (warm-up first): to the device and the forward; back to the host
 
         def forward():
+            t = time.perf_counter()
             out = model(**inputs)[0]
+            platform.synchronize()  # the move back waits for the forward anyway; this only splits the time
+            there.append(time.perf_counter() - t)
             hook.offload()
+            back.append(time.perf_counter() - t - there[-1])
             return out
 
-        facts = {"load_s": t1 - t0, "offload_s": time.perf_counter() - t1, "pinned_bytes": 0}
+        facts = {"load_s": t1 - t0, "offload_s": time.perf_counter() - t1, "pinned_bytes": 0,
+                 "to_device_and_forward_s_all": there, "back_to_host_s_all": back}
         return forward, facts, (lambda: None)
     return setup
