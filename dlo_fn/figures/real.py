@@ -2,8 +2,8 @@
 
 Reads the committed ``figures/data/bench_real_<model>_<machine>.json`` (``python -m dlo_fn bench real`` on a GPU;
 quick CPU runs, ``*_quick.json``, are ignored); the machine with the most models wins. Rows of runs of their own
-(``bench_real_<model>_<what>_<machine>.json``, each ratio to its own run's resident forward) join their model's. The figure is registered
-only once such data is committed, so ``python -m dlo_fn figures`` skips it until then.
+(``bench_real_<model>_<what>_<machine>.json``, each ratio to its own run's resident forward) join their model's.
+The figure is registered only once such data is committed, so ``python -m dlo_fn figures`` skips it until then.
 """
 
 from __future__ import annotations

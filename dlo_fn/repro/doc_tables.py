@@ -200,26 +200,29 @@ def results_table() -> str:
                           for r, v, d in rows)
 
 
-def _model_offload(model: str) -> list[dict[str, str]]:
-    """The whole-model offload row of ``model``, measured in a run of its own beside that run's resident forward."""
-    return real_tables.real_rows(real_tables.MODEL_OFFLOAD_FILE.format(model=model), skip=("resident",))
+def _real(name: str, *own_runs: str, skip: tuple[str, ...] = ()) -> str:
+    """``bench real``'s rows of ``name``, then those of runs of their own (``own_runs``: their resident rows left
+    out, each ratio to its own run's), with every file named."""
+    rows = real_tables.real_rows(name, skip)
+    for other in own_runs:
+        rows += real_tables.real_rows(other, skip=("resident",))
+    return _rows(rows, [name, *own_runs])
 
 
 TABLES: dict[str, Callable[[], str]] = {
     "results": results_table,
     # the FP8 and gloo-rank rows of the Flux comparison are an earlier kernel's and set-up's: their own runs below
-    "real-flux": lambda: _rows(real_tables.real_rows(skip=("ours-fp8", "ranks-")) + _model_offload("flux"),
-                               [real_tables.REAL_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="flux")]),
-    "real-wan": lambda: _rows(real_tables.real_rows(real_tables.WAN_FILE) + _model_offload("wan480"),
-                              [real_tables.WAN_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="wan480")]),
+    "real-flux": lambda: _real(real_tables.REAL_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="flux"),
+                               skip=("ours-fp8", "ranks-")),
+    "real-wan": lambda: _real(real_tables.WAN_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="wan480")),
     "real-pipeline": lambda: _rows(real_tables.pipeline_rows(), [real_tables.FP8_FILE]),
     "real-ready": lambda: _rows(real_tables.ready_rows(), [real_tables.REAL_FILE, real_tables.READY_AFTER_FILE,
                                                           real_tables.READY_FILE]),
     "fp8-real": lambda: _rows(real_tables.fp8_rows(), [real_tables.REAL_FILE, real_tables.WAN_FP8_FILE]),
-    "real-wan720": lambda: _rows(real_tables.real_rows(real_tables.WAN720_FILE)
-                                 + real_tables.real_rows(real_tables.WAN720_DIFFUSERS_FILE, skip=("resident",)),
-                                 [real_tables.WAN720_FILE, real_tables.WAN720_DIFFUSERS_FILE]),
-    "real-ltx": lambda: _rows(real_tables.real_rows(real_tables.LTX_FILE), [real_tables.LTX_FILE]),
+    "real-wan720": lambda: _real(real_tables.WAN720_FILE, real_tables.WAN720_DIFFUSERS_FILE),
+    "real-ltx": lambda: _real(real_tables.LTX_FILE),
+    "model-offload": lambda: _rows(real_tables.model_offload_rows(),
+                                   [real_tables.MODEL_OFFLOAD_FILE.format(model=m) for m in ("flux", "wan480")]),
     "link-share": lambda: _rows(pcie_tables.link_share_rows(), [pcie_tables.LINK_SHARE.name]),
     "fp8-quality-tiny": lambda: _rows(fp8_tables.quality_rows(), [fp8_tables.QUALITY_FILE]),
     "fp8-step-simulated": lambda: _rows(fp8_tables.pass_rows(fp8_tables.h200_passes()),

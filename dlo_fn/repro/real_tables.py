@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Any
 
 from dlo_fn.repro.data import DATA_DIR
 
 __all__ = ["REAL_FILE", "WAN_FILE", "FP8_FILE", "WAN_FP8_FILE", "WAN720_FILE", "WAN720_DIFFUSERS_FILE", "LTX_FILE",
            "MODEL_OFFLOAD_FILE", "READY_FILE", "READY_AFTER_FILE", "CORE_FILE", "load", "real_rows", "fp8_rows",
-           "pipeline_rows", "ready_rows", "core_rows"]
+           "pipeline_rows", "ready_rows", "model_offload_rows", "core_rows"]
 
 REAL_FILE = "bench_real_flux_nvidia-h200.json"  # every variant of FLUX.1-dev, diffusers' offloading beside ours
 WAN_FILE = "bench_real_wan480_nvidia-h200.json"  # every variant of Wan2.1-T2V-14B at 480p
@@ -153,6 +154,24 @@ def ready_rows() -> list[dict[str, str]]:
                          "warm-up all-gather s": f"{r['offload']['warm_up_s']:.3f}" if ranks else "-",
                          "first forward s": f"{r['first_forward_s']:.1f}" if ranks else "-",
                          "equal": str(v["equal_to_resident"])})
+    return rows
+
+
+def model_offload_rows(models: tuple[str, ...] = ("flux", "wan480")) -> list[dict[str, str]]:
+    """Whole-model offload per model (``MODEL_OFFLOAD_FILE``): each forward split in the move to the device with the
+    forward, and the move back to the host (medians of the timed forwards, the warm-up left out), beside that run's
+    resident forward and bound."""
+    rows = []
+    for m in models:
+        report = load(MODEL_OFFLOAD_FILE.format(model=m))
+        model, v = _model(report), _by(MODEL_OFFLOAD_FILE.format(model=m))["model-offload"]
+        timed = lambda key: statistics.median(v[key][report["warmup"]:])  # noqa: E731
+        rows.append({"model": m, "forward s": f"{v['forward_s']:.1f}", "/ bound": f"{v['ratio_to_bound']:.1f}x",
+                     "to the device + forward s": f"{timed('to_device_and_forward_s_all'):.1f}",
+                     "back to the host s": f"{timed('back_to_host_s_all'):.1f}",
+                     "resident forward ms": f"{1e3 * model['resident_s']:.0f}",
+                     "bound ms": f"{1e3 * model['bound_s']:.0f}",
+                     "equal": str(v["equal_to_resident"])})
     return rows
 
 
