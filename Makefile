@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.dlo_fn-installed
 NB_SANITIZE = notebooks/sanitize.cfg
 
-.PHONY: setup test test-py test-nb reproduce demo notebooks figures clean
+.PHONY: setup lint test test-py test-nb reproduce demo notebooks figures clean
 
 setup: $(STAMP)
 
@@ -16,9 +16,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m ipykernel install --prefix $(VENV) --name python3 >/dev/null
 	@touch $@
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval --nbval-sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test-py: $(STAMP)
 	$(PY) -m pytest tests

@@ -57,9 +57,15 @@ def mixed_requests() -> tuple:
     """The continuous-serving trace: two heights, three step counts, CFG on and off, another guidance, one
     empty prompt (rejected), and one image (``num_frames=1``)."""
     r = mixed_request
-    return (r("a red fox", 1), r("a blue bird", 2, num_inference_steps=5), r("a tall tree", 3, height=48),
-            r("a cat", 4, guidance_scale=1.0), r("", 5), r("a boat", 6, num_inference_steps=2),
-            r("a red fox", 7, guidance_scale=3.0, num_frames=1))
+    return (
+        r("a red fox", 1),
+        r("a blue bird", 2, num_inference_steps=5),
+        r("a tall tree", 3, height=48),
+        r("a cat", 4, guidance_scale=1.0),
+        r("", 5),
+        r("a boat", 6, num_inference_steps=2),
+        r("a red fox", 7, guidance_scale=3.0, num_frames=1),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -77,8 +83,24 @@ def engine_options(**kw):
 
 
 # `generate` end to end (test_generate_cli, test_policy_generate): 3 requests on 2 ranks, wave 1 partial.
-GENERATE_ARGS = ("--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3",
-                 "--prompt", "a fox", "--prompt", "an owl", "--prompt", "a cat")
+GENERATE_ARGS = (
+    "--steps",
+    "2",
+    "--height",
+    "32",
+    "--width",
+    "32",
+    "--frames",
+    "5",
+    "--seed",
+    "3",
+    "--prompt",
+    "a fox",
+    "--prompt",
+    "an owl",
+    "--prompt",
+    "a cat",
+)
 
 
 def run_generate(ckpt, out, *extra, nproc=1, timeout=240):
@@ -97,8 +119,7 @@ def run_generate(ckpt, out, *extra, nproc=1, timeout=240):
 
     args = ["-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), *GENERATE_ARGS, *extra]
     if nproc > 1:
-        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-                *args]
+        args = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -139,8 +160,10 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "mesh": ("test_mesh", "_rank", ()),  # first: its mistakes are made before any group exists
         "wire": ("test_wire", "_channel_rank", ()),
         # Before anything else maps the tiny checkpoint: its streamed blocks must be what keeps the file mapped.
-        **{f"host_budget[{mode}]": ("test_host_budget", "_budget_rank", (FixtureArg("tiny_checkpoint"), mode))
-           for mode in ("allgather", "rank-local")},
+        **{
+            f"host_budget[{mode}]": ("test_host_budget", "_budget_rank", (FixtureArg("tiny_checkpoint"), mode))
+            for mode in ("allgather", "rank-local")
+        },
         "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
         "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), True)),
         "third_party": ("test_third_party", "check_folders_rank", (FixtureArg("third_party_folders"),)),
@@ -196,17 +219,28 @@ def shared_spawns(request):
     from dlo_fn.serve.ranks import run_ranks
 
     selected = {getattr(item.module, "__name__", None) for item in request.session.items}
-    jobs = {world: {name: (module, function, tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg)
-                                                   else a for a in args))
-                    for name, (module, function, args) in scenarios.items() if module in selected}
-            for world, scenarios in SCENARIOS.items()}
+    jobs = {
+        world: {
+            name: (
+                module,
+                function,
+                tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg) else a for a in args),
+            )
+            for name, (module, function, args) in scenarios.items()
+            if module in selected
+        }
+        for world, scenarios in SCENARIOS.items()
+    }
     # The semaphore tracker that every spawn shares starts here, under pytest's capture as it did when the
     # first spawn came from a test (a thread could start it between tests, and its exit-time warning about
     # serve_local's ranks' semaphores would then reach the terminal).
     multiprocessing.resource_tracker.ensure_running()
     pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
-    futures = {world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
-               for world in sorted(jobs) if jobs[world]}
+    futures = {
+        world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
+        for world in sorted(jobs)
+        if jobs[world]
+    }
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)  # a run in progress ends (or times out) and kills its ranks
 

@@ -21,7 +21,9 @@ def test_each_calibration_rederives_from_its_published_number():
     n = _super_bytes()
     h2d = n / (published("b300.t2i.dlo_noag_dp4.wave_s").value / 50)
     nv = 0.75 * n / (published("b300.t2i.hsdp_usp4.wave_s").value / 50)
-    rate = b300.step_flops(b300.WORKLOADS["480p 241f"].tokens) / (published("b300.workloads.480p_241f.dlo_wave_s").value / 35)
+    rate = b300.step_flops(b300.WORKLOADS["480p 241f"].tokens) / (
+        published("b300.workloads.480p_241f.dlo_wave_s").value / 35
+    )
     assert b300.B300_PINNED_H2D_BYTES_PER_S == pytest.approx(h2d, rel=1e-4)
     assert b300.B300_NVLINK_ALLGATHER_BYTES_PER_S == pytest.approx(nv, rel=1e-4)
     assert b300.B300_EFFECTIVE_FLOP_PER_S == pytest.approx(rate, rel=1e-4)

@@ -67,4 +67,5 @@ def test_committed_run_and_notebook_tables():
     assert by[(spread, "continuous")] < by[(spread, "strict")]  # arrivals over time: continuous wins
     sweep = ct.r_sweep_rows()
     assert [r["requests_per_rank"] for r in sweep] == ["1", "2", "4"] and all(
-        r["identical_to_resident"] == "True" for r in sweep)
+        r["identical_to_resident"] == "True" for r in sweep
+    )

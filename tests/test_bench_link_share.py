@@ -34,7 +34,9 @@ def test_quick_run_schema_and_table(tmp_path):
     args = build_parser().parse_args(["bench", "link-share", "--quick", "--ranks", "1,2", "--out", str(out)])
     assert args.func(args) == 0
     r = json.loads(out.read_text())
-    assert r["command"].startswith("python -m dlo_fn bench link-share") and r["date"] and r["machine"]["platform"] == "cpu"
+    assert (
+        r["command"].startswith("python -m dlo_fn bench link-share") and r["date"] and r["machine"]["platform"] == "cpu"
+    )
     assert r["link_bytes_per_s"] > 0 and r["host_memory_bytes_per_s"] > 0
     assert [row["world_size"] for row in r["rows"]] == [1, 2]
     for row in r["rows"]:

@@ -37,8 +37,27 @@ def test_cli_json_and_csv(tmp_path, capsys):
 
     write_checkpoint("tiny", tmp_path / "ck", progress=False)
     out = tmp_path / "sweep.csv"
-    assert main(["bench", "load", "--checkpoint", str(tmp_path / "ck"), "--ranks", "1", "--mode", "mmap", "copy",
-                 "--json", "--out", str(out), "--timeout-s", "240"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "load",
+                "--checkpoint",
+                str(tmp_path / "ck"),
+                "--ranks",
+                "1",
+                "--mode",
+                "mmap",
+                "copy",
+                "--json",
+                "--out",
+                str(out),
+                "--timeout-s",
+                "240",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     rows = list(csv.DictReader(out.open()))
     assert [(r["mode"], r["ranks"]) for r in rows] == [("mmap", "1"), ("copy", "1")]
@@ -66,4 +85,3 @@ def test_bad_checkpoint_fails_before_starting_processes(tmp_path):
         run_load_bench(tmp_path / "absent", 2, "mmap")
     with pytest.raises(ValueError, match="mode must be mmap or copy"):
         run_load_bench(tmp_path, 2, "lazy")
-

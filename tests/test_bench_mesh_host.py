@@ -12,8 +12,14 @@ from dlo_fn.bench.mesh_host import measure
 def test_arena_per_rank_matches_the_mesh_plan():
     doc = measure(dp=1, sp=2)
     got = [(r["shard_group"], r["rank"], r["num_shards"], r["shard_index"]) for r in doc["records"]]
-    assert got == [("world", 0, 2, 0), ("world", 1, 2, 1), ("dp", 0, 1, 0), ("dp", 1, 1, 0),
-                   ("sp", 0, 2, 0), ("sp", 1, 2, 1)]
+    assert got == [
+        ("world", 0, 2, 0),
+        ("world", 1, 2, 1),
+        ("dp", 0, 1, 0),
+        ("dp", 1, 1, 0),
+        ("sp", 0, 2, 0),
+        ("sp", 1, 2, 1),
+    ]
     for r in doc["records"]:
         assert r["arena_bytes"] == r["planned_bytes"] > 0
         assert r["arena_bytes"] <= r["anon_delta_bytes"] <= r["arena_bytes"] + 64 * 1024, r

@@ -19,14 +19,29 @@ from dlo_fn.cli import build_parser
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("accelerate")
 
-VARIANTS = ("ours-rank-local,ours-fp8,ours-fp8-prequantized,diffusers-block,ours-allgather,ours-bgraph,ours-3-slots,"
-            "ranks-2,diffusers-leaf,ours-cold,model-offload")
+VARIANTS = (
+    "ours-rank-local,ours-fp8,ours-fp8-prequantized,diffusers-block,ours-allgather,ours-bgraph,ours-3-slots,"
+    "ranks-2,diffusers-leaf,ours-cold,model-offload"
+)
 
 
 def _args(tmp, *extra: str):
-    return build_parser().parse_args(["bench", "real", "--quick", "--platform", "cpu", "--repeats", "2",
-                                      "--folder", str(tmp / "ckpt"), "--out", str(tmp / "real_{model}.json"),
-                                      *extra])
+    return build_parser().parse_args(
+        [
+            "bench",
+            "real",
+            "--quick",
+            "--platform",
+            "cpu",
+            "--repeats",
+            "2",
+            "--folder",
+            str(tmp / "ckpt"),
+            "--out",
+            str(tmp / "real_{model}.json"),
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +108,7 @@ def test_every_variant_equals_resident(report):
 
 # The bound of tests/test_fp8_quality.py, one e4m3 rounding of a value. Measured on the quick configs (random
 # weights): one forward 4.7% (Flux) and 2.5% (Wan), the Flux pipeline request's images 1.6%.
-E4M3_ROUNDING = 2.0 ** -4
+E4M3_ROUNDING = 2.0**-4
 
 
 @pytest.mark.slow
@@ -121,9 +136,26 @@ def test_every_row_measures_its_error_to_resident(report):
 def test_the_file_holds_every_finished_variant_and_survives_a_kill(tmp_path):
     """Killed (SIGKILL) once two variants are on disk: the file is whole JSON and holds them."""
     out = tmp_path / "real_{model}.json"
-    cmd = [sys.executable, "-m", "dlo_fn", "bench", "real", "--quick", "--platform", "cpu", "--models", "wan480",
-           "--repeats", "2", "--variants", "ours-rank-local,ours-allgather,ours-3-slots,diffusers-block,ranks-2",
-           "--folder", str(tmp_path / "ckpt"), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlo_fn",
+        "bench",
+        "real",
+        "--quick",
+        "--platform",
+        "cpu",
+        "--models",
+        "wan480",
+        "--repeats",
+        "2",
+        "--variants",
+        "ours-rank-local,ours-allgather,ours-3-slots,diffusers-block,ranks-2",
+        "--folder",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(out),
+    ]
     path = tmp_path / "real_wan480.json"
     seen: list[list[str]] = []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -163,15 +195,24 @@ def test_the_budget_skips_what_would_not_finish(tmp_path):
     assert model["skipped"].startswith("budget") and model["variants"] == []
 
     path = tmp_path / "run.json"
-    mr = ModelRun(init_distributed(platform_for("cpu")), MODELS["ltx"], tmp_path / "ckpt" / "ltx", args,
-                  deadline=None, write=lambda entry: _write({"quick": True}, entry, path))
+    mr = ModelRun(
+        init_distributed(platform_for("cpu")),
+        MODELS["ltx"],
+        tmp_path / "ckpt" / "ltx",
+        args,
+        deadline=None,
+        write=lambda entry: _write({"quick": True}, entry, path),
+    )
     mr.prepare(["ours-rank-local", "diffusers-block"])
     mr.deadline = time.perf_counter() + 0.5 * mr.estimate("ours-rank-local")
     mr.one("ours-rank-local")
     mr.one("diffusers-block")
     rows = json.loads(path.read_text())["model"]["variants"]
-    assert [(v["variant"], v["status"]) for v in rows] == [("resident", "ok"), ("ours-rank-local", "skipped"),
-                                                          ("diffusers-block", "skipped")]
+    assert [(v["variant"], v["status"]) for v in rows] == [
+        ("resident", "ok"),
+        ("ours-rank-local", "skipped"),
+        ("diffusers-block", "skipped"),
+    ]
     assert all(v["reason"].startswith("budget: needs ~") for v in rows[1:])
 
 
@@ -184,15 +225,18 @@ def test_bad_arguments_are_one_line(tmp_path):
 
 
 PUBLISHED = {  # blocks, block bytes (bf16; fp32 where the class keeps it), latent tokens per batch row
-    "flux": (57, 23_674_566_656, 4096), "wan480": (40, 28_114_821_120, 14040),
-    "wan720": (40, 28_114_821_120, 32400), "ltx": (28, 3_760_734_208, 7392)}
+    "flux": (57, 23_674_566_656, 4096),
+    "wan480": (40, 28_114_821_120, 14040),
+    "wan720": (40, 28_114_821_120, 32400),
+    "ltx": (28, 3_760_734_208, 7392),
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_configs_on_meta(name):
     from dlo_fn.bench.real_models import MODELS, forward_inputs, tokens_per_row
-    from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.io.diffusers_load import _meta_build, block_paths_for
+    from dlo_fn.plan.spec import spec_from_module
 
     case = MODELS[name]
     model = _meta_build(getattr(diffusers, case.cls), case.config, torch.bfloat16)
@@ -222,15 +266,23 @@ def test_figure_from_the_report_is_deterministic(report, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     report = dict(report, machine=dict(report["machine"], device_name="NVIDIA H200"))
-    for name in ("bench_real_flux_nvidia-h200.json", "bench_real_flux_nvidia-h200_quick.json",
-                 "bench_real_flux_cpu.json", "bench_real_ltx_nvidia-h200.json"):
+    for name in (
+        "bench_real_flux_nvidia-h200.json",
+        "bench_real_flux_nvidia-h200_quick.json",
+        "bench_real_flux_cpu.json",
+        "bench_real_ltx_nvidia-h200.json",
+    ):
         model = dict(report["model"], name=name.split("_")[2])
         (data / name).write_text(json.dumps(dict(report, model=model)))
     # A row measured in a run of its own joins its model's, without that run's resident row.
-    extra = [dict(v, variant="model-offload") if v["variant"] == "ours-rank-local" else v
-             for v in report["model"]["variants"] if v["variant"] in ("resident", "ours-rank-local")]
+    extra = [
+        dict(v, variant="model-offload") if v["variant"] == "ours-rank-local" else v
+        for v in report["model"]["variants"]
+        if v["variant"] in ("resident", "ours-rank-local")
+    ]
     (data / "bench_real_flux_model_offload_nvidia-h200.json").write_text(
-        json.dumps(dict(report, model=dict(report["model"], name="flux", variants=extra))))
+        json.dumps(dict(report, model=dict(report["model"], name="flux", variants=extra)))
+    )
     found = find_real_reports(data)  # the machine with the most models, in model order; quick runs ignored
     assert [r["model"]["name"] for r in found] == ["flux", "ltx"]
     flux = [v["variant"] for v in found[0]["model"]["variants"]]

@@ -11,8 +11,33 @@ from dlo_fn.cli import main
 
 def test_bench_slots_rows_are_medians_of_their_waves(tmp_path):
     out = tmp_path / "slots.csv"
-    assert main(["bench", "slots", "--config", "tiny", "--platform", "cpu", "--workloads", "image", "--height", "32",
-                 "--width", "32", "--steps", "2", "--repeats", "3", "--modes", "rank-local", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "slots",
+                "--config",
+                "tiny",
+                "--platform",
+                "cpu",
+                "--workloads",
+                "image",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--steps",
+                "2",
+                "--repeats",
+                "3",
+                "--modes",
+                "rank-local",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = list(csv.DictReader(out.open()))
     side = json.loads(out.with_suffix(".json").read_text())
     waves = side["workloads"]["image"]["waves"]

@@ -15,8 +15,31 @@ from dlo_fn.cli import main
 @pytest.mark.slow
 def test_tiny_sp_pass_on_cpu_matches_the_plan(tmp_path):
     out = tmp_path / "sp.json"
-    assert main(["bench", "sp-hbm", "--device", "cpu", "--cases", "tiny:1,tiny:2", "--height", "256", "--width",
-                 "256", "--frames", "9", "--threads-per-rank", "1", "--weights", "constant", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "sp-hbm",
+                "--device",
+                "cpu",
+                "--cases",
+                "tiny:1,tiny:2",
+                "--height",
+                "256",
+                "--width",
+                "256",
+                "--frames",
+                "9",
+                "--threads-per-rank",
+                "1",
+                "--weights",
+                "constant",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert {"machine", "command", "date", "note", "records"} <= set(doc) and "not performance" in doc["note"]
     records = doc["records"]
@@ -37,10 +60,18 @@ def test_case_parsing_and_peak_replay():
     assert SPCase("cosmos3-nano", 4, 2, 32).build_config().head_dim == 120
     with pytest.raises(SystemExit, match="CONFIG\\[@HEADS\\]:SP"):
         parse_case("cosmos3-nano", 2)
-    trace = [{"action": "alloc", "addr": 1, "size": 10, "frames": [{"filename": "/r/dlo_fn/models/sp.py", "line": 3,
-                                                                     "name": "f"}]},
-             {"action": "alloc", "addr": 2, "size": 5, "frames": []},
-             {"action": "free_completed", "addr": 1, "size": 10},
-             {"action": "alloc", "addr": 3, "size": 7, "frames": []}]
+    trace = [
+        {
+            "action": "alloc",
+            "addr": 1,
+            "size": 10,
+            "frames": [{"filename": "/r/dlo_fn/models/sp.py", "line": 3, "name": "f"}],
+        },
+        {"action": "alloc", "addr": 2, "size": 5, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 10},
+        {"action": "alloc", "addr": 3, "size": 7, "frames": []},
+    ]
     assert _peak_allocations({"device_traces": [trace]}, top=1) == [
-        {"bytes": 10, "where": "models/sp.py:3 f"}, {"bytes": 5, "where": "1 others"}]
+        {"bytes": 10, "where": "models/sp.py:3 f"},
+        {"bytes": 5, "where": "1 others"},
+    ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from dlo_fn.cli import main
-from dlo_fn.repro.timeline_tables import measured_vs_predicted
 from dlo_fn.plan.compare import check_against_schedule, schedule_from_params
+from dlo_fn.repro.timeline_tables import measured_vs_predicted
 
 
 def test_recording_rebuilds_its_schedule_and_replays(tmp_path, capsys):

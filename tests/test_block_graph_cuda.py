@@ -114,6 +114,7 @@ def test_uncapturable_block_falls_back(caplog):
 
 # -- graph="block": each block's compute a graph, copies and events eager ------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["rank-local", "allgather"])
 @pytest.mark.parametrize("num_blocks", [8, 7])  # odd depth: a block alternates between the slots
 @torch.no_grad()
@@ -277,6 +278,7 @@ def _block_major_steps(model, run, x0, c0):
 
 # -- W = 2: two gloo ranks sharing the GPU (the all-gathers go through the host; correctness only) -------------
 
+
 def _gloo_cuda_rank(ctx, graph, num_blocks: int, load_group: int = 1) -> dict:
     import contextlib
     import dataclasses
@@ -286,8 +288,15 @@ def _gloo_cuda_rank(ctx, graph, num_blocks: int, load_group: int = 1) -> dict:
     torch.cuda.set_device(0)
     ctx = dataclasses.replace(ctx, platform=Platform("cuda", torch.device("cuda", 0), "gloo"))
     ref = toy(num_blocks, d=1024).to("cuda")
-    o = offload(toy(num_blocks, d=1024), "blocks", ctx, mode="allgather", graph=graph, num_slots=2 * load_group,
-                load_group=load_group)
+    o = offload(
+        toy(num_blocks, d=1024),
+        "blocks",
+        ctx,
+        mode="allgather",
+        graph=graph,
+        num_slots=2 * load_group,
+        load_group=load_group,
+    )
     ex = o.executor
     gen = torch.Generator("cuda").manual_seed(100 * ctx.rank)  # each rank serves its own requests
     xs = [torch.randn(64, 1024, device="cuda", generator=gen) for _ in range(6)]
@@ -298,10 +307,15 @@ def _gloo_cuda_rank(ctx, graph, num_blocks: int, load_group: int = 1) -> dict:
             want += _block_major_steps(ref, contextlib.nullcontext(), xs[:2], xs[:2])
             got += _block_major_steps(o.model, o.run(3, 2), xs[:2], xs[:2])
     torch.cuda.synchronize()
-    return {"equal": all(torch.equal(g, w) for g, w in zip(got, want)), "sharded": ex.layout.num_shards,
-            "block_graphs": ex.plugin is not None, "captures": getattr(ex.plugin, "captures", 0),
-            "replays": getattr(ex.plugin, "replays", 0), "collectives": ex.stats.collectives,
-            "computes": ex.stats.computes}
+    return {
+        "equal": all(torch.equal(g, w) for g, w in zip(got, want)),
+        "sharded": ex.layout.num_shards,
+        "block_graphs": ex.plugin is not None,
+        "captures": getattr(ex.plugin, "captures", 0),
+        "replays": getattr(ex.plugin, "replays", 0),
+        "collectives": ex.stats.collectives,
+        "computes": ex.stats.computes,
+    }
 
 
 def test_two_gloo_ranks_on_one_gpu_block_graphs():
@@ -336,8 +350,15 @@ def test_load_groups_bit_exact_on_cuda_streams(graph, load_group):
     import contextlib
 
     ref = toy(8, d=1024).to("cuda")
-    o = offload(toy(8, d=1024), "blocks", _ctx(), mode="rank-local", num_slots=2 * load_group,
-                load_group=load_group, graph=graph)
+    o = offload(
+        toy(8, d=1024),
+        "blocks",
+        _ctx(),
+        mode="rank-local",
+        num_slots=2 * load_group,
+        load_group=load_group,
+        graph=graph,
+    )
     ex = o.executor
     xs = [torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(s)) for s in range(8)]
     want = [ref(x).clone() for x in xs]

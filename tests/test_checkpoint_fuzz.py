@@ -21,13 +21,13 @@ import time
 import pytest
 import torch
 
-from dlo_fn.models import BLOCK_PATHS, Request, generate
 from dlo_fn.io.checkpoint import CheckpointError
-from dlo_fn.runtime.dist import DistContext
 from dlo_fn.io.load import load_model
+from dlo_fn.io.sources import spec_for
+from dlo_fn.models import BLOCK_PATHS, Request, generate
+from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
-from dlo_fn.io.sources import spec_for
 
 SEED = 0
 BUDGET_S = 150  # the whole fuzz; pytest-timeout stops a hang
@@ -127,7 +127,8 @@ def fuzz(folder: pathlib.Path, variants: list[Case], deadline: float) -> dict:
             assert spec == base_spec, f"{case}: the plan changed without an error"
             state = _state(load_model(folder, progress=False))
             assert state.keys() == base_state.keys() and all(
-                state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in base_state.items()), case
+                state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in base_state.items()
+            ), case
             family = (case.kind, "index" if case.file.endswith(".json") else "weights")
             if family not in stepped:
                 stepped.add(family)
@@ -178,20 +179,22 @@ def test_fuzzed_diffusers_folder(tmp_path, deadline):
 
 
 def _with_header(data: bytes, header: bytes) -> bytes:
-    return len(header).to_bytes(8, "little") + header + data[header_end(data):]
+    return len(header).to_bytes(8, "little") + header + data[header_end(data) :]
 
 
 def header_length(residue: int):
     """The header padded (spaces, as JSON allows) to a length of 8k + ``residue``: every tensor then starts at
     ``residue`` mod 8 in the file and so in its mapping."""
+
     def apply(data: bytes) -> bytes:
-        header = data[8:header_end(data)].rstrip(b" ")
+        header = data[8 : header_end(data)].rstrip(b" ")
         return _with_header(data, header + b" " * ((residue - len(header)) % 8))
+
     return apply
 
 
 def leading_spaces(data: bytes) -> bytes:
-    header = b"   " + data[8:header_end(data)].rstrip(b" ")
+    header = b"   " + data[8 : header_end(data)].rstrip(b" ")
     return _with_header(data, header + b" " * (-len(header) % 8))
 
 
@@ -199,14 +202,16 @@ def flipped_data(data: bytes) -> bytes:
     """Tensor bytes set to 0xff (NaNs in bf16 and fp32): no checksum guards them, so the loader takes them."""
     out = bytearray(data)
     start = header_end(data) + 100
-    out[start:start + 64] = b"\xff" * 64
+    out[start : start + 64] = b"\xff" * 64
     return bytes(out)
 
 
 # name -> (how the weights file changes, whether the tensors keep the original bits)
-FAMILIES = {**{f"header length 8k+{r}": (header_length(r), True) for r in range(1, 8)},
-            "leading spaces in the header": (leading_spaces, True),
-            "flipped tensor bytes": (flipped_data, False)}
+FAMILIES = {
+    **{f"header length 8k+{r}": (header_length(r), True) for r in range(1, 8)},
+    "leading spaces in the header": (leading_spaces, True),
+    "flipped tensor bytes": (flipped_data, False),
+}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -237,5 +242,6 @@ def test_misaligned_tensors_are_copied_with_their_bits(tiny_checkpoint, tmp_path
     assert report.private_copy_bytes == sum(t.numel() * t.element_size() for t in original.values())
     for k, v in original.items():
         assert state[k].data_ptr() % state[k].element_size() == 0, k
-        assert state[k].dtype == v.dtype and torch.equal(state[k].reshape(-1).view(torch.uint8),
-                                                         v.reshape(-1).view(torch.uint8)), k
+        assert state[k].dtype == v.dtype and torch.equal(
+            state[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
+        ), k

@@ -29,12 +29,15 @@ def _one_line(capsys, argv, code=2) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "nano2"], ["--model nano2", "neither a named config"]),
-    (["--model", "tiny", "--shard-world", "0"], ["--shard-world 0", ">= 1"]),
-    (["--model", "tiny", "--alignment", "100"], ["--alignment 100", "power of two"]),
-    (["--model", "tiny", "--landing", "0"], ["--landing 0"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--model", "nano2"], ["--model nano2", "neither a named config"]),
+        (["--model", "tiny", "--shard-world", "0"], ["--shard-world 0", ">= 1"]),
+        (["--model", "tiny", "--alignment", "100"], ["--alignment 100", "power of two"]),
+        (["--model", "tiny", "--landing", "0"], ["--landing 0"]),
+    ],
+)
 def test_plan_mistakes(capsys, argv, words):
     line = _one_line(capsys, ["plan", *argv])
     assert line.startswith("dlo_fn plan: error: ") and all(w in line for w in words), line
@@ -93,21 +96,24 @@ def _generate(checkpoint, tmp_path, *extra):
     return ["generate", "--checkpoint", checkpoint, "--out", str(tmp_path / "out"), *SMALL, *extra]
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--prompt", "x", "--height", "33"], ["--height", "height=33", "multiple of 16"]),
-    (["--prompt", "x", "--frames", "4"], ["--frames", "num_frames=4", "1 + a multiple of"]),
-    (["--prompt", "x", "--steps", "0"], ["--steps", "num_inference_steps=0", ">= 1"]),
-    (["--prompt", "x", "--guidance=-1"], ["--guidance", "guidance_scale=-1.0", ">= 1"]),
-    (["--prompt", ""], ["--prompt", "non-empty"]),
-    (["--prompt", "x", "--slots", "0"], ["--slots 0", ">= 1"]),
-    (["--prompt", "x", "--requests-per-rank", "0"], ["--requests-per-rank 0"]),
-    (["--prompt", "x", "--cuda-graph", "block", "--graph-shapes", "0"], ["--graph-shapes 0", ">= 1"]),
-    (["--prompt", "x", "--timeout", "0"], ["--timeout 0"]),
-    (["--prompt", "x", "--load-group", "0"], ["--load-group 0", ">= 1", "auto"]),
-    (["--prompt", "x", "--load-group", "2", "--slots", "3"], ["--load-group 2 --slots 3", "multiple of 2", ">= 4"]),
-    (["--prompt", "x", "--resident", "--no-allgather"], ["conflicting modes"]),
-    ([], ["--prompt", "--prompts"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--prompt", "x", "--height", "33"], ["--height", "height=33", "multiple of 16"]),
+        (["--prompt", "x", "--frames", "4"], ["--frames", "num_frames=4", "1 + a multiple of"]),
+        (["--prompt", "x", "--steps", "0"], ["--steps", "num_inference_steps=0", ">= 1"]),
+        (["--prompt", "x", "--guidance=-1"], ["--guidance", "guidance_scale=-1.0", ">= 1"]),
+        (["--prompt", ""], ["--prompt", "non-empty"]),
+        (["--prompt", "x", "--slots", "0"], ["--slots 0", ">= 1"]),
+        (["--prompt", "x", "--requests-per-rank", "0"], ["--requests-per-rank 0"]),
+        (["--prompt", "x", "--cuda-graph", "block", "--graph-shapes", "0"], ["--graph-shapes 0", ">= 1"]),
+        (["--prompt", "x", "--timeout", "0"], ["--timeout 0"]),
+        (["--prompt", "x", "--load-group", "0"], ["--load-group 0", ">= 1", "auto"]),
+        (["--prompt", "x", "--load-group", "2", "--slots", "3"], ["--load-group 2 --slots 3", "multiple of 2", ">= 4"]),
+        (["--prompt", "x", "--resident", "--no-allgather"], ["conflicting modes"]),
+        ([], ["--prompt", "--prompts"]),
+    ],
+)
 def test_generate_flag_mistakes(capsys, checkpoint, tmp_path, extra, words):
     line = _one_line(capsys, _generate(checkpoint, tmp_path, *extra))
     assert line.startswith("dlo_fn generate: error: ") and all(w in line for w in words), line
@@ -148,8 +154,7 @@ def test_generate_prompts_file_mistakes(capsys, checkpoint, tmp_path):
 def test_make_checkpoint_mistakes(capsys, tmp_path):
     line = _one_line(capsys, ["make-checkpoint", "--model", "tiny", "--out", "/proc/nope", "--no-progress"])
     assert "--out /proc/nope" in line and "writable" in line
-    line = _one_line(capsys, ["make-checkpoint", "--model", "tiny", "--out", str(tmp_path), "--max-shard-size",
-                              "lots"])
+    line = _one_line(capsys, ["make-checkpoint", "--model", "tiny", "--out", str(tmp_path), "--max-shard-size", "lots"])
     assert "--max-shard-size lots" in line
 
 
@@ -172,14 +177,17 @@ def test_make_checkpoint_help_lists_every_size():
     assert 0.9e9 < SIZES_BF16_BYTES["load-1gb"] < 1.1e9
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model-bytes", "10GB", "--dp", "2", "--num-blocks", "0"], ["--num-blocks 0"]),
-    (["--model-bytes", "10GB", "--dp", "2", "--max-block-bytes", "20GB"], ["--max-block-bytes 20GB", "at most"]),
-    (["--model-bytes=-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),
-    (["--model-bytes", "-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),  # not "expected one argument"
-    (["--model-bytes", "10XB", "--dp", "2"], ["--model-bytes 10XB", "cannot read"]),
-    (["--model", "nano2", "--dp", "2"], ["--model nano2"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--model-bytes", "10GB", "--dp", "2", "--num-blocks", "0"], ["--num-blocks 0"]),
+        (["--model-bytes", "10GB", "--dp", "2", "--max-block-bytes", "20GB"], ["--max-block-bytes 20GB", "at most"]),
+        (["--model-bytes=-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),
+        (["--model-bytes", "-5GB", "--dp", "2"], ["--model-bytes -5GB", "negative"]),  # not "expected one argument"
+        (["--model-bytes", "10XB", "--dp", "2"], ["--model-bytes 10XB", "cannot read"]),
+        (["--model", "nano2", "--dp", "2"], ["--model nano2"]),
+    ],
+)
 def test_memory_mistakes(capsys, argv, words):
     line = _one_line(capsys, ["memory", *argv])
     assert all(w in line for w in words), line
@@ -196,8 +204,12 @@ def test_verbose_after_the_command_and_tiny_units(capsys):
 
 def test_closed_stdout_is_quiet():
     """``plan --json | head``: the reader leaves before we write; no BrokenPipeError traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "dlo_fn", "plan", "--model", "cosmos3-super", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlo_fn", "plan", "--model", "cosmos3-super", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and err == "", err
@@ -218,11 +230,28 @@ def test_partly_bad_prompts_file_runs_the_rest(checkpoint, tmp_path):
     import hashlib
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "a fox"}\n{"prompt": "an owl", "id": "x"}\n{"prompt": "a cat", "id": "x"}\n'
-                       '{"prompt": "a dog", "frames": 5}\n')
+    prompts.write_text(
+        '{"prompt": "a fox"}\n{"prompt": "an owl", "id": "x"}\n{"prompt": "a cat", "id": "x"}\n'
+        '{"prompt": "a dog", "frames": 5}\n'
+    )
     trace, out = tmp_path / "trace.json", tmp_path / "out"
-    cmd = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--out", str(out), *SMALL,
-           "--prompts", str(prompts), "--trace", str(trace), "--serving", "strict"]  # its log: a line per wave
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--out",
+        str(out),
+        *SMALL,
+        "--prompts",
+        str(prompts),
+        "--trace",
+        str(trace),
+        "--serving",
+        "strict",
+    ]  # its log: a line per wave
     done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
     assert done.returncode == 1, done.stderr[-3000:]
     err = done.stderr
@@ -250,9 +279,27 @@ def test_partly_bad_prompts_file_runs_the_rest(checkpoint, tmp_path):
 def test_torchrun_prints_a_usage_error_once(checkpoint, tmp_path):
     from dlo_fn.runtime.dist import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--out", str(tmp_path),
-           *SMALL, "--prompt", "x", "--height", "33"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--out",
+        str(tmp_path),
+        *SMALL,
+        "--prompt",
+        "x",
+        "--height",
+        "33",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("dlo_fn generate: error:")]
@@ -263,12 +310,16 @@ def test_torchrun_prints_a_usage_error_once(checkpoint, tmp_path):
     assert "traceback : dlo_fn generate: error: --height" in done.stderr
 
 
-@pytest.mark.parametrize("fault, words", [
-    ('{"rank": 0, "wave": 1, "kind": "raise"}', ["DLO_FN_FAULT", '"wave": 1', "ring step", '"step"']),
-    ('{"rank": 0, "kind": "nap"}', ["DLO_FN_FAULT", "kind"]),
-])
-def test_generate_fault_that_continuous_serving_would_ignore_is_one_line(capsys, checkpoint, tmp_path, monkeypatch,
-                                                                         fault, words):
+@pytest.mark.parametrize(
+    "fault, words",
+    [
+        ('{"rank": 0, "wave": 1, "kind": "raise"}', ["DLO_FN_FAULT", '"wave": 1', "ring step", '"step"']),
+        ('{"rank": 0, "kind": "nap"}', ["DLO_FN_FAULT", "kind"]),
+    ],
+)
+def test_generate_fault_that_continuous_serving_would_ignore_is_one_line(
+    capsys, checkpoint, tmp_path, monkeypatch, fault, words
+):
     """Continuous serving has ring steps, not waves: a fault naming wave 1 used to be ignored (it fired at ring step
     0); now it is refused before loading, with what to give instead."""
     monkeypatch.setenv("DLO_FN_FAULT", fault)

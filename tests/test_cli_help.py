@@ -8,14 +8,19 @@ import pytest
 from dlo_fn.cli import build_parser, main
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["polcy"], ["dlo_fn: error: ", "invalid choice: 'polcy'"]),
-    (["policy", "--slotz", "2"], ["dlo_fn policy: error: unrecognized arguments: --slotz 2",
-                                  "python -m dlo_fn policy --help"]),
-    (["policy", "--objective", "speed"], ["dlo_fn policy: error: ", "invalid choice: 'speed'"]),
-    (["bench", "step", "--bogus"], ["dlo_fn bench step: error: unrecognized arguments: --bogus"]),
-    (["make-checkpoint"], ["dlo_fn make-checkpoint: error: ", "required: --model, --out"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["polcy"], ["dlo_fn: error: ", "invalid choice: 'polcy'"]),
+        (
+            ["policy", "--slotz", "2"],
+            ["dlo_fn policy: error: unrecognized arguments: --slotz 2", "python -m dlo_fn policy --help"],
+        ),
+        (["policy", "--objective", "speed"], ["dlo_fn policy: error: ", "invalid choice: 'speed'"]),
+        (["bench", "step", "--bogus"], ["dlo_fn bench step: error: unrecognized arguments: --bogus"]),
+        (["make-checkpoint"], ["dlo_fn make-checkpoint: error: ", "required: --model, --out"]),
+    ],
+)
 def test_argparse_mistakes_are_one_line(capsys, argv, words):
     with pytest.raises(SystemExit) as exc:
         main(argv)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from dlo_fn.repro import cold_start as fig2
 from dlo_fn.plan.memory import GB
+from dlo_fn.repro import cold_start as fig2
 
 
 def _rows(m, c, ns=(1, 2, 3, 4)):
-    return ([{"mode": "mmap", "ranks": n, "sum_pss_bytes": m + n * c, "model_bytes": m, "constant_pss_bytes": c}
-             for n in ns]
-            + [{"mode": "copy", "ranks": n, "sum_pss_bytes": n * (m + c), "model_bytes": m, "constant_pss_bytes": c}
-               for n in ns])
+    return [
+        {"mode": "mmap", "ranks": n, "sum_pss_bytes": m + n * c, "model_bytes": m, "constant_pss_bytes": c} for n in ns
+    ] + [
+        {"mode": "copy", "ranks": n, "sum_pss_bytes": n * (m + c), "model_bytes": m, "constant_pss_bytes": c}
+        for n in ns
+    ]
 
 
 def test_fit_recovers_the_two_laws():
@@ -35,7 +37,9 @@ def test_model_terms_match_the_published_decomposition():
     assert copy.private_copy_bytes == 4 * copy.page_cache_bytes and mmap.private_copy_bytes == 0
     assert copy.cgroup_peak_bytes - mmap.cgroup_peak_bytes == copy.private_copy_bytes
     assert {c.key: abs(c.rel_error) < 0.02 for c in fig2.nano_comparisons() if "cgroup_peak" in c.key} == {
-        "fig2.nano_dp4.private_copy.cgroup_peak": True, "fig2.nano_dp4.mmap.cgroup_peak": True}
+        "fig2.nano_dp4.private_copy.cgroup_peak": True,
+        "fig2.nano_dp4.mmap.cgroup_peak": True,
+    }
     assert 45 * GB < mmap.cgroup_peak_bytes < 49 * GB
 
 

@@ -58,7 +58,8 @@ def test_offload_composes_with_diffusers_context_parallel(request):
             assert res[name]["offloaded_equals_cp"] and res[name]["num_shards"] == 2, name
             assert res[name]["after_offload"] == (
                 "enable_context_parallel: call it before offload(): the offloaded blocks' attention processors "
-                "are no longer in the module tree")
+                "are no longer in the module tree"
+            )
 
 
 def test_context_parallel_needs_an_sp_axis_and_a_plan():

@@ -31,7 +31,6 @@ REQUESTS = mixed_requests()
 SUBS = tuple(as_submissions(REQUESTS))
 
 
-
 def _options(**kw) -> EngineOptions:
     return engine_options(**{"timeout_s": TIMEOUT_S, "serving": "continuous", **kw})
 
@@ -77,8 +76,9 @@ def whole(checkpoint):
         Phase("allgather", SUBS, _options()),
         Phase("allgather", SUBS, _options(requests_per_rank=2)),
         Phase("allgather", SUBS, _options(), stream_gaps_s=(0.0, 0.3, 0.0, 0.5, 0.0, 0.0, 0.2)),
-        Phase("allgather", (Submission("a", _req("a red fox", 1)), Submission("b", _req("a blue bird", 1))),
-              _options()),
+        Phase(
+            "allgather", (Submission("a", _req("a red fox", 1)), Submission("b", _req("a blue bird", 1))), _options()
+        ),
         # Ring step 1: rank 1 holds the bird (5 steps); rank 0 the fox.
         Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="raise", step=1))),
     ]
@@ -121,8 +121,12 @@ def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, mixed_expected
     # Step 4: rank 0 holds the tree (steps 3-5), rank 1 the bird (steps 0-4); the fox ended at step 2. The bird
     # is lost with rank 1; rank 0 redoes step 4 of the tree as a rank-local replica, then serves the queue and,
     # as a stream, the two requests that arrive 2 s later. (3 ranks, stalls, raises: test_continuous_recovery.)
-    phase = Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="exit", step=4)),
-                  stream_gaps_s=(0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0))
+    phase = Phase(
+        "allgather",
+        SUBS,
+        _options(fault=Fault(rank=1, wave=0, kind="exit", step=4)),
+        stream_gaps_s=(0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0),
+    )
     run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=30)
     (report,) = run.reports
     bird = report.by_id()["req0001"]
@@ -157,9 +161,28 @@ def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, mixed_expecte
 
     lines = [dict(id=f"req{i:04d}", **r.to_dict()) for i, r in enumerate(REQUESTS)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
-           "--serving", "continuous", "--out", str(tmp_path / "out"), "--timeout", "30"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--serving",
+        "continuous",
+        "--out",
+        str(tmp_path / "out"),
+        "--timeout",
+        "30",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the empty prompt is an error

@@ -1,7 +1,8 @@
 """Continuous serving on a dp 2 x sp 2 mesh (dlo_fn.serve.continuous), real gloo ranks, one spawn of 4 ranks:
 the unit of admission is a replica (its 2 sp ranks run one request together), replicas hold different requests
 (shapes, steps, CFG on/off) side by side, every output is byte-identical to the request alone on the resident
-model (shard groups world, dp and sp; R = 2 on one replica), a raise on one sp rank fails only its replica's request, and a dead rank
+model (shard groups world, dp and sp; R = 2 on one replica), a raise on one sp rank fails only its replica's request,
+and a dead rank
 fails closed within the timeout: its replica's requests name it, the other replica's get "not completed", the
 queue "not dispatched" (no recovery on an sp mesh), every request exactly one result. Then ``generate --sp 2
 --serving continuous`` under torchrun (dp 1 x sp 2) writes the resident hashes."""
@@ -47,11 +48,14 @@ def run(checkpoint):
     opts = dict(timeout_s=TIMEOUT_S, serving="continuous")
     phases = [
         Phase("allgather", SUBS, engine_options(**opts)),
-        Phase("allgather", SUBS, engine_options(**opts, fault=Fault(rank=1, wave=0, kind="raise", step=1)),
-              shard_group="dp"),
+        Phase(
+            "allgather",
+            SUBS,
+            engine_options(**opts, fault=Fault(rank=1, wave=0, kind="raise", step=1)),
+            shard_group="dp",
+        ),
         # R = 2, weights sharded over each replica's sp ranks: the cat joins the fox on replica 0.
-        Phase("allgather", (SUBS[0], SUBS[1], SUBS[4]), engine_options(**opts, requests_per_rank=2),
-              shard_group="sp"),
+        Phase("allgather", (SUBS[0], SUBS[1], SUBS[4]), engine_options(**opts, requests_per_rank=2), shard_group="sp"),
         # Last (rank 3 dies): at ring step 1 replica 0 holds the fox, replica 1 (ranks 2, 3) the bird.
         Phase("allgather", SUBS, engine_options(**opts, fault=Fault(rank=3, wave=0, kind="exit", step=1))),
     ]
@@ -115,9 +119,30 @@ def test_generate_cli_sp2_continuous_writes_resident_hashes(checkpoint, expected
 
     lines = [dict(id=f"req{i:04d}", **r.to_dict()) for i, r in enumerate(REQUESTS)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--prompts", str(tmp_path / "p.jsonl"),
-           "--sp", "2", "--serving", "continuous", "--out", str(tmp_path / "out"), "--timeout", "30"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--sp",
+        "2",
+        "--serving",
+        "continuous",
+        "--out",
+        str(tmp_path / "out"),
+        "--timeout",
+        "30",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -130,8 +155,11 @@ def test_stall_on_an_sp_rank_names_it_and_not_its_partner(checkpoint):
     """Rank 3 stalls at ring step 1; its sp partner (rank 2) waits for it inside an all-to-all, gives up when the
     collective times out and says so on the board, so the reason names rank 3 alone."""
     subs = SUBS[:3]
-    phase = Phase("allgather", subs, engine_options(timeout_s=6.0, serving="continuous",
-                                                    fault=Fault(rank=3, wave=0, kind="stall", step=1)))
+    phase = Phase(
+        "allgather",
+        subs,
+        engine_options(timeout_s=6.0, serving="continuous", fault=Fault(rank=3, wave=0, kind="stall", step=1)),
+    )
     run = serve_local(checkpoint, [phase], 2, sp_size=2, join_timeout_s=200, grace_s=5)
     report = run.reports[0]
     reason = report.by_id()["req0001"].error  # replica 1 (ranks 2, 3) held it

@@ -26,7 +26,6 @@ REQUESTS = mixed_requests()
 SUBS = tuple(as_submissions(REQUESTS))
 
 
-
 def _check(report, mixed_expected, lost: dict[str, str]):
     """Exactly one result per submission; ``lost`` (id -> text its error starts with) failed, the empty prompt
     was rejected, every other one has the resident bytes."""
@@ -67,8 +66,10 @@ def test_raise_then_exit_on_three_ranks(checkpoint, mixed_expected):
     # Phase 1: rank 1 dies at ring step 3 (the bird): fox (rank 0) and tree (rank 2) ended at step 2, before it;
     # cat and boat, started at step 3, redo it from their latents as rank-local replicas; the second fox, still
     # queued, is served by rank 0 or 2.
-    phases = [Phase("allgather", SUBS, engine_options(fault=Fault(rank=2, wave=0, kind="raise", step=1))),
-              Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="exit", step=3)))]
+    phases = [
+        Phase("allgather", SUBS, engine_options(fault=Fault(rank=2, wave=0, kind="raise", step=1))),
+        Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="exit", step=3))),
+    ]
     run = serve_local(checkpoint, phases, 3, join_timeout_s=200, grace_s=30)
     raised, died = run.reports
     _check(raised, mixed_expected, {"req0002": "rank 2: InjectedFault"})
@@ -90,8 +91,13 @@ def test_raise_then_exit_on_three_ranks(checkpoint, mixed_expected):
 @pytest.mark.timeout(180)
 def test_stalled_follower_on_three_ranks(checkpoint, mixed_expected):
     # grace_s: the survivors leave within it on their own; the stalled rank is killed when it ends.
-    run = serve_local(checkpoint, [Phase("allgather", SUBS, engine_options(
-        fault=Fault(rank=1, wave=0, kind="stall", step=2)))], 3, join_timeout_s=120, grace_s=4)
+    run = serve_local(
+        checkpoint,
+        [Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="stall", step=2)))],
+        3,
+        join_timeout_s=120,
+        grace_s=4,
+    )
     (report,) = run.reports
     _check(report, mixed_expected, {"req0001": "ring step 2 failed closed: rank 1 stalled"})
     assert "at step 2" in report.by_id()["req0001"].error

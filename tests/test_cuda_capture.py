@@ -23,12 +23,14 @@ def test_option_and_cli_flag():
             OffloadOptions(graph=bad)
     args = build_parser().parse_args(["generate", "--checkpoint", "c", "--prompt", "p", "--out", "o", "--cuda-graph"])
     assert options_from_args(args).graph == "block"
-    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--cuda-graph", "block", "--prompt", "p",
-                                      "--out", "o"])
+    args = build_parser().parse_args(
+        ["generate", "--checkpoint", "c", "--cuda-graph", "block", "--prompt", "p", "--out", "o"]
+    )
     assert options_from_args(args).graph == "block" and options_from_args(args).block_call == "swap"
     assert options_from_args(args).graph_shapes == 4
-    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--cuda-graph", "block", "--graph-shapes",
-                                      "2", "--prompt", "p", "--out", "o"])
+    args = build_parser().parse_args(
+        ["generate", "--checkpoint", "c", "--cuda-graph", "block", "--graph-shapes", "2", "--prompt", "p", "--out", "o"]
+    )
     assert options_from_args(args).graph_shapes == 2
     args = build_parser().parse_args(["generate", "--checkpoint", "c", "--prompt", "p", "--out", "o"])
     assert options_from_args(args).graph is False
@@ -40,7 +42,8 @@ def test_block_graphs_fall_back_to_eager_on_cpu_logged_once(caplog):
         o = offload(copy.deepcopy(ref), "blocks", CTX, mode="allgather", graph="block")
     assert o.executor.plugin is None
     assert [r.getMessage() for r in caplog.records if "cuda graph" in r.getMessage()] == [
-        "cuda graph (per block): CUDA graphs need a CUDA device (platform 'cpu'); running eager"]
+        "cuda graph (per block): CUDA graphs need a CUDA device (platform 'cpu'); running eager"
+    ]
     for seed in range(3):
         x = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(o.model(x), ref(x))

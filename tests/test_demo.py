@@ -45,20 +45,53 @@ def test_generate_prompts_file_under_torchrun(tmp_path):
 
     ckpt = write_checkpoint("tiny", tmp_path / "ckpt", seed=0, progress=False)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join([
-        '{"id": "fox", "prompt": "a red fox", "seed": 1}',
-        '{"id": "owl", "prompt": "an owl", "seed": 2}',
-        '{"id": "big", "prompt": "a big owl", "seed": 2, "height": 48}',
-        '{"id": "empty", "prompt": ""}',
-        '{"id": "bad", "prompt": "x", "sampler": "unipc"}',
-        "{not json",
-        '{"id": "cat", "prompt": "a cat", "seed": 4}',
-    ]) + "\n")
+    prompts.write_text(
+        "\n".join(
+            [
+                '{"id": "fox", "prompt": "a red fox", "seed": 1}',
+                '{"id": "owl", "prompt": "an owl", "seed": 2}',
+                '{"id": "big", "prompt": "a big owl", "seed": 2, "height": 48}',
+                '{"id": "empty", "prompt": ""}',
+                '{"id": "bad", "prompt": "x", "sampler": "unipc"}',
+                "{not json",
+                '{"id": "cat", "prompt": "a cat", "seed": 4}',
+            ]
+        )
+        + "\n"
+    )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "dlo_fn", "generate", "--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out),
-           "--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--requests-per-rank", "2",
-           "--timeout", "30", "--serving", "strict"]  # the waves it checks
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        str(ckpt),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--requests-per-rank",
+        "2",
+        "--timeout",
+        "30",
+        "--serving",
+        "strict",
+    ]  # the waves it checks
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
     assert proc.returncode != 0, "bad lines must make the exit code non-zero"
     rows = {r["id"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}

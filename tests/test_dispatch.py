@@ -10,20 +10,32 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlo_fn.plan.dispatch import (
-    QueuedRequest as Q, Replicas, PassCosts, admit_continuous, compare_policies, nearest_rank, plan_continuous,
+    PassCosts,
+    Replicas,
+    admit_continuous,
+    compare_policies,
+    nearest_rank,
+    plan_continuous,
     plan_strict,
+)
+from dlo_fn.plan.dispatch import (
+    QueuedRequest as Q,
 )
 
 
 def _lines(reqs, costs, dp, r=1, **kw):
-    return (plan_continuous(reqs, costs, Replicas(dp, r)).lines(),
-            plan_strict(reqs, costs, Replicas(dp, r), **kw).lines())
+    return (
+        plan_continuous(reqs, costs, Replicas(dp, r)).lines(),
+        plan_strict(reqs, costs, Replicas(dp, r), **kw).lines(),
+    )
 
 
 # ---- golden plans (each checked by hand; the arithmetic is in the comments) ----------------------------------
+
 
 def test_golden_mixed_steps_two_replicas():
     # 2 blocks, load 0.25 s, compute 0.5 s: a busy pass is 0.5 s, a busy step 1 s. Strict keys are (key, steps),
@@ -33,17 +45,32 @@ def test_golden_mixed_steps_two_replicas():
     cont, strict = plan_continuous(reqs, costs, Replicas(2)), plan_strict(reqs, costs, Replicas(2))
     assert cont.lines() == ("s0 r0:a@0 r1:b@0 q1", "s1 r0:c@0 r1:b@1", "s2 r0:c@1 r1:b@2", "s3 r0:d@0 r1:-")
     assert [(r.request_id, r.replica, r.start_s, r.finish_s) for r in cont.records] == [
-        ("a", 0, 0.0, 1.0), ("b", 1, 0.0, 3.0), ("c", 0, 1.0, 3.0), ("d", 0, 3.0, 4.0)]
-    assert strict.lines() == ("s0 r0:a@0 r1:- q2", "s1 r0:b@0 r1:- q1", "s2 r0:b@1 r1:- q1", "s3 r0:b@2 r1:- q2",
-                              "s4 r0:c@0 r1:- q1", "s5 r0:c@1 r1:- q1", "s6 r0:d@0 r1:-")
+        ("a", 0, 0.0, 1.0),
+        ("b", 1, 0.0, 3.0),
+        ("c", 0, 1.0, 3.0),
+        ("d", 0, 3.0, 4.0),
+    ]
+    assert strict.lines() == (
+        "s0 r0:a@0 r1:- q2",
+        "s1 r0:b@0 r1:- q1",
+        "s2 r0:b@1 r1:- q1",
+        "s3 r0:b@2 r1:- q2",
+        "s4 r0:c@0 r1:- q1",
+        "s5 r0:c@1 r1:- q1",
+        "s6 r0:d@0 r1:-",
+    )
     # latencies 1, 3, 3, 1.5 -> sorted 1, 1.5, 3, 3: p50 = x_(2) = 1.5, p95 = x_(ceil 3.8) = x_(4) = 3
     assert (cont.makespan_s, cont.throughput_requests_per_s, cont.p50_latency_s, cont.p95_latency_s) == (4, 1, 1.5, 3)
     assert (cont.mean_latency_s, strict.makespan_s, strict.p50_latency_s, strict.p95_latency_s) == (2.125, 7, 4, 6)
     # passes per replica: continuous r1 computes 3 steps and idles 1 (2 blocks each); strict r1 idles only in s6
     assert [(u.num_compute_passes, u.num_idle_passes, u.num_waiting_passes, u.compute_s) for u in cont.usage] == [
-        (8, 0, 0, 4.0), (6, 2, 0, 3.0)]
+        (8, 0, 0, 4.0),
+        (6, 2, 0, 3.0),
+    ]
     assert [(u.num_compute_passes, u.num_idle_passes, u.num_waiting_passes) for u in strict.usage] == [
-        (14, 0, 0), (0, 2, 12)]
+        (14, 0, 0),
+        (0, 2, 12),
+    ]
 
 
 def test_golden_idle_stretch_until_arrival():
@@ -59,14 +86,27 @@ def test_golden_idle_stretch_until_arrival():
 def test_golden_requests_per_replica_and_no_overtaking():
     # R = 2: c joins a (key x), d joins b (key y); e (key z) fits nowhere, and f (x) waits behind it although it
     # could join a. Step 0: max(0.25, 0.5 + 0.5, 0.5 + 0.25) = 1 s; step 1: 0.5 s; step 2: 0.5 s.
-    reqs = [Q("a", 0, 2, "x", 0.5), Q("b", 0, 2, "y", 0.5), Q("c", 0, 1, "x", 0.5), Q("d", 0, 1, "y", 0.25),
-            Q("e", 0, 1, "z", 0.5), Q("f", 0, 1, "x", 0.5)]
+    reqs = [
+        Q("a", 0, 2, "x", 0.5),
+        Q("b", 0, 2, "y", 0.5),
+        Q("c", 0, 1, "x", 0.5),
+        Q("d", 0, 1, "y", 0.25),
+        Q("e", 0, 1, "z", 0.5),
+        Q("f", 0, 1, "x", 0.5),
+    ]
     cont, strict = _lines(reqs, PassCosts.uniform(1, 0.25), 2, 2)
     assert cont == ("s0 r0:a@0+c@0 r1:b@0+d@0 q2", "s1 r0:a@1 r1:b@1 q2", "s2 r0:e@0 r1:f@0")
     assert plan_continuous(reqs, PassCosts.uniform(1, 0.25), Replicas(2, 2)).makespan_s == 2.0
     # strict waves by oldest member: a, b, {c, f} (dealt round-robin), d, e -> 1 + 1 + 0.5 + 0.25 + 0.5 s
-    assert strict == ("s0 r0:a@0 r1:- q5", "s1 r0:a@1 r1:- q5", "s2 r0:b@0 r1:- q4", "s3 r0:b@1 r1:- q4",
-                      "s4 r0:c@0 r1:f@0 q2", "s5 r0:d@0 r1:- q1", "s6 r0:e@0 r1:-")
+    assert strict == (
+        "s0 r0:a@0 r1:- q5",
+        "s1 r0:a@1 r1:- q5",
+        "s2 r0:b@0 r1:- q4",
+        "s3 r0:b@1 r1:- q4",
+        "s4 r0:c@0 r1:f@0 q2",
+        "s5 r0:d@0 r1:- q1",
+        "s6 r0:e@0 r1:-",
+    )
     assert plan_strict(reqs, PassCosts.uniform(1, 0.25), Replicas(2, 2)).makespan_s == 3.25
 
 
@@ -82,8 +122,13 @@ def test_golden_strict_partial_wave_waits_for_company():
 
 def test_strict_can_beat_continuous_with_mixed_steps():
     """Not a property: FIFO continuous puts the long e behind the short ones, strict pairs it with a."""
-    reqs = [Q("a", 0, 4, "x", 1.0), Q("b", 0, 1, "y", 1.0), Q("c", 0, 1, "y", 1.0), Q("d", 0, 1, "y", 1.0),
-            Q("e", 0, 4, "x", 1.0)]
+    reqs = [
+        Q("a", 0, 4, "x", 1.0),
+        Q("b", 0, 1, "y", 1.0),
+        Q("c", 0, 1, "y", 1.0),
+        Q("d", 0, 1, "y", 1.0),
+        Q("e", 0, 4, "x", 1.0),
+    ]
     cont, strict = (f(reqs, PassCosts.uniform(1, 1.0), Replicas(2)) for f in (plan_continuous, plan_strict))
     assert cont.lines()[3] == "s3 r0:a@3 r1:e@0" and strict.lines()[0] == "s0 r0:a@0 r1:e@0 q3"
     assert (cont.makespan_s, strict.makespan_s) == (7, 6)
@@ -117,9 +162,19 @@ def test_compare_policies_rows():
     reqs = [Q("a", 0, 1, "x", 0.5), Q("b", 0, 3, "y", 0.5), Q("c", 0, 2, "x", 0.5), Q("d", 2.5, 1, "x", 0.5)]
     rows = compare_policies(reqs, PassCosts.uniform(2, 0.25), Replicas(2))
     assert [r["policy"] for r in rows] == ["continuous", "strict"]
-    assert rows[0] == {"policy": "continuous", "makespan_s": 4.0, "throughput_requests_per_s": 1.0,
-                       "p50_latency_s": 1.5, "p95_latency_s": 3.0, "mean_latency_s": 2.125, "ring_steps": 4,
-                       "compute_passes": 14, "idle_passes": 2, "waiting_passes": 0, "utilisation": 0.875}
+    assert rows[0] == {
+        "policy": "continuous",
+        "makespan_s": 4.0,
+        "throughput_requests_per_s": 1.0,
+        "p50_latency_s": 1.5,
+        "p95_latency_s": 3.0,
+        "mean_latency_s": 2.125,
+        "ring_steps": 4,
+        "compute_passes": 14,
+        "idle_passes": 2,
+        "waiting_passes": 0,
+        "utilisation": 0.875,
+    }
     assert (rows[1]["makespan_s"], rows[1]["waiting_passes"], rows[1]["throughput_requests_per_s"]) == (7, 12, 0.571429)
 
 
@@ -130,21 +185,24 @@ def test_nearest_rank():
         nearest_rank(xs, 101)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: Q("a b", 0, 1), "request_id"),
-    (lambda: Q("a", -1, 1), "arrival_s"),
-    (lambda: Q("a", 0, 0), "num_steps"),
-    (lambda: Q("a", 0, 1, "", -0.5), "block_compute_s"),
-    (lambda: Q("a", 0, 1, "", (0.5, None)), "block_compute_s"),
-    (lambda: Replicas(0), "dp_size"),
-    (lambda: Replicas(1, 0), "requests_per_replica"),
-    (lambda: PassCosts((0.5,), ()), "one block_transfer_s"),
-    (lambda: plan_continuous([Q("a", 0, 1), Q("a", 1, 1)], PassCosts.uniform(1, 1), Replicas(1)), "unique"),
-    (lambda: plan_continuous([Q("a", 0, 1, "", (1.0,))], PassCosts.uniform(2, 1), Replicas(1)), "2 blocks"),
-    (lambda: plan_continuous([], PassCosts.uniform(1, 1), Replicas(1)), "at least one request"),
-    (lambda: plan_continuous([Q("a", 1, 1)], PassCosts.uniform(1, 0.0), Replicas(1)), "give the ring a load time"),
-    (lambda: plan_strict([Q("a", 0, 1)], PassCosts.uniform(1, 1), Replicas(1), max_wait_s=math.inf), "max_wait_s"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Q("a b", 0, 1), "request_id"),
+        (lambda: Q("a", -1, 1), "arrival_s"),
+        (lambda: Q("a", 0, 0), "num_steps"),
+        (lambda: Q("a", 0, 1, "", -0.5), "block_compute_s"),
+        (lambda: Q("a", 0, 1, "", (0.5, None)), "block_compute_s"),
+        (lambda: Replicas(0), "dp_size"),
+        (lambda: Replicas(1, 0), "requests_per_replica"),
+        (lambda: PassCosts((0.5,), ()), "one block_transfer_s"),
+        (lambda: plan_continuous([Q("a", 0, 1), Q("a", 1, 1)], PassCosts.uniform(1, 1), Replicas(1)), "unique"),
+        (lambda: plan_continuous([Q("a", 0, 1, "", (1.0,))], PassCosts.uniform(2, 1), Replicas(1)), "2 blocks"),
+        (lambda: plan_continuous([], PassCosts.uniform(1, 1), Replicas(1)), "at least one request"),
+        (lambda: plan_continuous([Q("a", 1, 1)], PassCosts.uniform(1, 0.0), Replicas(1)), "give the ring a load time"),
+        (lambda: plan_strict([Q("a", 0, 1)], PassCosts.uniform(1, 1), Replicas(1), max_wait_s=math.inf), "max_wait_s"),
+    ],
+)
 def test_bad_input_names_the_field(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -159,14 +217,24 @@ _quarters = st.integers(0, 16).map(lambda n: n / 4)
 def traces(draw, identical: bool = False, at_zero: bool = False):
     """(requests, costs, replicas, max_wait_s). ``identical``: one step count and one cost for every request."""
     num_blocks = draw(st.integers(1, 3))
-    costs = PassCosts(tuple(draw(st.lists(st.sampled_from((0.25, 0.5, 1.0)), min_size=num_blocks, max_size=num_blocks))),
-                      tuple(draw(st.lists(st.sampled_from((0.0, 0.25)), min_size=num_blocks, max_size=num_blocks))))
+    costs = PassCosts(
+        tuple(draw(st.lists(st.sampled_from((0.25, 0.5, 1.0)), min_size=num_blocks, max_size=num_blocks))),
+        tuple(draw(st.lists(st.sampled_from((0.0, 0.25)), min_size=num_blocks, max_size=num_blocks))),
+    )
     cost = st.sampled_from((0.0, 0.25, 0.5, 1.0, 1.5))
     request_costs = st.one_of(cost, st.lists(cost, min_size=num_blocks, max_size=num_blocks).map(tuple))
     same_steps, same_cost = draw(st.integers(1, 4)), draw(request_costs)
     n = draw(st.integers(1, 8))
-    reqs = [Q(f"q{i}", 0.0 if at_zero else draw(_quarters), same_steps if identical else draw(st.integers(1, 4)),
-              draw(st.sampled_from("xyz")), same_cost if identical else draw(request_costs)) for i in range(n)]
+    reqs = [
+        Q(
+            f"q{i}",
+            0.0 if at_zero else draw(_quarters),
+            same_steps if identical else draw(st.integers(1, 4)),
+            draw(st.sampled_from("xyz")),
+            same_cost if identical else draw(request_costs),
+        )
+        for i in range(n)
+    ]
     replicas = Replicas(draw(st.integers(1, 3)), 1 if identical else draw(st.integers(1, 3)))
     return reqs, costs, replicas, draw(st.sampled_from((0.0, 0.5, 2.5)))
 
@@ -188,8 +256,10 @@ def check_plan(plan, reqs, costs, replicas):
         assert step.end_s == step.start_s + step.num_steps * step.step_s
         held = [[by_id[i] for i, _ in cell] for cell in step.replicas]
         # lockstep: every pass lasts as long as its slowest member, the load included
-        assert step.step_s == sum(max([costs.block_transfer_s[b]] + [sum(_cost(q, b) for q in h) for h in held])
-                                  + costs.block_host_s[b] for b in range(B))
+        assert step.step_s == sum(
+            max([costs.block_transfer_s[b]] + [sum(_cost(q, b) for q in h) for h in held]) + costs.block_host_s[b]
+            for b in range(B)
+        )
         assert step.num_steps == 1 or not any(held)  # only gather-only stretches are merged
         for r, cell in enumerate(step.replicas):
             assert len(cell) <= R and len({by_id[i].key for i, _ in cell}) <= 1  # one key, at most R requests
@@ -198,8 +268,13 @@ def check_plan(plan, reqs, costs, replicas):
                 assert by_id[i].arrival_s <= step.start_s
                 runs[i].append((k, r, s))
             passes[r][0 if cell else (2 if step.num_queued else 1)] += step.num_steps * B
-        queued = [q for q in reqs if q.arrival_s <= step.start_s and all(rk >= k for rk, _, _ in runs[q.request_id])
-                  and not any(i == q.request_id for c in step.replicas for i, _ in c)]
+        queued = [
+            q
+            for q in reqs
+            if q.arrival_s <= step.start_s
+            and all(rk >= k for rk, _, _ in runs[q.request_id])
+            and not any(i == q.request_id for c in step.replicas for i, _ in c)
+        ]
         assert step.num_queued == len(queued)
         t, k = step.end_s, k + step.num_steps
     assert t == plan.makespan_s and plan.num_ring_steps == k
@@ -211,8 +286,9 @@ def check_plan(plan, reqs, costs, replicas):
         start = next(s for s in plan.steps if s.first_step == first)
         last = next(s for s in plan.steps if s.first_step == first + by_id[i].num_steps - 1)
         assert (rec.start_s, rec.finish_s) == (start.start_s, last.end_s)
-    assert [r.request_id for r in plan.records] == [q.request_id for q in sorted(reqs, key=lambda q: (q.arrival_s,
-                                                                                                       q.request_id))]
+    assert [r.request_id for r in plan.records] == [
+        q.request_id for q in sorted(reqs, key=lambda q: (q.arrival_s, q.request_id))
+    ]
     for u, (c, i, w) in zip(plan.usage, passes):
         assert (u.num_compute_passes, u.num_idle_passes, u.num_waiting_passes) == (c, i, w)
         assert c + i + w == plan.num_passes
@@ -266,8 +342,11 @@ def test_cost_aware_plan_invariants(case):
     check_plan(plan, reqs, costs, replicas)  # every request exactly once, its steps back to back: nothing starves
     assert [r.start_s for r in plan.records] == sorted(r.start_s for r in plan.records)  # no overtaking
     # one cost for every request, R = 1: a placement never raises the busy time, so it is the FIFO rule
-    if (replicas.requests_per_replica == 1 and len({q.block_compute_s for q in reqs}) == 1
-            and not isinstance(reqs[0].block_compute_s, tuple)):
+    if (
+        replicas.requests_per_replica == 1
+        and len({q.block_compute_s for q in reqs}) == 1
+        and not isinstance(reqs[0].block_compute_s, tuple)
+    ):
         assert plan.lines() == plan_continuous(reqs, costs, replicas).lines()
 
 
@@ -303,8 +382,9 @@ def test_continuous_beats_strict_on_identical_requests(data):
     at_zero = data.draw(st.booleans())
     reqs, costs, replicas, max_wait_s = data.draw(traces(identical=True, at_zero=at_zero))
     if not at_zero:
-        costs = PassCosts(tuple(max(t, _cost(reqs[0], b)) for b, t in enumerate(costs.block_transfer_s)),
-                          costs.block_host_s)
+        costs = PassCosts(
+            tuple(max(t, _cost(reqs[0], b)) for b, t in enumerate(costs.block_transfer_s)), costs.block_host_s
+        )
     cont, strict = plan_continuous(reqs, costs, replicas), plan_strict(reqs, costs, replicas, max_wait_s=max_wait_s)
     assert cont.makespan_s <= strict.makespan_s
     assert sum(r.finish_s for r in cont.records) <= sum(r.finish_s for r in strict.records)
@@ -319,8 +399,9 @@ def test_more_replicas_never_slow_continuous_on_identical_requests(data):
     at_zero = data.draw(st.booleans())
     reqs, costs, replicas, _ = data.draw(traces(identical=True, at_zero=at_zero))
     if not at_zero:
-        costs = PassCosts(tuple(max(t, _cost(reqs[0], b)) for b, t in enumerate(costs.block_transfer_s)),
-                          costs.block_host_s)
+        costs = PassCosts(
+            tuple(max(t, _cost(reqs[0], b)) for b, t in enumerate(costs.block_transfer_s)), costs.block_host_s
+        )
     few = plan_continuous(reqs, costs, replicas)
     more = plan_continuous(reqs, costs, Replicas(replicas.dp_size + 1))
     assert all(m.finish_s <= f.finish_s for f, m in zip(few.records, more.records))

@@ -1,5 +1,6 @@
 """DP engine in one process (no process group): block-major R-request batches, validation, forced waves,
-outputs and manifests, in strict (wave) serving. Multi-rank behaviour (lockstep waves, modes, faults) is in test_engine_ranks.py."""
+outputs and manifests, in strict (wave) serving. Multi-rank behaviour (lockstep waves, modes, faults) is in
+test_engine_ranks.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.serve.engine import Engine
 from dlo_fn.serve.local import open_model
 from dlo_fn.serve.outputs import read_manifest, video_sha256
-from dlo_fn.serve.writer import write_outputs
 from dlo_fn.serve.requests import EngineOptions, Submission, read_prompts, wave_table
+from dlo_fn.serve.writer import write_outputs
 
 SHAPE = dict(height=32, width=32, num_frames=5, num_inference_steps=3)
 
@@ -40,8 +41,13 @@ def _engine(checkpoint, mode="allgather", **options):
 @pytest.mark.parametrize("mode, r", [("allgather", 3), ("rank-local", 2), ("resident", 2)])
 def test_block_major_batches_are_bit_identical_to_single_runs(checkpoint, reference, mode, r):
     engine, off = _engine(checkpoint, mode, requests_per_rank=r)
-    reqs = [_req(seed=1), _req("a blue bird", seed=2, negative_prompt="blurry"), _req(seed=3, guidance_scale=1.0),
-            _req("a cat", seed=4), _req(seed=5, outputs_per_prompt=2)]
+    reqs = [
+        _req(seed=1),
+        _req("a blue bird", seed=2, negative_prompt="blurry"),
+        _req(seed=3, guidance_scale=1.0),
+        _req("a cat", seed=4),
+        _req(seed=5, outputs_per_prompt=2),
+    ]
     report = engine.serve(reqs)
     assert [res.request_id for res in report.results] == [f"req{i:04d}" for i in range(5)]  # request order
     for req, res in zip(reqs, report.results):
@@ -110,8 +116,9 @@ def test_outputs_and_manifest(checkpoint, tmp_path):
 
 def test_read_prompts(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text('{"id": "x", "prompt": "hi", "seed": 3}\n\n# note\n[1]\n{"prompt": "yo", "colour": 1}\n'
-                    '{"prompt": "ok"}\n')
+    path.write_text(
+        '{"id": "x", "prompt": "hi", "seed": 3}\n\n# note\n[1]\n{"prompt": "yo", "colour": 1}\n{"prompt": "ok"}\n'
+    )
     subs = read_prompts(path, {"num_inference_steps": 2, "seed": 9})
     assert [s.request_id for s in subs] == ["x", "line0004", "line0005", "line0006"]
     assert subs[0].request.seed == 3 and subs[0].request.num_inference_steps == 2

@@ -59,8 +59,12 @@ def _rank(ctx: DistContext, checkpoint: str) -> dict:
             engine = Engine(model, off, ctx, options, session=f"{dp}x{sp}-{mode}-{group}", mesh=mesh)
             report = engine.run(SUBS[: dp + 1])  # one more request than replicas: a partial wave
             out[(dp, sp, mode, group)] = {
-                "latents": got.latents, "coordinate": mesh.coordinate, "num_shards": off.layout.num_shards,
-                "shard_rank": off.shards.rank, "arena_bytes": off.store.arena_bytes, "report": report,
+                "latents": got.latents,
+                "coordinate": mesh.coordinate,
+                "num_shards": off.layout.num_shards,
+                "shard_rank": off.shards.rank,
+                "arena_bytes": off.store.arena_bytes,
+                "report": report,
             }
     return pickle.dumps(out)  # plain bytes: a tensor through the queue would live in shared memory the rank frees
 
@@ -82,8 +86,12 @@ def _fp8_rank(ctx: DistContext, checkpoint: str) -> bytes:
             options = EngineOptions(timeout_s=60.0, progress=False, serving=serving)
             engine = Engine(model, off, ctx, options, session=f"fp8-{mode}-{group}-{serving}", mesh=mesh)
             reports[serving] = engine.run(SUBS)
-        out[(mode, group)] = {"latents": got.latents, "reports": reports, "arena_bytes": off.store.arena_bytes,
-                              "planned_bytes": off.layout.shard_bytes_per_rank}
+        out[(mode, group)] = {
+            "latents": got.latents,
+            "reports": reports,
+            "arena_bytes": off.store.arena_bytes,
+            "planned_bytes": off.layout.shard_bytes_per_rank,
+        }
     return pickle.dumps(out)
 
 
@@ -175,8 +183,9 @@ def test_a_rank_failing_between_all_to_alls_fails_the_wave_closed(six_heads, kin
     fault = Fault(rank=1, wave=0, kind=kind, step=1)
     options = EngineOptions(timeout_s=timeout_s, grace_s=1.0, progress=False, fault=fault, serving="strict")
     t0 = time.perf_counter()
-    run = serve_local(six_heads, [Phase("allgather", SUBS[:2], options)], 1, sp_size=2, join_timeout_s=90,
-                      grace_s=1)  # after rank 0's answer only a stalled rank 1 is left, to be killed
+    run = serve_local(
+        six_heads, [Phase("allgather", SUBS[:2], options)], 1, sp_size=2, join_timeout_s=90, grace_s=1
+    )  # after rank 0's answer only a stalled rank 1 is left, to be killed
     wall_s = time.perf_counter() - t0
     (report,) = run.reports
     assert [r.ok for r in report.results] == [False, False]

@@ -29,8 +29,12 @@ def _req(prompt, seed, **kw) -> Request:
 
 
 REQUESTS = (
-    _req("a red fox", 1), _req("a blue bird", 2), _req("a tall tree", 3, height=48), _req("a cat", 4),
-    _req("", 5), _req("a boat", 6),
+    _req("a red fox", 1),
+    _req("a blue bird", 2),
+    _req("a tall tree", 3, height=48),
+    _req("a cat", 4),
+    _req("", 5),
+    _req("a boat", 6),
 )
 SUBS = tuple(as_submissions(REQUESTS))
 
@@ -72,7 +76,9 @@ def whole(checkpoint):
         Phase("allgather", STREAM_SUBS, _options(max_wait_s=0.5), stream_gaps_s=(0.0, 2 * TIMEOUT_S, 0.0)),
         Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="raise", step=1))),
     ]
-    return serve_local(checkpoint, phases, 2, join_timeout_s=200, grace_s=30)  # a clean exit may take long on a loaded 2-core machine
+    return serve_local(
+        checkpoint, phases, 2, join_timeout_s=200, grace_s=30
+    )  # a clean exit may take long on a loaded 2-core machine
 
 
 @pytest.mark.timeout(240)
@@ -85,10 +91,18 @@ def test_modes_and_waves_on_two_ranks(whole, expected):
         _check_bytes(report, expected)
     # R = 1: fox|bird, tree|idle (another shape), cat|boat; the idle rank served its shards only.
     assert [(w.rank_indices, w.status) for w in r1.waves] == [
-        (((0,), (1,)), "ok"), (((2,), ()), "ok"), (((3,), (5,)), "ok")]
+        (((0,), (1,)), "ok"),
+        (((2,), ()), "ok"),
+        (((3,), (5,)), "ok"),
+    ]
     assert r1.waves[1].idle_ranks == (1,)
     assert {r.request_id: (r.rank, r.wave_id) for r in r1.results if r.ok} == {
-        "req0000": (0, 0), "req0001": (1, 0), "req0002": (0, 1), "req0003": (0, 2), "req0005": (1, 2)}
+        "req0000": (0, 0),
+        "req0001": (1, 0),
+        "req0002": (0, 1),
+        "req0003": (0, 2),
+        "req0005": (1, 2),
+    }
     # R = 2: the four compatible requests in one wave, two per rank, block-major.
     assert [w.rank_indices for w in r2.waves] == [((0, 3), (1, 5)), ((2,), ())]
     # Independent replicas: batches dealt round-robin to the ranks' own queues.
@@ -99,8 +113,10 @@ def test_modes_and_waves_on_two_ranks(whole, expected):
     spans = traced.waves[0].trace
     lanes = {(rank, lane) for rank, lane, *_ in spans}
     assert {(0, "control"), (0, "compute"), (1, "compute"), (0, "allgather"), (1, "allgather")} <= lanes
-    computes = {rank: {label.split()[0] for r2_, lane, label, *_ in spans if lane == "compute" and r2_ == rank}
-                for rank in (0, 1)}
+    computes = {
+        rank: {label.split()[0] for r2_, lane, label, *_ in spans if lane == "compute" and r2_ == rank}
+        for rank in (0, 1)
+    }
     assert computes == {0: {"p0"}, 1: {"p1"}}
     ag = [label for rank, lane, label, *_ in spans if lane == "allgather" and rank == 1]
     assert len(ag) >= 3 * 4  # every block of every step

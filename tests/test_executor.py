@@ -62,12 +62,20 @@ def toy(num_blocks: int = 5, seed: int = 0, d: int = 16) -> ToyDiT:
     return ToyDiT(d=d, num_blocks=num_blocks).eval().requires_grad_(False)
 
 
-@pytest.mark.parametrize("mode,opts", [
-    ("allgather", {}), ("allgather", {"block_call": "swap"}), ("allgather", {"num_slots": 3, "num_landing": 1}),
-    ("rank-local", {}), ("rank-local", {"rank_local_source": "mmap"}), ("rank-local", {"num_slots": 1}),
-    ("resident", {}), ("rank-local", {"num_slots": 4, "load_group": 2}),
-    ("allgather", {"num_slots": 6, "load_group": 3}),  # W = 1: the rank-local sequence, so load groups apply
-])
+@pytest.mark.parametrize(
+    "mode,opts",
+    [
+        ("allgather", {}),
+        ("allgather", {"block_call": "swap"}),
+        ("allgather", {"num_slots": 3, "num_landing": 1}),
+        ("rank-local", {}),
+        ("rank-local", {"rank_local_source": "mmap"}),
+        ("rank-local", {"num_slots": 1}),
+        ("resident", {}),
+        ("rank-local", {"num_slots": 4, "load_group": 2}),
+        ("allgather", {"num_slots": 6, "load_group": 3}),  # W = 1: the rank-local sequence, so load groups apply
+    ],
+)
 def test_offloaded_equals_resident_over_passes(mode, opts):
     ref = toy()
     o = offload(copy.deepcopy(ref), "blocks", CTX, mode=mode, **opts)
@@ -242,8 +250,9 @@ def test_load_groups_cut_the_stream_ops_per_block(block_call):
     # more per run); a run prefetches whole groups, so one copy per group. Bit-exact either way.
     ref, B, T = toy(8), 8, 6
     for g in (1, 2, 4):
-        o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", block_call=block_call,
-                    num_slots=2 * g, load_group=g)
+        o = offload(
+            copy.deepcopy(ref), "blocks", CTX, mode="rank-local", block_call=block_call, num_slots=2 * g, load_group=g
+        )
         stats = o.executor.stats
         for _ in range(2):  # cold, then warm implicit runs
             o.model(torch.randn(2, 16))
@@ -269,8 +278,15 @@ def test_load_groups_with_requests_and_a_partly_pinned_store():
     # the arena's, so their copies stay apart.
     ref = toy(7)
     sizes = [s.shard_bytes for s in offload(toy(7), "blocks", CTX, mode="rank-local").layout.shards]
-    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", num_slots=6, load_group=3,
-                pinned_budget_bytes=sum(sizes[:3]))
+    o = offload(
+        copy.deepcopy(ref),
+        "blocks",
+        CTX,
+        mode="rank-local",
+        num_slots=6,
+        load_group=3,
+        pinned_budget_bytes=sum(sizes[:3]),
+    )
     assert o.store.num_pinned_blocks == 3
 
     def steps(model, num_steps, x0):
@@ -330,8 +346,7 @@ def test_generic_loop_records_only_what_is_waited_on(monkeypatch, load_group):
     from dlo_fn.runtime.platform import HostEvent, HostStream
 
     ref = toy(8)
-    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", num_slots=2 * load_group,
-                load_group=load_group)
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", num_slots=2 * load_group, load_group=load_group)
     ex = o.executor
     now: set[int] = set()
     carried: set[int] = set()
@@ -389,8 +404,9 @@ def test_a_grouped_layout_compiles_only_whole_group_gathers():
     buffers = SlotBuffers(platform_for("cpu"), layout, 4, 4)  # the executor's placement of a group's blocks
 
     def compile_(schedule):
-        return compile_schedule(schedule, layout, store, buffers, [[None] * 4 for _ in range(4)], (None, None),
-                                lambda: None)
+        return compile_schedule(
+            schedule, layout, store, buffers, [[None] * 4 for _ in range(4)], (None, None), lambda: None
+        )
 
     ring = Ring.cold(4, num_slots=4, mode="allgather", num_shards=2, load_group=2)
     program = compile_(ring.next_schedule(2))

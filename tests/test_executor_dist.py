@@ -8,19 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import scenario
+from test_third_party import FLUX_BLOCKS, flux, flux_inputs, wan, wan_inputs
 
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
-from test_third_party import FLUX_BLOCKS, flux, flux_inputs, wan, wan_inputs
 
 SIZE = {"height": 32, "width": 32, "num_frames": 5}
 
 
 def load_reference(ckpt: str):
     """Meta-built reference DiT bound to zero-copy mmap views of the checkpoint."""
-    from dlo_fn.models import build_model, load_config
     from dlo_fn.io.load import load_model
+    from dlo_fn.models import build_model, load_config
 
     config, dtype = load_config(ckpt)
     model = build_model(config, "meta", dtype)
@@ -31,8 +31,10 @@ def load_reference(ckpt: str):
 def _requests(rank: int):
     from dlo_fn.models import Request
 
-    return [Request(prompt=f"a fox, rank {rank}", seed=rank, num_inference_steps=3, **SIZE),
-            Request(prompt="an owl", negative_prompt="blur", seed=10 + rank, num_inference_steps=2, **SIZE)]
+    return [
+        Request(prompt=f"a fox, rank {rank}", seed=rank, num_inference_steps=3, **SIZE),
+        Request(prompt="an owl", negative_prompt="blur", seed=10 + rank, num_inference_steps=2, **SIZE),
+    ]
 
 
 def _staged_block_major(o, requests):
@@ -62,16 +64,19 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
     expected = [generate(load_reference(ckpt), r) for r in reqs]
     variants = [("allgather", {}), ("rank-local", {}), ("allgather", {"num_slots": 4, "load_group": 2})]
     if full:
-        variants += [("allgather", {"async_collectives": True, "block_call": "swap"}),
-                     ("rank-local", {"rank_local_source": "mmap"}),
-                     # a group's all-gathers as one coalesced collective, its work waited for by the group's last AG
-                     ("allgather", {"async_collectives": True, "num_slots": 4, "num_landing": 2, "load_group": 2})]
+        variants += [
+            ("allgather", {"async_collectives": True, "block_call": "swap"}),
+            ("rank-local", {"rank_local_source": "mmap"}),
+            # a group's all-gathers as one coalesced collective, its work waited for by the group's last AG
+            ("allgather", {"async_collectives": True, "num_slots": 4, "num_landing": 2, "load_group": 2}),
+        ]
     for mode, opts in variants:
         name = mode + "".join(f",{k}={v}" for k, v in sorted(opts.items()))
         o = offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode=mode, **opts)
         got = [generate(o.model, r) for r in reqs]
-        out[f"exact[{name}]"] = all(torch.equal(g.latents, e.latents) and g.sha256 == e.sha256
-                                    for g, e in zip(got, expected))
+        out[f"exact[{name}]"] = all(
+            torch.equal(g.latents, e.latents) and g.sha256 == e.sha256 for g, e in zip(got, expected)
+        )
         ex = o.executor
         out[f"weights_planned[{name}]"] = ex.device_weight_bytes == ex.planned_device_weight_bytes
         out[f"stripped[{name}]"] = all(t.is_meta for p in o.model.blocks for t in p.block.parameters())
@@ -106,8 +111,9 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
         for mode, opts in runs:
             o = offload(build(), paths, ctx, mode=mode, **opts)
             key = mode + "".join(f",G={v}" for k, v in opts.items() if k == "load_group")
-            out[f"{name}_exact[{key}]"] = all(torch.equal(o.model(**inputs(10 * ctx.rank + s))[0], w)
-                                              for s, w in enumerate(want))
+            out[f"{name}_exact[{key}]"] = all(
+                torch.equal(o.model(**inputs(10 * ctx.rank + s))[0], w) for s, w in enumerate(want)
+            )
             if opts and ctx.world_size > 1:
                 g = opts["load_group"]
                 out[f"{name}_layout_group[{key}]"] = o.layout.load_group == (g if 4 % g == 0 else 1)
@@ -130,23 +136,32 @@ def _stream_ops_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
 
     out = {}
     for g in (1, 2):
-        o = offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather", block_call="functional_call",
-                    num_slots=2 * g, load_group=g)
+        o = offload(
+            load_reference(ckpt),
+            BLOCK_PATHS,
+            ctx,
+            mode="allgather",
+            block_call="functional_call",
+            num_slots=2 * g,
+            load_group=g,
+        )
         ex, shard = o.executor, o.layout.shards[0].shard_bytes
         got = [generate(o.model, r) for r in reqs]
-        out[f"ops_exact[G={g}]"] = all(torch.equal(a.latents, b.latents) and a.sha256 == b.sha256
-                                       for a, b in zip(got, expected))
+        out[f"ops_exact[G={g}]"] = all(
+            torch.equal(a.latents, b.latents) and a.sha256 == b.sha256 for a, b in zip(got, expected)
+        )
         out[f"stream_ops_per_block[G={g}]"] = ex.stats.stream_ops / ex.stats.computes
         gathers = [op.pairs for p in ex._programs.compiled() for op in p.ops if op.kind == "AG" and op.pairs]
-        out[f"blocks_per_collective[G={g}]"] = sorted({sum(inp.numel() for _, inp in pairs) // shard
-                                                       for pairs in gathers})
+        out[f"blocks_per_collective[G={g}]"] = sorted(
+            {sum(inp.numel() for _, inp in pairs) // shard for pairs in gathers}
+        )
         # a grouped layout (G divides the 4 blocks): one all-gather of the group's pieces, one pair
         out[f"grouped_layout[G={g}]"] = o.layout.load_group == (g if ctx.world_size > 1 else 1) and all(
-            len(pairs) == 1 for pairs in gathers)
+            len(pairs) == 1 for pairs in gathers
+        )
         if ctx.rank == 0:  # a partial wave: the others serve their shards
             with o.run(num_steps=3):
-                out[f"ops_partial_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents,
-                                                               expected[0].latents)
+                out[f"ops_partial_exact[G={g}]"] = torch.equal(generate(o.model, reqs[0]).latents, expected[0].latents)
         else:
             o.idle(num_steps=3)
         out[f"ops_after_exact[G={g}]"] = torch.equal(generate(o.model, reqs[1]).latents, expected[1].latents)
@@ -158,7 +173,8 @@ def _stream_ops_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
         planned = planned_stream_ops(schedule, o.layout.load_group > 1)
         out[f"planned_ops_per_block_in_a_run[G={g}]"] = planned["total"]
         out[f"collectives_as_planned[G={g}]"] = (ex.stats.collectives - k0) / (ex.stats.computes - n0) == planned[
-            "collectives"]
+            "collectives"
+        ]
     return out
 
 
@@ -172,8 +188,10 @@ def _assert_all(results: list[dict], world: int) -> None:
         if world > 1:  # 2 slots + 2 landing shards < the tiny model's 4 blocks
             assert res["device_weight_bytes"] < res["total_block_bytes"]
         if world > 1 and "digest_error" in res:
-            assert "differs across ranks" in res["digest_error"] and f"ranks {list(range(1, world))}" in res[
-                "digest_error"]
+            assert (
+                "differs across ranks" in res["digest_error"]
+                and f"ranks {list(range(1, world))}" in res["digest_error"]
+            )
     if world > 1:
         assert "partial_wave_exact" in results[0] and "partial_wave_exact" not in results[1]
         for res in results:  # W > 1: one collective per block, or per group of 2

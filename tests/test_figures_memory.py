@@ -27,8 +27,23 @@ def _values(doc):
 
 
 def test_cli_json_super_dp4_ascend(capsys):
-    doc = _json(capsys, "--model-bytes", "124GB", "--dp", "4", "--num-blocks", "128", "--platform", "ascend",
-                "--activation-bytes", "1e9", "--framework-bytes-per-rank", "3.5GB", "--host-ram-bytes", "2TB")
+    doc = _json(
+        capsys,
+        "--model-bytes",
+        "124GB",
+        "--dp",
+        "4",
+        "--num-blocks",
+        "128",
+        "--platform",
+        "ascend",
+        "--activation-bytes",
+        "1e9",
+        "--framework-bytes-per-rank",
+        "3.5GB",
+        "--host-ram-bytes",
+        "2TB",
+    )
     v = _values(doc)
     assert doc["dp"] == 4 and doc["num_blocks"] == 128 and doc["fits_host_ram"] is True
     assert v[("host: cold start", "cgroup peak")] == 124 * 10**9 + 4 * 3_500_000_000
@@ -39,8 +54,23 @@ def test_cli_json_super_dp4_ascend(capsys):
 
 
 def test_cli_private_copy_rank_local_cuda(capsys):
-    v = _values(_json(capsys, "--model-bytes", "33e9", "--dp", "4", "--max-block-bytes", "1GB",
-                      "--loading", "private-copy", "--mode", "rank-local", "--framework-bytes-per-rank", "0"))
+    v = _values(
+        _json(
+            capsys,
+            "--model-bytes",
+            "33e9",
+            "--dp",
+            "4",
+            "--max-block-bytes",
+            "1GB",
+            "--loading",
+            "private-copy",
+            "--mode",
+            "rank-local",
+            "--framework-bytes-per-rank",
+            "0",
+        )
+    )
     assert v[("host: cold start", "cgroup peak")] == 5 * 33 * 10**9
     assert v[("host: steady state", "cgroup-invisible")] == 0
     assert v[("host: steady state", "cgroup-visible")] == v[("host: steady state", "physical RAM")]
@@ -48,8 +78,8 @@ def test_cli_private_copy_rank_local_cuda(capsys):
 
 
 def test_cli_named_model_uses_exact_block_sizes(capsys):
-    from dlo_fn.plan.summary import plan_summary
     from dlo_fn.io.sources import spec_for
+    from dlo_fn.plan.summary import plan_summary
 
     v = _values(_json(capsys, "--model", "tiny", "--dp", "2"))
     summary = plan_summary(spec_for("tiny"), 2)
@@ -72,16 +102,29 @@ def test_cli_table_and_help(capsys):
         main(["memory", "--help"])
     assert exc.value.code == 0
     help_text = capsys.readouterr().out
-    for term in ("page cache", "private copies", "framework", "pinned per rank", "cgroup-invisible",
-                 "physical RAM", "slots", "landing buffers", "device context", "124GB"):
+    for term in (
+        "page cache",
+        "private copies",
+        "framework",
+        "pinned per rank",
+        "cgroup-invisible",
+        "physical RAM",
+        "slots",
+        "landing buffers",
+        "device context",
+        "124GB",
+    ):
         assert term in help_text, term
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model-bytes", "12XB", "--dp", "2"], "cannot read '12XB'"),
-    (["--model-bytes", "1GB", "--dp", "0"], "--dp 0: give >= 1"),
-    (["--model-bytes", "1GB", "--dp", "2", "--num-blocks", "4", "--resident-bytes", "2GB"], "resident"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model-bytes", "12XB", "--dp", "2"], "cannot read '12XB'"),
+        (["--model-bytes", "1GB", "--dp", "0"], "--dp 0: give >= 1"),
+        (["--model-bytes", "1GB", "--dp", "2", "--num-blocks", "4", "--resident-bytes", "2GB"], "resident"),
+    ],
+)
 def test_cli_bad_input(argv, message, capsys):
     assert main(["memory", *argv]) == 2
     err = capsys.readouterr().err
@@ -114,7 +157,9 @@ def test_minimax_objective_table_recomputed_from_csv():
     rows = minimax.frontier_comparisons(minimax.load_cases())
     assert len(rows) == 15 + 5 + 2
     for row in rows:
-        assert round(row.predicted, 2) == pytest.approx(row.published, abs=0.051 if row.unit == "%" else 0.0051), row.key
+        assert round(row.predicted, 2) == pytest.approx(row.published, abs=0.051 if row.unit == "%" else 0.0051), (
+            row.key
+        )
 
 
 def test_minimax_selected_routes_keep_their_ordering_for_every_task():
@@ -135,17 +180,32 @@ def test_minimax_missing_waves_are_reported(tmp_path):
 
 def test_measured_hbm_records_are_read_from_bench_json(tmp_path):
     assert memory_data.measured_hbm_records(tmp_path) == []
-    variants = [{"variant": "resident", "weight_device_bytes": 5000, "weight_device_bytes_planned": 5000},
-                {"variant": "dlo-allgather", "weight_device_bytes": 1010, "weight_device_bytes_planned": 1000,
-                 "peak_device_bytes": 2000}]
-    doc = {"machine": {"device_name": "NVIDIA H200", "platform": "cuda"},
-           "workloads": [{"name": "video", "variants": variants}, {"name": "image", "variants": variants}]}
+    variants = [
+        {"variant": "resident", "weight_device_bytes": 5000, "weight_device_bytes_planned": 5000},
+        {
+            "variant": "dlo-allgather",
+            "weight_device_bytes": 1010,
+            "weight_device_bytes_planned": 1000,
+            "peak_device_bytes": 2000,
+        },
+    ]
+    doc = {
+        "machine": {"device_name": "NVIDIA H200", "platform": "cuda"},
+        "workloads": [{"name": "video", "variants": variants}, {"name": "image", "variants": variants}],
+    }
     (tmp_path / "bench_step_h200.json").write_text(json.dumps(doc))
     (tmp_path / "other.json").write_text(json.dumps(doc))  # only bench_step_*.json files are read
     (rec,) = memory_data.measured_hbm_records(tmp_path)
-    assert rec == {"file": "bench_step_h200.json", "machine": "NVIDIA H200", "variant": "dlo-allgather",
-                   "workload": "video", "metric": "weight_device_bytes", "measured_bytes": 1010,
-                   "planned_bytes": 1000, "peak_device_bytes": 2000}
+    assert rec == {
+        "file": "bench_step_h200.json",
+        "machine": "NVIDIA H200",
+        "variant": "dlo-allgather",
+        "workload": "video",
+        "metric": "weight_device_bytes",
+        "measured_bytes": 1010,
+        "planned_bytes": 1000,
+        "peak_device_bytes": 2000,
+    }
 
 
 def test_every_memory_comparison_names_a_published_number():

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from dlo_fn.cli import build_parser
 from dlo_fn.bench.fp8_quality import output_error
+from dlo_fn.cli import build_parser
 
 # An e4m3 value has 3 mantissa bits: round to nearest errs by at most 2^-4 of the value in the normal range, where
 # the per-channel scale puts a row's values (its amax at 448), so the weights' relative L2 error is below 2^-4
@@ -19,7 +19,7 @@ from dlo_fn.bench.fp8_quality import output_error
 # cancel, so its relative error is of the weights' order or below (measured 1-2% on the tiny DiT), unless the
 # network amplifies it: the bound, one e4m3 rounding, is what "FP8 costs about one FP8 rounding" means, with a
 # 3x margin over what was measured.
-E4M3_ROUNDING = 2.0 ** -4
+E4M3_ROUNDING = 2.0**-4
 
 
 def test_output_error_of_equal_outputs_is_exactly_zero():
@@ -45,7 +45,7 @@ def test_output_error_on_constructed_inputs():
     ones = torch.ones(1 << 16, dtype=torch.bfloat16)
     bumped = ones.clone()
     bumped[7] = 1.0078125  # 1 + 2^-7, the next bf16 after 1
-    assert output_error(bumped, ones).rel_l2 == pytest.approx(2.0 ** -7 / 2.0 ** 8, rel=1e-12)
+    assert output_error(bumped, ones).rel_l2 == pytest.approx(2.0**-7 / 2.0**8, rel=1e-12)
     with pytest.raises(ValueError, match="shapes differ"):
         output_error(torch.zeros(2, 3), torch.zeros(3, 2))
 

@@ -31,8 +31,11 @@ def test_all_modes_write_the_same_hashes(checkpoint, resident_rows, tmp_path):
     assert [r["rank"] for r in allgather] == [0, 1, 0] and {r["serving"] for r in allgather} == {"continuous"}
     steps = [json.loads(line) for line in (tmp_path / "ag" / "steps.jsonl").read_text().splitlines()]
     held = [ids for k in steps for ids in k["ranks"]]
-    assert {i for ids in held for i in ids} == {r["id"] for r in allgather} and [k["step"] for k in steps] == \
-        sorted(k["step"] for k in steps) and all(len(k["ranks"]) == 2 for k in steps)
+    assert (
+        {i for ids in held for i in ids} == {r["id"] for r in allgather}
+        and [k["step"] for k in steps] == sorted(k["step"] for k in steps)
+        and all(len(k["ranks"]) == 2 for k in steps)
+    )
     assert {r["mode"] for r in rank_local} == {"rank-local"}
     trace = json.loads((tmp_path / "trace.json").read_text())
     pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
@@ -57,20 +60,41 @@ def test_mode_flags_and_options():
 
 @pytest.mark.slow
 def test_sp_under_torchrun_writes_the_resident_hashes(checkpoint, resident_rows, tmp_path):
-    """torchrun --nproc-per-node 2 generate --sp 2 --serving strict: one replica of 2 sp ranks runs every wave (dp = 1)."""
-    sp = _generate(checkpoint, tmp_path / "sp", "--sp", "2", "--serving", "strict", nproc=2)  # waves; continuous: test_continuous_mesh
+    """torchrun --nproc-per-node 2 generate --sp 2 --serving strict: one replica of 2 sp ranks runs every wave (dp =
+    1)."""
+    sp = _generate(
+        checkpoint, tmp_path / "sp", "--sp", "2", "--serving", "strict", nproc=2
+    )  # waves; continuous: test_continuous_mesh
     assert [r["sha256"] for r in sp] == [r["sha256"] for r in resident_rows]
     assert [(r["rank"], r["wave"], r["dp_size"], r["sp_size"]) for r in sp] == [(0, w, 1, 2) for w in range(3)]
 
 
 def test_sp_that_does_not_divide_the_ranks_is_one_line(checkpoint, tmp_path):
-    cmd = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--out", str(tmp_path),
-           "--prompt", "a fox", "--sp", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--out",
+        str(tmp_path),
+        "--prompt",
+        "a fox",
+        "--sp",
+        "2",
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu"),
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr  # a usage error, before anything loads
     assert proc.stderr.strip().splitlines() == [
-        "dlo_fn generate: error: --sp 2 does not divide the 1 rank(s) (torchrun --nproc-per-node): use --sp in [1]"]
+        "dlo_fn generate: error: --sp 2 does not divide the 1 rank(s) (torchrun --nproc-per-node): use --sp in [1]"
+    ]
 
 
 def test_load_groups_write_the_resident_hashes(checkpoint, resident_rows, tmp_path):
@@ -138,11 +162,36 @@ def _on_a_terminal(argv: list[str]) -> str:
 def test_continuous_serving_shows_a_bar_on_a_terminal_and_none_in_a_log(checkpoint, tmp_path):
     """Rank 0's bar of continuous serving (requests done of those arrived, queued, ring step) on a terminal; a
     log (stderr not a terminal) gets the log lines only."""
-    argv = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--steps", "1", "--height", "32",
-            "--width", "32", "--frames", "5", "--prompt", "a fox", "--prompt", "an owl", "--prompt", "a cat"]
+    argv = [
+        sys.executable,
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--prompt",
+        "a fox",
+        "--prompt",
+        "an owl",
+        "--prompt",
+        "a cat",
+    ]
     shown = _on_a_terminal(argv + ["--out", str(tmp_path / "tty")])
     assert re.search(r"serving: 100%.*3/3 .*queued 0, ring step \d", shown), shown[-2000:]
-    logged = subprocess.run(argv + ["--out", str(tmp_path / "log")], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu"))
+    logged = subprocess.run(
+        argv + ["--out", str(tmp_path / "log")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu"),
+    )
     assert logged.returncode == 0 and "ring step 0: req0000 starts" in logged.stderr
     assert "serving:" not in logged.stderr and "request/s" not in logged.stderr, logged.stderr[-2000:]

@@ -53,8 +53,8 @@ def test_step_cost_from_bandwidths():
 
 
 def _budget_rank(ctx, ckpt: str, mode: str) -> dict:
-    from dlo_fn.models import BLOCK_PATHS, Request, generate
     from dlo_fn.io.load import load_model
+    from dlo_fn.models import BLOCK_PATHS, Request, generate
     from dlo_fn.runtime.offload import offload
 
     req = Request(prompt="a fox", seed=ctx.rank, num_inference_steps=2, height=32, width=32, num_frames=5)
@@ -65,10 +65,16 @@ def _budget_rank(ctx, ckpt: str, mode: str) -> dict:
         budget = sum(shards[:2]) + 1  # two blocks fit, not three
         o = offload(load_model(ckpt, progress=False), BLOCK_PATHS, ctx, mode=mode, pinned_budget_bytes=budget)
         got = generate(o.model, req)
-    return {"exact": torch.equal(got.latents, expected.latents), "pinned": o.store.num_pinned_blocks,
-            "arena": o.store.arena_bytes, "two": sum(shards[:2]), "streamed": o.store.streamed_bytes,
-            "rest": sum(shards[2:]), "num_blocks": len(shards),
-            "open": o.release.mapped_bytes_after > 0}
+    return {
+        "exact": torch.equal(got.latents, expected.latents),
+        "pinned": o.store.num_pinned_blocks,
+        "arena": o.store.arena_bytes,
+        "two": sum(shards[:2]),
+        "streamed": o.store.streamed_bytes,
+        "rest": sum(shards[2:]),
+        "num_blocks": len(shards),
+        "open": o.release.mapped_bytes_after > 0,
+    }
 
 
 @pytest.mark.slow
@@ -85,8 +91,28 @@ def test_partly_pinned_store_is_exact(request, mode):
 
 
 def _cli(ckpt, out, budget):
-    cmd = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", ckpt, "--out", str(out), "--steps", "1",
-           "--height", "32", "--width", "32", "--frames", "5", "--prompt", "a fox", "--host-budget", budget]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        ckpt,
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--prompt",
+        "a fox",
+        "--host-budget",
+        budget,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", DLO_FN_PLATFORM="cpu")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
 
@@ -113,8 +139,11 @@ def test_memory_cli_host_budget(capsys, budget, status):
     assert json.loads(capsys.readouterr().out)["host_budget"] == status
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert (f"host budget 100.000 GB: partly pinned" in out and "ms more H2D per pass" in out) if status == \
-        "partly pinned" else True
+    assert (
+        ("host budget 100.000 GB: partly pinned" in out and "ms more H2D per pass" in out)
+        if status == "partly pinned"
+        else True
+    )
     assert ("largest dp that fits is 2" in out and "ms more" not in out) if status == "refused" else True
 
 
@@ -127,8 +156,22 @@ def test_memory_per_rank_rows_follow_the_platform_and_state_one_high_water_mark(
 
     from dlo_fn.cli import main
 
-    args = ["memory", "--model-bytes", "124GB", "--dp", "4", "--num-blocks", "128", "--platform", platform,
-            "--host-budget", "256GB", "--framework-bytes-per-rank", "3.5GB", "--json"]
+    args = [
+        "memory",
+        "--model-bytes",
+        "124GB",
+        "--dp",
+        "4",
+        "--num-blocks",
+        "128",
+        "--platform",
+        platform,
+        "--host-budget",
+        "256GB",
+        "--framework-bytes-per-rank",
+        "3.5GB",
+        "--json",
+    ]
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     ranks = doc["rank_memory"]

@@ -42,7 +42,8 @@ def test_tables_from_the_committed_runs():
     assert published["total"]["us_per_block"] == "2083"  # 150 ms / 72 blocks
     graphs = hc.graph_rows(hc.load("bench_step"))
     assert {(r["workload"], r["variant"]) for r in graphs} == {
-        (w, v) for w in ("video", "image") for v in hc.GRAPH_VARIANTS.values()}
+        (w, v) for w in ("video", "image") for v in hc.GRAPH_VARIANTS.values()
+    }
     assert all(r["equal_to_resident"] is True for r in graphs)
     bg = hc.block_graph_host_rows(*(hc.load(n) for n in hc.BENCH_REPORTS))
     assert [r["run"] for r in bg] == ["bench 2026-12-02", "bench-small40 2026-12-02"]
@@ -72,8 +73,12 @@ def test_only_runs_of_the_runtime_as_it_is_give_the_torch_paths_host_cost():
 def test_the_takeaway_is_computed_from_the_reports():
     bench = hc.load("bench_step")
     s = hc.summary(hc.load("bench_small40"), bench)
-    bg = [r["proxy_host_us_per_block"] for rep in (hc.load("bench_small40"), bench)
-          for n, r in rep["dispatch"]["variants"].items() if n == "dlo-rank-local-bgraph"]
+    bg = [
+        r["proxy_host_us_per_block"]
+        for rep in (hc.load("bench_small40"), bench)
+        for n, r in rep["dispatch"]["variants"].items()
+        if n == "dlo-rank-local-bgraph"
+    ]
     assert s["ours, block graphs, host per block"] == f"{min(bg):.1f}-{max(bg):.1f} us"
     assert s["reference host work per block"] == "2083 us"
     assert set(s) >= {"block graphs, bench video", "block graphs, bench image", "block graphs, bench-small40 image"}

@@ -22,8 +22,12 @@ MIB = 1 << 20
 def _model(num_blocks: int, seed: int = 0):
     """Blocks of ~11 MiB (bf16 matrices, an fp32 vector, an odd-sized tensor so that gaps exist)."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"a.weight": ((1024, 2048), torch.bfloat16), "b.weight": ((2048, 1536), torch.bfloat16),
-              "c.bias": ((1023,), torch.float32), "d.weight": ((33, 7), torch.bfloat16)}
+    shapes = {
+        "a.weight": ((1024, 2048), torch.bfloat16),
+        "b.weight": ((2048, 1536), torch.bfloat16),
+        "c.bias": ((1023,), torch.float32),
+        "d.weight": ((33, 7), torch.bfloat16),
+    }
     blocks, tensors = [], []
     for b in range(num_blocks):
         values = {n: torch.randn(s, generator=gen).to(d) for n, (s, d) in shapes.items()}
@@ -138,8 +142,15 @@ def test_each_range_is_handed_over_once_as_soon_as_its_pieces_and_gaps_are_in(th
         with lock:
             seen.append((lo, hi, torch.equal(arena[lo:hi], want[lo:hi])))
 
-    copied, _, _ = fill_arena(arena, tasks, lambda off: src[off : off + dict((t[0], t[1]) for t in tasks)[off]],
-                              [(30, 40), (70, 100)], threads, [30, 60, 70, 100], on_full)
+    copied, _, _ = fill_arena(
+        arena,
+        tasks,
+        lambda off: src[off : off + dict((t[0], t[1]) for t in tasks)[off]],
+        [(30, 40), (70, 100)],
+        threads,
+        [30, 60, 70, 100],
+        on_full,
+    )
     assert torch.equal(arena, want) and len(copied) == 4
     assert sorted(seen) == [(0, 30, True), (30, 60, True), (60, 70, True), (70, 100, True)]
 
@@ -147,7 +158,9 @@ def test_each_range_is_handed_over_once_as_soon_as_its_pieces_and_gaps_are_in(th
 def test_registration_ranges_end_at_block_starts_after_at_least_their_size(monkeypatch):
     from dlo_fn.runtime import host_fill
 
-    spec = ModelSpec("m", tuple(BlockSpec(f"blocks.{b}", (TensorSpec("w", (64, 64), torch.float32),)) for b in range(6)))
+    spec = ModelSpec(
+        "m", tuple(BlockSpec(f"blocks.{b}", (TensorSpec("w", (64, 64), torch.float32),)) for b in range(6))
+    )
     for group in (1, 2, 3):
         layout = model_layout(spec, 2, load_group=group)
         block_bytes = layout.shard_offsets[1] - layout.shard_offsets[0]

@@ -43,9 +43,14 @@ def _reassemble(layout, stores, b):
 
 
 shapes_st = st.lists(
-    st.lists(st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), st.sampled_from(DTYPES)),
-             min_size=1, max_size=5),
-    min_size=1, max_size=4)
+    st.lists(
+        st.tuples(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), st.sampled_from(DTYPES)),
+        min_size=1,
+        max_size=5,
+    ),
+    min_size=1,
+    max_size=4,
+)
 
 
 @settings(max_examples=25, deadline=None)
@@ -133,8 +138,11 @@ def test_alloc_host_is_exact_size():
 def test_cuda_arena_is_pinned_exactly_by_host_register():
     cuda = platform_for("cuda", 0)
     n = (1 << 30) + 12345  # a caching-allocator pin would round this to 2 GiB
-    before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) if hasattr(
-        torch.cuda, "host_memory_stats") else 0
+    before = (
+        torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+        if hasattr(torch.cuda, "host_memory_stats")
+        else 0
+    )
     buf, how, fin = alloc_host(n, cuda)
     assert how == "cudaHostRegister" and buf.numel() == n and buf.is_pinned()
     if hasattr(torch.cuda, "host_memory_stats"):  # the caching host allocator saw nothing

@@ -140,11 +140,17 @@ def violations(edges: list[Edge]) -> list[str]:
                 bad.append(f"{edge}: nothing imports __main__")
         elif target not in ALLOWED[source]:
             bad.append(f"{edge}: {source} may import only {', '.join(sorted(ALLOWED[source]))}")
-        elif (source == "runtime" and edge.source != PLUGIN_RESOLVER and not _in_plugins(edge.source)
-              and _in_plugins(edge.target)):
+        elif (
+            source == "runtime"
+            and edge.source != PLUGIN_RESOLVER
+            and not _in_plugins(edge.source)
+            and _in_plugins(edge.target)
+        ):
             bad.append(f"{edge}: the runtime core never imports its plug-ins ({PLUGINS}); offload resolves them")
-        elif source == "bench" and target == "cli" and not (
-            edge.target == "dlo_fn.cli" and edge.names and set(edge.names) <= BENCH_FROM_CLI
+        elif (
+            source == "bench"
+            and target == "cli"
+            and not (edge.target == "dlo_fn.cli" and edge.names and set(edge.names) <= BENCH_FROM_CLI)
         ):
             bad.append(f"{edge}: bench may take only HelpFormatter from dlo_fn.cli")
     return bad
@@ -245,20 +251,27 @@ def test_planted_violations_are_caught(tmp_path, monkeypatch):
     assert [b.split(":")[0] for b in violations(edges)] == ["dlo_fn.figures.planted"] * 2
     circle = [Edge("dlo_fn.plan.a", "dlo_fn.plan.b", (), 1), Edge("dlo_fn.plan.b", "dlo_fn.plan.a", (), 1)]
     assert cycles(["dlo_fn.plan.a", "dlo_fn.plan.b", "dlo_fn.plan.c"], circle) == [["dlo_fn.plan.a", "dlo_fn.plan.b"]]
-    bench = [Edge("dlo_fn.bench.x", "dlo_fn.cli", ("HelpFormatter",), 1),
-             Edge("dlo_fn.bench.x", "dlo_fn.cli", ("main",), 2)]
+    bench = [
+        Edge("dlo_fn.bench.x", "dlo_fn.cli", ("HelpFormatter",), 1),
+        Edge("dlo_fn.bench.x", "dlo_fn.cli", ("main",), 2),
+    ]
     assert len(violations(bench)) == 1
-    plugins = [Edge("dlo_fn.runtime.executor", "dlo_fn.runtime.cuda.block_graph", ("BlockGraphs",), 1),
-               Edge("dlo_fn.runtime.offload", "dlo_fn.runtime.cuda", ("plugins_for",), 2),
-               Edge("dlo_fn.runtime.cuda.block_graph", "dlo_fn.runtime.cuda.capture", (), 3),
-               Edge("dlo_fn.serve.engine", "dlo_fn.runtime.cuda", (), 4)]
+    plugins = [
+        Edge("dlo_fn.runtime.executor", "dlo_fn.runtime.cuda.block_graph", ("BlockGraphs",), 1),
+        Edge("dlo_fn.runtime.offload", "dlo_fn.runtime.cuda", ("plugins_for",), 2),
+        Edge("dlo_fn.runtime.cuda.block_graph", "dlo_fn.runtime.cuda.capture", (), 3),
+        Edge("dlo_fn.serve.engine", "dlo_fn.runtime.cuda", (), 4),
+    ]
     assert [b.split(":")[0] for b in violations(plugins)] == ["dlo_fn.runtime.executor"]
 
 
 def test_the_runtime_core_stays_small():
     # The core (runtime outside its plug-in package) is read in one sitting: the executor, its program and its
     # issue loop in particular.
-    lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()
-             if m.startswith("dlo_fn.runtime") and not _in_plugins(m)}
+    lines = {
+        m: len(p.read_text().splitlines())
+        for m, p in MODULES.items()
+        if m.startswith("dlo_fn.runtime") and not _in_plugins(m)
+    }
     assert lines["dlo_fn.runtime.executor"] <= 300
     assert sum(lines.values()) < 4000, sum(lines.values())

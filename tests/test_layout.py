@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlo_fn.plan.layout import align_up, block_layout, equal_shard_bytes, model_layout, shard_layout
 from dlo_fn.plan.sizes import ModelSizes
@@ -56,7 +57,12 @@ def test_digest_changes_with_any_disagreement():
     assert base != model_layout(spec, 2, alignment_bytes=512).digest
     other = ModelSpec(
         "m",
-        (BlockSpec("blocks.0", (TensorSpec("q.weight", (64, 16), torch.float16), TensorSpec("norm.weight", (64,), torch.float32))),),
+        (
+            BlockSpec(
+                "blocks.0",
+                (TensorSpec("q.weight", (64, 16), torch.float16), TensorSpec("norm.weight", (64,), torch.float32)),
+            ),
+        ),
     )
     assert base != model_layout(other, 2).digest
 
@@ -87,9 +93,7 @@ def test_shards_partition_every_byte_and_reassemble(block, world, alignment):
     assert 0 <= shards.padding_bytes < world * alignment
     # Pack real tensor bytes, split per the pieces, reassemble, compare every tensor exactly.
     gen = torch.Generator().manual_seed(0)
-    data = {
-        p.name: torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=gen) for p in layout.placements
-    }
+    data = {p.name: torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=gen) for p in layout.placements}
     owner = torch.full((shards.padded_bytes,), -1, dtype=torch.int64)
     gathered = torch.zeros(shards.padded_bytes, dtype=torch.uint8)
     for r in range(world):
@@ -158,8 +162,11 @@ def test_grouped_layout_gathers_each_group_in_one_all_gather(group, num_groups, 
     if g == 1:
         assert layout.digest == flat.digest and layout.shards == flat.shards
     gen = torch.Generator().manual_seed(1)
-    data = {(b, p.name): torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=gen)
-            for b, s in enumerate(layout.shards) for p in s.block.placements}
+    data = {
+        (b, p.name): torch.randint(0, 256, (p.nbytes,), dtype=torch.uint8, generator=gen)
+        for b, s in enumerate(layout.shards)
+        for p in s.block.placements
+    }
     for first in range(0, len(layout.shards), g):
         members = layout.shards[first : first + g]
         q, stride = members[0].shard_bytes, members[0].padded_bytes

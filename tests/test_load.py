@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import sys
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 from dlo_fn.io.bind import meta_module_from_header, meta_params
 from dlo_fn.io.checkpoint import read_header
 from dlo_fn.io.load import LoadReport, load_checkpoint, load_model
-from dlo_fn.io.memstat import file_mappings, in_mappings, process_memory
+from dlo_fn.io.memstat import file_mappings, in_mappings
 
 
 class Net(nn.Module):
@@ -69,7 +69,8 @@ def test_meta_module_with_hook_and_load_model(tmp_path):
         model = Net()
     assert model.freqs.is_meta
     model.init_non_persistent_buffers = lambda: model.register_buffer(
-        "freqs", torch.linspace(0, 1, 16), persistent=False)
+        "freqs", torch.linspace(0, 1, 16), persistent=False
+    )
     out = load_model(tmp_path / "model.safetensors", model)
     assert out is model and torch.equal(model.freqs, ref.freqs)
     assert torch.equal(model.blocks[2].weight, ref.blocks[2].weight)
@@ -105,8 +106,13 @@ def test_sharded_key_map_and_ignored_keys(tmp_path):
     assert report.ignored_keys == ("text_encoder.unused",) and len(report.files) == 2
     for name in ("model-0.safetensors", "model-1.safetensors"):
         assert any(_ptrs_in_file(model, tmp_path / name))
-    assert all(a or b for a, b in zip(_ptrs_in_file(model, tmp_path / "model-0.safetensors"),
-                                      _ptrs_in_file(model, tmp_path / "model-1.safetensors")))
+    assert all(
+        a or b
+        for a, b in zip(
+            _ptrs_in_file(model, tmp_path / "model-0.safetensors"),
+            _ptrs_in_file(model, tmp_path / "model-1.safetensors"),
+        )
+    )
     x = torch.randn(2, 8)
     assert torch.equal(model(x), ref(x))
     mapping = {k: k.removeprefix("transformer.") for k in state if k.startswith("transformer.")}
@@ -164,8 +170,9 @@ def test_mmap_costs_page_cache_and_copy_costs_private_memory(tmp_path):
     big = {f"blocks.{i}.w": torch.randn(1024, 1024) for i in range(16)}  # 64 MiB
     save_file(big, str(tmp_path / "model.safetensors"))
     model_bytes = 16 * 4 * 1024 * 1024
-    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
+    )
     results = json.loads(out.stdout.splitlines()[-1])
     assert results["checksum"] == pytest.approx(sum(float(t.sum()) for t in big.values()))
     anon, file = results["mmap"]

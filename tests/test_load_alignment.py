@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 import dlo_fn.runtime.offload as offload_mod
+from dlo_fn.io.checkpoint import read_header
+from dlo_fn.io.load import load_model
 from dlo_fn.plan.layout import block_layout
 from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES, BlockSpec, TensorSpec
-from dlo_fn.io.checkpoint import read_header
 from dlo_fn.runtime.dist import DistContext
-from dlo_fn.io.load import load_model
 from dlo_fn.runtime.platform import platform_for
 
 CTX = DistContext(0, 1, 0, platform_for("cpu"), None)
@@ -53,8 +53,11 @@ def gemv_is_alignment_sensitive() -> bool:
 
 
 def test_layout_places_tensors_at_their_residue():
-    specs = (TensorSpec("a", (3,), torch.float32, residue_bytes=8), TensorSpec("b", (5,), torch.bfloat16),
-             TensorSpec("c", (7,), torch.float32, residue_bytes=60))
+    specs = (
+        TensorSpec("a", (3,), torch.float32, residue_bytes=8),
+        TensorSpec("b", (5,), torch.bfloat16),
+        TensorSpec("c", (7,), torch.float32, residue_bytes=60),
+    )
     layout = block_layout(BlockSpec("blocks.0", specs), 256)
     offsets = [p.offset_bytes for p in layout.placements]
     assert offsets == [8, 256, 316]  # 8 mod 64; the next multiple of 256; 60 mod 64 after b ends at 266

@@ -9,13 +9,14 @@ import struct
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dlo_fn.plan.spec import spec_from_header
 from dlo_fn.io.checkpoint import CheckpointError, open_checkpoint, read_header, resolve_checkpoint
 from dlo_fn.io.load import load_checkpoint
+from dlo_fn.plan.spec import spec_from_header
 
 
 def _tensors(num_blocks=2, dim=8):
@@ -30,7 +31,7 @@ def _tensors(num_blocks=2, dim=8):
 def _write_sharded(root, tensors, per_shard=2):
     root.mkdir(parents=True, exist_ok=True)
     keys = sorted(tensors)
-    groups = [keys[i:i + per_shard] for i in range(0, len(keys), per_shard)]
+    groups = [keys[i : i + per_shard] for i in range(0, len(keys), per_shard)]
     weight_map = {}
     for n, group in enumerate(groups):
         name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -64,8 +65,16 @@ def test_header_alone_gives_the_plan(tmp_path):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
-                          st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
+            st.lists(st.integers(0, 5), max_size=3),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_read_header_property(tmp_path_factory, specs):
     path = tmp_path_factory.mktemp("h") / "x.safetensors"
     gen = torch.Generator().manual_seed(len(specs))
@@ -78,7 +87,7 @@ def test_read_header_property(tmp_path_factory, specs):
     raw = path.read_bytes()
     for key, t in tensors.items():
         e = ckpt.entries[key]
-        assert raw[e.offset_bytes:e.offset_bytes + e.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert raw[e.offset_bytes : e.offset_bytes + e.nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_resolve_directory_file_and_index(tmp_path):
@@ -96,7 +105,8 @@ def test_resolve_directory_file_and_index(tmp_path):
     diffusers.mkdir(parents=True)
     save_file(tensors, str(diffusers / "diffusion_pytorch_model.safetensors"))
     assert resolve_checkpoint(tmp_path / "diffusers", subfolder="transformer")[1] == (
-        diffusers / "diffusion_pytorch_model.safetensors",)
+        diffusers / "diffusion_pytorch_model.safetensors",
+    )
 
 
 def _fake_hf_cache(cache, repo_id, files: dict[str, bytes], commit="0123456789abcdef0123456789abcdef01234567"):
@@ -148,5 +158,5 @@ def test_header_size_field_is_read_little_endian(tmp_path):
     path = tmp_path / "x.safetensors"
     save_file({"a": torch.zeros(3)}, str(path))
     (n,) = struct.unpack("<Q", path.read_bytes()[:8])
-    assert json.loads(path.read_bytes()[8:8 + n])["a"]["shape"] == [3]
+    assert json.loads(path.read_bytes()[8 : 8 + n])["a"]["shape"] == [3]
     assert read_header(path)["a"]["dtype"] == "F32"

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_load_checkpoint import _fake_hf_cache
+from test_third_party import flux, flux_inputs, wan, wan_inputs
 from torch import nn
 
 from dlo_fn.io.checkpoint import CheckpointError
-from dlo_fn.runtime.dist import DistContext
 from dlo_fn.io.load import load_checkpoint, load_model
+from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
-from test_load_checkpoint import _fake_hf_cache
-from test_third_party import flux, flux_inputs, wan, wan_inputs
 
 diffusers = pytest.importorskip("diffusers")
 CTX = DistContext(0, 1, 0, platform_for("cpu"), None)
@@ -33,8 +33,10 @@ def save_folder(name: str, dtype: torch.dtype, folder) -> type:
 
 
 def cast_inputs(inputs: dict, dtype: torch.dtype) -> dict:
-    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
-            for k, v in inputs.items()}
+    return {
+        k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
+        for k, v in inputs.items()
+    }
 
 
 def assert_same_model(got: nn.Module, ref: nn.Module) -> None:
@@ -57,7 +59,8 @@ def test_folder_loads_as_from_pretrained(tmp_path, name, dtype):
     assert type(got) is cls and not got.training
     assert_same_model(got, ref)
     assert report.private_copy_bytes == 0 and report.mapped_bytes == sum(
-        t.numel() * t.element_size() for t in got.state_dict().values())
+        t.numel() * t.element_size() for t in got.state_dict().values()
+    )
     inputs = cast_inputs(BUILDERS[name][1](0), dtype)
     assert torch.equal(got(**inputs)[0], ref(**inputs)[0])
 
@@ -70,8 +73,9 @@ def test_keep_in_fp32_modules_are_cast_up_as_from_pretrained_does(tmp_path):
     got, report = load_checkpoint(tmp_path, progress=False)
     assert_same_model(got, ref)
     assert got.scale_shift_table.dtype == torch.float32 and got.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
-    assert report.cast_tensors and all(any(m in name.split(".") for m in got._keep_in_fp32_modules)
-                                       for name in report.cast_tensors)
+    assert report.cast_tensors and all(
+        any(m in name.split(".") for m in got._keep_in_fp32_modules) for name in report.cast_tensors
+    )
     assert report.private_copy_bytes == sum(got.get_parameter(n).numel() * 4 for n in report.cast_tensors)
 
 
@@ -176,8 +180,9 @@ def test_unknown_class_name_is_a_checkpoint_error(tmp_path):
 
 def test_a_config_that_does_not_fit_the_weights_fails_before_binding(tmp_path):
     save_folder("wan", torch.float32, tmp_path)
-    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text().replace(
-        '"num_layers": 3', '"num_layers": 4'))
+    (tmp_path / "config.json").write_text(
+        (tmp_path / "config.json").read_text().replace('"num_layers": 3', '"num_layers": 4')
+    )
     with pytest.raises(CheckpointError, match=r"missing key: \d+ module tensor.*blocks\.3\."):
         load_model(tmp_path, progress=False)
 

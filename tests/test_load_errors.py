@@ -89,18 +89,21 @@ def test_truncated_inside_header(ckpt):
     _fails(ckpt, _meta(), "truncated: header size", file=path)
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda h: b"{not json" + h[9:], "not valid JSON"),
-    (lambda h: h.replace(b'"F32"', b'"Q99"', 1), "unknown safetensors dtype"),
-    (lambda h: h.replace(b'"shape":[8,4]', b'"shape":[8,5]', 1), r"byte span"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda h: b"{not json" + h[9:], "not valid JSON"),
+        (lambda h: h.replace(b'"F32"', b'"Q99"', 1), "unknown safetensors dtype"),
+        (lambda h: h.replace(b'"shape":[8,4]', b'"shape":[8,5]', 1), r"byte span"),
+    ],
+)
 def test_corrupted_header(ckpt, mutate, match):
     path = ckpt / "model.safetensors"
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = mutate(data[8:8 + n])
+    header = mutate(data[8 : 8 + n])
     assert len(header) == n
-    path.write_bytes(data[:8] + header + data[8 + n:])
+    path.write_bytes(data[:8] + header + data[8 + n :])
     _fails(ckpt, _meta(), "corrupted header|" + match, file=path)
 
 
@@ -113,8 +116,10 @@ def test_insane_header_size(ckpt):
 
 def test_overlapping_offsets(tmp_path):
     path = tmp_path / "model.safetensors"
-    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-              "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(12))
     with pytest.raises(CheckpointError, match="overlaps the previous tensor") as info:
@@ -123,25 +128,46 @@ def test_overlapping_offsets(tmp_path):
 
 
 def test_missing_key(ckpt):
-    _fails(ckpt, _meta(extra=True), "missing key: 2 module tensor.*head.weight", key="head.weight",
-           file=ckpt / "model.safetensors")
+    _fails(
+        ckpt,
+        _meta(extra=True),
+        "missing key: 2 module tensor.*head.weight",
+        key="head.weight",
+        file=ckpt / "model.safetensors",
+    )
 
 
 def test_unexpected_key(tmp_path):
     save_file(_state(extra=True), str(tmp_path / "model.safetensors"))
-    _fails(tmp_path, _meta(), "unexpected key: 2 checkpoint tensor.*key_map", key="head.bias",
-           file=tmp_path / "model.safetensors")
+    _fails(
+        tmp_path,
+        _meta(),
+        "unexpected key: 2 checkpoint tensor.*key_map",
+        key="head.bias",
+        file=tmp_path / "model.safetensors",
+    )
 
 
 def test_shape_mismatch(ckpt):
-    _fails(ckpt, _meta(dim=16), r"shape mismatch: checkpoint \[8, 4\] vs module 'embed.weight' \[16, 4\]",
-           key="embed.weight", file=ckpt / "model.safetensors")
+    _fails(
+        ckpt,
+        _meta(dim=16),
+        r"shape mismatch: checkpoint \[8, 4\] vs module 'embed.weight' \[16, 4\]",
+        key="embed.weight",
+        file=ckpt / "model.safetensors",
+    )
 
 
 def test_dtype_mismatch_and_explicit_cast(ckpt):
     model = _meta(dtype=torch.bfloat16)
-    _fails(ckpt, model, r"dtype mismatch: checkpoint torch.float32 vs module 'embed.weight' torch.bfloat16.*"
-           "cast_dtype=True", key="embed.weight", file=ckpt / "model.safetensors")
+    _fails(
+        ckpt,
+        model,
+        r"dtype mismatch: checkpoint torch.float32 vs module 'embed.weight' torch.bfloat16.*"
+        "cast_dtype=True",
+        key="embed.weight",
+        file=ckpt / "model.safetensors",
+    )
     model, report = load_checkpoint(ckpt, model, cast_dtype=True)
     assert model.embed.weight.dtype == torch.bfloat16
     assert len(report.cast_tensors) == 6 and report.mapped_bytes == 0
@@ -156,15 +182,21 @@ def test_index_names_missing_shard(tmp_path):
     weight_map = {k: "model-00001-of-00002.safetensors" for k in keys[:3]}
     weight_map.update({k: "model-00002-of-00002.safetensors" for k in keys[3:]})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    _fails(tmp_path, _meta(), "names shard model-00002-of-00002.safetensors, which is missing", key=keys[3],
-           file=tmp_path / "model-00002-of-00002.safetensors")
+    _fails(
+        tmp_path,
+        _meta(),
+        "names shard model-00002-of-00002.safetensors, which is missing",
+        key=keys[3],
+        file=tmp_path / "model-00002-of-00002.safetensors",
+    )
 
 
 def test_index_disagrees_with_shard(tmp_path):
     state = _state()
     save_file(state, str(tmp_path / "a.safetensors"))
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {**{k: "a.safetensors" for k in state}, "ghost.weight": "a.safetensors"}}))
+        json.dumps({"weight_map": {**{k: "a.safetensors" for k in state}, "ghost.weight": "a.safetensors"}})
+    )
     _fails(tmp_path, _meta(), "the index and shards disagree", key="ghost.weight")
 
 
@@ -172,8 +204,7 @@ def test_repo_id_not_in_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    _fails("acme/not-cached", _meta(), "neither a local path nor a repo in the Hugging Face cache",
-           file=tmp_path)
+    _fails("acme/not-cached", _meta(), "neither a local path nor a repo in the Hugging Face cache", file=tmp_path)
 
 
 def test_meta_non_persistent_buffer_without_hook(ckpt):
@@ -193,6 +224,7 @@ def test_failure_during_binding_rolls_back(ckpt, monkeypatch):
 
 # -- the reported cases (issue 11, items 4 and 8): each is the loader's CheckpointError, naming the right path --
 
+
 def test_non_string_metadata_value_is_refused_before_safetensors_sees_it(tmp_path):
     path = tmp_path / "model.safetensors"
     header = {"__metadata__": {"format": 1}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
@@ -211,13 +243,19 @@ def test_a_key_stored_twice_is_refused(tmp_path):
         load_checkpoint(path, _meta())
 
 
-@pytest.mark.parametrize("text, match", [
-    ('{"a":{"dtype":"F32","shape":[true, 2],"data_offsets":[0,8]}}', "is not a list of sizes"),
-    ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[-0,8]}}', "negative number -0"),
-    ('{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]},'
-     '"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', "overflows 64 bits"),
-    ('{"a":{"dtype":["F32"],"shape":[2],"data_offsets":[0,8]}}', "is not a name"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"a":{"dtype":"F32","shape":[true, 2],"data_offsets":[0,8]}}', "is not a list of sizes"),
+        ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[-0,8]}}', "negative number -0"),
+        (
+            '{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]},'
+            '"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+            "overflows 64 bits",
+        ),
+        ('{"a":{"dtype":["F32"],"shape":[2],"data_offsets":[0,8]}}', "is not a name"),
+    ],
+)
 def test_headers_safetensors_refuses_are_refused_here(tmp_path, text, match):
     from safetensors import safe_open
 
@@ -233,10 +271,20 @@ def test_headers_safetensors_refuses_are_refused_here(tmp_path, text, match):
 
 def test_weights_name_that_is_a_directory_or_a_broken_symlink(tmp_path):
     (tmp_path / "d" / "model.safetensors").mkdir(parents=True)
-    _fails(tmp_path / "d", _meta(), "model.safetensors is a directory, not a file", file=tmp_path / "d" / "model.safetensors")
+    _fails(
+        tmp_path / "d",
+        _meta(),
+        "model.safetensors is a directory, not a file",
+        file=tmp_path / "d" / "model.safetensors",
+    )
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
-    _fails(tmp_path / "s", _meta(), r"is a broken symlink \(to .*gone.safetensors\)", file=tmp_path / "s" / "model.safetensors")
+    _fails(
+        tmp_path / "s",
+        _meta(),
+        r"is a broken symlink \(to .*gone.safetensors\)",
+        file=tmp_path / "s" / "model.safetensors",
+    )
 
 
 def test_a_shard_that_is_a_directory(tmp_path):

@@ -58,8 +58,9 @@ def test_check_catches_an_op_run_before_its_wait(recorded):
     name, dep = str(schedule.ops[i]), str(schedule.ops[d])
     dep_span = next(s for s in measured.spans if s.op == dep)
     early = dep_span.end_s - 1e-3  # the compute starts 1 ms before its load has landed
-    spans = tuple(dataclasses.replace(s, start_s=early, end_s=early + s.duration_s) if s.op == name else s
-                  for s in measured.spans)
+    spans = tuple(
+        dataclasses.replace(s, start_s=early, end_s=early + s.duration_s) if s.op == name else s for s in measured.spans
+    )
     agreement = check_against_schedule(Timeline(spans, measured.meta), schedule)
     assert not agreement.deps_respected and not agreement
     assert any(name in p and dep in p for p in agreement.problems)
@@ -87,8 +88,7 @@ def test_fit_is_the_median_per_kind_and_simulates_the_same_schedule(recorded):
     assert [s.op for s in predicted.spans] == list(schedule.to_strs())
     assert check_against_schedule(predicted, schedule)
     # end - start of a simulated span is the fitted duration up to the rounding of start + duration.
-    assert all(math.isclose(s.duration_s, fit(Op.from_str(s.op)), rel_tol=1e-9, abs_tol=1e-15)
-               for s in predicted.spans)
+    assert all(math.isclose(s.duration_s, fit(Op.from_str(s.op)), rel_tol=1e-9, abs_tol=1e-15) for s in predicted.spans)
 
 
 def test_measured_trace_round_trips(recorded, tmp_path):
@@ -112,9 +112,15 @@ def test_plot_overlay_draws_both(recorded):
 
 
 def test_fit_on_known_spans_and_missing_kind():
-    tl = Timeline.from_records([("H2D k0 b0>s0", "h2d", 0.0, 1.0), ("H2D k1 b1>s1", "h2d", 1.0, 4.0),
-                                ("H2D k2 b0>s0", "h2d", 4.0, 6.0), ("C k0 b0@s0 r0", "compute", 1.0, 1.5),
-                                ("host work", "compute", 0.0, 9.0)])
+    tl = Timeline.from_records(
+        [
+            ("H2D k0 b0>s0", "h2d", 0.0, 1.0),
+            ("H2D k1 b1>s1", "h2d", 1.0, 4.0),
+            ("H2D k2 b0>s0", "h2d", 4.0, 6.0),
+            ("C k0 b0@s0 r0", "compute", 1.0, 1.5),
+            ("host work", "compute", 0.0, 9.0),
+        ]
+    )
     fit = fit_durations(tl)
     assert fit == KindDurations(2.0, None, 0.5)
     with pytest.raises(ValueError, match="no measured AG"):

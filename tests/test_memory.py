@@ -13,7 +13,13 @@ from dlo_fn.plan.accounting import memory_accounting
 from dlo_fn.plan.hbm import approach_memory, hbm_per_card, scale_activation_bytes
 from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.memory import (
-    GB, ModelSizes, cold_start, host_capacity, host_steady_state, parse_bytes, pinned_host_bytes_per_rank,
+    GB,
+    ModelSizes,
+    cold_start,
+    host_capacity,
+    host_steady_state,
+    parse_bytes,
+    pinned_host_bytes_per_rank,
 )
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 from dlo_fn.plan.summary import plan_summary
@@ -26,10 +32,19 @@ SMALL = ModelSizes("small", (100, 300, 200), resident_bytes=50)
 FW, CTX = cal.FRAMEWORK_HOST_BYTES_PER_RANK, cal.DEVICE_CONTEXT_BYTES
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("124GB", 124 * 10**9), ("33e9", 33 * 10**9), ("1.5TiB", int(1.5 * 2**40)), ("512MiB", 512 * 2**20),
-    ("1000", 1000), (" 2 gb ", 2 * 10**9), (7, 7), ("0", 0),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("124GB", 124 * 10**9),
+        ("33e9", 33 * 10**9),
+        ("1.5TiB", int(1.5 * 2**40)),
+        ("512MiB", 512 * 2**20),
+        ("1000", 1000),
+        (" 2 gb ", 2 * 10**9),
+        (7, 7),
+        ("0", 0),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
@@ -103,14 +118,23 @@ def test_ascend_hides_pinned_from_the_cgroup(mode):
 
 def test_page_cache_can_be_reclaimed_except_in_mmap_streaming():
     assert host_steady_state(SMALL, 2, page_cache_retained=False, framework_bytes_per_rank=FW).page_cache_bytes == 0
-    streamed = host_steady_state(SMALL, 2, mode="rank-local-mmap", page_cache_retained=False,
-                                 framework_bytes_per_rank=FW)
+    streamed = host_steady_state(
+        SMALL, 2, mode="rank-local-mmap", page_cache_retained=False, framework_bytes_per_rank=FW
+    )
     assert streamed.page_cache_bytes == 650
 
 
 def test_hbm_small_numbers():
-    h = hbm_per_card(SMALL, 3, num_slots=2, num_landing=2, activation_bytes=7, communication_bytes=11,
-                     context_bytes=1000, alignment_bytes=8)
+    h = hbm_per_card(
+        SMALL,
+        3,
+        num_slots=2,
+        num_landing=2,
+        activation_bytes=7,
+        communication_bytes=11,
+        context_bytes=1000,
+        alignment_bytes=8,
+    )
     assert (h.slot_bytes, h.landing_bytes, h.resident_bytes) == (2 * 312, 2 * 104, 50)
     assert h.idle_bytes == 624 + 208 + 50 + 1000 and h.peak_bytes == h.idle_bytes + 18
     r = hbm_per_card(SMALL, 3, "rank-local", context_bytes=0, alignment_bytes=8)
@@ -135,15 +159,18 @@ def test_hbm_independent_of_depth(num_blocks, w, slots):
 
 def _spec(shapes_by_block, resident=()):
     blocks = tuple(
-        BlockSpec(f"blocks.{i}", tuple(TensorSpec(f"t{j}", shape, dtype, "param")
-                                        for j, (shape, dtype) in enumerate(tensors)))
+        BlockSpec(
+            f"blocks.{i}", tuple(TensorSpec(f"t{j}", shape, dtype, "param") for j, (shape, dtype) in enumerate(tensors))
+        )
         for i, tensors in enumerate(shapes_by_block)
     )
     return ModelSpec("m", blocks, tuple(TensorSpec(f"r{k}", s, torch.float32, "param") for k, s in enumerate(resident)))
 
 
-_tensor = st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=2).map(tuple),
-                    st.sampled_from([torch.bfloat16, torch.float32, torch.float16]))
+_tensor = st.tuples(
+    st.lists(st.integers(1, 40), min_size=1, max_size=2).map(tuple),
+    st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+)
 
 
 @given(st.lists(st.lists(_tensor, min_size=1, max_size=4), min_size=1, max_size=5), st.integers(1, 8))
@@ -198,11 +225,13 @@ def test_the_deployment_constants_are_inputs_of_the_plan():
     with pytest.raises(TypeError, match="context_bytes"):
         hbm_per_card(SMALL, 2)
     assert deployment.cold_start(SMALL, 2) == cold_start(SMALL, 2, framework_bytes_per_rank=FW)
-    assert deployment.host_steady_state(SMALL, 2, "ascend") == host_steady_state(SMALL, 2, "ascend",
-                                                                                 framework_bytes_per_rank=FW)
+    assert deployment.host_steady_state(SMALL, 2, "ascend") == host_steady_state(
+        SMALL, 2, "ascend", framework_bytes_per_rank=FW
+    )
     assert deployment.host_capacity(SMALL, 2) == host_capacity(SMALL, 2, framework_bytes_per_rank=FW)
-    assert deployment.hbm_per_card(SMALL, 2, activation_bytes=3) == hbm_per_card(SMALL, 2, activation_bytes=3,
-                                                                                 context_bytes=CTX)
+    assert deployment.hbm_per_card(SMALL, 2, activation_bytes=3) == hbm_per_card(
+        SMALL, 2, activation_bytes=3, context_bytes=CTX
+    )
     assert deployment.approach_memory(SMALL, 2, "tp") == approach_memory(SMALL, 2, "tp", context_bytes=CTX)
 
 
@@ -218,9 +247,11 @@ def test_calibrations_rederive_from_their_published_sources():
     weights = hbm_per_card(nano, 4, context_bytes=0).idle_bytes
     assert cal.DEVICE_CONTEXT_BYTES == published("hbm.nano_dp4.idle").value_bytes - weights
     assert cal.ACTIVATION_COMM_BYTES_NANO_720P_10S_SP == (
-        published("fig4.nano.peak").value_bytes - published("fig4.nano.idle").value_bytes)
+        published("fig4.nano.peak").value_bytes - published("fig4.nano.idle").value_bytes
+    )
     assert cal.ACTIVATION_COMM_BYTES_NANO_480P_29F_DP4 == (
-        published("perf.nano.dlo_ag_dp4.hbm_per_card").value_bytes - published("hbm.nano_dp4.idle").value_bytes)
+        published("perf.nano.dlo_ag_dp4.hbm_per_card").value_bytes - published("hbm.nano_dp4.idle").value_bytes
+    )
     for name, (value, keys) in cal.CALIBRATIONS.items():
         assert value == getattr(cal, name) and all(k in PUBLISHED for k in keys)
 
@@ -237,14 +268,23 @@ def test_published_numbers_have_sources_and_compare():
 
 
 def test_accounting_rows_add_up():
-    rows = memory_accounting(SMALL, 2, platform="ascend", activation_bytes=9, context_bytes=100, alignment_bytes=8,
-                             framework_bytes_per_rank=10)
+    rows = memory_accounting(
+        SMALL,
+        2,
+        platform="ascend",
+        activation_bytes=9,
+        context_bytes=100,
+        alignment_bytes=8,
+        framework_bytes_per_rank=10,
+    )
     v = {(r.section, r.item): r.value_bytes for r in rows}
     cs, ss, hs = "host: cold start", "host: steady state", "hbm per card"
     assert v[(cs, "cgroup peak")] == sum(v[(cs, k)] for k in ("page cache", "private copies", "framework", "transient"))
     assert v[(ss, "physical RAM")] == v[(ss, "page cache")] + v[(ss, "framework")] + v[(ss, "pinned, all ranks")]
     assert v[(ss, "cgroup-visible")] == v[(ss, "physical RAM")] - v[(ss, "cgroup-invisible")]
     assert v[(hs, "peak")] == v[(hs, "idle")] + 9 and v[(hs, "device context")] == 100
-    assert not any(r.section == hs for r in memory_accounting(SMALL, 2, with_hbm=False, framework_bytes_per_rank=FW,
-                                                                   context_bytes=CTX))
+    assert not any(
+        r.section == hs
+        for r in memory_accounting(SMALL, 2, with_hbm=False, framework_bytes_per_rank=FW, context_bytes=CTX)
+    )
     assert all(math.isfinite(r.value_bytes) for r in rows)

@@ -42,7 +42,9 @@ Anonymous:           112 kB
 
 def test_parsers():
     fields = parse_smaps_rollup(ROLLUP)
-    assert fields["Rss"] == 1768 * 1024 and fields["Pss_File"] == 318 * 1024 and "55d0c0000000-7ffc00000000" not in fields
+    assert (
+        fields["Rss"] == 1768 * 1024 and fields["Pss_File"] == 318 * 1024 and "55d0c0000000-7ffc00000000" not in fields
+    )
     assert parse_smaps_rollup(ROLLUP + ROLLUP)["Pss"] == 2 * 430 * 1024  # smaps: per-mapping lines summed
     assert parse_kv_stat("anon 10\nfile 20\nbogus\nworkingset_x -1\n") == {"anon": 10, "file": 20, "workingset_x": -1}
 
@@ -92,8 +94,9 @@ def test_shared_file_mapping_is_split_between_processes(tmp_path):
         before = process_memory()
         sum(m[i] for i in range(0, len(m), 4096))
         alone = process_memory()
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             assert child.stdout.readline().strip() == "ready"
             mine = mapped_file_memory([path])

@@ -19,8 +19,15 @@ SHAPES = {2: ((1, 2), (2, 1)), 4: ((1, 4), (2, 2), (4, 1))}
 def _request(dp_rank: int):
     from dlo_fn.models import Request
 
-    return Request(prompt=f"a lantern, replica {dp_rank}", seed=dp_rank, height=48, width=48, num_frames=1,
-                   num_inference_steps=2, guidance_scale=3.0)  # 9 tokens: padded to 10 at sp 2
+    return Request(
+        prompt=f"a lantern, replica {dp_rank}",
+        seed=dp_rank,
+        height=48,
+        width=48,
+        num_frames=1,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+    )  # 9 tokens: padded to 10 at sp 2
 
 
 def _errors(ctx: DistContext) -> list[str]:

@@ -16,7 +16,14 @@ from safetensors import safe_open
 
 from dlo_fn.cli import main as cli_main
 from dlo_fn.models import (
-    CONFIGS, MODEL_TYPE, Request, build_model, generate, load_config, parse_size, write_checkpoint,
+    CONFIGS,
+    MODEL_TYPE,
+    Request,
+    build_model,
+    generate,
+    load_config,
+    parse_size,
+    write_checkpoint,
 )
 from dlo_fn.models.checkpoint import INDEX_FILE, SINGLE_FILE, shard_tensors
 from dlo_fn.models.init import TensorInit, init_plan
@@ -138,8 +145,20 @@ def test_cli_help_and_run(tmp_path, capsys):
     )
     assert done.returncode == 0 and "--max-shard-size" in done.stdout and "cosmos3-nano" in done.stdout
     out = tmp_path / "ck"
-    argv = ["make-checkpoint", "--model", "tiny", "--out", str(out), "--seed", "4", "--dtype", "fp32",
-            "--max-shard-size", "100KB", "--no-progress"]
+    argv = [
+        "make-checkpoint",
+        "--model",
+        "tiny",
+        "--out",
+        str(out),
+        "--seed",
+        "4",
+        "--dtype",
+        "fp32",
+        "--max-shard-size",
+        "100KB",
+        "--no-progress",
+    ]
     assert cli_main(argv) == 0
     assert "wrote tiny" in capsys.readouterr().out
     assert load_config(out) == (CONFIGS["tiny"], torch.float32)

@@ -123,7 +123,9 @@ def test_config_rejects_bad_fields():
 @settings(max_examples=40, deadline=None)
 @given(
     head_dim=st.sampled_from([6, 8, 16, 64, 96, 128, 256]),
-    t=st.integers(1, 6), h=st.integers(1, 6), w=st.integers(1, 6),
+    t=st.integers(1, 6),
+    h=st.integers(1, 6),
+    w=st.integers(1, 6),
 )
 def test_rotary_split_and_token_count(head_dim, t, h, w):
     cfg = dataclasses.replace(CONFIGS["tiny"], hidden_dim=head_dim * 2, num_heads=2)

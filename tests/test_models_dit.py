@@ -16,8 +16,15 @@ FULL_ADALN = dataclasses.replace(TINY, name="tiny-full-adaln", adaln_rank=0)
 
 
 def _inputs(model, cfg_scale=4.0, height=32, width=48, frames=5):
-    req = Request(prompt="a lighthouse at dusk", seed=7, height=height, width=width, num_frames=frames,
-                  num_inference_steps=2, guidance_scale=cfg_scale)
+    req = Request(
+        prompt="a lighthouse at dusk",
+        seed=7,
+        height=height,
+        width=width,
+        num_frames=frames,
+        num_inference_steps=2,
+        guidance_scale=cfg_scale,
+    )
     return model_inputs(init_state(model, req))
 
 
@@ -66,7 +73,7 @@ def _flat_views(block: nn.Module, alignment: int, skew: int) -> tuple[torch.Tens
     views, offset = {}, 0
     for name, t in named.items():
         offset = -(-offset // alignment) * alignment
-        view = flat[skew + offset: skew + offset + t.nbytes].view(t.dtype).view(t.shape)
+        view = flat[skew + offset : skew + offset + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         views[name] = view
         offset += t.nbytes

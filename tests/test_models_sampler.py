@@ -9,13 +9,30 @@ import pytest
 import torch
 
 from dlo_fn.models import (
-    CONFIGS, Request, build_model, decode_latents, finish, finished, generate, init_state, model_inputs, sigmas,
+    CONFIGS,
+    Request,
+    build_model,
+    decode_latents,
+    finish,
+    finished,
+    generate,
+    init_state,
+    model_inputs,
+    sigmas,
     update,
 )
 
 TINY = CONFIGS["tiny"]
-REQ = Request(prompt="a red fox in the snow", seed=11, height=32, width=48, num_frames=5,
-              num_inference_steps=4, guidance_scale=4.0, shift=3.0)
+REQ = Request(
+    prompt="a red fox in the snow",
+    seed=11,
+    height=32,
+    width=48,
+    num_frames=5,
+    num_inference_steps=4,
+    guidance_scale=4.0,
+    shift=3.0,
+)
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,16 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 def _request(shape, seed: int) -> Request:
     height, width, frames = shape
-    return Request(prompt="a red kite over the dunes", negative_prompt="blur", seed=seed, height=height,
-                   width=width, num_frames=frames, num_inference_steps=2, guidance_scale=4.0)
+    return Request(
+        prompt="a red kite over the dunes",
+        negative_prompt="blur",
+        seed=seed,
+        height=height,
+        width=width,
+        num_frames=frames,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+    )
 
 
 @torch.no_grad()
@@ -115,8 +123,10 @@ def test_heads_not_divisible_by_sp_is_one_clear_error(ranks):
     heads = REJECTED[sp].num_heads
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     for res in results:
-        assert res["heads_error"] == (f"num_heads {heads} is not divisible by sp {sp}: Ulysses SP gives each sp "
-                                      f"rank num_heads / sp heads; use sp in {divisors}")
+        assert res["heads_error"] == (
+            f"num_heads {heads} is not divisible by sp {sp}: Ulysses SP gives each sp "
+            f"rank num_heads / sp heads; use sp in {divisors}"
+        )
 
 
 def test_token_shard_arithmetic_without_a_group():

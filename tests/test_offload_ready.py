@@ -16,26 +16,33 @@ PHASES = ("describe_s", "digest_s", "store_s", "warm_up_s", "executor_s", "to_de
 
 
 def _offloaded(ctx: DistContext, ckpt: str):
+    from test_executor_dist import load_reference
+
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.runtime.offload import offload
-    from test_executor_dist import load_reference
 
     return offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather")
 
 
 @torch.no_grad()
 def _rank(ctx: DistContext, ckpt: str) -> dict:
-    from dlo_fn.models import Request, generate
     from test_executor_dist import load_reference
+
+    from dlo_fn.models import Request, generate
 
     torch.set_num_threads(1)
     request = Request("a fox", seed=ctx.rank, height=32, width=32, num_frames=5, num_inference_steps=2)
     want = generate(load_reference(ckpt), request).sha256
     o = _offloaded(ctx, ckpt)
     got = generate(o.model, request).sha256
-    return {"equal": got == want, "timings": o.timings, "threads": o.store.timings["threads"],
-            "arena_bytes": o.store.arena_bytes, "warm_up_s": o.executor.warm_up_s,
-            "local_ranks": os.environ.get("LOCAL_WORLD_SIZE")}
+    return {
+        "equal": got == want,
+        "timings": o.timings,
+        "threads": o.store.timings["threads"],
+        "arena_bytes": o.store.arena_bytes,
+        "warm_up_s": o.executor.warm_up_s,
+        "local_ranks": os.environ.get("LOCAL_WORLD_SIZE"),
+    }
 
 
 def _check_timings(t: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -27,31 +27,66 @@ def tiny_tokenizer():
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(dict.fromkeys(WORDS))}}
     tok = tokenizers.Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                                unk_token="<unk>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def tiny_wan_pipeline(seed: int = 0):
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
-    text_encoder = transformers.UMT5EncoderModel(transformers.UMT5Config(
-        vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16)).eval()
-    vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                     temperal_downsample=[False, True, True]).eval()
+    text_encoder = transformers.UMT5EncoderModel(
+        transformers.UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=16,
+            d_kv=8,
+            d_ff=32,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+        )
+    ).eval()
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
     transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32).eval()
-    return diffusers.WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0))
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+    return diffusers.WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
 
 
 def call_args(rank: int) -> dict:
     prompt = ("a red fox in the snow", "an owl at night")[rank % 2]
-    return dict(prompt=prompt, negative_prompt="blur low quality", height=16, width=16, num_frames=9,
-                num_inference_steps=2, guidance_scale=6.0, max_sequence_length=16, output_type="pt",
-                generator=torch.Generator().manual_seed(rank))
+    return dict(
+        prompt=prompt,
+        negative_prompt="blur low quality",
+        height=16,
+        width=16,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=6.0,
+        max_sequence_length=16,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(rank),
+    )
 
 
 @torch.no_grad()

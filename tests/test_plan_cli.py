@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from dlo_fn.cli import main
-from dlo_fn.plan.layout import model_layout
 from dlo_fn.io.sources import spec_for
+from dlo_fn.plan.layout import model_layout
 
 
 def _plan(capsys, *args) -> dict:
@@ -54,18 +54,26 @@ def test_checkpoint_header_gives_the_same_plan_as_the_config(capsys, tmp_path):
     write_checkpoint("tiny", tmp_path / "ckpt", seed=0)
     from_ckpt = _plan(capsys, "--model", str(tmp_path / "ckpt"), "--shard-world", "3")
     from_config = _plan(capsys, "--model", "tiny", "--shard-world", "3")
-    for key in ("num_blocks", "total_bytes", "max_padded_block_bytes", "shard_bytes_per_rank", "hbm_weight_bytes",
-                "layout_digest"):
+    for key in (
+        "num_blocks",
+        "total_bytes",
+        "max_padded_block_bytes",
+        "shard_bytes_per_rank",
+        "hbm_weight_bytes",
+        "layout_digest",
+    ):
         assert from_ckpt[key] == from_config[key], key
 
 
 def test_table_output_and_help():
-    out = subprocess.run([sys.executable, "-m", "dlo_fn", "plan", "--model", "tiny"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dlo_fn", "plan", "--model", "tiny"], capture_output=True, text=True, check=True
+    ).stdout
     line = out.split("shard_bytes_per_rank")[1].splitlines()[0]
     assert "KB)" in line and "0.000" not in out  # tiny's sizes in a unit that shows them
-    helptext = subprocess.run([sys.executable, "-m", "dlo_fn", "plan", "--help"], capture_output=True,
-                              text=True, check=True).stdout
+    helptext = subprocess.run(
+        [sys.executable, "-m", "dlo_fn", "plan", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for field in ("max_padded_block_bytes", "pinned_host_bytes_per_rank", "hbm_weight_bytes", "layout_digest"):
         assert field in helptext
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlo_fn.plan.layout import align_up, model_layout
 from dlo_fn.plan.mesh import SHARD_GROUPS, MeshPlan, rank_shard_ranges
@@ -16,9 +17,12 @@ from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 
 def _table(mesh: MeshPlan, tokens: int = 10, heads: int = 4) -> list[str]:
     sizes = ModelSizes("m", (1000, 3000), 0)
-    return [f"{r.rank} ({r.dp_rank},{r.sp_rank}) t[{r.token_range[0]},{r.token_range[1]})+{r.pad_tokens} "
-            f"h[{r.head_range[0]},{r.head_range[1]}) g{list(r.shard_group)} i{r.shard_index}/{r.num_shards} "
-            f"p{r.pinned_bytes}" for r in mesh.rank_table(sizes, tokens, heads)]
+    return [
+        f"{r.rank} ({r.dp_rank},{r.sp_rank}) t[{r.token_range[0]},{r.token_range[1]})+{r.pad_tokens} "
+        f"h[{r.head_range[0]},{r.head_range[1]}) g{list(r.shard_group)} i{r.shard_index}/{r.num_shards} "
+        f"p{r.pinned_bytes}"
+        for r in mesh.rank_table(sizes, tokens, heads)
+    ]
 
 
 def test_golden_rank_tables_dp2_sp2():
@@ -114,7 +118,8 @@ def test_digest_is_the_same_for_every_rank_and_every_group_of_the_same_size(mesh
     assert digests == {model_layout(spec, mesh.num_shards).digest}
     other = MeshPlan(mesh.dp, mesh.sp, "world")
     assert (model_layout(spec, other.num_shards).digest == model_layout(spec, mesh.num_shards).digest) == (
-        other.num_shards == mesh.num_shards)
+        other.num_shards == mesh.num_shards
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -142,9 +147,13 @@ def test_sp_activation_phases_golden():
     u = 384 * 64
     rotary = 4 * 768 * 16  # the whole cos and sin tables: each rank's rows are views of them
     got = {p.name: (p.activation_bytes - rotary, p.communication_bytes) for p in a.phases}
-    assert got == {"qk norm + rotary": (28 * u, 0), "tokens -> heads": (34 * u, 12 * u),
-                   "heads -> tokens": (12 * u + 10 * u, 2 * u), "cross-attn q norm": (26 * u, 0),
-                   "mlp": (16 * u + 16 * u, 0)}
+    assert got == {
+        "qk norm + rotary": (28 * u, 0),
+        "tokens -> heads": (34 * u, 12 * u),
+        "heads -> tokens": (12 * u + 10 * u, 2 * u),
+        "cross-attn q norm": (26 * u, 0),
+        "mlp": (16 * u + 16 * u, 0),
+    }
     assert a.peak_phase.name == "tokens -> heads" and a.peak_bytes == 46 * u + rotary
     single = sp_activations(DIMS, tokens=768, sp=1)
     assert [p.name for p in single.phases] == ["qk norm + rotary", "attention", "cross-attn q norm", "mlp"]
@@ -194,15 +203,32 @@ def test_plan_cli_mesh_terms_and_rank_table(capsys):
     assert rows["hbm peak"] == mesh_hbm(sizes, mesh, sp).peak_bytes
     assert rows["slots"] + rows["landing buffers"] == doc["hbm_weight_bytes"]
     assert [(r["rank"], r["tokens"], r["heads"], r["shard_index"]) for r in doc["mesh"]["ranks"][3:5]] == [
-        (3, [56700, 75600], [33, 44], 3), (4, [0, 18900], [0, 11], 4)]
+        (3, [56700, 75600], [33, 44], 3),
+        (4, [0, 18900], [0, 11], 4),
+    ]
     dp_group = _cli_json(capsys, "plan", "--model", "cosmos3-super", "--dp", "2", "--sp", "4", "--shard-group", "dp")
-    assert dp_group["num_shards"] == 2 and dp_group["layout_digest"] == _cli_json(
-        capsys, "plan", "--model", "cosmos3-super", "--num-shards", "2")["layout_digest"]
+    assert (
+        dp_group["num_shards"] == 2
+        and dp_group["layout_digest"]
+        == _cli_json(capsys, "plan", "--model", "cosmos3-super", "--num-shards", "2")["layout_digest"]
+    )
 
 
 def test_memory_cli_mesh_rows(capsys):
-    doc = _cli_json(capsys, "memory", "--model", "cosmos3-nano", "--dp", "2", "--sp", "3", "--shard-group", "sp",
-                    "--tokens", "75600")
+    doc = _cli_json(
+        capsys,
+        "memory",
+        "--model",
+        "cosmos3-nano",
+        "--dp",
+        "2",
+        "--sp",
+        "3",
+        "--shard-group",
+        "sp",
+        "--tokens",
+        "75600",
+    )
     rows = {(r["section"], r["item"]): r["value_bytes"] for r in doc["rows"]}
     from dlo_fn.models.specs import config_spec
 
@@ -213,11 +239,14 @@ def test_memory_cli_mesh_rows(capsys):
     assert rows[("mesh: per rank", "communication")] > 0
 
 
-@pytest.mark.parametrize("args,message", [
-    (["plan", "--model", "cosmos3-nano", "--sp", "4"], "num_heads 30 is not divisible by sp 4"),
-    (["plan", "--model", "tiny", "--dp", "0"], "--dp/--sp/--shard-group: dp=0"),
-    (["plan", "--model", "tiny", "--sp", "2", "--num-shards", "3"], "leave --num-shards out"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "--model", "cosmos3-nano", "--sp", "4"], "num_heads 30 is not divisible by sp 4"),
+        (["plan", "--model", "tiny", "--dp", "0"], "--dp/--sp/--shard-group: dp=0"),
+        (["plan", "--model", "tiny", "--sp", "2", "--num-shards", "3"], "leave --num-shards out"),
+    ],
+)
 def test_cli_mesh_errors_are_one_line(args, message, capsys):
     from dlo_fn.cli import main
 

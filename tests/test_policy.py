@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlo_fn.plan.policy import Candidate, candidates, plan, predict, with_bandwidth
 from dlo_fn.plan.sizes import ModelSizes
@@ -20,8 +21,19 @@ WL = Workload("toy", tokens=100, num_steps=4, cfg_branches=1)
 
 def topo(num_ranks=4, h2d=1e9, bus=4e9, a2a=4e9, block_s=0.05, hbm=10**10, host=10**10, overhead=(), **kw):
     """Per block: 100 MB -> H2D 0.1 s of a whole block at 1 GB/s; compute 50 ms per request."""
-    return Topology("toy", num_ranks, h2d, bus, a2a, 1e11, BlockCompute(table=((100, 1, block_s),)), hbm, host,
-                    step_overhead=overhead, **kw)
+    return Topology(
+        "toy",
+        num_ranks,
+        h2d,
+        bus,
+        a2a,
+        1e11,
+        BlockCompute(table=((100, 1, block_s),)),
+        hbm,
+        host,
+        step_overhead=overhead,
+        **kw,
+    )
 
 
 def labels(result, n=None):
@@ -54,8 +66,9 @@ def test_golden_latency_picks_most_sp():
 
 def test_rank_local_wins_when_h2d_is_fast_and_host_work_differs():
     """Both compute-bound: the tie goes to the mode with less HBM (no landing buffers)."""
-    r = plan(MODEL, topo(h2d=1e11, host_s_per_block=(("allgather", 1e-4), ("rank-local", 1e-5))), WL,
-             slots=(2,), sps=(1,))
+    r = plan(
+        MODEL, topo(h2d=1e11, host_s_per_block=(("allgather", 1e-4), ("rank-local", 1e-5))), WL, slots=(2,), sps=(1,)
+    )
     assert labels(r) == ["DP4xSP1 rank-local S2 R1 compute 0.2000", "DP4xSP1 allgather W4 S2 R1 compute 0.2000"]
 
 
@@ -65,12 +78,21 @@ def test_slots_only_where_they_buy_time():
     blocks with the same overhead: two slots."""
     t = topo(num_ranks=1, overhead=((100, 1, 0.12),))
     r = plan(MODEL, t, WL, slots=(2, 3, 4, 5), modes=("rank-local",))
-    assert labels(r) == ["DP1xSP1 rank-local S3 R1 h2d 0.4000", "DP1xSP1 rank-local S4 R1 h2d 0.4000",
-                         "DP1xSP1 rank-local S5 R1 h2d 0.4000", "DP1xSP1 rank-local S2 R1 exposed 0.4700"]
-    deeper = plan(MODEL, dataclasses.replace(t, step_overhead=((100, 1, 0.22),)), WL, slots=(2, 3, 4, 5),
-                  modes=("rank-local",))
-    assert labels(deeper) == ["DP1xSP1 rank-local S4 R1 compute 0.4200", "DP1xSP1 rank-local S5 R1 compute 0.4200",
-                              "DP1xSP1 rank-local S3 R1 exposed 0.4700", "DP1xSP1 rank-local S2 R1 exposed 0.5700"]
+    assert labels(r) == [
+        "DP1xSP1 rank-local S3 R1 h2d 0.4000",
+        "DP1xSP1 rank-local S4 R1 h2d 0.4000",
+        "DP1xSP1 rank-local S5 R1 h2d 0.4000",
+        "DP1xSP1 rank-local S2 R1 exposed 0.4700",
+    ]
+    deeper = plan(
+        MODEL, dataclasses.replace(t, step_overhead=((100, 1, 0.22),)), WL, slots=(2, 3, 4, 5), modes=("rank-local",)
+    )
+    assert labels(deeper) == [
+        "DP1xSP1 rank-local S4 R1 compute 0.4200",
+        "DP1xSP1 rank-local S5 R1 compute 0.4200",
+        "DP1xSP1 rank-local S3 R1 exposed 0.4700",
+        "DP1xSP1 rank-local S2 R1 exposed 0.5700",
+    ]
     slow = dataclasses.replace(t, compute=BlockCompute(table=((100, 1, 0.2),)))
     assert plan(MODEL, slow, WL, slots=(2, 3, 4), modes=("rank-local",)).chosen.candidate.num_slots == 2
 
@@ -105,7 +127,12 @@ def test_a_shard_group_of_one_is_costed_and_sized_as_rank_local():
     rl = Candidate(1, 4, "rank-local", "-", 2, 1, 0)
     a, b = predict(MODEL, t, WL, ag), predict(MODEL, t, WL, rl)
     assert (a.step_s, a.wave_latency_s, a.bound, a.hbm_bytes, a.host_bytes) == (
-        b.step_s, b.wave_latency_s, b.bound, b.hbm_bytes, b.host_bytes)
+        b.step_s,
+        b.wave_latency_s,
+        b.bound,
+        b.hbm_bytes,
+        b.host_bytes,
+    )
     assert [c.num_landing for c in candidates(4, slots=(2,), sps=(4,)) if c.mode == "allgather"] == [2, 0]
     one = plan(MODEL, topo(num_ranks=1), WL, slots=(2,))
     assert [r.candidate.label for r in one.rows] == ["DP1xSP1 rank-local S2 R1", "DP1xSP1 allgather W1 S2 R1"]
@@ -136,24 +163,41 @@ def test_candidates_and_bad_input():
 
 
 @settings(max_examples=25, deadline=None)
-@given(ranks=st.sampled_from((1, 2, 4)), factor=st.floats(1.0, 8.0), h2d=st.floats(2e8, 5e9),
-       block_s=st.floats(0.005, 0.2), overhead=st.floats(0.0, 0.2), slots=st.integers(2, 4),
-       r=st.integers(1, 3), serial=st.booleans())
+@given(
+    ranks=st.sampled_from((1, 2, 4)),
+    factor=st.floats(1.0, 8.0),
+    h2d=st.floats(2e8, 5e9),
+    block_s=st.floats(0.005, 0.2),
+    overhead=st.floats(0.0, 0.2),
+    slots=st.integers(2, 4),
+    r=st.integers(1, 3),
+    serial=st.booleans(),
+)
 def test_more_bandwidth_never_makes_a_plan_slower(ranks, factor, h2d, block_s, overhead, slots, r, serial):
-    t = topo(num_ranks=ranks, h2d=h2d, block_s=block_s, overhead=((100, 1, overhead),), host_serial=serial,
-             host_s_per_block=(("allgather", 1e-3), ("rank-local", 5e-4)))
+    t = topo(
+        num_ranks=ranks,
+        h2d=h2d,
+        block_s=block_s,
+        overhead=((100, 1, overhead),),
+        host_serial=serial,
+        host_s_per_block=(("allgather", 1e-3), ("rank-local", 5e-4)),
+    )
     fast = with_bandwidth(t, factor)
     for c in candidates(ranks, slots=(slots,), requests_per_rank=(r,)):
         slow_row, fast_row = predict(MODEL, t, WL, c), predict(MODEL, fast, WL, c)
         assert fast_row.step_s <= slow_row.step_s * (1 + 1e-12), c.label
         assert fast_row.wave_latency_s <= slow_row.wave_latency_s * (1 + 1e-12), c.label
-    assert (plan(MODEL, fast, WL, slots=(slots,)).rows[0].outputs_per_s
-            >= plan(MODEL, t, WL, slots=(slots,)).rows[0].outputs_per_s * (1 - 0.005))
+    assert plan(MODEL, fast, WL, slots=(slots,)).rows[0].outputs_per_s >= plan(MODEL, t, WL, slots=(slots,)).rows[
+        0
+    ].outputs_per_s * (1 - 0.005)
 
 
 @settings(max_examples=25, deadline=None)
-@given(hbm=st.integers(100 * MB, 2000 * MB), host=st.integers(50 * MB, 1000 * MB),
-       objective=st.sampled_from(("throughput", "latency")))
+@given(
+    hbm=st.integers(100 * MB, 2000 * MB),
+    host=st.integers(50 * MB, 1000 * MB),
+    objective=st.sampled_from(("throughput", "latency")),
+)
 def test_a_plan_that_does_not_fit_is_never_chosen(hbm, host, objective):
     r = plan(MODEL, topo(hbm=hbm, host=host), WL, slots=(2, 3), objective=objective)
     assert all(row.fits for row in r.rows) and all(not row.fits for row in r.dropped)
@@ -180,7 +224,9 @@ def test_minimax_routes_signs_and_frontier_on_8xb300():
     assert signs["DP1xSP8"] == ("+", True) and signs["DP8xSP1"] == ("-", True)
     verdicts = {r["route"]: r["verdict"] for r in pt.minimax_sign_rows()}
     assert verdicts["DP4xSP2"] == "tie within the model"
-    assert all(r["predicted_videos_per_h"] is True for r in pt.minimax_frontier_rows() if r["route"].startswith("ordered"))
+    assert all(
+        r["predicted_videos_per_h"] is True for r in pt.minimax_frontier_rows() if r["route"].startswith("ordered")
+    )
 
 
 SMALL = PolicyModel(ModelSizes.uniform("small", 24 * MB, 24), hidden_dim=64)  # 24 blocks of 1 MB
@@ -190,8 +236,11 @@ def test_load_groups_on_both_op_sequences():
     cands = candidates(2, slots=(2, 3, 4, 8), load_groups=(1, 2, 4))
     grouped = [c for c in cands if c.load_group > 1]
     assert {(c.num_slots, c.load_group) for c in grouped} == {(4, 2), (8, 2), (8, 4)}  # multiples of G, >= 2G
-    assert {c.label for c in grouped} >= {"DP2xSP1 rank-local S8 R1 G4", "DP1xSP2 allgather W1 S4 R1 G2",
-                                          "DP2xSP1 allgather W2 S8 R1 G4"}
+    assert {c.label for c in grouped} >= {
+        "DP2xSP1 rank-local S8 R1 G4",
+        "DP1xSP2 allgather W1 S4 R1 G2",
+        "DP2xSP1 allgather W2 S8 R1 G4",
+    }
     for c in grouped:  # W > 1: on 2G landing buffers (a group's shards land side by side); W = 1: none
         assert c.num_landing == (2 * c.load_group if c.num_shards > 1 else 0), c
     assert all(c.num_landing == 2 for c in cands if c.load_group == 1 and c.num_shards > 1)
@@ -229,8 +278,7 @@ def test_load_groups_are_chosen_at_w_gt_1_where_the_host_is_the_bound():
     r = plan(SMALL, fast, WL, slots=(2, 4, 8), modes=("allgather",), sps=(1,), load_groups=(1, 2, 4))
     chosen = r.chosen.candidate
     assert chosen.num_shards == 2 and chosen.load_group == 4 and r.chosen.bound == "compute", r.chosen
-    assert {row.bound for row in r.rows if row.candidate.load_group == 1 and row.candidate.num_shards == 2} == {
-        "host"}
+    assert {row.bound for row in r.rows if row.candidate.load_group == 1 and row.candidate.num_shards == 2} == {"host"}
     assert chosen.num_landing == 2 * chosen.load_group
     one = min(row.step_s for row in r.rows if row.candidate.load_group == 1 and row.candidate.num_shards == 2)
     assert r.chosen.step_s < 0.8 * one
@@ -253,8 +301,12 @@ def test_allgather_host_scale_against_the_h200_measurement():
 
     one = mean("own")
     # (the per-block layout measured on 24 blocks, priced on 25: a group straddles the passes, 4% more calls)
-    for variant, blocks, g, tol in (("own-g4", 24, 4, 0.01), ("own-g4-perblock", 25, 4, 0.05),
-                                    ("own-g2", 24, 2, 0.12), ("own-g8", 24, 8, 0.20)):
+    for variant, blocks, g, tol in (
+        ("own-g4", 24, 4, 0.01),
+        ("own-g4-perblock", 25, 4, 0.05),
+        ("own-g2", 24, 2, 0.12),
+        ("own-g8", 24, 8, 0.20),
+    ):
         assert abs(one * host_scale(blocks, 2 * g, g, "allgather") / mean(variant) - 1) < tol, variant
     for g in (2, 4):
         assert host_scale(24, 2 * g, g, "allgather") < host_scale(25, 2 * g, g, "allgather") < 1.0
@@ -275,4 +327,3 @@ def test_host_scale_against_the_h200_measurement():
     for g, tol in ((2, 0.05), (4, 0.01)):
         measured = rows[f"dlo-rank-local-swap-g{g}"]["proxy_host_us_per_block"]
         assert abs(one * host_scale(24, 2 * g, g) / measured - 1) < tol, (g, measured)
-

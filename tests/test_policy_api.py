@@ -40,12 +40,21 @@ def _check(ctx, name: str, workload, seeds, **fields) -> dict:
     pending = o.executor is None
     got = [o.model(**_on(inputs(s), ctx))[0] for s in seeds]
     c = o.auto.chosen.candidate
-    return {"equal": all(torch.equal(g, w) for g, w in zip(got, want)), "pending": pending,
-            "chosen": c.label, "runner_up": o.auto.runner_up.candidate.label if o.auto.runner_up else None,
-            "own": o.auto.result.chosen.candidate.label, "source": o.auto.source, "fields": o.auto.fields,
-            "options": (o.options.mode, o.options.num_slots, o.options.load_group),
-            "candidate": (c.mode, c.num_slots, c.load_group), "computes": o.executor.stats.computes,
-            "blocks": o.layout.num_blocks, "shards": o.layout.num_shards, "step_s": o.auto.chosen.step_s}
+    return {
+        "equal": all(torch.equal(g, w) for g, w in zip(got, want)),
+        "pending": pending,
+        "chosen": c.label,
+        "runner_up": o.auto.runner_up.candidate.label if o.auto.runner_up else None,
+        "own": o.auto.result.chosen.candidate.label,
+        "source": o.auto.source,
+        "fields": o.auto.fields,
+        "options": (o.options.mode, o.options.num_slots, o.options.load_group),
+        "candidate": (c.mode, c.num_slots, c.load_group),
+        "computes": o.executor.stats.computes,
+        "blocks": o.layout.num_blocks,
+        "shards": o.layout.num_shards,
+        "step_s": o.auto.chosen.step_s,
+    }
 
 
 def _on(kw: dict, ctx) -> dict:
@@ -80,8 +89,11 @@ def test_fixed_fields_stay_and_bad_workloads_are_one_line():
 
 def _rank(ctx) -> dict:
     seeds = tuple(10 * ctx.rank + s for s in range(3))  # each rank its own requests (DP)
-    out = {f"{name}-{how}": _check(ctx, name, wl, seeds, **AUTO)
-           for name in sorted(CASES) for how, wl in (("first-call", None), ("workload", WORKLOAD))}
+    out = {
+        f"{name}-{how}": _check(ctx, name, wl, seeds, **AUTO)
+        for name in sorted(CASES)
+        for how, wl in (("first-call", None), ("workload", WORKLOAD))
+    }
     out["wan-allgather"] = _check(ctx, "wan", None, seeds, mode="allgather", num_slots="auto", load_group="auto")
     out["agree"] = _disagreeing_inputs(ctx)
     return out
@@ -96,8 +108,18 @@ def _disagreeing_inputs(ctx) -> tuple[str, str]:
     mb = 10**6
     model = PolicyModel(ModelSizes.uniform("toy", 400 * mb, 4), hidden_dim=64)
     block_s = 0.05 if ctx.rank == 0 else 0.2
-    topo = Topology("toy", ctx.world_size, 1e9, 4e9, 4e9, 1e11, BlockCompute(table=((100, 1, block_s),)), 10**10,
-                    10**10, step_overhead=((100, 1, 0.12),))
+    topo = Topology(
+        "toy",
+        ctx.world_size,
+        1e9,
+        4e9,
+        4e9,
+        1e11,
+        BlockCompute(table=((100, 1, block_s),)),
+        10**10,
+        10**10,
+        step_overhead=((100, 1, 0.12),),
+    )
     choice = decide(topo, model, Workload("toy", 100, 4, 1), ("num_slots",), OffloadOptions(mode="rank-local"), ctx)
     return choice.result.chosen.candidate.label, choice.chosen.candidate.label
 

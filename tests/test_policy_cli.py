@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import re
 import json
+import re
 
 import pytest
 
@@ -21,22 +21,36 @@ def test_named_topology_prints_the_ranked_table_and_sources(capsys):
 
 def test_json_topology(tmp_path, capsys):
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({
-        "name": "two", "num_ranks": 2, "h2d_bytes_per_s": 50e9, "allgather_bus_bytes_per_s": 100e9,
-        "all_to_all_bytes_per_s": 100e9, "d2d_copy_bytes_per_s": 2e12, "hbm_bytes_per_rank": 80e9,
-        "host_bytes_per_rank": 500e9, "compute": {"table": [[4096, 2, 0.009]]},
-        "sources": {"h2d_bytes_per_s": "a guess"}}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "two",
+                "num_ranks": 2,
+                "h2d_bytes_per_s": 50e9,
+                "allgather_bus_bytes_per_s": 100e9,
+                "all_to_all_bytes_per_s": 100e9,
+                "d2d_copy_bytes_per_s": 2e12,
+                "hbm_bytes_per_rank": 80e9,
+                "host_bytes_per_rank": 500e9,
+                "compute": {"table": [[4096, 2, 0.009]]},
+                "sources": {"h2d_bytes_per_s": "a guess"},
+            }
+        )
+    )
     assert main(["policy", "--model", "bench", "--topology", str(path), "--slots", "2"]) == 0
     out = capsys.readouterr().out
     assert "bench on two (2 ranks)" in out and "h2d_bytes_per_s: a guess" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--topology", "9xTPU"], "policy: --topology: unknown topology '9xTPU'; named: 1xH200"),
-    (["--topology", "missing.json"], "policy: --topology missing.json: no such file"),
-    (["--slots", "two"], "policy: --slots must be a comma list of integers"),
-    (["--model", "gpt"], "policy: unknown policy model 'gpt'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "9xTPU"], "policy: --topology: unknown topology '9xTPU'; named: 1xH200"),
+        (["--topology", "missing.json"], "policy: --topology missing.json: no such file"),
+        (["--slots", "two"], "policy: --slots must be a comma list of integers"),
+        (["--model", "gpt"], "policy: unknown policy model 'gpt'"),
+    ],
+)
 def test_bad_input_is_one_line(argv, message, capsys):
     assert main(["policy", *argv]) == 2  # a usage error: one line on stderr, no traceback
     err = capsys.readouterr().err.strip()

@@ -21,11 +21,13 @@ def _generate(ckpt, out, *extra, log):
 
 
 def test_auto_arguments_parse():
-    args = build_parser().parse_args(["generate", "--checkpoint", "c", "--out", "o", "--prompt", "x",
-                                      "--mode", "auto", "--slots", "auto"])
+    args = build_parser().parse_args(
+        ["generate", "--checkpoint", "c", "--out", "o", "--prompt", "x", "--mode", "auto", "--slots", "auto"]
+    )
     assert is_auto(args) and options_from_args(args).num_slots == 2
-    fixed = build_parser().parse_args(["generate", "--checkpoint", "c", "--out", "o", "--prompt", "x",
-                                       "--resident", "--slots", "auto"])
+    fixed = build_parser().parse_args(
+        ["generate", "--checkpoint", "c", "--out", "o", "--prompt", "x", "--resident", "--slots", "auto"]
+    )
     assert not is_auto(fixed)  # resident has no slots to choose
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--checkpoint", "c", "--out", "o", "--slots", "many"])
@@ -49,10 +51,13 @@ def test_sp_takes_an_int_or_auto(capsys):
     assert "--sp takes an int >= 1 or 'auto', got 'two'" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--sp", "auto", "--resident"], ["--sp auto", "--resident"]),
-    (["--sp", "auto", "--shard-group", "dp"], ["--sp auto", "--shard-group dp"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--sp", "auto", "--resident"], ["--sp auto", "--resident"]),
+        (["--sp", "auto", "--shard-group", "dp"], ["--sp auto", "--shard-group dp"]),
+    ],
+)
 def test_sp_auto_mistakes_are_one_line(checkpoint, tmp_path, capsys, extra, words):
     from dlo_fn.cli import main
 
@@ -76,8 +81,9 @@ def test_sp_auto_on_two_gloo_ranks_matches_the_policy_table(checkpoint, resident
 
     from dlo_fn.cli import main
 
-    auto = _generate(checkpoint, tmp_path / "auto", "--sp", "auto", "--mode", "auto", "--slots", "auto",
-                     log=tmp_path / "log.txt")
+    auto = _generate(
+        checkpoint, tmp_path / "auto", "--sp", "auto", "--mode", "auto", "--slots", "auto", log=tmp_path / "log.txt"
+    )
     assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident_rows]
     log = (tmp_path / "log.txt").read_text()
     assert re.search(r"all-to-all \d+\.\d MB/s", log), log[-2000:]

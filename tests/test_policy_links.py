@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlo_fn.plan.links import link_busy_s, link_bytes
 from dlo_fn.plan.policy import Candidate, plan, predict
@@ -24,8 +25,21 @@ WL = Workload("toy", tokens=100, num_steps=4, cfg_branches=1)
 
 def pcie(peer="pcie", k=1, up=None, mem=None, block_s=0.01, ranks=8, host=10**13):
     """1 GB/s links, 100 MB blocks: a whole block's H2D is 0.1 s, its compute 10 ms: transfer bound."""
-    return Topology("pcie-toy", ranks, GB, GB, GB, GB, BlockCompute(table=((100, 1, block_s),)), 10**11, host,
-                    peer_link=peer, gpus_per_uplink=k, uplink_bytes_per_s=up, host_memory_bytes_per_s=mem)
+    return Topology(
+        "pcie-toy",
+        ranks,
+        GB,
+        GB,
+        GB,
+        GB,
+        BlockCompute(table=((100, 1, block_s),)),
+        10**11,
+        host,
+        peer_link=peer,
+        gpus_per_uplink=k,
+        uplink_bytes_per_s=up,
+        host_memory_bytes_per_s=mem,
+    )
 
 
 def test_link_bytes_golden_table():
@@ -35,15 +49,21 @@ def test_link_bytes_golden_table():
     gb = lambda d: {k: v / GB for k, v in d.items()}  # noqa: E731
     assert gb(link_bytes(SIZES, t, "rank-local", 1)) == {"uplink": 1.6, "host-memory": 6.4}
     assert gb(link_bytes(SIZES, dataclasses.replace(t, peer_link="nvlink"), "allgather", 4)) == {
-        "uplink": 0.4, "host-memory": 1.6}
+        "uplink": 0.4,
+        "host-memory": 1.6,
+    }
     # P2P: the GPU link carries the whole block again; the ring enters each switch once (W = 4 > k = 2)
     assert gb(link_bytes(SIZES, t, "allgather", 4)) == {"pcie": 0.8, "uplink": 0.4 + 0.6, "host-memory": 1.6}
     assert gb(link_bytes(SIZES, t, "allgather", 2)) == {"pcie": 0.8, "uplink": 0.8, "host-memory": 3.2}
     # Through host memory: the uplink as rank-local, DRAM 2W - 1 times the sharded H2D
     assert gb(link_bytes(SIZES, dataclasses.replace(t, peer_link="host"), "allgather", 4)) == {
-        "pcie": 0.8, "uplink": 1.6, "host-memory": 11.2}  # 8 x 7 x 0.2
-    assert link_busy_s(SIZES, dataclasses.replace(t, uplink_bytes_per_s=None, host_memory_bytes_per_s=None),
-                       "allgather", 4) == (("pcie", 0.8),)
+        "pcie": 0.8,
+        "uplink": 1.6,
+        "host-memory": 11.2,
+    }  # 8 x 7 x 0.2
+    assert link_busy_s(
+        SIZES, dataclasses.replace(t, uplink_bytes_per_s=None, host_memory_bytes_per_s=None), "allgather", 4
+    ) == (("pcie", 0.8),)
 
 
 def test_nvlink_topologies_have_no_shared_link_term():
@@ -92,8 +112,13 @@ def test_through_host_memory_the_all_gather_only_buys_capacity():
 
 
 @settings(max_examples=30, deadline=None)
-@given(peer=st.sampled_from(("pcie", "host")), k=st.sampled_from((1, 2, 4)), w=st.sampled_from((2, 4, 8)),
-       up=st.sampled_from((None, GB, 3 * GB)), mem=st.sampled_from((None, 5 * GB, 50 * GB)))
+@given(
+    peer=st.sampled_from(("pcie", "host")),
+    k=st.sampled_from((1, 2, 4)),
+    w=st.sampled_from((2, 4, 8)),
+    up=st.sampled_from((None, GB, 3 * GB)),
+    mem=st.sampled_from((None, 5 * GB, 50 * GB)),
+)
 def test_the_gpu_link_carries_the_whole_block_whatever_w(peer, k, w, up, mem):
     t = pcie(peer, k, up, mem)
     ag = link_bytes(SIZES, t, "allgather", w)
@@ -102,8 +127,12 @@ def test_the_gpu_link_carries_the_whole_block_whatever_w(peer, k, w, up, mem):
     if peer == "host":  # nothing saved on the uplink; DRAM pays (2W - 1) / W times rank-local's bytes
         assert ag["uplink"] >= rl["uplink"] and ag["host-memory"] > rl["host-memory"]
     # and the predicted step is never below the busiest link's time
-    row = predict(MODEL, t, WL, Candidate(8 // w, w, "allgather", "mesh", 2, 1, 2) if w < 8 else
-                  Candidate(1, 8, "allgather", "mesh", 2, 1, 2))
+    row = predict(
+        MODEL,
+        t,
+        WL,
+        Candidate(8 // w, w, "allgather", "mesh", 2, 1, 2) if w < 8 else Candidate(1, 8, "allgather", "mesh", 2, 1, 2),
+    )
     assert row.step_s >= max(s for _, s in link_busy_s(SIZES, t, "allgather", 8)) * (1 - 1e-12)
 
 
@@ -113,8 +142,14 @@ def test_named_pcie_topologies_have_sources_and_round_trip_through_json():
     for name in pcie_topologies.PCIE_TOPOLOGY_NAMES:
         t = topologies.topology(name)
         assert t.peer_link in ("pcie", "host") and t.host_memory_bytes_per_s is not None
-        for field in ("h2d_bytes_per_s", "compute", "hbm_bytes_per_rank", "peer_link", "gpus_per_uplink",
-                      "host_memory_bytes_per_s"):
+        for field in (
+            "h2d_bytes_per_s",
+            "compute",
+            "hbm_bytes_per_rank",
+            "peer_link",
+            "gpus_per_uplink",
+            "host_memory_bytes_per_s",
+        ):
             assert t.source(field), (name, field)
         back = topologies.topology_from_dict(topologies.topology_to_dict(t))
         assert back == dataclasses.replace(t, sources=tuple(sorted(t.sources)))  # a file keeps them sorted
@@ -129,8 +164,11 @@ def test_what_the_policy_picks_on_the_pcie_machines():
     image by saving uplink time; on the direct-attached H100 PCIe and L20 and on the RTX 4090s (no P2P) rank-local
     wins where the host holds it; on the 4090s Cosmos3-Super (124 GB) fits only sharded."""
     image = topologies.H200_IMAGE
-    picks = {(m, t): plan(topologies.model(m), topologies.topology(t), image, slots=(2, 3, 4), sps=(1,)).chosen
-             for m in ("bench", "cosmos3-super") for t in pcie_topologies.PCIE_TOPOLOGY_NAMES}
+    picks = {
+        (m, t): plan(topologies.model(m), topologies.topology(t), image, slots=(2, 3, 4), sps=(1,)).chosen
+        for m in ("bench", "cosmos3-super")
+        for t in pcie_topologies.PCIE_TOPOLOGY_NAMES
+    }
     assert picks[("bench", "8xL40S")].candidate.label == "DP8xSP1 allgather W8 S2 R1"
     for t in ("8xH100-PCIe", "8xL20", "8xRTX4090"):
         assert picks[("bench", t)].candidate.mode == "rank-local", t

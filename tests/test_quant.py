@@ -70,8 +70,15 @@ def test_quantised_schedules_pass_every_check_and_simulate(mode, shards, slots):
     check_schedule(first), check_schedule(second, first)
     dq = [op for op in first.ops if op.kind == "DQ"]
     assert len(dq) == len([op for op in first.ops if op.kind == "H2D"]) and all(op.staging == op.slot for op in dq)
-    durations = bandwidth_durations(5, h2d_bytes=1.0, allgather_bytes=1.0, compute_s=1.0, h2d_bytes_per_s=1.0,
-                                    allgather_bytes_per_s=1.0, dequant_s=0.25)
+    durations = bandwidth_durations(
+        5,
+        h2d_bytes=1.0,
+        allgather_bytes=1.0,
+        compute_s=1.0,
+        h2d_bytes_per_s=1.0,
+        allgather_bytes_per_s=1.0,
+        dequant_s=0.25,
+    )
     tl = simulate(first, durations)
     assert {s.stream for s in tl.spans if s.op.startswith("DQ")} == {"allgather"}
     with pytest.raises(ValueError, match="quantised loads"):
@@ -93,21 +100,28 @@ def test_stored_block_quantises_only_the_rows_its_pieces_read():
             continue
         row_bytes = tensors[name][0].numel()  # FP8: one byte per element
         rows[name] = max(-(-hi // row_bytes) for _, hi in ranges)
-        tensors[name][rows[name]:] = float("nan")
+        tensors[name][rows[name] :] = float("nan")
     block = StoredBlock(tensors, layout.shards[0].block, needed)
     for p in pieces:
-        got = block[p.tensor].reshape(-1).view(torch.uint8)[p.src_start:p.src_stop]
+        got = block[p.tensor].reshape(-1).view(torch.uint8)[p.src_start : p.src_stop]
         src = model.blocks[0].get_parameter(p.tensor.removesuffix("_scale")) if p.tensor.endswith("_scale") else None
         if p.tensor in rows:
             q, _ = quantize_rows(model.blocks[0].get_parameter(p.tensor))
-            assert torch.equal(got, q.reshape(-1).view(torch.uint8)[p.src_start:p.src_stop])
+            assert torch.equal(got, q.reshape(-1).view(torch.uint8)[p.src_start : p.src_stop])
         elif src is not None:
             _, s = quantize_rows(src)
-            assert torch.equal(got, s.view(torch.uint8)[p.src_start:p.src_stop])
+            assert torch.equal(got, s.view(torch.uint8)[p.src_start : p.src_stop])
 
 
-@pytest.mark.parametrize("mode,opts", [("rank-local", {}), ("allgather", {}), ("rank-local", {"num_slots": 1}),
-                                       ("rank-local", {"num_slots": 3, "block_call": "functional_call"})])
+@pytest.mark.parametrize(
+    "mode,opts",
+    [
+        ("rank-local", {}),
+        ("allgather", {}),
+        ("rank-local", {"num_slots": 1}),
+        ("rank-local", {"num_slots": 3, "block_call": "functional_call"}),
+    ],
+)
 @torch.no_grad()
 def test_offloaded_fp8_equals_fake_quantised_resident(mode, opts):
     ref = toy(5, d=32)
@@ -148,7 +162,9 @@ def test_options_are_checked():
     if not torch.cuda.is_available():  # the kernel plug-in needs CUDA; auto falls back to torch ops
         with pytest.raises(ValueError, match="dequant='kernel' needs a CUDA device"):
             offload(toy(2), "blocks", CTX, mode="rank-local", quantization="fp8", dequant="kernel")
-        assert offload(toy(2), "blocks", CTX, mode="rank-local", quantization="fp8").executor.dequantizer.name == "torch"
+        assert (
+            offload(toy(2), "blocks", CTX, mode="rank-local", quantization="fp8").executor.dequantizer.name == "torch"
+        )
     with pytest.raises(ValueError, match="quantised loads"):
         OffloadOptions(quantization="fp8", load_group=2, num_slots=4)
     with pytest.raises(ValueError, match="need the pinned source"):
@@ -173,8 +189,8 @@ def test_diffusers_dits_fp8_equal_fake_quantised(name, mode):
 def quant_rank(ctx, ckpt: str) -> dict:
     """On W gloo ranks: the reference DiT and a diffusers Flux offloaded with FP8 shards, allgather and
     rank-local, against the fake-quantised resident model; each rank's arena is its share of the stored bytes."""
-    from dlo_fn.models import BLOCK_PATHS, Request, generate
     from dlo_fn.io.load import load_model
+    from dlo_fn.models import BLOCK_PATHS, Request, generate
     from tests.test_third_party import CASES
 
     out = {}
@@ -191,8 +207,9 @@ def quant_rank(ctx, ckpt: str) -> dict:
     fq = fake_quantize(build(), paths)
     o = offload(build(), paths, ctx, mode="allgather", quantization="fp8")
     with torch.no_grad():
-        out["flux_exact"] = all(torch.equal(o.model(**inputs(10 * ctx.rank + s))[0],
-                                            fq(**inputs(10 * ctx.rank + s))[0]) for s in range(2))
+        out["flux_exact"] = all(
+            torch.equal(o.model(**inputs(10 * ctx.rank + s))[0], fq(**inputs(10 * ctx.rank + s))[0]) for s in range(2)
+        )
     return out
 
 
@@ -205,8 +222,15 @@ def test_fp8_on_gloo_ranks(request, world):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode,graph,dequant", [("rank-local", False, "torch"), ("rank-local", False, "kernel"),
-                                                ("allgather", False, "kernel"), ("rank-local", "block", "kernel")])
+@pytest.mark.parametrize(
+    "mode,graph,dequant",
+    [
+        ("rank-local", False, "torch"),
+        ("rank-local", False, "kernel"),
+        ("allgather", False, "kernel"),
+        ("rank-local", "block", "kernel"),
+    ],
+)
 @torch.no_grad()
 def test_fp8_on_cuda_streams_bit_exact(mode, graph, dequant):
     """FP8 shards on real copy / all-gather / compute streams: the dequantise op runs on the all-gather stream

@@ -94,8 +94,10 @@ def test_offloaded_from_fp8_checkpoint_equals_source_fp8_and_fake_quantised(quan
 def test_resident_reference_is_the_fake_quantised_source(quantized_tiny, references):
     src, dst = quantized_tiny
     got, want = fake_quantize(load_model(dst)), fake_quantize(load_model(src))
-    assert all(torch.equal(t, want.state_dict()[k]) and t.dtype == want.state_dict()[k].dtype
-               for k, t in got.state_dict().items())
+    assert all(
+        torch.equal(t, want.state_dict()[k]) and t.dtype == want.state_dict()[k].dtype
+        for k, t in got.state_dict().items()
+    )
     assert generate(got, REQUEST).sha256 == references
 
 
@@ -116,7 +118,7 @@ def test_host_store_holds_the_stored_bytes_nothing_quantised(quantized_tiny, tmp
     shard = o.layout.shards[1]
     files = _tensors(changed)
     for p in shard.block.placements:
-        got = o.store.arena[o.layout.shard_offsets[1] + p.offset_bytes:][: p.nbytes]
+        got = o.store.arena[o.layout.shard_offsets[1] + p.offset_bytes :][: p.nbytes]
         assert torch.equal(got, _bytes(files[f"{shard.block.name}.{p.name}"])), p.name
     want = fake_quantize(load_model(changed))
     w = want.get_parameter(key)
@@ -131,8 +133,11 @@ def quantize_rank(ctx, paths) -> dict:
     out = {}
     for mode in ("allgather", "rank-local"):
         o = offload(load_model(dst), ctx=ctx, mode=mode, quantization="fp8")
-        out[mode] = (generate(o.model, REQUEST).sha256 == want, o.layout.num_shards,
-                     o.store.arena_bytes == o.layout.shard_bytes_per_rank)
+        out[mode] = (
+            generate(o.model, REQUEST).sha256 == want,
+            o.layout.num_shards,
+            o.store.arena_bytes == o.layout.shard_bytes_per_rank,
+        )
     return out
 
 
@@ -142,8 +147,10 @@ def test_fp8_checkpoint_on_two_gloo_ranks(request):
         assert res == {"allgather": (True, 2, True), "rank-local": (True, 1, True)}, res
 
 
-@pytest.mark.parametrize("name, dtype, shard", [("flux", torch.bfloat16, "30KB"), ("wan", torch.bfloat16, None),
-                                                ("flux", torch.float32, None)])
+@pytest.mark.parametrize(
+    "name, dtype, shard",
+    [("flux", torch.bfloat16, "30KB"), ("wan", torch.bfloat16, None), ("flux", torch.float32, None)],
+)
 @torch.no_grad()
 def test_diffusers_folder_quantised_and_reloaded(tmp_path, name, dtype, shard):
     pytest.importorskip("diffusers")
@@ -157,8 +164,10 @@ def test_diffusers_folder_quantised_and_reloaded(tmp_path, name, dtype, shard):
     quantize_checkpoint(tmp_path / "src", tmp_path / "dst", progress=False)
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == sorted(p.name for p in (tmp_path / "src").iterdir())
     ref, dequantised = fake_quantize(load_model(tmp_path / "src")), fake_quantize(load_model(tmp_path / "dst"))
-    assert all(torch.equal(t, ref.state_dict()[k]) and t.dtype == ref.state_dict()[k].dtype
-               for k, t in dequantised.state_dict().items())
+    assert all(
+        torch.equal(t, ref.state_dict()[k]) and t.dtype == ref.state_dict()[k].dtype
+        for k, t in dequantised.state_dict().items()
+    )
     for mode in ("rank-local", "allgather"):
         o = offload(load_model(tmp_path / "dst"), ctx=CTX, mode=mode, quantization="fp8")
         for s in range(2):
@@ -197,12 +206,14 @@ def test_cli_writes_it_and_mistakes_are_one_line(capsys, quantized_tiny, tmp_pat
     assert main(["quantize", src, str(tmp_path / "out"), "--no-progress"]) == 0
     assert "block tensor(s) as FP8" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
-    for argv, words in [([str(tmp_path / "nothere"), str(tmp_path / "x")], ["SRC", "no such folder or file"]),
-                        ([src, str(tmp_path / "out")], ["already holds a checkpoint", "--force"]),
-                        ([dst, str(tmp_path / "y")], ["already quantised"]),
-                        ([str(tmp_path / "empty"), str(tmp_path / "z")], ["no model.safetensors"]),
-                        ([src, src], ["the source's own folder"]),
-                        ([src, str(tmp_path / "w"), "--exclude", "blocks"], ["no block tensor", "exclude"])]:
+    for argv, words in [
+        ([str(tmp_path / "nothere"), str(tmp_path / "x")], ["SRC", "no such folder or file"]),
+        ([src, str(tmp_path / "out")], ["already holds a checkpoint", "--force"]),
+        ([dst, str(tmp_path / "y")], ["already quantised"]),
+        ([str(tmp_path / "empty"), str(tmp_path / "z")], ["no model.safetensors"]),
+        ([src, src], ["the source's own folder"]),
+        ([src, str(tmp_path / "w"), "--exclude", "blocks"], ["no block tensor", "exclude"]),
+    ]:
         line = _one_line(capsys, ["quantize", *argv])
         assert line.startswith("dlo_fn quantize: error: ") and all(w in line for w in words), line
     assert main(["quantize", src, str(tmp_path / "out"), "--force", "--no-progress"]) == 0
@@ -210,8 +221,22 @@ def test_cli_writes_it_and_mistakes_are_one_line(capsys, quantized_tiny, tmp_pat
 
 def test_generate_runs_the_fp8_checkpoint_bit_exact(capsys, quantized_tiny, references, tmp_path):
     src, dst = quantized_tiny
-    args = ["--prompt", "a fox", "--seed", "0", "--steps", "2", "--height", "32", "--width", "32", "--frames", "5",
-            "--platform", "cpu"]  # the reference below computes on the host
+    args = [
+        "--prompt",
+        "a fox",
+        "--seed",
+        "0",
+        "--steps",
+        "2",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--platform",
+        "cpu",
+    ]  # the reference below computes on the host
     assert main(["generate", "--checkpoint", dst, "--quantization", "fp8", *args, "--out", str(tmp_path / "a")]) == 0
     row = json.loads((tmp_path / "a" / "manifest.jsonl").read_text().splitlines()[0])
     want = generate(fake_quantize(load_model(src)), Request.from_dict(row["settings"])).sha256
@@ -252,12 +277,17 @@ def test_writing_streams_in_flat_memory(tmp_path):
 
     g = torch.Generator().manual_seed(0)
     for name, d, vocab in (("big", 4096, 16384), ("small", 64, 64)):
-        save_file({"embed.weight": torch.ones(vocab, d, dtype=torch.bfloat16),
-                   **{f"blocks.{i}.weight": torch.randn(d, d, generator=g).to(torch.bfloat16) for i in range(2)}},
-                  str(tmp_path / f"{name}.safetensors"))
+        save_file(
+            {
+                "embed.weight": torch.ones(vocab, d, dtype=torch.bfloat16),
+                **{f"blocks.{i}.weight": torch.randn(d, d, generator=g).to(torch.bfloat16) for i in range(2)},
+            },
+            str(tmp_path / f"{name}.safetensors"),
+        )
     model_bytes = (tmp_path / "big.safetensors").stat().st_size  # 192 MB: 64 MB quantised, 128 MB copied
-    proc = subprocess.run([sys.executable, "-c", BIG, str(tmp_path), str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", BIG, str(tmp_path), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     mem = json.loads(proc.stdout.strip().splitlines()[-1])
     grew = mem["hwm_bytes"] - mem["rss_bytes"]

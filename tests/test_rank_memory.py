@@ -34,13 +34,20 @@ def _rows(name: str):
 def test_cpu_sweep_within_5_percent_and_reproduced():
     sizes = _sizes("load-1gb")
     rows = _rows("load_phases.csv")
-    assert {(r["mode"], int(r["ranks"])) for r in rows} == {(m, n) for m in ("allgather", "rank-local",
-                                                                            "rank-local-mmap") for n in (1, 2, 3, 4)}
+    assert {(r["mode"], int(r["ranks"])) for r in rows} == {
+        (m, n) for m in ("allgather", "rank-local", "rank-local-mmap") for n in (1, 2, 3, 4)
+    }
     loads = {(r["mode"], r["ranks"]): r for r in rows if r["phase"] == "load"}
     for r in rows:
         c = loads[(r["mode"], r["ranks"])]
-        plan = rank_memory(sizes, int(r["ranks"]), r["mode"], "cpu", process_group=True, constant=ProcessConstant(
-            int(c["rss_bytes"]), int(c["uss_bytes"]), int(c["pss_bytes"]))).phase(r["phase"])
+        plan = rank_memory(
+            sizes,
+            int(r["ranks"]),
+            r["mode"],
+            "cpu",
+            process_group=True,
+            constant=ProcessConstant(int(c["rss_bytes"]), int(c["uss_bytes"]), int(c["pss_bytes"])),
+        ).phase(r["phase"])
         for k in KEYS:
             predicted, measured = getattr(plan, f"{k}_bytes"), int(r[f"{k}_bytes"])
             assert predicted == int(r[f"predicted_{k}_bytes"]), (r["mode"], r["ranks"], r["phase"], k)
@@ -57,8 +64,15 @@ def _h200_plan(rows):
     for r in rows:
         c, n = loads[(r["mode"], r["ranks"])], int(r["ranks"])
         x = gloo_cuda_staging_bytes(sizes, n) if r["mode"] == "allgather" and n > 1 else 0
-        yield rank_memory(sizes, n, r["mode"], "cuda", staging_bytes=x, process_group=True, constant=ProcessConstant(
-            int(c["rss_bytes"]), int(c["uss_bytes"]), int(c["pss_bytes"]))).phase(r["phase"])
+        yield rank_memory(
+            sizes,
+            n,
+            r["mode"],
+            "cuda",
+            staging_bytes=x,
+            process_group=True,
+            constant=ProcessConstant(int(c["rss_bytes"]), int(c["uss_bytes"]), int(c["pss_bytes"])),
+        ).phase(r["phase"])
 
 
 def test_h200_pinned_exact_fill_and_offload_within_5_percent_and_reproduced():
@@ -66,8 +80,11 @@ def test_h200_pinned_exact_fill_and_offload_within_5_percent_and_reproduced():
     rows = _rows("load_phases_h200.csv")
     assert rows and all(r["pinned_bytes"] == r["planned_arena_bytes"] == r["arena_bytes"] for r in rows)
     assert {(r["mode"], r["ranks"], r["phase"]) for r in rows} == {
-        (m, str(n), p) for m in ("allgather", "rank-local") for n in (1, 2) for p in ("load", "fill", "offload",
-                                                                                      "generate")}
+        (m, str(n), p)
+        for m in ("allgather", "rank-local")
+        for n in (1, 2)
+        for p in ("load", "fill", "offload", "generate")
+    }
     for r, plan in zip(rows, _h200_plan(rows)):
         for k in KEYS:
             assert getattr(plan, f"{k}_bytes") == int(r[f"predicted_{k}_bytes"]), (r["mode"], r["ranks"], k)

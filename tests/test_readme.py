@@ -30,8 +30,13 @@ def _markdown_texts() -> list[tuple[str, pathlib.Path, str]]:
     out += [(f"docs/{p.name}", p.parent, p.read_text()) for p in DOCS]
     for nb in NOTEBOOKS:
         cells = json.loads(nb.read_text())["cells"]
-        out.append((f"notebooks/{nb.name}", nb.parent,
-                    "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")))
+        out.append(
+            (
+                f"notebooks/{nb.name}",
+                nb.parent,
+                "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown"),
+            )
+        )
     return out
 
 
@@ -62,8 +67,12 @@ def test_every_module_is_in_the_read_order():
         if path.stem not in listed.get(folder, set()):
             missing.append(f"{folder}{path.name}")
     assert not missing, f"not in README's read order: {missing}"
-    stale = [f"{folder}{m}.py" for folder, names in listed.items() for m in names
-             if not (ROOT / folder / f"{m}.py").is_file()]
+    stale = [
+        f"{folder}{m}.py"
+        for folder, names in listed.items()
+        for m in names
+        if not (ROOT / folder / f"{m}.py").is_file()
+    ]
     assert not stale, f"README's read order names modules that do not exist: {stale}"
 
 

@@ -10,15 +10,15 @@ import mmap
 import pytest
 import torch
 
-from dlo_fn.serve.ranks import run_ranks
 from dlo_fn.io.release import mapped_bytes, release_mapped_tensors, release_ranges, viewed_files
+from dlo_fn.serve.ranks import run_ranks
 
 
 def _rank(ctx, ckpt: str, mode: str, budget_fraction: float | None = None) -> dict:
-    from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.io.checkpoint import open_checkpoint
     from dlo_fn.io.load import load_checkpoint
     from dlo_fn.io.memstat import mapped_file_memory, process_memory
+    from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.plan.layout import model_layout
     from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.offload import offload
@@ -29,15 +29,27 @@ def _rank(ctx, ckpt: str, mode: str, budget_fraction: float | None = None) -> di
     mapped_at_load = mapped_bytes(files)
     budget = None
     if budget_fraction is not None:  # a host budget: pin the leading shards that fit, stream the rest
-        budget = int(budget_fraction * model_layout(spec_from_module(model, BLOCK_PATHS),
-                                                    ctx.world_size if mode == "allgather" else 1).shard_bytes_per_rank)
+        budget = int(
+            budget_fraction
+            * model_layout(
+                spec_from_module(model, BLOCK_PATHS), ctx.world_size if mode == "allgather" else 1
+            ).shard_bytes_per_rank
+        )
     o = offload(model, BLOCK_PATHS, ctx, mode=mode, pinned_budget_bytes=budget)
     after = process_memory()
-    return {"constant": constant, "uss": after.uss_bytes, "arena": o.store.arena_bytes,
-            "host_slots": o.executor.device_weight_bytes, "resident": o.spec.resident_bytes,
-            "mapped_at_load": mapped_at_load, "mapped_after": mapped_bytes(files),
-            "file_rss_after": mapped_file_memory(files)["rss_bytes"], "closed": o.release.closed,
-            "copied": o.release.copied_bytes, "streamed": o.store.streamed_bytes}
+    return {
+        "constant": constant,
+        "uss": after.uss_bytes,
+        "arena": o.store.arena_bytes,
+        "host_slots": o.executor.device_weight_bytes,
+        "resident": o.spec.resident_bytes,
+        "mapped_at_load": mapped_at_load,
+        "mapped_after": mapped_bytes(files),
+        "file_rss_after": mapped_file_memory(files)["rss_bytes"],
+        "closed": o.release.closed,
+        "copied": o.release.copied_bytes,
+        "streamed": o.store.streamed_bytes,
+    }
 
 
 @pytest.mark.slow
@@ -90,7 +102,9 @@ def test_partly_pinned_rank_keeps_only_streamed_pages(ckpt_200mb):
     arena (and the resident tensors') are dropped from it, so USS obeys the same bound."""
     for r in run_ranks(_rank, 2, ckpt_200mb, "allgather", 0.5, timeout_s=240):
         assert 0 < r["arena"] <= r["streamed"] + 256 * 12, r
-        assert r["mapped_after"] > 0 and r["file_rss_after"] <= 0.05 * r["arena"] + 2**20, r  # fault-around and partial pages
+        assert r["mapped_after"] > 0 and r["file_rss_after"] <= 0.05 * r["arena"] + 2**20, (
+            r
+        )  # fault-around and partial pages
         assert r["uss"] <= 1.05 * (r["constant"] + r["arena"] + r["host_slots"] + r["resident"]), r
 
 
@@ -102,7 +116,11 @@ def test_memory_and_plan_print_the_per_rank_terms(capsys):
     assert main(["memory", "--model-bytes", "10GB", "--num-blocks", "10", "--dp", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)["rank_memory"]
     assert doc["terms"]["arena_bytes"] == 5 * 10**9 and [p["phase"] for p in doc["phases"]] == [
-        "load", "fill", "offload", "generate"]
+        "load",
+        "fill",
+        "offload",
+        "generate",
+    ]
     assert doc["phases"][2]["uss_bytes"] == doc["constant_bytes"] + 5 * 10**9  # mapping closed: c + s
     assert main(["plan", "--model", "tiny", "--num-shards", "2"]) == 0
     out = capsys.readouterr().out

@@ -84,17 +84,25 @@ SCRATCH_BYTES = 32_000_000  # kernel scratch and heap granularity: in admission'
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, fields", [
-    ("resident", dict(height=768, width=768, num_frames=17, num_inference_steps=1)),
-    ("resident", dict(height=640, width=1024, num_frames=9, num_inference_steps=1, guidance_scale=1.0)),
-    ("allgather", dict(height=512, width=512, num_frames=33, num_inference_steps=1, outputs_per_prompt=2)),
-])
+@pytest.mark.parametrize(
+    "mode, fields",
+    [
+        ("resident", dict(height=768, width=768, num_frames=17, num_inference_steps=1)),
+        ("resident", dict(height=640, width=1024, num_frames=9, num_inference_steps=1, guidance_scale=1.0)),
+        ("allgather", dict(height=512, width=512, num_frames=33, num_inference_steps=1, outputs_per_prompt=2)),
+    ],
+)
 def test_the_model_bounds_the_peak_a_request_adds(checkpoint, mode, fields):
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", MEASURE, checkpoint, mode, json.dumps(fields)], capture_output=True,
-                          text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, checkpoint, mode, json.dumps(fields)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["measured"] > 40_000_000, got  # large enough for the terms to dominate
@@ -116,8 +124,11 @@ def test_the_device_terms_bound_the_cuda_peak(checkpoint, mode):
     model, _ = open_model(checkpoint, DistContext(0, 1, 0, platform_for("cuda", 0), None), mode)
     generate(model, Request("warm", height=32, width=32, num_frames=5, num_inference_steps=1))
     rows = []
-    for fields in (dict(height=1024, width=1024, num_frames=33), dict(height=768, width=1280, num_frames=17),
-                   dict(height=2048, width=2048, num_frames=9, guidance_scale=1.0)):
+    for fields in (
+        dict(height=1024, width=1024, num_frames=33),
+        dict(height=768, width=1280, num_frames=17),
+        dict(height=2048, width=2048, num_frames=9, guidance_scale=1.0),
+    ):
         request = Request("a red fox", num_inference_steps=1, **fields)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

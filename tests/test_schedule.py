@@ -11,13 +11,24 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import build_case, grouped_cases, schedule_cases
 
 from dlo_fn.plan.schedule import (
-    AG, C, H2D, Op, Ring, Schedule, add_dependencies, build_schedule, lowered_mode, compute_order,
-    next_landing_offset, next_schedule, next_slot_offset,
+    AG,
+    H2D,
+    C,
+    Op,
+    Ring,
+    Schedule,
+    add_dependencies,
+    build_schedule,
+    compute_order,
+    lowered_mode,
+    next_landing_offset,
+    next_schedule,
+    next_slot_offset,
 )
 from dlo_fn.plan.schedule_check import ScheduleError, check_schedule
 from dlo_fn.plan.timeline import simulate
@@ -37,32 +48,38 @@ def _assert_golden(schedule: Schedule, golden: list[str]) -> None:
 
 def test_golden_allgather_two_slots_with_waits():
     # Two blocks, two steps: the ring wraps from block 1 of step 0 to block 0 of step 1 (load k2) with no stall.
-    _assert_golden(build_schedule(2, 2), [
-        "H2D k0 b0>l0",
-        "AG k0 b0 l0>s0 <- 0",
-        "H2D k1 b1>l1",
-        "AG k1 b1 l1>s1 <- 2",
-        "C k0 b0@s0 r0 <- 1",
-        "H2D k2 b0>l0 <- 1",       # landing l0 is free once AG k0 has read it
-        "AG k2 b0 l0>s0 <- 4,5",   # slot s0 is free once C k0 is done
-        "C k1 b1@s1 r0 <- 3",
-        "H2D k3 b1>l1 <- 3",
-        "AG k3 b1 l1>s1 <- 7,8",
-        "C k2 b0@s0 r0 <- 6",
-        "C k3 b1@s1 r0 <- 9",
-    ])
+    _assert_golden(
+        build_schedule(2, 2),
+        [
+            "H2D k0 b0>l0",
+            "AG k0 b0 l0>s0 <- 0",
+            "H2D k1 b1>l1",
+            "AG k1 b1 l1>s1 <- 2",
+            "C k0 b0@s0 r0 <- 1",
+            "H2D k2 b0>l0 <- 1",  # landing l0 is free once AG k0 has read it
+            "AG k2 b0 l0>s0 <- 4,5",  # slot s0 is free once C k0 is done
+            "C k1 b1@s1 r0 <- 3",
+            "H2D k3 b1>l1 <- 3",
+            "AG k3 b1 l1>s1 <- 7,8",
+            "C k2 b0@s0 r0 <- 6",
+            "C k3 b1@s1 r0 <- 9",
+        ],
+    )
 
 
 def test_golden_rank_local():
     # No landing buffers: each H2D writes the whole block straight into its slot, once the slot is free.
-    _assert_golden(build_schedule(3, 1, mode="rank-local"), [
-        "H2D k0 b0>s0",
-        "H2D k1 b1>s1",
-        "C k0 b0@s0 r0 <- 0",
-        "H2D k2 b2>s0 <- 2",
-        "C k1 b1@s1 r0 <- 1",
-        "C k2 b2@s0 r0 <- 3",
-    ])
+    _assert_golden(
+        build_schedule(3, 1, mode="rank-local"),
+        [
+            "H2D k0 b0>s0",
+            "H2D k1 b1>s1",
+            "C k0 b0@s0 r0 <- 0",
+            "H2D k2 b2>s0 <- 2",
+            "C k1 b1@s1 r0 <- 1",
+            "C k2 b2@s0 r0 <- 3",
+        ],
+    )
 
 
 def test_golden_allgather_over_one_rank_is_the_rank_local_program():
@@ -83,38 +100,60 @@ def test_golden_allgather_over_one_rank_is_the_rank_local_program():
 
 
 def test_golden_three_slots():
-    _assert_golden(build_schedule(3, 1, num_slots=3), [
-        "H2D k0 b0>l0", "AG k0 b0 l0>s0", "H2D k1 b1>l1", "AG k1 b1 l1>s1", "H2D k2 b2>l0", "AG k2 b2 l0>s2",
-        "C k0 b0@s0 r0", "C k1 b1@s1 r0", "C k2 b2@s2 r0",
-    ])
+    _assert_golden(
+        build_schedule(3, 1, num_slots=3),
+        [
+            "H2D k0 b0>l0",
+            "AG k0 b0 l0>s0",
+            "H2D k1 b1>l1",
+            "AG k1 b1 l1>s1",
+            "H2D k2 b2>l0",
+            "AG k2 b2 l0>s2",
+            "C k0 b0@s0 r0",
+            "C k1 b1@s1 r0",
+            "C k2 b2@s2 r0",
+        ],
+    )
 
 
 def test_golden_two_requests_per_load():
     # Block-major: each loaded block serves r0 then r1; the slot is refilled after the last of them (r1).
-    _assert_golden(build_schedule(3, 1, requests_per_load=2), [
-        "H2D k0 b0>l0",
-        "AG k0 b0 l0>s0 <- 0",
-        "H2D k1 b1>l1",
-        "AG k1 b1 l1>s1 <- 2",
-        "C k0 b0@s0 r0 <- 1",
-        "C k0 b0@s0 r1",           # no wait of its own: r0 waited for the load, and one stream runs in order
-        "H2D k2 b2>l0 <- 1",
-        "AG k2 b2 l0>s0 <- 5,6",
-        "C k1 b1@s1 r0 <- 3",
-        "C k1 b1@s1 r1",
-        "C k2 b2@s0 r0 <- 7",
-        "C k2 b2@s0 r1",
-    ])
+    _assert_golden(
+        build_schedule(3, 1, requests_per_load=2),
+        [
+            "H2D k0 b0>l0",
+            "AG k0 b0 l0>s0 <- 0",
+            "H2D k1 b1>l1",
+            "AG k1 b1 l1>s1 <- 2",
+            "C k0 b0@s0 r0 <- 1",
+            "C k0 b0@s0 r1",  # no wait of its own: r0 waited for the load, and one stream runs in order
+            "H2D k2 b2>l0 <- 1",
+            "AG k2 b2 l0>s0 <- 5,6",
+            "C k1 b1@s1 r0 <- 3",
+            "C k1 b1@s1 r1",
+            "C k2 b2@s0 r0 <- 7",
+            "C k2 b2@s0 r1",
+        ],
+    )
 
 
 def test_golden_prefetch_next_then_warm_start():
     # Run A ends by loading block 0 of the next run (k2) into the slot its last compute does not use; run B
     # starts warm from it on the continued ring (slot offset 0, landing offset 0) and never reloads block 0.
     a = build_schedule(2, 1, prefetch_next=True)
-    _assert_golden(a, [
-        "H2D k0 b0>l0", "AG k0 b0 l0>s0", "H2D k1 b1>l1", "AG k1 b1 l1>s1", "C k0 b0@s0 r0",
-        "H2D k2 b0>l0", "AG k2 b0 l0>s0", "C k1 b1@s1 r0",
-    ])
+    _assert_golden(
+        a,
+        [
+            "H2D k0 b0>l0",
+            "AG k0 b0 l0>s0",
+            "H2D k1 b1>l1",
+            "AG k1 b1 l1>s1",
+            "C k0 b0@s0 r0",
+            "H2D k2 b0>l0",
+            "AG k2 b0 l0>s0",
+            "C k1 b1@s1 r0",
+        ],
+    )
     assert (next_slot_offset(a), next_landing_offset(a)) == (0, 0)
     b = next_schedule(a, 1, prefetch_next=False)
     _assert_golden(b, ["H2D k1 b1>l1", "AG k1 b1 l1>s1", "C k0 b0@s0 r0", "C k1 b1@s1 r0"])
@@ -125,13 +164,23 @@ def test_golden_prefetch_next_then_warm_start():
 
 
 def test_golden_chain_with_odd_length_continues_the_ring():
-    a = build_schedule(3, 1, prefetch_next=True)     # loads k0..k2, prefetch k3 -> slot (0 + 3) % 2 = 1
+    a = build_schedule(3, 1, prefetch_next=True)  # loads k0..k2, prefetch k3 -> slot (0 + 3) % 2 = 1
     b = next_schedule(a, 1)
     assert (b.slot_offset, b.landing_offset, b.warm_start) == (1, 1, True)
-    _assert_golden(b, [
-        "H2D k1 b1>l0", "AG k1 b1 l0>s0", "C k0 b0@s1 r0", "H2D k2 b2>l1", "AG k2 b2 l1>s1",
-        "C k1 b1@s0 r0", "H2D k3 b0>l0", "AG k3 b0 l0>s0", "C k2 b2@s1 r0",
-    ])
+    _assert_golden(
+        b,
+        [
+            "H2D k1 b1>l0",
+            "AG k1 b1 l0>s0",
+            "C k0 b0@s1 r0",
+            "H2D k2 b2>l1",
+            "AG k2 b2 l1>s1",
+            "C k1 b1@s0 r0",
+            "H2D k3 b0>l0",
+            "AG k3 b0 l0>s0",
+            "C k2 b2@s1 r0",
+        ],
+    )
     check_schedule(b, prev=a)
 
 
@@ -140,18 +189,38 @@ def test_golden_ring_carries_offsets_and_prefetch_across_runs():
     ring = Ring.cold(3)
     assert ring == Ring(3, 2, 2, "allgather", slot_offset=0, landing_offset=0, warm=False)
     a = ring.next_schedule(1)  # prefetches by default: the ring never stops
-    _assert_golden(a, [
-        "H2D k0 b0>l0", "AG k0 b0 l0>s0", "H2D k1 b1>l1", "AG k1 b1 l1>s1", "C k0 b0@s0 r0",
-        "H2D k2 b2>l0", "AG k2 b2 l0>s0", "C k1 b1@s1 r0", "H2D k3 b0>l1", "AG k3 b0 l1>s1", "C k2 b2@s0 r0",
-    ])
+    _assert_golden(
+        a,
+        [
+            "H2D k0 b0>l0",
+            "AG k0 b0 l0>s0",
+            "H2D k1 b1>l1",
+            "AG k1 b1 l1>s1",
+            "C k0 b0@s0 r0",
+            "H2D k2 b2>l0",
+            "AG k2 b2 l0>s0",
+            "C k1 b1@s1 r0",
+            "H2D k3 b0>l1",
+            "AG k3 b0 l1>s1",
+            "C k2 b2@s0 r0",
+        ],
+    )
     assert a == build_schedule(3, 1, prefetch_next=True)
     ring = ring.after(a)  # 3 loads later: slot 1, landing 1, block 0 already in s1
     assert ring == Ring(3, 2, 2, "allgather", slot_offset=1, landing_offset=1, warm=True)
     b = ring.next_schedule(1, prefetch_next=False)
-    _assert_golden(b, [
-        "H2D k1 b1>l0", "AG k1 b1 l0>s0", "C k0 b0@s1 r0", "H2D k2 b2>l1", "AG k2 b2 l1>s1",
-        "C k1 b1@s0 r0", "C k2 b2@s1 r0",
-    ])
+    _assert_golden(
+        b,
+        [
+            "H2D k1 b1>l0",
+            "AG k1 b1 l0>s0",
+            "C k0 b0@s1 r0",
+            "H2D k2 b2>l1",
+            "AG k2 b2 l1>s1",
+            "C k1 b1@s0 r0",
+            "C k2 b2@s1 r0",
+        ],
+    )
     check_schedule(b, prev=a)
     assert b == next_schedule(a, 1, prefetch_next=False) and Ring.of(b) == ring
     assert ring.after(b) == Ring(3, 2, 2, "allgather", slot_offset=0, landing_offset=0, warm=False)
@@ -163,11 +232,23 @@ def test_golden_ring_rank_local_has_no_landing_buffers():
     ring = Ring.cold(3, mode="rank-local", num_slots=2)
     assert ring.num_landing == 0
     a = ring.next_schedule(1)
-    _assert_golden(a, ["H2D k0 b0>s0", "H2D k1 b1>s1", "C k0 b0@s0 r0", "H2D k2 b2>s0", "C k1 b1@s1 r0",
-                       "H2D k3 b0>s1", "C k2 b2@s0 r0"])
+    _assert_golden(
+        a,
+        [
+            "H2D k0 b0>s0",
+            "H2D k1 b1>s1",
+            "C k0 b0@s0 r0",
+            "H2D k2 b2>s0",
+            "C k1 b1@s1 r0",
+            "H2D k3 b0>s1",
+            "C k2 b2@s0 r0",
+        ],
+    )
     assert ring.after(a) == Ring(3, 2, 0, "rank-local", slot_offset=1, landing_offset=0, warm=True)
-    _assert_golden(ring.after(a).next_schedule(1, prefetch_next=False),
-                   ["H2D k1 b1>s0", "C k0 b0@s1 r0", "H2D k2 b2>s1", "C k1 b1@s0 r0", "C k2 b2@s1 r0"])
+    _assert_golden(
+        ring.after(a).next_schedule(1, prefetch_next=False),
+        ["H2D k1 b1>s0", "C k0 b0@s1 r0", "H2D k2 b2>s1", "C k1 b1@s0 r0", "C k2 b2@s1 r0"],
+    )
 
 
 def test_ring_refuses_a_schedule_it_does_not_continue():
@@ -188,23 +269,49 @@ def test_ring_refuses_a_schedule_it_does_not_continue():
 def test_compute_order_wraps_steps_block_major():
     order = compute_order(2, 2, requests_per_load=2)
     assert [(i.load, i.block, i.step, i.request) for i in order] == [
-        (0, 0, 0, 0), (0, 0, 0, 1), (1, 1, 0, 0), (1, 1, 0, 1),
-        (2, 0, 1, 0), (2, 0, 1, 1), (3, 1, 1, 0), (3, 1, 1, 1),
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (1, 1, 0, 0),
+        (1, 1, 0, 1),
+        (2, 0, 1, 0),
+        (2, 0, 1, 1),
+        (3, 1, 1, 0),
+        (3, 1, 1, 1),
     ]
 
 
-@pytest.mark.parametrize("text", [
-    "H2D k0 b0>l0", "H2D k12 b3>s1", "AG k5 b3 l1>s1", "C k5 b3@s1 r0", "C k100 b99@s3 r2",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "H2D k0 b0>l0",
+        "H2D k12 b3>s1",
+        "AG k5 b3 l1>s1",
+        "C k5 b3@s1 r0",
+        "C k100 b99@s3 r2",
+    ],
+)
 def test_op_string_round_trip(text):
     op = Op.from_str(text)
     assert str(op) == text and Op.from_str(str(op)) == op
 
 
-@pytest.mark.parametrize("text", [
-    "", "H2D k0 b0", "H2D k0 b0>x1", "AG k0 b0 >s1", "C k0 b0@s1", "C k0 b0@s1 r0 ", "C k-1 b0@s1 r0",
-    "X k0 b0@s1 r0", "H2D  k0 b0>l0", "C k05 b0@s1 r0", "AG k1 b1 l+1>s0", "C k1 b1@s\u0661 r0",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "H2D k0 b0",
+        "H2D k0 b0>x1",
+        "AG k0 b0 >s1",
+        "C k0 b0@s1",
+        "C k0 b0@s1 r0 ",
+        "C k-1 b0@s1 r0",
+        "X k0 b0@s1 r0",
+        "H2D  k0 b0>l0",
+        "C k05 b0@s1 r0",
+        "AG k1 b1 l+1>s0",
+        "C k1 b1@s\u0661 r0",
+    ],
+)
 def test_op_from_str_rejects_malformed(text):
     with pytest.raises(ValueError, match="grammar"):
         Op.from_str(text)
@@ -212,9 +319,9 @@ def test_op_from_str_rejects_malformed(text):
 
 def test_op_rejects_inconsistent_fields():
     with pytest.raises(ValueError, match="grammar"):
-        Op(C, 0, 0, slot=0)                       # compute without request
+        Op(C, 0, 0, slot=0)  # compute without request
     with pytest.raises(ValueError, match="grammar"):
-        Op(H2D, 0, 0, slot=0, landing=1)          # H2D to both
+        Op(H2D, 0, 0, slot=0, landing=1)  # H2D to both
     with pytest.raises(ValueError, match="non-negative"):
         Op(AG, -1, 0, slot=0, landing=0)
 
@@ -236,8 +343,9 @@ def test_bad_parameters_are_named():
 
 # --- the checker must catch broken schedules -------------------------------------------------------------------
 
+
 def _with_deps(s: Schedule, i: int, deps: tuple[int, ...]) -> Schedule:
-    return dataclasses.replace(s, deps=s.deps[:i] + (deps,) + s.deps[i + 1:])
+    return dataclasses.replace(s, deps=s.deps[:i] + (deps,) + s.deps[i + 1 :])
 
 
 def test_checker_catches_refill_before_compute_done():
@@ -270,9 +378,9 @@ def test_checker_catches_wrong_slot_and_late_prefetch_and_bad_waits():
     # Issue the loads of k2 after compute k1: prefetch depth lost.
     ops = list(s.ops)
     j = s.to_strs().index("H2D k2 b2>l0")
-    moved = ops[j:j + 2]
-    del ops[j:j + 2]
-    ops[len(ops) - 1:len(ops) - 1] = moved
+    moved = ops[j : j + 2]
+    del ops[j : j + 2]
+    ops[len(ops) - 1 : len(ops) - 1] = moved
     late = dataclasses.replace(s, ops=tuple(ops), deps=add_dependencies(tuple(ops)))
     with pytest.raises(ScheduleError, match="prefetch depth"):
         check_schedule(late)
@@ -289,8 +397,7 @@ def test_checker_catches_broken_chain():
     with pytest.raises(ScheduleError, match="warm_start"):
         check_schedule(build_schedule(3, 1, slot_offset=1, landing_offset=1), prev=a)
     with pytest.raises(ScheduleError, match="num_slots"):
-        check_schedule(build_schedule(3, 1, num_slots=3, warm_start=True, slot_offset=1, landing_offset=1),
-                       prev=a)
+        check_schedule(build_schedule(3, 1, num_slots=3, warm_start=True, slot_offset=1, landing_offset=1), prev=a)
 
 
 # --- properties ----------------------------------------------------------------------------------------------
@@ -382,19 +489,28 @@ def test_a_ring_chains_any_runs_like_next_schedule(case, runs):
 # --- load groups (dlo_fn.plan.lowering, "Load groups") ----------------------------------------------------------
 
 
-
 def test_golden_load_groups_of_two_on_four_slots():
     # Each group of two loads is issued as one, when its last load's slot is free; its first H2D waits on the
     # last compute of the slots' previous occupants, the second waits on nothing; the first compute of a group waits
     # on the group's last H2D, the second on nothing.
     s = build_schedule(6, 1, num_slots=4, mode="rank-local", load_group=2)
-    _assert_golden(s, [
-        "H2D k0 b0>s0", "H2D k1 b1>s1", "H2D k2 b2>s2", "H2D k3 b3>s3",
-        "C k0 b0@s0 r0 <- 1", "C k1 b1@s1 r0",
-        "H2D k4 b4>s0 <- 5", "H2D k5 b5>s1",
-        "C k2 b2@s2 r0 <- 3", "C k3 b3@s3 r0",
-        "C k4 b4@s0 r0 <- 7", "C k5 b5@s1 r0",
-    ])
+    _assert_golden(
+        s,
+        [
+            "H2D k0 b0>s0",
+            "H2D k1 b1>s1",
+            "H2D k2 b2>s2",
+            "H2D k3 b3>s3",
+            "C k0 b0@s0 r0 <- 1",
+            "C k1 b1@s1 r0",
+            "H2D k4 b4>s0 <- 5",
+            "H2D k5 b5>s1",
+            "C k2 b2@s2 r0 <- 3",
+            "C k3 b3@s3 r0",
+            "C k4 b4@s0 r0 <- 7",
+            "C k5 b5@s1 r0",
+        ],
+    )
     assert s.load_group == 2 and Ring.of(s).load_group == 2
 
 
@@ -403,14 +519,29 @@ def test_golden_allgather_load_groups_of_two_on_four_slots_and_two_landing_buffe
     # the group's landing buffers, the first AG on the group's last H2D and on the slots' previous occupants, the
     # others on nothing; a group's first compute waits on its last AG. Only the last of each kind records.
     s = build_schedule(6, 1, num_slots=4, mode="allgather", num_landing=2, load_group=2)
-    _assert_golden(s, [
-        "H2D k0 b0>l0", "H2D k1 b1>l1", "AG k0 b0 l0>s0 <- 1", "AG k1 b1 l1>s1",
-        "H2D k2 b2>l0 <- 3", "H2D k3 b3>l1", "AG k2 b2 l0>s2 <- 5", "AG k3 b3 l1>s3",
-        "C k0 b0@s0 r0 <- 3", "C k1 b1@s1 r0",
-        "H2D k4 b4>l0 <- 7", "H2D k5 b5>l1", "AG k4 b4 l0>s0 <- 9,11", "AG k5 b5 l1>s1",
-        "C k2 b2@s2 r0 <- 7", "C k3 b3@s3 r0",
-        "C k4 b4@s0 r0 <- 13", "C k5 b5@s1 r0",
-    ])
+    _assert_golden(
+        s,
+        [
+            "H2D k0 b0>l0",
+            "H2D k1 b1>l1",
+            "AG k0 b0 l0>s0 <- 1",
+            "AG k1 b1 l1>s1",
+            "H2D k2 b2>l0 <- 3",
+            "H2D k3 b3>l1",
+            "AG k2 b2 l0>s2 <- 5",
+            "AG k3 b3 l1>s3",
+            "C k0 b0@s0 r0 <- 3",
+            "C k1 b1@s1 r0",
+            "H2D k4 b4>l0 <- 7",
+            "H2D k5 b5>l1",
+            "AG k4 b4 l0>s0 <- 9,11",
+            "AG k5 b5 l1>s1",
+            "C k2 b2@s2 r0 <- 7",
+            "C k3 b3@s3 r0",
+            "C k4 b4@s0 r0 <- 13",
+            "C k5 b5@s1 r0",
+        ],
+    )
     waited = {d for deps in s.deps for d in deps}
     assert waited == {1, 3, 5, 7, 9, 11, 13}
 
@@ -423,8 +554,11 @@ def test_load_group_one_is_the_published_schedule():
 
 
 def test_load_group_arguments_are_named():
-    with pytest.raises(ValueError, match="load_group = 2 in allgather mode needs num_landing a multiple of it.*got "
-                                         "num_landing = 3: pass num_landing = 4"):
+    with pytest.raises(
+        ValueError,
+        match="load_group = 2 in allgather mode needs num_landing a multiple of it.*got "
+        "num_landing = 3: pass num_landing = 4",
+    ):
         build_schedule(4, 1, num_slots=4, mode="allgather", num_landing=3, load_group=2)
     assert build_schedule(4, 1, num_slots=4, mode="allgather", load_group=2).num_landing == 4  # default 2G
     with pytest.raises(ValueError, match="num_slots a multiple of it and >= 4.*pass num_slots = 4"):
@@ -477,8 +611,11 @@ def test_every_grouped_schedule_is_valid_hazard_free_and_grouped(case, seed):
 
 
 @settings(max_examples=60, deadline=None)
-@given(grouped_cases, st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.booleans()), min_size=1,
-                               max_size=4), st.integers(0, 2**31))
+@given(
+    grouped_cases,
+    st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
+    st.integers(0, 2**31),
+)
 def test_grouped_runs_chain_on_the_ring(case, runs, seed):
     prev = _build(dict(case, prefetch_next=True))
     ring = Ring.of(prev).after(prev)

@@ -103,8 +103,23 @@ def test_generate_refuses_a_reused_out_before_loading_or_cleans_it(checkpoint, t
     from dlo_fn.cli import main
 
     out = tmp_path / "out"
-    argv = ["generate", "--checkpoint", checkpoint, "--prompt", "a fox", "--steps", "1", "--height", "32",
-            "--width", "32", "--frames", "5", "--out", str(out)]
+    argv = [
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--prompt",
+        "a fox",
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--out",
+        str(out),
+    ]
     assert main(argv + ["--prompt", "an owl"]) == 0
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     capsys.readouterr()
@@ -144,8 +159,10 @@ FINISHED = ("a", "b", "c")  # before ring step 3
 def finished_expected(checkpoint):
     from conftest import resident_expected
 
-    runs = resident_expected(checkpoint, [Request(**{k: v for k, v in p.items() if k != "id"}, **SHAPE)
-                                          for p in PROMPTS if p["id"] in FINISHED])
+    runs = resident_expected(
+        checkpoint,
+        [Request(**{k: v for k, v in p.items() if k != "id"}, **SHAPE) for p in PROMPTS if p["id"] in FINISHED],
+    )
     return {rid: runs[f"req{i:04d}"].sha256 for i, rid in enumerate(FINISHED)}
 
 
@@ -154,9 +171,32 @@ def _torchrun(checkpoint, tmp_path, fault: dict, timeout_s: float = 30.0) -> tup
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--prompts", str(prompts), "--out",
-           str(tmp_path / "out"), "--height", "32", "--width", "32", "--frames", "5", "--timeout", str(timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "dlo_fn",
+        "generate",
+        "--checkpoint",
+        checkpoint,
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "out"),
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--frames",
+        "5",
+        "--timeout",
+        str(timeout_s),
+    ]
     env = dict(ENV, DLO_FN_FAULT=json.dumps(fault))
     return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -188,8 +228,9 @@ def test_torchrun_worker_exit_keeps_every_finished_result(checkpoint, tmp_path, 
     rows = _check_lines(tmp_path / "out", finished_expected)
     # d was on rank 1; rank 0 goes on degraded until the agent's SIGTERM reaches it (which a loaded machine may
     # delay past e's end: then e is written like any finished request).
-    assert rows["d"]["error"].startswith(("not completed: the run was stopped (SIGTERM)", "ring step 3 failed "
-                                          "closed: rank 1 dead")), rows["d"]["error"]
+    assert rows["d"]["error"].startswith(
+        ("not completed: the run was stopped (SIGTERM)", "ring step 3 failed closed: rank 1 dead")
+    ), rows["d"]["error"]
     stopped = [rid for rid in ("e", "f") if not rows[rid]["ok"]]
     for rid in stopped:
         assert rows[rid]["error"].startswith("not completed: the run was stopped (SIGTERM)"), rows[rid]["error"]

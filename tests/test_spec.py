@@ -35,8 +35,12 @@ def _meta() -> TwoLists:
 def test_spec_from_module_concatenates_lists_and_skips_non_persistent():
     spec = spec_from_module(_meta(), ("transformer_blocks", "single_transformer_blocks"))
     assert [b.name for b in spec.blocks] == [
-        "transformer_blocks.0", "transformer_blocks.1", "transformer_blocks.2",
-        "single_transformer_blocks.0", "single_transformer_blocks.1", "single_transformer_blocks.2",
+        "transformer_blocks.0",
+        "transformer_blocks.1",
+        "transformer_blocks.2",
+        "single_transformer_blocks.0",
+        "single_transformer_blocks.1",
+        "single_transformer_blocks.2",
     ]
     names = [t.name for t in spec.blocks[0].tensors]
     assert names == ["norm.bias", "norm.weight", "proj.bias", "proj.weight", "scale"]

@@ -25,31 +25,59 @@ FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")
 def wan(seed: int = 0):
     torch.manual_seed(seed)
     return diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32).eval()
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
 
 
 def wan_inputs(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([100 * seed + 7]),
-                encoder_hidden_states=torch.randn(1, 6, 16, generator=g), return_dict=False)
+    return dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g),
+        timestep=torch.tensor([100 * seed + 7]),
+        encoder_hidden_states=torch.randn(1, 6, 16, generator=g),
+        return_dict=False,
+    )
 
 
 def flux(seed: int = 0):
     torch.manual_seed(seed)
     return diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8]).eval()
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    ).eval()
 
 
 def flux_inputs(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     img_ids = torch.zeros(16, 3)
     img_ids[:, 1], img_ids[:, 2] = torch.arange(16) // 4, torch.arange(16) % 4
-    return dict(hidden_states=torch.randn(1, 16, 4, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
-                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.1 + 0.2 * seed]),
-                img_ids=img_ids, txt_ids=torch.zeros(8, 3), return_dict=False)
+    return dict(
+        hidden_states=torch.randn(1, 16, 4, generator=g),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([0.1 + 0.2 * seed]),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(8, 3),
+        return_dict=False,
+    )
 
 
 CASES = {"wan": (wan, wan_inputs, "blocks"), "flux": (flux, flux_inputs, FLUX_BLOCKS)}
@@ -84,8 +112,12 @@ def test_third_party_bit_exact(name, mode):
 def test_flux_two_lists_keep_forward_order_and_layouts():
     o = offload(flux(), FLUX_BLOCKS, CTX)
     names = [s.block.name for s in o.layout.shards]
-    assert names == ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0",
-                     "single_transformer_blocks.1"]
+    assert names == [
+        "transformer_blocks.0",
+        "transformer_blocks.1",
+        "single_transformer_blocks.0",
+        "single_transformer_blocks.1",
+    ]
     # Two block kinds: one view set per (slot, distinct layout).
     assert o.executor.num_view_sets == 2 * 2
     # A proxy still answers attribute reads of the block it replaced (diffusers walks its processors).
@@ -93,15 +125,19 @@ def test_flux_two_lists_keep_forward_order_and_layouts():
 
 
 # (folder name, builder, inputs, dtype, a tensor put at 8 mod 16 in the file)
-FOLDERS = (("wan-fp32", "wan", torch.float32, "blocks.0.attn1.to_q.weight"),
-           ("wan-bf16", "wan", torch.bfloat16, "blocks.0.attn1.to_q.weight"),
-           ("flux-fp32", "flux", torch.float32, "transformer_blocks.0.norm1.linear.weight"),
-           ("flux-bf16", "flux", torch.bfloat16, "transformer_blocks.0.norm1.linear.weight"))
+FOLDERS = (
+    ("wan-fp32", "wan", torch.float32, "blocks.0.attn1.to_q.weight"),
+    ("wan-bf16", "wan", torch.bfloat16, "blocks.0.attn1.to_q.weight"),
+    ("flux-fp32", "flux", torch.float32, "transformer_blocks.0.norm1.linear.weight"),
+    ("flux-bf16", "flux", torch.bfloat16, "transformer_blocks.0.norm1.linear.weight"),
+)
 
 
 def _cast(inputs: dict, dtype) -> dict:
-    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
-            for k, v in inputs.items()}
+    return {
+        k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v
+        for k, v in inputs.items()
+    }
 
 
 @torch.no_grad()

@@ -6,18 +6,24 @@ import json
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import build_case, schedule_cases
 
-from dlo_fn.repro.ceilings import (
-    H200_BLOCK_COMPUTE_S, H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES,
-    REF_PASS_NUM_BLOCKS, VIDEO_832X480X29_CFG, h200_durations,
-)
-from dlo_fn.plan.schedule import AG, C, H2D, build_schedule, next_schedule
+from dlo_fn.plan.schedule import AG, H2D, C, build_schedule, next_schedule
 from dlo_fn.plan.timeline import Span, Timeline, bandwidth_durations, block_summary, simulate, simulate_runs
 from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
 from dlo_fn.plan.workload import Workload
+from dlo_fn.repro.ceilings import (
+    H200_BLOCK_COMPUTE_S,
+    H200_PASS,
+    H200_PINNED_H2D_BYTES_PER_S,
+    IMAGE_1024_CFG,
+    REF_BLOCK_BYTES,
+    REF_PASS_NUM_BLOCKS,
+    VIDEO_832X480X29_CFG,
+    h200_durations,
+)
 
 
 def _kind_cost(h2d: float, ag: float, c: float):
@@ -25,15 +31,18 @@ def _kind_cost(h2d: float, ag: float, c: float):
 
 
 def test_accounting_on_a_hand_made_timeline():
-    tl = Timeline.from_records([
-        ("H2D k0 b0>l0", "h2d", 0.0, 4.0),
-        ("AG k0 b0 l0>s0", "allgather", 4.0, 6.0),
-        ("C k0 b0@s0 r0", "compute", 6.0, 9.0),
-        ("H2D k1 b1>l1", "h2d", 4.0, 8.0),
-        ("AG k1 b1 l1>s1", "allgather", 8.0, 10.0),
-        ("C k1 b1@s1 r0", "compute", 12.0, 15.0),   # 10..12: nothing runs (host work)
-        ("C k1 b1@s1 r1", "compute", 14.0, 16.0),   # overlapping measured spans count once
-    ], meta=[("source", "hand")])
+    tl = Timeline.from_records(
+        [
+            ("H2D k0 b0>l0", "h2d", 0.0, 4.0),
+            ("AG k0 b0 l0>s0", "allgather", 4.0, 6.0),
+            ("C k0 b0@s0 r0", "compute", 6.0, 9.0),
+            ("H2D k1 b1>l1", "h2d", 4.0, 8.0),
+            ("AG k1 b1 l1>s1", "allgather", 8.0, 10.0),
+            ("C k1 b1@s1 r0", "compute", 12.0, 15.0),  # 10..12: nothing runs (host work)
+            ("C k1 b1@s1 r1", "compute", 14.0, 16.0),  # overlapping measured spans count once
+        ],
+        meta=[("source", "hand")],
+    )
     assert tl.makespan_s == 16.0
     assert tl.busy_s("h2d") == 8.0 and tl.busy_s("allgather") == 4.0 and tl.busy_s("compute") == 7.0
     assert tl.compute_idle_s() == 9.0
@@ -134,10 +143,12 @@ def test_chrome_trace_round_trip(case, seed):
 
 
 def test_foreign_chrome_trace_is_read_from_ts_and_dur():
-    trace = {"traceEvents": [
-        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "compute"}},
-        {"ph": "X", "name": "C k0 b0@s0 r0", "pid": 1, "tid": 7, "ts": 1500.0, "dur": 250.0},
-    ]}
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "compute"}},
+            {"ph": "X", "name": "C k0 b0@s0 r0", "pid": 1, "tid": 7, "ts": 1500.0, "dur": 250.0},
+        ]
+    }
     tl = from_chrome_trace(trace)
     assert tl.spans == (Span("C k0 b0@s0 r0", "compute", 1.5e-3, 1.75e-3, 1),)
     with pytest.raises(ValueError, match="traceEvents"):
@@ -147,18 +158,31 @@ def test_foreign_chrome_trace_is_read_from_ts_and_dur():
 
 
 def test_bandwidth_durations():
-    d = bandwidth_durations(2, h2d_bytes=(100.0, 200.0), allgather_bytes=400.0, compute_s=(1.0, 2.0),
-                            h2d_bytes_per_s=100.0, allgather_bytes_per_s=200.0, launch_latency_s=0.5)
+    d = bandwidth_durations(
+        2,
+        h2d_bytes=(100.0, 200.0),
+        allgather_bytes=400.0,
+        compute_s=(1.0, 2.0),
+        h2d_bytes_per_s=100.0,
+        allgather_bytes_per_s=200.0,
+        launch_latency_s=0.5,
+    )
     s = build_schedule(2, 1)
     got = {str(op): d(op) for op in s.ops}
-    assert got == {"H2D k0 b0>l0": 1.5, "AG k0 b0 l0>s0": 2.5, "H2D k1 b1>l1": 2.5, "AG k1 b1 l1>s1": 2.5,
-                   "C k0 b0@s0 r0": 1.5, "C k1 b1@s1 r0": 2.5}
+    assert got == {
+        "H2D k0 b0>l0": 1.5,
+        "AG k0 b0 l0>s0": 2.5,
+        "H2D k1 b1>l1": 2.5,
+        "AG k1 b1 l1>s1": 2.5,
+        "C k0 b0@s0 r0": 1.5,
+        "C k1 b1@s1 r0": 2.5,
+    }
     with pytest.raises(ValueError, match="h2d_bytes has 3 entries"):
-        bandwidth_durations(2, h2d_bytes=(1, 2, 3), allgather_bytes=0, compute_s=0, h2d_bytes_per_s=1,
-                            allgather_bytes_per_s=1)
+        bandwidth_durations(
+            2, h2d_bytes=(1, 2, 3), allgather_bytes=0, compute_s=0, h2d_bytes_per_s=1, allgather_bytes_per_s=1
+        )
     with pytest.raises(ValueError, match="bandwidths"):
-        bandwidth_durations(2, h2d_bytes=1, allgather_bytes=0, compute_s=0, h2d_bytes_per_s=0,
-                            allgather_bytes_per_s=1)
+        bandwidth_durations(2, h2d_bytes=1, allgather_bytes=0, compute_s=0, h2d_bytes_per_s=0, allgather_bytes_per_s=1)
 
 
 def _h200_pass(workload, num_slots=2, mode="rank-local"):
@@ -215,7 +239,7 @@ def test_prefetch_next_hides_block_zero_at_run_boundaries():
     assert tl_cold.exposed_transfer_s() == 3 * (2.0 + 1.0)
     assert (tl_warm.makespan_s, tl_cold.makespan_s) == (3.0 + 90.0, 9.0 + 90.0)
     rows = block_summary(tl_warm)
-    assert [r.num_loads for r in rows] == [7, 6, 6]     # block 0 once more: the last run's prefetch
+    assert [r.num_loads for r in rows] == [7, 6, 6]  # block 0 once more: the last run's prefetch
     assert rows[0].wait_s == 3.0 and rows[1].wait_s == rows[2].wait_s == 0.0
     # A host gap between waves is pure compute idle with nothing transferring in the warm chain.
     gapped = simulate_runs(warm, cost, boundary_s=4.0)

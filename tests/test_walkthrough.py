@@ -9,12 +9,12 @@ import torch
 
 @pytest.mark.slow
 def test_offload_and_run_on_two_ranks(tmp_path):
+    from dlo_fn.io.load import load_model
     from dlo_fn.models import Request, generate
     from dlo_fn.models.checkpoint import ensure_checkpoint
     from dlo_fn.plan.compare import check_against_schedule
-    from dlo_fn.io.load import load_model
-    from dlo_fn.serve.walkthrough import offload_and_run
     from dlo_fn.serve.ranks import run_ranks
+    from dlo_fn.serve.walkthrough import offload_and_run
 
     ckpt = ensure_checkpoint(tmp_path)
     shape = dict(height=32, width=32, num_frames=5, num_inference_steps=1)

@@ -6,7 +6,8 @@ import dataclasses
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlo_fn.models import Request
 from dlo_fn.plan.waves import (

@@ -71,24 +71,50 @@ def _rank(ctx: Any, config: str, groups: tuple[int, ...], quick: bool) -> dict:
         for block in blocks:
             strip_block(block, platform.device)
         for g, lay in layouts.items():
-            run_pass, ex = sv.executor_pass(platform, lay, stores[g], blocks, aliases, mode="allgather",
-                                            group=ctx.group, block_call="swap", load_group=g)
+            run_pass, ex = sv.executor_pass(
+                platform,
+                lay,
+                stores[g],
+                blocks,
+                aliases,
+                mode="allgather",
+                group=ctx.group,
+                block_call="swap",
+                load_group=g,
+            )
             equal = torch.equal(run_pass(x, kwargs), want)
-            host, delta = sv.host_pass_delta_s(platform, run_pass, resident_pass, x, kwargs, reset=ex.stats.reset,
-                                               **reps)
+            host, delta = sv.host_pass_delta_s(
+                platform, run_pass, resident_pass, x, kwargs, reset=ex.stats.reset, **reps
+            )
             st, n = ex.stats, max(ex.stats.computes, 1)
             proxy, coll = st.issue_us_per_compute, 1e6 * st.collective_s / n
-            rows[f"g{g}"] = {"load_group": g, "layout_load_group": lay.load_group, "num_slots": ex.num_slots,
-                             "num_landing": ex.num_landing, "proxy_host_us_per_block": proxy,
-                             "collective_call_us_per_block": coll, "executor_own_us_per_block": proxy - coll,
-                             "stream_ops_per_block": st.stream_ops / n, "collectives_per_block": st.collectives / n,
-                             "dispatch_us_per_block": 1e6 * delta / lay.num_blocks, "pass_host_s": host,
-                             "equal_to_resident": equal}
+            rows[f"g{g}"] = {
+                "load_group": g,
+                "layout_load_group": lay.load_group,
+                "num_slots": ex.num_slots,
+                "num_landing": ex.num_landing,
+                "proxy_host_us_per_block": proxy,
+                "collective_call_us_per_block": coll,
+                "executor_own_us_per_block": proxy - coll,
+                "stream_ops_per_block": st.stream_ops / n,
+                "collectives_per_block": st.collectives / n,
+                "dispatch_us_per_block": 1e6 * delta / lay.num_blocks,
+                "pass_host_s": host,
+                "equal_to_resident": equal,
+            }
             ex.release()
     layout = layouts[groups[0]]
-    return {"rank": ctx.rank, "platform": platform.kind, "backend": platform.backend, "num_blocks": layout.num_blocks,
-            "tensors_per_block": len(layout.shards[0].block.placements), "tokens_per_sample": tokens,
-            "shard_bytes": layout.shards[0].shard_bytes, "config": getattr(cfg, "name", cfg), "variants": rows}
+    return {
+        "rank": ctx.rank,
+        "platform": platform.kind,
+        "backend": platform.backend,
+        "num_blocks": layout.num_blocks,
+        "tensors_per_block": len(layout.shards[0].block.placements),
+        "tokens_per_sample": tokens,
+        "shard_bytes": layout.shards[0].shard_bytes,
+        "config": getattr(cfg, "name", cfg),
+        "variants": rows,
+    }
 
 
 def _nccl_calls(ctx: Any, shard_bytes: int, groups: tuple[int, ...], calls: int) -> dict:
@@ -101,8 +127,13 @@ def _nccl_calls(ctx: Any, shard_bytes: int, groups: tuple[int, ...], calls: int)
     out: dict[str, float] = {}
     gathered = {}
     for g in groups:
-        pairs = [(torch.zeros(shard_bytes, dtype=torch.uint8, device="cuda"),
-                  torch.randint(0, 256, (shard_bytes,), dtype=torch.uint8, device="cuda")) for _ in range(g)]
+        pairs = [
+            (
+                torch.zeros(shard_bytes, dtype=torch.uint8, device="cuda"),
+                torch.randint(0, 256, (shard_bytes,), dtype=torch.uint8, device="cuda"),
+            )
+            for _ in range(g)
+        ]
 
         def call() -> None:
             set_stream(side)
@@ -123,34 +154,62 @@ def _nccl_calls(ctx: Any, shard_bytes: int, groups: tuple[int, ...], calls: int)
             rounds.append(1e6 * (time.perf_counter() - t0) / (calls // 5))
         torch.cuda.synchronize()
         out[f"G{g}"] = statistics.median(rounds)
-    return {"world_size": ctx.world_size, "shard_bytes": shard_bytes, "calls": calls, "host_us_per_call": out,
-            "gathered_equal": gathered}
+    return {
+        "world_size": ctx.world_size,
+        "shard_bytes": shard_bytes,
+        "calls": calls,
+        "host_us_per_call": out,
+        "gathered_equal": gathered,
+    }
 
 
 def _summary(per_rank: list[dict]) -> dict:
-    out = {k: per_rank[0][k] for k in ("platform", "backend", "num_blocks", "tensors_per_block", "tokens_per_sample",
-                                       "shard_bytes", "config")}
+    out = {
+        k: per_rank[0][k]
+        for k in (
+            "platform",
+            "backend",
+            "num_blocks",
+            "tensors_per_block",
+            "tokens_per_sample",
+            "shard_bytes",
+            "config",
+        )
+    }
     out["world_size"] = len(per_rank)
     out["by_rank"] = [r["variants"] for r in per_rank]
-    keys = ("proxy_host_us_per_block", "collective_call_us_per_block", "executor_own_us_per_block",
-            "dispatch_us_per_block", "stream_ops_per_block", "collectives_per_block")
-    out["variants"] = {v: {k: statistics.median(r["variants"][v][k] for r in per_rank) for k in keys}
-                       | {"equal_to_resident": all(r["variants"][v]["equal_to_resident"] for r in per_rank),
-                          "load_group": row["load_group"], "layout_load_group": row["layout_load_group"]}
-                       for v, row in per_rank[0]["variants"].items()}
+    keys = (
+        "proxy_host_us_per_block",
+        "collective_call_us_per_block",
+        "executor_own_us_per_block",
+        "dispatch_us_per_block",
+        "stream_ops_per_block",
+        "collectives_per_block",
+    )
+    out["variants"] = {
+        v: {k: statistics.median(r["variants"][v][k] for r in per_rank) for k in keys}
+        | {
+            "equal_to_resident": all(r["variants"][v]["equal_to_resident"] for r in per_rank),
+            "load_group": row["load_group"],
+            "layout_load_group": row["layout_load_group"],
+        }
+        for v, row in per_rank[0]["variants"].items()
+    }
     return out
 
 
-def measure(config: str = "bench", groups: tuple[int, ...] = LOAD_GROUPS, quick: bool = False,
-            nccl: bool | None = None) -> dict:
+def measure(
+    config: str = "bench", groups: tuple[int, ...] = LOAD_GROUPS, quick: bool = False, nccl: bool | None = None
+) -> dict:
     """``gloo_two_ranks`` (module doc), and with ``nccl`` (default: when CUDA is there) ``nccl_calls``."""
     from dlo_fn.serve.ranks import run_ranks
 
     result: dict[str, Any] = {"gloo_two_ranks": _summary(run_ranks(_rank, 2, config, groups, quick, timeout_s=900))}
     if nccl if nccl is not None else torch.cuda.is_available():
         shard = result["gloo_two_ranks"]["shard_bytes"]
-        result["nccl_calls"] = run_ranks(_nccl_calls, 1, shard, groups, 50 if quick else 2000, platform="cuda",
-                                         timeout_s=600)[0]
+        result["nccl_calls"] = run_ranks(
+            _nccl_calls, 1, shard, groups, 50 if quick else 2000, platform="cuda", timeout_s=600
+        )[0]
     return result
 
 
@@ -165,12 +224,20 @@ def _groups(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dlo_fn.bench.allgather_host", description=__doc__.splitlines()[0],
-                                epilog="Two gloo ranks (sharing GPU 0 on CUDA; outputs checked), then on CUDA one "
-                                       "NCCL rank timing the all-gather call's host cost.")
+    p = argparse.ArgumentParser(
+        prog="python -m dlo_fn.bench.allgather_host",
+        description=__doc__.splitlines()[0],
+        epilog="Two gloo ranks (sharing GPU 0 on CUDA; outputs checked), then on CUDA one "
+        "NCCL rank timing the all-gather call's host cost.",
+    )
     p.add_argument("--config", default="bench", help="the model config whose blocks are narrowed (default bench)")
-    p.add_argument("--load-groups", type=_groups, default=LOAD_GROUPS, metavar="G,...",
-                   help="load groups to measure, each dividing the blocks (default 1,2,4)")
+    p.add_argument(
+        "--load-groups",
+        type=_groups,
+        default=LOAD_GROUPS,
+        metavar="G,...",
+        help="load groups to measure, each dividing the blocks (default 1,2,4)",
+    )
     p.add_argument("--quick", action="store_true", help="the tiny config, a few passes (a smoke run, CPU too)")
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     a = p.parse_args(argv)
@@ -179,8 +246,15 @@ def main(argv: list[str] | None = None) -> None:
     from dlo_fn.bench.report import emit, stamp
     from dlo_fn.runtime.platform import platform_for
 
-    emit(stamp(result, "dlo_fn.bench.allgather_host", argv,
-               platform_for("cuda", 0) if torch.cuda.is_available() else platform_for("cpu")), a.out)
+    emit(
+        stamp(
+            result,
+            "dlo_fn.bench.allgather_host",
+            argv,
+            platform_for("cuda", 0) if torch.cuda.is_available() else platform_for("cpu"),
+        ),
+        a.out,
+    )
     print(f"({time.perf_counter() - t0:.1f} s)")
 
 

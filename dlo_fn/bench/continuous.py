@@ -23,7 +23,8 @@ Per policy: throughput = requests / makespan and nearest-rank p50 / p95 latency 
 the trace's nominal time from serve start), next to the planner's prediction
 (:func:`dlo_fn.plan.dispatch.plan_continuous` / ``plan_strict`` on the nominal trace with the calibrated
 ``c`` and ``PassCosts.uniform(B, 0, H / B)``; the costs come from the continuous run itself, since on a
-shared 2-core machine a separate calibration run measures other loads: on CPU the all-gathers are synchronous and do not hide behind
+shared 2-core machine a separate calibration run measures other loads: on CPU the all-gathers are synchronous and do
+not hide behind
 compute). **Lockstep loss per block pass** (continuous phase): for each step and each computing rank,
 ``(step wall - x_r) / B``; its lockstep part ``(max_r x_r - x_r) / B`` is the time a rank waits for a slower
 neighbour, measured and as the planner predicts it. Two ranks share 2 cores here: these are not performance
@@ -49,24 +50,47 @@ log = logging.getLogger(__name__)
 
 SIZES = ((32, 32, 5), (64, 64, 5), (128, 128, 9))
 STEPS = (3, 6)
-FIELDS = ("policy", "requests", "makespan_s", "throughput_requests_per_s", "p50_latency_s", "p95_latency_s",
-          "mean_latency_s", "planned_makespan_s", "planned_p50_latency_s", "planned_p95_latency_s", "all_ok",
-          "machine", "command", "date")
+FIELDS = (
+    "policy",
+    "requests",
+    "makespan_s",
+    "throughput_requests_per_s",
+    "p50_latency_s",
+    "p95_latency_s",
+    "mean_latency_s",
+    "planned_makespan_s",
+    "planned_p50_latency_s",
+    "planned_p95_latency_s",
+    "all_ok",
+    "machine",
+    "command",
+    "date",
+)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("continuous", help="continuous vs strict DP serving of a mixed trace on 2 CPU ranks",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "continuous",
+        help="continuous vs strict DP serving of a mixed trace on 2 CPU ranks",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--checkpoint", default=None, help="default: the tiny reference DiT under runs/bench_continuous/")
     p.add_argument("--requests", type=int, default=16, help="requests in the trace (>= 16 for the README run)")
     p.add_argument("--gap-s", type=float, default=0.15, help="mean seconds between arrivals")
     p.add_argument("--seed", type=int, default=0, help="fixes the trace")
     p.add_argument("--timeout-s", type=float, default=60.0)
-    p.add_argument("--out", default=None, help="default figures/data/continuous_cpu.csv "
-                                                "(--r-sweep: figures/data/continuous_r_sweep.csv)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="default figures/data/continuous_cpu.csv (--r-sweep: figures/data/continuous_r_sweep.csv)",
+    )
     p.add_argument("--json", default="figures/data/continuous_cpu.json")
-    p.add_argument("--r-sweep", action="store_true",
-                   help="one device, dp = 1: per-output time vs R against its bound (dlo_fn.bench.continuous_r)")
+    p.add_argument(
+        "--r-sweep",
+        action="store_true",
+        help="one device, dp = 1: per-output time vs R against its bound (dlo_fn.bench.continuous_r)",
+    )
     p.add_argument("--config", default="bench", help="--r-sweep: reference DiT config (random weights)")
     p.add_argument("--requests-per-rank", default="1,2,4", help="--r-sweep: comma list of R")
     p.add_argument("--quick", action="store_true", help="--r-sweep: tiny config on any device (smoke test)")
@@ -84,9 +108,20 @@ def trace(n: int, gap_s: float, seed: int, prefix: str = "t"):
     subs, gaps = [], []
     for i in range(n):
         (h, w, f), steps, g = kinds[i % len(kinds)]
-        subs.append(Submission(f"{prefix}{i:02d}", Request(prompt=f"trace prompt {i}", seed=100 + i, height=h,
-                                                           width=w, num_frames=f, num_inference_steps=steps,
-                                                           guidance_scale=g)))
+        subs.append(
+            Submission(
+                f"{prefix}{i:02d}",
+                Request(
+                    prompt=f"trace prompt {i}",
+                    seed=100 + i,
+                    height=h,
+                    width=w,
+                    num_frames=f,
+                    num_inference_steps=steps,
+                    guidance_scale=g,
+                ),
+            )
+        )
         gaps.append(0.0 if i == 0 else round(rng.expovariate(1.0 / gap_s), 3))
     arrivals, t = [], 0.0
     for g in gaps:
@@ -100,9 +135,21 @@ def calibration_requests():
     from dlo_fn.models import Request
     from dlo_fn.serve.requests import Submission
 
-    return tuple(Submission(f"c{i:02d}", Request(prompt=f"calibration {i}", seed=900 + i, height=h, width=w,
-                                                 num_frames=f, num_inference_steps=3, guidance_scale=g))
-                 for i, ((h, w, f), g) in enumerate((s, g) for s in SIZES for g in (5.0, 1.0)))
+    return tuple(
+        Submission(
+            f"c{i:02d}",
+            Request(
+                prompt=f"calibration {i}",
+                seed=900 + i,
+                height=h,
+                width=w,
+                num_frames=f,
+                num_inference_steps=3,
+                guidance_scale=g,
+            ),
+        )
+        for i, ((h, w, f), g) in enumerate((s, g) for s in SIZES for g in (5.0, 1.0))
+    )
 
 
 def _kind(request) -> tuple:
@@ -122,9 +169,15 @@ def scores(results, arrivals) -> dict:
 
     lat = [finish_s(r) - a for r, a in zip(results, arrivals)]
     makespan = max(finish_s(r) for r in results)
-    return {"requests": len(results), "makespan_s": makespan, "throughput_requests_per_s": len(results) / makespan,
-            "p50_latency_s": nearest_rank(lat, 50), "p95_latency_s": nearest_rank(lat, 95),
-            "mean_latency_s": sum(lat) / len(lat), "all_ok": all(r.ok for r in results)}
+    return {
+        "requests": len(results),
+        "makespan_s": makespan,
+        "throughput_requests_per_s": len(results) / makespan,
+        "p50_latency_s": nearest_rank(lat, 50),
+        "p95_latency_s": nearest_rank(lat, 95),
+        "mean_latency_s": sum(lat) / len(lat),
+        "all_ok": all(r.ok for r in results),
+    }
 
 
 def calibrate(report, num_blocks: int) -> tuple[dict, float]:
@@ -144,10 +197,16 @@ def planned(subs, arrivals, costs: dict, host_s: float, num_blocks: int, policy:
     from dlo_fn.plan.dispatch import PassCosts, QueuedRequest, Replicas, plan_continuous, plan_strict
     from dlo_fn.serve.continuous import admission_key
 
-    reqs = [QueuedRequest(str(i), a, s.request.num_inference_steps,
-                          admission_key(s.request) if policy != "strict" else _kind(s.request) + (
-                              s.request.guidance_scale,), costs[_kind(s.request)])
-            for i, (s, a) in enumerate(zip(subs, arrivals))]
+    reqs = [
+        QueuedRequest(
+            str(i),
+            a,
+            s.request.num_inference_steps,
+            admission_key(s.request) if policy != "strict" else _kind(s.request) + (s.request.guidance_scale,),
+            costs[_kind(s.request)],
+        )
+        for i, (s, a) in enumerate(zip(subs, arrivals))
+    ]
     pc = PassCosts.uniform(num_blocks, 0.0, host_s / num_blocks)
     if policy == "strict":
         return plan_strict(reqs, pc, Replicas(2))
@@ -162,44 +221,54 @@ def lockstep_loss(steps, num_blocks: int) -> dict:
             if b:
                 total.append((wall - x) / num_blocks)
                 lock.append((max(xs) - x) / num_blocks)
-    return {"loss_per_pass_s": statistics.fmean(total) if total else 0.0,
-            "lockstep_part_per_pass_s": statistics.fmean(lock) if lock else 0.0, "samples": len(total)}
+    return {
+        "loss_per_pass_s": statistics.fmean(total) if total else 0.0,
+        "lockstep_part_per_pass_s": statistics.fmean(lock) if lock else 0.0,
+        "samples": len(total),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from dlo_fn.figures.style import write_csv
-    from dlo_fn.models import get_config, write_checkpoint
     from dlo_fn.io.memstat import host_description
+    from dlo_fn.models import get_config, write_checkpoint
     from dlo_fn.serve.local import Phase, serve_local
     from dlo_fn.serve.requests import EngineOptions
 
     if args.r_sweep:
-        from dlo_fn.bench.continuous_r import FIELDS as R_FIELDS, r_sweep
+        from dlo_fn.bench.continuous_r import FIELDS as R_FIELDS
+        from dlo_fn.bench.continuous_r import r_sweep
 
         rows = r_sweep(args)
         path = write_csv(pathlib.Path(args.out or "figures/data/continuous_r_sweep.csv"), rows, R_FIELDS)
         print(f"wrote {path}")
         for r in rows:
-            print(f"R {r['requests_per_rank']}: {r['per_output_step_s']:.4f} s per output-step, bound "
-                  f"{r['bound_s']:.4f} s: {r['ratio_to_bound']:.3f}x; max held {r['max_held']}; identical "
-                  f"{r['identical_to_resident']}")
+            print(
+                f"R {r['requests_per_rank']}: {r['per_output_step_s']:.4f} s per output-step, bound "
+                f"{r['bound_s']:.4f} s: {r['ratio_to_bound']:.3f}x; max held {r['max_held']}; identical "
+                f"{r['identical_to_resident']}"
+            )
         return 0
     args.out = args.out or "figures/data/continuous_cpu.csv"
     checkpoint = pathlib.Path(args.checkpoint or "runs/bench_continuous/checkpoint")
     if args.checkpoint is None and not (checkpoint / "config.json").is_file():
         write_checkpoint("tiny", checkpoint, seed=0, progress=False)
-    num_blocks = get_config("tiny").num_blocks if args.checkpoint is None else json.loads(
-        (checkpoint / "config.json").read_text())["num_blocks"]
+    num_blocks = (
+        get_config("tiny").num_blocks
+        if args.checkpoint is None
+        else json.loads((checkpoint / "config.json").read_text())["num_blocks"]
+    )
     subs, arrivals, gaps = trace(args.requests, args.gap_s, args.seed)
     cal_subs = calibration_requests()
     opts = dict(timeout_s=args.timeout_s, progress=False)
-    phases = [Phase("allgather", cal_subs, EngineOptions(serving="continuous", **opts)),  # warm-up
-              Phase("allgather", subs, EngineOptions(serving="continuous", **opts), stream_gaps_s=gaps),
-              Phase("allgather", subs, EngineOptions(serving="continuous", admission="cost", **opts),
-                    stream_gaps_s=gaps),
-              Phase("allgather", subs, EngineOptions(serving="strict", **opts), stream_gaps_s=gaps)]
+    phases = [
+        Phase("allgather", cal_subs, EngineOptions(serving="continuous", **opts)),  # warm-up
+        Phase("allgather", subs, EngineOptions(serving="continuous", **opts), stream_gaps_s=gaps),
+        Phase("allgather", subs, EngineOptions(serving="continuous", admission="cost", **opts), stream_gaps_s=gaps),
+        Phase("allgather", subs, EngineOptions(serving="strict", **opts), stream_gaps_s=gaps),
+    ]
     run2 = serve_local(checkpoint, phases, 2, join_timeout_s=900)
     for rep in run2.reports:
         if isinstance(rep, str):
@@ -221,8 +290,15 @@ def run(args: argparse.Namespace) -> int:
     for name, rep in (("continuous", cont), ("continuous-cost", cost), ("strict", strict)):
         plan = planned(subs, arrivals, costs, host_s, num_blocks, name)
         plans[name] = plan
-        rows.append({"policy": name, **scores(rep.results, arrivals), "planned_makespan_s": plan.makespan_s,
-                     "planned_p50_latency_s": plan.p50_latency_s, "planned_p95_latency_s": plan.p95_latency_s})
+        rows.append(
+            {
+                "policy": name,
+                **scores(rep.results, arrivals),
+                "planned_makespan_s": plan.makespan_s,
+                "planned_p50_latency_s": plan.p50_latency_s,
+                "planned_p95_latency_s": plan.p95_latency_s,
+            }
+        )
     merged = [None] * len(subs)
     for idx, rep in zip(halves, solo):
         for i, res in zip(idx, rep.results):
@@ -237,34 +313,67 @@ def run(args: argparse.Namespace) -> int:
             xs = [sum(by_id[i].block_compute_s for i, _ in h) * num_blocks for h in s.replicas]
             planned_steps.append((s.step_s, xs, [bool(h) for h in s.replicas]))
     loss = {"measured": lockstep_loss(measured_steps, num_blocks), "planned": lockstep_loss(planned_steps, num_blocks)}
-    meta = {"machine": f"{host_description()}; 2 torch gloo CPU ranks, 1 thread each (sharing the cores: not "
-                       f"a performance figure)",
-            "command": _command(args), "date": datetime.date.today().isoformat()}
+    meta = {
+        "machine": f"{host_description()}; 2 torch gloo CPU ranks, 1 thread each (sharing the cores: not "
+        f"a performance figure)",
+        "command": _command(args),
+        "date": datetime.date.today().isoformat(),
+    }
     path = write_csv(pathlib.Path(args.out), [dict(_round(r), **meta) for r in rows], FIELDS)
-    detail = {**meta, "num_blocks": num_blocks, "host_s_per_step": host_s,
-              "block_compute_s": {"x".join(map(str, k)): v for k, v in sorted(costs.items())},
-              "trace": [{"id": s.request_id, "arrival_s": a, **{k: getattr(s.request, k) for k in (
-                  "height", "width", "num_frames", "num_inference_steps", "guidance_scale")}}
-                  for s, a in zip(subs, arrivals)],
-              "lockstep_loss": loss, "rows": [_round(r) for r in rows],
-              "measured_steps": [{"step": s.step, "start_s": s.start_s, "end_s": s.end_s,
-                                  "held": [[subs[i].request_id for i in h] for h in s.held],
-                                  "compute_s": list(s.compute_s)} for s in cont.steps],
-              "planned_steps": [{"first_step": s.first_step, "num_steps": s.num_steps, "start_s": s.start_s,
-                                 "end_s": s.end_s, "held": [[subs[int(i)].request_id for i, _ in h]
-                                                            for h in s.replicas]} for s in plan.steps]}
+    detail = {
+        **meta,
+        "num_blocks": num_blocks,
+        "host_s_per_step": host_s,
+        "block_compute_s": {"x".join(map(str, k)): v for k, v in sorted(costs.items())},
+        "trace": [
+            {
+                "id": s.request_id,
+                "arrival_s": a,
+                **{
+                    k: getattr(s.request, k)
+                    for k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
+                },
+            }
+            for s, a in zip(subs, arrivals)
+        ],
+        "lockstep_loss": loss,
+        "rows": [_round(r) for r in rows],
+        "measured_steps": [
+            {
+                "step": s.step,
+                "start_s": s.start_s,
+                "end_s": s.end_s,
+                "held": [[subs[i].request_id for i in h] for h in s.held],
+                "compute_s": list(s.compute_s),
+            }
+            for s in cont.steps
+        ],
+        "planned_steps": [
+            {
+                "first_step": s.first_step,
+                "num_steps": s.num_steps,
+                "start_s": s.start_s,
+                "end_s": s.end_s,
+                "held": [[subs[int(i)].request_id for i, _ in h] for h in s.replicas],
+            }
+            for s in plan.steps
+        ],
+    }
     pathlib.Path(args.json).write_text(json.dumps(_round(detail), indent=1, sort_keys=True) + "\n")
     print(f"wrote {path} and {args.json}")
     for r in rows:
-        print(f"{r['policy']:<24} {r['throughput_requests_per_s']:.3f} req/s  p50 {r['p50_latency_s']:.2f} s  "
-              f"p95 {r['p95_latency_s']:.2f} s  (planned p50 {r.get('planned_p50_latency_s', float('nan')):.2f})")
+        print(
+            f"{r['policy']:<24} {r['throughput_requests_per_s']:.3f} req/s  p50 {r['p50_latency_s']:.2f} s  "
+            f"p95 {r['p95_latency_s']:.2f} s  (planned p50 {r.get('planned_p50_latency_s', float('nan')):.2f})"
+        )
     print(f"lockstep loss per block pass: measured {loss['measured']}, planned {loss['planned']}")
     return 0
 
 
 def _command(args: argparse.Namespace) -> str:
-    return (f"python -m dlo_fn bench continuous --requests {args.requests} --gap-s {args.gap_s} --seed {args.seed}"
-            + (f" --checkpoint {args.checkpoint}" if args.checkpoint else ""))
+    return f"python -m dlo_fn bench continuous --requests {args.requests} --gap-s {args.gap_s} --seed {args.seed}" + (
+        f" --checkpoint {args.checkpoint}" if args.checkpoint else ""
+    )
 
 
 def _round(obj):

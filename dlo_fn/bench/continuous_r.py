@@ -1,7 +1,8 @@
 """`python -m dlo_fn bench continuous --r-sweep`: continuous serving on one device (dp = 1), R requests per load.
 
 One process, one device, random weights of ``--config`` (``bench``: 24 blocks of 0.6 GB bf16). A mixed list of
-image requests (two sizes in groups of 4, CFG on, step counts 2 and 4 alternating; ``--requests`` of them) is served continuously with
+image requests (two sizes in groups of 4, CFG on, step counts 2 and 4 alternating; ``--requests`` of them) is served
+continuously with
 ``requests_per_rank = R`` for each R of ``--requests-per-rank``: at every step boundary the replica takes queued
 requests up to R of one shape (:func:`dlo_fn.serve.continuous.admission_key`), so R requests of one size share
 each loaded block and a request of the other size waits for its turn. Per R:
@@ -26,9 +27,25 @@ import time
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("requests_per_rank", "requests", "output_steps", "wall_s", "per_output_step_s", "bound_s",
-          "ratio_to_bound", "ring_steps", "max_held", "identical_to_resident", "config", "workloads",
-          "weight_bytes", "pinned_peak_bytes_per_s", "machine", "command", "date")
+FIELDS = (
+    "requests_per_rank",
+    "requests",
+    "output_steps",
+    "wall_s",
+    "per_output_step_s",
+    "bound_s",
+    "ratio_to_bound",
+    "ring_steps",
+    "max_held",
+    "identical_to_resident",
+    "config",
+    "workloads",
+    "weight_bytes",
+    "pinned_peak_bytes_per_s",
+    "machine",
+    "command",
+    "date",
+)
 
 
 def requests(n: int, sizes, steps):
@@ -36,10 +53,21 @@ def requests(n: int, sizes, steps):
     from dlo_fn.serve.requests import Submission
 
     """Groups of 4 of one size (alternating sizes), step counts alternating inside a group."""
-    return [Submission(f"r{i:02d}", Request(prompt=f"an image {i}", seed=i, height=sizes[(i // 4) % len(sizes)],
-                                            width=sizes[(i // 4) % len(sizes)], num_frames=1,
-                                            num_inference_steps=steps[i % len(steps)], guidance_scale=5.0))
-            for i in range(n)]
+    return [
+        Submission(
+            f"r{i:02d}",
+            Request(
+                prompt=f"an image {i}",
+                seed=i,
+                height=sizes[(i // 4) % len(sizes)],
+                width=sizes[(i // 4) % len(sizes)],
+                num_frames=1,
+                num_inference_steps=steps[i % len(steps)],
+                guidance_scale=5.0,
+            ),
+        )
+        for i in range(n)
+    ]
 
 
 def r_sweep(args: argparse.Namespace) -> list[dict]:
@@ -89,21 +117,43 @@ def r_sweep(args: argparse.Namespace) -> list[dict]:
             platform.synchronize()
             wall = time.perf_counter() - t0
             total_steps = sum(x.request.num_inference_steps for x in subs)
-            bound = sum(max(sum(step_s[report.results[i].request.height] for i in s.held[0]), transfer_s)
-                        for s in report.steps)
+            bound = sum(
+                max(sum(step_s[report.results[i].request.height] for i in s.held[0]), transfer_s) for s in report.steps
+            )
             same = all(a.sha256 == b.sha256 and a.ok for a, b in zip(report.results, reference.results))
-            rows.append({"requests_per_rank": r, "requests": len(subs), "output_steps": total_steps, "wall_s": wall,
-                         "per_output_step_s": wall / total_steps, "bound_s": bound / total_steps,
-                         "ratio_to_bound": wall / bound, "ring_steps": len(report.steps),
-                         "max_held": max(len(s.held[0]) for s in report.steps), "identical_to_resident": same,
-                         "config": config, "workloads": " + ".join(f"{s}x{s}x1 cfg" for s in sizes),
-                         "weight_bytes": weight_bytes, "pinned_peak_bytes_per_s": peak})
-            log.info("R %d: %.4f s per output-step, bound %.4f (%.3fx), identical %s", r, wall / total_steps,
-                     bound / total_steps, wall / bound, same)
+            rows.append(
+                {
+                    "requests_per_rank": r,
+                    "requests": len(subs),
+                    "output_steps": total_steps,
+                    "wall_s": wall,
+                    "per_output_step_s": wall / total_steps,
+                    "bound_s": bound / total_steps,
+                    "ratio_to_bound": wall / bound,
+                    "ring_steps": len(report.steps),
+                    "max_held": max(len(s.held[0]) for s in report.steps),
+                    "identical_to_resident": same,
+                    "config": config,
+                    "workloads": " + ".join(f"{s}x{s}x1 cfg" for s in sizes),
+                    "weight_bytes": weight_bytes,
+                    "pinned_peak_bytes_per_s": peak,
+                }
+            )
+            log.info(
+                "R %d: %.4f s per output-step, bound %.4f (%.3fx), identical %s",
+                r,
+                wall / total_steps,
+                bound / total_steps,
+                wall / bound,
+                same,
+            )
     desc = machine(platform)
-    meta = {"machine": ", ".join(f"{k} {v}" for k, v in desc.items()),
-            "command": (f"python -m dlo_fn bench continuous --r-sweep --config {args.config} --requests "
-                        f"{args.requests} --requests-per-rank {args.requests_per_rank}"
-                        + (" --quick" if args.quick else "")),
-            "date": datetime.date.today().isoformat()}
+    meta = {
+        "machine": ", ".join(f"{k} {v}" for k, v in desc.items()),
+        "command": (
+            f"python -m dlo_fn bench continuous --r-sweep --config {args.config} --requests "
+            f"{args.requests} --requests-per-rank {args.requests_per_rank}" + (" --quick" if args.quick else "")
+        ),
+        "date": datetime.date.today().isoformat(),
+    }
     return [dict(row, **meta) for row in rows]

@@ -61,10 +61,13 @@ def output_error(got, want, output: str = "", fake=None) -> QualityRow:
     diff, ref = (y - r).norm().item(), r.norm().item()
     norms = y.norm().item() * ref
     return QualityRow(
-        output, rel_l2=diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf")),
+        output,
+        rel_l2=diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf")),
         max_abs=(y - r).abs().max().item() if y.numel() else 0.0,
         cosine=1.0 if diff == 0 else max(-1.0, min(1.0, (y @ r).item() / norms)) if norms > 0 else 0.0,
-        num_elements=y.numel(), equal_to_fake_quantized=None if fake is None else bool(torch.equal(got, fake)))
+        num_elements=y.numel(),
+        equal_to_fake_quantized=None if fake is None else bool(torch.equal(got, fake)),
+    )
 
 
 def _quantized_weights(model, block_paths):
@@ -92,12 +95,13 @@ def _forward_and_request(model, request):
     return velocity, generate(model, request)
 
 
-def reference_dit_quality(checkpoint: str | pathlib.Path, ctx, request=None, mode: str = "rank-local"
-                          ) -> tuple[QualityRow, ...]:
+def reference_dit_quality(
+    checkpoint: str | pathlib.Path, ctx, request=None, mode: str = "rank-local"
+) -> tuple[QualityRow, ...]:
     """The rows of the module doc for the reference DiT in ``checkpoint`` on ``ctx``'s device: offloaded FP8
     (``mode``) against resident BF16, and against the fake-quantised resident model bit for bit."""
-    from dlo_fn.models import BLOCK_PATHS, Request
     from dlo_fn.io.load import load_model
+    from dlo_fn.models import BLOCK_PATHS, Request
     from dlo_fn.runtime.offload import offload
     from dlo_fn.runtime.quant import fake_quantize
 
@@ -117,15 +121,21 @@ def reference_dit_quality(checkpoint: str | pathlib.Path, ctx, request=None, mod
     finally:
         o.synchronize()
         o.store.close()
-    return (output_error(weights_fp8, weights_bf16, "weights"),
-            output_error(forward_fp8, forward_bf16, "one forward", forward_fake),
-            output_error(result_fp8.latents, result_bf16.latents, "request latents", result_fake.latents),
-            output_error(result_fp8.video, result_bf16.video, "request video", result_fake.video))
+    return (
+        output_error(weights_fp8, weights_bf16, "weights"),
+        output_error(forward_fp8, forward_bf16, "one forward", forward_fake),
+        output_error(result_fp8.latents, result_bf16.latents, "request latents", result_fake.latents),
+        output_error(result_fp8.video, result_bf16.video, "request video", result_fake.video),
+    )
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("fp8-quality", help="FP8 shards against BF16: output error on the reference DiT",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "fp8-quality",
+        help="FP8 shards against BF16: output error on the reference DiT",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--config", default="tiny", help="reference DiT config (dlo_fn.models.CONFIGS)")
     p.add_argument("--seed", type=int, default=0, help="weights' seed")
     p.add_argument("--mode", choices=("rank-local", "allgather"), default="rank-local")
@@ -152,11 +162,31 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dlo_fn_fp8q_") as tmp:
         ckpt = ensure_checkpoint(tmp, args.config, seed=args.seed)
         rows = reference_dit_quality(ckpt, ctx, request, args.mode)
-    argv = ["bench", "fp8-quality", "--config", args.config, "--seed", str(args.seed), "--mode", args.mode,
-            "--steps", str(args.steps)] + (["--platform", args.platform] if args.platform else [])
-    report = stamp({"config": args.config, "seed": args.seed, "mode": args.mode, "checkpoint_dtype": "bf16",
-                    "request": dataclasses.asdict(request), "rows": [dataclasses.asdict(r) for r in rows]},
-                   "dlo_fn", argv, platform)
+    argv = [
+        "bench",
+        "fp8-quality",
+        "--config",
+        args.config,
+        "--seed",
+        str(args.seed),
+        "--mode",
+        args.mode,
+        "--steps",
+        str(args.steps),
+    ] + (["--platform", args.platform] if args.platform else [])
+    report = stamp(
+        {
+            "config": args.config,
+            "seed": args.seed,
+            "mode": args.mode,
+            "checkpoint_dtype": "bf16",
+            "request": dataclasses.asdict(request),
+            "rows": [dataclasses.asdict(r) for r in rows],
+        },
+        "dlo_fn",
+        argv,
+        platform,
+    )
     path = pathlib.Path(args.out) if args.out else DATA_DIR / f"fp8_quality_{args.config}_{slug(platform)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")

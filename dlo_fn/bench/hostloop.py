@@ -22,6 +22,7 @@ from torch import nn
 
 __all__ = ["measure", "block_graph_call_us"]
 
+
 class _Tiny(nn.Module):
     def __init__(self, width: int, num_tensors: int) -> None:
         super().__init__()
@@ -53,8 +54,7 @@ def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200, load
     x = torch.randn(64)
     want = ref(x)
     ctx = DistContext(0, 1, 0, platform_for("cpu"), None)
-    off = offload(copy.deepcopy(ref), "blocks", ctx, mode="rank-local", num_slots=2 * load_group,
-                  load_group=load_group)
+    off = offload(copy.deepcopy(ref), "blocks", ctx, mode="rank-local", num_slots=2 * load_group, load_group=load_group)
     ex = off.executor
     per_block, ops = [], []
     with torch.no_grad():
@@ -65,9 +65,15 @@ def measure(num_blocks: int = 24, num_tensors: int = 15, passes: int = 200, load
             ops.append(ex.stats.stream_ops / num_blocks)
     if not torch.equal(got, want):
         raise RuntimeError("the offloaded pass differs from resident")
-    return {"executor_host_us_per_block": statistics.median(per_block[passes // 4:]),
-            "stream_ops_per_block": statistics.median(ops), "num_blocks": num_blocks, "load_group": load_group,
-            "tensors_per_block": num_tensors, "passes": passes, "equal_to_resident": True}
+    return {
+        "executor_host_us_per_block": statistics.median(per_block[passes // 4 :]),
+        "stream_ops_per_block": statistics.median(ops),
+        "num_blocks": num_blocks,
+        "load_group": load_group,
+        "tensors_per_block": num_tensors,
+        "passes": passes,
+        "equal_to_resident": True,
+    }
 
 
 class _NoReplay:
@@ -115,8 +121,11 @@ def block_graph_call_us(num_blocks: int = 24, passes: int = 3000) -> dict:
         for _ in range(passes // 5):
             one_pass()
         rounds.append(1e6 * (time.perf_counter() - t0) / (passes // 5) / num_blocks)
-    return {"block_graph_call_us": statistics.median(rounds), "block_graph_replays": bg.replays,
-            "block_graph_captures": bg.captures}
+    return {
+        "block_graph_call_us": statistics.median(rounds),
+        "block_graph_replays": bg.replays,
+        "block_graph_captures": bg.captures,
+    }
 
 
 def _groups(text: str) -> tuple[int, ...]:
@@ -133,10 +142,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=24)
     p.add_argument("--passes", type=int, default=200)
-    p.add_argument("--block-graphs", action="store_true",
-                   help="also time the block-graph wrapper's host work per replayed block call (replay a no-op)")
-    p.add_argument("--load-groups", type=_groups, default=(1,), metavar="G,...",
-                   help="load groups of G on 2G slots; several: measured in turn, 3 rounds, medians per G")
+    p.add_argument(
+        "--block-graphs",
+        action="store_true",
+        help="also time the block-graph wrapper's host work per replayed block call (replay a no-op)",
+    )
+    p.add_argument(
+        "--load-groups",
+        type=_groups,
+        default=(1,),
+        metavar="G,...",
+        help="load groups of G on 2G slots; several: measured in turn, 3 rounds, medians per G",
+    )
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -145,10 +162,18 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(a.blocks, passes=a.passes, load_group=groups[0])
     else:
         rounds = [[measure(a.blocks, passes=a.passes, load_group=g) for g in groups] for _ in range(3)]
-        result = {"num_blocks": a.blocks, "passes": a.passes, "by_load_group": {str(g): {
-            "executor_host_us_per_block": statistics.median(r[i]["executor_host_us_per_block"] for r in rounds),
-            "stream_ops_per_block": rounds[0][i]["stream_ops_per_block"],
-            "equal_to_resident": all(r[i]["equal_to_resident"] for r in rounds)} for i, g in enumerate(groups)}}
+        result = {
+            "num_blocks": a.blocks,
+            "passes": a.passes,
+            "by_load_group": {
+                str(g): {
+                    "executor_host_us_per_block": statistics.median(r[i]["executor_host_us_per_block"] for r in rounds),
+                    "stream_ops_per_block": rounds[0][i]["stream_ops_per_block"],
+                    "equal_to_resident": all(r[i]["equal_to_resident"] for r in rounds),
+                }
+                for i, g in enumerate(groups)
+            },
+        }
     if a.block_graphs:
         result.update(block_graph_call_us(a.blocks))
     from dlo_fn.bench.report import emit, stamp

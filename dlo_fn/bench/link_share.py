@@ -41,8 +41,12 @@ PAGE = 4096
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("link-share", help="W gloo ranks on one device: H2D + all-gather per block vs plan.links",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "link-share",
+        help="W gloo ranks on one device: H2D + all-gather per block vs plan.links",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--ranks", default="1,2,4", help="comma list of W (must include 1: the link's rate alone)")
     p.add_argument("--block-mb", type=float, default=256.0, help="block bytes B, in MB (10^6)")
     p.add_argument("--blocks", type=int, default=4, help="blocks per pass")
@@ -128,14 +132,27 @@ def topology(world: int, link_bytes_per_s: float, host_memory_bytes_per_s: float
     (only its link fields matter here; the others are placeholders no prediction reads)."""
     from dlo_fn.plan.topology import BlockCompute, Topology
 
-    return Topology(f"1 device shared by {world} gloo ranks", world, link_bytes_per_s, 1.0, 1.0, 1.0,
-                    BlockCompute(flop_per_s=1.0), 1, 1, peer_link="host", gpus_per_uplink=world,
-                    uplink_bytes_per_s=link_bytes_per_s, host_memory_bytes_per_s=host_memory_bytes_per_s,
-                    ranks_per_host=world)
+    return Topology(
+        f"1 device shared by {world} gloo ranks",
+        world,
+        link_bytes_per_s,
+        1.0,
+        1.0,
+        1.0,
+        BlockCompute(flop_per_s=1.0),
+        1,
+        1,
+        peer_link="host",
+        gpus_per_uplink=world,
+        uplink_bytes_per_s=link_bytes_per_s,
+        host_memory_bytes_per_s=host_memory_bytes_per_s,
+        ranks_per_host=world,
+    )
 
 
-def predict(world: int, block_bytes: int, num_blocks: int, link_bytes_per_s: float,
-            host_memory_bytes_per_s: float | None) -> dict:
+def predict(
+    world: int, block_bytes: int, num_blocks: int, link_bytes_per_s: float, host_memory_bytes_per_s: float | None
+) -> dict:
     """The module docstring's predictions per block, from :func:`dlo_fn.plan.links.link_busy_s`."""
     from dlo_fn.plan.links import link_busy_s
     from dlo_fn.plan.sizes import ModelSizes
@@ -144,9 +161,13 @@ def predict(world: int, block_bytes: int, num_blocks: int, link_bytes_per_s: flo
     shard = block_bytes // world
     h2d = link_busy_s(ModelSizes("shards", (shard,) * num_blocks, 0), t, "rank-local", 1)
     load = link_busy_s(ModelSizes("blocks", (block_bytes,) * num_blocks, 0), t, "allgather", world)
-    return {"predicted_h2d_s": dict(h2d)["uplink"] / num_blocks, "predicted_load_s": load[0][1] / num_blocks,
-            "predicted_load_link": load[0][0], "links_s": {k: v / num_blocks for k, v in load},
-            "independent_s": shard / link_bytes_per_s}
+    return {
+        "predicted_h2d_s": dict(h2d)["uplink"] / num_blocks,
+        "predicted_load_s": load[0][1] / num_blocks,
+        "predicted_load_link": load[0][0],
+        "links_s": {k: v / num_blocks for k, v in load},
+        "independent_s": shard / link_bytes_per_s,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,24 +186,48 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.block_mb, args.blocks, args.repeats = 0.5, 2, 1
     platform = detect_platform(prefer=args.platform or ("cpu" if args.quick else None))
-    report = stamp({"quick": args.quick, "blocks": args.blocks, "repeats": args.repeats, "block_mb": args.block_mb},
-                   "dlo_fn", ["bench", "link-share", "--ranks", args.ranks, "--block-mb", f"{args.block_mb:g}",
-                              "--blocks", str(args.blocks), "--repeats", str(args.repeats)]
-                   + (["--quick"] if args.quick else []) + (["--platform", args.platform] if args.platform else []),
-                   platform)
+    report = stamp(
+        {"quick": args.quick, "blocks": args.blocks, "repeats": args.repeats, "block_mb": args.block_mb},
+        "dlo_fn",
+        [
+            "bench",
+            "link-share",
+            "--ranks",
+            args.ranks,
+            "--block-mb",
+            f"{args.block_mb:g}",
+            "--blocks",
+            str(args.blocks),
+            "--repeats",
+            str(args.repeats),
+        ]
+        + (["--quick"] if args.quick else [])
+        + (["--platform", args.platform] if args.platform else []),
+        platform,
+    )
     block = _block_bytes(args.block_mb, worlds)  # one B for every W
     host = host_copy_bytes_per_s(min(1 << 30, 64 * block))
     report["host_memory_bytes_per_s"] = host
     rows, link = [], None
     for w in worlds:
         t0 = time.perf_counter()
-        ranks = run_ranks(_rank, w, platform.kind, block, args.blocks, args.repeats, timeout_s=120 + 60 * w,
-                          platform="cpu")
+        ranks = run_ranks(
+            _rank, w, platform.kind, block, args.blocks, args.repeats, timeout_s=120 + 60 * w, platform="cpu"
+        )
         slowest = {k: max(x[k] for x in ranks) for k in ("h2d_s", "allgather_s", "load_s")}
         if w == 1:
             link = block / slowest["h2d_s"]
-        rows.append({"world_size": w, "block_bytes": block, "shard_bytes": block // w, "ranks": ranks,
-                     "exact": all(x["exact"] for x in ranks), "wall_s": time.perf_counter() - t0, **slowest})
+        rows.append(
+            {
+                "world_size": w,
+                "block_bytes": block,
+                "shard_bytes": block // w,
+                "ranks": ranks,
+                "exact": all(x["exact"] for x in ranks),
+                "wall_s": time.perf_counter() - t0,
+                **slowest,
+            }
+        )
     for row in rows:
         row.update(predict(row["world_size"], row["block_bytes"], args.blocks, link, host))
         row["load_over_predicted"] = row["load_s"] / row["predicted_load_s"]

@@ -22,8 +22,15 @@ from dataclasses import dataclass
 from dlo_fn.bench.load_worker import WorkerSample, run_group
 from dlo_fn.io.memstat import CgroupMemory, ProcessMemory, cgroup_memory, format_bytes, host_description
 
-__all__ = ["LoadBenchResult", "register", "run_load_bench", "measure_baseline", "make_checkpoint", "SWEEP_FIELDS",
-           "LOAD_CONFIGS"]
+__all__ = [
+    "LoadBenchResult",
+    "register",
+    "run_load_bench",
+    "measure_baseline",
+    "make_checkpoint",
+    "SWEEP_FIELDS",
+    "LOAD_CONFIGS",
+]
 
 # Reference-DiT sizes for this benchmark (hidden 1024, 8 heads, MLP 4096, full adaLN from a 256-d timestep
 # embedding; 35.2 MB of bf16 weights per block): name -> number of blocks.
@@ -37,8 +44,18 @@ def load_config(name: str):
     if name not in LOAD_CONFIGS:
         raise ValueError(f"unknown load-bench config {name!r}; known: {', '.join(LOAD_CONFIGS)}")
     return DiTConfig(
-        name=name, num_blocks=LOAD_CONFIGS[name], hidden_dim=1024, num_heads=8, mlp_dim=4096, cond_dim=256,
-        adaln_rank=0, text_dim=256, text_heads=4, text_layers=2, text_mlp_dim=1024, text_len=64,
+        name=name,
+        num_blocks=LOAD_CONFIGS[name],
+        hidden_dim=1024,
+        num_heads=8,
+        mlp_dim=4096,
+        cond_dim=256,
+        adaln_rank=0,
+        text_dim=256,
+        text_heads=4,
+        text_layers=2,
+        text_mlp_dim=1024,
+        text_len=64,
         source="load benchmark (dlo_fn.bench.load.LOAD_CONFIGS): host memory only, never generated from",
     )
 
@@ -95,13 +112,18 @@ class LoadBenchResult:
         ws = [w.memory for w in self.workers]
         cg = self.cgroup
         return {
-            "mode": self.mode, "ranks": self.ranks, "model_bytes": self.model_bytes,
-            "constant_pss_bytes": self.constant_bytes, "constant_uss_bytes": self.baseline.memory.uss_bytes,
+            "mode": self.mode,
+            "ranks": self.ranks,
+            "model_bytes": self.model_bytes,
+            "constant_pss_bytes": self.constant_bytes,
+            "constant_uss_bytes": self.baseline.memory.uss_bytes,
             "constant_rss_bytes": self.baseline.memory.rss_bytes,
-            "sum_pss_bytes": self.sum_pss_bytes, "predicted_pss_bytes": self.predicted_pss_bytes,
+            "sum_pss_bytes": self.sum_pss_bytes,
+            "predicted_pss_bytes": self.predicted_pss_bytes,
             "rel_error": self.sum_pss_bytes / self.predicted_pss_bytes - 1.0,
             "tree_pss_bytes": self.sum_pss_bytes + self.driver.pss_bytes,
-            "sum_uss_bytes": sum(m.uss_bytes for m in ws), "sum_rss_bytes": sum(m.rss_bytes for m in ws),
+            "sum_uss_bytes": sum(m.uss_bytes for m in ws),
+            "sum_rss_bytes": sum(m.rss_bytes for m in ws),
             "sum_pss_anon_bytes": sum(m.pss_anon_bytes for m in ws),
             "sum_weights_pss_bytes": sum(w.weights_pss_bytes for w in self.workers),
             "max_hwm_bytes": max(m.hwm_bytes for m in ws),
@@ -109,19 +131,51 @@ class LoadBenchResult:
             "cgroup_current_bytes": cg.current_bytes if cg else "",
             "cgroup_file_bytes": cg.file_bytes if cg else "",
             "cgroup_anon_bytes": cg.anon_bytes if cg else "",
-            "max_load_s": max(w.load_s for w in self.workers), "max_touch_s": max(w.touch_s for w in self.workers),
+            "max_load_s": max(w.load_s for w in self.workers),
+            "max_touch_s": max(w.touch_s for w in self.workers),
         }
 
 
 SWEEP_FIELDS = (
-    "machine", "checkpoint", "command", "date", "mode", "ranks", "model_bytes", "constant_pss_bytes",
-    "constant_uss_bytes", "constant_rss_bytes", "sum_pss_bytes", "predicted_pss_bytes", "rel_error",
-    "tree_pss_bytes", "sum_uss_bytes", "sum_rss_bytes", "sum_pss_anon_bytes", "sum_weights_pss_bytes",
-    "max_hwm_bytes", "cgroup_version", "cgroup_current_bytes", "cgroup_file_bytes", "cgroup_anon_bytes",
-    "max_load_s", "max_touch_s",
+    "machine",
+    "checkpoint",
+    "command",
+    "date",
+    "mode",
+    "ranks",
+    "model_bytes",
+    "constant_pss_bytes",
+    "constant_uss_bytes",
+    "constant_rss_bytes",
+    "sum_pss_bytes",
+    "predicted_pss_bytes",
+    "rel_error",
+    "tree_pss_bytes",
+    "sum_uss_bytes",
+    "sum_rss_bytes",
+    "sum_pss_anon_bytes",
+    "sum_weights_pss_bytes",
+    "max_hwm_bytes",
+    "cgroup_version",
+    "cgroup_current_bytes",
+    "cgroup_file_bytes",
+    "cgroup_anon_bytes",
+    "max_load_s",
+    "max_touch_s",
 )
-PROCESS_FIELDS = ("date", "mode", "ranks", "rank", "rss_bytes", "pss_bytes", "uss_bytes",
-                  "pss_anon_bytes", "pss_file_bytes", "weights_pss_bytes", "hwm_bytes")
+PROCESS_FIELDS = (
+    "date",
+    "mode",
+    "ranks",
+    "rank",
+    "rss_bytes",
+    "pss_bytes",
+    "uss_bytes",
+    "pss_anon_bytes",
+    "pss_file_bytes",
+    "weights_pss_bytes",
+    "hwm_bytes",
+)
 
 
 def measure_baseline(checkpoint: str | os.PathLike, timeout_s: float = 600.0) -> WorkerSample:
@@ -132,8 +186,14 @@ def measure_baseline(checkpoint: str | os.PathLike, timeout_s: float = 600.0) ->
     return run_group(os.fspath(checkpoint), ["none"], files, timeout_s)[0][0]
 
 
-def run_load_bench(checkpoint: str | os.PathLike, ranks: int, mode: str = "mmap", *, timeout_s: float = 600.0,
-                   baseline: WorkerSample | None = None) -> LoadBenchResult:
+def run_load_bench(
+    checkpoint: str | os.PathLike,
+    ranks: int,
+    mode: str = "mmap",
+    *,
+    timeout_s: float = 600.0,
+    baseline: WorkerSample | None = None,
+) -> LoadBenchResult:
     """N = ``ranks`` workers load ``checkpoint`` in ``mode``; see the module docstring."""
     from dlo_fn.io.checkpoint import open_checkpoint
 
@@ -150,24 +210,41 @@ def run_load_bench(checkpoint: str | os.PathLike, ranks: int, mode: str = "mmap"
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "load", help="host memory of N processes loading one checkpoint (mmap vs private copies)",
+        "load",
+        help="host memory of N processes loading one checkpoint (mmap vs private copies)",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint directory, .safetensors file or cached repo id")
-    p.add_argument("--make", choices=tuple(LOAD_CONFIGS), help="first write this reference-DiT checkpoint (bf16, "
-                   "seed 0) to --checkpoint, unless it is already there")
+    p.add_argument(
+        "--make",
+        choices=tuple(LOAD_CONFIGS),
+        help="first write this reference-DiT checkpoint (bf16, seed 0) to --checkpoint, unless it is already there",
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[2], metavar="N", help="process counts (default 2)")
     p.add_argument("--mode", nargs="+", choices=("mmap", "copy"), default=["mmap"], help="loaders to compare")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", type=pathlib.Path, help="write one CSV row per (mode, N) here")
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit per group of processes")
-    p.add_argument("--phases", action="store_true", help="instead: N real gloo ranks load, offload and generate; "
-                   "each rank's RSS/USS/PSS/VmHWM after load, fill, offload and generate vs the plan "
-                   "(dlo_fn.plan.rank_memory; see dlo_fn.bench.load_phases)")
-    p.add_argument("--offload-mode", nargs="+", choices=("allgather", "rank-local", "rank-local-mmap"),
-                   default=["allgather", "rank-local", "rank-local-mmap"], help="with --phases: modes to sweep")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="with --phases: cuda puts every rank on GPU 0, over gloo (memory only)")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="instead: N real gloo ranks load, offload and generate; "
+        "each rank's RSS/USS/PSS/VmHWM after load, fill, offload and generate vs the plan "
+        "(dlo_fn.plan.rank_memory; see dlo_fn.bench.load_phases)",
+    )
+    p.add_argument(
+        "--offload-mode",
+        nargs="+",
+        choices=("allgather", "rank-local", "rank-local-mmap"),
+        default=["allgather", "rank-local", "rank-local-mmap"],
+        help="with --phases: modes to sweep",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="with --phases: cuda puts every rank on GPU 0, over gloo (memory only)",
+    )
     p.set_defaults(func=_main)
 
 
@@ -180,51 +257,88 @@ def _main(args) -> int:
     if args.phases:
         return _phases(args, ckpt)
     baseline = measure_baseline(args.checkpoint, args.timeout_s)
-    results = [run_load_bench(args.checkpoint, n, m, timeout_s=args.timeout_s, baseline=baseline)
-               for m in args.mode for n in args.ranks]
-    command = ("python -m dlo_fn bench load " + (f"--make {args.make} " if args.make else "")
-               + f"--checkpoint {args.checkpoint} --ranks "
-               + " ".join(map(str, args.ranks)) + " --mode " + " ".join(args.mode)
-               + (f" --out {args.out}" if args.out else ""))
-    meta = {"machine": host_description(), "checkpoint": _describe(ckpt), "command": command,
-            "date": datetime.date.today().isoformat()}
+    results = [
+        run_load_bench(args.checkpoint, n, m, timeout_s=args.timeout_s, baseline=baseline)
+        for m in args.mode
+        for n in args.ranks
+    ]
+    command = (
+        "python -m dlo_fn bench load "
+        + (f"--make {args.make} " if args.make else "")
+        + f"--checkpoint {args.checkpoint} --ranks "
+        + " ".join(map(str, args.ranks))
+        + " --mode "
+        + " ".join(args.mode)
+        + (f" --out {args.out}" if args.out else "")
+    )
+    meta = {
+        "machine": host_description(),
+        "checkpoint": _describe(ckpt),
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+    }
     rows = [{**meta, **r.row()} for r in results]
     if args.out:
         from dlo_fn.figures.style import write_csv
 
         write_csv(args.out, rows, SWEEP_FIELDS)
         per_process = [
-            {"date": meta["date"], "mode": r.mode, "ranks": r.ranks, "rank": i, "rss_bytes": w.memory.rss_bytes,
-             **{f: getattr(w.memory, f) for f in ("pss_bytes", "uss_bytes", "pss_anon_bytes", "pss_file_bytes",
-                                                   "hwm_bytes")}, "weights_pss_bytes": w.weights_pss_bytes}
-            for r in results for i, w in enumerate(r.workers)
+            {
+                "date": meta["date"],
+                "mode": r.mode,
+                "ranks": r.ranks,
+                "rank": i,
+                "rss_bytes": w.memory.rss_bytes,
+                **{
+                    f: getattr(w.memory, f)
+                    for f in ("pss_bytes", "uss_bytes", "pss_anon_bytes", "pss_file_bytes", "hwm_bytes")
+                },
+                "weights_pss_bytes": w.weights_pss_bytes,
+            }
+            for r in results
+            for i, w in enumerate(r.workers)
         ]
         write_csv(args.out.with_name(args.out.stem + "_processes.csv"), per_process, PROCESS_FIELDS)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{meta['checkpoint']}; framework constant c = {format_bytes(baseline.memory.pss_bytes)} PSS "
-              f"({format_bytes(baseline.memory.uss_bytes)} USS); {meta['machine']}")
-        print(f"{'mode':5} {'N':>2} {'sum PSS':>10} {'predicted':>10} {'err':>6} {'sum USS':>10} "
-              f"{'cgroup':>10} {'cg file':>10} {'cg anon':>10}")
+        print(
+            f"{meta['checkpoint']}; framework constant c = {format_bytes(baseline.memory.pss_bytes)} PSS "
+            f"({format_bytes(baseline.memory.uss_bytes)} USS); {meta['machine']}"
+        )
+        print(
+            f"{'mode':5} {'N':>2} {'sum PSS':>10} {'predicted':>10} {'err':>6} {'sum USS':>10} "
+            f"{'cgroup':>10} {'cg file':>10} {'cg anon':>10}"
+        )
         for r in rows:
-            cg = [format_bytes(r[k]) if r[k] != "" else "-" for k in
-                  ("cgroup_current_bytes", "cgroup_file_bytes", "cgroup_anon_bytes")]
-            print(f"{r['mode']:5} {r['ranks']:>2} {format_bytes(r['sum_pss_bytes']):>10} "
-                  f"{format_bytes(r['predicted_pss_bytes']):>10} {r['rel_error']:>+6.1%} "
-                  f"{format_bytes(r['sum_uss_bytes']):>10} {cg[0]:>10} {cg[1]:>10} {cg[2]:>10}")
+            cg = [
+                format_bytes(r[k]) if r[k] != "" else "-"
+                for k in ("cgroup_current_bytes", "cgroup_file_bytes", "cgroup_anon_bytes")
+            ]
+            print(
+                f"{r['mode']:5} {r['ranks']:>2} {format_bytes(r['sum_pss_bytes']):>10} "
+                f"{format_bytes(r['predicted_pss_bytes']):>10} {r['rel_error']:>+6.1%} "
+                f"{format_bytes(r['sum_uss_bytes']):>10} {cg[0]:>10} {cg[1]:>10} {cg[2]:>10}"
+            )
     return 0
 
 
 def _phases(args, ckpt) -> int:
     from dlo_fn.bench.load_phases import PHASE_FIELDS, print_rows, sweep
 
-    command = ("python -m dlo_fn bench load --phases " + (f"--make {args.make} " if args.make else "")
-               + f"--checkpoint {args.checkpoint} --ranks " + " ".join(map(str, args.ranks))
-               + " --offload-mode " + " ".join(args.offload_mode) + f" --device {args.device}"
-               + (f" --out {args.out}" if args.out else ""))
-    rows = sweep(str(args.checkpoint), args.ranks, args.offload_mode, args.device, command, _describe(ckpt),
-                 args.timeout_s)
+    command = (
+        "python -m dlo_fn bench load --phases "
+        + (f"--make {args.make} " if args.make else "")
+        + f"--checkpoint {args.checkpoint} --ranks "
+        + " ".join(map(str, args.ranks))
+        + " --offload-mode "
+        + " ".join(args.offload_mode)
+        + f" --device {args.device}"
+        + (f" --out {args.out}" if args.out else "")
+    )
+    rows = sweep(
+        str(args.checkpoint), args.ranks, args.offload_mode, args.device, command, _describe(ckpt), args.timeout_s
+    )
     if args.out:
         from dlo_fn.figures.style import write_csv
 

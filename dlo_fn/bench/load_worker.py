@@ -38,7 +38,11 @@ def _spawn(checkpoint: str, mode: str, stderr) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         [sys.executable, "-m", "dlo_fn.bench.load_worker", "--checkpoint", checkpoint, "--mode", mode],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
     )
 
 
@@ -50,8 +54,10 @@ def run_group(checkpoint: str, modes: list[str], files: list[str], timeout_s: fl
         logs = [open(pathlib.Path(tmp) / f"worker{i}.err", "w+") for i in range(len(modes))]
         procs = [_spawn(checkpoint, m, log) for m, log in zip(modes, logs)]
         lines: list[str | None] = [None] * len(procs)
-        readers = [threading.Thread(target=lambda i=i: lines.__setitem__(i, procs[i].stdout.readline()), daemon=True)
-                   for i in range(len(procs))]
+        readers = [
+            threading.Thread(target=lambda i=i: lines.__setitem__(i, procs[i].stdout.readline()), daemon=True)
+            for i in range(len(procs))
+        ]
         try:
             for r in readers:
                 r.start()
@@ -100,12 +106,12 @@ def _worker(checkpoint: str, mode: str) -> None:
     import torch
 
     torch.set_num_threads(1)
+    import safetensors  # noqa: F401  - imported by every mode, so the constant includes it
+    import tqdm.auto  # noqa: F401
+
     from dlo_fn.io.bind import meta_module_from_header, model_from_config
     from dlo_fn.io.checkpoint import open_checkpoint
     from dlo_fn.io.load import load_checkpoint
-
-    import safetensors  # noqa: F401  - imported by every mode, so the constant includes it
-    import tqdm.auto  # noqa: F401
 
     ckpt = open_checkpoint(checkpoint)
     dlo = isinstance(ckpt.config, dict) and ckpt.config.get("model_type") == "dlo_fn-video-dit"

@@ -32,15 +32,25 @@ def mesh_host_config():
     """A small config whose arenas (MBs) stand well above the measurement noise: 8 blocks of ~7.9 MB."""
     from dlo_fn.models import get_config
 
-    return dataclasses.replace(get_config("tiny"), name="mesh-host", num_blocks=8, hidden_dim=512, num_heads=8,
-                               mlp_dim=2048, cond_dim=512, adaln_rank=64)
-
-
+    return dataclasses.replace(
+        get_config("tiny"),
+        name="mesh-host",
+        num_blocks=8,
+        hidden_dim=512,
+        num_heads=8,
+        mlp_dim=2048,
+        cond_dim=512,
+        adaln_rank=64,
+    )
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("mesh-host", help="per-rank host arena bytes for each shard group vs the plan",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "mesh-host",
+        help="per-rank host arena bytes for each shard group vs the plan",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--sp", type=int, default=2)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("figures/data/mesh_host_cpu.json"))
@@ -50,14 +60,14 @@ def register(subparsers) -> None:
 def _rank(ctx, checkpoint: str, dp: int, sp: int) -> list[dict]:
     import gc
 
+    from dlo_fn.io.load import load_model
+    from dlo_fn.io.memstat import process_memory
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.plan.layout import model_layout
     from dlo_fn.plan.mesh import SHARD_GROUPS, MeshPlan
     from dlo_fn.plan.sizes import ModelSizes
     from dlo_fn.plan.spec import spec_from_module
     from dlo_fn.runtime.host_store import build_host_store
-    from dlo_fn.io.load import load_model
-    from dlo_fn.io.memstat import process_memory
 
     model = load_model(checkpoint)
     spec = spec_from_module(model, BLOCK_PATHS)
@@ -71,12 +81,21 @@ def _rank(ctx, checkpoint: str, dp: int, sp: int) -> list[dict]:
         before = process_memory()
         store = build_host_store(layout, mesh.shard_index(ctx.rank), blocks, ctx.platform)
         after = process_memory()
-        out.append({"shard_group": group, "rank": ctx.rank, "coordinate": list(mesh.coordinate(ctx.rank)),
-                    "shard_group_ranks": list(mesh.shard_group_of(ctx.rank)), "num_shards": mesh.num_shards,
-                    "shard_index": mesh.shard_index(ctx.rank), "arena_bytes": store.arena_bytes,
-                    "planned_bytes": mesh.pinned_bytes_per_rank(sizes), "layout_digest": layout.digest,
-                    "anon_delta_bytes": after.pss_anon_bytes - before.pss_anon_bytes,
-                    "uss_delta_bytes": after.uss_bytes - before.uss_bytes})
+        out.append(
+            {
+                "shard_group": group,
+                "rank": ctx.rank,
+                "coordinate": list(mesh.coordinate(ctx.rank)),
+                "shard_group_ranks": list(mesh.shard_group_of(ctx.rank)),
+                "num_shards": mesh.num_shards,
+                "shard_index": mesh.shard_index(ctx.rank),
+                "arena_bytes": store.arena_bytes,
+                "planned_bytes": mesh.pinned_bytes_per_rank(sizes),
+                "layout_digest": layout.digest,
+                "anon_delta_bytes": after.pss_anon_bytes - before.pss_anon_bytes,
+                "uss_delta_bytes": after.uss_bytes - before.uss_bytes,
+            }
+        )
         store.close()
         del store
     return out
@@ -100,14 +119,19 @@ def measure(dp: int = 2, sp: int = 2) -> dict:
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.io.memstat import host_description
 
-    doc = {"machine": {"platform": "cpu", "cpu": host_description()},
-           "command": f"python -m dlo_fn bench mesh-host --dp {args.dp} --sp {args.sp}",
-           "date": datetime.date.today().isoformat(), **measure(args.dp, args.sp)}
+    doc = {
+        "machine": {"platform": "cpu", "cpu": host_description()},
+        "command": f"python -m dlo_fn bench mesh-host --dp {args.dp} --sp {args.sp}",
+        "date": datetime.date.today().isoformat(),
+        **measure(args.dp, args.sp),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for r in doc["records"]:
-        print(f"{r['shard_group']:6s} rank {r['rank']} (W {r['num_shards']}, shard {r['shard_index']}): arena "
-              f"{r['arena_bytes']} (plan {r['planned_bytes']}), anon +{r['anon_delta_bytes']}, "
-              f"USS +{r['uss_delta_bytes']}")
+        print(
+            f"{r['shard_group']:6s} rank {r['rank']} (W {r['num_shards']}, shard {r['shard_index']}): arena "
+            f"{r['arena_bytes']} (plan {r['planned_bytes']}), anon +{r['anon_delta_bytes']}, "
+            f"USS +{r['uss_delta_bytes']}"
+        )
     print(f"wrote {args.out}")
     return 0

@@ -47,27 +47,47 @@ def register(subparsers) -> None:
     from dlo_fn.bench.real_models import MODELS
     from dlo_fn.bench.real_variants import VARIANTS
 
-    p = subparsers.add_parser("real", help="diffusers models at published configs: ours vs resident vs diffusers",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "real",
+        help="diffusers models at published configs: ours vs resident vs diffusers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--models", default="flux,wan480", help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "pipeline"),
-                   help=f"comma list, run in the order given, after resident: {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        default=",".join(v for v in VARIANTS if v != "pipeline"),
+        help=f"comma list, run in the order given, after resident: {', '.join(VARIANTS)}",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (block graphs: at least 4)")
-    p.add_argument("--pipeline", action="store_true",
-                   help="also a full Flux request (FluxPipeline, 28 steps): resident, ours in BF16 and with FP8 shards")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also a full Flux request (FluxPipeline, 28 steps): resident, ours in BF16 and with FP8 shards",
+    )
     p.add_argument("--pipeline-repeats", type=int, default=2, help="timed requests per pipeline")
-    p.add_argument("--folder", default=str(pathlib.Path(tempfile.gettempdir()) / "dlo_fn_bench_real"),
-                   help="where checkpoints are written, and reused when complete")
+    p.add_argument(
+        "--folder",
+        default=str(pathlib.Path(tempfile.gettempdir()) / "dlo_fn_bench_real"),
+        help="where checkpoints are written, and reused when complete",
+    )
     p.add_argument("--keep", action="store_true", help="keep each checkpoint folder (default: deleted when done)")
     p.add_argument("--budget-s", type=float, default=None, help="skip variants that would end past this many s")
-    p.add_argument("--touch-host-gb", type=float, default=0.0,
-                   help="first write this many GB of fresh host memory once and free it: on a VM that backs guest "
-                        "memory at first use (a Firecracker microVM), so no variant pays the hypervisor's faults")
+    p.add_argument(
+        "--touch-host-gb",
+        type=float,
+        default=0.0,
+        help="first write this many GB of fresh host memory once and free it: on a VM that backs guest "
+        "memory at first use (a Firecracker microVM), so no variant pays the hypervisor's faults",
+    )
     p.add_argument("--quick", action="store_true", help="tiny configs of the same classes (CPU test)")
     p.add_argument("--platform", choices=("cuda", "cpu"), default=None, help="default: detect (cpu with --quick)")
-    p.add_argument("--out", default=None, help="JSON path, {model} replaced by the model's name "
-                                               "(default figures/data/bench_real_{model}_<machine>.json)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path, {model} replaced by the model's name (default figures/data/bench_real_{model}_<machine>.json)",
+    )
     p.set_defaults(func=run)
 
 
@@ -89,9 +109,18 @@ def _out_path(args, model: str, slug: str) -> pathlib.Path:
 
 def _argv(args: argparse.Namespace, models: list[str], variants: list[str]) -> list[str]:
     """The arguments that reproduce this run (the checkpoint folder and output path aside)."""
-    argv = ["bench", "real", "--models", ",".join(models),
-            "--variants", ",".join(v for v in variants if v != "pipeline"),
-            "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    argv = [
+        "bench",
+        "real",
+        "--models",
+        ",".join(models),
+        "--variants",
+        ",".join(v for v in variants if v != "pipeline"),
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+    ]
     argv += ["--pipeline", "--pipeline-repeats", str(args.pipeline_repeats)] if "pipeline" in variants else []
     argv += ["--budget-s", f"{args.budget_s:g}"] if args.budget_s is not None else []
     argv += ["--touch-host-gb", f"{args.touch_host_gb:g}"] if args.touch_host_gb else []
@@ -107,8 +136,13 @@ def _finalize(entry: dict) -> None:
         return
     peak = max(peaks) if peaks else None
     transfer = entry["block_bytes"] / peak if peak else 0.0
-    entry.update(pinned_h2d_peak_bytes_per_s=peak, resident_s=resident, transfer_s_at_peak=transfer,
-                 bound_s=max(resident, transfer), bound="PCIe" if transfer > resident else "compute")
+    entry.update(
+        pinned_h2d_peak_bytes_per_s=peak,
+        resident_s=resident,
+        transfer_s_at_peak=transfer,
+        bound_s=max(resident, transfer),
+        bound="PCIe" if transfer > resident else "compute",
+    )
     for v in entry["variants"]:
         if v.get("forward_s"):
             v["ratio_to_bound"] = v["forward_s"] / entry["bound_s"]
@@ -160,13 +194,29 @@ def run(args: argparse.Namespace) -> int:
         log.info("bench real: touched %.1f GB of host memory in %.1f s", nbytes / 1e9, touched["s"])
     for i, name in enumerate(models):
         case = MODELS[name]
-        report = stamp({"quick": args.quick, "budget_s": args.budget_s, "repeats": args.repeats,
-                        "warmup": args.warmup, "touch_host": touched}, "dlo_fn", _argv(args, models, variants), platform)
+        report = stamp(
+            {
+                "quick": args.quick,
+                "budget_s": args.budget_s,
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                "touch_host": touched,
+            },
+            "dlo_fn",
+            _argv(args, models, variants),
+            platform,
+        )
         path = _out_path(args, name, slug(platform))
         left = None if args.budget_s is None else (args.budget_s - (time.perf_counter() - t_start)) / (len(models) - i)
         folder = root / (case.checkpoint + ("-quick" if args.quick else ""))
-        mr = ModelRun(ctx, case, folder, args, deadline=None if left is None else time.perf_counter() + left,
-                      write=lambda entry, report=report, path=path: _write(report, entry, path))
+        mr = ModelRun(
+            ctx,
+            case,
+            folder,
+            args,
+            deadline=None if left is None else time.perf_counter() + left,
+            write=lambda entry, report=report, path=path: _write(report, entry, path),
+        )
         try:
             mr.run([v for v in variants if v != "resident"])
         except Exception as exc:  # a model that cannot even start (its checkpoint, its resident run) is recorded

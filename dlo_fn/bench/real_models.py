@@ -44,45 +44,142 @@ class ModelCase:
         return (self.quick_config, self.quick_workload) if quick else (self.config, self.workload)
 
 
-FLUX_DEV = {"attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
-            "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
-            "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}
-WAN_14B = {"added_kv_proj_dim": None, "attention_head_dim": 128, "cross_attn_norm": True, "eps": 1e-06,
-           "ffn_dim": 13824, "freq_dim": 256, "image_dim": None, "in_channels": 16, "num_attention_heads": 40,
-           "num_layers": 40, "out_channels": 16, "patch_size": [1, 2, 2], "qk_norm": "rms_norm_across_heads",
-           "rope_max_seq_len": 1024, "text_dim": 4096}
-LTX_VIDEO = {"activation_fn": "gelu-approximate", "attention_bias": True, "attention_head_dim": 64,
-             "attention_out_bias": True, "caption_channels": 4096, "cross_attention_dim": 2048, "in_channels": 128,
-             "norm_elementwise_affine": False, "norm_eps": 1e-06, "num_attention_heads": 32, "num_layers": 28,
-             "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "qk_norm": "rms_norm_across_heads"}
+FLUX_DEV = {
+    "attention_head_dim": 128,
+    "guidance_embeds": True,
+    "in_channels": 64,
+    "joint_attention_dim": 4096,
+    "num_attention_heads": 24,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "patch_size": 1,
+    "pooled_projection_dim": 768,
+    "axes_dims_rope": [16, 56, 56],
+}
+WAN_14B = {
+    "added_kv_proj_dim": None,
+    "attention_head_dim": 128,
+    "cross_attn_norm": True,
+    "eps": 1e-06,
+    "ffn_dim": 13824,
+    "freq_dim": 256,
+    "image_dim": None,
+    "in_channels": 16,
+    "num_attention_heads": 40,
+    "num_layers": 40,
+    "out_channels": 16,
+    "patch_size": [1, 2, 2],
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+    "text_dim": 4096,
+}
+LTX_VIDEO = {
+    "activation_fn": "gelu-approximate",
+    "attention_bias": True,
+    "attention_head_dim": 64,
+    "attention_out_bias": True,
+    "caption_channels": 4096,
+    "cross_attention_dim": 2048,
+    "in_channels": 128,
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-06,
+    "num_attention_heads": 32,
+    "num_layers": 28,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "qk_norm": "rms_norm_across_heads",
+}
 
-FLUX_QUICK = {"patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 3,
-              "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
-              "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": [4, 6, 6]}
-WAN_QUICK = {"patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 16,
-             "out_channels": 16, "text_dim": 16, "freq_dim": 32, "ffn_dim": 32, "num_layers": 3,
-             "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32}
-LTX_QUICK = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 8,
-             "cross_attention_dim": 16, "num_layers": 3, "caption_channels": 16}
+FLUX_QUICK = {
+    "patch_size": 1,
+    "in_channels": 16,
+    "num_layers": 2,
+    "num_single_layers": 3,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 32,
+    "guidance_embeds": True,
+    "axes_dims_rope": [4, 6, 6],
+}
+WAN_QUICK = {
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 16,
+    "freq_dim": 32,
+    "ffn_dim": 32,
+    "num_layers": 3,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 32,
+}
+LTX_QUICK = {
+    "in_channels": 8,
+    "out_channels": 8,
+    "num_attention_heads": 2,
+    "attention_head_dim": 8,
+    "cross_attention_dim": 16,
+    "num_layers": 3,
+    "caption_channels": 16,
+}
 
 _FLUX = "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json"
 _WAN = "https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers/blob/main/transformer/config.json"
 _LTX = "https://huggingface.co/Lightricks/LTX-Video/blob/main/transformer/config.json"
-MODELS = {m.name: m for m in (
-    ModelCase("flux", "flux1-dev", "FluxTransformer2DModel", FLUX_DEV, _FLUX,
-              dict(height=1024, width=1024, frames=1, batch=1, text_len=512), FLUX_QUICK,
-              dict(height=64, width=64, frames=1, batch=1, text_len=8), "flux"),
-    ModelCase("wan480", "wan2.1-t2v-14b", "WanTransformer3DModel", WAN_14B, _WAN,
-              dict(height=480, width=832, frames=33, batch=2, text_len=512), WAN_QUICK,
-              dict(height=32, width=32, frames=5, batch=2, text_len=8), "wan"),
-    # 720p at the 480p row's frame count: the rows differ in resolution only (~2.3x the tokens).
-    ModelCase("wan720", "wan2.1-t2v-14b", "WanTransformer3DModel", WAN_14B, _WAN,
-              dict(height=720, width=1280, frames=33, batch=2, text_len=512), WAN_QUICK,
-              dict(height=48, width=48, frames=5, batch=2, text_len=8), "wan"),
-    ModelCase("ltx", "ltx-video", "LTXVideoTransformer3DModel", LTX_VIDEO, _LTX,
-              dict(height=512, width=704, frames=161, batch=2, text_len=128), LTX_QUICK,
-              dict(height=64, width=64, frames=9, batch=2, text_len=8), "ltx"),
-)}
+MODELS = {
+    m.name: m
+    for m in (
+        ModelCase(
+            "flux",
+            "flux1-dev",
+            "FluxTransformer2DModel",
+            FLUX_DEV,
+            _FLUX,
+            dict(height=1024, width=1024, frames=1, batch=1, text_len=512),
+            FLUX_QUICK,
+            dict(height=64, width=64, frames=1, batch=1, text_len=8),
+            "flux",
+        ),
+        ModelCase(
+            "wan480",
+            "wan2.1-t2v-14b",
+            "WanTransformer3DModel",
+            WAN_14B,
+            _WAN,
+            dict(height=480, width=832, frames=33, batch=2, text_len=512),
+            WAN_QUICK,
+            dict(height=32, width=32, frames=5, batch=2, text_len=8),
+            "wan",
+        ),
+        # 720p at the 480p row's frame count: the rows differ in resolution only (~2.3x the tokens).
+        ModelCase(
+            "wan720",
+            "wan2.1-t2v-14b",
+            "WanTransformer3DModel",
+            WAN_14B,
+            _WAN,
+            dict(height=720, width=1280, frames=33, batch=2, text_len=512),
+            WAN_QUICK,
+            dict(height=48, width=48, frames=5, batch=2, text_len=8),
+            "wan",
+        ),
+        ModelCase(
+            "ltx",
+            "ltx-video",
+            "LTXVideoTransformer3DModel",
+            LTX_VIDEO,
+            _LTX,
+            dict(height=512, width=704, frames=161, batch=2, text_len=128),
+            LTX_QUICK,
+            dict(height=64, width=64, frames=9, batch=2, text_len=8),
+            "ltx",
+        ),
+    )
+}
 
 
 def _init_tensor(t: torch.Tensor, norm_weight: bool, gen: torch.Generator) -> None:
@@ -123,8 +220,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int, dtype: torch.
     return model.eval().requires_grad_(False)
 
 
-def build_random(case: ModelCase, device: torch.device, quick: bool, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def build_random(
+    case: ModelCase, device: torch.device, quick: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> nn.Module:
     """``case``'s class at its (quick) config, exactly as ``load_model`` builds it from a checkpoint (dtype,
     ``_keep_in_fp32_modules`` in fp32, buffers from the class's own init), with random weights on ``device``."""
     import diffusers
@@ -137,8 +235,14 @@ def build_random(case: ModelCase, device: torch.device, quick: bool, seed: int =
 
 def _marker(case: ModelCase, quick: bool, seed: int) -> dict:
     config, _ = case.at(quick)
-    return {"class": case.cls, "config": config, "seed": seed, "dtype": "bfloat16", "quick": quick,
-            "source": case.source}
+    return {
+        "class": case.cls,
+        "config": config,
+        "seed": seed,
+        "dtype": "bfloat16",
+        "quick": quick,
+        "source": case.source,
+    }
 
 
 def checkpoint_ready(folder: pathlib.Path, case: ModelCase, quick: bool, seed: int) -> bool:
@@ -173,8 +277,9 @@ def checkpoint_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(pathlib.Path(folder).glob("*.safetensors"))
 
 
-def forward_inputs(case: ModelCase, quick: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                   seed: int = 0) -> dict[str, Any]:
+def forward_inputs(
+    case: ModelCase, quick: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> dict[str, Any]:
     """Keyword arguments of one transformer forward at the workload's shapes (CPU-seeded, then moved)."""
     config, w = case.at(quick)
     gen = torch.Generator().manual_seed(seed)
@@ -188,24 +293,34 @@ def forward_inputs(case: ModelCase, quick: bool, device: torch.device, dtype: to
         h, w_ = w["height"] // 16, w["width"] // 16
         ids = torch.zeros(h * w_, 3)
         ids[:, 1], ids[:, 2] = torch.arange(h * w_) // w_, torch.arange(h * w_) % w_
-        kwargs.update(hidden_states=randn(B, h * w_, config["in_channels"]),
-                      encoder_hidden_states=randn(B, L, config["joint_attention_dim"]),
-                      pooled_projections=randn(B, config["pooled_projection_dim"]),
-                      timestep=torch.full((B,), 0.5, device=device, dtype=dtype), img_ids=ids.to(device, dtype),
-                      txt_ids=torch.zeros(L, 3, device=device, dtype=dtype),
-                      guidance=torch.full((B,), 3.5, device=device, dtype=dtype) if config["guidance_embeds"] else None)
+        kwargs.update(
+            hidden_states=randn(B, h * w_, config["in_channels"]),
+            encoder_hidden_states=randn(B, L, config["joint_attention_dim"]),
+            pooled_projections=randn(B, config["pooled_projection_dim"]),
+            timestep=torch.full((B,), 0.5, device=device, dtype=dtype),
+            img_ids=ids.to(device, dtype),
+            txt_ids=torch.zeros(L, 3, device=device, dtype=dtype),
+            guidance=torch.full((B,), 3.5, device=device, dtype=dtype) if config["guidance_embeds"] else None,
+        )
     elif case.family == "wan":  # the VAE: 4x in time, 8x in space
         frames = (w["frames"] - 1) // 4 + 1
-        kwargs.update(hidden_states=randn(B, config["in_channels"], frames, w["height"] // 8, w["width"] // 8),
-                      timestep=torch.full((B,), 500.0, device=device),
-                      encoder_hidden_states=randn(B, L, config["text_dim"]))
+        kwargs.update(
+            hidden_states=randn(B, config["in_channels"], frames, w["height"] // 8, w["width"] // 8),
+            timestep=torch.full((B,), 500.0, device=device),
+            encoder_hidden_states=randn(B, L, config["text_dim"]),
+        )
     elif case.family == "ltx":  # the VAE: 8x in time, 32x in space; the pipeline's rope scale at 25 fps
         f, h, w_ = (w["frames"] - 1) // 8 + 1, w["height"] // 32, w["width"] // 32
-        kwargs.update(hidden_states=randn(B, f * h * w_, config["in_channels"]),
-                      encoder_hidden_states=randn(B, L, config["caption_channels"]),
-                      timestep=torch.full((B,), 500.0, device=device),
-                      encoder_attention_mask=torch.ones(B, L, dtype=torch.long, device=device),
-                      num_frames=f, height=h, width=w_, rope_interpolation_scale=(8 / 25, 32, 32))
+        kwargs.update(
+            hidden_states=randn(B, f * h * w_, config["in_channels"]),
+            encoder_hidden_states=randn(B, L, config["caption_channels"]),
+            timestep=torch.full((B,), 500.0, device=device),
+            encoder_attention_mask=torch.ones(B, L, dtype=torch.long, device=device),
+            num_frames=f,
+            height=h,
+            width=w_,
+            rope_interpolation_scale=(8 / 25, 32, 32),
+        )
     else:
         raise ValueError(f"no inputs for the family of {case.name!r}")
     return kwargs

@@ -50,7 +50,6 @@ def rank_ready(ctx, folder: str, device: str, ref_path: str, spawned_at: float |
     import torch.distributed as dist
 
     from dlo_fn.bench.real_variants import digest
-
     from dlo_fn.io.load import load_model
     from dlo_fn.io.memstat import process_memory
     from dlo_fn.runtime.offload import offload
@@ -79,12 +78,25 @@ def rank_ready(ctx, folder: str, device: str, ref_path: str, spawned_at: float |
     with torch.no_grad():
         got = o.model(**inputs)[0].cpu()
     first_forward_s = time.perf_counter() - t3
-    out = {"rank": ctx.rank, "ready_s": t2 - t0, "ready_from": READY_FROM, "start_s": start_s, "import_s": import_s,
-           "load_s": t1 - t0, "offload_s": t2 - t1, "offload": o.timings, "store": o.store.timings,
-           "first_forward_s": first_forward_s, "arena_bytes": o.store.arena_bytes,
-           "pinned_bytes": o.pinned_host_bytes, "host_rss_bytes": mem.rss_bytes, "host_uss_bytes": mem.uss_bytes,
-           "num_shards": o.layout.num_shards, "equal_to_resident": bool(torch.equal(got, ref["want"])),
-           "sha256": digest(got)}
+    out = {
+        "rank": ctx.rank,
+        "ready_s": t2 - t0,
+        "ready_from": READY_FROM,
+        "start_s": start_s,
+        "import_s": import_s,
+        "load_s": t1 - t0,
+        "offload_s": t2 - t1,
+        "offload": o.timings,
+        "store": o.store.timings,
+        "first_forward_s": first_forward_s,
+        "arena_bytes": o.store.arena_bytes,
+        "pinned_bytes": o.pinned_host_bytes,
+        "host_rss_bytes": mem.rss_bytes,
+        "host_uss_bytes": mem.uss_bytes,
+        "num_shards": o.layout.num_shards,
+        "equal_to_resident": bool(torch.equal(got, ref["want"])),
+        "sha256": digest(got),
+    }
     arena = o.store.arena_bytes
     o.synchronize()
     o.store.close()

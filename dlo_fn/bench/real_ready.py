@@ -74,11 +74,13 @@ def _touch(addr: int, nbytes: int, threads: int) -> float:
 def _copy_pread(buf: torch.Tensor, spans, threads: int) -> float:
     fds = {f: os.open(f, os.O_RDONLY) for f in {s[0] for s in spans}}
     try:
+
         def read(span):
             f, off, dst, n = span
             view = (ctypes.c_char * n).from_address(buf.data_ptr() + dst)
             got = os.preadv(fds[f], [view], off)
             assert got == n, (f, off, got, n)
+
         return _parallel(read, spans, threads)
     finally:
         for fd in fds.values():
@@ -96,6 +98,7 @@ def _copy_mmap(buf: torch.Tensor, spans, threads: int) -> float:
         def copy(span):
             f, off, dst, n = span
             ctypes.memmove(buf.data_ptr() + dst, maps[f][1] + off, n)
+
         return _parallel(copy, spans, threads)
     finally:
         gc.collect()  # the from_buffer exports must be gone before a mapping closes
@@ -103,8 +106,9 @@ def _copy_mmap(buf: torch.Tensor, spans, threads: int) -> float:
             m.close()
 
 
-def h2d_peak_bytes_per_s(platform, host: torch.Tensor, chunk_bytes: int = 512 << 20, chunks: int = 4,
-                         reps: int = 3) -> float | None:
+def h2d_peak_bytes_per_s(
+    platform, host: torch.Tensor, chunk_bytes: int = 512 << 20, chunks: int = 4, reps: int = 3
+) -> float | None:
     """Best of ``reps`` rounds of ``chunks`` H2D copies of ``chunk_bytes`` from the pinned ``host`` buffer."""
     if platform.kind != "cuda" or not host.is_pinned():
         return None
@@ -154,15 +158,28 @@ def _hugepages(platform, nbytes: int, threads: int) -> dict:
     return out
 
 
-def measure_floor(platform, nbytes: int, files: Sequence[pathlib.Path], *, share: tuple[int, int] = (0, 1),
-                  threads: int | None = None, untouched: bool = True, hugepages: bool = True) -> dict:
+def measure_floor(
+    platform,
+    nbytes: int,
+    files: Sequence[pathlib.Path],
+    *,
+    share: tuple[int, int] = (0, 1),
+    threads: int | None = None,
+    untouched: bool = True,
+    hugepages: bool = True,
+) -> dict:
     """The floor of filling ``nbytes`` (module docstring); ``share=(r, W)`` copies the r-th ``nbytes`` of the
     files (a rank's part of an allgather set-up); ``untouched`` / ``hugepages``: the evidence beside it."""
     from dlo_fn.runtime.host_store import pin_in_place
 
     threads = threads or fill_threads(nbytes)  # one rank alone: every CPU, at most 16
-    out: dict = {"bytes": nbytes, "threads": threads, "register_untouched_s": None, "register_s": 0.0,
-                 "h2d_peak_bytes_per_s": None}
+    out: dict = {
+        "bytes": nbytes,
+        "threads": threads,
+        "register_untouched_s": None,
+        "register_s": 0.0,
+        "h2d_peak_bytes_per_s": None,
+    }
     cuda = platform.kind == "cuda"
     if cuda and untouched:  # the other order: the driver faults the pages in itself, on one thread
         fresh = torch.empty(nbytes, dtype=torch.uint8)
@@ -263,6 +280,7 @@ def cold_read_s(files: Sequence[pathlib.Path], threads: int | None = None) -> di
         buf = bufs.setdefault(threading.get_ident(), bytearray(CHUNK))
         f, off, _, n = span
         os.preadv(fds[f], [memoryview(buf)[:n]], off)
+
     try:
         seconds = _parallel(read, spans, threads)
     finally:

@@ -20,15 +20,23 @@ REF_FILE = "bench_real_ref.pt"  # inputs and resident output, for the rank proce
 
 
 class ModelRun:
-    def __init__(self, ctx, case: rm.ModelCase, folder: pathlib.Path, args, deadline: float | None,
-                 write: Callable[[dict], None]) -> None:
+    def __init__(
+        self, ctx, case: rm.ModelCase, folder: pathlib.Path, args, deadline: float | None, write: Callable[[dict], None]
+    ) -> None:
         self.ctx, self.case, self.folder, self.args = ctx, case, folder, args
         self.deadline, self._write = deadline, write
         self.platform = ctx.platform
         config, workload = case.at(args.quick)
-        self.entry: dict = {"name": case.name, "class": case.cls, "config": config, "source": case.source,
-                            "workload": workload, "tokens_per_row": rm.tokens_per_row(case, args.quick),
-                            "h2d_peaks_bytes_per_s": {}, "variants": []}
+        self.entry: dict = {
+            "name": case.name,
+            "class": case.cls,
+            "config": config,
+            "source": case.source,
+            "workload": workload,
+            "tokens_per_row": rm.tokens_per_row(case, args.quick),
+            "h2d_peaks_bytes_per_s": {},
+            "variants": [],
+        }
         self.want = self.want_fp8 = None
         self.want_host = None  # the resident output on the host: every row's error is measured against it
 
@@ -63,10 +71,10 @@ class ModelRun:
     # -- the checkpoint and the resident reference ------------------------------------------------------------
     @torch.no_grad()
     def prepare(self, variants: list[str]) -> None:
-        from dlo_fn.plan.layout import model_layout
-        from dlo_fn.plan.spec import spec_from_module
         from dlo_fn.io.diffusers_load import block_paths_for
         from dlo_fn.io.load import load_model
+        from dlo_fn.plan.layout import model_layout
+        from dlo_fn.plan.spec import spec_from_module
 
         args, case, device = self.args, self.case, self.platform.device
         self.inputs = rm.forward_inputs(case, args.quick, device)
@@ -76,19 +84,33 @@ class ModelRun:
             ckpt = {"reused": True, "resident_load_s": time.perf_counter() - t0}
         else:
             model = rm.build_random(case, device, args.quick, seed=0)
-            ckpt = {"reused": False, "build_s": time.perf_counter() - t0,
-                    **rm.write_checkpoint(model, self.folder, case, args.quick, seed=0)}
+            ckpt = {
+                "reused": False,
+                "build_s": time.perf_counter() - t0,
+                **rm.write_checkpoint(model, self.folder, case, args.quick, seed=0),
+            }
         files = self.files
         ckpt.update(folder=str(self.folder), files=len(files), bytes=sum(f.stat().st_size for f in files))
         spec = spec_from_module(model, block_paths_for(model), name=case.cls)
         self.arena_bytes = model_layout(spec, 1).shard_bytes_per_rank
-        self.entry.update(checkpoint=ckpt, num_blocks=spec.num_blocks, block_bytes=spec.total_block_bytes,
-                          max_block_bytes=max(b.nbytes for b in spec.blocks), arena_bytes=self.arena_bytes,
-                          model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+        self.entry.update(
+            checkpoint=ckpt,
+            num_blocks=spec.num_blocks,
+            block_bytes=spec.total_block_bytes,
+            max_block_bytes=max(b.nbytes for b in spec.blocks),
+            arena_bytes=self.arena_bytes,
+            model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        )
         self.write()
         weights = self.platform.memory_allocated()
-        row = rv.measure(self.platform, lambda: ((lambda: model(**self.inputs)[0]), {}, lambda: None),
-                         want=None, warmup=args.warmup, repeats=args.repeats, base_device_bytes=0)
+        row = rv.measure(
+            self.platform,
+            lambda: ((lambda: model(**self.inputs)[0]), {}, lambda: None),  # noqa: F821 (a closure; the name is deleted after its last call)
+            want=None,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            base_device_bytes=0,
+        )
         row.update(ready_s=None, weight_device_bytes=weights, wall_s=time.perf_counter() - t0)
         self.want = row.pop("output").clone()
         self.want_host = self.want.cpu()
@@ -133,8 +155,14 @@ class ModelRun:
             return
         except Exception as exc:  # recorded, and the run goes on to the next variant
             rv.release(self.platform)
-            self._add(variant, {"status": "error", "reason": f"{type(exc).__name__}: {exc}",
-                                "traceback": traceback.format_exc(limit=8)})
+            self._add(
+                variant,
+                {
+                    "status": "error",
+                    "reason": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(limit=8),
+                },
+            )
             return
         out = row.pop("output", None)
         if out is not None:
@@ -150,9 +178,13 @@ class ModelRun:
             t0 = time.perf_counter()
             report = quantize_checkpoint(self.folder, out, overwrite=True, progress=False)
             self.entry["quantized_checkpoint"] = {
-                "folder": str(out), "quantize_s": time.perf_counter() - t0, "tensors": report.num_quantized,
-                "source_bytes": report.source_bytes, "written_bytes": report.written_bytes,
-                "command": f"python -m dlo_fn quantize {self.folder} {out}"}
+                "folder": str(out),
+                "quantize_s": time.perf_counter() - t0,
+                "tensors": report.num_quantized,
+                "source_bytes": report.source_bytes,
+                "written_bytes": report.written_bytes,
+                "command": f"python -m dlo_fn quantize {self.folder} {out}",
+            }
             self.write()
         return str(out)
 
@@ -179,34 +211,55 @@ class ModelRun:
             warmup = max(args.warmup, rv.GRAPH_WARMUP) if kwargs.get("graph") else args.warmup
             if variant in rv.PREQUANTIZED:
                 folder = self._quantized_folder()
-            row = rv.measure(p, rv.ours_setup(self.ctx, folder, kwargs, self.inputs, probe_peak=first),
-                             want=want, warmup=warmup, repeats=args.repeats)
+            row = rv.measure(
+                p,
+                rv.ours_setup(self.ctx, folder, kwargs, self.inputs, probe_peak=first),
+                want=want,
+                warmup=warmup,
+                repeats=args.repeats,
+            )
             if row.get("arena_h2d_peak_bytes_per_s"):
                 self.entry["h2d_peaks_bytes_per_s"]["arena"] = row["arena_h2d_peak_bytes_per_s"]
             return row
         if variant in ("diffusers-block", "diffusers-leaf"):
             self._needs("accelerate")
             kind = "block_level" if variant == "diffusers-block" else "leaf_level"
-            return rv.measure(p, rv.diffusers_setup(p, folder, self.case.cls, kind, self.inputs), want=self.want,
-                              warmup=args.warmup, repeats=args.repeats)
+            return rv.measure(
+                p,
+                rv.diffusers_setup(p, folder, self.case.cls, kind, self.inputs),
+                want=self.want,
+                warmup=args.warmup,
+                repeats=args.repeats,
+            )
         if variant == "model-offload":
             self._needs("accelerate")
             if p.kind == "cuda":
                 free = torch.cuda.mem_get_info()[0]
                 if free < 1.15 * self.entry["model_bytes"]:
-                    raise Skip(f"the whole model ({self.entry['model_bytes']} bytes) does not fit in the "
-                               f"{free} bytes free on the device")
-            return rv.measure(p, rv.model_offload_setup(p, folder, self.case.cls, self.inputs), want=self.want,
-                              warmup=args.warmup, repeats=args.repeats)
+                    raise Skip(
+                        f"the whole model ({self.entry['model_bytes']} bytes) does not fit in the "
+                        f"{free} bytes free on the device"
+                    )
+            return rv.measure(
+                p,
+                rv.model_offload_setup(p, folder, self.case.cls, self.inputs),
+                want=self.want,
+                warmup=args.warmup,
+                repeats=args.repeats,
+            )
         if variant == "ours-cold":
             files = self.files
             rv.release(p)  # earlier variants' models (cycles through their hooks) must let go of the mappings
             rr.evict(files)
             evicted = rr.resident_fraction(files)
-            row = rv.measure(p, rv.ours_setup(self.ctx, folder, rv.OURS["ours-rank-local"], self.inputs),
-                             want=None, warmup=0, repeats=0)
-            row.update(resident_fraction_after_evict=evicted, evicted=evicted < 0.01,
-                       first_read=rr.cold_read_s(files))
+            row = rv.measure(
+                p,
+                rv.ours_setup(self.ctx, folder, rv.OURS["ours-rank-local"], self.inputs),
+                want=None,
+                warmup=0,
+                repeats=0,
+            )
+            row.update(resident_fraction_after_evict=evicted, evicted=evicted < 0.01, first_read=rr.cold_read_s(files))
             return row
         if variant.startswith("ranks-"):
             return self._ranks(int(variant.split("-")[1]))
@@ -227,18 +280,31 @@ class ModelRun:
 
         cpus = len(os.sched_getaffinity(0))
         timeout = max(300.0, 4 * self.estimate(f"ranks-{world}"))
-        ranks = run_ranks(rank_ready, world, str(self.folder), self.platform.kind,
-                          str(self.folder / REF_FILE), time.time(), timeout_s=timeout, platform="cpu",
-                          threads_per_rank=max(1, cpus // world))
-        return {"status": "ok", "world_size": world, "ranks": ranks,
-                "equal_to_resident": all(r["equal_to_resident"] for r in ranks),
-                # the ranks' outputs stay in their processes: byte-identical is an error of 0.0, else unknown here
-                "rel_error_to_resident": 0.0 if all(r["equal_to_resident"] for r in ranks) else None,
-                "ready_s": max(r["ready_s"] for r in ranks), "ready_from": READY_FROM,
-                "ready_over_floor": max(r["ready_over_floor"] for r in ranks),
-                "pinned_bytes_per_rank": [r["pinned_bytes"] for r in ranks],
-                "phases_s": _slowest_phases(ranks),
-                "note": "W ranks share one device over gloo: memory and time to ready, no forward timing"}
+        ranks = run_ranks(
+            rank_ready,
+            world,
+            str(self.folder),
+            self.platform.kind,
+            str(self.folder / REF_FILE),
+            time.time(),
+            timeout_s=timeout,
+            platform="cpu",
+            threads_per_rank=max(1, cpus // world),
+        )
+        return {
+            "status": "ok",
+            "world_size": world,
+            "ranks": ranks,
+            "equal_to_resident": all(r["equal_to_resident"] for r in ranks),
+            # the ranks' outputs stay in their processes: byte-identical is an error of 0.0, else unknown here
+            "rel_error_to_resident": 0.0 if all(r["equal_to_resident"] for r in ranks) else None,
+            "ready_s": max(r["ready_s"] for r in ranks),
+            "ready_from": READY_FROM,
+            "ready_over_floor": max(r["ready_over_floor"] for r in ranks),
+            "pinned_bytes_per_rank": [r["pinned_bytes"] for r in ranks],
+            "phases_s": _slowest_phases(ranks),
+            "note": "W ranks share one device over gloo: memory and time to ready, no forward timing",
+        }
 
     @staticmethod
     def _needs(*modules: str) -> None:
@@ -260,18 +326,24 @@ class ModelRun:
             first = 0.0 if "floor" in e else m / 1.2e9  # the floor: five passes over the arena's bytes
             warm = rv.GRAPH_WARMUP if "bgraph" in variant else a.warmup
             quantize = m / 0.5e9 if variant in rv.PREQUANTIZED and "quantized_checkpoint" not in e else 0.0
-            return {"ours-cold": 5 + 3 * m / 2e9}.get(variant, 3 + m / 2.5e9 + first + quantize
-                                                      + (warm + a.repeats) * 1.05 * b)
-        return {"diffusers-block": 5 + m / 1e9 + n * 1.6 * b, "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,
-                "model-offload": 5 + m / 2e9 + n * (r + 2 * m / 5e9), "ranks-2": 30 + 2 * m / 2e9,
-                "ranks-4": 40 + 2 * m / 2e9,
-                "pipeline": 30 + m / 1e9 + (1 + a.pipeline_repeats) * 28 * (r + 1.5 * b)}.get(variant, 0.0)
+            return {"ours-cold": 5 + 3 * m / 2e9}.get(
+                variant, 3 + m / 2.5e9 + first + quantize + (warm + a.repeats) * 1.05 * b
+            )
+        return {
+            "diffusers-block": 5 + m / 1e9 + n * 1.6 * b,
+            "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,
+            "model-offload": 5 + m / 2e9 + n * (r + 2 * m / 5e9),
+            "ranks-2": 30 + 2 * m / 2e9,
+            "ranks-4": 40 + 2 * m / 2e9,
+            "pipeline": 30 + m / 1e9 + (1 + a.pipeline_repeats) * 28 * (r + 1.5 * b),
+        }.get(variant, 0.0)
 
 
 def _slowest_phases(ranks: list[dict]) -> dict:
     """Each phase of a ``ranks-W`` row, the slowest rank's (rank_ready's docstring names them)."""
-    out = {k: max(r[k] or 0.0 for r in ranks) for k in ("start_s", "import_s", "load_s", "offload_s",
-                                                         "first_forward_s")}
+    out = {
+        k: max(r[k] or 0.0 for r in ranks) for k in ("start_s", "import_s", "load_s", "offload_s", "first_forward_s")
+    }
     out.update({f"offload.{k}": max(r["offload"][k] for r in ranks) for k in ranks[0]["offload"]})
     out.update({f"store.{k}": max(r["store"][k] for r in ranks) for k in ("copy_s", "pin_s", "threads")})
     return out

@@ -29,8 +29,21 @@ import torch
 
 from dlo_fn.io.memstat import process_memory
 
-__all__ = ["OURS", "PREQUANTIZED", "QUANTIZED_SUFFIX", "VARIANTS", "digest", "error_to_resident", "time_forwards", "measure", "ours_setup", "diffusers_setup",
-           "model_offload_setup", "release", "options_missing"]
+__all__ = [
+    "OURS",
+    "PREQUANTIZED",
+    "QUANTIZED_SUFFIX",
+    "VARIANTS",
+    "digest",
+    "error_to_resident",
+    "time_forwards",
+    "measure",
+    "ours_setup",
+    "diffusers_setup",
+    "model_offload_setup",
+    "release",
+    "options_missing",
+]
 
 # Our variants: name -> offload() keyword arguments. One line adds one.
 OURS = {
@@ -49,8 +62,21 @@ PREQUANTIZED = ("ours-fp8-prequantized",)
 QUANTIZED_SUFFIX = "-fp8"
 # Run order (most important first, so a run cut short keeps what matters); "resident" always runs first. An OURS
 # entry not named here runs after the other variants of ours.
-_ORDER = ("resident", "ours-rank-local", "ours-fp8", "diffusers-block", "ours-allgather", "ours-bgraph", "ours-3-slots",
-          "ranks-2", "ranks-4", "diffusers-leaf", "ours-cold", "model-offload", "pipeline")
+_ORDER = (
+    "resident",
+    "ours-rank-local",
+    "ours-fp8",
+    "diffusers-block",
+    "ours-allgather",
+    "ours-bgraph",
+    "ours-3-slots",
+    "ranks-2",
+    "ranks-4",
+    "diffusers-leaf",
+    "ours-cold",
+    "model-offload",
+    "pipeline",
+)
 VARIANTS = _ORDER[:7] + tuple(k for k in OURS if k not in _ORDER) + _ORDER[7:]
 GRAPH_WARMUP = 4  # block graphs: cold, warm, captured, replayed
 
@@ -76,8 +102,11 @@ def error_to_resident(out: torch.Tensor, want_host: torch.Tensor) -> dict:
     from dlo_fn.bench.fp8_quality import output_error
 
     err = output_error(out, want_host)
-    return {"rel_error_to_resident": err.rel_l2, "max_abs_error_to_resident": err.max_abs,
-            "cosine_to_resident": err.cosine}
+    return {
+        "rel_error_to_resident": err.rel_l2,
+        "max_abs_error_to_resident": err.max_abs,
+        "cosine_to_resident": err.cosine,
+    }
 
 
 def release(platform) -> None:
@@ -91,8 +120,9 @@ def release(platform) -> None:
 
 
 @torch.no_grad()
-def time_forwards(platform, forward: Callable[[], torch.Tensor], warmup: int, repeats: int
-                  ) -> tuple[list[float], torch.Tensor]:
+def time_forwards(
+    platform, forward: Callable[[], torch.Tensor], warmup: int, repeats: int
+) -> tuple[list[float], torch.Tensor]:
     """``repeats`` forwards back to back after ``warmup``, each timed with events on the compute stream; returns
     the seconds of each and the last output."""
     for _ in range(warmup):
@@ -121,8 +151,15 @@ def _caching_pinned_bytes() -> int | None:
     return None
 
 
-def measure(platform, setup: Callable[[], tuple[Callable[[], torch.Tensor], dict, Callable[[], None]]], *,
-            want: torch.Tensor | None, warmup: int, repeats: int, base_device_bytes: int | None = None) -> dict:
+def measure(
+    platform,
+    setup: Callable[[], tuple[Callable[[], torch.Tensor], dict, Callable[[], None]]],
+    *,
+    want: torch.Tensor | None,
+    warmup: int,
+    repeats: int,
+    base_device_bytes: int | None = None,
+) -> dict:
     """Set up a variant (``setup()`` returns ``(forward, facts, teardown)``), time it to ready, sample memory,
     time the forwards, compare the output with ``want``; the variant is torn down and released before returning.
     A ``facts["after_ready"]`` callable runs once the clock has stopped (a probe; its dict joins the row). Peak
@@ -140,15 +177,25 @@ def measure(platform, setup: Callable[[], tuple[Callable[[], torch.Tensor], dict
         after = process_memory()
         probe = facts.pop("after_ready", None)
         facts.update(probe() if probe is not None else {})
-        row: dict[str, Any] = {"status": "ok", "ready_s": ready_s, "host_rss_before_bytes": before.rss_bytes,
-                               "host_rss_bytes": after.rss_bytes, "host_uss_bytes": after.uss_bytes, **facts}
+        row: dict[str, Any] = {
+            "status": "ok",
+            "ready_s": ready_s,
+            "host_rss_before_bytes": before.rss_bytes,
+            "host_rss_bytes": after.rss_bytes,
+            "host_uss_bytes": after.uss_bytes,
+            **facts,
+        }
         if row.get("pinned_bytes") is None and base_pinned is not None:
             row["pinned_bytes"] = _caching_pinned_bytes() - base_pinned
         if repeats > 0:
             times, out = time_forwards(platform, forward, warmup, repeats)
-            row.update(forward_s=statistics.median(times), forward_s_all=times, sha256=digest(out),
-                       finite=bool(torch.isfinite(out).all()),
-                       equal_to_resident=None if want is None else bool(torch.equal(out, want)))
+            row.update(
+                forward_s=statistics.median(times),
+                forward_s_all=times,
+                sha256=digest(out),
+                finite=bool(torch.isfinite(out).all()),
+                equal_to_resident=None if want is None else bool(torch.equal(out, want)),
+            )
             row["output"] = out  # taken out by the caller (the resident reference), never written
         row["peak_device_bytes"] = platform.max_memory_allocated() - base_dev
     finally:
@@ -174,21 +221,28 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
         ctx.platform.synchronize()
         t2 = time.perf_counter()
         store = o.store
-        facts = {"load_s": t1 - t0, "offload_s": t2 - t1, "pinned_bytes": o.pinned_host_bytes,
-                 "arena_bytes": store.arena_bytes, "pinning": store.how, "num_slots": o.executor.num_slots,
-                 # W = 1, every block in the arena: one pass moves the arena (FP8: its stored bytes)
-                 "h2d_bytes_per_forward": store.arena_bytes,
-                 "store": store.timings,
-                 # offload's work besides filling the store (layout, slots, moving the rest, closing the mapping)
-                 "offload_other_s": t2 - t1 - (store.timings or {}).get("total_s", 0.0),
-                 "weight_device_bytes": o.device_weight_bytes,
-                 "options": {k: str(v) for k, v in kwargs.items()},
-                 "chosen": str(getattr(o, "auto", None)) if kwargs.get("mode") == "auto" else None}
+        facts = {
+            "load_s": t1 - t0,
+            "offload_s": t2 - t1,
+            "pinned_bytes": o.pinned_host_bytes,
+            "arena_bytes": store.arena_bytes,
+            "pinning": store.how,
+            "num_slots": o.executor.num_slots,
+            # W = 1, every block in the arena: one pass moves the arena (FP8: its stored bytes)
+            "h2d_bytes_per_forward": store.arena_bytes,
+            "store": store.timings,
+            # offload's work besides filling the store (layout, slots, moving the rest, closing the mapping)
+            "offload_other_s": t2 - t1 - (store.timings or {}).get("total_s", 0.0),
+            "weight_device_bytes": o.device_weight_bytes,
+            "options": {k: str(v) for k, v in kwargs.items()},
+            "chosen": str(getattr(o, "auto", None)) if kwargs.get("mode") == "auto" else None,
+        }
         if probe_peak and ctx.platform.kind == "cuda" and store.pinned:
             from dlo_fn.bench.step_variants import pinned_peak_bytes_per_s
 
-            facts["after_ready"] = lambda: {"arena_h2d_peak_bytes_per_s": pinned_peak_bytes_per_s(
-                ctx.platform, store, o.layout)}
+            facts["after_ready"] = lambda: {
+                "arena_h2d_peak_bytes_per_s": pinned_peak_bytes_per_s(ctx.platform, store, o.layout)
+            }
 
         def forward():
             return o.model(**inputs)[0]
@@ -198,6 +252,7 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
             o.store.close()
 
         return forward, facts, teardown
+
     return setup
 
 
@@ -212,11 +267,21 @@ def diffusers_setup(platform, folder: str, cls_name: str, offload_type: str, inp
         t1 = time.perf_counter()
         use_stream = platform.is_accelerator
         kw = dict(num_blocks_per_group=1) if offload_type == "block_level" else {}
-        model.enable_group_offload(onload_device=platform.device, offload_device=torch.device("cpu"),
-                                   offload_type=offload_type, use_stream=use_stream, **kw)
-        facts = {"load_s": t1 - t0, "offload_s": time.perf_counter() - t1, "use_stream": use_stream,
-                 "options": {"offload_type": offload_type, **{k: str(v) for k, v in kw.items()}}}
+        model.enable_group_offload(
+            onload_device=platform.device,
+            offload_device=torch.device("cpu"),
+            offload_type=offload_type,
+            use_stream=use_stream,
+            **kw,
+        )
+        facts = {
+            "load_s": t1 - t0,
+            "offload_s": time.perf_counter() - t1,
+            "use_stream": use_stream,
+            "options": {"offload_type": offload_type, **{k: str(v) for k, v in kw.items()}},
+        }
         return (lambda: model(**inputs)[0]), facts, (lambda: None)
+
     return setup
 
 
@@ -242,7 +307,13 @@ def model_offload_setup(platform, folder: str, cls_name: str, inputs: dict):
             back.append(time.perf_counter() - t - there[-1])
             return out
 
-        facts = {"load_s": t1 - t0, "offload_s": time.perf_counter() - t1, "pinned_bytes": 0,
-                 "to_device_and_forward_s_all": there, "back_to_host_s_all": back}
+        facts = {
+            "load_s": t1 - t0,
+            "offload_s": time.perf_counter() - t1,
+            "pinned_bytes": 0,
+            "to_device_and_forward_s_all": there,
+            "back_to_host_s_all": back,
+        }
         return forward, facts, (lambda: None)
+
     return setup

@@ -4,8 +4,10 @@ One process, one device, the DP engine with ``dp = 1``, ``R = 1``, one request p
 :mod:`dlo_fn.bench.waves_r`). Per workload (``--workloads image,video``: 1024^2 and 832x480x29, both CFG, on the
 ``bench`` config's random weights): the resident model's step; the start-up probe
 (:func:`dlo_fn.serve.probe.probe`) and the policy's slot choice per mode (:func:`dlo_fn.serve.probe.choose`);
-then, for each mode and each of ``{--slots} + {auto}`` slot counts, one warm-up wave (a 2-step request of the same shape) and
-``--repeats`` timed waves of ``--steps`` steps (the row's latency is their median; every wave's is in the ``.json``). Each row: per-output step time, the bound ``max(resident step, weight bytes /
+then, for each mode and each of ``{--slots} + {auto}`` slot counts, one warm-up wave (a 2-step request of the same
+shape) and
+``--repeats`` timed waves of ``--steps`` steps (the row's latency is their median; every wave's is in the ``.json``).
+Each row: per-output step time, the bound ``max(resident step, weight bytes /
 pinned peak)`` measured in the same run, their ratio, the policy's predicted step for that plan, and whether the
 output is byte-identical to the resident model's, with the probe's numbers (block compute, the engine's per-step
 work outside the blocks, the per-request host work, pinned H2D). Rows are appended to ``--out`` as they finish;
@@ -25,17 +27,43 @@ from dlo_fn.cli import HelpFormatter
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("workload", "mode", "slots", "slots_choice", "wave_latency_s", "per_output_step_s", "resident_step_s",
-          "transfer_step_s", "bound_s", "ratio_to_bound", "predicted_step_s", "predicted_bound",
-          "identical_to_resident", "probe_s", "probe_block_s", "probe_step_overhead_s", "probe_request_s",
-          "probe_h2d_bytes_per_s", "config", "steps", "weight_bytes", "pinned_peak_bytes_per_s",
-          "machine", "command", "date")
+FIELDS = (
+    "workload",
+    "mode",
+    "slots",
+    "slots_choice",
+    "wave_latency_s",
+    "per_output_step_s",
+    "resident_step_s",
+    "transfer_step_s",
+    "bound_s",
+    "ratio_to_bound",
+    "predicted_step_s",
+    "predicted_bound",
+    "identical_to_resident",
+    "probe_s",
+    "probe_block_s",
+    "probe_step_overhead_s",
+    "probe_request_s",
+    "probe_h2d_bytes_per_s",
+    "config",
+    "steps",
+    "weight_bytes",
+    "pinned_peak_bytes_per_s",
+    "machine",
+    "command",
+    "date",
+)
 SHAPES = {"image": (1024, 1024, 1), "video": (480, 832, 29)}
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("slots", help="--slots auto vs two slots, both modes, one device",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "slots",
+        help="--slots auto vs two slots, both modes, one device",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--config", default="bench", help="reference DiT config (random weights)")
     p.add_argument("--workloads", default="image,video", help="comma list of image, video")
     p.add_argument("--modes", default="rank-local,allgather")
@@ -55,8 +83,15 @@ def _request(shape, steps: int, seed: int):
     from dlo_fn.models import Request
 
     h, w, f = shape
-    return Request(prompt=f"slots {seed}", seed=seed, height=h, width=w, num_frames=f, num_inference_steps=steps,
-                   guidance_scale=5.0)
+    return Request(
+        prompt=f"slots {seed}",
+        seed=seed,
+        height=h,
+        width=w,
+        num_frames=f,
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+    )
 
 
 def _timed(engine, shape, steps: int, repeats: int = 1):
@@ -83,22 +118,32 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
 
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.runtime.offload import offload
-    from dlo_fn.serve.probe import choose, probe
     from dlo_fn.serve.engine import Engine
+    from dlo_fn.serve.probe import choose, probe
     from dlo_fn.serve.requests import EngineOptions
 
     opts = EngineOptions(timeout_s=args.timeout_s, progress=False, serving="strict")  # one wave timed
     model = sv.random_model(args.config, platform.device)
     found = probe(model, ctx, _request(shape, args.steps, 1))
-    res_latency, res_all, reference = _timed(Engine(model, offload(model, "blocks", ctx, mode="resident"), ctx, opts),
-                                             shape, args.steps, args.repeats)
+    res_latency, res_all, reference = _timed(
+        Engine(model, offload(model, "blocks", ctx, mode="resident"), ctx, opts), shape, args.steps, args.repeats
+    )
     del model
     resident_step = res_latency / args.steps
     topo = found.topology
-    probed = {"probe_block_s": topo.compute.table[0][2], "probe_step_overhead_s": topo.step_overhead[0][2],
-              "probe_request_s": topo.request_overhead[0][1], "probe_h2d_bytes_per_s": topo.h2d_bytes_per_s}
-    summary = {"probe": {**probed, "probe_s": found.seconds, "host_s_per_block": dict(topo.host_s_per_block)},
-               "resident_step_s": resident_step, "resident_wave_latencies_s": res_all, "auto": {}, "waves": {}}
+    probed = {
+        "probe_block_s": topo.compute.table[0][2],
+        "probe_step_overhead_s": topo.step_overhead[0][2],
+        "probe_request_s": topo.request_overhead[0][1],
+        "probe_h2d_bytes_per_s": topo.h2d_bytes_per_s,
+    }
+    summary = {
+        "probe": {**probed, "probe_s": found.seconds, "host_s_per_block": dict(topo.host_s_per_block)},
+        "resident_step_s": resident_step,
+        "resident_wave_latencies_s": res_all,
+        "auto": {},
+        "waves": {},
+    }
     for mode in modes:
         auto = choose(found, mode=mode)
         summary["auto"][mode] = {"slots": auto.chosen.candidate.num_slots, "why": auto.why()}
@@ -117,15 +162,38 @@ def _workload_rows(args, name: str, shape, modes, platform, ctx, meta) -> dict:
             transfer = weight_bytes / peak if peak else 0.0
             bound = max(resident_step, transfer)
             per_output = latency / args.steps
-            row = {"workload": f"{name} {shape[1]}x{shape[0]}x{shape[2]} cfg", "mode": mode, "slots": slots,
-                   "slots_choice": "auto" if slots == auto.chosen.candidate.num_slots else "fixed",
-                   "wave_latency_s": latency, "per_output_step_s": per_output, "resident_step_s": resident_step,
-                   "transfer_step_s": transfer, "bound_s": bound, "ratio_to_bound": per_output / bound,
-                   "predicted_step_s": predicted.step_s, "predicted_bound": predicted.bound,
-                   "identical_to_resident": sha == reference, "probe_s": found.seconds, **probed, "config": args.config,
-                   "steps": args.steps, "weight_bytes": weight_bytes, "pinned_peak_bytes_per_s": peak, **meta}
-            log.info("%s %s S%d: %.4f s per step, bound %.4f (%.3fx), predicted %.4f", name, mode, slots,
-                     per_output, bound, per_output / bound, predicted.step_s)
+            row = {
+                "workload": f"{name} {shape[1]}x{shape[0]}x{shape[2]} cfg",
+                "mode": mode,
+                "slots": slots,
+                "slots_choice": "auto" if slots == auto.chosen.candidate.num_slots else "fixed",
+                "wave_latency_s": latency,
+                "per_output_step_s": per_output,
+                "resident_step_s": resident_step,
+                "transfer_step_s": transfer,
+                "bound_s": bound,
+                "ratio_to_bound": per_output / bound,
+                "predicted_step_s": predicted.step_s,
+                "predicted_bound": predicted.bound,
+                "identical_to_resident": sha == reference,
+                "probe_s": found.seconds,
+                **probed,
+                "config": args.config,
+                "steps": args.steps,
+                "weight_bytes": weight_bytes,
+                "pinned_peak_bytes_per_s": peak,
+                **meta,
+            }
+            log.info(
+                "%s %s S%d: %.4f s per step, bound %.4f (%.3fx), predicted %.4f",
+                name,
+                mode,
+                slots,
+                per_output,
+                bound,
+                per_output / bound,
+                predicted.step_s,
+            )
             _append(args.out, row)
             del off, model
     return summary
@@ -152,10 +220,14 @@ def run(args: argparse.Namespace) -> int:
     platform = detect_platform(prefer=args.platform)
     ctx = init_distributed(platform)
     desc = machine(platform)
-    meta = {"machine": ", ".join(f"{k} {v}" for k, v in desc.items()),
-            "command": (f"python -m dlo_fn bench slots --config {args.config} --workloads {args.workloads} "
-                        f"--modes {args.modes} --steps {args.steps} --slots {args.slots} --repeats {args.repeats}"),
-            "date": datetime.date.today().isoformat()}
+    meta = {
+        "machine": ", ".join(f"{k} {v}" for k, v in desc.items()),
+        "command": (
+            f"python -m dlo_fn bench slots --config {args.config} --workloads {args.workloads} "
+            f"--modes {args.modes} --steps {args.steps} --slots {args.slots} --repeats {args.repeats}"
+        ),
+        "date": datetime.date.today().isoformat(),
+    }
     modes = [m for m in args.modes.split(",") if m]
     summaries = {}
     with torch.no_grad():

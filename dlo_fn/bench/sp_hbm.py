@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from dlo_fn.cli import HelpFormatter
 
 DEFAULT_CASES = ("cosmos3-nano:2", "cosmos3-nano@32:4", "cosmos3-super:2", "cosmos3-super:4")
-NOT_PERFORMANCE = ("wall times: several ranks share one device and every collective goes through host memory "
-                   "(gloo): not performance figures")
+NOT_PERFORMANCE = (
+    "wall times: several ranks share one device and every collective goes through host memory "
+    "(gloo): not performance figures"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,32 +69,42 @@ def parse_case(text: str, num_blocks: int) -> SPCase:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("sp-hbm", help="per-rank HBM of one offloaded SP pass vs the plan",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "sp-hbm",
+        help="per-rank HBM of one offloaded SP pass vs the plan",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma-separated CONFIG[@HEADS]:SP")
     p.add_argument("--blocks", type=int, default=2, help="blocks of each reduced-depth model")
     p.add_argument("--height", type=int, default=720)
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--frames", type=int, default=81, help="81 frames = 10 s at 8 fps")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda: every rank on cuda:0")
-    p.add_argument("--weights", choices=("random", "constant"), default="random",
-                   help="seeded random weights, or every weight 0.01 (same memory, much faster to build)")
+    p.add_argument(
+        "--weights",
+        choices=("random", "constant"),
+        default="random",
+        help="seeded random weights, or every weight 0.01 (same memory, much faster to build)",
+    )
     p.add_argument("--threads-per-rank", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=540.0)
-    p.add_argument("--out", type=pathlib.Path, default=None,
-                   help="JSON path (default: figures/data/sp_hbm_<device>.json)")
-    p.add_argument("--explain-peak", action="store_true",
-                   help="cuda: record rank 0's allocations and list those alive at its peak")
-    p.add_argument("--partial-dir", type=pathlib.Path, default=None,
-                   help="also write each record there as soon as it is measured")
+    p.add_argument(
+        "--out", type=pathlib.Path, default=None, help="JSON path (default: figures/data/sp_hbm_<device>.json)"
+    )
+    p.add_argument(
+        "--explain-peak", action="store_true", help="cuda: record rank 0's allocations and list those alive at its peak"
+    )
+    p.add_argument(
+        "--partial-dir", type=pathlib.Path, default=None, help="also write each record there as soon as it is measured"
+    )
     p.set_defaults(func=run)
 
 
 def _cpu_peak_bytes(prof) -> int:
     """Peak of live bytes above the start, from the profiler's raw allocation (+) and free (-) events in time
     order (the per-op attribution of ``prof.events()`` would net out allocations freed inside one op)."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -119,8 +131,9 @@ def _peak_allocations(snapshot: dict, top: int = 16) -> list[dict]:
             elif ev["action"] == "free_completed" and ev["addr"] in live:
                 total -= live.pop(ev["addr"])[0]
     rows = sorted(at_peak.values(), key=lambda t: -t[0])
-    return [{"bytes": n, "where": w} for n, w in rows[:top]] + [{"bytes": sum(n for n, _ in rows[top:]),
-                                                                  "where": f"{max(0, len(rows) - top)} others"}]
+    return [{"bytes": n, "where": w} for n, w in rows[:top]] + [
+        {"bytes": sum(n for n, _ in rows[top:]), "where": f"{max(0, len(rows) - top)} others"}
+    ]
 
 
 def _build(config, weights: str):
@@ -142,8 +155,9 @@ def _build(config, weights: str):
     return model
 
 
-def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_platform, weights: str,
-             explain: bool = False) -> dict:
+def _measure(
+    grp, case: SPCase, device: str, shape: tuple[int, int, int], base_platform, weights: str, explain: bool = False
+) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -200,22 +214,36 @@ def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_p
             peak = _cpu_peak_bytes(prof) + sum(t.untyped_storage().nbytes() for t in inputs)
     t2 = time.perf_counter()
     result = {
-        "case": case.label, "config": config.name, "base_config": case.config, "num_blocks": config.num_blocks,
-        "num_heads": config.num_heads, "hidden_dim": config.hidden_dim, "mlp_dim": config.mlp_dim,
-        "sp": case.sp, "rank": rank, "tokens": tokens, "local_tokens": model_sp.local_tokens, "batch": 1,
+        "case": case.label,
+        "config": config.name,
+        "base_config": case.config,
+        "num_blocks": config.num_blocks,
+        "num_heads": config.num_heads,
+        "hidden_dim": config.hidden_dim,
+        "mlp_dim": config.mlp_dim,
+        "sp": case.sp,
+        "rank": rank,
+        "tokens": tokens,
+        "local_tokens": model_sp.local_tokens,
+        "batch": 1,
         "weight_bytes": off.executor.measured_device_bytes if device == "cuda" else off.device_weight_bytes,
         "weight_bytes_planned": plan.hbm_weight_bytes,
         "resident_bytes": idle - before - (off.executor.measured_device_bytes if device == "cuda" else 0),
         "resident_bytes_planned": off.spec.resident_bytes,
-        "max_block_bytes": sizes.max_block_bytes, "pinned_host_bytes": off.store.arena_bytes,
+        "max_block_bytes": sizes.max_block_bytes,
+        "pinned_host_bytes": off.store.arena_bytes,
         "pinned_host_bytes_planned": plan.pinned_host_bytes_per_rank,
         "workload_peak_bytes": int(peak),
-        "workload_peak_bytes_model": model_sp.peak_bytes, "model_peak_phase": model_sp.peak_phase.name,
+        "workload_peak_bytes_model": model_sp.peak_bytes,
+        "model_peak_phase": model_sp.peak_phase.name,
         "activation_bytes_model": model_sp.activation_bytes,
         "communication_bytes_model": model_sp.communication_bytes,
-        "output_shape": list(out.shape), "output_finite": bool(torch.isfinite(out).all()),
-        "weights": weights, "idle_device_bytes": idle - before,
-        "setup_s": round(t1 - t0, 2), "pass_s": round(t2 - t1, 2),
+        "output_shape": list(out.shape),
+        "output_finite": bool(torch.isfinite(out).all()),
+        "weights": weights,
+        "idle_device_bytes": idle - before,
+        "setup_s": round(t1 - t0, 2),
+        "pass_s": round(t2 - t1, 2),
         **({"peak_allocations": explained} if explained else {}),
     }
     del out, off, model, latents
@@ -224,8 +252,15 @@ def _measure(grp, case: SPCase, device: str, shape: tuple[int, int, int], base_p
     return result
 
 
-def _rank(ctx, cases: tuple[SPCase, ...], device: str, shape: tuple[int, int, int], weights: str = "random",
-          partial_dir: str | None = None, explain: bool = False) -> list[dict]:
+def _rank(
+    ctx,
+    cases: tuple[SPCase, ...],
+    device: str,
+    shape: tuple[int, int, int],
+    weights: str = "random",
+    partial_dir: str | None = None,
+    explain: bool = False,
+) -> list[dict]:
     """Every rank creates every case's group (a collective); the first ``sp`` ranks run the case. A failed case
     is recorded (with its error) and the next one runs; with ``partial_dir`` each record is also written as it
     is made, so a run cut short keeps what it measured."""
@@ -247,16 +282,34 @@ def _rank(ctx, cases: tuple[SPCase, ...], device: str, shape: tuple[int, int, in
     return results
 
 
-def measure(cases: tuple[SPCase, ...], device: str = "cuda", shape: tuple[int, int, int] = (720, 1280, 81), *,
-            weights: str = "random", threads_per_rank: int = 2, timeout_s: float = 540.0,
-            partial_dir: str | None = None, explain: bool = False) -> list[dict]:
+def measure(
+    cases: tuple[SPCase, ...],
+    device: str = "cuda",
+    shape: tuple[int, int, int] = (720, 1280, 81),
+    *,
+    weights: str = "random",
+    threads_per_rank: int = 2,
+    timeout_s: float = 540.0,
+    partial_dir: str | None = None,
+    explain: bool = False,
+) -> list[dict]:
     """Run every case on ``max(sp)`` local ranks (gloo); one record per (case, rank), in case order."""
     from dlo_fn.serve.ranks import run_ranks
 
     world = max(c.sp for c in cases)
-    per_rank = run_ranks(_rank, world, cases, device, shape, weights, partial_dir, explain, timeout_s=timeout_s,
-                         platform="cpu",
-                         threads_per_rank=threads_per_rank)
+    per_rank = run_ranks(
+        _rank,
+        world,
+        cases,
+        device,
+        shape,
+        weights,
+        partial_dir,
+        explain,
+        timeout_s=timeout_s,
+        platform="cpu",
+        threads_per_rank=threads_per_rank,
+    )
     records = [r for rank_results in per_rank for r in rank_results]
     order = {c.label: i for i, c in enumerate(cases)}
     return sorted(records, key=lambda r: (order[r["case"]], r["rank"]))
@@ -270,19 +323,38 @@ def run(args: argparse.Namespace) -> int:
     cases = tuple(parse_case(t, args.blocks) for t in args.cases.split(",") if t)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench sp-hbm: --device cuda but torch.cuda.is_available() is False; use --device cpu")
-    records = measure(cases, args.device, (args.height, args.width, args.frames),
-                      weights=args.weights, threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s,
-                      partial_dir=str(args.partial_dir) if args.partial_dir else None, explain=args.explain_peak)
-    machine = {"host": pyplatform.node(), "torch": torch.__version__, "device": args.device,
-               "backend": "gloo", "ranks_share_one_device": args.device == "cuda"}
+    records = measure(
+        cases,
+        args.device,
+        (args.height, args.width, args.frames),
+        weights=args.weights,
+        threads_per_rank=args.threads_per_rank,
+        timeout_s=args.timeout_s,
+        partial_dir=str(args.partial_dir) if args.partial_dir else None,
+        explain=args.explain_peak,
+    )
+    machine = {
+        "host": pyplatform.node(),
+        "torch": torch.__version__,
+        "device": args.device,
+        "backend": "gloo",
+        "ranks_share_one_device": args.device == "cuda",
+    }
     if args.device == "cuda":
         machine.update(device_name=torch.cuda.get_device_name(0), cuda=str(torch.version.cuda))
-    command = (f"python -m dlo_fn bench sp-hbm --cases {args.cases} --blocks {args.blocks} --height {args.height} "
-               f"--width {args.width} --frames {args.frames} --device {args.device} --weights {args.weights} "
-               f"--threads-per-rank {args.threads_per_rank}" + (" --explain-peak" if args.explain_peak else ""))
-    doc = {"machine": machine, "command": command,
-           "date": datetime.date.today().isoformat(), "note": NOT_PERFORMANCE,
-           "shape": {"height": args.height, "width": args.width, "frames": args.frames}, "records": records}
+    command = (
+        f"python -m dlo_fn bench sp-hbm --cases {args.cases} --blocks {args.blocks} --height {args.height} "
+        f"--width {args.width} --frames {args.frames} --device {args.device} --weights {args.weights} "
+        f"--threads-per-rank {args.threads_per_rank}" + (" --explain-peak" if args.explain_peak else "")
+    )
+    doc = {
+        "machine": machine,
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+        "note": NOT_PERFORMANCE,
+        "shape": {"height": args.height, "width": args.width, "frames": args.frames},
+        "records": records,
+    }
     out = args.out or pathlib.Path("figures/data") / f"sp_hbm_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
@@ -290,8 +362,10 @@ def run(args: argparse.Namespace) -> int:
         if "error" in r:
             print(f"{r['case']:24s} rank {r['rank']}: FAILED {r['error']}")
             continue
-        print(f"{r['case']:24s} rank {r['rank']}: weights {r['weight_bytes']} (plan {r['weight_bytes_planned']}), "
-              f"workload peak {r['workload_peak_bytes'] / 1e9:.3f} GB "
-              f"(model {r['workload_peak_bytes_model'] / 1e9:.3f})")
+        print(
+            f"{r['case']:24s} rank {r['rank']}: weights {r['weight_bytes']} (plan {r['weight_bytes_planned']}), "
+            f"workload peak {r['workload_peak_bytes'] / 1e9:.3f} GB "
+            f"(model {r['workload_peak_bytes_model'] / 1e9:.3f})"
+        )
     print(f"wrote {out}  ({NOT_PERFORMANCE})")
     return 0

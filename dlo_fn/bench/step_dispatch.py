@@ -60,11 +60,13 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
         for variant in variants:
             row: dict[str, float] = {}
             if variant.startswith("dlo-") and not variant.endswith("-compile"):
-                run_pass, ex = sv.executor_pass(platform, layout, store, blocks, aliases, group=group,
-                                                **sv.variant_options(variant))
+                run_pass, ex = sv.executor_pass(
+                    platform, layout, store, blocks, aliases, group=group, **sv.variant_options(variant)
+                )
                 rp = dict(reps, warmup=max(reps["warmup"], sv.GRAPH_WARMUP))
-                host, delta = sv.host_pass_delta_s(platform, run_pass, resident_pass, x, kwargs,
-                                                   reset=ex.stats.reset, **rp)
+                host, delta = sv.host_pass_delta_s(
+                    platform, run_pass, resident_pass, x, kwargs, reset=ex.stats.reset, **rp
+                )
                 if ex.plugin is not None:
                     row["graph_replays"] = ex.plugin.replays
                 row["proxy_host_us_per_block"] = ex.stats.issue_us_per_compute
@@ -81,6 +83,11 @@ def measure_dispatch(config: str, platform, group: Any, variants: list[str], qui
             row["pass_host_s"] = host
             row["dispatch_us_per_block"] = 1e6 * delta / layout.num_blocks
             out[variant] = row
-    return {"config": getattr(cfg, "name", cfg), "num_blocks": layout.num_blocks,
-            "tensors_per_block": len(layout.shards[0].block.placements), "tokens_per_sample": tokens,
-            "resident_pass_host_s": resident, "variants": out}
+    return {
+        "config": getattr(cfg, "name", cfg),
+        "num_blocks": layout.num_blocks,
+        "tensors_per_block": len(layout.shards[0].block.placements),
+        "tokens_per_sample": tokens,
+        "resident_pass_host_s": resident,
+        "variants": out,
+    }

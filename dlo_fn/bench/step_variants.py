@@ -38,21 +38,47 @@ from torch import nn
 
 from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.runtime.blocks import BlockProxy, block_state, make_caller, make_views
-from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.cuda import plugins_for
+from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore
 from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.platform import Platform
 
-__all__ = ["VARIANTS", "PassResult", "time_passes", "host_pass_delta_s", "narrow_config", "random_model", "cpu_blocks",
-           "executor_pass", "diffusers_pass", "naive_pass", "pinned_peak_bytes_per_s", "pinning_overhead"]
+__all__ = [
+    "VARIANTS",
+    "PassResult",
+    "time_passes",
+    "host_pass_delta_s",
+    "narrow_config",
+    "random_model",
+    "cpu_blocks",
+    "executor_pass",
+    "diffusers_pass",
+    "naive_pass",
+    "pinned_peak_bytes_per_s",
+    "pinning_overhead",
+]
 
-VARIANTS = ("resident", "dlo-rank-local", "dlo-allgather", "dlo-rank-local-swap",
-            "dlo-rank-local-bgraph", "dlo-allgather-bgraph", "diffusers",
-            "diffusers-record-stream", "naive-sync",
-            "resident-compile", "dlo-rank-local-compile", "resident-graph", "dlo-rank-local-swap-g2",
-            "dlo-rank-local-swap-g4", "dlo-rank-local-g2", "resident-fp8", "dlo-rank-local-swap-fp8",
-            "dlo-allgather-swap-fp8")
+VARIANTS = (
+    "resident",
+    "dlo-rank-local",
+    "dlo-allgather",
+    "dlo-rank-local-swap",
+    "dlo-rank-local-bgraph",
+    "dlo-allgather-bgraph",
+    "diffusers",
+    "diffusers-record-stream",
+    "naive-sync",
+    "resident-compile",
+    "dlo-rank-local-compile",
+    "resident-graph",
+    "dlo-rank-local-swap-g2",
+    "dlo-rank-local-swap-g4",
+    "dlo-rank-local-g2",
+    "resident-fp8",
+    "dlo-rank-local-swap-fp8",
+    "dlo-allgather-swap-fp8",
+)
 # compiling takes minutes on a CPU; resident-graph is a diagnostic (CUDA only)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "resident-graph")))
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed
@@ -63,10 +89,15 @@ def variant_options(variant: str) -> dict:
     ``-bgraph`` (block graphs), ``-g<G>`` (load groups of G on 2G slots), ``-fp8`` (FP8 shards)."""
     parts = variant.split("-")
     group = next((int(p[1:]) for p in parts if p[:1] == "g" and p[1:].isdigit()), 1)
-    return {"mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
-            "block_call": "swap" if "swap" in parts else "compile" if "compile" in parts else "functional_call",
-            "graph": "block" if "bgraph" in parts else False, "load_group": group,
-            "quantization": "fp8" if "fp8" in parts else None}
+    return {
+        "mode": "allgather" if variant.startswith("dlo-allgather") else "rank-local",
+        "block_call": "swap" if "swap" in parts else "compile" if "compile" in parts else "functional_call",
+        "graph": "block" if "bgraph" in parts else False,
+        "load_group": group,
+        "quantization": "fp8" if "fp8" in parts else None,
+    }
+
+
 PassFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
@@ -79,9 +110,17 @@ class PassResult:
 
 
 @torch.no_grad()
-def host_pass_delta_s(platform: Platform, run_pass: PassFn, reference: PassFn, x: torch.Tensor, kwargs: dict, *,
-                      warmup: int = 3, repeats: int = 21, reset: Callable[[], None] | None = None
-                      ) -> tuple[float, float]:
+def host_pass_delta_s(
+    platform: Platform,
+    run_pass: PassFn,
+    reference: PassFn,
+    x: torch.Tensor,
+    kwargs: dict,
+    *,
+    warmup: int = 3,
+    repeats: int = 21,
+    reset: Callable[[], None] | None = None,
+) -> tuple[float, float]:
     """``(median host time of a pass, median of (pass - reference pass))``, the two timed alternately, each
     pass started on an idle device, so drift of the host's speed cancels in the difference. Use small
     activations and blocks, so the device keeps up and the host timer sees host work only. ``reset`` runs
@@ -106,8 +145,17 @@ def host_pass_delta_s(platform: Platform, run_pass: PassFn, reference: PassFn, x
 
 
 @torch.no_grad()
-def time_passes(platform: Platform, run_pass: PassFn, x: torch.Tensor, kwargs: dict, *, warmup: int,
-                repeats: int, host_repeats: int, reset: Callable[[], None] | None = None) -> PassResult:
+def time_passes(
+    platform: Platform,
+    run_pass: PassFn,
+    x: torch.Tensor,
+    kwargs: dict,
+    *,
+    warmup: int,
+    repeats: int,
+    host_repeats: int,
+    reset: Callable[[], None] | None = None,
+) -> PassResult:
     """Warm up, then ``repeats`` passes back to back timed with events on the compute stream (no host sync
     between them), then ``host_repeats`` passes each started after a synchronize, timed on the host."""
     for _ in range(warmup):
@@ -141,12 +189,14 @@ def small_config(config_name: str = "bench"):
     from dlo_fn.models import get_config
 
     base = get_config(config_name)
-    return dataclasses.replace(base, name=f"{base.name}-small40", num_blocks=40, hidden_dim=1280, num_heads=10,
-                               mlp_dim=5120)
+    return dataclasses.replace(
+        base, name=f"{base.name}-small40", num_blocks=40, hidden_dim=1280, num_heads=10, mlp_dim=5120
+    )
 
 
 def bench_config(name: str):
-    """A named model config, or ``<base>-small40`` / ``<base>-narrow`` (see :func:`small_config`, :func:`narrow_config`)."""
+    """A named model config, or ``<base>-small40`` / ``<base>-narrow`` (see :func:`small_config`,
+    :func:`narrow_config`)."""
     for suffix, fn in (("-small40", small_config), ("-narrow", narrow_config)):
         if name.endswith(suffix):
             return fn(name[: -len(suffix)])
@@ -161,8 +211,14 @@ def narrow_config(config_name: str):
     from dlo_fn.models import get_config
 
     base = get_config(config_name)
-    return dataclasses.replace(base, name=f"{base.name}-narrow", hidden_dim=256, num_heads=2, mlp_dim=1024,
-                               cond_dim=256 if base.adaln_rank == 0 else base.cond_dim)
+    return dataclasses.replace(
+        base,
+        name=f"{base.name}-narrow",
+        hidden_dim=256,
+        num_heads=2,
+        mlp_dim=1024,
+        cond_dim=256 if base.adaln_rank == 0 else base.cond_dim,
+    )
 
 
 def random_model(config_name, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
@@ -226,13 +282,33 @@ class _Stack(nn.Module):
         return x
 
 
-def executor_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
-                  aliases: list[dict], *, mode: str, group: Any, block_call: str, graph: bool | str = False,
-                  load_group: int = 1, **options: Any) -> tuple[PassFn, Executor]:
-    opts = OffloadOptions(mode=mode, block_call=block_call, graph=graph, num_slots=2 * load_group,
-                          load_group=load_group, **options)
-    ex = Executor(platform, layout, store, blocks, aliases, opts, group=group if mode == "allgather" else None,
-                  plugin=plugins_for(opts, platform))
+def executor_pass(
+    platform: Platform,
+    layout: ModelLayout,
+    store: HostStore,
+    blocks: list[nn.Module],
+    aliases: list[dict],
+    *,
+    mode: str,
+    group: Any,
+    block_call: str,
+    graph: bool | str = False,
+    load_group: int = 1,
+    **options: Any,
+) -> tuple[PassFn, Executor]:
+    opts = OffloadOptions(
+        mode=mode, block_call=block_call, graph=graph, num_slots=2 * load_group, load_group=load_group, **options
+    )
+    ex = Executor(
+        platform,
+        layout,
+        store,
+        blocks,
+        aliases,
+        opts,
+        group=group if mode == "allgather" else None,
+        plugin=plugins_for(opts, platform),
+    )
     proxies = [BlockProxy(ex.compute, b, blocks[b]) for b in range(len(blocks))]
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -253,10 +329,15 @@ def diffusers_pass(platform: Platform, blocks: nn.ModuleList, record_stream: boo
         raise ImportError("diffusers group offloading needs the `accelerate` package")
 
     stack = _Stack(blocks)
-    apply_group_offloading(stack, onload_device=platform.device, offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1,
-                           use_stream=platform.is_accelerator,
-                           record_stream=record_stream and platform.is_accelerator)
+    apply_group_offloading(
+        stack,
+        onload_device=platform.device,
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=platform.is_accelerator,
+        record_stream=record_stream and platform.is_accelerator,
+    )
 
     def run_pass(x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         return stack(x, **kwargs)
@@ -264,8 +345,9 @@ def diffusers_pass(platform: Platform, blocks: nn.ModuleList, record_stream: boo
     return run_pass
 
 
-def naive_pass(platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module],
-               aliases: list[dict]) -> PassFn:
+def naive_pass(
+    platform: Platform, layout: ModelLayout, store: HostStore, blocks: list[nn.Module], aliases: list[dict]
+) -> PassFn:
     """Per block: blocking copy of the whole block from the pinned arena into one slot, then compute."""
     slot = torch.empty(layout.max_padded_block_bytes, dtype=torch.uint8, device=platform.device)
     callers, srcs = [], []
@@ -325,8 +407,11 @@ def pinning_overhead(platform: Platform, nbytes: int = int(1.2 * 2**30)) -> dict
     register_bytes = proc.memory_info().rss - before
     fin()
     del exact
-    return {"requested_bytes": nbytes, "pin_memory_rss_bytes": pin_memory_bytes,
-            "host_register_rss_bytes": register_bytes}
+    return {
+        "requested_bytes": nbytes,
+        "pin_memory_rss_bytes": pin_memory_bytes,
+        "host_register_rss_bytes": register_bytes,
+    }
 
 
 def release(platform: Platform) -> None:

@@ -33,25 +33,45 @@ span by span (broadcast, each rank's block computes, both ranks' H2D and all-gat
 from __future__ import annotations
 
 import argparse
-
-from dlo_fn.cli import HelpFormatter
 import datetime
 import logging
 import pathlib
 import statistics
 
+from dlo_fn.cli import HelpFormatter
+
 log = logging.getLogger(__name__)
 
-FIELDS = ("dp", "requests_per_rank", "kind", "mode", "outputs_per_wave", "timed_waves", "num_frames", "tokens",
-          "steps", "wave_latency_s", "outputs_per_s", "frames_per_s", "ideal_outputs_per_s", "efficiency",
-          "issue_wait_us_per_block", "machine", "command", "date")
+FIELDS = (
+    "dp",
+    "requests_per_rank",
+    "kind",
+    "mode",
+    "outputs_per_wave",
+    "timed_waves",
+    "num_frames",
+    "tokens",
+    "steps",
+    "wave_latency_s",
+    "outputs_per_s",
+    "frames_per_s",
+    "ideal_outputs_per_s",
+    "efficiency",
+    "issue_wait_us_per_block",
+    "machine",
+    "command",
+    "date",
+)
 TRACE_FIELDS = ("wave", "kind", "rank", "lane", "label", "start_s", "end_s")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("waves", help="DP wave throughput vs dp and R on CPU ranks; Figure 5's recorded wave",
-                              description=__doc__.split("\n\n")[0],
-                              formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "waves",
+        help="DP wave throughput vs dp and R on CPU ranks; Figure 5's recorded wave",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--checkpoint", default=None, help="default: the tiny reference DiT under runs/bench_waves/")
     p.add_argument("--dp", default="1,2", help="comma list of DP sizes (CPU ranks)")
     p.add_argument("--requests-per-rank", default="1,2,4", help="comma list of R for full waves")
@@ -61,8 +81,11 @@ def register(subparsers) -> None:
     p.add_argument("--width", type=int, default=None, help="default 128 (CPU sweep), 1024 (--r-sweep)")
     p.add_argument("--frames", type=int, default=None, help="default 17 (CPU sweep), 1 (--r-sweep)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--r-sweep", action="store_true",
-                   help="per-output time vs R on one device against its bound (dlo_fn.bench.waves_r)")
+    p.add_argument(
+        "--r-sweep",
+        action="store_true",
+        help="per-output time vs R on one device against its bound (dlo_fn.bench.waves_r)",
+    )
     p.add_argument("--config", default="bench", help="--r-sweep: reference DiT config (random weights)")
     p.add_argument("--platform", choices=("cuda", "npu", "cpu"), default=None, help="--r-sweep: default detect")
     p.add_argument("--timeout-s", type=float, default=120.0)
@@ -76,20 +99,32 @@ def _ints(text: str) -> list[int]:
 
 
 def _command(args: argparse.Namespace) -> str:
-    return (f"python -m dlo_fn bench waves --dp {args.dp} --requests-per-rank {args.requests_per_rank} "
-            f"--waves {args.waves} --height {args.height} --width {args.width} --frames {args.frames} "
-            f"--steps {args.steps} --repeats {args.repeats}"
-            + (f" --checkpoint {args.checkpoint}" if args.checkpoint else ""))
+    return (
+        f"python -m dlo_fn bench waves --dp {args.dp} --requests-per-rank {args.requests_per_rank} "
+        f"--waves {args.waves} --height {args.height} --width {args.width} --frames {args.frames} "
+        f"--steps {args.steps} --repeats {args.repeats}"
+        + (f" --checkpoint {args.checkpoint}" if args.checkpoint else "")
+    )
 
 
 def _requests(n: int, args: argparse.Namespace, start: int = 0):
     from dlo_fn.models import Request
     from dlo_fn.serve.requests import Submission
 
-    return tuple(Submission(f"b{start + i:04d}", Request(prompt=f"bench prompt {start + i}", seed=start + i,
-                                                         height=args.height, width=args.width,
-                                                         num_frames=args.frames, num_inference_steps=args.steps))
-                 for i in range(n))
+    return tuple(
+        Submission(
+            f"b{start + i:04d}",
+            Request(
+                prompt=f"bench prompt {start + i}",
+                seed=start + i,
+                height=args.height,
+                width=args.width,
+                num_frames=args.frames,
+                num_inference_steps=args.steps,
+            ),
+        )
+        for i in range(n)
+    )
 
 
 def _median_latency(report, skip: int = 1) -> float:
@@ -124,10 +159,18 @@ def host_point(args: argparse.Namespace, checkpoint: pathlib.Path, n: int) -> di
     finally:
         torch.set_num_threads(threads)
     latency = statistics.median(w.latency_s for w in report.waves)
-    return {"dp": 1, "requests_per_rank": 1, "kind": "host", "mode": "allgather (no group)",
-            "outputs_per_wave": 1, "timed_waves": len(report.waves), "wave_latency_s": latency,
-            "outputs_per_s": 1 / latency, "frames_per_s": args.frames / latency,
-            "issue_wait_us_per_block": _issue_us(report)}
+    return {
+        "dp": 1,
+        "requests_per_rank": 1,
+        "kind": "host",
+        "mode": "allgather (no group)",
+        "outputs_per_wave": 1,
+        "timed_waves": len(report.waves),
+        "wave_latency_s": latency,
+        "outputs_per_s": 1 / latency,
+        "frames_per_s": args.frames / latency,
+        "issue_wait_us_per_block": _issue_us(report),
+    }
 
 
 def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]:
@@ -151,8 +194,9 @@ def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]
         phases.append(Phase("allgather", singles, EngineOptions(**opts), forced=tuple((i,) for i in range(n))))
         kinds.append(("single", "allgather", 1))
         for r in _ints(args.requests_per_rank):
-            phases.append(Phase("allgather", _requests(n * dp * r, args, 2000), EngineOptions(requests_per_rank=r,
-                                                                                              **opts)))
+            phases.append(
+                Phase("allgather", _requests(n * dp * r, args, 2000), EngineOptions(requests_per_rank=r, **opts))
+            )
             kinds.append(("full", "allgather", r))
         log.info("bench waves: dp %d, %d phases", dp, len(phases))
         run = serve_local(checkpoint, phases, dp, join_timeout_s=max(600.0, 4 * args.timeout_s))
@@ -162,13 +206,23 @@ def run_points(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dict]
             per_wave = report.waves[0].num_requests
             latency = _median_latency(report)
             ops = per_wave / latency
-            rows.append({
-                "dp": dp, "requests_per_rank": r, "kind": kind, "mode": mode, "outputs_per_wave": per_wave,
-                "timed_waves": len(report.waves) - 1, "num_frames": args.frames, "tokens": tokens,
-                "steps": args.steps, "wave_latency_s": latency, "outputs_per_s": ops,
-                "frames_per_s": args.frames * per_wave / latency,
-                "issue_wait_us_per_block": _issue_us(report),
-            })
+            rows.append(
+                {
+                    "dp": dp,
+                    "requests_per_rank": r,
+                    "kind": kind,
+                    "mode": mode,
+                    "outputs_per_wave": per_wave,
+                    "timed_waves": len(report.waves) - 1,
+                    "num_frames": args.frames,
+                    "tokens": tokens,
+                    "steps": args.steps,
+                    "wave_latency_s": latency,
+                    "outputs_per_s": ops,
+                    "frames_per_s": args.frames * per_wave / latency,
+                    "issue_wait_us_per_block": _issue_us(report),
+                }
+            )
             log.info("dp %d %s R %d: %.3f s/wave, %.2f outputs/s", dp, kind, r, latency, ops)
     return rows
 
@@ -179,15 +233,31 @@ def record_trace(args: argparse.Namespace, checkpoint: pathlib.Path) -> list[dic
     from dlo_fn.serve.requests import EngineOptions
 
     subs = _requests(3, argparse.Namespace(**{**vars(args), "steps": 2}), 3000)
-    run = serve_local(checkpoint, [Phase("allgather", subs, EngineOptions(timeout_s=args.timeout_s, trace=True,
-                                                                          progress=False, serving="strict"))], 2)
+    run = serve_local(
+        checkpoint,
+        [
+            Phase(
+                "allgather", subs, EngineOptions(timeout_s=args.timeout_s, trace=True, progress=False, serving="strict")
+            )
+        ],
+        2,
+    )
     (report,) = run.reports
     rows = []
     for w in report.waves:
         kind = "partial" if w.idle_ranks else "full"
         for rank, lane, label, s, e in sorted(w.trace, key=lambda t: (t[0], t[3], t[1])):
-            rows.append({"wave": w.wave_id, "kind": kind, "rank": rank, "lane": lane, "label": label,
-                         "start_s": round(s, 6), "end_s": round(e, 6)})
+            rows.append(
+                {
+                    "wave": w.wave_id,
+                    "kind": kind,
+                    "rank": rank,
+                    "lane": lane,
+                    "label": label,
+                    "start_s": round(s, 6),
+                    "end_s": round(e, 6),
+                }
+            )
     return rows
 
 
@@ -208,8 +278,8 @@ def _with_efficiency(rows: list[dict]) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.figures.style import write_csv
-    from dlo_fn.models import write_checkpoint
     from dlo_fn.io.memstat import host_description
+    from dlo_fn.models import write_checkpoint
 
     if args.r_sweep:
         return _run_r_sweep(args)
@@ -218,18 +288,24 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = pathlib.Path(args.checkpoint or "runs/bench_waves/checkpoint")
     if args.checkpoint is None and not (checkpoint / "config.json").is_file():
         write_checkpoint("tiny", checkpoint, seed=0, progress=False)
-    meta = {"machine": f"{host_description()}; torch gloo CPU ranks, 1 thread each",
-            "command": _command(args), "date": datetime.date.today().isoformat()}
+    meta = {
+        "machine": f"{host_description()}; torch gloo CPU ranks, 1 thread each",
+        "command": _command(args),
+        "date": datetime.date.today().isoformat(),
+    }
     sweeps = [run_points(args, checkpoint) for _ in range(max(args.repeats, 1))]
-    rows = [dict(r, **meta) for r in _with_efficiency([_fastest([s[i] for s in sweeps])
-                                                        for i in range(len(sweeps[0]))])]
+    rows = [
+        dict(r, **meta) for r in _with_efficiency([_fastest([s[i] for s in sweeps]) for i in range(len(sweeps[0]))])
+    ]
     path = write_csv(pathlib.Path(args.out), rows, FIELDS)
     print(f"wrote {path}")
     for r in rows:
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] != "" else "-"
-        print(f"dp {r['dp']} {r['kind']:<8} R {r['requests_per_rank']}: {r['wave_latency_s']:.3f} s/wave, "
-              f"{r['outputs_per_s']:.2f} outputs/s, {r['frames_per_s']:.1f} frames/s, efficiency {eff}, "
-              f"issue+wait {r['issue_wait_us_per_block']} us/block")
+        print(
+            f"dp {r['dp']} {r['kind']:<8} R {r['requests_per_rank']}: {r['wave_latency_s']:.3f} s/wave, "
+            f"{r['outputs_per_s']:.2f} outputs/s, {r['frames_per_s']:.1f} frames/s, efficiency {eff}, "
+            f"issue+wait {r['issue_wait_us_per_block']} us/block"
+        )
     if args.trace_out:
         trace = record_trace(args, checkpoint)
         print(f"wrote {write_csv(pathlib.Path(args.trace_out), trace, TRACE_FIELDS)} ({len(trace)} spans)")
@@ -237,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_r_sweep(args: argparse.Namespace) -> int:
-    from dlo_fn.bench.waves_r import FIELDS as R_FIELDS, r_sweep
+    from dlo_fn.bench.waves_r import FIELDS as R_FIELDS
+    from dlo_fn.bench.waves_r import r_sweep
     from dlo_fn.figures.style import write_csv
 
     args.height, args.width, args.frames = args.height or 1024, args.width or 1024, args.frames or 1
@@ -246,7 +323,9 @@ def _run_r_sweep(args: argparse.Namespace) -> int:
     rows = r_sweep(args)
     print(f"wrote {write_csv(pathlib.Path(args.out), rows, R_FIELDS)}")
     for r in rows:
-        print(f"R {r['requests_per_rank']}: {r['per_output_step_s']:.4f} s per output-step, bound "
-              f"{r['bound_s']:.4f} s (resident {r['resident_step_s']:.4f}, transfer {r['transfer_step_s']:.4f}): "
-              f"{r['ratio_to_bound']:.3f}x; identical bytes {r['identical_to_resident']}")
+        print(
+            f"R {r['requests_per_rank']}: {r['per_output_step_s']:.4f} s per output-step, bound "
+            f"{r['bound_s']:.4f} s (resident {r['resident_step_s']:.4f}, transfer {r['transfer_step_s']:.4f}): "
+            f"{r['ratio_to_bound']:.3f}x; identical bytes {r['identical_to_resident']}"
+        )
     return 0

@@ -8,7 +8,8 @@ image with CFG on the ``bench`` config: 24 blocks of 0.6 GB bf16) the per-output
 
 measured in the same run (resident: the same random weights on the device; peak: best H2D of the host arena's
 shards). Reports, per R: the wave latency, per-output seconds per step, the bound, their ratio (target <= 1.05),
-and whether a request served inside a wave of R is byte-identical to the resident model's output. ``--quick`` runs the tiny config on
+and whether a request served inside a wave of R is byte-identical to the resident model's output. ``--quick`` runs
+the tiny config on
 whatever device there is (a CPU smoke test of the same code path).
 """
 
@@ -21,17 +22,41 @@ import statistics
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("requests_per_rank", "wave_latency_s", "per_output_step_s", "resident_step_s", "transfer_step_s",
-          "bound_s", "ratio_to_bound", "identical_to_resident", "config", "workload", "steps", "weight_bytes",
-          "pinned_peak_bytes_per_s", "machine", "command", "date")
+FIELDS = (
+    "requests_per_rank",
+    "wave_latency_s",
+    "per_output_step_s",
+    "resident_step_s",
+    "transfer_step_s",
+    "bound_s",
+    "ratio_to_bound",
+    "identical_to_resident",
+    "config",
+    "workload",
+    "steps",
+    "weight_bytes",
+    "pinned_peak_bytes_per_s",
+    "machine",
+    "command",
+    "date",
+)
 
 
 def _requests(n: int, args: argparse.Namespace, start: int):
     from dlo_fn.models import Request
 
-    return [Request(prompt=f"an image {start + i}", seed=start + i, height=args.height, width=args.width,
-                    num_frames=args.frames, num_inference_steps=args.steps, guidance_scale=5.0)
-            for i in range(n)]
+    return [
+        Request(
+            prompt=f"an image {start + i}",
+            seed=start + i,
+            height=args.height,
+            width=args.width,
+            num_frames=args.frames,
+            num_inference_steps=args.steps,
+            guidance_scale=5.0,
+        )
+        for i in range(n)
+    ]
 
 
 def _serve(engine, requests, waves: int, r: int):
@@ -40,7 +65,7 @@ def _serve(engine, requests, waves: int, r: int):
 
     engine.options = dataclasses.replace(engine.options, requests_per_rank=r)
     engine.serve(requests[:r])  # warm-up: compiles this R's schedule, warms the allocator
-    report = engine.serve(requests[r: r * (waves + 1)])
+    report = engine.serve(requests[r : r * (waves + 1)])
     if not report.ok or any(w.num_requests != r for w in report.waves):
         raise RuntimeError(f"r-sweep: R {r}: {[(w.wave_id, w.num_requests, w.status) for w in report.waves]}")
     return statistics.median(w.latency_s for w in report.waves), report
@@ -52,9 +77,9 @@ def r_sweep(args: argparse.Namespace) -> list[dict]:
     from dlo_fn.bench import step_variants as sv
     from dlo_fn.bench.step import machine
     from dlo_fn.runtime.dist import init_distributed
-    from dlo_fn.serve.engine import Engine
     from dlo_fn.runtime.offload import offload
     from dlo_fn.runtime.platform import detect_platform
+    from dlo_fn.serve.engine import Engine
     from dlo_fn.serve.requests import EngineOptions
 
     rs = [int(x) for x in args.requests_per_rank.split(",")]
@@ -76,25 +101,41 @@ def r_sweep(args: argparse.Namespace) -> list[dict]:
         for r in rs:
             latency, _ = _serve(engine, reqs, args.waves, r)
             # reqs[1] again, now inside a wave of R requests: the same bytes as resident and alone.
-            again = engine.serve(reqs[1: 1 + r]).results[0].sha256
+            again = engine.serve(reqs[1 : 1 + r]).results[0].sha256
             per_output = latency / r / args.steps
             resident_step = res_latency / args.steps
             transfer = weight_bytes / (r * peak) if peak else 0.0
             bound = max(resident_step, transfer)
-            rows.append({"requests_per_rank": r, "wave_latency_s": latency, "per_output_step_s": per_output,
-                         "resident_step_s": resident_step, "transfer_step_s": transfer, "bound_s": bound,
-                         "ratio_to_bound": per_output / bound,
-                         "identical_to_resident": again == reference,
-                         "config": args.config, "workload": f"{args.width}x{args.height}x{args.frames} cfg",
-                         "steps": args.steps, "weight_bytes": weight_bytes, "pinned_peak_bytes_per_s": peak})
+            rows.append(
+                {
+                    "requests_per_rank": r,
+                    "wave_latency_s": latency,
+                    "per_output_step_s": per_output,
+                    "resident_step_s": resident_step,
+                    "transfer_step_s": transfer,
+                    "bound_s": bound,
+                    "ratio_to_bound": per_output / bound,
+                    "identical_to_resident": again == reference,
+                    "config": args.config,
+                    "workload": f"{args.width}x{args.height}x{args.frames} cfg",
+                    "steps": args.steps,
+                    "weight_bytes": weight_bytes,
+                    "pinned_peak_bytes_per_s": peak,
+                }
+            )
             log.info("R %d: %.4f s per output-step, bound %.4f s (%.3fx)", r, per_output, bound, per_output / bound)
     desc = machine(platform)
-    meta = {"machine": ", ".join(f"{k} {v}" for k, v in desc.items()), "command": _command(args),
-            "date": datetime.date.today().isoformat()}
+    meta = {
+        "machine": ", ".join(f"{k} {v}" for k, v in desc.items()),
+        "command": _command(args),
+        "date": datetime.date.today().isoformat(),
+    }
     return [dict(row, **meta) for row in rows]
 
 
 def _command(args: argparse.Namespace) -> str:
-    return (f"python -m dlo_fn bench waves --r-sweep --config {args.config} --requests-per-rank "
-            f"{args.requests_per_rank} --height {args.height} --width {args.width} --frames {args.frames} "
-            f"--steps {args.steps} --waves {args.waves}" + (f" --platform {args.platform}" if args.platform else ""))
+    return (
+        f"python -m dlo_fn bench waves --r-sweep --config {args.config} --requests-per-rank "
+        f"{args.requests_per_rank} --height {args.height} --width {args.width} --frames {args.frames} "
+        f"--steps {args.steps} --waves {args.waves}" + (f" --platform {args.platform}" if args.platform else "")
+    )

@@ -90,8 +90,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (default not in (None, False, argparse.SUPPRESS) and "default" not in text
-                and action.option_strings and action.nargs != 0):
+        if (
+            default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+            and action.option_strings
+            and action.nargs != 0
+        ):
             text += " (default: %(default)s)"
         return text
 
@@ -117,8 +121,9 @@ def _verbose_everywhere(sub: argparse._SubParsersAction) -> None:
     """``-v`` also after the command (``generate -v``, ``bench load -v``); SUPPRESS keeps the top-level one."""
     for p in set(sub.choices.values()):
         if not any("-v" in a.option_strings for a in p._actions):
-            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                           help="debug logging and tracebacks")
+            p.add_argument(
+                "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging and tracebacks"
+            )
         for action in p._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _verbose_everywhere(action)
@@ -138,7 +143,7 @@ def _say(command: str, message: str, *, rank_prefix: bool = False) -> None:
     lines = []
     for line in str(message).strip().splitlines() or [type(message).__name__]:
         for prefix in (f"{name}: ", f"{command}: "):  # messages that already name the command
-            line = line[len(prefix):] if command and line.startswith(prefix) else line
+            line = line[len(prefix) :] if command and line.startswith(prefix) else line
         lines.append(f"{name}: error: {where}{line}")
         print(lines[-1], file=sys.stderr)
     _torchrun_error_file("\n".join(lines))
@@ -169,8 +174,10 @@ def _torchrun_error_file(text: str) -> None:
 
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
-                                                                  "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}},
+                f,
+            )
     except OSError:
         pass
 

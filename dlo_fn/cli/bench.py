@@ -1,11 +1,23 @@
-"""`python -m dlo_fn bench {load,step,waves,timeline,continuous,real,link-share,...}`: each benchmark lives in :mod:`dlo_fn.bench`."""
+"""`python -m dlo_fn bench {load,step,waves,timeline,continuous,real,link-share,...}`: each benchmark lives in
+:mod:`dlo_fn.bench`."""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = ("load", "step", "waves", "timeline", "slots", "sp_hbm", "mesh_host", "continuous", "real", "fp8_quality",
-           "link_share")
+BENCHES = (
+    "load",
+    "step",
+    "waves",
+    "timeline",
+    "slots",
+    "sp_hbm",
+    "mesh_host",
+    "continuous",
+    "real",
+    "fp8_quality",
+    "link_share",
+)
 
 
 def register(subparsers) -> None:

@@ -18,14 +18,26 @@ from typing import Any, Mapping, Sequence
 
 from dlo_fn.cli import UsageError, _rank, _torchrun_error_file
 
-__all__ = ["FLAG_OF_FIELD", "check_checkpoint", "check_engine_args", "check_prompts", "report_failures",
-           "request_from_flags"]
+__all__ = [
+    "FLAG_OF_FIELD",
+    "check_checkpoint",
+    "check_engine_args",
+    "check_prompts",
+    "report_failures",
+    "request_from_flags",
+]
 
 # Request field -> the generate flag that sets it (what a message about that field should name).
 FLAG_OF_FIELD = {
-    "prompt": "--prompt", "negative_prompt": "--negative-prompt", "seed": "--seed",
-    "num_inference_steps": "--steps", "height": "--height", "width": "--width", "num_frames": "--frames",
-    "guidance_scale": "--guidance", "shift": "--shift",
+    "prompt": "--prompt",
+    "negative_prompt": "--negative-prompt",
+    "seed": "--seed",
+    "num_inference_steps": "--steps",
+    "height": "--height",
+    "width": "--width",
+    "num_frames": "--frames",
+    "guidance_scale": "--guidance",
+    "shift": "--shift",
 }
 _FIELD = re.compile(r"^(\w+)\b")
 
@@ -40,21 +52,26 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if args.requests_per_rank < 1:
         raise UsageError(f"generate: --requests-per-rank {args.requests_per_rank}: give >= 1")
     if getattr(args, "graph_shapes", 1) < 1:
-        raise UsageError(f"generate: --graph-shapes {args.graph_shapes}: give >= 1 (the input shapes whose CUDA "
-                         f"graphs are kept)")
+        raise UsageError(
+            f"generate: --graph-shapes {args.graph_shapes}: give >= 1 (the input shapes whose CUDA graphs are kept)"
+        )
     group = getattr(args, "load_group", 1)
     if group != "auto" and group < 1:
         raise UsageError(f"generate: --load-group {group}: give >= 1 (1 = one load per block) or auto")
     slots = getattr(args, "slots", None)
     if group != "auto" and group > 1 and isinstance(slots, int) and (slots % group or slots < 2 * group):
-        raise UsageError(f"generate: --load-group {group} --slots {slots}: give --slots a multiple of {group} and "
-                         f">= {2 * group} (two groups in flight), or leave --slots out ({2 * group})")
+        raise UsageError(
+            f"generate: --load-group {group} --slots {slots}: give --slots a multiple of {group} and "
+            f">= {2 * group} (two groups in flight), or leave --slots out ({2 * group})"
+        )
     landing = getattr(args, "landing", None)
     if landing is not None and landing < 1:
         raise UsageError(f"generate: --landing {landing}: give >= 1 (allgather's landing buffers), or leave it out")
     if group != "auto" and group > 1 and landing is not None and landing % group:
-        raise UsageError(f"generate: --load-group {group} --landing {landing}: give --landing a multiple of {group} "
-                         f"(a group's shards land side by side), or leave --landing out ({2 * group})")
+        raise UsageError(
+            f"generate: --load-group {group} --landing {landing}: give --landing a multiple of {group} "
+            f"(a group's shards land side by side), or leave --landing out ({2 * group})"
+        )
     if not args.max_wait_s >= 0:
         raise UsageError(f"generate: --max-wait-s {args.max_wait_s}: give a number of seconds >= 0")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
@@ -78,12 +95,14 @@ def check_engine_args(args: argparse.Namespace) -> None:
 
 def check_checkpoint(path: str) -> Any:
     """The checkpoint's :class:`~dlo_fn.models.DiTConfig`, after reading its config and every header."""
-    from dlo_fn.models import load_config
     from dlo_fn.io.checkpoint import open_checkpoint
+    from dlo_fn.models import load_config
 
     if not os.path.exists(path):
-        raise UsageError(f"generate: --checkpoint {path}: no such directory or file: write one with "
-                         f"`python -m dlo_fn make-checkpoint --model tiny --out {path}`")
+        raise UsageError(
+            f"generate: --checkpoint {path}: no such directory or file: write one with "
+            f"`python -m dlo_fn make-checkpoint --model tiny --out {path}`"
+        )
     try:
         open_checkpoint(path)  # every header: a corrupt one names its file and key
         config, _ = load_config(path)
@@ -118,9 +137,12 @@ def check_prompts(path: str, subs: Sequence[Any], config: Any = None) -> list:
     out, bad, seen = [], [], {}
     for sub, line in zip(subs, _line_numbers(path)):
         if sub.error is None and sub.request_id in seen:
-            sub = Submission(f"{sub.request_id}#line{line}", None,
-                             f"{path}:{line}: id {sub.request_id!r} is already used on line {seen[sub.request_id]}: "
-                             f"give every line its own \"id\"")
+            sub = Submission(
+                f"{sub.request_id}#line{line}",
+                None,
+                f"{path}:{line}: id {sub.request_id!r} is already used on line {seen[sub.request_id]}: "
+                f'give every line its own "id"',
+            )
         elif sub.error is None:
             seen[sub.request_id] = line
             try:
@@ -131,8 +153,10 @@ def check_prompts(path: str, subs: Sequence[Any], config: Any = None) -> list:
             bad.append(sub.error)
         out.append(sub)
     if not out:
-        raise UsageError(f"generate: --prompts {path}: no requests (one JSON object per line, e.g. "
-                         f'{{"prompt": "a red fox", "seed": 0}})')
+        raise UsageError(
+            f"generate: --prompts {path}: no requests (one JSON object per line, e.g. "
+            f'{{"prompt": "a red fox", "seed": 0}})'
+        )
     if len(bad) == len(out):
         raise UsageError("\n".join(f"--prompts {e}" for e in bad))
     for e in bad:
@@ -149,8 +173,10 @@ def report_failures(report: Any, printed: Sequence[str] = ()) -> int:
         if r.error not in printed:
             _stderr(f"dlo_fn generate: {r.request_id} failed: {r.error}")
     if failed:
-        summary = (f"dlo_fn generate: {len(failed)} of {len(report.results)} request(s) produced no output "
-                   f"(reasons above and in manifest.jsonl): exit code 1")
+        summary = (
+            f"dlo_fn generate: {len(failed)} of {len(report.results)} request(s) produced no output "
+            f"(reasons above and in manifest.jsonl): exit code 1"
+        )
         _stderr(summary)
         _torchrun_error_file(summary)  # torchrun's failure summary names it as the root cause
     return 1 if failed else 0

@@ -15,11 +15,11 @@
 from __future__ import annotations
 
 import argparse
-
-from dlo_fn.cli import HelpFormatter
 import logging
 import pathlib
 import time
+
+from dlo_fn.cli import HelpFormatter
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,11 @@ SHAPE = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 4}
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "demo", help="end-to-end demo: 2 CPU ranks, mmap load, sharded all-gather, DP waves, hash check",
-        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+        "demo",
+        help="end-to-end demo: 2 CPU ranks, mmap load, sharded all-gather, DP waves, hash check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("--out", default=DEFAULT_OUT, help="folder for the checkpoint and the outputs")
     parser.add_argument("--dp", type=int, default=2, help="DP replicas (CPU ranks to spawn: dp x sp)")
     parser.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks per replica (Ulysses)")
@@ -60,16 +63,17 @@ def run_demo(args: argparse.Namespace) -> int:
     from dlo_fn.models.checkpoint import ensure_checkpoint
     from dlo_fn.plan.modes import MODES
     from dlo_fn.serve.local import Phase, serve_local
-    from dlo_fn.serve.writer import write_outputs
     from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
+    from dlo_fn.serve.writer import write_outputs
 
     t0 = time.perf_counter()
     out = pathlib.Path(args.out)
     ckpt = ensure_checkpoint(out)
     subs = tuple(demo_requests())
     by_id = {s.request_id: i for i, s in enumerate(subs)}
-    options = EngineOptions(requests_per_rank=args.requests_per_rank, timeout_s=args.timeout_s, progress=False,
-                            serving="strict")  # the demo shows the waves
+    options = EngineOptions(
+        requests_per_rank=args.requests_per_rank, timeout_s=args.timeout_s, progress=False, serving="strict"
+    )  # the demo shows the waves
     others = tuple(m for m in MODES if m != "allgather")  # each must reproduce the allgather run's bytes
     phases = [
         Phase("allgather", subs, options),
@@ -78,15 +82,19 @@ def run_demo(args: argparse.Namespace) -> int:
     ]
     if args.dp < 1 or args.sp < 1:
         raise SystemExit(f"demo: --dp {args.dp} and --sp {args.sp} must be >= 1")
-    print(f"demo: {args.dp * args.sp} CPU ranks (gloo; dp {args.dp} x sp {args.sp}), checkpoint {ckpt}, "
-          f"{len(subs)} requests, R = {args.requests_per_rank} per rank")
+    print(
+        f"demo: {args.dp * args.sp} CPU ranks (gloo; dp {args.dp} x sp {args.sp}), checkpoint {ckpt}, "
+        f"{len(subs)} requests, R = {args.requests_per_rank} per rank"
+    )
     run = serve_local(ckpt, phases, args.dp, sp_size=args.sp, join_timeout_s=max(120.0, 4 * args.timeout_s))
-    main, forced, *compared = (list(run.reports) + [None] * len(phases))[:len(phases)]
+    main, forced, *compared = (list(run.reports) + [None] * len(phases))[: len(phases)]
     if not hasattr(main, "results"):
         print(f"demo FAILED: the allgather run did not complete: {main}")
         return 1
-    print("\nallgather waves (rank 0 broadcasts each wave; every rank runs its own request; idle ranks only "
-          "serve their shards):")
+    print(
+        "\nallgather waves (rank 0 broadcasts each wave; every rank runs its own request; idle ranks only "
+        "serve their shards):"
+    )
     print(wave_table(main))
     print("\nresults:")
     print(result_table(main))
@@ -113,7 +121,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if "IncompatibleWaveError" not in str(forced) or "height" not in str(forced):
         print("  the forced mixed wave was not rejected")
         ok = False
-    print(f"\noutputs: {manifest.parent} ({sum(r.ok for r in main.results)} videos + previews, manifest.jsonl, "
-          f"waves.jsonl); rank exit codes {list(run.exitcodes)}; {time.perf_counter() - t0:.1f} s")
+    print(
+        f"\noutputs: {manifest.parent} ({sum(r.ok for r in main.results)} videos + previews, manifest.jsonl, "
+        f"waves.jsonl); rank exit codes {list(run.exitcodes)}; {time.perf_counter() - t0:.1f} s"
+    )
     print("demo OK" if ok else "demo FAILED")
     return 0 if ok else 1

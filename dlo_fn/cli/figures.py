@@ -28,8 +28,11 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=pathlib.Path, default=FIGURES_DIR, help="output folder (default: figures/)")
     p.add_argument("--only", action="append", default=None, metavar="NAME", help="regenerate only this figure")
     p.add_argument("--list", action="store_true", help="list the figure names and exit")
-    p.add_argument("--execute-notebooks", action="store_true",
-                   help="also execute every notebook under notebooks/ in place (outputs stored, no timings)")
+    p.add_argument(
+        "--execute-notebooks",
+        action="store_true",
+        help="also execute every notebook under notebooks/ in place (outputs stored, no timings)",
+    )
     p.set_defaults(func=run)
 
 
@@ -43,7 +46,10 @@ def execute_notebooks(folder: pathlib.Path, timeout_s: int = 900) -> list[pathli
         log.info("executing %s", path.name)
         nb = nbformat.read(path, as_version=4)
         client = nbclient.NotebookClient(
-            nb, timeout=timeout_s, kernel_name="python3", record_timing=False,
+            nb,
+            timeout=timeout_s,
+            kernel_name="python3",
+            record_timing=False,
             resources={"metadata": {"path": str(folder)}},
         )
         client.execute()
@@ -62,8 +68,12 @@ def _coalesce_streams(outputs: list) -> list:
     merged: list = []
     for out in outputs:
         prev = merged[-1] if merged else None
-        if (out.get("output_type") == "stream" and prev is not None and prev.get("output_type") == "stream"
-                and prev.get("name") == out.get("name")):
+        if (
+            out.get("output_type") == "stream"
+            and prev is not None
+            and prev.get("output_type") == "stream"
+            and prev.get("name") == out.get("name")
+        ):
             prev["text"] = prev["text"] + out["text"]
         else:
             merged.append(out)

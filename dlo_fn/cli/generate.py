@@ -53,15 +53,35 @@ import pathlib
 
 from dlo_fn.cli import HelpFormatter, UsageError
 from dlo_fn.cli.generate_args import (
-    add_engine_arguments, add_model_arguments, add_request_arguments, check_generate_args, check_sp_args,
-    mode_from_args, options_from_args, submissions_from_args,
+    add_engine_arguments,
+    add_model_arguments,
+    add_request_arguments,
+    check_generate_args,
+    check_sp_args,
+    mode_from_args,
+    options_from_args,
+    submissions_from_args,
 )
 from dlo_fn.cli.generate_auto import auto_sps, choose_auto, is_auto, log_predicted_vs_measured
 
 __all__ = [
-    "EPILOG", "add_engine_arguments", "add_model_arguments", "add_request_arguments", "auto_sps",
-    "check_generate_args", "check_sp_args", "choose_auto", "is_auto", "load_offloaded", "log_predicted_vs_measured",
-    "mesh_from_args", "mode_from_args", "options_from_args", "register", "run_generate", "submissions_from_args",
+    "EPILOG",
+    "add_engine_arguments",
+    "add_model_arguments",
+    "add_request_arguments",
+    "auto_sps",
+    "check_generate_args",
+    "check_sp_args",
+    "choose_auto",
+    "is_auto",
+    "load_offloaded",
+    "log_predicted_vs_measured",
+    "mesh_from_args",
+    "mode_from_args",
+    "options_from_args",
+    "register",
+    "run_generate",
+    "submissions_from_args",
 ]
 
 
@@ -91,10 +111,13 @@ example (a CPU, seconds; random weights, so the video is noise):
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "generate", help="generate videos with layerwise-offloaded weights (torchrun for several ranks)",
+        "generate",
+        help="generate videos with layerwise-offloaded weights (torchrun for several ranks)",
         description=__doc__.split("\n\n")[0] + " Run under torchrun --nproc-per-node N for N ranks; without "
-        "torchrun it runs as one process. CPU ranks use gloo.", epilog=EPILOG,
-        formatter_class=HelpFormatter)
+        "torchrun it runs as one process. CPU ranks use gloo.",
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
     add_model_arguments(parser)
     add_request_arguments(parser)
     parser.add_argument("--out", required=True, help="output directory")
@@ -127,8 +150,9 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
         import dataclasses
 
         chosen = auto(model).candidate
-        options = dataclasses.replace(options, mode=chosen.mode, num_slots=chosen.num_slots,
-                                      load_group=chosen.load_group)
+        options = dataclasses.replace(
+            options, mode=chosen.mode, num_slots=chosen.num_slots, load_group=chosen.load_group
+        )
         if chosen.load_group > 1 and chosen.num_landing:  # allgather at W > 1: the 2G landing buffers it priced
             options = dataclasses.replace(options, num_landing=chosen.num_landing)
         if sp_auto:
@@ -157,8 +181,11 @@ def run_generate(args: argparse.Namespace) -> int:
             code = _serve(args, ctx, options, submissions, writer, built)
     except BaseException as exc:  # every request still without a line gets one, then the error goes on
         if writer is not None and writer.stopped is None:
-            why = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else (
-                f"the run failed before this request finished: {type(exc).__name__}: {str(exc)[:200]}")
+            why = (
+                "interrupted (Ctrl-C)"
+                if isinstance(exc, KeyboardInterrupt)
+                else (f"the run failed before this request finished: {type(exc).__name__}: {str(exc)[:200]}")
+            )
             writer.stop(why)
         raise
     finally:
@@ -195,23 +222,33 @@ def _sigterm_guard(writer):
 def _serve(args: argparse.Namespace, ctx, options, submissions, writer, built: dict) -> int:
     """Load, offload and serve (rank 0 writes each result as it ends, then the tables); the exit code.
     ``built["engine"]``: the engine, as soon as it exists."""
+    from dlo_fn.cli.checks import report_failures
     from dlo_fn.plan.trace import to_chrome_trace
     from dlo_fn.serve.batch import Fault
     from dlo_fn.serve.engine import Engine
     from dlo_fn.serve.requests import EngineOptions, result_table, wave_table
-
-    from dlo_fn.cli.checks import report_failures
 
     code = 0
     picked = []
     auto = (lambda m: picked.append(choose_auto(args, m, ctx)) or picked[-1]) if is_auto(args) else None
     mesh = mesh_from_args(args, ctx)
     offloaded, mesh = load_offloaded(args.checkpoint, ctx, options, auto, mesh, sp_auto=args.sp == "auto")
-    engine = Engine(offloaded.model, offloaded, ctx,
-                    EngineOptions(requests_per_rank=args.requests_per_rank, max_wait_s=args.max_wait_s,
-                                  timeout_s=args.timeout, fault=Fault.from_env(), progress=None,
-                                  serving=args.serving, keep_videos=False),  # written as they end
-                    mesh=mesh, checkpoint=args.checkpoint)
+    engine = Engine(
+        offloaded.model,
+        offloaded,
+        ctx,
+        EngineOptions(
+            requests_per_rank=args.requests_per_rank,
+            max_wait_s=args.max_wait_s,
+            timeout_s=args.timeout,
+            fault=Fault.from_env(),
+            progress=None,
+            serving=args.serving,
+            keep_videos=False,
+        ),  # written as they end
+        mesh=mesh,
+        checkpoint=args.checkpoint,
+    )
     built["engine"] = engine
     if ctx.is_main:
         timeline = None
@@ -225,12 +262,16 @@ def _serve(args: argparse.Namespace, ctx, options, submissions, writer, built: d
         finally:
             engine.close()
         manifest = writer.finish(report)
-        print(wave_table(report) if report.waves or not report.steps else
-              f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)"
-              + (f"; {report.degraded}" if report.degraded else ""))
+        print(
+            wave_table(report)
+            if report.waves or not report.steps
+            else f"continuous serving: {len(report.steps)} ring step(s) on {report.dp_size} rank(s)"
+            + (f"; {report.degraded}" if report.degraded else "")
+        )
         print(result_table(report))
-        print(f"wrote {sum(r.ok for r in report.results)} output(s), {len(report.results)} manifest line(s): "
-              f"{manifest}")
+        print(
+            f"wrote {sum(r.ok for r in report.results)} output(s), {len(report.results)} manifest line(s): {manifest}"
+        )
         if timeline is not None:
             pathlib.Path(args.trace).write_text(json.dumps(to_chrome_trace(timeline)))
             print(f"wrote every rank's measured timeline ({len(timeline.spans)} spans): {args.trace}")

@@ -22,8 +22,11 @@ log = logging.getLogger(f"{__package__}.generate")
 
 
 def is_auto(args: argparse.Namespace) -> bool:
-    return (args.mode == "auto" or args.sp == "auto"
-            or ("auto" in (args.slots, args.load_group) and mode_from_args(args) != "resident"))
+    return (
+        args.mode == "auto"
+        or args.sp == "auto"
+        or ("auto" in (args.slots, args.load_group) and mode_from_args(args) != "resident")
+    )
 
 
 def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
@@ -44,13 +47,28 @@ def choose_auto(args: argparse.Namespace, model, ctx):
 
     request = next(s.request for s in submissions_from_args(args) if s.request is not None)
     found = probe(model, ctx, request)
-    fields = tuple(f for f, given in (("mode", args.mode), ("num_slots", args.slots), ("load_group", args.load_group))
-                   if given == "auto")
-    fixed = types.SimpleNamespace(mode=mode_from_args(args) if args.mode != "auto" else None,
-                                  num_slots=slots_from_args(args, None), load_group=args.load_group, shard_group="world")
+    fields = tuple(
+        f
+        for f, given in (("mode", args.mode), ("num_slots", args.slots), ("load_group", args.load_group))
+        if given == "auto"
+    )
+    fixed = types.SimpleNamespace(
+        mode=mode_from_args(args) if args.mode != "auto" else None,
+        num_slots=slots_from_args(args, None),
+        load_group=args.load_group,
+        shard_group="world",
+    )
     sps = auto_sps(args, ctx.world_size, getattr(model.config, "num_heads", None))
-    choice = decide(found.topology, found.model, found.workload, fields, fixed, ctx, sps=sps,
-                    requests_per_rank=args.requests_per_rank)
+    choice = decide(
+        found.topology,
+        found.model,
+        found.workload,
+        fields,
+        fixed,
+        ctx,
+        sps=sps,
+        requests_per_rank=args.requests_per_rank,
+    )
     if ctx.is_main:
         _write_probe(args, found, sps)
     return choice.chosen
@@ -69,13 +87,24 @@ def _write_probe(args: argparse.Namespace, found, sps) -> None:
 
     groups = AUTO_LOAD_GROUPS if args.load_group == "auto" else (args.load_group,)
     slots, groups = ",".join(map(str, auto_slots(groups))), ",".join(map(str, groups))
-    log.info("auto: measured topology in %s (python -m dlo_fn policy --topology %s --slots %s --load-groups %s "
-             "prints its table)", path, path, slots, groups)
+    log.info(
+        "auto: measured topology in %s (python -m dlo_fn policy --topology %s --slots %s --load-groups %s "
+        "prints its table)",
+        path,
+        path,
+        slots,
+        groups,
+    )
 
 
 def log_predicted_vs_measured(report, chosen) -> None:
     rows = [(f"wave {w.wave_id}", w.latency_s / w.num_steps) for w in report.waves[:2] if w.num_steps]
     rows = rows or [(f"ring step {s.step}", s.end_s - s.start_s) for s in report.steps[1:3]]  # continuous
     for what, measured in rows:
-        log.info("auto: %s: measured %.1f ms per step, predicted %.1f ms (%+.1f%%)", what,
-                 1e3 * measured, 1e3 * chosen.step_s, 100 * (measured / chosen.step_s - 1))
+        log.info(
+            "auto: %s: measured %.1f ms per step, predicted %.1f ms (%+.1f%%)",
+            what,
+            1e3 * measured,
+            1e3 * chosen.step_s,
+            100 * (measured / chosen.step_s - 1),
+        )

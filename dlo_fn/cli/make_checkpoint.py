@@ -55,11 +55,12 @@ def register(subparsers) -> None:
             "repeatable but its videos are noise."
         ),
         epilog=f"sizes (tensor bytes; the disk needs as much free):\n{sizes}\n\n"
-               "tiny generates on a CPU in seconds; load-1gb is a ~1 GB checkpoint for load and memory tests.",
+        "tiny generates on a CPU in seconds; load-1gb is a ~1 GB checkpoint for load and memory tests.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--model", required=True, choices=names, metavar="NAME",
-                        help=f"named config: {', '.join(names)} (sizes below)")
+    parser.add_argument(
+        "--model", required=True, choices=names, metavar="NAME", help=f"named config: {', '.join(names)} (sizes below)"
+    )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, tensor name)")
     parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="linear weight dtype")
@@ -83,17 +84,25 @@ def run(args: argparse.Namespace) -> int:
     config = _config(args.model)
     try:
         out = write_checkpoint(
-            config, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
-            overwrite=args.overwrite, progress=not args.no_progress,
+            config,
+            args.out,
+            seed=args.seed,
+            dtype=args.dtype,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
         )
     except FileExistsError as exc:
         raise UsageError(f"--out {args.out}: {exc}") from None
     except OSError as exc:  # e.g. a directory that cannot be created or written
-        raise UsageError(f"--out {args.out}: cannot write there ({exc.strerror or exc}): choose a writable "
-                         f"directory") from None
+        raise UsageError(
+            f"--out {args.out}: cannot write there ({exc.strerror or exc}): choose a writable directory"
+        ) from None
     model = build_model(config, device="meta", dtype=DTYPES[args.dtype])
     total = sum(t.nbytes for t in init_plan(model))
     files = sorted(p.name for p in out.glob("*.safetensors"))
-    print(f"wrote {args.model} ({args.dtype}, seed {args.seed}) to {out}: {len(files)} file(s), {total:,} bytes of "
-          f"tensors (random weights: generate makes noise from them)")
+    print(
+        f"wrote {args.model} ({args.dtype}, seed {args.seed}) to {out}: {len(files)} file(s), {total:,} bytes of "
+        f"tensors (random weights: generate makes noise from them)"
+    )
     return 0

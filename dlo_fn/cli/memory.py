@@ -64,43 +64,89 @@ def register(subparsers) -> None:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-bytes", metavar="SIZE", help="checkpoint bytes M (blocks + resident), e.g. 124GB")
-    src.add_argument("--model", metavar="NAME_OR_CHECKPOINT",
-                     help="named config (e.g. cosmos3-super) or checkpoint path: exact block sizes")
-    p.add_argument("--dp", type=int, required=True, metavar="N",
-                   help="DP ranks (replicas) on the host; with --sp S the host runs N x S ranks")
+    src.add_argument(
+        "--model",
+        metavar="NAME_OR_CHECKPOINT",
+        help="named config (e.g. cosmos3-super) or checkpoint path: exact block sizes",
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        required=True,
+        metavar="N",
+        help="DP ranks (replicas) on the host; with --sp S the host runs N x S ranks",
+    )
     p.add_argument("--sp", type=int, default=1, metavar="S", help="sequence-parallel ranks per replica (Ulysses)")
-    p.add_argument("--shard-group", choices=SHARD_GROUPS, default=DEFAULT_SHARD_GROUP,
-                   help="ranks that share one set of shards: world (all dp x sp), dp, or sp")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="with --model (a named config): add the per-rank SP activation and all-to-all terms at "
-                        "this many tokens per sequence (75600 = 720p 10 s)")
+    p.add_argument(
+        "--shard-group",
+        choices=SHARD_GROUPS,
+        default=DEFAULT_SHARD_GROUP,
+        help="ranks that share one set of shards: world (all dp x sp), dp, or sp",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="with --model (a named config): add the per-rank SP activation and all-to-all terms at "
+        "this many tokens per sequence (75600 = 720p 10 s)",
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences per pass for the SP terms (2 with CFG)")
-    p.add_argument("--platform", choices=("cuda", "ascend"), default="cuda",
-                   help="cuda: pinned memory is charged to the cgroup; ascend: it is not (default cuda)")
+    p.add_argument(
+        "--platform",
+        choices=("cuda", "ascend"),
+        default="cuda",
+        help="cuda: pinned memory is charged to the cgroup; ascend: it is not (default cuda)",
+    )
     blocks = p.add_mutually_exclusive_group()
     blocks.add_argument("--num-blocks", type=int, metavar="K", help="K equal blocks (with --model-bytes)")
     blocks.add_argument("--max-block-bytes", metavar="SIZE", help="largest block (with --model-bytes)")
-    p.add_argument("--resident-bytes", default="0", metavar="SIZE",
-                   help="bytes outside the blocks, kept on every card (with --model-bytes; default 0)")
-    p.add_argument("--mode", choices=("allgather", "rank-local", "rank-local-mmap"), default="allgather",
-                   help="host weights: shards + AllGather, a full pinned copy per rank, or shared mmap")
-    p.add_argument("--loading", choices=("mmap", "private-copy"), default="mmap",
-                   help="cold start: meta init + mmap views, or a private copy per rank")
+    p.add_argument(
+        "--resident-bytes",
+        default="0",
+        metavar="SIZE",
+        help="bytes outside the blocks, kept on every card (with --model-bytes; default 0)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("allgather", "rank-local", "rank-local-mmap"),
+        default="allgather",
+        help="host weights: shards + AllGather, a full pinned copy per rank, or shared mmap",
+    )
+    p.add_argument(
+        "--loading",
+        choices=("mmap", "private-copy"),
+        default="mmap",
+        help="cold start: meta init + mmap views, or a private copy per rank",
+    )
     p.add_argument("--slots", type=int, default=2, help="device slots (2 = the published double buffer)")
-    p.add_argument("--landing", type=int, default=DEFAULT_NUM_LANDING,
-                   help="landing buffers for the local shard (allgather)")
+    p.add_argument(
+        "--landing", type=int, default=DEFAULT_NUM_LANDING, help="landing buffers for the local shard (allgather)"
+    )
     p.add_argument("--activation-bytes", default="0", metavar="SIZE", help="activations per card (workload)")
-    p.add_argument("--communication-bytes", default="0", metavar="SIZE",
-                   help="communication buffers per card (workload)")
+    p.add_argument(
+        "--communication-bytes", default="0", metavar="SIZE", help="communication buffers per card (workload)"
+    )
     p.add_argument("--transient-bytes", default="0", metavar="SIZE", help="load-time transient host bytes")
-    p.add_argument("--framework-bytes-per-rank", default=None, metavar="SIZE",
-                   help="host bytes per rank without weights (default: the calibrated 3.5 GB)")
-    p.add_argument("--device-context-bytes", default=None, metavar="SIZE",
-                   help="device bytes besides weights and workload (default: the calibrated Ascend value)")
+    p.add_argument(
+        "--framework-bytes-per-rank",
+        default=None,
+        metavar="SIZE",
+        help="host bytes per rank without weights (default: the calibrated 3.5 GB)",
+    )
+    p.add_argument(
+        "--device-context-bytes",
+        default=None,
+        metavar="SIZE",
+        help="device bytes besides weights and workload (default: the calibrated Ascend value)",
+    )
     p.add_argument("--host-ram-bytes", default=None, metavar="SIZE", help="say whether physical RAM fits")
-    p.add_argument("--host-budget", default=None, metavar="SIZE",
-                   help="host bytes the --dp ranks may hold together: how many shards fit pinned, the rest streamed "
-                        "(dlo_fn.plan.host_budget), or the bytes needed and the largest dp that fits")
+    p.add_argument(
+        "--host-budget",
+        default=None,
+        metavar="SIZE",
+        help="host bytes the --dp ranks may hold together: how many shards fit pinned, the rest streamed "
+        "(dlo_fn.plan.host_budget), or the bytes needed and the largest dp that fits",
+    )
     p.add_argument("--hbm-bytes", default=None, metavar="SIZE", help="say whether the HBM peak fits")
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -120,8 +166,12 @@ def one_high_water_mark(rows: tuple, per_rank: dict) -> tuple:
     import dataclasses
 
     hwm = max(p["hwm_bytes"] for p in per_rank["phases"])
-    return tuple(dataclasses.replace(r, formula="max VmHWM of the phases in 'host per rank' below", value_bytes=hwm)
-                 if r.item == "per-rank high-water mark" else r for r in rows)
+    return tuple(
+        dataclasses.replace(r, formula="max VmHWM of the phases in 'host per rank' below", value_bytes=hwm)
+        if r.item == "per-rank high-water mark"
+        else r
+        for r in rows
+    )
 
 
 def _sizes(args: argparse.Namespace, parse_bytes):
@@ -129,8 +179,9 @@ def _sizes(args: argparse.Namespace, parse_bytes):
 
     if args.model:
         if args.num_blocks is not None or args.max_block_bytes or parse_bytes(args.resident_bytes):
-            raise UsageError("--model gives exact block sizes: leave out --num-blocks/--max-block-bytes/"
-                             "--resident-bytes")
+            raise UsageError(
+                "--model gives exact block sizes: leave out --num-blocks/--max-block-bytes/--resident-bytes"
+            )
         from dlo_fn.io.sources import spec_for
 
         try:
@@ -141,8 +192,10 @@ def _sizes(args: argparse.Namespace, parse_bytes):
     total, resident = parse_bytes(args.model_bytes), parse_bytes(args.resident_bytes)
     name = f"{args.model_bytes} model"
     if resident >= total:
-        raise UsageError(f"--resident-bytes {args.resident_bytes} is not below --model-bytes {args.model_bytes}: "
-                         f"the blocks need the rest")
+        raise UsageError(
+            f"--resident-bytes {args.resident_bytes} is not below --model-bytes {args.model_bytes}: "
+            f"the blocks need the rest"
+        )
     if args.num_blocks is not None:
         if args.num_blocks < 1:
             raise UsageError(f"--num-blocks {args.num_blocks}: give >= 1 blocks")
@@ -150,8 +203,10 @@ def _sizes(args: argparse.Namespace, parse_bytes):
     if args.max_block_bytes:
         block = parse_bytes(args.max_block_bytes)
         if not 0 < block <= total - resident:
-            raise UsageError(f"--max-block-bytes {args.max_block_bytes}: must be > 0 and at most the block bytes "
-                             f"(--model-bytes minus --resident-bytes = {total - resident:,} B)")
+            raise UsageError(
+                f"--max-block-bytes {args.max_block_bytes}: must be > 0 and at most the block bytes "
+                f"(--model-bytes minus --resident-bytes = {total - resident:,} B)"
+            )
         return ModelSizes.from_max_block(name, total, block, resident, "--max-block-bytes"), True
     # No block size: host terms treat the blocks as one buffer (shards = ceil(M / W)); HBM needs blocks.
     return ModelSizes(name, (total - resident,), resident, "no block size given"), False
@@ -167,10 +222,9 @@ def _dims(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.plan.accounting import memory_accounting
     from dlo_fn.plan.memory import parse_bytes as parse
-    from dlo_fn.repro import calibration
-
     from dlo_fn.plan.mesh import MeshPlan
     from dlo_fn.plan.mesh_memory import mesh_memory_rows
+    from dlo_fn.repro import calibration
 
     def parse_bytes(text):  # a size the user wrote: an unreadable one names its flag
         try:
@@ -185,9 +239,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--slots {args.slots} --landing {args.landing}: give >= 1 of each")
     if args.alignment < 1 or args.alignment & (args.alignment - 1):
         raise UsageError(f"--alignment {args.alignment}: must be a power of two (bytes), e.g. 256")
-    for flag in ("model_bytes", "resident_bytes", "max_block_bytes", "activation_bytes", "communication_bytes",
-                 "transient_bytes", "framework_bytes_per_rank", "device_context_bytes", "host_ram_bytes",
-                 "hbm_bytes"):
+    for flag in (
+        "model_bytes",
+        "resident_bytes",
+        "max_block_bytes",
+        "activation_bytes",
+        "communication_bytes",
+        "transient_bytes",
+        "framework_bytes_per_rank",
+        "device_context_bytes",
+        "host_ram_bytes",
+        "hbm_bytes",
+    ):
         text = getattr(args, flag)
         if text is not None and str(text).strip().startswith("-"):
             raise UsageError(f"--{flag.replace('_', '-')} {text}: a size cannot be negative")
@@ -196,21 +259,45 @@ def run(args: argparse.Namespace) -> int:
         sizes, with_hbm = _sizes(args, parse_bytes)
         dims = _dims(args)
         # The two deployment constants: what the user measured, else the published deployment's calibration.
-        framework = (calibration.FRAMEWORK_HOST_BYTES_PER_RANK if args.framework_bytes_per_rank is None
-                     else parse_bytes(args.framework_bytes_per_rank))
-        context = (calibration.DEVICE_CONTEXT_BYTES if args.device_context_bytes is None
-                   else parse_bytes(args.device_context_bytes))
+        framework = (
+            calibration.FRAMEWORK_HOST_BYTES_PER_RANK
+            if args.framework_bytes_per_rank is None
+            else parse_bytes(args.framework_bytes_per_rank)
+        )
+        context = (
+            calibration.DEVICE_CONTEXT_BYTES
+            if args.device_context_bytes is None
+            else parse_bytes(args.device_context_bytes)
+        )
         rows = memory_accounting(
-            sizes, mesh.world_size, num_shards=mesh.num_shards, platform=args.platform, mode=args.mode,
-            loading=args.loading, num_slots=args.slots,
-            num_landing=args.landing, activation_bytes=parse_bytes(args.activation_bytes),
+            sizes,
+            mesh.world_size,
+            num_shards=mesh.num_shards,
+            platform=args.platform,
+            mode=args.mode,
+            loading=args.loading,
+            num_slots=args.slots,
+            num_landing=args.landing,
+            activation_bytes=parse_bytes(args.activation_bytes),
             communication_bytes=parse_bytes(args.communication_bytes),
-            transient_bytes=parse_bytes(args.transient_bytes), alignment_bytes=args.alignment,
-            framework_bytes_per_rank=framework, context_bytes=context, with_hbm=with_hbm)
+            transient_bytes=parse_bytes(args.transient_bytes),
+            alignment_bytes=args.alignment,
+            framework_bytes_per_rank=framework,
+            context_bytes=context,
+            with_hbm=with_hbm,
+        )
         if with_hbm and (mesh.sp > 1 or mesh.shard_group != DEFAULT_SHARD_GROUP or args.tokens):
-            rows += mesh_memory_rows(sizes, mesh, dims, args.tokens if dims else None, batch=args.batch,
-                                     num_slots=args.slots, num_landing=args.landing, context_bytes=context,
-                                     alignment_bytes=args.alignment)
+            rows += mesh_memory_rows(
+                sizes,
+                mesh,
+                dims,
+                args.tokens if dims else None,
+                batch=args.batch,
+                num_slots=args.slots,
+                num_landing=args.landing,
+                context_bytes=context,
+                alignment_bytes=args.alignment,
+            )
     except UsageError:
         raise
     except ValueError as exc:
@@ -231,28 +318,59 @@ def run(args: argparse.Namespace) -> int:
     if args.host_budget and args.mode != "rank-local-mmap":
         from dlo_fn.plan.host_budget import host_budget
 
-        budget = host_budget(sizes, args.dp, parse_bytes(args.host_budget), args.mode, device,
-                             constant_bytes=framework, num_slots=args.slots, num_landing=args.landing,
-                             alignment_bytes=args.alignment)
+        budget = host_budget(
+            sizes,
+            args.dp,
+            parse_bytes(args.host_budget),
+            args.mode,
+            device,
+            constant_bytes=framework,
+            num_slots=args.slots,
+            num_landing=args.landing,
+            alignment_bytes=args.alignment,
+        )
         verdicts["host_budget"] = budget.status
-    per_rank = rank_memory_doc(sizes, args.dp, args.mode, device, framework, num_slots=args.slots,
-                               num_landing=args.landing, alignment_bytes=args.alignment)
+    per_rank = rank_memory_doc(
+        sizes,
+        args.dp,
+        args.mode,
+        device,
+        framework,
+        num_slots=args.slots,
+        num_landing=args.landing,
+        alignment_bytes=args.alignment,
+    )
     rows = one_high_water_mark(rows, per_rank)
     if args.json:
-        doc = {"model": sizes.name, "source": sizes.source, "num_blocks": sizes.num_blocks if with_hbm else None,
-               "dp": args.dp, "sp": args.sp, "shard_group": args.shard_group, "num_shards": mesh.num_shards,
-               "platform": args.platform, "mode": args.mode, "loading": args.loading,
-               "constants": {"framework_bytes_per_rank": framework, "device_context_bytes": context},
-               "rows": [r.to_dict() for r in rows], "rank_memory": per_rank, **verdicts, "notes": notes}
+        doc = {
+            "model": sizes.name,
+            "source": sizes.source,
+            "num_blocks": sizes.num_blocks if with_hbm else None,
+            "dp": args.dp,
+            "sp": args.sp,
+            "shard_group": args.shard_group,
+            "num_shards": mesh.num_shards,
+            "platform": args.platform,
+            "mode": args.mode,
+            "loading": args.loading,
+            "constants": {"framework_bytes_per_rank": framework, "device_context_bytes": context},
+            "rows": [r.to_dict() for r in rows],
+            "rank_memory": per_rank,
+            **verdicts,
+            "notes": notes,
+        }
         print(json.dumps(doc, indent=2))
         return 0
     # One unit for the whole table, from the model's size (tiny's terms would all read 0.000 GB).
-    unit, scale = next((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1))
-                       if sizes.total_bytes >= f or f == 1)
-    print(f"{sizes.name}: {sizes.total_bytes / scale:.3f} {unit}"
-          + (f" in {sizes.num_blocks} blocks (max {sizes.max_block_bytes / scale:.3f} {unit})" if with_hbm else "")
-          + f", dp {args.dp} x sp {args.sp} (W = {mesh.num_shards}, {args.shard_group}), {args.platform}, {args.mode},"
-          f" {args.loading} loading")
+    unit, scale = next(
+        (u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)) if sizes.total_bytes >= f or f == 1
+    )
+    print(
+        f"{sizes.name}: {sizes.total_bytes / scale:.3f} {unit}"
+        + (f" in {sizes.num_blocks} blocks (max {sizes.max_block_bytes / scale:.3f} {unit})" if with_hbm else "")
+        + f", dp {args.dp} x sp {args.sp} (W = {mesh.num_shards}, {args.shard_group}), {args.platform}, {args.mode},"
+        f" {args.loading} loading"
+    )
     section = None
     for r in rows:
         if r.section != section:

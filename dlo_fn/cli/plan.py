@@ -6,9 +6,9 @@ import argparse
 import json
 
 from dlo_fn.cli import HelpFormatter, UsageError
+from dlo_fn.plan.lowering import default_num_landing, load_group_problem
 from dlo_fn.plan.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
 from dlo_fn.plan.modes import OFFLOAD_MODES
-from dlo_fn.plan.lowering import default_num_landing, load_group_problem
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 FIELD_HELP = """\
@@ -54,30 +54,68 @@ def register(subparsers) -> None:
         epilog=FIELD_HELP,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", required=True, metavar="NAME_OR_CHECKPOINT",
-                   help="named config (tiny, cosmos3-nano, cosmos3-super, 400gb, bench) or checkpoint path")
-    p.add_argument("--num-shards", "--shard-world", dest="num_shards", type=int, default=1, metavar="W",
-                   help="ranks in the shard group (every rank that runs in lockstep); default 1")
-    p.add_argument("--mode", choices=OFFLOAD_MODES, default="allgather",
-                   help="allgather: shard over W ranks and gather each block; rank-local: whole blocks per rank")
-    p.add_argument("--slots", type=int, default=2,
-                   help="device slots (2 = the published double buffer; 1 = load, then compute, no overlap)")
-    p.add_argument("--landing", type=int, default=None,
-                   help=f"landing buffers for the local shard (allgather; default {DEFAULT_NUM_LANDING}, 2G with "
-                        f"--load-group G)")
-    p.add_argument("--load-group", type=int, default=1, metavar="G",
-                   help="G consecutive blocks loaded as one (needs --slots a multiple of G and >= 2G): at W > 1 the "
-                        "shards are laid out per group where G divides the blocks (one all-gather per group; its "
-                        "own digest; unequal blocks pad to their group's largest). Default 1")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME_OR_CHECKPOINT",
+        help="named config (tiny, cosmos3-nano, cosmos3-super, 400gb, bench) or checkpoint path",
+    )
+    p.add_argument(
+        "--num-shards",
+        "--shard-world",
+        dest="num_shards",
+        type=int,
+        default=1,
+        metavar="W",
+        help="ranks in the shard group (every rank that runs in lockstep); default 1",
+    )
+    p.add_argument(
+        "--mode",
+        choices=OFFLOAD_MODES,
+        default="allgather",
+        help="allgather: shard over W ranks and gather each block; rank-local: whole blocks per rank",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=2,
+        help="device slots (2 = the published double buffer; 1 = load, then compute, no overlap)",
+    )
+    p.add_argument(
+        "--landing",
+        type=int,
+        default=None,
+        help=f"landing buffers for the local shard (allgather; default {DEFAULT_NUM_LANDING}, 2G with --load-group G)",
+    )
+    p.add_argument(
+        "--load-group",
+        type=int,
+        default=1,
+        metavar="G",
+        help="G consecutive blocks loaded as one (needs --slots a multiple of G and >= 2G): at W > 1 the "
+        "shards are laid out per group where G divides the blocks (one all-gather per group; its "
+        "own digest; unequal blocks pad to their group's largest). Default 1",
+    )
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
-    p.add_argument("--block-paths", default=None,
-                   help="comma-separated dotted paths of the block list(s) (checkpoints: auto-detected)")
+    p.add_argument(
+        "--block-paths",
+        default=None,
+        help="comma-separated dotted paths of the block list(s) (checkpoints: auto-detected)",
+    )
     p.add_argument("--dp", type=int, default=None, help="DP replicas of a (dp, sp) mesh (with --sp)")
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel ranks per replica (Ulysses)")
-    p.add_argument("--shard-group", choices=SHARD_GROUPS, default=DEFAULT_SHARD_GROUP,
-                   help="mesh ranks that share one set of shards (with --dp/--sp)")
-    p.add_argument("--tokens", type=int, default=75600,
-                   help="tokens of one sequence for the SP terms (75600 = 720p 10 s: 1280x720, 81 frames)")
+    p.add_argument(
+        "--shard-group",
+        choices=SHARD_GROUPS,
+        default=DEFAULT_SHARD_GROUP,
+        help="mesh ranks that share one set of shards (with --dp/--sp)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=75600,
+        help="tokens of one sequence for the SP terms (75600 = 720p 10 s: 1280x720, 81 frames)",
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences per pass for the SP terms (2 with CFG)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -121,8 +159,10 @@ def _mesh(args: argparse.Namespace):
     except ValueError as exc:
         raise UsageError(f"plan: --dp/--sp/--shard-group: {exc}") from None
     if args.num_shards not in (1, mesh.num_shards):
-        raise UsageError(f"plan: --num-shards {args.num_shards} disagrees with the mesh's {args.shard_group!r} "
-                         f"shard group of {mesh.num_shards} ranks: leave --num-shards out with --dp/--sp")
+        raise UsageError(
+            f"plan: --num-shards {args.num_shards} disagrees with the mesh's {args.shard_group!r} "
+            f"shard group of {mesh.num_shards} ranks: leave --num-shards out with --dp/--sp"
+        )
     return mesh
 
 
@@ -142,25 +182,51 @@ def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
     sizes = ModelSizes.from_spec(spec, args.alignment)
     dims = _dims(args.model)
     try:
-        rows = mesh_memory_rows(sizes, mesh, dims, args.tokens if dims else None, batch=args.batch,
-                                num_slots=args.slots, num_landing=args.landing, alignment_bytes=args.alignment)
+        rows = mesh_memory_rows(
+            sizes,
+            mesh,
+            dims,
+            args.tokens if dims else None,
+            batch=args.batch,
+            num_slots=args.slots,
+            num_landing=args.landing,
+            alignment_bytes=args.alignment,
+        )
         heads = CONFIGS[args.model].num_heads if dims else None
         ranks = mesh.rank_table(sizes, args.tokens, heads, args.alignment) if heads else ()
     except ValueError as exc:
         raise UsageError(f"plan: {exc}") from None
     notes = [] if dims else ["SP activation terms need the block widths: give a named config as --model"]
-    doc = {"dp": mesh.dp, "sp": mesh.sp, "shard_group": mesh.shard_group, "num_shards": mesh.num_shards,
-           "world_size": mesh.world_size, "tokens": args.tokens if dims else None, "batch": args.batch,
-           "rows": [r.to_dict() for r in rows],
-           "ranks": [{"rank": r.rank, "dp_rank": r.dp_rank, "sp_rank": r.sp_rank, "tokens": list(r.token_range),
-                      "pad_tokens": r.pad_tokens, "heads": list(r.head_range), "shard_group": list(r.shard_group),
-                      "shard_index": r.shard_index, "pinned_bytes": r.pinned_bytes} for r in ranks]}
+    doc = {
+        "dp": mesh.dp,
+        "sp": mesh.sp,
+        "shard_group": mesh.shard_group,
+        "num_shards": mesh.num_shards,
+        "world_size": mesh.world_size,
+        "tokens": args.tokens if dims else None,
+        "batch": args.batch,
+        "rows": [r.to_dict() for r in rows],
+        "ranks": [
+            {
+                "rank": r.rank,
+                "dp_rank": r.dp_rank,
+                "sp_rank": r.sp_rank,
+                "tokens": list(r.token_range),
+                "pad_tokens": r.pad_tokens,
+                "heads": list(r.head_range),
+                "shard_group": list(r.shard_group),
+                "shard_index": r.shard_index,
+                "pinned_bytes": r.pinned_bytes,
+            }
+            for r in ranks
+        ],
+    }
     return doc, notes
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlo_fn.plan.summary import plan_summary
     from dlo_fn.io.sources import spec_for
+    from dlo_fn.plan.summary import plan_summary
 
     check_layout_args(args)
     if args.landing is None:
@@ -181,12 +247,25 @@ def run(args: argparse.Namespace) -> int:
     from dlo_fn.plan.rank_memory import rank_terms
     from dlo_fn.plan.sizes import ModelSizes
 
-    terms = dict(rank_terms(ModelSizes.from_spec(spec, args.alignment), num_shards, args.mode, "cuda",
-                            num_slots=args.slots, num_landing=args.landing, alignment_bytes=args.alignment,
-                            load_group=args.load_group).items())
+    terms = dict(
+        rank_terms(
+            ModelSizes.from_spec(spec, args.alignment),
+            num_shards,
+            args.mode,
+            "cuda",
+            num_slots=args.slots,
+            num_landing=args.landing,
+            alignment_bytes=args.alignment,
+            load_group=args.load_group,
+        ).items()
+    )
     if args.json:
-        print(json.dumps({**summary.to_dict(), "rank_terms": terms,
-                          **({"mesh": mesh_doc, "notes": notes} if mesh else {})}, indent=2))
+        print(
+            json.dumps(
+                {**summary.to_dict(), "rank_terms": terms, **({"mesh": mesh_doc, "notes": notes} if mesh else {})},
+                indent=2,
+            )
+        )
         return 0
     for key, value in summary.to_dict().items():
         text = _fmt_bytes(value) if "_bytes" in key and key != "alignment_bytes" else str(value)
@@ -196,16 +275,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {key:22s} {TERM_FORMULAS[key]:66s} {value if key == 'readers' else _fmt_bytes(value)}")
     if mesh is None:
         return 0
-    print(f"\nmesh dp {mesh.dp} x sp {mesh.sp} = {mesh.world_size} ranks, shard group {mesh.shard_group} "
-          f"(W = {mesh.num_shards})" + (f", {args.tokens} tokens x {args.batch}" if mesh_doc["tokens"] else ""))
+    print(
+        f"\nmesh dp {mesh.dp} x sp {mesh.sp} = {mesh.world_size} ranks, shard group {mesh.shard_group} "
+        f"(W = {mesh.num_shards})" + (f", {args.tokens} tokens x {args.batch}" if mesh_doc["tokens"] else "")
+    )
     for r in mesh_doc["rows"]:
         print(f"  {r['item']:24s} {r['formula']:66s} {r['value_bytes'] / 1e9:9.3f} GB")
     if mesh_doc["ranks"]:
         print(f"\n  {'rank':>4s} {'(d, s)':8s} {'tokens':16s} {'heads':10s} {'shard group':18s} shard")
         for r in mesh_doc["ranks"][:16]:
-            print(f"  {r['rank']:4d} ({r['dp_rank']}, {r['sp_rank']})".ljust(16)
-                  + f"[{r['tokens'][0]}, {r['tokens'][1]})".ljust(17) + f"[{r['heads'][0]}, {r['heads'][1]})".ljust(11)
-                  + _ranks(r["shard_group"]).ljust(19) + f"{r['shard_index']} / {mesh.num_shards}")
+            print(
+                f"  {r['rank']:4d} ({r['dp_rank']}, {r['sp_rank']})".ljust(16)
+                + f"[{r['tokens'][0]}, {r['tokens'][1]})".ljust(17)
+                + f"[{r['heads'][0]}, {r['heads'][1]})".ljust(11)
+                + _ranks(r["shard_group"]).ljust(19)
+                + f"{r['shard_index']} / {mesh.num_shards}"
+            )
         if len(mesh_doc["ranks"]) > 16:
             print(f"  ... {len(mesh_doc['ranks']) - 16} more ranks (--json lists all)")
     for note in notes:

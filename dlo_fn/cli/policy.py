@@ -40,45 +40,73 @@ def help_tables() -> str:
     lines = ["named topologies (--topology NAME):"]
     for name in topologies.TOPOLOGY_NAMES:
         t = topologies.topology(name)
-        lines.append(f"  {name:<16} {t.num_ranks} rank(s), H2D {t.h2d_bytes_per_s / 1e9:.1f} GB/s, "
-                     f"{t.hbm_bytes_per_rank / 1e9:.0f} GB device memory per rank")
-    lines += ["", "models (--model NAME): " + ", ".join(topologies.MODEL_NAMES), "",
-              "named workloads (--workload NAME; default: the topology's own):"]
+        lines.append(
+            f"  {name:<16} {t.num_ranks} rank(s), H2D {t.h2d_bytes_per_s / 1e9:.1f} GB/s, "
+            f"{t.hbm_bytes_per_rank / 1e9:.0f} GB device memory per rank"
+        )
+    lines += [
+        "",
+        "models (--model NAME): " + ", ".join(topologies.MODEL_NAMES),
+        "",
+        "named workloads (--workload NAME; default: the topology's own):",
+    ]
     for name, w in topologies.workloads().items():
         lines.append(f"  {name!r}: {w.tokens} tokens x {w.cfg_branches} branch(es), {w.num_steps} step(s)")
     lines += ["", "a topology file (--topology FILE.json) is one JSON object:"]
     for field, required, form in topologies.TOPOLOGY_FILE_FIELDS:
         lines.append(f"  {field:<26} {'required' if required else 'optional'}  {form}")
-    lines += ["a named one as such a file: python -c 'import json; from dlo_fn.repro import topologies as t; "
-              "print(json.dumps(t.topology_to_dict(t.topology(\"1xH200\"))))'",
-              "--topology also reads the auto_policy.json that generate --out writes with --mode/--slots/--sp auto."]
+    lines += [
+        "a named one as such a file: python -c 'import json; from dlo_fn.repro import topologies as t; "
+        'print(json.dumps(t.topology_to_dict(t.topology("1xH200"))))\'',
+        "--topology also reads the auto_policy.json that generate --out writes with --mode/--slots/--sp auto.",
+    ]
     return "\n".join(lines)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("policy", help="rank dp x sp, all-gather vs rank-local, slots and R on a topology",
-                              description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
-                              add_help=False)
-    p.add_argument("-h", "--help", action=_HelpWithTables,
-                   help="show this help, the named topologies, models and workloads, and a topology file's fields")
+    p = subparsers.add_parser(
+        "policy",
+        help="rank dp x sp, all-gather vs rank-local, slots and R on a topology",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+        add_help=False,
+    )
+    p.add_argument(
+        "-h",
+        "--help",
+        action=_HelpWithTables,
+        help="show this help, the named topologies, models and workloads, and a topology file's fields",
+    )
     p.add_argument("--model", default="bench", help="a named model (listed below)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: the topology's)")
-    p.add_argument("--topology", default="1xH200", help="a named topology, FILE.json (fields below), or the "
-                   "auto_policy.json of a generate --out (its model and workload too)")
+    p.add_argument(
+        "--topology",
+        default="1xH200",
+        help="a named topology, FILE.json (fields below), or the "
+        "auto_policy.json of a generate --out (its model and workload too)",
+    )
     p.add_argument("--workload", default=None, help="a named workload (listed below; default: the topology's own)")
     p.add_argument("--objective", choices=("throughput", "latency"), default="throughput")
     p.add_argument("--slots", default="2,3,4", help="comma list of slot counts")
     p.add_argument("--requests-per-rank", default="1", help="comma list of R")
     p.add_argument("--landing", type=int, default=2, help="landing buffers (1 = the reference's serial H2D->AG)")
-    p.add_argument("--load-groups", default="1", help="comma list of load groups G (G consecutive blocks as one "
-                   "load; slots a multiple of G and >= 2G, at W > 1 on 2G landing buffers; e.g. 1,2,4 with "
-                   "--slots 2,4,8)")
+    p.add_argument(
+        "--load-groups",
+        default="1",
+        help="comma list of load groups G (G consecutive blocks as one "
+        "load; slots a multiple of G and >= 2G, at W > 1 on 2G landing buffers; e.g. 1,2,4 with "
+        "--slots 2,4,8)",
+    )
     p.add_argument("--limit", type=int, default=20, help="rows to print")
     p.set_defaults(func=run)
 
 
-DEFAULT_WORKLOAD = {"1xH200": "image 1024^2 CFG, 24 steps", "4xB300": "t2i 1024^2",
-                    "8xB300": "minimax t2va 768x1344x124", "4xAscend910B3": "nano 832x480x29 CFG"}  # else the image
+DEFAULT_WORKLOAD = {
+    "1xH200": "image 1024^2 CFG, 24 steps",
+    "4xB300": "t2i 1024^2",
+    "8xB300": "minimax t2va 768x1344x124",
+    "4xAscend910B3": "nano 832x480x29 CFG",
+}  # else the image
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
@@ -132,25 +160,50 @@ def run(args: argparse.Namespace) -> int:
         else:
             sps = None
             model = topologies.model(args.model)
-            workload = topologies.workload(args.workload or DEFAULT_WORKLOAD.get(topology.name,
-                                                                                 "image 1024^2 CFG, 24 steps"))
+            workload = topologies.workload(
+                args.workload or DEFAULT_WORKLOAD.get(topology.name, "image 1024^2 CFG, 24 steps")
+            )
     except ValueError as exc:
         raise SystemExit(f"policy: {exc}") from None
     if sps is not None:  # --world may have changed the ranks the probe's sp sizes divided
         sps = tuple(sp for sp in sps if topology.num_ranks % sp == 0) or None
-    result = plan(model, topology, workload, objective=args.objective, slots=_ints("--slots", args.slots),
-                  requests_per_rank=_ints("--requests-per-rank", args.requests_per_rank),
-                  num_landing=args.landing, sps=sps, load_groups=_ints("--load-groups", args.load_groups))
-    print(f"{model.name} on {topology.name} ({topology.num_ranks} ranks), {workload.name}: {workload.tokens} "
-          f"tokens x {workload.cfg_branches}, {workload.num_steps} steps; objective {args.objective}")
-    keep = ("rank", "plan", "step_s", "wave_s", "outputs_per_s", "bound", "exposed_ms_per_step", "hbm_gb",
-            "host_gb", "limiting_memory")
-    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in keep}
-            for r in result.table_rows(args.limit)]
+    result = plan(
+        model,
+        topology,
+        workload,
+        objective=args.objective,
+        slots=_ints("--slots", args.slots),
+        requests_per_rank=_ints("--requests-per-rank", args.requests_per_rank),
+        num_landing=args.landing,
+        sps=sps,
+        load_groups=_ints("--load-groups", args.load_groups),
+    )
+    print(
+        f"{model.name} on {topology.name} ({topology.num_ranks} ranks), {workload.name}: {workload.tokens} "
+        f"tokens x {workload.cfg_branches}, {workload.num_steps} steps; objective {args.objective}"
+    )
+    keep = (
+        "rank",
+        "plan",
+        "step_s",
+        "wave_s",
+        "outputs_per_s",
+        "bound",
+        "exposed_ms_per_step",
+        "hbm_gb",
+        "host_gb",
+        "limiting_memory",
+    )
+    rows = [
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in keep}
+        for r in result.table_rows(args.limit)
+    ]
     print(text_table(rows) if rows else "(no plan fits)")
     if result.dropped:
-        print(f"dropped {len(result.dropped)} plan(s) that do not fit, e.g. {result.dropped[0].candidate.label}: "
-              f"{result.dropped[0].limiting_memory}")
+        print(
+            f"dropped {len(result.dropped)} plan(s) that do not fit, e.g. {result.dropped[0].candidate.label}: "
+            f"{result.dropped[0].limiting_memory}"
+        )
     for field, source in topology.sources:
         print(f"  {field}: {source}")
     if not result.rows:

@@ -24,22 +24,47 @@ def rank_memory_doc(sizes, num_ranks: int, mode: str, device: str, constant_byte
     measured value: ``bench load --phases`` reads the three apart)."""
     from dlo_fn.plan.rank_memory import ProcessConstant, rank_memory
 
-    m = rank_memory(sizes, num_ranks, mode, device,
-                    constant=ProcessConstant(constant_bytes, constant_bytes, constant_bytes), **kwargs)
-    return {"num_ranks": num_ranks, "mode": mode, "device": device, "constant_bytes": constant_bytes,
-            "terms": dict(m.terms.items()),
-            "phases": [{"phase": p.phase, "rss_bytes": p.rss_bytes, "uss_bytes": p.uss_bytes,
-                        "pss_bytes": p.pss_bytes, "hwm_bytes": p.hwm_bytes, "sum_pss_bytes": p.sum_pss_bytes}
-                       for p in m.phases]}
+    m = rank_memory(
+        sizes,
+        num_ranks,
+        mode,
+        device,
+        constant=ProcessConstant(constant_bytes, constant_bytes, constant_bytes),
+        **kwargs,
+    )
+    return {
+        "num_ranks": num_ranks,
+        "mode": mode,
+        "device": device,
+        "constant_bytes": constant_bytes,
+        "terms": dict(m.terms.items()),
+        "phases": [
+            {
+                "phase": p.phase,
+                "rss_bytes": p.rss_bytes,
+                "uss_bytes": p.uss_bytes,
+                "pss_bytes": p.pss_bytes,
+                "hwm_bytes": p.hwm_bytes,
+                "sum_pss_bytes": p.sum_pss_bytes,
+            }
+            for p in m.phases
+        ],
+    }
 
 
 def print_rank_memory(doc: dict) -> None:
-    print(f"\nhost per rank ({doc['mode']}, {doc['num_ranks']} rank(s) on the host, {doc['device']}; "
-          f"c = {doc['constant_bytes'] / 1e9:.3f} GB)")
+    print(
+        f"\nhost per rank ({doc['mode']}, {doc['num_ranks']} rank(s) on the host, {doc['device']}; "
+        f"c = {doc['constant_bytes'] / 1e9:.3f} GB)"
+    )
     for name, value in doc["terms"].items():
         text = str(value) if name == "readers" else f"{value / 1e9:9.3f} GB"
         print(f"  {name:22s} {TERM_FORMULAS[name]:66s} {text:>12s}")
     print(f"  {'phase':10s} {'RSS':>10s} {'USS':>10s} {'PSS':>10s} {'VmHWM':>10s} {'sum PSS':>10s}")
     for p in doc["phases"]:
-        print(f"  {p['phase']:10s} " + " ".join(f"{p[k] / 1e9:7.3f} GB" for k in
-                                                ("rss_bytes", "uss_bytes", "pss_bytes", "hwm_bytes", "sum_pss_bytes")))
+        print(
+            f"  {p['phase']:10s} "
+            + " ".join(
+                f"{p[k] / 1e9:7.3f} GB" for k in ("rss_bytes", "uss_bytes", "pss_bytes", "hwm_bytes", "sum_pss_bytes")
+            )
+        )

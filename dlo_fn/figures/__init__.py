@@ -8,8 +8,8 @@ behind it under ``figures/data/``, and returns the paths it wrote. Output is det
 from __future__ import annotations
 
 import importlib
-from typing import Callable
 import pathlib
+from typing import Callable
 
 # Figure modules; each contributes FIGURES.
 FIGURE_MODULES = (

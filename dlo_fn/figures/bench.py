@@ -15,21 +15,44 @@ from dlo_fn.repro.data import DATA_DIR
 
 __all__ = ["FIGURES", "fig_bench_step", "fig_bench_small40", "plot_bench_step", "bench_rows", "find_bench_json"]
 
-FIELDS = ("workload", "variant", "step_s", "ratio_to_resident", "ratio_to_bound", "h2d_GB_per_s",
-          "h2d_fraction_of_peak", "proxy_host_us_per_block", "host_ms_per_step", "equal_to_resident", "peak_device_GB",
-          "weight_device_GB_planned")
-LABELS = {"resident": "resident (no offload)", "dlo-rank-local": "ours: H2D into 2 slots",
-          "dlo-allgather": "ours: allgather W=1 (= H2D into slots)", "dlo-rank-local-swap": "ours: swap call",
-          "dlo-rank-local-graph": "ours: 2 slots, CUDA graph", "dlo-allgather-graph": "ours: allgather W=1, CUDA graph",
-          "dlo-rank-local-bgraph": "ours: 2 slots, block graphs", "dlo-allgather-bgraph": "ours: allgather W=1, block graphs",
-          "resident-compile": "resident, torch.compile", "dlo-rank-local-compile": "ours: 2 slots, torch.compile",
-          "dlo-rank-local-swap-g2": "ours: load groups of 2 (4 slots)",
-          "dlo-rank-local-swap-g4": "ours: load groups of 4 (8 slots)",
-          "dlo-rank-local-g2": "ours: functional_call, groups of 2",
-          "diffusers": "diffusers group offload", "diffusers-record-stream": "diffusers, record_stream",
-          "naive-sync": "naive sync per block"}
-COLOR = {"resident": COLORS["other"], "diffusers": COLORS["published"], "diffusers-record-stream": COLORS["published"],
-         "naive-sync": COLORS["measured"]}
+FIELDS = (
+    "workload",
+    "variant",
+    "step_s",
+    "ratio_to_resident",
+    "ratio_to_bound",
+    "h2d_GB_per_s",
+    "h2d_fraction_of_peak",
+    "proxy_host_us_per_block",
+    "host_ms_per_step",
+    "equal_to_resident",
+    "peak_device_GB",
+    "weight_device_GB_planned",
+)
+LABELS = {
+    "resident": "resident (no offload)",
+    "dlo-rank-local": "ours: H2D into 2 slots",
+    "dlo-allgather": "ours: allgather W=1 (= H2D into slots)",
+    "dlo-rank-local-swap": "ours: swap call",
+    "dlo-rank-local-graph": "ours: 2 slots, CUDA graph",
+    "dlo-allgather-graph": "ours: allgather W=1, CUDA graph",
+    "dlo-rank-local-bgraph": "ours: 2 slots, block graphs",
+    "dlo-allgather-bgraph": "ours: allgather W=1, block graphs",
+    "resident-compile": "resident, torch.compile",
+    "dlo-rank-local-compile": "ours: 2 slots, torch.compile",
+    "dlo-rank-local-swap-g2": "ours: load groups of 2 (4 slots)",
+    "dlo-rank-local-swap-g4": "ours: load groups of 4 (8 slots)",
+    "dlo-rank-local-g2": "ours: functional_call, groups of 2",
+    "diffusers": "diffusers group offload",
+    "diffusers-record-stream": "diffusers, record_stream",
+    "naive-sync": "naive sync per block",
+}
+COLOR = {
+    "resident": COLORS["other"],
+    "diffusers": COLORS["published"],
+    "diffusers-record-stream": COLORS["published"],
+    "naive-sync": COLORS["measured"],
+}
 
 
 def find_bench_json(data_dir: pathlib.Path = DATA_DIR, pattern: str = "bench_step_*.json") -> pathlib.Path | None:
@@ -41,14 +64,22 @@ def bench_rows(report: dict) -> list[dict]:
     rows = []
     for w in report["workloads"]:
         for r in w["variants"]:
-            rows.append({"workload": w["name"], "variant": r["variant"], "step_s": r["step_s"],
-                         "ratio_to_resident": r["ratio_to_resident"], "ratio_to_bound": r["ratio_to_bound"],
-                         "h2d_GB_per_s": r["h2d_bytes_per_s"] / 1e9, "h2d_fraction_of_peak": r["h2d_fraction_of_peak"],
-                         "proxy_host_us_per_block": r.get("proxy_host_us_per_block", ""),
-                         "host_ms_per_step": 1e3 * r["host_s"] if "host_s" in r else "",
-                         "equal_to_resident": r.get("equal_to_resident", ""),
-                         "peak_device_GB": r["peak_device_bytes"] / 1e9,
-                         "weight_device_GB_planned": r.get("weight_device_bytes_planned", 0) / 1e9})
+            rows.append(
+                {
+                    "workload": w["name"],
+                    "variant": r["variant"],
+                    "step_s": r["step_s"],
+                    "ratio_to_resident": r["ratio_to_resident"],
+                    "ratio_to_bound": r["ratio_to_bound"],
+                    "h2d_GB_per_s": r["h2d_bytes_per_s"] / 1e9,
+                    "h2d_fraction_of_peak": r["h2d_fraction_of_peak"],
+                    "proxy_host_us_per_block": r.get("proxy_host_us_per_block", ""),
+                    "host_ms_per_step": 1e3 * r["host_s"] if "host_s" in r else "",
+                    "equal_to_resident": r.get("equal_to_resident", ""),
+                    "peak_device_GB": r["peak_device_bytes"] / 1e9,
+                    "weight_device_GB_planned": r.get("weight_device_bytes_planned", 0) / 1e9,
+                }
+            )
     return rows
 
 
@@ -56,8 +87,9 @@ def _title(report: dict) -> str:
     parts = []
     for w in report["workloads"]:
         ratio = {r["variant"]: r["ratio_to_bound"] for r in w["variants"]}
-        ours = ratio.get("dlo-rank-local", min((v for k, v in ratio.items() if k.startswith("dlo-")),
-                                               default=float("nan")))
+        ours = ratio.get(
+            "dlo-rank-local", min((v for k, v in ratio.items() if k.startswith("dlo-")), default=float("nan"))
+        )
         text = f"{w['name']}: ours {ours:.3f}x bound"
         if "diffusers" in ratio:
             text += f", diffusers {ratio['diffusers']:.3f}x"
@@ -92,8 +124,11 @@ def plot_bench_step(report: dict, out_dir: pathlib.Path, name: str = "fig_bench_
             ax.invert_yaxis()
             ax.set_xlim(0, max(values) * 1.25)
             bound = "PCIe" if w["transfer_s_at_peak"] > w["resident_s"] else "compute"
-            ax.set_title(f"{w['name']} {w['width']}x{w['height']}x{w['frames']} CFG\n({bound}-bound: "
-                         f"{w['bound_s'] * 1e3:.0f} ms)", fontsize=9)
+            ax.set_title(
+                f"{w['name']} {w['width']}x{w['height']}x{w['frames']} CFG\n({bound}-bound: "
+                f"{w['bound_s'] * 1e3:.0f} ms)",
+                fontsize=9,
+            )
             ax.set_xlabel("step time / bound  (dashed: +2% target)")
         fig.suptitle(textwrap.fill(_title(report), width=int(13 * fig.get_figwidth())), fontsize=9)
         fig.tight_layout()

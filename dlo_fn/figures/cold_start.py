@@ -28,7 +28,15 @@ import numpy as np
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
 from dlo_fn.plan.memory import GB
 from dlo_fn.repro.cold_start import (
-    DP, LOADINGS, MB, NANO, fit_rows, fit_sweep, nano_cold_starts, nano_comparisons, read_sweep,
+    DP,
+    LOADINGS,
+    MB,
+    NANO,
+    fit_rows,
+    fit_sweep,
+    nano_cold_starts,
+    nano_comparisons,
+    read_sweep,
 )
 from dlo_fn.repro.rank_memory_tables import read_phases
 
@@ -49,8 +57,11 @@ def fig2_cold_start_host_memory(out_dir: pathlib.Path) -> list[pathlib.Path]:
     cgroup = fit_sweep(sweep, "cgroup_current_bytes") if all(r["cgroup_current_bytes"] != "" for r in sweep) else None
     table = fit_rows(fits, cgroup)
     paths = [
-        write_csv(out_dir / "data" / "fig2_cold_start_model.csv", [c.as_row() for c in comparisons],
-                  ("key", "unit", "published", "predicted", "rel_error_pct", "note")),
+        write_csv(
+            out_dir / "data" / "fig2_cold_start_model.csv",
+            [c.as_row() for c in comparisons],
+            ("key", "unit", "published", "predicted", "rel_error_pct", "note"),
+        ),
         write_csv(out_dir / "data" / "fig2_cold_start_fit.csv", table, tuple(table[0])),
     ]
     with figure_style():
@@ -65,9 +76,11 @@ def fig2_cold_start_host_memory(out_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _model_panel(ax, starts, comparisons) -> None:
-    parts = (("private copies", "private_copy_bytes", COLORS["allgather"]),
-             ("page cache", "page_cache_bytes", COLORS["h2d"]),
-             ("framework (N c)", "framework_bytes", COLORS["other"]))
+    parts = (
+        ("private copies", "private_copy_bytes", COLORS["allgather"]),
+        ("page cache", "page_cache_bytes", COLORS["h2d"]),
+        ("framework (N c)", "framework_bytes", COLORS["other"]),
+    )
     keys = {"private-copy": "fig2.nano_dp4.private_copy.cgroup_peak", "mmap": "fig2.nano_dp4.mmap.cgroup_peak"}
     for i, loading in enumerate(LOADINGS):
         bottom = 0.0
@@ -77,13 +90,29 @@ def _model_panel(ax, starts, comparisons) -> None:
             bottom += value
         comp = comparisons[keys[loading]]
         ax.bar(i + 0.18, comp.published, 0.36, color=COLORS["published"], label="published" if i == 0 else None)
-        ax.annotate(f"{comp.predicted:.0f}", (i - 0.18, bottom), ha="center", textcoords="offset points",
-                    xytext=(0, 3), fontsize=8)
-        ax.annotate(f"{comp.published:g}\n({100 * comp.rel_error:+.1f}%)", (i + 0.18, comp.published),
-                    ha="center", textcoords="offset points", xytext=(0, 3), fontsize=8)
-    ax.set(xticks=range(2), xticklabels=[LABELS[m] for m in LOADINGS.values()], ylim=(0, 215),
-           ylabel="cgroup-visible host peak (GB)",
-           title=f"model vs published: Nano ({NANO}), DP{DP} cold start")
+        ax.annotate(
+            f"{comp.predicted:.0f}",
+            (i - 0.18, bottom),
+            ha="center",
+            textcoords="offset points",
+            xytext=(0, 3),
+            fontsize=8,
+        )
+        ax.annotate(
+            f"{comp.published:g}\n({100 * comp.rel_error:+.1f}%)",
+            (i + 0.18, comp.published),
+            ha="center",
+            textcoords="offset points",
+            xytext=(0, 3),
+            fontsize=8,
+        )
+    ax.set(
+        xticks=range(2),
+        xticklabels=[LABELS[m] for m in LOADINGS.values()],
+        ylim=(0, 215),
+        ylabel="cgroup-visible host peak (GB)",
+        title=f"model vs published: Nano ({NANO}), DP{DP} cold start",
+    )
     ax.legend(fontsize=7, loc="upper right")
 
 
@@ -92,17 +121,38 @@ def _sweep_panel(ax, sweep, fits, cgroup) -> None:
     for mode, color in (("copy", COLORS["allgather"]), ("mmap", COLORS["compute"])):
         f = fits[mode]
         sel = sorted((r for r in sweep if r["mode"] == mode), key=lambda r: r["ranks"])
-        ax.plot([r["ranks"] for r in sel], [r["sum_pss_bytes"] / GB for r in sel], "o", color=color,
-                label=f"{LABELS[mode]}: measured")
-        ax.plot(grid, (f.slope_bytes * grid + f.intercept_bytes) / GB, "-", color=color, lw=1,
-                label=f"fit: {f.slope_bytes / MB:.0f} MB/rank (law {f.expected_slope_bytes / MB:.0f})")
+        ax.plot(
+            [r["ranks"] for r in sel],
+            [r["sum_pss_bytes"] / GB for r in sel],
+            "o",
+            color=color,
+            label=f"{LABELS[mode]}: measured",
+        )
+        ax.plot(
+            grid,
+            (f.slope_bytes * grid + f.intercept_bytes) / GB,
+            "-",
+            color=color,
+            lw=1,
+            label=f"fit: {f.slope_bytes / MB:.0f} MB/rank (law {f.expected_slope_bytes / MB:.0f})",
+        )
         ax.plot(grid, (f.expected_slope_bytes * grid + f.expected_intercept_bytes) / GB, ":", color=color, lw=1)
         if cgroup:
-            ax.plot([r["ranks"] for r in sel], [r["cgroup_current_bytes"] / GB for r in sel], "x", color=color,
-                    alpha=0.6, label=f"cgroup usage: {cgroup[mode].slope_bytes / MB:.0f} MB/rank")
+            ax.plot(
+                [r["ranks"] for r in sel],
+                [r["cgroup_current_bytes"] / GB for r in sel],
+                "x",
+                color=color,
+                alpha=0.6,
+                label=f"cgroup usage: {cgroup[mode].slope_bytes / MB:.0f} MB/rank",
+            )
     m, c = fits["mmap"].model_bytes, fits["mmap"].constant_bytes
-    ax.set(xlabel="processes N", ylabel="host memory (GB): sum of PSS (dots), cgroup (x)", xticks=sorted({r["ranks"] for r in sweep}),
-           title=f"measured: M = {m / GB:.2f} GB checkpoint, c = {c / MB:.0f} MB (dotted: law)")
+    ax.set(
+        xlabel="processes N",
+        ylabel="host memory (GB): sum of PSS (dots), cgroup (x)",
+        xticks=sorted({r["ranks"] for r in sweep}),
+        title=f"measured: M = {m / GB:.2f} GB checkpoint, c = {c / MB:.0f} MB (dotted: law)",
+    )
     ax.legend(fontsize=7, loc="upper left")
 
 
@@ -116,11 +166,22 @@ def _rank_panel(ax, phases, phase: str = "offload") -> None:
         n = [r["ranks"] for r in sel]
         worst = max(abs(r["predicted_uss_bytes"] / r["uss_bytes"] - 1) for r in sel)
         ax.plot(n, [r["uss_bytes"] / GB for r in sel], "o", color=color, label=f"{mode}: measured")
-        ax.plot(n, [r["predicted_uss_bytes"] / GB for r in sel], "-", color=color, lw=1,
-                label=f"{mode}: model (worst {100 * worst:.1f}%)")
+        ax.plot(
+            n,
+            [r["predicted_uss_bytes"] / GB for r in sel],
+            "-",
+            color=color,
+            lw=1,
+            label=f"{mode}: model (worst {100 * worst:.1f}%)",
+        )
     top = max(r["uss_bytes"] for r in rows) / GB
-    ax.set(xlabel="processes N", ylabel="USS of one rank (GB)", xticks=sorted({r["ranks"] for r in rows}),
-           ylim=(0, 1.9 * top), title=f"per rank after the {phase}: measured vs rank_memory")
+    ax.set(
+        xlabel="processes N",
+        ylabel="USS of one rank (GB)",
+        xticks=sorted({r["ranks"] for r in rows}),
+        ylim=(0, 1.9 * top),
+        title=f"per rank after the {phase}: measured vs rank_memory",
+    )
     ax.legend(fontsize=6.5, loc="upper right", ncol=2)
 
 

@@ -28,11 +28,16 @@ def plot_fp8_pass(passes: dict[str, Timeline] | None = None):
         for ax, (name, tl) in zip(axes[:, 0], passes.items()):
             draw_gantt(ax, tl, rows=ROWS)
             ax.set_xlim(0, end_ms)
-            ax.set_title(f"{name}: {1e3 * tl.makespan_s:.0f} ms, H2D busy {1e3 * tl.busy_s('h2d'):.0f} ms, "
-                         f"DQ {1e3 * tl.busy_s('allgather'):.1f} ms, compute {1e3 * tl.busy_s('compute'):.0f} ms",
-                         loc="left")
-        fig.suptitle("FP8 shards halve the copies: the bench model's image step turns from PCIe- to compute-bound "
-                     "(simulated, one H200's inputs)", fontsize=10)
+            ax.set_title(
+                f"{name}: {1e3 * tl.makespan_s:.0f} ms, H2D busy {1e3 * tl.busy_s('h2d'):.0f} ms, "
+                f"DQ {1e3 * tl.busy_s('allgather'):.1f} ms, compute {1e3 * tl.busy_s('compute'):.0f} ms",
+                loc="left",
+            )
+        fig.suptitle(
+            "FP8 shards halve the copies: the bench model's image step turns from PCIe- to compute-bound "
+            "(simulated, one H200's inputs)",
+            fontsize=10,
+        )
         fig.tight_layout()
     return fig
 
@@ -42,8 +47,11 @@ def fig_timeline_fp8(out_dir: pathlib.Path) -> list[pathlib.Path]:
     passes = h200_passes()
     with figure_style():
         png = save_png(plot_fp8_pass(passes), out_dir / "timeline_fp8.png")
-    rows = [{"weights": name, "op": s.op, "stream": s.stream, "start_ms": 1e3 * s.start_s, "end_ms": 1e3 * s.end_s}
-            for name, tl in passes.items() for s in tl.spans]
+    rows = [
+        {"weights": name, "op": s.op, "stream": s.stream, "start_ms": 1e3 * s.start_s, "end_ms": 1e3 * s.end_s}
+        for name, tl in passes.items()
+        for s in tl.spans
+    ]
     return [png, write_csv(out_dir / "data" / "timeline_fp8.csv", rows, FIELDS)]
 
 

@@ -17,8 +17,16 @@ import numpy as np
 
 from dlo_fn.figures.style import COLORS, figure_style, save_png, write_csv
 from dlo_fn.repro.minimax import (
-    DATA_DIR, TOPOLOGIES, delta_rows, frontier_ordered, load_cases, paired_deltas, route, route_row,
-    selected_routes, task_frontiers,
+    DATA_DIR,
+    TOPOLOGIES,
+    delta_rows,
+    frontier_ordered,
+    load_cases,
+    paired_deltas,
+    route,
+    route_row,
+    selected_routes,
+    task_frontiers,
 )
 from dlo_fn.repro.published import published
 
@@ -40,56 +48,106 @@ def fig7_minimax_frontier(out_dir: pathlib.Path, data_dir: pathlib.Path = DATA_D
     rows = [route_row(r, False) for r in five.values()] + [route_row(r, True) for r in chosen]
     paths = [write_csv(out_dir / "data" / "fig7_minimax_frontier.csv", rows, list(rows[0]))]
     deltas_table = delta_rows(deltas)
-    paths.append(write_csv(out_dir / "data" / "fig7_minimax_paired_deltas.csv", deltas_table,
-                           list(deltas_table[0])))
+    paths.append(write_csv(out_dir / "data" / "fig7_minimax_paired_deltas.csv", deltas_table, list(deltas_table[0])))
 
     with figure_style():
         fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13.5, 4.2))
         for mode, color, marker in (("allgather", COLORS["allgather"], "o"), ("ranklocal", COLORS["h2d"], "s")):
             rs = [five[(mode, t)] for t in TOPOLOGIES]
-            ax1.errorbar([r.videos_per_hour for r in rs], [r.p50_s for r in rs],
-                         yerr=[[0] * 3, [r.p95_s - r.p50_s for r in rs]], color=color, marker=marker,
-                         capsize=3, label=f"{MODE_LABEL[mode]} (5 waves, P50 to P95)")
+            ax1.errorbar(
+                [r.videos_per_hour for r in rs],
+                [r.p50_s for r in rs],
+                yerr=[[0] * 3, [r.p95_s - r.p50_s for r in rs]],
+                color=color,
+                marker=marker,
+                capsize=3,
+                label=f"{MODE_LABEL[mode]} (5 waves, P50 to P95)",
+            )
             for r in rs:
-                ax1.annotate(r.label, (r.videos_per_hour, r.p50_s), textcoords="offset points", fontsize=7,
-                             xytext=(6, -12) if mode == "ranklocal" else (-52, 4), color=color)
-        ax1.plot([r.videos_per_hour for r in chosen], [r.p50_s for r in chosen], "*", ms=11,
-                 color=COLORS["measured"], label="selected route, 20 waves pooled (CSV)")
-        pub = [(published(f"minimax.t2va.dp{r.dp}sp{r.sp}.{r.mode}.videos_per_hour").value,
-                published(f"minimax.t2va.dp{r.dp}sp{r.sp}.{r.mode}.wave_p50").value) for r in chosen]
+                ax1.annotate(
+                    r.label,
+                    (r.videos_per_hour, r.p50_s),
+                    textcoords="offset points",
+                    fontsize=7,
+                    xytext=(6, -12) if mode == "ranklocal" else (-52, 4),
+                    color=color,
+                )
+        ax1.plot(
+            [r.videos_per_hour for r in chosen],
+            [r.p50_s for r in chosen],
+            "*",
+            ms=11,
+            color=COLORS["measured"],
+            label="selected route, 20 waves pooled (CSV)",
+        )
+        pub = [
+            (
+                published(f"minimax.t2va.dp{r.dp}sp{r.sp}.{r.mode}.videos_per_hour").value,
+                published(f"minimax.t2va.dp{r.dp}sp{r.sp}.{r.mode}.wave_p50").value,
+            )
+            for r in chosen
+        ]
         ax1.plot(*zip(*pub), "x", ms=9, mew=2, color=COLORS["published"], label="published")
         ax1.set(xlabel="throughput (videos / h)", ylabel="wave latency (s)", title="T2VA serving frontier")
         ax1.legend(fontsize=7, loc="upper left")
 
         x = np.arange(len(TOPOLOGIES))
         for i, (mode, color) in enumerate((("allgather", COLORS["allgather"]), ("ranklocal", COLORS["h2d"]))):
-            ax2.bar(x + (i - 0.5) * 0.38, [five[(mode, t)].energy_wh_per_video for t in TOPOLOGIES], 0.38,
-                    color=color, label=MODE_LABEL[mode])
+            ax2.bar(
+                x + (i - 0.5) * 0.38,
+                [five[(mode, t)].energy_wh_per_video for t in TOPOLOGIES],
+                0.38,
+                color=color,
+                label=MODE_LABEL[mode],
+            )
         for r in chosen:
             i = TOPOLOGIES.index((r.dp, r.sp))
             p = published(f"minimax.t2va.dp{r.dp}sp{r.sp}.{r.mode}.energy_wh").value
             ax2.plot(i + (-0.19 if r.mode == "allgather" else 0.19), p, "x", ms=9, mew=2, color=COLORS["published"])
             err = round(100 * (r.energy_wh_per_video / p - 1), 1) + 0.0
-            ax2.annotate(f"{r.energy_wh_per_video:.2f} Wh\n({err:+.1f}% vs pub.)", (i, 100), ha="center",
-                         fontsize=7)
-        ax2.set(xticks=x, xticklabels=[f"DP{d}xSP{s}" for d, s in TOPOLOGIES], ylabel="energy per video (Wh)",
-                ylim=(0, 110), title="energy per video (x: published, selected route)")
+            ax2.annotate(f"{r.energy_wh_per_video:.2f} Wh\n({err:+.1f}% vs pub.)", (i, 100), ha="center", fontsize=7)
+        ax2.set(
+            xticks=x,
+            xticklabels=[f"DP{d}xSP{s}" for d, s in TOPOLOGIES],
+            ylabel="energy per video (Wh)",
+            ylim=(0, 110),
+            title="energy per video (x: published, selected route)",
+        )
         ax2.legend(fontsize=7)
 
-        ax3.bar(x, [d.throughput_pct for d in deltas], 0.5, color=COLORS["measured"],
-                label="computed from the CSV (5 + 5 waves)")
+        ax3.bar(
+            x,
+            [d.throughput_pct for d in deltas],
+            0.5,
+            color=COLORS["measured"],
+            label="computed from the CSV (5 + 5 waves)",
+        )
         for i, d in enumerate(deltas):
             p = published(f"minimax.delta.dp{d.dp}sp{d.sp}.throughput_pct").value
             ax3.plot(i, p, "x", ms=10, mew=2, color=COLORS["published"], label="published" if i == 0 else None)
-            ax3.annotate(f"{d.throughput_pct:+.1f}%\n(pub. {p:+.1f}%)", (i, max(d.throughput_pct, 0)),
-                         ha="center", textcoords="offset points", xytext=(0, 6), fontsize=7)
+            ax3.annotate(
+                f"{d.throughput_pct:+.1f}%\n(pub. {p:+.1f}%)",
+                (i, max(d.throughput_pct, 0)),
+                ha="center",
+                textcoords="offset points",
+                xytext=(0, 6),
+                fontsize=7,
+            )
         ax3.axhline(0, color="k", lw=0.8)
-        ax3.set(xticks=x, xticklabels=[f"DP{d}xSP{s}" for d, s in TOPOLOGIES], ylim=(-20, 150),
-                ylabel="AllGather vs rank-local throughput (%)", title="paired mode comparison")
+        ax3.set(
+            xticks=x,
+            xticklabels=[f"DP{d}xSP{s}" for d, s in TOPOLOGIES],
+            ylim=(-20, 150),
+            ylabel="AllGather vs rank-local throughput (%)",
+            title="paired mode comparison",
+        )
         ax3.legend(fontsize=7, loc="upper right")
         best = {t: max(MODE_LABEL, key=lambda m: five[(m, t)].videos_per_hour) for t in TOPOLOGIES}
-        fig.suptitle("MiniMax-H3, 8x B300: the faster DLO mode depends on topology ("
-                     + ", ".join(f"DP{d}xSP{s}: {MODE_LABEL[best[(d, s)]]}" for d, s in TOPOLOGIES) + ")")
+        fig.suptitle(
+            "MiniMax-H3, 8x B300: the faster DLO mode depends on topology ("
+            + ", ".join(f"DP{d}xSP{s}: {MODE_LABEL[best[(d, s)]]}" for d, s in TOPOLOGIES)
+            + ")"
+        )
         fig.tight_layout()
         paths.insert(0, save_png(fig, out_dir / "fig7_minimax_frontier.png"))
     return paths
@@ -111,16 +169,26 @@ def fig8_minimax_tasks(out_dir: pathlib.Path, data_dir: pathlib.Path = DATA_DIR)
     with figure_style():
         fig, ax = plt.subplots(figsize=(6.8, 4.4))
         for task, rs in routes.items():
-            ax.plot([r.videos_per_hour for r in rs], [r.p50_s for r in rs], "-o", color=colors[task],
-                    label=task.upper())
+            ax.plot(
+                [r.videos_per_hour for r in rs], [r.p50_s for r in rs], "-o", color=colors[task], label=task.upper()
+            )
             for r in rs:
                 ax.plot([r.videos_per_hour] * len(r.waves_s), r.waves_s, ".", ms=3, alpha=0.5, color=colors[task])
-                ax.annotate(r.label, (r.videos_per_hour, r.p50_s), fontsize=7, textcoords="offset points",
-                            xytext=offsets[task], color=colors[task])
+                ax.annotate(
+                    r.label,
+                    (r.videos_per_hour, r.p50_s),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=offsets[task],
+                    color=colors[task],
+                )
         verdict = "the same" if ordered else "NOT the same"
-        ax.set(xlabel="throughput (videos / h)", ylabel="wave latency (s); dots: every wave, line: P50",
-               title=f"{verdict} DP1xSP8 -> DP4xSP2 -> DP8xSP1 ordering for every task\n"
-                     "(AllGather at DP1xSP8 and DP4xSP2, rank-local at DP8xSP1; 5 waves each)")
+        ax.set(
+            xlabel="throughput (videos / h)",
+            ylabel="wave latency (s); dots: every wave, line: P50",
+            title=f"{verdict} DP1xSP8 -> DP4xSP2 -> DP8xSP1 ordering for every task\n"
+            "(AllGather at DP1xSP8 and DP4xSP2, rank-local at DP8xSP1; 5 waves each)",
+        )
         ax.legend(fontsize=8, loc="upper left")
         fig.tight_layout()
         paths.insert(0, save_png(fig, out_dir / "fig8_minimax_tasks.png"))

@@ -16,8 +16,17 @@ from dlo_fn.repro.policy_tables import h200_rows, minimax_delta_rows
 
 __all__ = ["FIGURES", "fig_policy"]
 
-FIELDS = ("workload", "mode", "slots", "choice", "per_output_step_ms", "bound_ms", "ratio_to_bound",
-          "probe_predicted_ms", "same_bytes")
+FIELDS = (
+    "workload",
+    "mode",
+    "slots",
+    "choice",
+    "per_output_step_ms",
+    "bound_ms",
+    "ratio_to_bound",
+    "probe_predicted_ms",
+    "same_bytes",
+)
 
 
 def fig_policy(out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -29,23 +38,43 @@ def fig_policy(out_dir: pathlib.Path) -> list[pathlib.Path]:
         fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": (1.6, 1)})
         labels = [f"{r['workload']}\n{r['mode']}\nS{r['slots']}" for r in rows]
         colors = [COLORS["h2d"] if r["mode"] == "rank-local" else COLORS["allgather"] for r in rows]
-        ax.bar(range(len(rows)), [r["ratio_to_bound"] for r in rows], color=colors,
-               edgecolor=["black" if r["choice"] == "auto" else "none" for r in rows], linewidth=1.5)
+        ax.bar(
+            range(len(rows)),
+            [r["ratio_to_bound"] for r in rows],
+            color=colors,
+            edgecolor=["black" if r["choice"] == "auto" else "none" for r in rows],
+            linewidth=1.5,
+        )
         ax.axhline(1.02, color=COLORS["published"], linestyle="--", linewidth=1, label="1.02x target")
         for i, r in enumerate(rows):
-            ax.annotate(f"{r['ratio_to_bound']:.3f}" + (" auto" if r["choice"] == "auto" else ""),
-                        (i, r["ratio_to_bound"]), xytext=(0, 2), textcoords="offset points", ha="center",
-                        fontsize=7)
+            ax.annotate(
+                f"{r['ratio_to_bound']:.3f}" + (" auto" if r["choice"] == "auto" else ""),
+                (i, r["ratio_to_bound"]),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+            )
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_ylim(0.95, 1.06)
         ax.set_ylabel("per-output step / max(resident, bytes / pinned peak)")
         ax.set_title("one H200, 24 steps, R = 1 (outlined: the probe-driven auto choice)")
         ax.legend(loc="upper left")
         x = range(len(deltas))
-        ax_d.bar([i - 0.2 for i in x], [d["published_pct"] for d in deltas], width=0.38, color=COLORS["published"],
-                 label="published")
-        ax_d.bar([i + 0.2 for i in x], [d["predicted_pct"] for d in deltas], width=0.38, color=COLORS["predicted"],
-                 label="policy")
+        ax_d.bar(
+            [i - 0.2 for i in x],
+            [d["published_pct"] for d in deltas],
+            width=0.38,
+            color=COLORS["published"],
+            label="published",
+        )
+        ax_d.bar(
+            [i + 0.2 for i in x],
+            [d["predicted_pct"] for d in deltas],
+            width=0.38,
+            color=COLORS["predicted"],
+            label="policy",
+        )
         ax_d.axhline(0, color="black", linewidth=0.8)
         ax_d.set_xticks(list(x), [f"{d['route']}\nchooses {d['policy_chooses']}" for d in deltas], fontsize=7)
         ax_d.set_ylabel("AllGather vs rank-local throughput (%)")
@@ -53,12 +82,18 @@ def fig_policy(out_dir: pathlib.Path) -> list[pathlib.Path]:
         ax_d.legend()
         auto = [r for r in rows if r["choice"] == "auto"]
         worst = max(auto, key=lambda r: r["ratio_to_bound"])
-        signs = ", ".join(f"{d['route']} {d['published_pct']:+.1f}% vs {d['predicted_pct']:+.1f}%"
-                          + ("" if d["choice_matches"] else " (missed)") for d in deltas)
-        fig.suptitle(f"Slots: the probe-driven choice is within {max(r['ratio_to_bound'] for r in auto):.3f}x of "
-                     f"the bound in every case (worst: {worst['workload']} {worst['mode']} S{worst['slots']}); "
-                     f"auto took {', '.join(sorted({str(r['slots']) for r in auto}))} slot(s).\n"
-                     f"Mode, published vs predicted: {signs}", fontsize=9)
+        signs = ", ".join(
+            f"{d['route']} {d['published_pct']:+.1f}% vs {d['predicted_pct']:+.1f}%"
+            + ("" if d["choice_matches"] else " (missed)")
+            for d in deltas
+        )
+        fig.suptitle(
+            f"Slots: the probe-driven choice is within {max(r['ratio_to_bound'] for r in auto):.3f}x of "
+            f"the bound in every case (worst: {worst['workload']} {worst['mode']} S{worst['slots']}); "
+            f"auto took {', '.join(sorted({str(r['slots']) for r in auto}))} slot(s).\n"
+            f"Mode, published vs predicted: {signs}",
+            fontsize=9,
+        )
         fig.tight_layout()
         png = save_png(fig, out_dir / "fig_policy.png")
     csv = write_csv(out_dir / "data" / "fig_policy.csv", rows, FIELDS)

@@ -20,13 +20,29 @@ __all__ = ["FIGURES", "find_real_reports", "real_rows", "plot_bench_real", "fig_
 
 MODEL_ORDER = ("flux", "wan480", "wan720", "ltx")
 TITLES = {"flux": "FLUX.1-dev", "wan480": "Wan2.1-T2V-14B", "wan720": "Wan2.1-T2V-14B", "ltx": "LTX-Video"}
-LABELS = {"resident": "resident (all on the GPU)", "ours-rank-local": "ours: 2 slots",
-          "ours-allgather": "ours: allgather, W=1", "ours-bgraph": "ours: block graphs",
-          "ours-3-slots": "ours: 3 slots", "ours-auto": "ours: policy's choice",
-          "diffusers-block": "diffusers group offload, block", "diffusers-leaf": "diffusers group offload, leaf",
-          "model-offload": "whole-model offload"}
-FIELDS = ("model", "variant", "forward_s", "ratio_to_bound", "ratio_to_resident", "equal_to_resident", "ready_s",
-          "host_rss_GB", "pinned_GB", "peak_device_GB")
+LABELS = {
+    "resident": "resident (all on the GPU)",
+    "ours-rank-local": "ours: 2 slots",
+    "ours-allgather": "ours: allgather, W=1",
+    "ours-bgraph": "ours: block graphs",
+    "ours-3-slots": "ours: 3 slots",
+    "ours-auto": "ours: policy's choice",
+    "diffusers-block": "diffusers group offload, block",
+    "diffusers-leaf": "diffusers group offload, leaf",
+    "model-offload": "whole-model offload",
+}
+FIELDS = (
+    "model",
+    "variant",
+    "forward_s",
+    "ratio_to_bound",
+    "ratio_to_resident",
+    "equal_to_resident",
+    "ready_s",
+    "host_rss_GB",
+    "pinned_GB",
+    "peak_device_GB",
+)
 X_MAX = 2.0  # bars past this (whole-model offload) are drawn to the edge with their value written
 
 
@@ -45,28 +61,40 @@ def find_real_reports(data_dir: pathlib.Path = DATA_DIR) -> list[dict]:
     for extra in sorted(k for k in by_machine if k.endswith("_" + machine)):  # rows measured in runs of their own
         for m, path in by_machine[extra].items():
             if m in reports:
-                reports[m]["model"]["variants"] += [v for v in json.loads(path.read_text())["model"]["variants"]
-                                                    if v["variant"] != "resident"]
+                reports[m]["model"]["variants"] += [
+                    v for v in json.loads(path.read_text())["model"]["variants"] if v["variant"] != "resident"
+                ]
     return list(reports.values())
 
 
 def _timed(report: dict) -> list[dict]:
     """The timed rows, FP8 shards' left out: this figure sets offloading against the bound at the model's own
     precision, where every output is the resident one (FP8 against BF16: docs/measurements.md#fp8-shards)."""
-    return [v for v in report["model"]["variants"] if v.get("status") == "ok" and v.get("ratio_to_bound")
-            and not v["variant"].startswith("ours-fp8")]
+    return [
+        v
+        for v in report["model"]["variants"]
+        if v.get("status") == "ok" and v.get("ratio_to_bound") and not v["variant"].startswith("ours-fp8")
+    ]
 
 
 def real_rows(reports: list[dict]) -> list[dict]:
     rows = []
     for r in reports:
         for v in _timed(r):
-            rows.append({"model": r["model"]["name"], "variant": v["variant"], "forward_s": v["forward_s"],
-                         "ratio_to_bound": v["ratio_to_bound"], "ratio_to_resident": v.get("ratio_to_resident"),
-                         "equal_to_resident": v.get("equal_to_resident", ""), "ready_s": v.get("ready_s") or "",
-                         "host_rss_GB": v.get("host_rss_bytes", 0) / 1e9,
-                         "pinned_GB": (v.get("pinned_bytes") or 0) / 1e9,
-                         "peak_device_GB": v.get("peak_device_bytes", 0) / 1e9})
+            rows.append(
+                {
+                    "model": r["model"]["name"],
+                    "variant": v["variant"],
+                    "forward_s": v["forward_s"],
+                    "ratio_to_bound": v["ratio_to_bound"],
+                    "ratio_to_resident": v.get("ratio_to_resident"),
+                    "equal_to_resident": v.get("equal_to_resident", ""),
+                    "ready_s": v.get("ready_s") or "",
+                    "host_rss_GB": v.get("host_rss_bytes", 0) / 1e9,
+                    "pinned_GB": (v.get("pinned_bytes") or 0) / 1e9,
+                    "peak_device_GB": v.get("peak_device_bytes", 0) / 1e9,
+                }
+            )
     return rows
 
 
@@ -80,8 +108,10 @@ def _panel_title(model: dict) -> str:
     w = model["workload"]
     shape = f"{w['width']}x{w['height']}" + (f"x{w['frames']}" if w["frames"] > 1 else "")
     cfg = ", CFG" if w["batch"] > 1 else ""
-    return (f"{TITLES.get(model['name'], model['name'])} {shape}{cfg}\n{model['block_bytes'] / 1e9:.1f} GB in "
-            f"{model['num_blocks']} blocks; {model['bound']}-bound: {model['bound_s'] * 1e3:.0f} ms")
+    return (
+        f"{TITLES.get(model['name'], model['name'])} {shape}{cfg}\n{model['block_bytes'] / 1e9:.1f} GB in "
+        f"{model['num_blocks']} blocks; {model['bound']}-bound: {model['bound_s'] * 1e3:.0f} ms"
+    )
 
 
 def _finding(reports: list[dict]) -> str:
@@ -97,8 +127,11 @@ def _finding(reports: list[dict]) -> str:
         parts.append(text)
     same = all(v.get("equal_to_resident") is not False for r in reports for v in _timed(r))
     device = reports[0]["machine"].get("device_name", reports[0]["machine"].get("platform", "?"))
-    return (f"One forward on {device}, random weights at the published configs: " + "; ".join(parts)
-            + ("; every output byte-identical to resident" if same else "; NOT every output equals resident"))
+    return (
+        f"One forward on {device}, random weights at the published configs: "
+        + "; ".join(parts)
+        + ("; every output byte-identical to resident" if same else "; NOT every output equals resident")
+    )
 
 
 def plot_bench_real(reports: list[dict], out_dir: pathlib.Path, name: str = "fig_bench_real") -> list[pathlib.Path]:
@@ -115,8 +148,13 @@ def plot_bench_real(reports: list[dict], out_dir: pathlib.Path, name: str = "fig
             ax.barh(y, values, color=[_color(v["variant"]) for v in rows])
             for i, v in enumerate(rows):
                 mark = "" if v.get("equal_to_resident") is not False else "  (differs!)"
-                ax.text(values[i], i, f" {v['ratio_to_bound']:.3f}x, {v['forward_s'] * 1e3:.0f} ms{mark}",
-                        va="center", fontsize=7.5)
+                ax.text(
+                    values[i],
+                    i,
+                    f" {v['ratio_to_bound']:.3f}x, {v['forward_s'] * 1e3:.0f} ms{mark}",
+                    va="center",
+                    fontsize=7.5,
+                )
             ax.axvline(1.0, color="black", lw=1)
             ax.axvline(1.01, color="black", lw=0.8, ls="--")
             ax.set_yticks(y, [LABELS.get(v["variant"], v["variant"]) for v in rows])

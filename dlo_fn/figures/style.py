@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import csv
 import pathlib
-from typing import Iterable, Iterator, Mapping, Sequence
-
 import sys
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import matplotlib
 

@@ -71,14 +71,27 @@ def fig5_dp_waves(out_dir: pathlib.Path) -> list[pathlib.Path]:
             who = ", ".join(f"rank {k}: {'its own request' if v else 'idle (shards only)'}" for k, v in busy.items())
             _plot_wave(ax, wr, ranks)
             ax.set_title(f"wave {wave} ({kind}): {who}", fontsize=8)
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (COLORS["h2d"], COLORS["allgather"],
-                                                                   REQUEST_COLORS[0], REQUEST_COLORS[1])]
-        fig.legend(handles, ["H2D of the local shard", "all-gather (rebuilds the block on every rank)",
-                             "compute, request at position 0", "compute, request at position 1"],
-                   loc="lower center", ncol=4, fontsize=7)
-        fig.suptitle("Figure 5, measured on 2 CPU ranks: one broadcast per wave, each rank computes a different "
-                     "request, every block's all-gather is shared; an idle rank still serves its shards",
-                     fontsize=9)
+        handles = [
+            plt.Rectangle((0, 0), 1, 1, color=c)
+            for c in (COLORS["h2d"], COLORS["allgather"], REQUEST_COLORS[0], REQUEST_COLORS[1])
+        ]
+        fig.legend(
+            handles,
+            [
+                "H2D of the local shard",
+                "all-gather (rebuilds the block on every rank)",
+                "compute, request at position 0",
+                "compute, request at position 1",
+            ],
+            loc="lower center",
+            ncol=4,
+            fontsize=7,
+        )
+        fig.suptitle(
+            "Figure 5, measured on 2 CPU ranks: one broadcast per wave, each rank computes a different "
+            "request, every block's all-gather is shared; an idle rank still serves its shards",
+            fontsize=9,
+        )
         fig.tight_layout(rect=(0, 0.08, 1, 0.94))
         png = save_png(fig, out_dir / "fig5_dp_waves.png")
     data = write_csv(out_dir / "data" / "waves_fig5_trace.csv", rows, TRACE_FIELDS)
@@ -92,21 +105,25 @@ def waves_cpu_scaling(out_dir: pathlib.Path) -> list[pathlib.Path]:
     fields = list(rows[0].keys())
     with figure_style():
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.4))
-        for dp, color in zip(sorted({int(r["dp"]) for r in rows}), (COLORS["measured"], COLORS["allgather"],
-                                                                      COLORS["compute"], COLORS["h2d"])):
-            full = sorted((r for r in rows if int(r["dp"]) == dp and r["kind"] == "full"),
-                          key=lambda r: int(r["requests_per_rank"]))
+        for dp, color in zip(
+            sorted({int(r["dp"]) for r in rows}),
+            (COLORS["measured"], COLORS["allgather"], COLORS["compute"], COLORS["h2d"]),
+        ):
+            full = sorted(
+                (r for r in rows if int(r["dp"]) == dp and r["kind"] == "full"),
+                key=lambda r: int(r["requests_per_rank"]),
+            )
             xs = [int(r["requests_per_rank"]) for r in full]
             ax1.plot(xs, [float(r["outputs_per_s"]) for r in full], "o-", color=color, label=f"dp {dp}, full waves")
             ax2.plot(xs, [float(r["efficiency"]) for r in full], "o-", color=color, label=f"dp {dp}")
             single = [r for r in rows if int(r["dp"]) == dp and r["kind"] == "single"]
             if single:
-                ax1.axhline(float(single[0]["outputs_per_s"]), color=color, ls=":", lw=1,
-                            label=f"dp {dp}, one request per wave")
+                ax1.axhline(
+                    float(single[0]["outputs_per_s"]), color=color, ls=":", lw=1, label=f"dp {dp}, one request per wave"
+                )
         base = [r for r in rows if r["kind"] == "resident"]
         if base:
-            ax1.axhline(float(base[0]["outputs_per_s"]), color=COLORS["other"], ls="--", lw=1,
-                        label="resident, 1 rank")
+            ax1.axhline(float(base[0]["outputs_per_s"]), color=COLORS["other"], ls="--", lw=1, label="resident, 1 rank")
         ax1.set_xlabel("R (requests per rank per wave)")
         ax1.set_ylabel("outputs / s")
         ax1.legend(fontsize=7)
@@ -117,8 +134,11 @@ def waves_cpu_scaling(out_dir: pathlib.Path) -> list[pathlib.Path]:
         ax2.legend(fontsize=7)
         for ax in (ax1, ax2):
             ax.set_xticks(sorted({int(r["requests_per_rank"]) for r in rows}))
-        fig.suptitle(f"CPU waves ({rows[0]['machine'].split(',')[0]}): more requests per rank amortise each "
-                     f"block load; dp 2 on 2 cores", fontsize=9)
+        fig.suptitle(
+            f"CPU waves ({rows[0]['machine'].split(',')[0]}): more requests per rank amortise each "
+            f"block load; dp 2 on 2 cores",
+            fontsize=9,
+        )
         fig.tight_layout()
         png = save_png(fig, out_dir / "waves_cpu_scaling.png")
     data = write_csv(out_dir / "data" / "waves_cpu.csv", rows, fields)

@@ -23,9 +23,21 @@ from torch import nn
 
 from dlo_fn.io.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
-__all__ = ["BindTarget", "Bound", "aligned", "meta_params", "bind_targets", "rollback", "model_from_config",
-           "meta_module_from_header", "with_address_residues", "BUFFER_HOOKS", "buffer_hook",
-           "non_persistent_buffers", "recompute_buffers"]
+__all__ = [
+    "BindTarget",
+    "Bound",
+    "aligned",
+    "meta_params",
+    "bind_targets",
+    "rollback",
+    "model_from_config",
+    "meta_module_from_header",
+    "with_address_residues",
+    "BUFFER_HOOKS",
+    "buffer_hook",
+    "non_persistent_buffers",
+    "recompute_buffers",
+]
 
 DLO_MODEL_TYPE = "dlo_fn-video-dit"
 
@@ -103,8 +115,14 @@ def bind_targets(
     handles = {}
     total = sum(ckpt.entries[k].nbytes for k in dict.fromkeys(t.key for t in targets))
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="bind" if not copy else "copy",
-                  disable=None if progress is None else not progress, leave=False) as bar:
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc="bind" if not copy else "copy",
+            disable=None if progress is None else not progress,
+            leave=False,
+        ) as bar:
             for t in targets:
                 if (t.key, t.dtype) in by_key:
                     continue
@@ -146,13 +164,18 @@ def model_from_config(ckpt: Checkpoint) -> nn.Module:
     (``dlo_fn.models.build_model``); the loader then binds it and calls its ``init_buffers()``."""
     where = ckpt.root / CONFIG_FILE
     if ckpt.config is None:
-        raise CheckpointError("no config.json next to the weights, so the model is unknown: pass model_or_factory= "
-                              "(a module, a factory or a diffusers class)", file=where)
+        raise CheckpointError(
+            "no config.json next to the weights, so the model is unknown: pass model_or_factory= "
+            "(a module, a factory or a diffusers class)",
+            file=where,
+        )
     kind = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None
     if kind != DLO_MODEL_TYPE:
-        raise CheckpointError(f"config.json is neither a dlo_fn config (model_type {kind!r}, not {DLO_MODEL_TYPE!r}) "
-                              "nor a diffusers one (_class_name): pass model_or_factory= to build the model yourself",
-                              file=where)
+        raise CheckpointError(
+            f"config.json is neither a dlo_fn config (model_type {kind!r}, not {DLO_MODEL_TYPE!r}) "
+            "nor a diffusers one (_class_name): pass model_or_factory= to build the model yourself",
+            file=where,
+        )
     from dlo_fn import models
 
     try:
@@ -186,7 +209,6 @@ def meta_module_from_header(header: Mapping[str, Mapping]) -> nn.Module:
     return root
 
 
-
 # Model methods that (re)compute non-persistent buffers after binding, first found wins:
 # dlo_fn.models.VideoDiT.init_buffers(device=None), or a generic init_non_persistent_buffers().
 BUFFER_HOOKS = ("init_non_persistent_buffers", "init_buffers")
@@ -218,7 +240,8 @@ def non_persistent_buffers(model: nn.Module, hook) -> tuple[tuple[str, ...], tup
         raise CheckpointError(
             f"non-persistent buffer(s) {', '.join(on_meta[:5])} are on the meta device and checkpoints do not store "
             "them: pass a factory instead of a meta module (buffers are then built on the CPU), or give the model "
-            "an init_non_persistent_buffers() method", key=on_meta[0],
+            "an init_non_persistent_buffers() method",
+            key=on_meta[0],
         )
     return tuple(names), tuple(on_meta)
 

@@ -173,8 +173,10 @@ def resolve_checkpoint(
             if (path / name).is_file():
                 return (path, _index_files(path / name), path / name) if name == index else (path, (path / name,), None)
             if os.path.lexists(path / name):
-                raise CheckpointError(f"{name} is {_what_is_there(path / name)}, not a file: write or download the "
-                                      "checkpoint again", file=path / name)
+                raise CheckpointError(
+                    f"{name} is {_what_is_there(path / name)}, not a file: write or download the checkpoint again",
+                    file=path / name,
+                )
     found = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
     if len(found) == 1:
         return path, (path / found[0],), None
@@ -234,12 +236,18 @@ def _read_index(index: pathlib.Path) -> dict[str, str]:
         raise CheckpointError(f"unreadable index ({exc}): write or download it again", file=index) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError("index has no weight_map of key -> shard file name: write it again (or pass the "
-                              "checkpoint directory)", file=index)
+        raise CheckpointError(
+            "index has no weight_map of key -> shard file name: write it again (or pass the checkpoint directory)",
+            file=index,
+        )
     for key, name in weight_map.items():
         if not name or pathlib.PurePath(name).name != name:
-            raise CheckpointError(f"the index names shard {name!r}, which is not a file name beside the index: "
-                                  "write or download the index again", file=index, key=key)
+            raise CheckpointError(
+                f"the index names shard {name!r}, which is not a file name beside the index: "
+                "write or download the index again",
+                file=index,
+                key=key,
+            )
     return weight_map
 
 
@@ -261,14 +269,17 @@ def open_checkpoint(
             what = "missing" if _what_is_there(file) == "directory or file" else _what_is_there(file)
             raise CheckpointError(
                 f"the index {index.name} names shard {file.name}, which is {what}: download or copy the shard",
-                file=file, key=key,
+                file=file,
+                key=key,
             )
         header, data_start = _read_header(file)
         for key, e in header.items():
             if key == "__metadata__":
                 continue
             if key in entries:
-                raise CheckpointError(f"key also stored in {entries[key].file}: remove the duplicate", file=file, key=key)
+                raise CheckpointError(
+                    f"key also stored in {entries[key].file}: remove the duplicate", file=file, key=key
+                )
             begin, end = e["data_offsets"]
             entries[key] = TensorEntry(key, file, e["dtype"], tuple(e["shape"]), data_start + begin, end - begin)
     if weight_map is not None:
@@ -278,11 +289,13 @@ def open_checkpoint(
                 raise CheckpointError(
                     f"the index maps this key to {name}, whose header does not hold it: the index and shards "
                     "disagree; write or download them again",
-                    file=root / name, key=key,
+                    file=root / name,
+                    key=key,
                 )
     if not entries:
-        raise CheckpointError("the checkpoint holds no tensors: write or download it again",
-                              file=index or (files[0] if files else root))
+        raise CheckpointError(
+            "the checkpoint holds no tensors: write or download it again", file=index or (files[0] if files else root)
+        )
     config = None
     if (root / CONFIG_FILE).is_file():
         try:
@@ -290,6 +303,7 @@ def open_checkpoint(
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"unreadable config ({exc}): write it again", file=root / CONFIG_FILE) from None
         if not isinstance(config, dict):
-            raise CheckpointError(f"config is a JSON {type(config).__name__}, not an object: write it again",
-                                  file=root / CONFIG_FILE)
+            raise CheckpointError(
+                f"config is a JSON {type(config).__name__}, not an object: write it again", file=root / CONFIG_FILE
+            )
     return Checkpoint(os.fspath(checkpoint), root, tuple(files), entries, config)

@@ -33,8 +33,16 @@ from torch import nn
 from dlo_fn.io.bind import meta_params
 from dlo_fn.io.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError
 
-__all__ = ["is_diffusers_config", "is_diffusers_model", "model_class", "build_model", "keeps_fp32",
-           "restore_buffers", "cast_buffers", "block_paths_for"]
+__all__ = [
+    "is_diffusers_config",
+    "is_diffusers_model",
+    "model_class",
+    "build_model",
+    "keeps_fp32",
+    "restore_buffers",
+    "cast_buffers",
+    "block_paths_for",
+]
 
 
 def is_diffusers_config(config: Mapping | None) -> bool:
@@ -52,8 +60,9 @@ def _diffusers(where):
     try:
         import diffusers
     except ImportError:
-        raise CheckpointError("this is a diffusers model: install diffusers (pip install diffusers) to load it",
-                              file=where) from None
+        raise CheckpointError(
+            "this is a diffusers model: install diffusers (pip install diffusers) to load it", file=where
+        ) from None
     return diffusers
 
 
@@ -67,7 +76,9 @@ def model_class(ckpt: Checkpoint) -> type:
         raise CheckpointError(
             f"_class_name {name!r} is not a diffusers model class in diffusers {diffusers.__version__} (the folder "
             f"was written by diffusers {ckpt.config.get('_diffusers_version')}): upgrade diffusers, or pass "
-            "model_or_factory=", file=where)
+            "model_or_factory=",
+            file=where,
+        )
     return cls
 
 
@@ -124,9 +135,11 @@ def build_model(ckpt: Checkpoint, cls: type | None = None, torch_dtype: torch.dt
     """``cls`` (default: the config's ``_class_name``) from the checkpoint's ``config.json`` on ``meta``, in
     ``torch_dtype`` (default: the checkpoint's own) with ``_keep_in_fp32_modules`` in fp32 (module docstring)."""
     if not is_diffusers_config(ckpt.config):
-        raise CheckpointError("no diffusers config.json (with _class_name) beside the weights: pass the model "
-                              "folder (for a pipeline, its transformer/ folder) or model_or_factory=",
-                              file=ckpt.root / CONFIG_FILE)
+        raise CheckpointError(
+            "no diffusers config.json (with _class_name) beside the weights: pass the model "
+            "folder (for a pipeline, its transformer/ folder) or model_or_factory=",
+            file=ckpt.root / CONFIG_FILE,
+        )
     from dlo_fn.io.quantized import stored_format
 
     cls = cls or model_class(ckpt)
@@ -137,8 +150,10 @@ def build_model(ckpt: Checkpoint, cls: type | None = None, torch_dtype: torch.dt
     try:
         return _meta_build(cls, ckpt.config, dtype)
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{cls.__name__}.from_config failed ({exc}): the config does not fit the class; "
-                              "write the folder again", file=ckpt.root / CONFIG_FILE) from None
+        raise CheckpointError(
+            f"{cls.__name__}.from_config failed ({exc}): the config does not fit the class; write the folder again",
+            file=ckpt.root / CONFIG_FILE,
+        ) from None
 
 
 def _main_dtype(model: nn.Module) -> torch.dtype:
@@ -153,9 +168,12 @@ def restore_buffers(model: nn.Module) -> None:
     """Non-persistent buffers left on ``meta`` (a model built under ``torch.device("meta")``) recomputed as
     from_pretrained has them: taken from a fresh build of the same class and config (parameters on meta,
     default dtype = the model's main dtype), never cast."""
-    wanted = [(mod, attr, f"{name}.{attr}" if name else attr)
-              for name, mod in model.named_modules() for attr in sorted(mod._non_persistent_buffers_set)
-              if mod._buffers.get(attr) is not None and mod._buffers[attr].is_meta]
+    wanted = [
+        (mod, attr, f"{name}.{attr}" if name else attr)
+        for name, mod in model.named_modules()
+        for attr in sorted(mod._non_persistent_buffers_set)
+        if mod._buffers.get(attr) is not None and mod._buffers[attr].is_meta
+    ]
     if not wanted:
         return
     fresh = _meta_build(type(model), model.config, _main_dtype(model))
@@ -166,9 +184,12 @@ def restore_buffers(model: nn.Module) -> None:
 def cast_buffers(model: nn.Module) -> tuple[str, ...]:
     """Non-persistent buffers whose dtype differs from a fresh build's (``from_config(cfg).to(bf16)`` casts
     Wan's fp32 rotary tables; from_pretrained never does): the loader warns about them."""
-    real = {f"{name}.{attr}" if name else attr: mod._buffers[attr]
-            for name, mod in model.named_modules() for attr in sorted(mod._non_persistent_buffers_set)
-            if mod._buffers.get(attr) is not None and not mod._buffers[attr].is_meta}
+    real = {
+        f"{name}.{attr}" if name else attr: mod._buffers[attr]
+        for name, mod in model.named_modules()
+        for attr in sorted(mod._non_persistent_buffers_set)
+        if mod._buffers.get(attr) is not None and not mod._buffers[attr].is_meta
+    }
     if not real:
         return ()
     fresh = dict(_meta_build(type(model), model.config, _main_dtype(model)).named_buffers())
@@ -176,8 +197,9 @@ def cast_buffers(model: nn.Module) -> tuple[str, ...]:
 
 
 def _lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    return [(name, child) for name, child in model.named_children()
-            if isinstance(child, nn.ModuleList) and len(child) > 0]
+    return [
+        (name, child) for name, child in model.named_children() if isinstance(child, nn.ModuleList) and len(child) > 0
+    ]
 
 
 def block_paths_for(model: nn.Module) -> tuple[str, ...]:
@@ -191,11 +213,15 @@ def block_paths_for(model: nn.Module) -> tuple[str, ...]:
         paths = tuple(name for name, lst in lists if all(type(b).__name__ in declared for b in lst))
         if paths:
             return paths
-    uniform = [(name, lst) for name, lst in lists
-               if len(lst) > 1 and len({type(b) for b in lst}) == 1 and any(True for _ in lst[0].parameters())]
+    uniform = [
+        (name, lst)
+        for name, lst in lists
+        if len(lst) > 1 and len({type(b) for b in lst}) == 1 and any(True for _ in lst[0].parameters())
+    ]
     if len(uniform) == 1:
         return (uniform[0][0],)
     candidates = ", ".join(f"{name} ({len(lst)} x {type(lst[0]).__name__})" for name, lst in lists) or "none"
     raise ValueError(
         f"cannot tell the block lists of {type(model).__name__} (top-level ModuleLists: {candidates}): pass "
-        "block_paths=, e.g. ('transformer_blocks', 'single_transformer_blocks'), in the order forward runs them")
+        "block_paths=, e.g. ('transformer_blocks', 'single_transformer_blocks'), in the order forward runs them"
+    )

@@ -33,14 +33,31 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from dlo_fn.io.bind import (BUFFER_HOOKS, BindTarget, bind_targets, buffer_hook, meta_params,
-                                 non_persistent_buffers, recompute_buffers, rollback)
+from dlo_fn.io.bind import (
+    BUFFER_HOOKS,
+    BindTarget,
+    bind_targets,
+    buffer_hook,
+    meta_params,
+    non_persistent_buffers,
+    recompute_buffers,
+    rollback,
+)
 from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from dlo_fn.io.memstat import file_mappings, in_mappings
 from dlo_fn.io.quantized import bind_stored, stored_format
 
-__all__ = ["LoadReport", "LoadResult", "load_checkpoint", "load_model", "build_for_checkpoint", "plan_targets", "MODES",
-           "BUFFER_HOOKS", "CheckpointError"]
+__all__ = [
+    "LoadReport",
+    "LoadResult",
+    "load_checkpoint",
+    "load_model",
+    "build_for_checkpoint",
+    "plan_targets",
+    "MODES",
+    "BUFFER_HOOKS",
+    "CheckpointError",
+]
 
 log = logging.getLogger(__name__)
 MODES = ("mmap", "copy")
@@ -80,8 +97,9 @@ class LoadResult(NamedTuple):
     report: LoadReport
 
 
-def load_model(checkpoint: str | os.PathLike, model_or_factory: nn.Module | Callable[[], nn.Module] | None = None,
-               **kwargs) -> nn.Module:
+def load_model(
+    checkpoint: str | os.PathLike, model_or_factory: nn.Module | Callable[[], nn.Module] | None = None, **kwargs
+) -> nn.Module:
     """:func:`load_checkpoint` returning the model only."""
     return load_checkpoint(checkpoint, model_or_factory, **kwargs).model
 
@@ -120,8 +138,10 @@ def load_checkpoint(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
-        checkpoint, cache_dir=cache_dir, revision=revision, subfolder=subfolder
+    ckpt = (
+        checkpoint
+        if isinstance(checkpoint, Checkpoint)
+        else open_checkpoint(checkpoint, cache_dir=cache_dir, revision=revision, subfolder=subfolder)
     )
     model, built_by_diffusers = build_for_checkpoint(ckpt, model_or_factory, torch_dtype)
     if built_by_diffusers and cast_dtype is None:
@@ -142,22 +162,36 @@ def load_checkpoint(
         rollback(saved)
         raise
     if report.cast_tensors:
-        log.warning("cast %d tensor(s) to another dtype; they are private copies (%d bytes), not shared "
-                    "page cache: %s", len(report.cast_tensors), report.private_copy_bytes,
-                    ", ".join(report.cast_tensors[:5]) + (" ..." if len(report.cast_tensors) > 5 else ""))
+        log.warning(
+            "cast %d tensor(s) to another dtype; they are private copies (%d bytes), not shared page cache: %s",
+            len(report.cast_tensors),
+            report.private_copy_bytes,
+            ", ".join(report.cast_tensors[:5]) + (" ..." if len(report.cast_tensors) > 5 else ""),
+        )
     if report.realigned_tensors:
         files = sorted({str(ckpt.entries[t.key].file) for t, b in zip(targets, bound) if b.realigned})
-        log.warning("%d tensor(s) sit at misaligned offsets of %s (a header length that is not a multiple of 8): "
-                    "copied, bytes unchanged, to aligned private memory (%d bytes private in all); write the "
-                    "checkpoint again (safetensors' save_file pads the header) to map it zero-copy",
-                    len(report.realigned_tensors), ", ".join(files), report.private_copy_bytes)
-    log.info("loaded %s (%s): %d tensors, %d bytes mapped, %d bytes private", ckpt.source, mode,
-             report.num_tensors, report.mapped_bytes, report.private_copy_bytes)
+        log.warning(
+            "%d tensor(s) sit at misaligned offsets of %s (a header length that is not a multiple of 8): "
+            "copied, bytes unchanged, to aligned private memory (%d bytes private in all); write the "
+            "checkpoint again (safetensors' save_file pads the header) to map it zero-copy",
+            len(report.realigned_tensors),
+            ", ".join(files),
+            report.private_copy_bytes,
+        )
+    log.info(
+        "loaded %s (%s): %d tensors, %d bytes mapped, %d bytes private",
+        ckpt.source,
+        mode,
+        report.num_tensors,
+        report.mapped_bytes,
+        report.private_copy_bytes,
+    )
     return LoadResult(model, report)
 
 
-def build_for_checkpoint(ckpt: Checkpoint, model_or_factory=None,
-                         torch_dtype: torch.dtype | None = None) -> tuple[nn.Module, bool]:
+def build_for_checkpoint(
+    ckpt: Checkpoint, model_or_factory=None, torch_dtype: torch.dtype | None = None
+) -> tuple[nn.Module, bool]:
     """``(model, built from a diffusers config)``: the module :func:`load_checkpoint` binds (see there), with
     no tensor read. A given module is returned as it is."""
     from dlo_fn.io import diffusers_load
@@ -189,9 +223,13 @@ def _map_key(key_map: KeyMap | None, key: str) -> str | None:
     return key_map(key)
 
 
-def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = None,
-                 cast_dtype: torch.dtype | bool | None = None,
-                 stored: tuple[str, ...] = ()) -> tuple[tuple[BindTarget, ...], tuple[str, ...]]:
+def plan_targets(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    key_map: KeyMap | None = None,
+    cast_dtype: torch.dtype | bool | None = None,
+    stored: tuple[str, ...] = (),
+) -> tuple[tuple[BindTarget, ...], tuple[str, ...]]:
     """``(targets, ignored keys)``: module tensors matched to checkpoint entries, names, shapes and dtypes
     checked from the headers alone (no tensor read); the :class:`CheckpointError` of every mismatch. ``stored``:
     a quantised checkpoint's FP8 tensors (:class:`dlo_fn.io.quantized.StoredFormat`'s ``keys``), left out with
@@ -222,8 +260,11 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
             ignored.append(key)
             continue
         if name in names:
-            raise CheckpointError(f"the key map sends this key and {names[name]!r} to the same module tensor "
-                                  f"{name!r}: fix the key map", file=ckpt.entries[key].file, key=key)
+            raise CheckpointError(
+                f"the key map sends this key and {names[name]!r} to the same module tensor {name!r}: fix the key map",
+                file=ckpt.entries[key].file,
+                key=key,
+            )
         names[name] = key
     unexpected = sorted(names[n] for n in names if n not in wanted)
     if unexpected:
@@ -232,16 +273,21 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
             f"unexpected key: {len(unexpected)} checkpoint tensor(s) match no parameter or persistent buffer of "
             f"the module ({', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}): a damaged header or "
             "another model's checkpoint; build the matching model, or pass key_map= to rename them (None skips)",
-            file=ckpt.entries[key].file, key=key,
+            file=ckpt.entries[key].file,
+            key=key,
         )
     # A tied tensor (one object under several names) needs one of its names in the checkpoint.
-    missing = [n for n in wanted if n not in names and n not in skipped
-               and not any(a in names for a in aliases[id(wanted[n][3])])]
+    missing = [
+        n
+        for n in wanted
+        if n not in names and n not in skipped and not any(a in names for a in aliases[id(wanted[n][3])])
+    ]
     if missing:
         raise CheckpointError(
             f"missing key: {len(missing)} module tensor(s) have no checkpoint entry ({', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}); check the checkpoint matches the model, or pass key_map=",
-            file=ckpt.files[0] if len(ckpt.files) == 1 else ckpt.root, key=missing[0],
+            file=ckpt.files[0] if len(ckpt.files) == 1 else ckpt.root,
+            key=missing[0],
         )
     targets = []
     for name, (module, attr, kind, t) in wanted.items():
@@ -250,9 +296,12 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
         key = names.get(name) or next(names[a] for a in aliases[id(t)] if a in names)
         entry = ckpt.entries[key]
         if tuple(t.shape) != entry.shape:
-            raise CheckpointError(f"shape mismatch: checkpoint {list(entry.shape)} vs module {name!r} "
-                                  f"{list(t.shape)}; build the model with the checkpoint's config",
-                                  file=entry.file, key=key)
+            raise CheckpointError(
+                f"shape mismatch: checkpoint {list(entry.shape)} vs module {name!r} "
+                f"{list(t.shape)}; build the model with the checkpoint's config",
+                file=entry.file,
+                key=key,
+            )
         stored = dtype_from_safetensors(entry.dtype)
         target = t.dtype
         if cast_dtype is not None and cast_dtype is not False and stored.is_floating_point:
@@ -261,7 +310,8 @@ def plan_targets(ckpt: Checkpoint, model: nn.Module, key_map: KeyMap | None = No
             raise CheckpointError(
                 f"dtype mismatch: checkpoint {stored} vs module {name!r} {t.dtype}; build the model in "
                 f"{stored}, or pass cast_dtype=True (cast to the module's dtype: a private copy, not shared)",
-                file=entry.file, key=key,
+                file=entry.file,
+                key=key,
             )
         targets.append(BindTarget(name, key, module, attr, kind, target, isinstance(t, nn.Parameter)))
     return tuple(targets), tuple(ignored)
@@ -273,9 +323,13 @@ def _warn_cast_buffers(model: nn.Module) -> None:
     if diffusers_load.is_diffusers_model(model) and hasattr(model, "config"):
         cast = diffusers_load.cast_buffers(model)
         if cast:
-            log.warning("%s: buffer(s) %s are not in the dtype from_pretrained gives them (model.to(dtype) casts "
-                        "buffers too); load the folder without a model (load_model(folder, torch_dtype=...)) to "
-                        "get them as diffusers has them", type(model).__name__, ", ".join(cast[:5]))
+            log.warning(
+                "%s: buffer(s) %s are not in the dtype from_pretrained gives them (model.to(dtype) casts "
+                "buffers too); load the folder without a model (load_model(folder, torch_dtype=...)) to "
+                "get them as diffusers has them",
+                type(model).__name__,
+                ", ".join(cast[:5]),
+            )
 
 
 def _buffer_hook(model: nn.Module):
@@ -313,11 +367,24 @@ def _report(ckpt: Checkpoint, mode: str, targets, bound, ignored, recomputed) ->
         file = str(pathlib.Path(ckpt.entries[target.key].file).resolve())
         inside = in_mappings(ranges.get(file, []), tensor.data_ptr(), nbytes) if verified else not own
         if mode == "mmap" and not own and not inside and nbytes:
-            raise RuntimeError(f"{target.name}: the safetensors view is not inside a mapping of {file}; "
-                               "this safetensors build copies on load, so mmap sharing is lost")
+            raise RuntimeError(
+                f"{target.name}: the safetensors view is not inside a mapping of {file}; "
+                "this safetensors build copies on load, so mmap sharing is lost"
+            )
         if inside or (not verified and mode == "mmap" and not own):
             mapped += nbytes
         else:
             private += nbytes
-    return LoadReport(ckpt.source, mode, files, len(seen), mapped, private, tuple(cast), ignored, recomputed,
-                      verified, tuple(realigned))
+    return LoadReport(
+        ckpt.source,
+        mode,
+        files,
+        len(seen),
+        mapped,
+        private,
+        tuple(cast),
+        ignored,
+        recomputed,
+        verified,
+        tuple(realigned),
+    )

@@ -163,7 +163,7 @@ def _mounts() -> list[tuple[str, str, str, str]]:
 def _cgroup_dir(mount_root: str, mount_point: str, cgroup_path: str) -> pathlib.Path:
     rel = cgroup_path
     if mount_root != "/" and (cgroup_path == mount_root or cgroup_path.startswith(mount_root + "/")):
-        rel = cgroup_path[len(mount_root):]
+        rel = cgroup_path[len(mount_root) :]
     return pathlib.Path(mount_point) / rel.lstrip("/")
 
 
@@ -195,8 +195,15 @@ def cgroup_memory(pid: int | None = None) -> CgroupMemory | None:
                 if current is None:
                     continue
                 stat = parse_kv_stat((d / "memory.stat").read_text())
-                return CgroupMemory(2, str(d), current, stat.get("file", 0), stat.get("anon", 0),
-                                    _read_int(d / "memory.peak"), _read_int(d / "memory.max"))
+                return CgroupMemory(
+                    2,
+                    str(d),
+                    current,
+                    stat.get("file", 0),
+                    stat.get("anon", 0),
+                    _read_int(d / "memory.peak"),
+                    _read_int(d / "memory.max"),
+                )
     for controllers, path in lines:
         if "memory" not in controllers.split(","):
             continue
@@ -210,7 +217,9 @@ def cgroup_memory(pid: int | None = None) -> CgroupMemory | None:
             stat = parse_kv_stat((d / "memory.stat").read_text())
             limit = _read_int(d / "memory.limit_in_bytes")
             return CgroupMemory(
-                1, str(d), current,
+                1,
+                str(d),
+                current,
                 stat.get("total_cache", stat.get("cache", 0)),
                 stat.get("total_rss", stat.get("rss", 0)),
                 _read_int(d / "memory.max_usage_in_bytes"),
@@ -283,4 +292,3 @@ def format_bytes(nbytes: int | float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{int(nbytes)} B"
-

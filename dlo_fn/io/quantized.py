@@ -26,8 +26,17 @@ from torch import nn
 from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, read_header
 from dlo_fn.plan.quant import SCALE_SUFFIX, check_quantization
 
-__all__ = ["META_QUANTIZATION", "META_EXCLUDE", "META_DTYPE", "StoredFormat", "StoredWeights", "stored_format",
-           "bind_stored", "stored_weights", "drop_stored"]
+__all__ = [
+    "META_QUANTIZATION",
+    "META_EXCLUDE",
+    "META_DTYPE",
+    "StoredFormat",
+    "StoredWeights",
+    "stored_format",
+    "bind_stored",
+    "stored_weights",
+    "drop_stored",
+]
 
 META_QUANTIZATION, META_EXCLUDE, META_DTYPE = "dlo_fn.quantization", "dlo_fn.quantize_exclude", "dlo_fn.torch_dtype"
 FP8_NAME = "F8_E4M3"
@@ -72,28 +81,39 @@ def stored_format(ckpt: Checkpoint) -> StoredFormat | None:
         meta = read_header(file).get("__metadata__") or {}
         kinds.setdefault((meta.get(META_QUANTIZATION), meta.get(META_EXCLUDE, "[]"), meta.get(META_DTYPE)), file)
     if len(kinds) > 1:
-        raise CheckpointError(f"this file's {META_QUANTIZATION} metadata differs from {ckpt.files[0].name}'s: the "
-                              "files come from different checkpoints; quantize the source again",
-                              file=list(kinds.values())[1])
-    (quantization, exclude, dtype), = kinds
+        raise CheckpointError(
+            f"this file's {META_QUANTIZATION} metadata differs from {ckpt.files[0].name}'s: the "
+            "files come from different checkpoints; quantize the source again",
+            file=list(kinds.values())[1],
+        )
+    ((quantization, exclude, dtype),) = kinds
     if quantization is None:
         return None
     try:
         check_quantization(quantization)
         names = json.loads(exclude)
         torch_dtype = getattr(torch, dtype or "", None)
-        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
-                and isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
+        if not (
+            isinstance(names, list)
+            and all(isinstance(n, str) for n in names)
+            and isinstance(torch_dtype, torch.dtype)
+            and torch_dtype.is_floating_point
+        ):
             raise ValueError(f"{META_EXCLUDE} {exclude!r} or {META_DTYPE} {dtype!r} is not what dlo_fn writes")
     except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"bad quantisation metadata ({exc}): quantize the source again",
-                              file=ckpt.files[0]) from None
+        raise CheckpointError(
+            f"bad quantisation metadata ({exc}): quantize the source again", file=ckpt.files[0]
+        ) from None
     keys = tuple(k for k, e in ckpt.entries.items() if e.dtype == FP8_NAME)
     for key in keys:
         entry, scale = ckpt.entries[key], ckpt.entries.get(key + SCALE_SUFFIX)
         if scale is None or scale.dtype != "F32" or scale.shape != entry.shape[:1] or len(entry.shape) < 2:
-            raise CheckpointError(f"an FP8 tensor needs float32 scales {key + SCALE_SUFFIX!r} of shape "
-                                  f"{list(entry.shape[:1])}: quantize the source again", file=entry.file, key=key)
+            raise CheckpointError(
+                f"an FP8 tensor needs float32 scales {key + SCALE_SUFFIX!r} of shape "
+                f"{list(entry.shape[:1])}: quantize the source again",
+                file=entry.file,
+                key=key,
+            )
     return StoredFormat(quantization, tuple(names), torch_dtype, keys)
 
 
@@ -109,9 +129,12 @@ def bind_stored(ckpt: Checkpoint, model: nn.Module, fmt: StoredFormat) -> None:
         path, _, attr = key.rpartition(".")
         declared = getattr(model.get_submodule(path), attr)
         if tuple(declared.shape) != entry.shape or not declared.is_floating_point():
-            raise CheckpointError(f"FP8 tensor of shape {list(entry.shape)} for the module's {declared.dtype} "
-                                  f"{list(declared.shape)}: build the model with the checkpoint's config",
-                                  file=entry.file, key=key)
+            raise CheckpointError(
+                f"FP8 tensor of shape {list(entry.shape)} for the module's {declared.dtype} "
+                f"{list(declared.shape)}: build the model with the checkpoint's config",
+                file=entry.file,
+                key=key,
+            )
         tensors[key] = (handles[entry.file].get_tensor(key), handles[entry.file].get_tensor(key + SCALE_SUFFIX))
     setattr(model, _ATTR, StoredWeights(fmt, tensors, tuple(str(f.resolve()) for f in ckpt.files)))
 

@@ -39,11 +39,17 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES
 from dlo_fn.io.memstat import file_mappings, in_mappings
+from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES
 
-__all__ = ["ReleaseReport", "release_mapped_tensors", "release_ranges", "release_copied_pages", "mapped_bytes",
-           "viewed_files"]
+__all__ = [
+    "ReleaseReport",
+    "release_mapped_tensors",
+    "release_ranges",
+    "release_copied_pages",
+    "mapped_bytes",
+    "viewed_files",
+]
 
 log = logging.getLogger(__name__)
 MADV_DONTNEED = 4
@@ -162,9 +168,12 @@ def release_mapped_tensors(model: nn.Module, files: Sequence[str | os.PathLike],
     still = {r for rs in file_mappings(files).values() for r in rs} & held
     after = sum(stop - start for start, stop in still)
     if after and warn:
-        log.warning("%d bytes of %s are still mapped after the release: something outside the model holds views "
-                    "of the checkpoint (their pages stay charged to this process)", after,
-                    ", ".join(pathlib.Path(f).name for f in files))
+        log.warning(
+            "%d bytes of %s are still mapped after the release: something outside the model holds views "
+            "of the checkpoint (their pages stay charged to this process)",
+            after,
+            ", ".join(pathlib.Path(f).name for f in files),
+        )
     return ReleaseReport(len(copied), nbytes, before, after, True, tuple(sources))
 
 

@@ -14,9 +14,16 @@ from dlo_fn.plan.spec import ModelSpec, spec_from_header, spec_from_module
 __all__ = ["spec_for"]
 
 
-def spec_for(model_or_checkpoint: str | os.PathLike, block_paths: Sequence[str] | None = None, *,
-             validate: bool = True, cache_dir: str | os.PathLike | None = None, revision: str | None = None,
-             subfolder: str | None = None, torch_dtype: torch.dtype | None = None) -> ModelSpec:
+def spec_for(
+    model_or_checkpoint: str | os.PathLike,
+    block_paths: Sequence[str] | None = None,
+    *,
+    validate: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    subfolder: str | None = None,
+    torch_dtype: torch.dtype | None = None,
+) -> ModelSpec:
     """Spec of a named reference-DiT config, or of a checkpoint directory / file / index / cached HF repo id.
 
     Named configs are built on ``meta`` (no storage, instant even for 400 GB). A checkpoint whose
@@ -27,8 +34,8 @@ def spec_for(model_or_checkpoint: str | os.PathLike, block_paths: Sequence[str] 
     Without such a config (or with ``validate=False``) it comes from the headers alone. ``block_paths``
     defaults to the model's block lists (dlo_fn: ``blocks``; diffusers: detected), or for headers alone to the
     detected ``<path>.<index>.`` lists. Every bad input is a ``CheckpointError``."""
-    from dlo_fn.models import BLOCK_PATHS, CONFIGS, build_model
     from dlo_fn.io.checkpoint import CheckpointError, open_checkpoint
+    from dlo_fn.models import BLOCK_PATHS, CONFIGS, build_model
 
     name = os.fspath(model_or_checkpoint)
     if name in CONFIGS:

@@ -37,8 +37,16 @@ from dlo_fn.plan.sizes import parse_bytes
 from dlo_fn.plan.spec import dtype_from_safetensors
 
 __all__ = [
-    "MODEL_TYPE", "CONFIG_NAME", "SINGLE_FILE", "INDEX_FILE", "parse_size", "shard_tensors", "safetensors_header",
-    "write_checkpoint", "ensure_checkpoint", "load_config",
+    "MODEL_TYPE",
+    "CONFIG_NAME",
+    "SINGLE_FILE",
+    "INDEX_FILE",
+    "parse_size",
+    "shard_tensors",
+    "safetensors_header",
+    "write_checkpoint",
+    "ensure_checkpoint",
+    "load_config",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,8 +81,9 @@ def shard_tensors(tensors: Sequence[TensorInit], max_shard_bytes: int) -> tuple[
     return tuple(tuple(s) for s in shards)
 
 
-def safetensors_header(items: Sequence[tuple[str, str, Sequence[int], int]], meta: dict | None = None
-                       ) -> tuple[bytes, dict[str, int]]:
+def safetensors_header(
+    items: Sequence[tuple[str, str, Sequence[int], int]], meta: dict | None = None
+) -> tuple[bytes, dict[str, int]]:
     """(``[u64 N][JSON header]`` bytes, each key's offset in the file) of ``(key, safetensors dtype, shape, nbytes)``
     items. Larger item sizes first (stable: keeps the items' order) keeps every tensor aligned: the data starts at a
     multiple of 8 and each group's total is a multiple of the next item size."""
@@ -108,7 +117,8 @@ def _write_file(path: pathlib.Path, tensors: Sequence[TensorInit], seed: int, ba
 def _existing(out_dir: pathlib.Path) -> list[pathlib.Path]:
     names = {CONFIG_NAME, SINGLE_FILE, INDEX_FILE}
     return sorted(
-        p for p in out_dir.iterdir()
+        p
+        for p in out_dir.iterdir()
         if p.name in names or _SHARD_RE.match(p.name) or p.name.endswith(".safetensors.partial")
     )
 
@@ -155,11 +165,20 @@ def write_checkpoint(
     total = sum(t.nbytes for t in tensors)
     shards = shard_tensors(tensors, max_shard_bytes)
     names = (
-        [SINGLE_FILE] if len(shards) == 1
+        [SINGLE_FILE]
+        if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    log.info("writing %s (%s, seed %d): %d tensors, %.3f GB in %d file(s) to %s",
-             config.name, dtype_name, seed, len(tensors), total / 1e9, len(shards), out)
+    log.info(
+        "writing %s (%s, seed %d): %d tensors, %.3f GB in %d file(s) to %s",
+        config.name,
+        dtype_name,
+        seed,
+        len(tensors),
+        total / 1e9,
+        len(shards),
+        out,
+    )
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {config.name}", disable=not progress) as bar:
         for name, shard in zip(names, shards):
             _write_file(out / name, shard, seed, bar)
@@ -198,7 +217,8 @@ def load_config(checkpoint: str | os.PathLike) -> tuple[DiTConfig, torch.dtype]:
         path = path.parent / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: no {CONFIG_NAME}; write a checkpoint with `python -m dlo_fn make-checkpoint --model tiny --out DIR`"
+            f"{path}: no {CONFIG_NAME}; write a checkpoint with "
+            "`python -m dlo_fn make-checkpoint --model tiny --out DIR`"
         )
     try:
         meta = json.loads(path.read_text())

@@ -65,8 +65,19 @@ class DiTConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
         positive = (
-            "num_blocks", "hidden_dim", "num_heads", "mlp_dim", "cond_dim", "text_dim", "text_heads",
-            "text_layers", "text_mlp_dim", "text_len", "latent_channels", "vae_spatial", "vae_temporal",
+            "num_blocks",
+            "hidden_dim",
+            "num_heads",
+            "mlp_dim",
+            "cond_dim",
+            "text_dim",
+            "text_heads",
+            "text_layers",
+            "text_mlp_dim",
+            "text_len",
+            "latent_channels",
+            "vae_spatial",
+            "vae_temporal",
             "freq_dim",
         )
         for field in positive:
@@ -124,8 +135,7 @@ class DiTConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> "DiTConfig":
         check_known_fields(cls, data)
         missing = sorted(
-            f.name for f in dataclasses.fields(cls)
-            if f.name not in data and f.default is dataclasses.MISSING
+            f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING
         )
         if missing:
             raise ValueError(f"DiTConfig.from_dict: missing field(s) {missing}")

@@ -35,9 +35,7 @@ def num_pixel_frames(config: DiTConfig, latent_frames: int) -> int:
 def decode_latents(latents: torch.Tensor, config: DiTConfig) -> torch.Tensor:
     """[N, C, T, h, w] fp32 latents -> [N, F, h * s, w * s, 3] uint8 frames (s = vae_spatial), on the CPU."""
     if latents.dim() != 5 or latents.shape[1] != config.latent_channels:
-        raise ValueError(
-            f"latents of shape {tuple(latents.shape)}: expected [N, {config.latent_channels}, T, h, w]"
-        )
+        raise ValueError(f"latents of shape {tuple(latents.shape)}: expected [N, {config.latent_channels}, T, h, w]")
     z = latents.detach().to(device="cpu", dtype=torch.float32)
     proj = rgb_projection(config.latent_channels)
     rgb = torch.zeros(*z.shape[:1], *z.shape[2:], 3, dtype=torch.float32)

@@ -37,7 +37,15 @@ from torch import nn
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.init import init_weights
 from dlo_fn.models.layers import (
-    Linear, RMSNorm, apply_rope, attention, gated_residual, layer_norm, modulate, rope_angles, rope_inv_freq,
+    Linear,
+    RMSNorm,
+    apply_rope,
+    attention,
+    gated_residual,
+    layer_norm,
+    modulate,
+    rope_angles,
+    rope_inv_freq,
     timestep_features,
 )
 from dlo_fn.models.sp import SPContext, TokenShard, check_sp_heads
@@ -77,8 +85,9 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, device=device)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, device=device)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sp: TokenShard | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sp: TokenShard | None = None
+    ) -> torch.Tensor:
         # [B, L, heads, head_dim] views: the norms and rotations run on rows of contiguous head_dim channels.
         q, k, v = self.qkv(h).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
         q = apply_rope(self.q_norm(q), cos, sin).to(v.dtype)
@@ -131,7 +140,12 @@ class DiTBlock(nn.Module):
         self.mlp = MLP(config.hidden_dim, config.mlp_dim, device, dtype)
 
     def forward(
-        self, x: torch.Tensor, cond: torch.Tensor, text: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        cond: torch.Tensor,
+        text: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
         sp: TokenShard | None = None,
     ) -> torch.Tensor:
         """x [B, L, D] (with ``sp``: this rank's [B, L_loc, D] and rotary rows); text is never split."""
@@ -156,8 +170,12 @@ class EmbedState:
 
     @property
     def block_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"cond": self.cond, "text": self.text, "rope_cos": self.rope_cos,
-                                  "rope_sin": self.rope_sin}
+        kwargs: dict[str, Any] = {
+            "cond": self.cond,
+            "text": self.text,
+            "rope_cos": self.rope_cos,
+            "rope_sin": self.rope_sin,
+        }
         if self.sp is not None:
             kwargs["sp"] = self.sp
         return kwargs

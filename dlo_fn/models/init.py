@@ -71,8 +71,7 @@ def init_plan(model: nn.Module) -> tuple[TensorInit, ...]:
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         persistent = [
-            (n, t) for n, t in module._buffers.items()
-            if t is not None and n not in module._non_persistent_buffers_set
+            (n, t) for n, t in module._buffers.items() if t is not None and n not in module._non_persistent_buffers_set
         ]
         for name, tensor in [*module._parameters.items(), *persistent]:
             if tensor is None:

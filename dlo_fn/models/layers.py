@@ -95,9 +95,7 @@ def rope_inv_freq(rope_dims: tuple[int, int, int], theta: float) -> torch.Tensor
     return torch.cat(parts).to(torch.float32)
 
 
-def rope_angles(
-    grid: tuple[int, int, int], rope_dims: tuple[int, int, int], inv_freq: torch.Tensor
-) -> torch.Tensor:
+def rope_angles(grid: tuple[int, int, int], rope_dims: tuple[int, int, int], inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotation angles [L, head_dim/2] of a (T, H, W) token grid, tokens in row-major (t, h, w) order:
     angle[l, i] = pos_a(l) * inv_freq[i] where a is the axis channel pair i belongs to."""
     device = inv_freq.device
@@ -119,9 +117,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def timestep_features(timestep: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """Sinusoidal features [B, dim] of timesteps [B] (fp32): (cos(t f_i), sin(t f_i)), f_i = max_period^(-i/(dim/2))."""
     half = dim // 2
-    freqs = torch.exp(
-        -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
-    )
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
     angles = timestep.float()[:, None] * freqs[None, :]
     return torch.cat((torch.cos(angles), torch.sin(angles)), dim=-1)
 

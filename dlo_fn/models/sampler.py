@@ -38,8 +38,16 @@ from dlo_fn.models.request import Request
 from dlo_fn.models.text import tokenize
 
 __all__ = [
-    "ModelInputs", "Result", "SamplerState", "sigmas", "init_state", "model_inputs", "update", "finished",
-    "finish", "generate",
+    "ModelInputs",
+    "Result",
+    "SamplerState",
+    "sigmas",
+    "init_state",
+    "model_inputs",
+    "update",
+    "finished",
+    "finish",
+    "generate",
 ]
 
 

@@ -59,8 +59,10 @@ def check_sp_heads(num_heads: int, sp_size: int) -> None:
     """``ValueError`` unless ``num_heads`` divides by ``sp_size`` (each sp rank attends with H / S heads)."""
     if num_heads % sp_size:
         divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-        raise ValueError(f"num_heads {num_heads} is not divisible by sp {sp_size}: Ulysses SP gives each sp rank "
-                         f"num_heads / sp heads; use sp in {divisors}")
+        raise ValueError(
+            f"num_heads {num_heads} is not divisible by sp {sp_size}: Ulysses SP gives each sp rank "
+            f"num_heads / sp heads; use sp in {divisors}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

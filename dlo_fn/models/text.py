@@ -71,7 +71,9 @@ class ByteTextEncoder(nn.Module):
         kw = {"device": device, "dtype": dtype}
         # An explicit (empty) weight skips nn.Embedding's normal_ init: on meta that first call imports torch's
         # reference decompositions (~2 s per process); weights come from dlo_fn.models.init anyway.
-        self.token_embed = nn.Embedding(VOCAB_SIZE, config.text_dim, _weight=torch.empty(VOCAB_SIZE, config.text_dim, **kw))
+        self.token_embed = nn.Embedding(
+            VOCAB_SIZE, config.text_dim, _weight=torch.empty(VOCAB_SIZE, config.text_dim, **kw)
+        )
         self.pos_embed = nn.Parameter(torch.zeros(config.text_len, config.text_dim, **kw))
         self.layers = nn.ModuleList(TextLayer(config, device, dtype) for _ in range(config.text_layers))
         self.norm = RMSNorm(config.text_dim, config.norm_eps, device=device)

@@ -27,12 +27,24 @@ class AccountingRow:
         return asdict(self)
 
 
-def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cuda", mode: str = "allgather",
-                      loading: str = "mmap", num_slots: int = 2, num_landing: int = DEFAULT_NUM_LANDING,
-                      activation_bytes: int = 0, communication_bytes: int = 0, transient_bytes: int = 0,
-                      framework_bytes_per_rank: int, context_bytes: int,
-                      alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, num_shards: int | None = None,
-                      with_hbm: bool = True) -> tuple[AccountingRow, ...]:
+def memory_accounting(
+    sizes: ModelSizes,
+    num_ranks: int,
+    *,
+    platform: str = "cuda",
+    mode: str = "allgather",
+    loading: str = "mmap",
+    num_slots: int = 2,
+    num_landing: int = DEFAULT_NUM_LANDING,
+    activation_bytes: int = 0,
+    communication_bytes: int = 0,
+    transient_bytes: int = 0,
+    framework_bytes_per_rank: int,
+    context_bytes: int,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    num_shards: int | None = None,
+    with_hbm: bool = True,
+) -> tuple[AccountingRow, ...]:
     """Rows of the host (cold start, steady state) and HBM accounting for ``num_ranks`` ranks sharding over
     ``num_shards`` of them (default all: ``W = N``; a (dp, sp) mesh may shard over its dp or sp groups).
     ``with_hbm=False`` leaves out the HBM rows (no block sizes known).
@@ -41,25 +53,38 @@ def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cud
     without weights) and ``context_bytes`` (``c_dev``, device bytes besides weights and workload)."""
     n, fw = num_ranks, framework_bytes_per_rank
     w = n if num_shards is None else num_shards
-    start = cold_start(sizes, n, loading, mode, framework_bytes_per_rank=fw, transient_bytes=transient_bytes,
-                       num_shards=w, alignment_bytes=alignment_bytes)
-    steady = host_steady_state(sizes, n, platform, mode, num_shards=w, framework_bytes_per_rank=fw,
-                               alignment_bytes=alignment_bytes)
+    start = cold_start(
+        sizes,
+        n,
+        loading,
+        mode,
+        framework_bytes_per_rank=fw,
+        transient_bytes=transient_bytes,
+        num_shards=w,
+        alignment_bytes=alignment_bytes,
+    )
+    steady = host_steady_state(
+        sizes, n, platform, mode, num_shards=w, framework_bytes_per_rank=fw, alignment_bytes=alignment_bytes
+    )
     cs, ss = "host: cold start", "host: steady state"
-    pinned_formula = {"allgather": "sum_b align_up(ceil(n_b / W), A), " + ("W = N" if w == n else f"W = {w}"),
-                      "rank-local": "sum_b align_up(n_b, A) (a private pinned copy per rank)",
-                      "rank-local-mmap": "0 (blocks stream from the shared page cache)"}[mode]
+    pinned_formula = {
+        "allgather": "sum_b align_up(ceil(n_b / W), A), " + ("W = N" if w == n else f"W = {w}"),
+        "rank-local": "sum_b align_up(n_b, A) (a private pinned copy per rank)",
+        "rank-local-mmap": "0 (blocks stream from the shared page cache)",
+    }[mode]
     touched = "M" if loading == "private-copy" or mode != "allgather" else "own shards + R"
     invisible = "N x pinned (driver DMA memory, not charged)" if platform == "ascend" else "0 (CUDA charges pinned)"
     rows = [
         AccountingRow(cs, "model bytes M", "blocks + resident tensors (the checkpoint)", sizes.total_bytes),
         AccountingRow(cs, "page cache", "M (one copy, shared by every rank)", start.page_cache_bytes),
-        AccountingRow(cs, "private copies", "N x M" if loading == "private-copy" else "0 (mmap views)",
-                      start.private_copy_bytes),
+        AccountingRow(
+            cs, "private copies", "N x M" if loading == "private-copy" else "0 (mmap views)", start.private_copy_bytes
+        ),
         AccountingRow(cs, "framework", f"N x c, c = {fw / 1e9:g} GB", start.framework_bytes),
         AccountingRow(cs, "transient", "t (input)", start.transient_bytes),
-        AccountingRow(cs, "cgroup peak", "page cache + private copies + framework + transient",
-                      start.cgroup_peak_bytes),
+        AccountingRow(
+            cs, "cgroup peak", "page cache + private copies + framework + transient", start.cgroup_peak_bytes
+        ),
         AccountingRow(cs, "per-rank high-water mark", f"touched ({touched}) + c", start.hwm_bytes_per_rank),
         AccountingRow(ss, "pinned per rank", pinned_formula, steady.pinned_bytes_per_rank),
         AccountingRow(ss, "pinned, all ranks", "N x pinned per rank", steady.pinned_bytes),
@@ -72,15 +97,27 @@ def memory_accounting(sizes: ModelSizes, num_ranks: int, *, platform: str = "cud
     if not with_hbm:
         return tuple(rows)
     hbm_mode = "allgather" if mode == "allgather" else "rank-local"
-    h = hbm_per_card(sizes, w, hbm_mode, num_slots=num_slots, num_landing=num_landing,
-                     activation_bytes=activation_bytes, communication_bytes=communication_bytes,
-                     context_bytes=context_bytes, alignment_bytes=alignment_bytes)
+    h = hbm_per_card(
+        sizes,
+        w,
+        hbm_mode,
+        num_slots=num_slots,
+        num_landing=num_landing,
+        activation_bytes=activation_bytes,
+        communication_bytes=communication_bytes,
+        context_bytes=context_bytes,
+        alignment_bytes=alignment_bytes,
+    )
     hs = "hbm per card"
     slot = "S x max_b (W x s_b)" if hbm_mode == "allgather" else "S x max_b align_up(n_b, A)"
     rows += [
         AccountingRow(hs, "slots", f"{slot}, S = {num_slots}", h.slot_bytes),
-        AccountingRow(hs, "landing buffers", f"L x max_b s_b, L = {num_landing}" if hbm_mode == "allgather"
-                      else "0 (rank-local: no shards)", h.landing_bytes),
+        AccountingRow(
+            hs,
+            "landing buffers",
+            f"L x max_b s_b, L = {num_landing}" if hbm_mode == "allgather" else "0 (rank-local: no shards)",
+            h.landing_bytes,
+        ),
         AccountingRow(hs, "resident tensors", "R", h.resident_bytes),
         AccountingRow(hs, "device context", "c_dev (calibrated)", h.context_bytes),
         AccountingRow(hs, "idle", "slots + landing + resident + context", h.idle_bytes),

@@ -23,7 +23,7 @@ import re
 import statistics
 from dataclasses import dataclass
 
-from dlo_fn.plan.ops import AG, C, H2D, KINDS, STREAMS, Op
+from dlo_fn.plan.ops import AG, H2D, KINDS, STREAMS, C, Op
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.timeline import Span, Timeline
 
@@ -45,8 +45,11 @@ def single_run(timeline: Timeline, run: int | None = None) -> Timeline:
     if run not in runs:
         raise ValueError(f"timeline holds runs {runs}, not run {run}")
     prefix = f"run{run} "
-    spans = tuple(Span(s.op[len(prefix):], s.stream, s.start_s, s.end_s, s.rank)
-                  for s in timeline.spans if s.op.startswith(prefix))
+    spans = tuple(
+        Span(s.op[len(prefix) :], s.stream, s.start_s, s.end_s, s.rank)
+        for s in timeline.spans
+        if s.op.startswith(prefix)
+    )
     return Timeline(spans, timeline.meta + (("run", str(run)),))
 
 
@@ -109,8 +112,9 @@ class ScheduleAgreement:
         return self.same_order and self.deps_respected
 
 
-def check_against_schedule(measured: Timeline, schedule: Schedule, rank: int | None = None,
-                           max_problems: int = 5) -> ScheduleAgreement:
+def check_against_schedule(
+    measured: Timeline, schedule: Schedule, rank: int | None = None, max_problems: int = 5
+) -> ScheduleAgreement:
     """Does ``measured`` (one run, see :func:`single_run`) follow ``schedule``? See the module docstring."""
     ops = _ops(measured, rank)
     problems: list[str] = []
@@ -131,8 +135,10 @@ def check_against_schedule(measured: Timeline, schedule: Schedule, rank: int | N
         if got != want:
             same_order = False
             first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            problems.append(f"stream {stream}: position {first} measured {got[first:first + 1]}, "
-                            f"schedule {want[first:first + 1]}")
+            problems.append(
+                f"stream {stream}: position {first} measured {got[first : first + 1]}, "
+                f"schedule {want[first : first + 1]}"
+            )
     deps_respected = not missing
     prev_on: dict[str, int] = {}
     for i, op in enumerate(schedule.ops):
@@ -149,8 +155,18 @@ def check_against_schedule(measured: Timeline, schedule: Schedule, rank: int | N
 
 # What rebuilds a schedule: a measured run is stored with these (figures/data/measured_timeline_*.json) so the
 # prediction can be replayed from the committed file alone.
-SCHEDULE_FIELDS = ("num_blocks", "num_steps", "requests_per_load", "num_slots", "num_landing", "mode",
-                   "slot_offset", "landing_offset", "warm_start", "prefetch_next")
+SCHEDULE_FIELDS = (
+    "num_blocks",
+    "num_steps",
+    "requests_per_load",
+    "num_slots",
+    "num_landing",
+    "mode",
+    "slot_offset",
+    "landing_offset",
+    "warm_start",
+    "prefetch_next",
+)
 
 
 def schedule_params(schedule: Schedule) -> dict:

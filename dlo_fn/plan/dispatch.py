@@ -33,7 +33,8 @@ requests that have arrived by then.
   nowhere (no overtaking, so nothing starves and starts follow FIFO order).
 * *continuous, cost-aware* (:func:`admit_cost_aware`, ``plan_continuous(..., admission="cost")``): the same
   FIFO without overtaking, but the head is placed only where it does not raise the step's busy time
-  ``P = sum_b max(t_b, max_r sum_{q in A_r} c_qb)`` (on the candidate replica that gives the smallest new ``P``), or when
+  ``P = sum_b max(t_b, max_r sum_{q in A_r} c_qb)`` (on the candidate replica that gives the smallest new ``P``), or
+  when
   no replica computes; otherwise it (and everything behind it) waits for the next boundary. An expensive head
   therefore waits for cheaper running work to drain instead of slowing every replica's passes, and a cheap head
   fills a free replica beside expensive work at no cost to anyone. It never starves: held requests finish, and
@@ -62,22 +63,43 @@ import math
 from typing import Callable, Sequence
 
 from dlo_fn.plan.dispatch_types import (
-    POLICIES, DispatchPlan, PlanStep, QueuedRequest, ReplicaUsage, Replicas, RequestRecord, PassCosts, nearest_rank,
+    POLICIES,
+    DispatchPlan,
+    PassCosts,
+    PlanStep,
+    QueuedRequest,
+    Replicas,
+    ReplicaUsage,
+    RequestRecord,
+    nearest_rank,
 )
 from dlo_fn.plan.waves import CompatKey, Pending, form_waves
 
 __all__ = [
-    "POLICIES", "QueuedRequest", "Replicas", "PassCosts", "PlanStep", "RequestRecord", "ReplicaUsage",
-    "DispatchPlan", "ADMISSIONS", "admit_continuous", "admit_cost_aware", "plan_continuous", "plan_strict",
-    "compare_policies", "nearest_rank",
+    "POLICIES",
+    "QueuedRequest",
+    "Replicas",
+    "PassCosts",
+    "PlanStep",
+    "RequestRecord",
+    "ReplicaUsage",
+    "DispatchPlan",
+    "ADMISSIONS",
+    "admit_continuous",
+    "admit_cost_aware",
+    "plan_continuous",
+    "plan_strict",
+    "compare_policies",
+    "nearest_rank",
 ]
 
 
 ADMISSIONS = ("fifo", "cost")
 
 
-def admit_continuous(queued: Sequence[QueuedRequest], held: Sequence[Sequence[QueuedRequest]],
-                     requests_per_replica: int) -> tuple[tuple[str, int], ...]:
+def admit_continuous(
+    queued: Sequence[QueuedRequest], held: Sequence[Sequence[QueuedRequest]], requests_per_replica: int
+) -> tuple[tuple[str, int], ...]:
     """The continuous policy at one boundary: ``(request_id, replica)`` placements for the FIFO ``queued``
     requests, given what each replica still ``held`` after retiring finished ones (see module doc)."""
     keys = [[q.key for q in h] for h in held]
@@ -93,8 +115,12 @@ def admit_continuous(queued: Sequence[QueuedRequest], held: Sequence[Sequence[Qu
     return tuple(out)
 
 
-def admit_cost_aware(queued: Sequence[QueuedRequest], held: Sequence[Sequence[QueuedRequest]],
-                     requests_per_replica: int, costs: PassCosts) -> tuple[tuple[str, int], ...]:
+def admit_cost_aware(
+    queued: Sequence[QueuedRequest],
+    held: Sequence[Sequence[QueuedRequest]],
+    requests_per_replica: int,
+    costs: PassCosts,
+) -> tuple[tuple[str, int], ...]:
     """The cost-aware continuous rule at one boundary (module doc): ``(request_id, replica)`` placements."""
     num_blocks = costs.num_blocks
     loads = [[q.compute_s(num_blocks) for q in h] for h in held]
@@ -138,9 +164,15 @@ def _fifo(requests: Sequence[QueuedRequest], costs: PassCosts) -> tuple[QueuedRe
     return tuple(sorted(requests, key=lambda q: (q.arrival_s, q.request_id)))
 
 
-def _plan(policy: str, requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, admit: _Admit,
-          is_due: Callable[[float, list[QueuedRequest]], bool] = lambda t, queue: False,
-          due_s: Callable[[list[QueuedRequest]], float] = lambda queue: math.inf) -> DispatchPlan:
+def _plan(
+    policy: str,
+    requests: Sequence[QueuedRequest],
+    costs: PassCosts,
+    replicas: Replicas,
+    admit: _Admit,
+    is_due: Callable[[float, list[QueuedRequest]], bool] = lambda t, queue: False,
+    due_s: Callable[[list[QueuedRequest]], float] = lambda queue: math.inf,
+) -> DispatchPlan:
     """Walk the boundaries: admit arrivals, let ``admit`` place requests, run one step (or one stretch).
     ``is_due(T, queue)``: whether the queue alone gives ``admit`` work at ``T`` (a partial wave's deadline);
     ``due_s(queue)``: about when that happens (the stretch's estimate, made exact with ``is_due``)."""
@@ -171,8 +203,7 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], costs: PassCosts, repl
         queue = [q for q in queue if q.request_id not in placed]
         if not any(held):
             next_s = reqs[arrived].arrival_s if arrived < len(reqs) else math.inf
-            n = _stretch(t, idle_step_s, min(next_s, due_s(queue)), lambda T: T >= next_s or is_due(T, queue),
-                         policy)
+            n = _stretch(t, idle_step_s, min(next_s, due_s(queue)), lambda T: T >= next_s or is_due(T, queue), policy)
             end = t + n * idle_step_s
             steps.append(PlanStep(k, n, t, end, idle_step_s, ((),) * W, len(queue)))
             for c in counts:
@@ -196,8 +227,18 @@ def _plan(policy: str, requests: Sequence[QueuedRequest], costs: PassCosts, repl
                 if done[q.request_id] == q.num_steps:
                     finished[q.request_id] = t
             h[:] = [q for q in h if q.request_id not in finished]
-    records = tuple(RequestRecord(q.request_id, q.arrival_s, started[q.request_id][0], started[q.request_id][1],
-                                  q.num_steps, started[q.request_id][2], finished[q.request_id]) for q in reqs)
+    records = tuple(
+        RequestRecord(
+            q.request_id,
+            q.arrival_s,
+            started[q.request_id][0],
+            started[q.request_id][1],
+            q.num_steps,
+            started[q.request_id][2],
+            finished[q.request_id],
+        )
+        for q in reqs
+    )
     usage = tuple(ReplicaUsage(r, c[0], c[1], c[2], c[3]) for r, c in enumerate(counts))
     return DispatchPlan(policy, costs, replicas, reqs, tuple(steps), records, usage)
 
@@ -206,8 +247,10 @@ def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[floa
     """Ring steps of ``idle_step_s`` from ``t`` to the first boundary ``T`` that ``wakes`` (about ``event_s``)."""
     assert math.isfinite(event_s), f"{policy}: nothing runs at t = {t} and no event follows"
     if idle_step_s <= 0:
-        raise ValueError(f"{policy}: nothing runs at t = {t} s until t = {event_s} s, and a gather-only step lasts "
-                         f"0 s (PassCosts.block_transfer_s + block_host_s are all 0): give the ring a load time")
+        raise ValueError(
+            f"{policy}: nothing runs at t = {t} s until t = {event_s} s, and a gather-only step lasts "
+            f"0 s (PassCosts.block_transfer_s + block_host_s are all 0): give the ring a load time"
+        )
     n = max(1, math.ceil((event_s - t) / idle_step_s))
     while not wakes(t + n * idle_step_s):  # rounding of the estimate, either way
         n += 1
@@ -216,21 +259,24 @@ def _stretch(t: float, idle_step_s: float, event_s: float, wakes: Callable[[floa
     return n
 
 
-def plan_continuous(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
-                    admission: str = "fifo") -> DispatchPlan:
+def plan_continuous(
+    requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *, admission: str = "fifo"
+) -> DispatchPlan:
     """The continuous policy on a trace (module doc). ``admission="fifo"`` (:func:`admit_continuous`) never
     leaves a replica waiting; ``"cost"`` (:func:`admit_cost_aware`) may, to keep the pass maximum down."""
     R = replicas.requests_per_replica
     if admission == "fifo":
         return _plan("continuous", requests, costs, replicas, lambda t, queue, held: admit_continuous(queue, held, R))
     if admission == "cost":
-        return _plan("continuous", requests, costs, replicas,
-                     lambda t, queue, held: admit_cost_aware(queue, held, R, costs))
+        return _plan(
+            "continuous", requests, costs, replicas, lambda t, queue, held: admit_cost_aware(queue, held, R, costs)
+        )
     raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
 
 
-def plan_strict(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
-                max_wait_s: float = 0.0) -> DispatchPlan:
+def plan_strict(
+    requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *, max_wait_s: float = 0.0
+) -> DispatchPlan:
     """Today's strict waves on a trace (module doc), formed by :func:`~dlo_fn.plan.waves.form_waves`."""
     if not (math.isfinite(max_wait_s) and max_wait_s >= 0):
         raise ValueError(f"max_wait_s must be finite seconds >= 0, got {max_wait_s}")
@@ -241,8 +287,10 @@ def plan_strict(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: R
         if any(held):
             return []
         if not formed:
-            pending = [Pending(i, CompatKey((("key", q.key), ("num_steps", q.num_steps))), q.arrival_s)
-                       for i, q in enumerate(queue)]
+            pending = [
+                Pending(i, CompatKey((("key", q.key), ("num_steps", q.num_steps))), q.arrival_s)
+                for i, q in enumerate(queue)
+            ]
             for wave in form_waves(pending, W, R, now_s=t, max_wait_s=max_wait_s).waves:
                 formed.append([(queue[i].request_id, r) for r, idx in enumerate(wave.rank_indices) for i in idx])
         return formed.pop(0) if formed else []
@@ -257,26 +305,43 @@ def plan_strict(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: R
     return _plan("strict", requests, costs, replicas, admit, is_due, due_s)
 
 
-def compare_policies(requests: Sequence[QueuedRequest], costs: PassCosts, replicas: Replicas, *,
-                     max_wait_s: float = 0.0, admissions: Sequence[str] = ("fifo",)) -> tuple[dict[str, object], ...]:
+def compare_policies(
+    requests: Sequence[QueuedRequest],
+    costs: PassCosts,
+    replicas: Replicas,
+    *,
+    max_wait_s: float = 0.0,
+    admissions: Sequence[str] = ("fifo",),
+) -> tuple[dict[str, object], ...]:
     """One row per policy on the same trace, for :func:`dlo_fn.repro.tables.text_table` (6 significant
     digits): continuous with each of ``admissions`` (``continuous``, ``continuous (cost)``), then strict.
     ``utilisation = sum_r compute_s / (W makespan_s)``."""
     rows = []
-    plans = [(("continuous" if a == "fifo" else f"continuous ({a})"),
-              plan_continuous(requests, costs, replicas, admission=a)) for a in admissions]
+    plans = [
+        (
+            ("continuous" if a == "fifo" else f"continuous ({a})"),
+            plan_continuous(requests, costs, replicas, admission=a),
+        )
+        for a in admissions
+    ]
     plans.append(("strict", plan_strict(requests, costs, replicas, max_wait_s=max_wait_s)))
     for name, plan in plans:
         u = plan.usage
-        rows.append({
-            "policy": name, "makespan_s": _g(plan.makespan_s),
-            "throughput_requests_per_s": _g(plan.throughput_requests_per_s),
-            "p50_latency_s": _g(plan.p50_latency_s), "p95_latency_s": _g(plan.p95_latency_s),
-            "mean_latency_s": _g(plan.mean_latency_s), "ring_steps": plan.num_ring_steps,
-            "compute_passes": sum(x.num_compute_passes for x in u), "idle_passes": sum(x.num_idle_passes for x in u),
-            "waiting_passes": sum(x.num_waiting_passes for x in u),
-            "utilisation": _g(sum(x.compute_s for x in u) / (len(u) * plan.makespan_s) if plan.makespan_s else 0.0),
-        })
+        rows.append(
+            {
+                "policy": name,
+                "makespan_s": _g(plan.makespan_s),
+                "throughput_requests_per_s": _g(plan.throughput_requests_per_s),
+                "p50_latency_s": _g(plan.p50_latency_s),
+                "p95_latency_s": _g(plan.p95_latency_s),
+                "mean_latency_s": _g(plan.mean_latency_s),
+                "ring_steps": plan.num_ring_steps,
+                "compute_passes": sum(x.num_compute_passes for x in u),
+                "idle_passes": sum(x.num_idle_passes for x in u),
+                "waiting_passes": sum(x.num_waiting_passes for x in u),
+                "utilisation": _g(sum(x.compute_s for x in u) / (len(u) * plan.makespan_s) if plan.makespan_s else 0.0),
+            }
+        )
     return tuple(rows)
 
 

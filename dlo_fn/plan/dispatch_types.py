@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 __all__ = [
-    "POLICIES", "QueuedRequest", "Replicas", "PassCosts", "PlanStep", "RequestRecord", "ReplicaUsage", "DispatchPlan",
+    "POLICIES",
+    "QueuedRequest",
+    "Replicas",
+    "PassCosts",
+    "PlanStep",
+    "RequestRecord",
+    "ReplicaUsage",
+    "DispatchPlan",
     "nearest_rank",
 ]
 
@@ -42,8 +49,9 @@ class QueuedRequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not _ID.fullmatch(self.request_id):
-            raise ValueError(f"request_id must be a non-empty str without spaces, ':', '@' or '+', "
-                             f"got {self.request_id!r}")
+            raise ValueError(
+                f"request_id must be a non-empty str without spaces, ':', '@' or '+', got {self.request_id!r}"
+            )
         if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
             raise ValueError(f"request {self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
         if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1:
@@ -59,8 +67,9 @@ class QueuedRequest:
         if not isinstance(cost, tuple):
             return (float(cost),) * num_blocks
         if len(cost) != num_blocks:
-            raise ValueError(f"request {self.request_id}: block_compute_s has {len(cost)} entries, the ring "
-                             f"has {num_blocks} blocks")
+            raise ValueError(
+                f"request {self.request_id}: block_compute_s has {len(cost)} entries, the ring has {num_blocks} blocks"
+            )
         return tuple(float(c) for c in cost)
 
 

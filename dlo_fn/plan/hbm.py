@@ -59,8 +59,14 @@ class HbmPerCard:
     context_bytes: int
 
     def __post_init__(self) -> None:
-        for name in ("slot_bytes", "landing_bytes", "resident_bytes", "activation_bytes",
-                     "communication_bytes", "context_bytes"):
+        for name in (
+            "slot_bytes",
+            "landing_bytes",
+            "resident_bytes",
+            "activation_bytes",
+            "communication_bytes",
+            "context_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int of bytes, got {value!r}")
@@ -78,10 +84,19 @@ class HbmPerCard:
         return self.idle_bytes + self.activation_bytes + self.communication_bytes
 
 
-def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *, num_slots: int = 2,
-                 num_landing: int = DEFAULT_NUM_LANDING, activation_bytes: int = 0, communication_bytes: int = 0,
-                 context_bytes: int, include_resident: bool = True,
-                 alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HbmPerCard:
+def hbm_per_card(
+    sizes: ModelSizes,
+    num_shards: int,
+    mode: str = "allgather",
+    *,
+    num_slots: int = 2,
+    num_landing: int = DEFAULT_NUM_LANDING,
+    activation_bytes: int = 0,
+    communication_bytes: int = 0,
+    context_bytes: int,
+    include_resident: bool = True,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> HbmPerCard:
     """DLO's HBM per card (module docstring). ``num_landing`` is ignored in rank-local mode (no shards).
 
     ``context_bytes`` is ``c_dev``, a property of the device and its runtime: pass a measured value (0 for the
@@ -96,8 +111,11 @@ def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *,
     w = num_shards if mode == "allgather" else 1
     gathered = lowered_mode(mode, w) == "allgather"  # one rank: no landing buffer (plan.lowering)
     return HbmPerCard(
-        slot_bytes=num_slots * (sizes.max_padded_block_bytes(w, alignment_bytes)  # a quantised slot's staging too
-                                + sizes.staging_bytes(w, alignment_bytes)),
+        slot_bytes=num_slots
+        * (
+            sizes.max_padded_block_bytes(w, alignment_bytes)  # a quantised slot's staging too
+            + sizes.staging_bytes(w, alignment_bytes)
+        ),
         landing_bytes=num_landing * sizes.max_shard_bytes(w, alignment_bytes) if gathered else 0,
         resident_bytes=sizes.resident_bytes if include_resident else 0,
         activation_bytes=int(activation_bytes),
@@ -134,10 +152,18 @@ class ApproachMemory:
         return self.num_devices * self.host_weight_bytes_per_rank
 
 
-def approach_memory(sizes: ModelSizes, num_devices: int, approach: str, *, activation_bytes: int = 0,
-                    communication_bytes: int = 0, context_bytes: int,
-                    num_slots: int = 2, num_landing: int = DEFAULT_NUM_LANDING,
-                    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ApproachMemory:
+def approach_memory(
+    sizes: ModelSizes,
+    num_devices: int,
+    approach: str,
+    *,
+    activation_bytes: int = 0,
+    communication_bytes: int = 0,
+    context_bytes: int,
+    num_slots: int = 2,
+    num_landing: int = DEFAULT_NUM_LANDING,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> ApproachMemory:
     """One column of Figure 1; the table in the module docstring gives each term.
 
     In ``hsdp`` and ``tp`` the sharded weights (``M / N``, resident tensors included) sit in ``resident_bytes``;
@@ -148,8 +174,13 @@ def approach_memory(sizes: ModelSizes, num_devices: int, approach: str, *, activ
         raise ValueError(f"approach must be one of {APPROACHES}, got {approach!r}")
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-    workload = dict(activation_bytes=activation_bytes, communication_bytes=communication_bytes,
-                    context_bytes=context_bytes, num_slots=num_slots, alignment_bytes=alignment_bytes)
+    workload = dict(
+        activation_bytes=activation_bytes,
+        communication_bytes=communication_bytes,
+        context_bytes=context_bytes,
+        num_slots=num_slots,
+        alignment_bytes=alignment_bytes,
+    )
     if approach == "dlo":
         hbm = hbm_per_card(sizes, num_devices, "allgather", num_landing=num_landing, **workload)
         host = pinned_host_bytes_per_rank(sizes, num_devices, "allgather", alignment_bytes)
@@ -159,7 +190,6 @@ def approach_memory(sizes: ModelSizes, num_devices: int, approach: str, *, activ
     else:
         sharded = -(-sizes.total_bytes // num_devices)
         gathered = 2 * sizes.max_block_bytes if approach == "hsdp" else 0
-        hbm = HbmPerCard(0, 0, sharded, int(activation_bytes), int(communication_bytes) + gathered,
-                         int(context_bytes))
+        hbm = HbmPerCard(0, 0, sharded, int(activation_bytes), int(communication_bytes) + gathered, int(context_bytes))
         host = 0
     return ApproachMemory(approach, num_devices, hbm, host)

@@ -81,8 +81,12 @@ def check_header(header: Mapping, data_bytes: int) -> None:
         shape, offsets, dtype = entry["shape"], entry["data_offsets"], entry["dtype"]
         if not (isinstance(shape, list) and all(_is_size(d) for d in shape)):
             raise HeaderError(f"corrupted header: shape {shape!r} is not a list of sizes", key=key)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)
-                and offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_size(o) for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
             raise HeaderError(f"corrupted header: data_offsets {offsets!r} are not [begin, end]", key=key)
         if not isinstance(dtype, str):
             raise HeaderError(f"corrupted header: dtype {dtype!r} is not a name", key=key)
@@ -96,8 +100,9 @@ def check_header(header: Mapping, data_bytes: int) -> None:
             if numel * itemsize * 8 >= 2**64:
                 raise HeaderError(f"corrupted header: shape {shape} overflows 64 bits", key=key)
         if numel * itemsize != offsets[1] - offsets[0]:
-            raise HeaderError(f"corrupted header: shape {shape} x {itemsize} bytes != byte span "
-                              f"{offsets[1] - offsets[0]}", key=key)
+            raise HeaderError(
+                f"corrupted header: shape {shape} x {itemsize} bytes != byte span {offsets[1] - offsets[0]}", key=key
+            )
         spans.append((offsets[0], offsets[1], key))
     spans.sort()
     end = 0
@@ -107,7 +112,10 @@ def check_header(header: Mapping, data_bytes: int) -> None:
             raise HeaderError(f"corrupted header: data_offsets [{begin}, {stop}] {what}", key=key)
         end = stop
     if end > data_bytes:
-        raise HeaderError(f"truncated: tensors end at data byte {end} but the file holds only {data_bytes} data "
-                          "bytes (an incomplete download or copy?)", key=spans[-1][2])
+        raise HeaderError(
+            f"truncated: tensors end at data byte {end} but the file holds only {data_bytes} data "
+            "bytes (an incomplete download or copy?)",
+            key=spans[-1][2],
+        )
     if end < data_bytes:
         raise HeaderError(f"corrupted: {data_bytes - end} bytes after the last tensor")

@@ -107,21 +107,33 @@ class HostBudget:
         """One line for the user."""
         gb = 1e9
         if self.status == "refused":
-            dp = (f"the largest dp that fits is {self.largest_dp}" if self.largest_dp
-                  else "no dp fits on this host")
-            return (f"--host-budget {self.budget_bytes / gb:.3f} GB is too small for {self.num_ranks} rank(s): "
-                    f"running at all needs {self.minimum_host_bytes / gb:.3f} GB ({self.num_ranks} x "
-                    f"({self.constant_bytes / gb:.3f} GB per process + {self.fixed_bytes / gb:.3f} GB fixed)), "
-                    f"pinning every shard {self.full_pin_host_bytes / gb:.3f} GB; {dp}: raise the budget or "
-                    f"run fewer ranks per host")
-        return (f"host budget {self.budget_bytes / gb:.3f} GB: {self.status}, {self.num_pinned_blocks}/"
-                f"{len(self.shard_bytes)} blocks pinned ({self.pinned_bytes / gb:.3f} GB per rank), "
-                f"{self.streamed_bytes / gb:.3f} GB per rank streamed from the mapping")
+            dp = f"the largest dp that fits is {self.largest_dp}" if self.largest_dp else "no dp fits on this host"
+            return (
+                f"--host-budget {self.budget_bytes / gb:.3f} GB is too small for {self.num_ranks} rank(s): "
+                f"running at all needs {self.minimum_host_bytes / gb:.3f} GB ({self.num_ranks} x "
+                f"({self.constant_bytes / gb:.3f} GB per process + {self.fixed_bytes / gb:.3f} GB fixed)), "
+                f"pinning every shard {self.full_pin_host_bytes / gb:.3f} GB; {dp}: raise the budget or "
+                f"run fewer ranks per host"
+            )
+        return (
+            f"host budget {self.budget_bytes / gb:.3f} GB: {self.status}, {self.num_pinned_blocks}/"
+            f"{len(self.shard_bytes)} blocks pinned ({self.pinned_bytes / gb:.3f} GB per rank), "
+            f"{self.streamed_bytes / gb:.3f} GB per rank streamed from the mapping"
+        )
 
 
-def host_budget(sizes: ModelSizes, num_ranks: int, budget_bytes: int, mode: str = "allgather",
-                device: str = "cuda", *, constant_bytes: int, num_slots: int = 2, num_landing: int = 2,
-                alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostBudget:
+def host_budget(
+    sizes: ModelSizes,
+    num_ranks: int,
+    budget_bytes: int,
+    mode: str = "allgather",
+    device: str = "cuda",
+    *,
+    constant_bytes: int,
+    num_slots: int = 2,
+    num_landing: int = 2,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> HostBudget:
     """See the module docstring. ``mode`` is ``allgather`` (shards over the ``num_ranks``) or ``rank-local``;
     ``constant_bytes`` is ``c``, measured (a rank's USS at start-up)."""
     _check_positive("num_ranks", num_ranks)
@@ -131,15 +143,22 @@ def host_budget(sizes: ModelSizes, num_ranks: int, budget_bytes: int, mode: str 
         raise ValueError("budget_bytes and constant_bytes must be >= 0")
 
     def fixed(n: int) -> int:
-        t = rank_terms(sizes, n, mode, device, num_slots=num_slots, num_landing=num_landing,
-                       alignment_bytes=alignment_bytes)
+        t = rank_terms(
+            sizes, n, mode, device, num_slots=num_slots, num_landing=num_landing, alignment_bytes=alignment_bytes
+        )
         return t.resident_copy_bytes + t.slot_bytes + t.landing_bytes + t.staging_bytes
 
     w = num_ranks if mode == "allgather" else 1
     shards = sizes.shard_bytes(w, alignment_bytes)
     f = fixed(num_ranks)
     pinnable = budget_bytes // num_ranks - constant_bytes - f
-    largest = max((n for n in range(1, num_ranks + 1) if n * (constant_bytes + fixed(n)) <= budget_bytes),
-                  default=0)
-    return HostBudget(budget_bytes, num_ranks, constant_bytes, f, shards,
-                      pinned_prefix(shards, pinnable) if pinnable >= 0 else 0, largest)
+    largest = max((n for n in range(1, num_ranks + 1) if n * (constant_bytes + fixed(n)) <= budget_bytes), default=0)
+    return HostBudget(
+        budget_bytes,
+        num_ranks,
+        constant_bytes,
+        f,
+        shards,
+        pinned_prefix(shards, pinnable) if pinnable >= 0 else 0,
+        largest,
+    )

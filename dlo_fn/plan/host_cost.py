@@ -37,10 +37,16 @@ import functools
 
 from dlo_fn.plan.layout import layout_load_group
 from dlo_fn.plan.lowering import default_num_landing
-from dlo_fn.plan.schedule import AG, C, H2D, Ring, Schedule
+from dlo_fn.plan.schedule import AG, H2D, C, Ring, Schedule
 
-__all__ = ["HOST_FIXED_SHARE", "HOST_FIXED_SHARE_ALLGATHER", "HOST_COLLECTIVE_CALLS", "planned_stream_ops",
-           "steady_schedule", "host_scale"]
+__all__ = [
+    "HOST_FIXED_SHARE",
+    "HOST_FIXED_SHARE_ALLGATHER",
+    "HOST_COLLECTIVE_CALLS",
+    "planned_stream_ops",
+    "steady_schedule",
+    "host_scale",
+]
 
 HOST_FIXED_SHARE = 0.14
 HOST_FIXED_SHARE_ALLGATHER = 0.083
@@ -68,15 +74,25 @@ def planned_stream_ops(schedule: Schedule, grouped_layout: bool = False) -> dict
             prev = None
             continue
         before = schedule.ops[prev] if prev is not None else None
-        merges = (before is not None and lead[i] is not None and lead[i] == lead[prev] and not schedule.deps[i]
-                  and op.block == before.block + 1
-                  and (op.slot == before.slot + 1 if op.slot is not None else op.landing == before.landing + 1))
+        merges = (
+            before is not None
+            and lead[i] is not None
+            and lead[i] == lead[prev]
+            and not schedule.deps[i]
+            and op.block == before.block + 1
+            and (op.slot == before.slot + 1 if op.slot is not None else op.landing == before.landing + 1)
+        )
         copies += not merges
         prev = i
     gathers = [i for i, op in enumerate(schedule.ops) if op.kind == AG]
     collectives = len({lead[i] for i in gathers}) if grouped_layout and schedule.load_group > 1 else len(gathers)
-    return {"waits": waits / computes, "copies": copies / computes, "records": records / computes,
-            "total": (waits + copies + records) / computes, "collectives": collectives / computes}
+    return {
+        "waits": waits / computes,
+        "copies": copies / computes,
+        "records": records / computes,
+        "total": (waits + copies + records) / computes,
+        "collectives": collectives / computes,
+    }
 
 
 def steady_schedule(num_blocks: int, num_slots: int = 2, load_group: int = 1, mode: str = "rank-local") -> Schedule:
@@ -86,8 +102,14 @@ def steady_schedule(num_blocks: int, num_slots: int = 2, load_group: int = 1, mo
     if mode == "rank-local":
         ring = Ring.cold(num_blocks, num_slots=num_slots, mode=mode, load_group=load_group)
     else:
-        ring = Ring.cold(num_blocks, num_slots=num_slots, mode=mode, num_shards=2,
-                         num_landing=default_num_landing(load_group), load_group=load_group)
+        ring = Ring.cold(
+            num_blocks,
+            num_slots=num_slots,
+            mode=mode,
+            num_shards=2,
+            num_landing=default_num_landing(load_group),
+            load_group=load_group,
+        )
     first = ring.next_schedule(1)
     return ring.after(first).next_schedule(1)
 

@@ -106,8 +106,10 @@ def grouped_layout_problem(num_blocks: int, load_group: int) -> str | None:
     if not isinstance(load_group, int) or isinstance(load_group, bool) or load_group < 1:
         return f"load_group must be an int >= 1, got {load_group!r}"
     if num_blocks % load_group:
-        return (f"load_group = {load_group} does not divide the {num_blocks} blocks, so a load group is not the "
-                f"same blocks in every pass")
+        return (
+            f"load_group = {load_group} does not divide the {num_blocks} blocks, so a load group is not the "
+            f"same blocks in every pass"
+        )
     return None
 
 
@@ -120,8 +122,9 @@ def layout_load_group(num_blocks: int, num_shards: int, load_group: int) -> int:
     return load_group
 
 
-def grouped_shard_bytes(block_bytes: tuple[int, ...], num_shards: int, load_group: int = 1,
-                        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> tuple[int, ...]:
+def grouped_shard_bytes(
+    block_bytes: tuple[int, ...], num_shards: int, load_group: int = 1, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
+) -> tuple[int, ...]:
     """Per block, its shard size ``s_b`` (``load_group = 1``), or in a grouped layout ``q_i``, the largest ``s_b``
     of its group (see the module docstring); their sum is a rank's host bytes."""
     shards = [equal_shard_bytes(n, num_shards, alignment_bytes) for n in block_bytes]
@@ -211,11 +214,12 @@ def block_layout(block: BlockSpec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTE
     placements, offset = [], 0
     for t in block.tensors:
         r = t.residue_bytes
-        offset = r + align_up(offset - r, max(alignment_bytes, KERNEL_ALIGNMENT_BYTES)) if r else align_up(
-            offset, alignment_bytes)
-        placements.append(
-            TensorPlacement(t.name, t.shape, _contiguous_stride(t.shape), t.dtype, offset, t.nbytes, r)
+        offset = (
+            r + align_up(offset - r, max(alignment_bytes, KERNEL_ALIGNMENT_BYTES))
+            if r
+            else align_up(offset, alignment_bytes)
         )
+        placements.append(TensorPlacement(t.name, t.shape, _contiguous_stride(t.shape), t.dtype, offset, t.nbytes, r))
         offset += t.nbytes
     return BlockLayout(block.name, tuple(placements), offset, alignment_bytes)
 
@@ -233,7 +237,9 @@ class Piece:
     block: int | None = None
 
     def __post_init__(self) -> None:
-        if not (0 <= self.src_start < self.src_stop and self.src_stop - self.src_start == self.dst_stop - self.dst_start):
+        if not (
+            0 <= self.src_start < self.src_stop and self.src_stop - self.src_start == self.dst_stop - self.dst_start
+        ):
             raise ValueError(f"bad piece {self}")
 
     @property
@@ -287,14 +293,16 @@ class ShardLayout:
             a, b = self.rank_range(r)
             parts = "; ".join(
                 f"{'' if p.block is None else f'b{p.block}.'}{p.tensor}[{p.src_start}:{p.src_stop}] -> "
-                f"[{p.dst_start}:{p.dst_stop}]" for p in self.pieces[r]
+                f"[{p.dst_start}:{p.dst_stop}]"
+                for p in self.pieces[r]
             )
             lines.append(f"{r:<5} [{a}, {b})".ljust(28) + (parts or "(padding only)"))
         return "\n".join(lines)
 
 
-def _range_pieces(blocks: tuple[BlockLayout, ...], stride: int, lo: int, hi: int,
-                  first: int | None) -> tuple[Piece, ...]:
+def _range_pieces(
+    blocks: tuple[BlockLayout, ...], stride: int, lo: int, hi: int, first: int | None
+) -> tuple[Piece, ...]:
     """The tensor bytes of ``blocks`` laid end to end at ``stride`` that fall in ``[lo, hi)``, as pieces of a
     shard starting at ``lo``; ``first``: the index of ``blocks[0]``, named in each piece (None: one block, its
     own shard)."""
@@ -304,8 +312,16 @@ def _range_pieces(blocks: tuple[BlockLayout, ...], stride: int, lo: int, hi: int
         for p in layout.placements:
             start, stop = max(lo, base + p.offset_bytes), min(hi, base + p.end_bytes)
             if start < stop:
-                out.append(Piece(p.name, start - base - p.offset_bytes, stop - base - p.offset_bytes, start - lo,
-                                 stop - lo, None if first is None else first + g))
+                out.append(
+                    Piece(
+                        p.name,
+                        start - base - p.offset_bytes,
+                        stop - base - p.offset_bytes,
+                        start - lo,
+                        stop - lo,
+                        None if first is None else first + g,
+                    )
+                )
     return tuple(out)
 
 
@@ -322,9 +338,19 @@ def grouped_shard_layouts(group: tuple[BlockLayout, ...], num_shards: int, first
     q, n = max(equal_shard_bytes(b.nbytes, num_shards, b.alignment_bytes) for b in group), len(group)
     # rank r's g-th piece of its chunk: bytes [(r G + g) q, +q) of the blocks laid end to end at W q
     return tuple(
-        ShardLayout(b, num_shards, q, tuple(_range_pieces(group, num_shards * q, (r * n + g) * q, (r * n + g + 1) * q,
-                                                          first) for r in range(num_shards)), n, g)
-        for g, b in enumerate(group))
+        ShardLayout(
+            b,
+            num_shards,
+            q,
+            tuple(
+                _range_pieces(group, num_shards * q, (r * n + g) * q, (r * n + g + 1) * q, first)
+                for r in range(num_shards)
+            ),
+            n,
+            g,
+        )
+        for g, b in enumerate(group)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,8 +371,10 @@ class ModelLayout:
         if any(s.num_shards != self.num_shards for s in self.shards):
             raise ValueError("every block must be sharded over the same num_shards")
         if self.compute and (len(self.compute) != len(self.shards) or self.load_group != 1):
-            raise ValueError(f"model {self.name!r}: quantised shards move one block per load (load_group = 1), "
-                             "with one compute layout per block")
+            raise ValueError(
+                f"model {self.name!r}: quantised shards move one block per load (load_group = 1), "
+                "with one compute layout per block"
+            )
         if any(s.group_size != self.load_group or s.member != b % self.load_group for b, s in enumerate(self.shards)):
             raise ValueError(f"every block must be member b % {self.load_group} of a group of {self.load_group}")
 
@@ -415,27 +443,43 @@ class ModelLayout:
         if self.load_group > 1:  # only then: the per-block layouts keep their digests
             doc["load_group"] = self.load_group
         if self.compute:
-            doc["compute"] = [[[p.name, list(p.shape), str(p.dtype), p.offset_bytes] for p in c.placements]
-                              for c in self.compute]
+            doc["compute"] = [
+                [[p.name, list(p.shape), str(p.dtype), p.offset_bytes] for p in c.placements] for c in self.compute
+            ]
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
-def model_layout(spec: ModelSpec, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-                 load_group: int = 1, quantization: str | None = None, exclude: tuple[str, ...] = ()) -> ModelLayout:
+def model_layout(
+    spec: ModelSpec,
+    num_shards: int,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    load_group: int = 1,
+    quantization: str | None = None,
+    exclude: tuple[str, ...] = (),
+) -> ModelLayout:
     """Flat layout of every block of ``spec``, sharded over ``num_shards`` ranks; ``load_group > 1`` (it must
     divide the number of blocks): the grouped layout, one all-gather per group of that many blocks.
     ``quantization="fp8"``: the shards lay out the stored blocks and ``compute`` the blocks of ``spec``
     (:mod:`dlo_fn.plan.quant`; ``exclude``: modules kept as they are)."""
     if check_quantization(quantization) is not None:  # ModelLayout refuses load groups
         stored = tuple(block_layout(stored_block(b, exclude), alignment_bytes) for b in spec.blocks)
-        return ModelLayout(spec.name, tuple(shard_layout(b, num_shards) for b in stored), num_shards,
-                           alignment_bytes, load_group, tuple(block_layout(b, alignment_bytes) for b in spec.blocks))
+        return ModelLayout(
+            spec.name,
+            tuple(shard_layout(b, num_shards) for b in stored),
+            num_shards,
+            alignment_bytes,
+            load_group,
+            tuple(block_layout(b, alignment_bytes) for b in spec.blocks),
+        )
     blocks = tuple(block_layout(b, alignment_bytes) for b in spec.blocks)
     if load_group == 1:
         return ModelLayout(spec.name, tuple(shard_layout(b, num_shards) for b in blocks), num_shards, alignment_bytes)
     problem = grouped_layout_problem(len(blocks), load_group)
     if problem:
         raise ValueError(f"model {spec.name!r}: {problem}; build the per-block layout (load_group=1)")
-    shards = tuple(s for i in range(0, len(blocks), load_group)
-                   for s in grouped_shard_layouts(blocks[i : i + load_group], num_shards, i))
+    shards = tuple(
+        s
+        for i in range(0, len(blocks), load_group)
+        for s in grouped_shard_layouts(blocks[i : i + load_group], num_shards, i)
+    )
     return ModelLayout(spec.name, shards, num_shards, alignment_bytes, load_group)

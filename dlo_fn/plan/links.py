@@ -61,8 +61,14 @@ def link_bytes(sizes: ModelSizes, topology: Topology, mode: str, num_shards: int
 
 def link_busy_s(sizes: ModelSizes, topology: Topology, mode: str, num_shards: int) -> tuple[tuple[str, float], ...]:
     """``(link, seconds)`` per pass for every link with a rate (module docstring), busiest first."""
-    rates = {"pcie": topology.h2d_bytes_per_s, "uplink": topology.uplink_bytes_per_s,
-             "host-memory": topology.host_memory_bytes_per_s}
-    busy = [(name, n / rates[name]) for name, n in link_bytes(sizes, topology, mode, num_shards).items()
-            if rates[name] is not None]
+    rates = {
+        "pcie": topology.h2d_bytes_per_s,
+        "uplink": topology.uplink_bytes_per_s,
+        "host-memory": topology.host_memory_bytes_per_s,
+    }
+    busy = [
+        (name, n / rates[name])
+        for name, n in link_bytes(sizes, topology, mode, num_shards).items()
+        if rates[name] is not None
+    ]
     return tuple(sorted(busy, key=lambda x: -x[1]))

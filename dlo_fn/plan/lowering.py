@@ -29,7 +29,8 @@ current one starts computing, and the H2D stream runs up to ``N`` loads ahead of
 **Load groups** (``G = load_group``, ``S`` a multiple of ``G`` and ``>= 2G``; allgather: ``N`` a multiple of ``G``,
 default ``2G``). For blocks so
 small that the host's stream operations per block are the bound (five per block: the H2D, its wait for the slot and
-its record, the compute's wait and record; :mod:`dlo_fn.plan.host_cost`), ``G`` consecutive loads on ``G`` consecutive slots
+its record, the compute's wait and record; :mod:`dlo_fn.plan.host_cost`), ``G`` consecutive loads on ``G``
+consecutive slots
 move as one unit. Load ``k`` is in group ``(o + k) // G`` (slots ``G*j .. G*j+G-1`` for some ``j``), and:
 
 * a group is issued as one, at the point its *last* load would be (:func:`group_last`);
@@ -65,11 +66,23 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from dlo_fn.plan.ops import AG, C, DQ, H2D, HappensBefore, Op
+from dlo_fn.plan.ops import AG, DQ, H2D, C, HappensBefore, Op
 
-__all__ = ["ComputeItem", "lowered_mode", "compute_order", "place_computes", "add_loads", "add_dependencies",
-           "buffer_uses", "check_load_group", "default_num_landing", "load_group_problem", "group_last",
-           "prefetch_depth", "load_groups"]
+__all__ = [
+    "ComputeItem",
+    "lowered_mode",
+    "compute_order",
+    "place_computes",
+    "add_loads",
+    "add_dependencies",
+    "buffer_uses",
+    "check_load_group",
+    "default_num_landing",
+    "load_group_problem",
+    "group_last",
+    "prefetch_depth",
+    "load_groups",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +103,9 @@ def lowered_mode(mode: str, num_shards: int | None) -> str:
     return "rank-local" if mode == "allgather" and num_shards == 1 else mode
 
 
-def load_group_problem(load_group: int, num_slots: int, mode: str, num_landing: int | None = None,
-                       quantized: bool = False) -> str | None:
+def load_group_problem(
+    load_group: int, num_slots: int, mode: str, num_landing: int | None = None, quantized: bool = False
+) -> str | None:
     """Why ``load_group`` does not fit a ring of ``num_slots`` slots (and, in allgather mode, ``num_landing``
     landing buffers; None: not known yet) running ``mode``'s op sequence (see "Load groups" in the module doc), or
     None where it fits: the one rule the ring, the options and the policy apply."""
@@ -102,12 +116,16 @@ def load_group_problem(load_group: int, num_slots: int, mode: str, num_landing: 
     if quantized:
         return f"load_group = {load_group}: quantised loads (a dequantise op per block) move one block at a time"
     if num_slots % load_group or num_slots < 2 * load_group:
-        return (f"load_group = {load_group} needs num_slots a multiple of it and >= {2 * load_group} (two groups in "
-                f"flight), got num_slots = {num_slots}: pass num_slots = {2 * load_group}")
+        return (
+            f"load_group = {load_group} needs num_slots a multiple of it and >= {2 * load_group} (two groups in "
+            f"flight), got num_slots = {num_slots}: pass num_slots = {2 * load_group}"
+        )
     if mode == "allgather" and num_landing is not None and num_landing % load_group:
-        return (f"load_group = {load_group} in allgather mode needs num_landing a multiple of it (a group's shards "
-                f"land side by side), got num_landing = {num_landing}: pass num_landing = {2 * load_group}, or "
-                f"leave it out")
+        return (
+            f"load_group = {load_group} in allgather mode needs num_landing a multiple of it (a group's shards "
+            f"land side by side), got num_landing = {num_landing}: pass num_landing = {2 * load_group}, or "
+            f"leave it out"
+        )
     return None
 
 
@@ -116,8 +134,9 @@ def default_num_landing(load_group: int = 1) -> int:
     return 2 * load_group
 
 
-def check_load_group(load_group: int, num_slots: int, mode: str, owner: str = "", num_landing: int | None = None,
-                     quantized: bool = False) -> None:
+def check_load_group(
+    load_group: int, num_slots: int, mode: str, owner: str = "", num_landing: int | None = None, quantized: bool = False
+) -> None:
     """ValueError naming the field (after ``owner``) unless ``load_group`` fits (:func:`load_group_problem`)."""
     problem = load_group_problem(load_group, num_slots, mode, num_landing, quantized)
     if problem is not None:
@@ -154,22 +173,32 @@ def load_groups(ops: tuple[Op, ...], load_group: int, slot_offset: int) -> tuple
 
 def compute_order(num_blocks: int, num_steps: int, requests_per_load: int = 1) -> tuple[ComputeItem, ...]:
     """Blocks x steps, block-major over requests: ``(k, r)`` for ``k < T*B``, ``r < R``; block ``k % B``."""
-    for name, value in (("num_blocks", num_blocks), ("num_steps", num_steps),
-                        ("requests_per_load", requests_per_load)):
+    for name, value in (("num_blocks", num_blocks), ("num_steps", num_steps), ("requests_per_load", requests_per_load)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return tuple(ComputeItem(k, k % num_blocks, k // num_blocks, r)
-                 for k in range(num_blocks * num_steps) for r in range(requests_per_load))
+    return tuple(
+        ComputeItem(k, k % num_blocks, k // num_blocks, r)
+        for k in range(num_blocks * num_steps)
+        for r in range(requests_per_load)
+    )
 
 
 def place_computes(order: tuple[ComputeItem, ...], num_slots: int, slot_offset: int = 0) -> tuple[Op, ...]:
     """Pass 1: compute ``k`` reads slot ``(slot_offset + k) % num_slots``."""
-    return tuple(Op(C, it.load, it.block, slot=(slot_offset + it.load) % num_slots, request=it.request)
-                 for it in order)
+    return tuple(Op(C, it.load, it.block, slot=(slot_offset + it.load) % num_slots, request=it.request) for it in order)
 
 
-def _load_ops(loads: range, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-              slot_offset: int, landing_offset: int, load_group: int, quantized: bool = False) -> list[Op]:
+def _load_ops(
+    loads: range,
+    num_blocks: int,
+    num_slots: int,
+    num_landing: int,
+    mode: str,
+    slot_offset: int,
+    landing_offset: int,
+    load_group: int,
+    quantized: bool = False,
+) -> list[Op]:
     """The ops of ``loads`` in issue order: per load its H2D (then its AG); with load groups, per group its H2Ds,
     then its AGs (so that a group's all-gathers can be one collective call). ``quantized``: the load lands in its
     slot's staging buffer and a dequantise op writes the slot (see "Quantised loads" in the module doc)."""
@@ -187,9 +216,20 @@ def _load_ops(loads: range, num_blocks: int, num_slots: int, num_landing: int, m
     return out
 
 
-def add_loads(computes: tuple[Op, ...], *, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-              slot_offset: int = 0, landing_offset: int = 0, warm_start: bool = False,
-              prefetch_next: bool = False, load_group: int = 1, quantized: bool = False) -> tuple[Op, ...]:
+def add_loads(
+    computes: tuple[Op, ...],
+    *,
+    num_blocks: int,
+    num_slots: int,
+    num_landing: int,
+    mode: str,
+    slot_offset: int = 0,
+    landing_offset: int = 0,
+    warm_start: bool = False,
+    prefetch_next: bool = False,
+    load_group: int = 1,
+    quantized: bool = False,
+) -> tuple[Op, ...]:
     """Pass 2: insert the loads into the compute ops, giving the host issue order.
 
     Loads ``first .. end-1`` are issued, ``first = P`` if ``warm_start`` (the previous run left loads
@@ -240,7 +280,7 @@ def add_dependencies(ops: tuple[Op, ...], groups: tuple[int | None, ...] | None 
                 w = last_write[buf]
                 needed.add(groups[w] if groups[w] is not None else w)
         first_of_group = groups[i] is not None and (i == 0 or groups[i - 1] != groups[i])
-        for member in (ops[i : groups[i] + 1] if first_of_group else (op,)):
+        for member in ops[i : groups[i] + 1] if first_of_group else (op,):
             for buf in member.writes:
                 needed.update(readers.get(buf) or ([last_write[buf]] if buf in last_write else []))
         base = clocks.base(op.stream)
@@ -248,7 +288,7 @@ def add_dependencies(ops: tuple[Op, ...], groups: tuple[int | None, ...] | None 
         kept: list[int] = []
         for n, d in enumerate(candidates):  # drop d if the others still kept imply it
             others = base
-            for e in kept + candidates[n + 1:]:
+            for e in kept + candidates[n + 1 :]:
                 others = clocks.merge(others, e)
             if not clocks.covers(others, d):
                 kept.append(d)

@@ -66,8 +66,13 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def pinned_host_bytes_per_rank(sizes: ModelSizes, num_shards: int, mode: str = "allgather",
-                               alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, load_group: int = 1) -> int:
+def pinned_host_bytes_per_rank(
+    sizes: ModelSizes,
+    num_shards: int,
+    mode: str = "allgather",
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    load_group: int = 1,
+) -> int:
     """Host bytes of one rank's weight arena (see the module docstring); ``load_group``: the ring's, whose
     grouped shard layout (``W > 1``, :func:`~dlo_fn.plan.layout.layout_load_group`) pads a group's shards to
     its largest."""
@@ -107,9 +112,17 @@ class ColdStart:
         return self.touched_bytes_per_rank + self.framework_bytes_per_rank
 
 
-def cold_start(sizes: ModelSizes, num_ranks: int, loading: str = "mmap", mode: str = "allgather", *,
-               framework_bytes_per_rank: int, transient_bytes: int = 0, num_shards: int | None = None,
-               alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> ColdStart:
+def cold_start(
+    sizes: ModelSizes,
+    num_ranks: int,
+    loading: str = "mmap",
+    mode: str = "allgather",
+    *,
+    framework_bytes_per_rank: int,
+    transient_bytes: int = 0,
+    num_shards: int | None = None,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> ColdStart:
     """``N*M (private copies only) + M + N*c + t``; ``mode`` only changes the pages each rank touches (its
     shards over ``num_shards`` ranks, default ``num_ranks``: a mesh may shard over a sub-group).
 
@@ -122,8 +135,10 @@ def cold_start(sizes: ModelSizes, num_ranks: int, loading: str = "mmap", mode: s
     if loading == "private-copy" or mode != "allgather":
         touched = m
     else:
-        touched = sizes.shard_bytes_per_rank(num_ranks if num_shards is None else num_shards,
-                                             alignment_bytes) + sizes.resident_bytes
+        touched = (
+            sizes.shard_bytes_per_rank(num_ranks if num_shards is None else num_shards, alignment_bytes)
+            + sizes.resident_bytes
+        )
     return ColdStart(
         loading=loading,
         num_ranks=num_ranks,
@@ -170,11 +185,17 @@ class HostSteadyState:
         return self.cgroup_bytes - self.page_cache_bytes
 
 
-def host_steady_state(sizes: ModelSizes, num_ranks: int, platform: str = "cuda", mode: str = "allgather", *,
-                      num_shards: int | None = None,
-                      framework_bytes_per_rank: int,
-                      page_cache_retained: bool = True,
-                      alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostSteadyState:
+def host_steady_state(
+    sizes: ModelSizes,
+    num_ranks: int,
+    platform: str = "cuda",
+    mode: str = "allgather",
+    *,
+    num_shards: int | None = None,
+    framework_bytes_per_rank: int,
+    page_cache_retained: bool = True,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> HostSteadyState:
     """Steady-state host accounting; ``num_shards`` defaults to ``num_ranks`` (every rank shards);
     ``framework_bytes_per_rank`` is ``c`` (see :func:`cold_start`).
 
@@ -212,14 +233,26 @@ class HostCapacity:
         return self.physical_bytes <= self.host_ram_bytes
 
 
-def host_capacity(sizes: ModelSizes, num_ranks: int, platform: str = "ascend", *, host_ram_bytes: int = 2 * 10**12,
-                  framework_bytes_per_rank: int,
-                  alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> HostCapacity:
+def host_capacity(
+    sizes: ModelSizes,
+    num_ranks: int,
+    platform: str = "ascend",
+    *,
+    host_ram_bytes: int = 2 * 10**12,
+    framework_bytes_per_rank: int,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> HostCapacity:
     """mmap + AllGather: cgroup peak = max(cold start, steady state); physical = steady state (page cache +
     framework + pinned shards), which is also the cold-start peak plus the shards being filled. The
     private-copy peak (no mmap) is given beside it for contrast."""
-    steady = host_steady_state(sizes, num_ranks, platform, "allgather",
-                               framework_bytes_per_rank=framework_bytes_per_rank, alignment_bytes=alignment_bytes)
+    steady = host_steady_state(
+        sizes,
+        num_ranks,
+        platform,
+        "allgather",
+        framework_bytes_per_rank=framework_bytes_per_rank,
+        alignment_bytes=alignment_bytes,
+    )
     start = cold_start(sizes, num_ranks, "mmap", framework_bytes_per_rank=framework_bytes_per_rank)
     copies = cold_start(sizes, num_ranks, "private-copy", framework_bytes_per_rank=framework_bytes_per_rank)
     return HostCapacity(

@@ -141,8 +141,10 @@ class MeshPlan:
         """Heads ``[s H / sp, (s + 1) H / sp)`` this rank attends with; ``ValueError`` unless sp divides H."""
         _check_size("num_heads", num_heads)
         if num_heads % self.sp:
-            raise ValueError(f"num_heads {num_heads} is not divisible by sp {self.sp}: Ulysses SP gives each sp "
-                             f"rank num_heads / sp heads")
+            raise ValueError(
+                f"num_heads {num_heads} is not divisible by sp {self.sp}: Ulysses SP gives each sp "
+                f"rank num_heads / sp heads"
+            )
         _, s = self.coordinate(rank)
         per = num_heads // self.sp
         return s * per, (s + 1) * per
@@ -151,17 +153,29 @@ class MeshPlan:
         """``sum_b align_up(ceil(n_b / W), A)``: the same on every rank."""
         return sizes.shard_bytes_per_rank(self.num_shards, alignment_bytes)
 
-    def rank_table(self, sizes: ModelSizes, num_tokens: int, num_heads: int,
-                   alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> tuple[RankPlan, ...]:
+    def rank_table(
+        self, sizes: ModelSizes, num_tokens: int, num_heads: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
+    ) -> tuple[RankPlan, ...]:
         """One :class:`RankPlan` per rank (the module docstring's example table)."""
         pinned = self.pinned_bytes_per_rank(sizes, alignment_bytes)
         rows = []
         for r in range(self.world_size):
             d, s = self.coordinate(r)
             lo, hi = self.token_range(r, num_tokens)
-            rows.append(RankPlan(r, d, s, (lo, hi), self.local_tokens(num_tokens) - (hi - lo),
-                                 self.head_range(r, num_heads), self.shard_group_of(r), self.shard_index(r),
-                                 self.num_shards, pinned))
+            rows.append(
+                RankPlan(
+                    r,
+                    d,
+                    s,
+                    (lo, hi),
+                    self.local_tokens(num_tokens) - (hi - lo),
+                    self.head_range(r, num_heads),
+                    self.shard_group_of(r),
+                    self.shard_index(r),
+                    self.num_shards,
+                    pinned,
+                )
+            )
         return tuple(rows)
 
 
@@ -169,7 +183,9 @@ def rank_shard_ranges(mesh: MeshPlan, layout: ModelLayout, rank: int) -> tuple[t
     """Byte range ``[i s_b, (i + 1) s_b)`` of each padded flat block that ``rank`` holds (``i`` its shard
     index); ``layout`` must be sharded over the mesh's ``num_shards``."""
     if layout.num_shards != mesh.num_shards:
-        raise ValueError(f"layout is sharded over {layout.num_shards} ranks, the mesh's {mesh.shard_group!r} shard "
-                         f"group has {mesh.num_shards}: build it with model_layout(spec, mesh.num_shards)")
+        raise ValueError(
+            f"layout is sharded over {layout.num_shards} ranks, the mesh's {mesh.shard_group!r} shard "
+            f"group has {mesh.num_shards}: build it with model_layout(spec, mesh.num_shards)"
+        )
     i = mesh.shard_index(rank)
     return tuple(s.rank_range(i) for s in layout.shards)

@@ -38,8 +38,10 @@ _PATTERNS = {
     DQ: re.compile(rf"DQ k(?P<load>{_N}) b(?P<block>{_N}) q(?P<staging>{_N})>s(?P<slot>{_N})"),
     C: re.compile(rf"C k(?P<load>{_N}) b(?P<block>{_N})@s(?P<slot>{_N}) r(?P<request>{_N})"),
 }
-GRAMMAR = "'H2D k<load> b<block>>{l<landing>|s<slot>|q<staging>}' | 'AG k<load> b<block> l<landing>>{s<slot>|" \
-          "q<staging>}' | 'DQ k<load> b<block> q<staging>>s<slot>' | 'C k<load> b<block>@s<slot> r<request>'"
+GRAMMAR = (
+    "'H2D k<load> b<block>>{l<landing>|s<slot>|q<staging>}' | 'AG k<load> b<block> l<landing>>{s<slot>|"
+    "q<staging>}' | 'DQ k<load> b<block> q<staging>>s<slot>' | 'C k<load> b<block>@s<slot> r<request>'"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +64,16 @@ class Op:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"Op.{name} must be a non-negative int, got {value!r}")
         has = (self.slot is not None, self.landing is not None, self.request is not None, self.staging is not None)
-        allowed = {H2D: ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 1)), AG: ((1, 1, 0, 0), (0, 1, 0, 1)),
-                   DQ: ((1, 0, 0, 1),), C: ((1, 0, 1, 0),)}[self.kind]
+        allowed = {
+            H2D: ((1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 1)),
+            AG: ((1, 1, 0, 0), (0, 1, 0, 1)),
+            DQ: ((1, 0, 0, 1),),
+            C: ((1, 0, 1, 0),),
+        }[self.kind]
         if tuple(map(int, has)) not in allowed:
-            raise ValueError(f"{self.kind} op has fields slot/landing/request/staging = {has}; the grammar is "
-                             f"{GRAMMAR}")
+            raise ValueError(
+                f"{self.kind} op has fields slot/landing/request/staging = {has}; the grammar is {GRAMMAR}"
+            )
 
     @property
     def _target(self) -> str:
@@ -75,8 +82,9 @@ class Op:
 
     def __str__(self) -> str:
         if self.kind == H2D:
-            return f"H2D k{self.load} b{self.block}>" + (f"l{self.landing}" if self.landing is not None else
-                                                         self._target)
+            return f"H2D k{self.load} b{self.block}>" + (
+                f"l{self.landing}" if self.landing is not None else self._target
+            )
         if self.kind == AG:
             return f"AG k{self.load} b{self.block} l{self.landing}>{self._target}"
         if self.kind == DQ:

@@ -31,7 +31,8 @@ One wave of ``min(T, 3)`` steps is simulated (:func:`~dlo_fn.plan.timeline.simul
 :func:`~dlo_fn.plan.schedule.build_schedule`); the steady step ``t`` is the period between the ends of the first and
 the last step's computes, raised to the busiest shared link's time per pass where the topology has shared links
 (:func:`~dlo_fn.plan.links.link_busy_s`: on PCIe machines the all-gather and the H2D cross the same links, which
-the simulator's separate streams do not see), and ``wave = t_1 + (T - 1) t + R q`` (``t_1``: the first step, cold ring; ``q``: the
+the simulator's separate streams do not see), and ``wave = t_1 + (T - 1) t + R q`` (``t_1``: the first step, cold
+ring; ``q``: the
 per-request work outside the ring, noise and text in, latents out, decode and hash, counted serial). Per wave ``dp R``
 outputs; ``outputs_per_s = dp R / wave``; the per-output step is ``t / R`` per replica.
 
@@ -65,13 +66,23 @@ from dlo_fn.plan.lowering import default_num_landing, load_group_problem, lowere
 from dlo_fn.plan.memory import pinned_host_bytes_per_rank
 from dlo_fn.plan.ops import Op
 from dlo_fn.plan.quant import dequant_seconds
-from dlo_fn.plan.schedule import AG, C, DEFAULT_NUM_LANDING, DQ, H2D, build_schedule
+from dlo_fn.plan.schedule import AG, DEFAULT_NUM_LANDING, DQ, H2D, build_schedule
 from dlo_fn.plan.timeline import simulate
 from dlo_fn.plan.topology import PolicyModel, Topology, compute_shape
 from dlo_fn.plan.workload import Workload
 
-__all__ = ["OBJECTIVES", "SHARD_GROUPS", "Candidate", "PlanRow", "PolicyResult", "candidates", "predict", "plan",
-           "all_to_all_s", "op_mode"]
+__all__ = [
+    "OBJECTIVES",
+    "SHARD_GROUPS",
+    "Candidate",
+    "PlanRow",
+    "PolicyResult",
+    "candidates",
+    "predict",
+    "plan",
+    "all_to_all_s",
+    "op_mode",
+]
 
 OBJECTIVES = ("throughput", "latency")
 SHARD_GROUPS = ("mesh", "dp")
@@ -131,18 +142,35 @@ class PlanRow:
     @property
     def limiting_memory(self) -> str:
         hbm, host = self.hbm_bytes / self.hbm_capacity_bytes, self.host_bytes / self.host_capacity_bytes
-        which, used, cap = (("hbm", self.hbm_bytes, self.hbm_capacity_bytes) if hbm >= host
-                            else ("host", self.host_bytes, self.host_capacity_bytes))
+        which, used, cap = (
+            ("hbm", self.hbm_bytes, self.hbm_capacity_bytes)
+            if hbm >= host
+            else ("host", self.host_bytes, self.host_capacity_bytes)
+        )
         return f"{which} {used / 1e9:.1f}/{cap / 1e9:.0f} GB"
 
     def as_dict(self) -> dict:
         c = self.candidate
-        return {"plan": c.label, "dp": c.dp, "sp": c.sp, "mode": c.mode, "shard_group": c.shard_group,
-                "num_shards": c.num_shards, "slots": c.num_slots, "R": c.requests_per_rank, "step_s": self.step_s,
-                "wave_s": self.wave_latency_s, "outputs_per_s": self.outputs_per_s,
-                "per_output_step_s": self.per_output_step_s, "bound": self.bound,
-                "exposed_ms_per_step": 1e3 * self.exposed_s_per_step, "hbm_gb": self.hbm_bytes / 1e9,
-                "host_gb": self.host_bytes / 1e9, "limiting_memory": self.limiting_memory, "fits": self.fits}
+        return {
+            "plan": c.label,
+            "dp": c.dp,
+            "sp": c.sp,
+            "mode": c.mode,
+            "shard_group": c.shard_group,
+            "num_shards": c.num_shards,
+            "slots": c.num_slots,
+            "R": c.requests_per_rank,
+            "step_s": self.step_s,
+            "wave_s": self.wave_latency_s,
+            "outputs_per_s": self.outputs_per_s,
+            "per_output_step_s": self.per_output_step_s,
+            "bound": self.bound,
+            "exposed_ms_per_step": 1e3 * self.exposed_s_per_step,
+            "hbm_gb": self.hbm_bytes / 1e9,
+            "host_gb": self.host_bytes / 1e9,
+            "limiting_memory": self.limiting_memory,
+            "fits": self.fits,
+        }
 
 
 def op_mode(cand: Candidate) -> str:
@@ -155,15 +183,22 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def candidates(num_ranks: int, *, slots: tuple[int, ...] = (2, 3, 4), requests_per_rank: tuple[int, ...] = (1,),
-               modes: tuple[str, ...] = ("allgather", "rank-local"), sps: tuple[int, ...] | None = None,
-               num_landing: int = DEFAULT_NUM_LANDING, load_groups: tuple[int, ...] = (1,)) -> tuple[Candidate, ...]:
+def candidates(
+    num_ranks: int,
+    *,
+    slots: tuple[int, ...] = (2, 3, 4),
+    requests_per_rank: tuple[int, ...] = (1,),
+    modes: tuple[str, ...] = ("allgather", "rank-local"),
+    sps: tuple[int, ...] | None = None,
+    num_landing: int = DEFAULT_NUM_LANDING,
+    load_groups: tuple[int, ...] = (1,),
+) -> tuple[Candidate, ...]:
     """Every (dp, sp, mode, shard group, S, R, G) with ``dp sp = N``; shard groups that give the same ``W`` are one.
     A load group ``G > 1`` where ``S`` is a multiple of ``G``, ``>= 2G`` (at ``W > 1``: on ``2G`` landing buffers)."""
     if any(g < 1 for g in load_groups):
         raise ValueError(f"load groups must be >= 1, got {load_groups}")
     out = []
-    for sp in (sps or _divisors(num_ranks)):
+    for sp in sps or _divisors(num_ranks):
         if num_ranks % sp:
             raise ValueError(f"sp {sp} does not divide {num_ranks} ranks")
         dp = num_ranks // sp
@@ -217,8 +252,9 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
         if op.kind == AG:
             return ag[op.block]
         if op.kind == DQ:  # read the stored block, write the slot (plan.quant)
-            return dequant_seconds(sizes.stored_bytes[op.block], sizes.block_bytes[op.block],
-                                   topology.d2d_copy_bytes_per_s)
+            return dequant_seconds(
+                sizes.stored_bytes[op.block], sizes.block_bytes[op.block], topology.d2d_copy_bytes_per_s
+            )
         return comp[op.block] + (step_overhead_s if op.block == 0 else 0.0)
 
     return duration, h2d_s, ag, max(device), host, comp
@@ -227,28 +263,46 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
 def _memory(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[int, int]:
     local_tokens = math.ceil(workload.tokens / cand.sp) * workload.cfg_branches * cand.requests_per_rank
     comm = 2 * local_tokens * model.hidden_dim * model.dtype_bytes if cand.sp > 1 else 0
-    hbm = hbm_per_card(model.sizes, cand.num_shards, op_mode(cand), num_slots=cand.num_slots,
-                       num_landing=max(cand.num_landing, 1), activation_bytes=local_tokens * model.activation_bytes_per_token,
-                       communication_bytes=comm, context_bytes=topology.context_bytes)
-    host = pinned_host_bytes_per_rank(model.sizes, cand.num_shards, op_mode(cand),
-                                      load_group=cand.load_group) + topology.framework_host_bytes
+    hbm = hbm_per_card(
+        model.sizes,
+        cand.num_shards,
+        op_mode(cand),
+        num_slots=cand.num_slots,
+        num_landing=max(cand.num_landing, 1),
+        activation_bytes=local_tokens * model.activation_bytes_per_token,
+        communication_bytes=comm,
+        context_bytes=topology.context_bytes,
+    )
+    host = (
+        pinned_host_bytes_per_rank(model.sizes, cand.num_shards, op_mode(cand), load_group=cand.load_group)
+        + topology.framework_host_bytes
+    )
     return hbm.peak_bytes, host
 
 
-def predict(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate, *,
-            step_overhead_s: float | None = None) -> PlanRow:
+def predict(
+    model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate, *, step_overhead_s: float | None = None
+) -> PlanRow:
     """One candidate's row (module docstring). ``step_overhead_s`` defaults to the topology's
     :meth:`~dlo_fn.plan.topology.Topology.step_overhead_s` for the workload."""
     if cand.dp * cand.sp != topology.num_ranks:
         raise ValueError(f"{cand.label}: dp x sp must equal the topology's {topology.num_ranks} ranks")
-    overhead = (topology.step_overhead_s(workload.tokens, workload.cfg_branches) if step_overhead_s is None
-                else step_overhead_s)
+    overhead = (
+        topology.step_overhead_s(workload.tokens, workload.cfg_branches) if step_overhead_s is None else step_overhead_s
+    )
     duration, h2d_s, ag, device, host, comp = _durations(model, topology, workload, cand, overhead)
     b, r, mode = model.sizes.num_blocks, cand.requests_per_rank, op_mode(cand)
     steps = min(workload.num_steps, 3)
-    schedule = build_schedule(b, steps, requests_per_load=r, num_slots=cand.num_slots,
-                              num_landing=cand.num_landing if mode == "allgather" else None, mode=mode,
-                              load_group=cand.load_group, quantized=model.sizes.quantized)
+    schedule = build_schedule(
+        b,
+        steps,
+        requests_per_load=r,
+        num_slots=cand.num_slots,
+        num_landing=cand.num_landing if mode == "allgather" else None,
+        mode=mode,
+        load_group=cand.load_group,
+        quantized=model.sizes.quantized,
+    )
     ends = sorted(s.end_s for s in simulate(schedule, duration).spans if s.stream == "compute")
     first = ends[b * r - 1]
     if steps == 1:
@@ -272,8 +326,18 @@ def predict(model: PolicyModel, topology: Topology, workload: Workload, cand: Ca
     else:
         bound = "exposed"
     hbm, host_bytes = _memory(model, topology, workload, cand)
-    return PlanRow(cand, step, wave, cand.dp * r, bound, max(0.0, step - busy["compute"]), hbm, host_bytes,
-                   topology.hbm_bytes_per_rank, topology.host_bytes_per_rank)
+    return PlanRow(
+        cand,
+        step,
+        wave,
+        cand.dp * r,
+        bound,
+        max(0.0, step - busy["compute"]),
+        hbm,
+        host_bytes,
+        topology.hbm_bytes_per_rank,
+        topology.host_bytes_per_rank,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,8 +353,10 @@ class PolicyResult:
     @property
     def chosen(self) -> PlanRow:
         if not self.rows:
-            raise ValueError(f"no plan of {self.model} fits {self.topology}: {len(self.dropped)} dropped, e.g. "
-                             f"{self.dropped[0].candidate.label} needs {self.dropped[0].limiting_memory}")
+            raise ValueError(
+                f"no plan of {self.model} fits {self.topology}: {len(self.dropped)} dropped, e.g. "
+                f"{self.dropped[0].candidate.label} needs {self.dropped[0].limiting_memory}"
+            )
         return self.rows[0]
 
     @property
@@ -299,11 +365,15 @@ class PolicyResult:
 
     def why(self) -> str:
         c, n = self.chosen, self.runner_up
-        text = (f"{c.candidate.label}: {c.outputs_per_s * 3600:.1f} outputs/h, wave {c.wave_latency_s:.2f} s, "
-                f"step {1e3 * c.step_s:.1f} ms bound by {c.bound}, {c.limiting_memory}")
+        text = (
+            f"{c.candidate.label}: {c.outputs_per_s * 3600:.1f} outputs/h, wave {c.wave_latency_s:.2f} s, "
+            f"step {1e3 * c.step_s:.1f} ms bound by {c.bound}, {c.limiting_memory}"
+        )
         if n is not None:
-            text += (f"; runner-up {n.candidate.label}: {n.outputs_per_s * 3600:.1f} outputs/h, wave "
-                     f"{n.wave_latency_s:.2f} s, bound by {n.bound}")
+            text += (
+                f"; runner-up {n.candidate.label}: {n.outputs_per_s * 3600:.1f} outputs/h, wave "
+                f"{n.wave_latency_s:.2f} s, bound by {n.bound}"
+            )
         return text
 
     def table_rows(self, limit: int | None = None) -> list[dict]:
@@ -314,11 +384,20 @@ def _score(row: PlanRow, objective: str) -> float:
     return row.outputs_per_s if objective == "throughput" else 1.0 / row.wave_latency_s
 
 
-def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objective: str = "throughput",
-         slots: tuple[int, ...] = (2, 3, 4), requests_per_rank: tuple[int, ...] = (1,),
-         modes: tuple[str, ...] = ("allgather", "rank-local"), sps: tuple[int, ...] | None = None,
-         num_landing: int = DEFAULT_NUM_LANDING, min_gain: float = 0.005,
-         load_groups: tuple[int, ...] = (1,)) -> PolicyResult:
+def plan(
+    model: PolicyModel,
+    topology: Topology,
+    workload: Workload,
+    *,
+    objective: str = "throughput",
+    slots: tuple[int, ...] = (2, 3, 4),
+    requests_per_rank: tuple[int, ...] = (1,),
+    modes: tuple[str, ...] = ("allgather", "rank-local"),
+    sps: tuple[int, ...] | None = None,
+    num_landing: int = DEFAULT_NUM_LANDING,
+    min_gain: float = 0.005,
+    load_groups: tuple[int, ...] = (1,),
+) -> PolicyResult:
     """Rank every candidate (module docstring); the chosen plan is ``result.rows[0]``."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
@@ -326,14 +405,32 @@ def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objectiv
         raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
     if model.sizes.quantized:  # quantised loads move one block each (plan.lowering)
         load_groups = (1,)
-    rows = [predict(model, topology, workload, c)
-            for c in candidates(topology.num_ranks, slots=slots, requests_per_rank=requests_per_rank, modes=modes,
-                                sps=sps, num_landing=num_landing, load_groups=load_groups)]
+    rows = [
+        predict(model, topology, workload, c)
+        for c in candidates(
+            topology.num_ranks,
+            slots=slots,
+            requests_per_rank=requests_per_rank,
+            modes=modes,
+            sps=sps,
+            num_landing=num_landing,
+            load_groups=load_groups,
+        )
+    ]
     fitting = [r for r in rows if r.fits]
     dropped = tuple(r for r in rows if not r.fits)
-    cheap = lambda r: (r.candidate.requests_per_rank, r.hbm_bytes, topology.host_s(op_mode(r.candidate)),  # noqa: E731
-                       r.candidate.num_slots, r.candidate.load_group, r.candidate.mode != op_mode(r.candidate),
-                       r.candidate.label)
+
+    def cheap(r):
+        return (
+            r.candidate.requests_per_rank,
+            r.hbm_bytes,
+            topology.host_s(op_mode(r.candidate)),
+            r.candidate.num_slots,
+            r.candidate.load_group,
+            r.candidate.mode != op_mode(r.candidate),
+            r.candidate.label,
+        )
+
     ordered = sorted(fitting, key=lambda r: (-_score(r, objective),) + cheap(r))
     if ordered:
         best = _score(ordered[0], objective)
@@ -346,7 +443,16 @@ def plan(model: PolicyModel, topology: Topology, workload: Workload, *, objectiv
 
 def with_bandwidth(topology: Topology, factor: float) -> Topology:
     """The same topology with every transfer rate times ``factor`` (the monotonicity property's input)."""
-    scaled = {f: getattr(topology, f) * factor for f in (
-        "h2d_bytes_per_s", "allgather_bus_bytes_per_s", "all_to_all_bytes_per_s", "d2d_copy_bytes_per_s",
-        "uplink_bytes_per_s", "host_memory_bytes_per_s") if getattr(topology, f) is not None}
+    scaled = {
+        f: getattr(topology, f) * factor
+        for f in (
+            "h2d_bytes_per_s",
+            "allgather_bus_bytes_per_s",
+            "all_to_all_bytes_per_s",
+            "d2d_copy_bytes_per_s",
+            "uplink_bytes_per_s",
+            "host_memory_bytes_per_s",
+        )
+        if getattr(topology, f) is not None
+    }
     return replace(topology, **scaled)

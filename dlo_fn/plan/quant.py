@@ -27,8 +27,18 @@ import torch
 
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "check_quantization", "quantized",
-           "quantized_tensors", "stored_block", "stored_spec", "compute_block", "dequant_seconds"]
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "SCALE_SUFFIX",
+    "check_quantization",
+    "quantized",
+    "quantized_tensors",
+    "stored_block",
+    "stored_spec",
+    "compute_block",
+    "dequant_seconds",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -38,8 +48,10 @@ _FLOATING = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_quantization(quantization: str | None) -> str | None:
     if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be None or 'fp8' (FP8 e4m3 weights, one float32 scale per output "
-                         f"channel); got {quantization!r}")
+        raise ValueError(
+            f"quantization must be None or 'fp8' (FP8 e4m3 weights, one float32 scale per output "
+            f"channel); got {quantization!r}"
+        )
     return quantization
 
 
@@ -48,8 +60,12 @@ def quantized(tensor: TensorSpec, block: str, exclude: Sequence[str] = ()) -> bo
     named in ``exclude`` on its path (``exclude`` names match whole dotted components, as diffusers matches its
     ``_keep_in_fp32_modules``)."""
     parts = f"{block}.{tensor.name}".split(".")
-    return (tensor.dtype in _FLOATING and len(tensor.shape) >= 2 and tensor.shape[0] > 0
-            and not any(name in parts for name in exclude))
+    return (
+        tensor.dtype in _FLOATING
+        and len(tensor.shape) >= 2
+        and tensor.shape[0] > 0
+        and not any(name in parts for name in exclude)
+    )
 
 
 def quantized_tensors(spec: ModelSpec, exclude: Sequence[str] = ()) -> dict[str, TensorSpec]:
@@ -64,9 +80,14 @@ def stored_block(block: BlockSpec, exclude: Sequence[str] = ()) -> BlockSpec:
         return block
     tensors: list[TensorSpec] = []
     for t in block.tensors:
-        tensors += ([TensorSpec(t.name, t.shape, FP8_DTYPE, t.kind),
-                     TensorSpec(t.name + SCALE_SUFFIX, (t.shape[0],), torch.float32, "buffer")]
-                    if quantized(t, block.name, exclude) else [t])
+        tensors += (
+            [
+                TensorSpec(t.name, t.shape, FP8_DTYPE, t.kind),
+                TensorSpec(t.name + SCALE_SUFFIX, (t.shape[0],), torch.float32, "buffer"),
+            ]
+            if quantized(t, block.name, exclude)
+            else [t]
+        )
     return BlockSpec(block.name, tuple(tensors))
 
 
@@ -74,8 +95,9 @@ def compute_block(stored: BlockSpec, dtype: torch.dtype) -> BlockSpec:
     """The block a stored FP8 block dequantises into: each FP8 tensor in ``dtype``, its scales dropped."""
     fp8 = {t.name for t in stored.tensors if t.dtype == FP8_DTYPE}
     kept = (t for t in stored.tensors if not (t.name.endswith(SCALE_SUFFIX) and t.name[: -len(SCALE_SUFFIX)] in fp8))
-    return BlockSpec(stored.name, tuple(replace(t, dtype=dtype, residue_bytes=0) if t.dtype == FP8_DTYPE else t
-                                        for t in kept))
+    return BlockSpec(
+        stored.name, tuple(replace(t, dtype=dtype, residue_bytes=0) if t.dtype == FP8_DTYPE else t for t in kept)
+    )
 
 
 def stored_spec(spec: ModelSpec, exclude: Sequence[str] = ()) -> ModelSpec:

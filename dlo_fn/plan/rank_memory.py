@@ -48,8 +48,18 @@ from dataclasses import dataclass, replace
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.sizes import ModelSizes, _check_positive
 
-__all__ = ["PHASES", "RANK_MODES", "DEVICES", "ProcessConstant", "RankTerms", "RankPhase", "RankMemory",
-           "rank_terms", "rank_memory", "gloo_cuda_staging_bytes"]
+__all__ = [
+    "PHASES",
+    "RANK_MODES",
+    "DEVICES",
+    "ProcessConstant",
+    "RankTerms",
+    "RankPhase",
+    "RankMemory",
+    "rank_terms",
+    "rank_memory",
+    "gloo_cuda_staging_bytes",
+]
 
 PHASES = ("load", "fill", "offload", "generate")
 RANK_MODES = ("allgather", "rank-local", "rank-local-mmap")
@@ -123,15 +133,15 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def gloo_cuda_staging_bytes(sizes: ModelSizes, num_shards: int,
-                            alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
+def gloo_cuda_staging_bytes(sizes: ModelSizes, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int:
     """``x`` for gloo over CUDA tensors: gloo stages the all-gather's input (one shard, ``L``) and output (one
     slot, ``S``) in pinned host buffers from the caching host allocator, which rounds each up to a power of
     two and keeps them from the first step's all-gather on: ``x = pow2(L) + pow2(S)``. (NCCL / HCCL: 0.) Seen on
     one H200 (figures/data/load_phases_h200.csv, N = 2): the allgather rank's first step adds ~120 MB more than
     the rank-local one's once their arenas' difference is taken out, against ``x`` = 101 MB."""
     return _pow2(sizes.max_shard_bytes(num_shards, alignment_bytes)) + _pow2(
-        sizes.max_padded_block_bytes(num_shards, alignment_bytes))
+        sizes.max_padded_block_bytes(num_shards, alignment_bytes)
+    )
 
 
 def _check(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -139,10 +149,20 @@ def _check(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def rank_terms(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", device: str = "cpu", *,
-               num_slots: int = 2, num_landing: int = 2, activation_bytes: int = 0, staging_bytes: int = 0,
-               process_group: bool | None = None, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-               load_group: int = 1) -> RankTerms:
+def rank_terms(
+    sizes: ModelSizes,
+    num_ranks: int,
+    mode: str = "allgather",
+    device: str = "cpu",
+    *,
+    num_slots: int = 2,
+    num_landing: int = 2,
+    activation_bytes: int = 0,
+    staging_bytes: int = 0,
+    process_group: bool | None = None,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    load_group: int = 1,
+) -> RankTerms:
     """The terms for ``num_ranks`` ranks on one host (allgather shards over all of them). ``process_group``:
     whether the ranks have one (the allgather warm-up runs a real collective); default ``num_ranks > 1``
     (a single process runs without a group unless launched by torchrun or ``run_ranks``). ``load_group``: the
@@ -168,21 +188,31 @@ def rank_terms(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devic
         transient_bytes=slot if cpu and collective else 0,
         slot_bytes=num_slots * slot if cpu else 0,
         # An all-gather over one rank lowers to H2D straight into the slot: no landing buffer (plan.lowering).
-        landing_bytes=(num_landing if gather and w > 1 else 0) * sizes.max_shard_bytes(w, alignment_bytes) if cpu else 0,
+        landing_bytes=(num_landing if gather and w > 1 else 0) * sizes.max_shard_bytes(w, alignment_bytes)
+        if cpu
+        else 0,
         streamed_bytes=blocks if mode == "rank-local-mmap" else 0,
         activation_bytes=activation_bytes,
         staging_bytes=0 if cpu else staging_bytes,
     )
 
 
-def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", device: str = "cpu", *,
-                constant: ProcessConstant, **kwargs) -> RankMemory:
+def rank_memory(
+    sizes: ModelSizes,
+    num_ranks: int,
+    mode: str = "allgather",
+    device: str = "cpu",
+    *,
+    constant: ProcessConstant,
+    **kwargs,
+) -> RankMemory:
     """Every phase of one rank (module docstring); ``kwargs`` go to :func:`rank_terms`."""
     terms = rank_terms(sizes, num_ranks, mode, device, **kwargs)
     # npu: the driver's pinned pages are in no process's RSS; RankMemory.terms still gives the arena.
     t = replace(terms, arena_bytes=0) if device == "npu" else terms
     n = num_ranks
     c = constant
+
     # A file page read by k ranks: RSS in full, PSS / k, USS only when no other rank maps it.
     def file(nbytes: int, readers: int) -> tuple[int, int, int]:
         return nbytes, nbytes if readers == 1 else 0, nbytes // readers
@@ -200,25 +230,43 @@ def rank_memory(sizes: ModelSizes, num_ranks: int, mode: str = "allgather", devi
         after = phase("offload", t.staging_bytes, resident_read, load.hwm_bytes)
         fill = phase("fill", 0, resident_read, load.hwm_bytes)
         gen_private = t.staging_bytes + t.slot_bytes + t.activation_bytes
-        gen = phase("generate", gen_private, resident_read + ((t.resident_bytes if device == "cpu" else 0, n),
-                                                               (t.streamed_bytes, n)), after.hwm_bytes)
+        gen = phase(
+            "generate",
+            gen_private,
+            resident_read + ((t.resident_bytes if device == "cpu" else 0, n), (t.streamed_bytes, n)),
+            after.hwm_bytes,
+        )
         return RankMemory(sizes.name, n, mode, device, c, terms, (load, fill, after, gen))
     # Fill: the store filled and the mapping still open (the state just before the release). Its high-water
     # mark is one of two moments: the warm-up all-gather (CPU: slot w + gloo's transient g) or the release
     # (the resident tensors read once more by every rank, copied on CPU).
-    filled = phase("fill", t.arena_bytes + t.warm_bytes, ((t.read_bytes, t.readers),),
-                   c.rss_bytes)  # the warm-up all-gather already ran (CPU: slot 0 touched)
+    filled = phase(
+        "fill", t.arena_bytes + t.warm_bytes, ((t.read_bytes, t.readers),), c.rss_bytes
+    )  # the warm-up all-gather already ran (CPU: slot 0 touched)
     release_rss = filled.rss_bytes + t.resident_copy_bytes + t.resident_bytes
-    fill = RankPhase("fill", filled.rss_bytes, filled.uss_bytes, filled.pss_bytes,
-                     max(filled.rss_bytes + t.transient_bytes, release_rss), filled.sum_pss_bytes)
+    fill = RankPhase(
+        "fill",
+        filled.rss_bytes,
+        filled.uss_bytes,
+        filled.pss_bytes,
+        max(filled.rss_bytes + t.transient_bytes, release_rss),
+        filled.sum_pss_bytes,
+    )
     if device != "cpu":  # the resident tensors' move to the device dropped the mapping's last views: closed
         closed = phase("fill", t.arena_bytes + t.warm_bytes, (), c.rss_bytes)
         fill = replace(closed, hwm_bytes=fill.hwm_bytes)
     after_private = t.arena_bytes + t.resident_copy_bytes + t.warm_bytes
     after = phase("offload", after_private, (), fill.hwm_bytes)
-    gen_private = (t.arena_bytes + t.resident_copy_bytes + t.staging_bytes + t.slot_bytes + t.landing_bytes
-                   + t.activation_bytes)
+    gen_private = (
+        t.arena_bytes + t.resident_copy_bytes + t.staging_bytes + t.slot_bytes + t.landing_bytes + t.activation_bytes
+    )
     gen = phase("generate", gen_private, (), fill.hwm_bytes)
-    gen = RankPhase("generate", gen.rss_bytes, gen.uss_bytes, gen.pss_bytes,
-                    max(gen.hwm_bytes, gen.rss_bytes + t.transient_bytes), gen.sum_pss_bytes)
+    gen = RankPhase(
+        "generate",
+        gen.rss_bytes,
+        gen.uss_bytes,
+        gen.pss_bytes,
+        max(gen.hwm_bytes, gen.rss_bytes + t.transient_bytes),
+        gen.sum_pss_bytes,
+    )
     return RankMemory(sizes.name, n, mode, device, c, terms, (load, fill, after, gen))

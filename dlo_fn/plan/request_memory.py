@@ -108,6 +108,7 @@ def largest_fitting(height: int, width: int, unit: int, fits: Callable[[int, int
     """The largest ``(h, w)`` of the aspect ``height : width``, both multiples of ``unit`` and at most the given
     size, for which ``fits(h, w)``; None when not even ``(unit, unit)``-ish fits. ``fits`` must be monotone (a
     smaller size of one shape never needs more)."""
+
     def size(k: int) -> tuple[int, int]:  # k units along the longer side, the other side in proportion
         if height >= width:
             return k * unit, max(unit, (k * width // height) * unit)

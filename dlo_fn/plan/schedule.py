@@ -32,17 +32,44 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dlo_fn.plan.lowering import (
-    ComputeItem, add_dependencies, add_loads, buffer_uses, check_load_group, compute_order, default_num_landing,
-    load_groups, lowered_mode, place_computes,
+    ComputeItem,
+    add_dependencies,
+    add_loads,
+    buffer_uses,
+    check_load_group,
+    compute_order,
+    default_num_landing,
+    load_groups,
+    lowered_mode,
+    place_computes,
 )
 from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
-from dlo_fn.plan.ops import AG, C, DQ, H2D, KINDS, STREAM_OF_KIND, STREAMS, Op
+from dlo_fn.plan.ops import AG, DQ, H2D, KINDS, STREAM_OF_KIND, STREAMS, C, Op
 
 __all__ = [
-    "H2D", "AG", "DQ", "C", "KINDS", "STREAMS", "STREAM_OF_KIND", "DEFAULT_NUM_LANDING",
-    "Op", "ComputeItem", "Schedule", "Ring", "ScheduleError",
-    "compute_order", "lowered_mode", "place_computes", "add_loads", "add_dependencies", "buffer_uses",
-    "build_schedule", "next_slot_offset", "next_landing_offset", "next_schedule",
+    "H2D",
+    "AG",
+    "DQ",
+    "C",
+    "KINDS",
+    "STREAMS",
+    "STREAM_OF_KIND",
+    "DEFAULT_NUM_LANDING",
+    "Op",
+    "ComputeItem",
+    "Schedule",
+    "Ring",
+    "ScheduleError",
+    "compute_order",
+    "lowered_mode",
+    "place_computes",
+    "add_loads",
+    "add_dependencies",
+    "buffer_uses",
+    "build_schedule",
+    "next_slot_offset",
+    "next_landing_offset",
+    "next_schedule",
 ]
 
 # Two landing buffers let the H2D of load k+1 overlap the all-gather of load k (see "Landing buffers" above); with
@@ -58,15 +85,23 @@ class ScheduleError(ValueError, RuntimeError):
     callers that catch either keep working."""
 
 
-def _check_ring_fields(owner: str, num_blocks: int, num_slots: int, num_landing: int, mode: str,
-                       slot_offset: int, landing_offset: int, load_group: int = 1, quantized: bool = False) -> None:
+def _check_ring_fields(
+    owner: str,
+    num_blocks: int,
+    num_slots: int,
+    num_landing: int,
+    mode: str,
+    slot_offset: int,
+    landing_offset: int,
+    load_group: int = 1,
+    quantized: bool = False,
+) -> None:
     """The invariants a :class:`Ring` and a :class:`Schedule` share (``owner`` prefixes the field names)."""
     check_mode(mode, OFFLOAD_MODES, f"{owner}mode")
     if not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"{owner}num_blocks must be an int >= 1, got {num_blocks!r}")
     if not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"{owner}num_slots must be an int >= 1 (2 = the published double buffer), got "
-                         f"{num_slots!r}")
+        raise ValueError(f"{owner}num_slots must be an int >= 1 (2 = the published double buffer), got {num_slots!r}")
     if mode == "allgather" and num_landing < 1:
         raise ValueError(f"allgather mode needs {owner}num_landing >= 1, got {num_landing}")
     if mode == "rank-local" and num_landing != 0:
@@ -105,8 +140,17 @@ class Schedule:
     quantized: bool = False  # loads land in staging buffers and a DQ op writes the slot ("Quantised loads")
 
     def __post_init__(self) -> None:
-        _check_ring_fields("Schedule.", self.num_blocks, self.num_slots, self.num_landing, self.mode,
-                           self.slot_offset, self.landing_offset, self.load_group, self.quantized)
+        _check_ring_fields(
+            "Schedule.",
+            self.num_blocks,
+            self.num_slots,
+            self.num_landing,
+            self.mode,
+            self.slot_offset,
+            self.landing_offset,
+            self.load_group,
+            self.quantized,
+        )
         for name in ("num_steps", "requests_per_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Schedule.{name} must be >= 1, got {getattr(self, name)}")
@@ -193,13 +237,30 @@ class Ring:
     quantized: bool = False
 
     def __post_init__(self) -> None:
-        _check_ring_fields("", self.num_blocks, self.num_slots, self.num_landing, self.mode, self.slot_offset,
-                           self.landing_offset, self.load_group, self.quantized)
+        _check_ring_fields(
+            "",
+            self.num_blocks,
+            self.num_slots,
+            self.num_landing,
+            self.mode,
+            self.slot_offset,
+            self.landing_offset,
+            self.load_group,
+            self.quantized,
+        )
 
     @classmethod
-    def cold(cls, num_blocks: int, *, num_slots: int = 2, num_landing: int | None = None,
-             mode: str = "allgather", num_shards: int | None = None, load_group: int = 1,
-             quantized: bool = False) -> "Ring":
+    def cold(
+        cls,
+        num_blocks: int,
+        *,
+        num_slots: int = 2,
+        num_landing: int | None = None,
+        mode: str = "allgather",
+        num_shards: int | None = None,
+        load_group: int = 1,
+        quantized: bool = False,
+    ) -> "Ring":
         """``num_landing`` defaults to :data:`DEFAULT_NUM_LANDING` per load group in allgather mode, 0 in
         rank-local mode. ``num_shards`` (the shard group's size, if known): ``allgather`` over one rank is lowered
         to the rank-local ring (:func:`~dlo_fn.plan.lowering.lowered_mode`; its ``num_landing`` is then ignored).
@@ -213,55 +274,117 @@ class Ring:
 
     @classmethod
     def of(cls, schedule: Schedule) -> "Ring":
-        return cls(schedule.num_blocks, schedule.num_slots, schedule.num_landing, schedule.mode,
-                   schedule.slot_offset, schedule.landing_offset, schedule.warm_start, schedule.load_group,
-                   schedule.quantized)
+        return cls(
+            schedule.num_blocks,
+            schedule.num_slots,
+            schedule.num_landing,
+            schedule.mode,
+            schedule.slot_offset,
+            schedule.landing_offset,
+            schedule.warm_start,
+            schedule.load_group,
+            schedule.quantized,
+        )
 
-    def next_schedule(self, num_steps: int, requests_per_load: int = 1, *,
-                      prefetch_next: bool = True) -> Schedule:
+    def next_schedule(self, num_steps: int, requests_per_load: int = 1, *, prefetch_next: bool = True) -> Schedule:
         """Compute order -> place computes -> add loads -> add dependencies, from this ring's state.
 
         ``prefetch_next`` (default: the ring never stops) also loads blocks ``0 .. S-G-1`` of the next run."""
         order = compute_order(self.num_blocks, num_steps, requests_per_load)
         computes = place_computes(order, self.num_slots, self.slot_offset)
-        ops = add_loads(computes, num_blocks=self.num_blocks, num_slots=self.num_slots,
-                        num_landing=self.num_landing, mode=self.mode, slot_offset=self.slot_offset,
-                        landing_offset=self.landing_offset, warm_start=self.warm, prefetch_next=prefetch_next,
-                        load_group=self.load_group, quantized=self.quantized)
+        ops = add_loads(
+            computes,
+            num_blocks=self.num_blocks,
+            num_slots=self.num_slots,
+            num_landing=self.num_landing,
+            mode=self.mode,
+            slot_offset=self.slot_offset,
+            landing_offset=self.landing_offset,
+            warm_start=self.warm,
+            prefetch_next=prefetch_next,
+            load_group=self.load_group,
+            quantized=self.quantized,
+        )
         first_use, last_use = buffer_uses(ops)
         deps = add_dependencies(ops, load_groups(ops, self.load_group, self.slot_offset))
-        return Schedule(ops, deps, self.num_blocks, num_steps, requests_per_load, self.num_slots,
-                        self.num_landing, self.mode, self.slot_offset, self.landing_offset, self.warm,
-                        prefetch_next, first_use, last_use, self.load_group, self.quantized)
+        return Schedule(
+            ops,
+            deps,
+            self.num_blocks,
+            num_steps,
+            requests_per_load,
+            self.num_slots,
+            self.num_landing,
+            self.mode,
+            self.slot_offset,
+            self.landing_offset,
+            self.warm,
+            prefetch_next,
+            first_use,
+            last_use,
+            self.load_group,
+            self.quantized,
+        )
 
     def check(self, schedule: Schedule, what: str = "the ring") -> None:
         """Raise :class:`ScheduleError` naming every field in which ``schedule`` does not start from this ring."""
         here = Ring.of(schedule)
-        bad = [f"{_SCHEDULE_FIELD.get(f.name, f.name)} = {getattr(here, f.name)!r} (the ring has "
-               f"{getattr(self, f.name)!r})" for f in fields(self) if getattr(here, f.name) != getattr(self, f.name)]
+        bad = [
+            f"{_SCHEDULE_FIELD.get(f.name, f.name)} = {getattr(here, f.name)!r} (the ring has "
+            f"{getattr(self, f.name)!r})"
+            for f in fields(self)
+            if getattr(here, f.name) != getattr(self, f.name)
+        ]
         if bad:
-            raise ScheduleError(f"the schedule does not continue {what}: {', '.join(bad)}; ask the ring for the "
-                                f"next schedule (ring.next_schedule)")
+            raise ScheduleError(
+                f"the schedule does not continue {what}: {', '.join(bad)}; ask the ring for the "
+                f"next schedule (ring.next_schedule)"
+            )
 
     def after(self, schedule: Schedule) -> "Ring":
         """The ring once ``schedule`` (which must start from this ring) has run."""
         self.check(schedule)
         n = schedule.num_loads
-        return Ring(self.num_blocks, self.num_slots, self.num_landing, self.mode,
-                    (self.slot_offset + n) % self.num_slots,
-                    (self.landing_offset + n) % self.num_landing if self.num_landing else 0,
-                    schedule.prefetch_next, self.load_group, self.quantized)
+        return Ring(
+            self.num_blocks,
+            self.num_slots,
+            self.num_landing,
+            self.mode,
+            (self.slot_offset + n) % self.num_slots,
+            (self.landing_offset + n) % self.num_landing if self.num_landing else 0,
+            schedule.prefetch_next,
+            self.load_group,
+            self.quantized,
+        )
 
     def restart(self) -> "Ring":
         """The same buffers with nothing known in them: the next run starts cold at offset 0."""
-        return Ring.cold(self.num_blocks, num_slots=self.num_slots, num_landing=self.num_landing, mode=self.mode,
-                         load_group=self.load_group, quantized=self.quantized)
+        return Ring.cold(
+            self.num_blocks,
+            num_slots=self.num_slots,
+            num_landing=self.num_landing,
+            mode=self.mode,
+            load_group=self.load_group,
+            quantized=self.quantized,
+        )
 
 
-def build_schedule(num_blocks: int, num_steps: int, *, requests_per_load: int = 1, num_slots: int = 2,
-                   num_landing: int | None = None, mode: str = "allgather", slot_offset: int = 0,
-                   landing_offset: int = 0, warm_start: bool = False, prefetch_next: bool = False,
-                   num_shards: int | None = None, load_group: int = 1, quantized: bool = False) -> Schedule:
+def build_schedule(
+    num_blocks: int,
+    num_steps: int,
+    *,
+    requests_per_load: int = 1,
+    num_slots: int = 2,
+    num_landing: int | None = None,
+    mode: str = "allgather",
+    slot_offset: int = 0,
+    landing_offset: int = 0,
+    warm_start: bool = False,
+    prefetch_next: bool = False,
+    num_shards: int | None = None,
+    load_group: int = 1,
+    quantized: bool = False,
+) -> Schedule:
     """One run from any ring state (see :meth:`Ring.next_schedule`); by default a cold run that prefetches nothing.
 
     ``num_landing`` defaults to 2 in allgather mode and must be 0 (or None) in rank-local mode. ``num_slots = 1``
@@ -275,8 +398,9 @@ def build_schedule(num_blocks: int, num_steps: int, *, requests_per_load: int = 
     if num_landing is None:
         num_landing = default_num_landing(load_group) if mode == "allgather" else 0
     compute_order(num_blocks, num_steps, requests_per_load)  # names a bad count before the ring's fields
-    ring = Ring(num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, warm_start, load_group,
-                quantized)
+    ring = Ring(
+        num_blocks, num_slots, num_landing, mode, slot_offset, landing_offset, warm_start, load_group, quantized
+    )
     return ring.next_schedule(num_steps, requests_per_load, prefetch_next=prefetch_next)
 
 
@@ -290,8 +414,12 @@ def next_landing_offset(prev: Schedule) -> int:
     return Ring.of(prev).after(prev).landing_offset
 
 
-def next_schedule(prev: Schedule, num_steps: int, *, requests_per_load: int | None = None,
-                  prefetch_next: bool = True) -> Schedule:
+def next_schedule(
+    prev: Schedule, num_steps: int, *, requests_per_load: int | None = None, prefetch_next: bool = True
+) -> Schedule:
     """The run after ``prev`` on the same ring: warm if ``prev`` prefetched, offsets continued."""
-    return Ring.of(prev).after(prev).next_schedule(num_steps, requests_per_load or prev.requests_per_load,
-                                                   prefetch_next=prefetch_next)
+    return (
+        Ring.of(prev)
+        .after(prev)
+        .next_schedule(num_steps, requests_per_load or prev.requests_per_load, prefetch_next=prefetch_next)
+    )

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 from dlo_fn.plan.lowering import buffer_uses, compute_order, group_last, place_computes, prefetch_depth
-from dlo_fn.plan.ops import AG, C, DQ, H2D, HappensBefore
+from dlo_fn.plan.ops import AG, DQ, H2D, C, HappensBefore
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 
 __all__ = ["ScheduleError", "check_schedule", "final_slot_contents"]
@@ -43,8 +43,9 @@ def _fail(schedule: "Schedule", i: int | None, message: str) -> NoReturn:
         where, lo, hi = f"op {i} ({schedule.ops[i]})", max(0, i - _CONTEXT_OPS), i + _CONTEXT_OPS + 1
     lines = schedule.describe().splitlines()
     shown = "\n".join(lines[lo:hi]) + ("\n  ..." if hi < len(lines) else "")
-    raise ScheduleError(f"{where}: {message}\n--- schedule ops {lo}..{min(hi, len(lines)) - 1} "
-                        f"(index, op, waits) ---\n{shown}")
+    raise ScheduleError(
+        f"{where}: {message}\n--- schedule ops {lo}..{min(hi, len(lines)) - 1} (index, op, waits) ---\n{shown}"
+    )
 
 
 def _load_range(s: "Schedule") -> range:
@@ -79,8 +80,7 @@ def _check_ops(s: "Schedule") -> None:
 
 
 def _check_order(s: "Schedule") -> None:
-    want = place_computes(compute_order(s.num_blocks, s.num_steps, s.requests_per_load), s.num_slots,
-                          s.slot_offset)
+    want = place_computes(compute_order(s.num_blocks, s.num_steps, s.requests_per_load), s.num_slots, s.slot_offset)
     got = [(i, op) for i, op in enumerate(s.ops) if op.kind == C]
     for (i, op), w in zip(got, want):
         if op != w:
@@ -94,8 +94,12 @@ def _check_order(s: "Schedule") -> None:
     for kind in ((H2D, AG) if s.mode == "allgather" else (H2D,)) + ((DQ,) if s.quantized else ()):
         issued = [(i, op) for i, op in enumerate(s.ops) if op.kind == kind]
         if [op.load for _, op in issued] != list(loads):
-            _fail(s, None, f"{kind} loads {[op.load for _, op in issued]}, expected {list(loads)} "
-                           f"(warm_start={s.warm_start}, prefetch_next={s.prefetch_next})")
+            _fail(
+                s,
+                None,
+                f"{kind} loads {[op.load for _, op in issued]}, expected {list(loads)} "
+                f"(warm_start={s.warm_start}, prefetch_next={s.prefetch_next})",
+            )
         for i, op in issued:
             if op.landing is None or op.kind == AG:
                 if (op.slot if op.slot is not None else op.staging) != (s.slot_offset + op.load) % s.num_slots:
@@ -105,8 +109,12 @@ def _check_order(s: "Schedule") -> None:
             due = group_last(op.load, s.load_group, s.slot_offset, loads.stop) - s.num_slots + 1
             before = first_compute.get(due)
             if before is not None and i > before:
-                _fail(s, i, f"must be issued before op {before}, the first compute of load {due} (prefetch depth "
-                            f"num_slots - 1{', for the last load of its group' if s.load_group > 1 else ''})")
+                _fail(
+                    s,
+                    i,
+                    f"must be issued before op {before}, the first compute of load {due} (prefetch depth "
+                    f"num_slots - 1{', for the last load of its group' if s.load_group > 1 else ''})",
+                )
 
 
 def _initial_slots(s: "Schedule") -> dict[str, int]:
@@ -172,13 +180,20 @@ def _check_chain(s: "Schedule", prev: "Schedule") -> None:
     ring = Ring.of(prev).after(prev)
     want = (ring.slot_offset, ring.landing_offset, ring.warm)
     if (s.slot_offset, s.landing_offset, s.warm_start) != want:
-        _fail(s, None, f"(slot_offset, landing_offset, warm_start) must be {want} after the previous run "
-                       f"(use next_schedule(prev, ...))")
+        _fail(
+            s,
+            None,
+            f"(slot_offset, landing_offset, warm_start) must be {want} after the previous run "
+            f"(use next_schedule(prev, ...))",
+        )
     left = final_slot_contents(prev)
     for buf, j in _initial_slots(s).items():
         if left.get(buf) != j % s.num_blocks:
-            _fail(s, None, f"warm start expects block {j % s.num_blocks} in {buf}, the previous run leaves "
-                           f"{left.get(buf)}")
+            _fail(
+                s,
+                None,
+                f"warm start expects block {j % s.num_blocks} in {buf}, the previous run leaves {left.get(buf)}",
+            )
 
 
 def check_schedule(schedule: "Schedule", prev: "Schedule | None" = None) -> None:

@@ -20,8 +20,18 @@ __all__ = ["GB", "GIB", "parse_bytes", "ModelSizes"]
 
 GB = 10**9
 GIB = 2**30
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -84,8 +94,9 @@ class ModelSizes:
             raise ValueError(f"model {self.name!r}: resident_bytes must be a non-negative int")
 
     @classmethod
-    def uniform(cls, name: str, total_bytes: int, num_blocks: int, resident_bytes: int = 0,
-                source: str = "") -> "ModelSizes":
+    def uniform(
+        cls, name: str, total_bytes: int, num_blocks: int, resident_bytes: int = 0, source: str = ""
+    ) -> "ModelSizes":
         """``num_blocks`` equal blocks (within one byte) holding ``total_bytes - resident_bytes``."""
         _check_positive("num_blocks", num_blocks)
         block_total = total_bytes - resident_bytes
@@ -97,8 +108,9 @@ class ModelSizes:
         return cls(name, (q + 1,) * r + (q,) * (num_blocks - r), resident_bytes, source)
 
     @classmethod
-    def from_max_block(cls, name: str, total_bytes: int, max_block_bytes: int, resident_bytes: int = 0,
-                       source: str = "") -> "ModelSizes":
+    def from_max_block(
+        cls, name: str, total_bytes: int, max_block_bytes: int, resident_bytes: int = 0, source: str = ""
+    ) -> "ModelSizes":
         """As many ``max_block_bytes`` blocks as fit, plus one smaller block for the remainder."""
         _check_positive("max_block_bytes", max_block_bytes)
         block_total = total_bytes - resident_bytes
@@ -108,16 +120,25 @@ class ModelSizes:
         return cls(name, (max_block_bytes,) * full + ((rest,) if rest else ()), resident_bytes, source)
 
     @classmethod
-    def from_spec(cls, spec, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, source: str = "",
-                  quantization: str | None = None, exclude: tuple[str, ...] = ()) -> "ModelSizes":
+    def from_spec(
+        cls,
+        spec,
+        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+        source: str = "",
+        quantization: str | None = None,
+        exclude: tuple[str, ...] = (),
+    ) -> "ModelSizes":
         """Exact flat block sizes of a :class:`~dlo_fn.plan.spec.ModelSpec` (tensors packed at ``A``);
         ``quantization="fp8"``: with the stored blocks' sizes too (:mod:`dlo_fn.plan.quant`)."""
         from dlo_fn.plan.layout import block_layout
         from dlo_fn.plan.quant import check_quantization, stored_block
 
         blocks = tuple(block_layout(b, alignment_bytes).nbytes for b in spec.blocks)
-        stored = () if check_quantization(quantization) is None else tuple(
-            block_layout(stored_block(b, exclude), alignment_bytes).nbytes for b in spec.blocks)
+        stored = (
+            ()
+            if check_quantization(quantization) is None
+            else tuple(block_layout(stored_block(b, exclude), alignment_bytes).nbytes for b in spec.blocks)
+        )
         return cls(spec.name, blocks, spec.resident_bytes, source or f"ModelSpec {spec.name!r}", stored)
 
     @property
@@ -151,8 +172,9 @@ class ModelSizes:
         _check_positive("num_shards", num_shards)
         return tuple(equal_shard_bytes(n, num_shards, alignment_bytes) for n in self.stored_bytes)
 
-    def shard_bytes_per_rank(self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-                             load_group: int = 1) -> int:
+    def shard_bytes_per_rank(
+        self, num_shards: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES, load_group: int = 1
+    ) -> int:
         """A rank's host bytes of shards; ``load_group``: of the layout built for it (where it groups the blocks,
         each group's shards are its largest one's: :func:`dlo_fn.plan.layout.grouped_shard_bytes`)."""
         group = layout_load_group(self.num_blocks, num_shards, load_group)

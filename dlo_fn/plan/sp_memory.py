@@ -64,8 +64,15 @@ class BlockDims:
     @classmethod
     def from_config(cls, config, weight_itemsize: int = 2) -> "BlockDims":
         """From any object with a DiT config's fields (``dlo_fn.models.DiTConfig``)."""
-        return cls(config.hidden_dim, config.mlp_dim, config.num_heads, config.patch_dim, config.text_len,
-                   config.text_dim, weight_itemsize)
+        return cls(
+            config.hidden_dim,
+            config.mlp_dim,
+            config.num_heads,
+            config.patch_dim,
+            config.text_len,
+            config.text_dim,
+            weight_itemsize,
+        )
 
     @property
     def head_dim(self) -> int:
@@ -132,28 +139,44 @@ def sp_activations(dims: BlockDims, tokens: int, sp: int = 1, batch: int = 1) ->
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if dims.num_heads % sp:
-        raise ValueError(f"num_heads {dims.num_heads} is not divisible by sp {sp}: Ulysses SP gives each sp rank "
-                         f"num_heads / sp heads")
+        raise ValueError(
+            f"num_heads {dims.num_heads} is not divisible by sp {sp}: Ulysses SP gives each sp rank "
+            f"num_heads / sp heads"
+        )
     f, e = FP32_BYTES, dims.weight_itemsize
     loc = -(-tokens // sp)
     u = batch * loc * dims.hidden_dim
     mlp = batch * loc * dims.mlp_dim
-    common = (("rotary tables", f * tokens * dims.head_dim),
-              ("inputs", f * batch * (tokens * dims.patch_dim + dims.text_len * dims.text_dim)),
-              ("x0 (embedding, kept)", f * u), ("x (fp32 stream)", f * u), ("h (modulated)", f * u))
+    common = (
+        ("rotary tables", f * tokens * dims.head_dim),
+        ("inputs", f * batch * (tokens * dims.patch_dim + dims.text_len * dims.text_dim)),
+        ("x0 (embedding, kept)", f * u),
+        ("x (fp32 stream)", f * u),
+        ("h (modulated)", f * u),
+    )
     qkv = common + (("qkv", 3 * e * u),)
     phases = [Phase("qk norm + rotary", qkv + (("q", e * u), ("k.float", f * u), ("rms(k)", f * u)))]
     if sp == 1:
         phases.append(Phase("attention", qkv + (("q", e * u), ("k", e * u), ("out", e * u))))
     else:
-        phases.append(Phase("tokens -> heads", qkv + (("q", e * u), ("k", e * u), ("stack(q, k, v)", 3 * e * u),
-                                                      ("heads copy", 3 * e * u)),
-                            (("send", 3 * e * u), ("recv", 3 * e * u))))
+        phases.append(
+            Phase(
+                "tokens -> heads",
+                qkv + (("q", e * u), ("k", e * u), ("stack(q, k, v)", 3 * e * u), ("heads copy", 3 * e * u)),
+                (("send", 3 * e * u), ("recv", 3 * e * u)),
+            )
+        )
         padded = (("padded out", e * u),) if sp * loc > tokens else ()
         send = (("send", e * u),) if batch > 1 else ()
-        phases.append(Phase("heads -> tokens", common + (("heads", 3 * e * u), ("out", e * u)) + padded
-                            + (("tokens copy", e * u),), send + (("recv", e * u),)))
-    phases.append(Phase("cross-attn q norm", common + (("modulated", f * u), ("q", e * u), ("q.float", f * u),
-                                                       ("rms(q)", f * u))))
+        phases.append(
+            Phase(
+                "heads -> tokens",
+                common + (("heads", 3 * e * u), ("out", e * u)) + padded + (("tokens copy", e * u),),
+                send + (("recv", e * u),),
+            )
+        )
+    phases.append(
+        Phase("cross-attn q norm", common + (("modulated", f * u), ("q", e * u), ("q.float", f * u), ("rms(q)", f * u)))
+    )
     phases.append(Phase("mlp", common + (("modulated", f * u), ("fc1", e * mlp), ("gelu", e * mlp))))
     return SPActivations(dims, tokens, sp, batch, tuple(phases))

@@ -96,8 +96,10 @@ class TensorSpec:
         if not self.name:
             raise ValueError("TensorSpec.name is empty")
         if not 0 <= self.residue_bytes < KERNEL_ALIGNMENT_BYTES or self.residue_bytes % self.dtype.itemsize:
-            raise ValueError(f"TensorSpec {self.name!r}: residue_bytes must be a multiple of the itemsize in "
-                             f"[0, {KERNEL_ALIGNMENT_BYTES}), got {self.residue_bytes}")
+            raise ValueError(
+                f"TensorSpec {self.name!r}: residue_bytes must be a multiple of the itemsize in "
+                f"[0, {KERNEL_ALIGNMENT_BYTES}), got {self.residue_bytes}"
+            )
         if self.kind not in TENSOR_KINDS:
             raise ValueError(f"TensorSpec {self.name!r}: kind must be one of {TENSOR_KINDS}, got {self.kind!r}")
         if any(int(d) < 0 for d in self.shape):

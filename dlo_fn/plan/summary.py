@@ -71,8 +71,9 @@ def plan_summary(
     if mode == "allgather":
         if num_landing < 1:
             raise ValueError(f"allgather mode needs num_landing >= 1, got {num_landing}")
-        layout = model_layout(spec, num_shards, alignment_bytes,
-                              layout_load_group(spec.num_blocks, num_shards, load_group))
+        layout = model_layout(
+            spec, num_shards, alignment_bytes, layout_load_group(spec.num_blocks, num_shards, load_group)
+        )
         shard_per_rank = layout.shard_bytes_per_rank
         pinned = shard_per_rank
         if lowered_mode(mode, num_shards) != mode:  # one rank: H2D straight into the slot (plan.lowering)

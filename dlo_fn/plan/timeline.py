@@ -28,8 +28,14 @@ from typing import Callable, Iterable, Sequence
 from dlo_fn.plan.schedule import AG, DQ, H2D, Op, Schedule
 
 __all__ = [
-    "Span", "Timeline", "BlockSummary", "BandwidthDurations",
-    "simulate", "simulate_runs", "bandwidth_durations", "block_summary",
+    "Span",
+    "Timeline",
+    "BlockSummary",
+    "BandwidthDurations",
+    "simulate",
+    "simulate_runs",
+    "bandwidth_durations",
+    "block_summary",
 ]
 
 TRANSFER_STREAMS = ("h2d", "allgather")
@@ -143,8 +149,9 @@ class Timeline:
 
     def shifted(self, offset_s: float) -> "Timeline":
         """Every span moved by ``-offset_s`` (e.g. ``tl.shifted(tl.start_s)`` starts at 0)."""
-        return Timeline(tuple(Span(s.op, s.stream, s.start_s - offset_s, s.end_s - offset_s, s.rank)
-                              for s in self.spans), self.meta)
+        return Timeline(
+            tuple(Span(s.op, s.stream, s.start_s - offset_s, s.end_s - offset_s, s.rank) for s in self.spans), self.meta
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,11 +194,17 @@ class BandwidthDurations:
         return self.launch_latency_s + work
 
 
-def bandwidth_durations(num_blocks: int, *, h2d_bytes: float | Sequence[float],
-                        allgather_bytes: float | Sequence[float], compute_s: float | Sequence[float],
-                        h2d_bytes_per_s: float, allgather_bytes_per_s: float,
-                        launch_latency_s: float = 0.0,
-                        dequant_s: float | Sequence[float] | None = None) -> BandwidthDurations:
+def bandwidth_durations(
+    num_blocks: int,
+    *,
+    h2d_bytes: float | Sequence[float],
+    allgather_bytes: float | Sequence[float],
+    compute_s: float | Sequence[float],
+    h2d_bytes_per_s: float,
+    allgather_bytes_per_s: float,
+    launch_latency_s: float = 0.0,
+    dequant_s: float | Sequence[float] | None = None,
+) -> BandwidthDurations:
     """Scalars are broadcast over ``num_blocks``; sequences must have one entry per block."""
 
     def per_block(name: str, value: float | Sequence[float]) -> tuple[float, ...]:
@@ -201,14 +214,25 @@ def bandwidth_durations(num_blocks: int, *, h2d_bytes: float | Sequence[float],
             raise ValueError(f"{name} has {len(value)} entries, expected num_blocks = {num_blocks}")
         return tuple(float(v) for v in value)
 
-    return BandwidthDurations(per_block("h2d_bytes", h2d_bytes), per_block("allgather_bytes", allgather_bytes),
-                              per_block("compute_s", compute_s), float(h2d_bytes_per_s),
-                              float(allgather_bytes_per_s), float(launch_latency_s),
-                              () if dequant_s is None else per_block("dequant_s", dequant_s))
+    return BandwidthDurations(
+        per_block("h2d_bytes", h2d_bytes),
+        per_block("allgather_bytes", allgather_bytes),
+        per_block("compute_s", compute_s),
+        float(h2d_bytes_per_s),
+        float(allgather_bytes_per_s),
+        float(launch_latency_s),
+        () if dequant_s is None else per_block("dequant_s", dequant_s),
+    )
 
 
-def _simulate_one(schedule: Schedule, duration_s: Callable[[Op], float], stream_free: dict[str, float],
-                  buffer_done: dict[str, float], rank: int, not_before_s: float = 0.0) -> list[Span]:
+def _simulate_one(
+    schedule: Schedule,
+    duration_s: Callable[[Op], float],
+    stream_free: dict[str, float],
+    buffer_done: dict[str, float],
+    rank: int,
+    not_before_s: float = 0.0,
+) -> list[Span]:
     firsts: dict[int, list[str]] = {}
     for buf, i in schedule.first_use:
         firsts.setdefault(i, []).append(buf)
@@ -218,8 +242,11 @@ def _simulate_one(schedule: Schedule, duration_s: Callable[[Op], float], stream_
         duration = float(duration_s(op))
         if not (duration >= 0 and math.isfinite(duration)):
             raise ValueError(f"duration of {op} must be finite and >= 0, got {duration}")
-        start = max([not_before_s, stream_free.get(op.stream, 0.0)] + [end[d] for d in schedule.deps[i]]
-                    + [buffer_done.get(buf, 0.0) for buf in firsts.get(i, ())])
+        start = max(
+            [not_before_s, stream_free.get(op.stream, 0.0)]
+            + [end[d] for d in schedule.deps[i]]
+            + [buffer_done.get(buf, 0.0) for buf in firsts.get(i, ())]
+        )
         end.append(start + duration)
         stream_free[op.stream] = end[-1]
         spans.append(Span(str(op), op.stream, start, end[-1], rank))
@@ -229,23 +256,35 @@ def _simulate_one(schedule: Schedule, duration_s: Callable[[Op], float], stream_
 
 
 def _meta(schedule: Schedule, extra: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-    base = (("source", "simulated"), ("mode", schedule.mode), ("num_blocks", str(schedule.num_blocks)),
-            ("num_slots", str(schedule.num_slots)), ("num_landing", str(schedule.num_landing)),
-            ("requests_per_load", str(schedule.requests_per_load)))
+    base = (
+        ("source", "simulated"),
+        ("mode", schedule.mode),
+        ("num_blocks", str(schedule.num_blocks)),
+        ("num_slots", str(schedule.num_slots)),
+        ("num_landing", str(schedule.num_landing)),
+        ("requests_per_load", str(schedule.requests_per_load)),
+    )
     if schedule.quantized:
         base += (("quantization", "fp8"),)
     return base + tuple((str(k), str(v)) for k, v in extra)
 
 
-def simulate(schedule: Schedule, duration_s: Callable[[Op], float], *, rank: int = 0,
-             meta: Iterable[tuple[str, str]] = ()) -> Timeline:
+def simulate(
+    schedule: Schedule, duration_s: Callable[[Op], float], *, rank: int = 0, meta: Iterable[tuple[str, str]] = ()
+) -> Timeline:
     """One run from idle streams at t = 0 (a warm start's resident slots count as ready at 0)."""
     spans = _simulate_one(schedule, duration_s, {}, {}, rank)
     return Timeline(tuple(spans), _meta(schedule, (("num_steps", str(schedule.num_steps)),) + tuple(meta)))
 
 
-def simulate_runs(schedules: Sequence[Schedule], duration_s: Callable[[Op], float], *, rank: int = 0,
-                  boundary_s: float = 0.0, meta: Iterable[tuple[str, str]] = ()) -> Timeline:
+def simulate_runs(
+    schedules: Sequence[Schedule],
+    duration_s: Callable[[Op], float],
+    *,
+    rank: int = 0,
+    boundary_s: float = 0.0,
+    meta: Iterable[tuple[str, str]] = (),
+) -> Timeline:
     """Runs back to back on the same streams, as the executor runs consecutive waves.
 
     A wave's results leave after its last compute, and the next wave is dispatched ``boundary_s`` later
@@ -263,8 +302,10 @@ def simulate_runs(schedules: Sequence[Schedule], duration_s: Callable[[Op], floa
         run = _simulate_one(schedule, duration_s, stream_free, buffer_done, rank, not_before_s)
         spans.extend(Span(f"run{j} {s.op}", s.stream, s.start_s, s.end_s, s.rank) for s in run)
         not_before_s = max(s.end_s for s in run if s.stream == "compute") + boundary_s
-    return Timeline(tuple(spans), _meta(schedules[0], (("num_runs", str(len(schedules))),
-                                                       ("boundary_s", repr(boundary_s))) + tuple(meta)))
+    return Timeline(
+        tuple(spans),
+        _meta(schedules[0], (("num_runs", str(len(schedules))), ("boundary_s", repr(boundary_s))) + tuple(meta)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,4 +347,3 @@ def block_summary(timeline: Timeline, rank: int | None = None) -> tuple[BlockSum
             row[4] += max(0.0, span.start_s - prev_end)
             prev_end = max(prev_end, span.end_s)
     return tuple(BlockSummary(b, int(r[0]), r[1], r[2], r[3], r[4]) for b, r in sorted(rows.items()))
-

@@ -109,8 +109,9 @@ def compute_shape(model: PolicyModel, tokens: int, cfg_branches: int = 1) -> tup
     """Each block's compute over the mean block's, ``F_b(L) / F(L)`` with ``P_b = n_b / e`` (blocks of different
     sizes, as Flux's two lists, compute in proportion to their FLOPs; all 1 for equal blocks)."""
     mean = block_flops(model, tokens, cfg_branches)
-    return tuple(block_flops(model, tokens, cfg_branches, n / model.dtype_bytes) / mean
-                 for n in model.sizes.block_bytes)
+    return tuple(
+        block_flops(model, tokens, cfg_branches, n / model.dtype_bytes) / mean for n in model.sizes.block_bytes
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +168,9 @@ class Topology:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
             raise ValueError(f"Topology {self.name!r}: num_ranks must be an int >= 1, got {self.num_ranks!r}")
         if self.peer_link not in PEER_LINKS:
-            raise ValueError(f"Topology {self.name!r}: peer_link must be one of {', '.join(PEER_LINKS)}; got "
-                             f"{self.peer_link!r}")
+            raise ValueError(
+                f"Topology {self.name!r}: peer_link must be one of {', '.join(PEER_LINKS)}; got {self.peer_link!r}"
+            )
         for f in ("gpus_per_uplink", "ranks_per_host"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -193,8 +195,10 @@ class Topology:
                 raise ValueError(f"Topology {self.name!r}: request_overhead rows are (tokens >= 1, s >= 0)")
         host = dict(self.host_s_per_block)
         if set(host) != set(OFFLOAD_MODES) or min(host.values()) < 0:
-            raise ValueError(f"Topology {self.name!r}: host_s_per_block needs one value >= 0 per mode "
-                             f"{OFFLOAD_MODES}, got {self.host_s_per_block!r}")
+            raise ValueError(
+                f"Topology {self.name!r}: host_s_per_block needs one value >= 0 per mode "
+                f"{OFFLOAD_MODES}, got {self.host_s_per_block!r}"
+            )
 
     def step_overhead_s(self, tokens: int, cfg_branches: int) -> float:
         """Per-step work outside the blocks of one request (0 when none was measured)."""

@@ -56,18 +56,34 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     for rank in sorted({r for r, _ in used}):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
     for rank, stream in used:
-        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tids[stream],
-                       "args": {"name": stream}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tids[stream],
-                       "args": {"sort_index": tids[stream]}})
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tids[stream], "args": {"name": stream}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": rank,
+                "tid": tids[stream],
+                "args": {"sort_index": tids[stream]},
+            }
+        )
     prefetch = prefetch_spans(timeline)
     for i, s in enumerate(timeline.spans):
         args: dict[str, Any] = {"start_s": s.start_s, "end_s": s.end_s}
         name = s.op
         if i in prefetch:
             name, args["op"] = f"{s.op} ({PREFETCH_LABEL})", s.op
-        events.append({"ph": "X", "name": name, "cat": s.stream, "pid": s.rank, "tid": tids[s.stream],
-                       "ts": s.start_s * _US_PER_S, "dur": (s.end_s - s.start_s) * _US_PER_S, "args": args})
+        events.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": s.stream,
+                "pid": s.rank,
+                "tid": tids[s.stream],
+                "ts": s.start_s * _US_PER_S,
+                "dur": (s.end_s - s.start_s) * _US_PER_S,
+                "args": args,
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(timeline.meta)}
 
 

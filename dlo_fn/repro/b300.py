@@ -43,15 +43,28 @@ from dataclasses import dataclass
 
 from dlo_fn.models import CONFIGS, tokens_for
 from dlo_fn.models.config import DiTConfig
-from dlo_fn.plan.schedule import AG, C, H2D, Op, build_schedule
+from dlo_fn.plan.schedule import AG, H2D, C, build_schedule
 from dlo_fn.plan.timeline import simulate
 from dlo_fn.plan.workload import Workload
 
 __all__ = [
-    "B300_BF16_DENSE_FLOP_PER_S", "B300_PINNED_H2D_BYTES_PER_S", "B300_NVLINK_ALLGATHER_BYTES_PER_S",
-    "B300_EFFECTIVE_FLOP_PER_S", "B300_NVLINK_ALL_TO_ALL_BYTES_PER_S", "B300_CALIBRATIONS", "NUM_GPUS", "CFG_BRANCHES", "STRATEGIES",
-    "WORKLOADS", "StepCosts", "Prediction",
-    "block_bytes", "step_flops", "step_costs", "simulate_step_s", "predict",
+    "B300_BF16_DENSE_FLOP_PER_S",
+    "B300_PINNED_H2D_BYTES_PER_S",
+    "B300_NVLINK_ALLGATHER_BYTES_PER_S",
+    "B300_EFFECTIVE_FLOP_PER_S",
+    "B300_NVLINK_ALL_TO_ALL_BYTES_PER_S",
+    "B300_CALIBRATIONS",
+    "NUM_GPUS",
+    "CFG_BRANCHES",
+    "STRATEGIES",
+    "WORKLOADS",
+    "StepCosts",
+    "Prediction",
+    "block_bytes",
+    "step_flops",
+    "step_costs",
+    "simulate_step_s",
+    "predict",
 ]
 
 NUM_GPUS = 4
@@ -105,24 +118,34 @@ def _video(name: str, height: int, width: int, num_frames: int, num_steps: int) 
     return Workload(name, tokens_for(SUPER, height, width, num_frames), num_steps, CFG_BRANCHES)
 
 
-WORKLOADS = {w.name: w for w in (
-    _video("t2i 1024^2", 1024, 1024, 1, 50),
-    _video("480p 29f", 480, 832, 29, 35),
-    _video("480p 121f", 480, 832, 121, 35),
-    _video("480p 125f", 480, 832, 125, 35),  # HSDP's run of the "~5 s" row
-    _video("480p 241f", 480, 832, 241, 35),
-    _video("480p 245f", 480, 832, 245, 35),  # HSDP's run of the "~10 s" row
-    _video("720p 121f", 720, 1280, 121, 35),
-    _video("720p 241f", 720, 1280, 241, 35),
-)}
+WORKLOADS = {
+    w.name: w
+    for w in (
+        _video("t2i 1024^2", 1024, 1024, 1, 50),
+        _video("480p 29f", 480, 832, 29, 35),
+        _video("480p 121f", 480, 832, 121, 35),
+        _video("480p 125f", 480, 832, 125, 35),  # HSDP's run of the "~5 s" row
+        _video("480p 241f", 480, 832, 241, 35),
+        _video("480p 245f", 480, 832, 245, 35),  # HSDP's run of the "~10 s" row
+        _video("720p 121f", 720, 1280, 121, 35),
+        _video("720p 241f", 720, 1280, 241, 35),
+    )
+}
 """The published workloads (height, width, frames, steps) as Super's tokens per CFG branch."""
 
 
 def block_bytes(config: DiTConfig = SUPER) -> int:
     """bf16 bytes of one block: adaLN-LoRA ``D_c r + 9 D r``, attention ``6 D^2 + 2 D D_t``, MLP ``2 D M + M + D``."""
     d, m = config.hidden_dim, config.mlp_dim
-    params = (config.cond_dim * config.adaln_rank + config.adaln_rank * 9 * d + 6 * d * d
-              + 2 * d * config.text_dim + 2 * d * m + m + d)
+    params = (
+        config.cond_dim * config.adaln_rank
+        + config.adaln_rank * 9 * d
+        + 6 * d * d
+        + 2 * d * config.text_dim
+        + 2 * d * m
+        + m
+        + d
+    )
     return 2 * params
 
 
@@ -152,14 +175,18 @@ def step_costs(tokens: int, config: DiTConfig = SUPER, num_gpus: int = NUM_GPUS)
     total = config.num_blocks * block_bytes(config)
     frac = (num_gpus - 1) / num_gpus
     a2a_bytes = 4 * config.num_blocks * CFG_BRANCHES * (tokens / num_gpus) * config.hidden_dim * 2 * frac
-    return StepCosts(step_flops(tokens, config) / B300_EFFECTIVE_FLOP_PER_S, total / num_gpus / B300_PINNED_H2D_BYTES_PER_S,
-                     total / B300_PINNED_H2D_BYTES_PER_S, frac * total / B300_NVLINK_ALLGATHER_BYTES_PER_S,
-                     a2a_bytes / B300_NVLINK_ALL_TO_ALL_BYTES_PER_S)
+    return StepCosts(
+        step_flops(tokens, config) / B300_EFFECTIVE_FLOP_PER_S,
+        total / num_gpus / B300_PINNED_H2D_BYTES_PER_S,
+        total / B300_PINNED_H2D_BYTES_PER_S,
+        frac * total / B300_NVLINK_ALLGATHER_BYTES_PER_S,
+        a2a_bytes / B300_NVLINK_ALL_TO_ALL_BYTES_PER_S,
+    )
 
 
 def _per_block(costs: StepCosts, strategy: str, num_gpus: int) -> tuple[float, float, float, str]:
     """(compute, H2D, all-gather) seconds per block and the schedule mode for one strategy."""
-    usp = (costs.compute_s / num_gpus + costs.all_to_all_s)
+    usp = costs.compute_s / num_gpus + costs.all_to_all_s
     if strategy == "HSDP+USP4":
         return usp, 0.0, costs.allgather_s, "allgather"
     if strategy == "DLO+AG DP4":
@@ -171,16 +198,23 @@ def _per_block(costs: StepCosts, strategy: str, num_gpus: int) -> tuple[float, f
     raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
 
 
-def simulate_step_s(costs: StepCosts, strategy: str, *, num_blocks: int = SUPER.num_blocks,
-                    num_gpus: int = NUM_GPUS, num_landing: int = 1, num_steps: int = 3) -> tuple[float, str]:
+def simulate_step_s(
+    costs: StepCosts,
+    strategy: str,
+    *,
+    num_blocks: int = SUPER.num_blocks,
+    num_gpus: int = NUM_GPUS,
+    num_landing: int = 1,
+    num_steps: int = 3,
+) -> tuple[float, str]:
     """Steady-state step (s) and its bounding stream: ``compute`` when compute never waits, else the transfer
     stream that is busiest per step (``allgather`` or ``h2d``). ``num_landing = 1``: the reference's serial
     H2D -> all-gather; 2: ours (the two overlap)."""
-    comp, h2d, ag, mode = (x / num_blocks if isinstance(x, float) else x
-                           for x in _per_block(costs, strategy, num_gpus))
+    comp, h2d, ag, mode = (x / num_blocks if isinstance(x, float) else x for x in _per_block(costs, strategy, num_gpus))
     durations = {C: comp, H2D: h2d, AG: ag}
-    schedule = build_schedule(num_blocks, num_steps, num_landing=num_landing if mode == "allgather" else None,
-                              mode=mode)
+    schedule = build_schedule(
+        num_blocks, num_steps, num_landing=num_landing if mode == "allgather" else None, mode=mode
+    )
     timeline = simulate(schedule, lambda op: durations[op.kind])
     ends = sorted(s.end_s for s in timeline.spans if s.stream == "compute")
     step_s = (ends[-1] - ends[num_blocks - 1]) / (num_steps - 1)

@@ -26,8 +26,19 @@ CASES = (
     ("b300.workloads.720p_241f.hsdp_wave_s", "720p 241f", "HSDP+USP4", False),
     ("b300.workloads.720p_241f.dlo_wave_s", "720p 241f", "DLO+AG+USP4", False),
 )
-FIELDS = ("key", "workload", "strategy", "outputs_per_wave", "published_wave_s", "predicted_wave_s",
-          "rel_error_pct", "published_outputs_per_s", "predicted_outputs_per_s", "bound", "note")
+FIELDS = (
+    "key",
+    "workload",
+    "strategy",
+    "outputs_per_wave",
+    "published_wave_s",
+    "predicted_wave_s",
+    "rel_error_pct",
+    "published_outputs_per_s",
+    "predicted_outputs_per_s",
+    "bound",
+    "note",
+)
 
 
 def comparison_rows() -> list[dict]:
@@ -35,12 +46,21 @@ def comparison_rows() -> list[dict]:
     for key, workload, strategy, calibrated in CASES:
         p = b300.predict(workload, strategy)
         c = compare(key, p.wave_s, calibrated=calibrated)
-        rows.append({"key": key, "workload": workload, "strategy": strategy, "outputs_per_wave": p.outputs_per_wave,
-                     "published_wave_s": c.published, "predicted_wave_s": round(p.wave_s, 2),
-                     "rel_error_pct": round(100 * c.rel_error, 1) + 0.0,
-                     "published_outputs_per_s": round(p.outputs_per_wave / c.published, 4),
-                     "predicted_outputs_per_s": round(p.outputs_per_s, 4), "bound": p.bound,
-                     "note": "calibration point" if calibrated else ""})
+        rows.append(
+            {
+                "key": key,
+                "workload": workload,
+                "strategy": strategy,
+                "outputs_per_wave": p.outputs_per_wave,
+                "published_wave_s": c.published,
+                "predicted_wave_s": round(p.wave_s, 2),
+                "rel_error_pct": round(100 * c.rel_error, 1) + 0.0,
+                "published_outputs_per_s": round(p.outputs_per_wave / c.published, 4),
+                "predicted_outputs_per_s": round(p.outputs_per_s, 4),
+                "bound": p.bound,
+                "note": "calibration point" if calibrated else "",
+            }
+        )
     return rows
 
 
@@ -48,8 +68,10 @@ def headline_rows() -> list[dict]:
     """The two claims of the write-up, as ratios of predicted waves."""
     t2i_dlo, t2i_hsdp = b300.predict("t2i 1024^2", "DLO+AG DP4"), b300.predict("t2i 1024^2", "HSDP+USP4")
     v_dlo, v_hsdp = b300.predict("720p 241f", "DLO+AG+USP4"), b300.predict("720p 241f", "HSDP+USP4")
-    return [compare("b300.t2i.dlo_ag_dp4.vs_hsdp", t2i_dlo.outputs_per_s / t2i_hsdp.outputs_per_s).as_row(),
-            compare("b300.workloads.720p_241f.dlo_vs_hsdp_pct", 100 * (v_dlo.wave_s / v_hsdp.wave_s - 1)).as_row()]
+    return [
+        compare("b300.t2i.dlo_ag_dp4.vs_hsdp", t2i_dlo.outputs_per_s / t2i_hsdp.outputs_per_s).as_row(),
+        compare("b300.workloads.720p_241f.dlo_vs_hsdp_pct", 100 * (v_dlo.wave_s / v_hsdp.wave_s - 1)).as_row(),
+    ]
 
 
 def cost_rows() -> list[dict]:
@@ -59,8 +81,16 @@ def cost_rows() -> list[dict]:
     for name in ("t2i 1024^2", "480p 29f", "480p 121f", "480p 241f", "720p 121f", "720p 241f"):
         w = b300.WORKLOADS[name]
         c = b300.step_costs(w.tokens)
-        rows.append({"workload": name, "tokens": w.tokens, "c_s": round(c.compute_s, 3),
-                     "c/W+u_s": round(c.compute_s / b300.NUM_GPUS + c.all_to_all_s, 3),
-                     "h_s": round(c.h2d_shard_s, 3), "a_s": round(c.allgather_s, 3),
-                     "dp4_bound": b300.predict(w, "DLO+AG DP4").bound, "hsdp_bound": b300.predict(w, "HSDP+USP4").bound})
+        rows.append(
+            {
+                "workload": name,
+                "tokens": w.tokens,
+                "c_s": round(c.compute_s, 3),
+                "c/W+u_s": round(c.compute_s / b300.NUM_GPUS + c.all_to_all_s, 3),
+                "h_s": round(c.h2d_shard_s, 3),
+                "a_s": round(c.allgather_s, 3),
+                "dp4_bound": b300.predict(w, "DLO+AG DP4").bound,
+                "hsdp_bound": b300.predict(w, "HSDP+USP4").bound,
+            }
+        )
     return rows

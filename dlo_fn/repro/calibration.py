@@ -48,8 +48,12 @@ CALIBRATIONS = {
     "FRAMEWORK_HOST_BYTES_PER_RANK": (FRAMEWORK_HOST_BYTES_PER_RANK, ("fig6.framework_per_rank",)),
     "DEVICE_CONTEXT_BYTES": (DEVICE_CONTEXT_BYTES, ("hbm.nano_dp4.idle",)),
     "ACTIVATION_COMM_BYTES_NANO_720P_10S_SP": (
-        ACTIVATION_COMM_BYTES_NANO_720P_10S_SP, ("fig4.nano.peak", "fig4.nano.idle")),
+        ACTIVATION_COMM_BYTES_NANO_720P_10S_SP,
+        ("fig4.nano.peak", "fig4.nano.idle"),
+    ),
     "ACTIVATION_COMM_BYTES_NANO_480P_29F_DP4": (
-        ACTIVATION_COMM_BYTES_NANO_480P_29F_DP4, ("perf.nano.dlo_ag_dp4.hbm_per_card", "hbm.nano_dp4.idle")),
+        ACTIVATION_COMM_BYTES_NANO_480P_29F_DP4,
+        ("perf.nano.dlo_ag_dp4.hbm_per_card", "hbm.nano_dp4.idle"),
+    ),
 }
 """name -> (value in bytes, the published keys it was fitted to)."""

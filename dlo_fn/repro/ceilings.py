@@ -21,11 +21,26 @@ from dlo_fn.plan.timeline import BandwidthDurations, bandwidth_durations
 from dlo_fn.plan.workload import Workload
 
 __all__ = [
-    "H200_PINNED_H2D_BYTES_PER_S", "H200_PINNED_H2D_RANGE_BYTES_PER_S", "H200_PAGEABLE_H2D_RANGE_BYTES_PER_S",
-    "H200_D2D_TRAFFIC_BYTES_PER_S", "H200_D2D_COPY_BYTES_PER_S", "H200_BF16_MATMUL_FLOP_PER_S",
-    "H200_HOST_SECONDS_PER_BLOCK", "REF_BLOCK_HIDDEN", "REF_BLOCK_PARAMS", "REF_BLOCK_BYTES", "REF_PASS_NUM_BLOCKS",
-    "IMAGE_1024_CFG", "VIDEO_832X480X29_CFG", "VIDEO_720P_10S", "WORKLOADS", "H200_BLOCK_COMPUTE_S",
-    "MeasuredPass", "H200_PASS", "h200_durations", "dit_block_params",
+    "H200_PINNED_H2D_BYTES_PER_S",
+    "H200_PINNED_H2D_RANGE_BYTES_PER_S",
+    "H200_PAGEABLE_H2D_RANGE_BYTES_PER_S",
+    "H200_D2D_TRAFFIC_BYTES_PER_S",
+    "H200_D2D_COPY_BYTES_PER_S",
+    "H200_BF16_MATMUL_FLOP_PER_S",
+    "H200_HOST_SECONDS_PER_BLOCK",
+    "REF_BLOCK_HIDDEN",
+    "REF_BLOCK_PARAMS",
+    "REF_BLOCK_BYTES",
+    "REF_PASS_NUM_BLOCKS",
+    "IMAGE_1024_CFG",
+    "VIDEO_832X480X29_CFG",
+    "VIDEO_720P_10S",
+    "WORKLOADS",
+    "H200_BLOCK_COMPUTE_S",
+    "MeasuredPass",
+    "H200_PASS",
+    "h200_durations",
+    "dit_block_params",
 ]
 
 _SRC = "DESIGN.md section 6 (one H200 SXM, PCIe Gen5 x16, torch 2.11.0+cu130)"
@@ -94,10 +109,16 @@ H200_PASS = {
 }
 
 
-def h200_durations(num_blocks: int, workload: Workload, *, world_size: int = 1, mode: str = "allgather",
-                   block_bytes: float | tuple[float, ...] = REF_BLOCK_BYTES,
-                   allgather_bus_bytes_per_s: float | None = None,
-                   launch_latency_s: float = 0.0) -> BandwidthDurations:
+def h200_durations(
+    num_blocks: int,
+    workload: Workload,
+    *,
+    world_size: int = 1,
+    mode: str = "allgather",
+    block_bytes: float | tuple[float, ...] = REF_BLOCK_BYTES,
+    allgather_bus_bytes_per_s: float | None = None,
+    launch_latency_s: float = 0.0,
+) -> BandwidthDurations:
     """Op durations on H200s: H2D at the pinned ceiling, compute as measured (:data:`H200_BLOCK_COMPUTE_S`),
     all-gather as below.
 
@@ -108,8 +129,10 @@ def h200_durations(num_blocks: int, workload: Workload, *, world_size: int = 1, 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if workload.name not in H200_BLOCK_COMPUTE_S:
-        raise ValueError(f"no measured H200 block compute for workload {workload.name!r}; measured: "
-                         f"{', '.join(H200_BLOCK_COMPUTE_S)}")
+        raise ValueError(
+            f"no measured H200 block compute for workload {workload.name!r}; measured: "
+            f"{', '.join(H200_BLOCK_COMPUTE_S)}"
+        )
     sizes = (float(block_bytes),) * num_blocks if isinstance(block_bytes, (int, float)) else tuple(block_bytes)
     if len(sizes) != num_blocks:
         raise ValueError(f"block_bytes has {len(sizes)} entries, expected num_blocks = {num_blocks}")
@@ -123,7 +146,12 @@ def h200_durations(num_blocks: int, workload: Workload, *, world_size: int = 1, 
         h2d = tuple(-(-n // world_size) for n in sizes)
         gathered = tuple((world_size - 1) / world_size * n for n in sizes)
         rate = allgather_bus_bytes_per_s
-    return bandwidth_durations(num_blocks, h2d_bytes=h2d, allgather_bytes=gathered,
-                               compute_s=H200_BLOCK_COMPUTE_S[workload.name],
-                               h2d_bytes_per_s=H200_PINNED_H2D_BYTES_PER_S,
-                               allgather_bytes_per_s=rate, launch_latency_s=launch_latency_s)
+    return bandwidth_durations(
+        num_blocks,
+        h2d_bytes=h2d,
+        allgather_bytes=gathered,
+        compute_s=H200_BLOCK_COMPUTE_S[workload.name],
+        h2d_bytes_per_s=H200_PINNED_H2D_BYTES_PER_S,
+        allgather_bytes_per_s=rate,
+        launch_latency_s=launch_latency_s,
+    )

@@ -27,8 +27,19 @@ from dlo_fn.repro.memory_tables import model_sizes
 from dlo_fn.repro.published import Comparison, compare, compare_bytes
 
 __all__ = [
-    "SWEEP_CSV", "NANO", "DP", "LOADINGS", "MB", "SweepFit", "nano_cold_starts", "term_rows", "nano_comparisons",
-    "read_sweep", "sweep_table", "fit_sweep", "fit_rows",
+    "SWEEP_CSV",
+    "NANO",
+    "DP",
+    "LOADINGS",
+    "MB",
+    "SweepFit",
+    "nano_cold_starts",
+    "term_rows",
+    "nano_comparisons",
+    "read_sweep",
+    "sweep_table",
+    "fit_sweep",
+    "fit_rows",
 ]
 
 SWEEP_CSV = DATA_DIR / "load_sweep.csv"
@@ -47,11 +58,17 @@ def term_rows() -> list[dict]:
     """The model's terms for Nano DP4, in GB, one row per loading (the numbers behind the left panel)."""
     rows = []
     for loading, c in nano_cold_starts().items():
-        rows.append({
-            "loading": loading, "N": c.num_ranks, "private copies N*M": round(c.private_copy_bytes / GB, 2),
-            "page cache M": round(c.page_cache_bytes / GB, 2), "framework N*c": round(c.framework_bytes / GB, 2),
-            "cgroup peak": round(c.cgroup_peak_bytes / GB, 2), "HWM per rank": round(c.hwm_bytes_per_rank / GB, 2),
-        })
+        rows.append(
+            {
+                "loading": loading,
+                "N": c.num_ranks,
+                "private copies N*M": round(c.private_copy_bytes / GB, 2),
+                "page cache M": round(c.page_cache_bytes / GB, 2),
+                "framework N*c": round(c.framework_bytes / GB, 2),
+                "cgroup peak": round(c.cgroup_peak_bytes / GB, 2),
+                "HWM per rank": round(c.hwm_bytes_per_rank / GB, 2),
+            }
+        )
     return rows
 
 
@@ -87,16 +104,26 @@ def read_sweep(path: pathlib.Path = SWEEP_CSV) -> list[dict]:
 
 def sweep_table(rows: list[dict]) -> list[dict]:
     """The sweep in MB (1e6 bytes): measured sum of PSS beside the law, USS, and the cgroup's counters."""
+
     def mb(value) -> object:
         return round(value / MB) if value != "" else "-"
 
-    return [{
-        "mode": r["mode"], "N": r["ranks"], "sum PSS": mb(r["sum_pss_bytes"]), "law": mb(r["predicted_pss_bytes"]),
-        "err %": round(100 * (r["sum_pss_bytes"] / r["predicted_pss_bytes"] - 1), 1) + 0.0,
-        "sum USS": mb(r["sum_uss_bytes"]), "weights PSS": mb(r["sum_weights_pss_bytes"]),
-        "max HWM": mb(r["max_hwm_bytes"]), "cgroup": mb(r["cgroup_current_bytes"]),
-        "cgroup file": mb(r["cgroup_file_bytes"]), "cgroup anon": mb(r["cgroup_anon_bytes"]),
-    } for r in rows]
+    return [
+        {
+            "mode": r["mode"],
+            "N": r["ranks"],
+            "sum PSS": mb(r["sum_pss_bytes"]),
+            "law": mb(r["predicted_pss_bytes"]),
+            "err %": round(100 * (r["sum_pss_bytes"] / r["predicted_pss_bytes"] - 1), 1) + 0.0,
+            "sum USS": mb(r["sum_uss_bytes"]),
+            "weights PSS": mb(r["sum_weights_pss_bytes"]),
+            "max HWM": mb(r["max_hwm_bytes"]),
+            "cgroup": mb(r["cgroup_current_bytes"]),
+            "cgroup file": mb(r["cgroup_file_bytes"]),
+            "cgroup anon": mb(r["cgroup_anon_bytes"]),
+        }
+        for r in rows
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +166,15 @@ def fit_sweep(rows: list[dict], metric: str = "sum_pss_bytes") -> dict[str, Swee
             raise ValueError(f"the sweep has no {metric} for some {mode} rows")
         y = np.array([r[metric] for r in sel], dtype=float)
         slope, intercept = np.polyfit(n, y, 1)
-        fits[mode] = SweepFit(mode, metric, tuple(int(x) for x in n), float(slope), float(intercept),
-                              int(sel[0]["model_bytes"]), int(sel[0]["constant_pss_bytes"]))
+        fits[mode] = SweepFit(
+            mode,
+            metric,
+            tuple(int(x) for x in n),
+            float(slope),
+            float(intercept),
+            int(sel[0]["model_bytes"]),
+            int(sel[0]["constant_pss_bytes"]),
+        )
     return fits
 
 
@@ -149,8 +183,10 @@ def fit_rows(fits: dict[str, SweepFit], cgroup_fits: dict[str, SweepFit] | None 
     rows = []
     for f in fits.values():
         row = {
-            "mode": f.mode, "law": "N (M + c)" if f.mode == "copy" else "M + N c",
-            "expected_slope_mb": round(f.expected_slope_bytes / MB, 1), "pss_slope_mb": round(f.slope_bytes / MB, 1),
+            "mode": f.mode,
+            "law": "N (M + c)" if f.mode == "copy" else "M + N c",
+            "expected_slope_mb": round(f.expected_slope_bytes / MB, 1),
+            "pss_slope_mb": round(f.slope_bytes / MB, 1),
             "pss_slope_ratio": round(f.slope_ratio, 3),
             "expected_intercept_mb": round(f.expected_intercept_bytes / MB, 1),
             "pss_intercept_mb": round(f.intercept_bytes / MB, 1),

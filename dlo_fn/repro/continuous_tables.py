@@ -29,8 +29,16 @@ def load(path: pathlib.Path | None = None) -> dict[str, Any]:
 
 
 def policy_rows(detail: dict[str, Any]) -> list[dict[str, object]]:
-    keep = ("policy", "throughput_requests_per_s", "p50_latency_s", "p95_latency_s", "planned_p50_latency_s",
-            "planned_p95_latency_s", "makespan_s", "planned_makespan_s")
+    keep = (
+        "policy",
+        "throughput_requests_per_s",
+        "p50_latency_s",
+        "p95_latency_s",
+        "planned_p50_latency_s",
+        "planned_p95_latency_s",
+        "makespan_s",
+        "planned_makespan_s",
+    )
     return [{k: _fmt(r.get(k, "")) for k in keep} for r in detail["rows"]]
 
 
@@ -38,9 +46,14 @@ def loss_rows(detail: dict[str, Any]) -> list[dict[str, object]]:
     out = []
     for name in ("measured", "planned"):
         x = detail["lockstep_loss"][name]
-        out.append({"": name, "loss_per_pass_ms": _fmt(1e3 * x["loss_per_pass_s"]),
-                    "lockstep_part_per_pass_ms": _fmt(1e3 * x["lockstep_part_per_pass_s"]),
-                    "samples": x["samples"]})
+        out.append(
+            {
+                "": name,
+                "loss_per_pass_ms": _fmt(1e3 * x["loss_per_pass_s"]),
+                "lockstep_part_per_pass_ms": _fmt(1e3 * x["lockstep_part_per_pass_s"]),
+                "samples": x["samples"],
+            }
+        )
     return out
 
 
@@ -64,21 +77,28 @@ SCENARIOS = {
     "one shape, one step count, all at 0": [_q(i, 0, 4, "a", 1.0) for i in range(8)],
     "one shape, steps 2 / 8, arriving every 1 s": [_q(i, float(i), (2, 8)[i % 2], "a", 1.0) for i in range(8)],
     "one shape, steps 2 / 8, all at 0": [_q(i, 0, (2, 8)[i % 2], "a", 1.0) for i in range(8)],
-    "cheap (1) / expensive (8) alternating, all at 0": [_q(i, 0, 4, "ab"[i % 2], (1.0, 8.0)[i % 2])
-                                                        for i in range(8)],
+    "cheap (1) / expensive (8) alternating, all at 0": [_q(i, 0, 4, "ab"[i % 2], (1.0, 8.0)[i % 2]) for i in range(8)],
     "cheap / expensive in runs of 4, all at 0": [_q(i, 0, 4, "ab"[i // 4], (1.0, 8.0)[i // 4]) for i in range(8)],
 }
 
 
-def scenario_rows(costs: PassCosts = PassCosts.uniform(1, 0.5), replicas: Replicas = Replicas(2)
-                  ) -> list[dict[str, object]]:
+def scenario_rows(
+    costs: PassCosts = PassCosts.uniform(1, 0.5), replicas: Replicas = Replicas(2)
+) -> list[dict[str, object]]:
     """Per scenario, one row per policy (continuous FIFO, continuous cost-aware, strict)."""
     out = []
     for name, reqs in SCENARIOS.items():
         for row in compare_policies(reqs, costs, replicas, admissions=("fifo", "cost")):
-            out.append({"trace": name, "policy": row["policy"], "makespan_s": row["makespan_s"],
-                        "p50_latency_s": row["p50_latency_s"], "p95_latency_s": row["p95_latency_s"],
-                        "utilisation": row["utilisation"]})
+            out.append(
+                {
+                    "trace": name,
+                    "policy": row["policy"],
+                    "makespan_s": row["makespan_s"],
+                    "p50_latency_s": row["p50_latency_s"],
+                    "p95_latency_s": row["p95_latency_s"],
+                    "utilisation": row["utilisation"],
+                }
+            )
     return out
 
 

@@ -21,23 +21,29 @@ def cold_start(sizes: ModelSizes, num_ranks: int, loading: str = "mmap", mode: s
     return memory.cold_start(sizes, num_ranks, loading, mode, framework_bytes_per_rank=FRAMEWORK_HOST_BYTES_PER_RANK)
 
 
-def host_steady_state(sizes: ModelSizes, num_ranks: int, platform: str = "cuda",
-                      mode: str = "allgather") -> memory.HostSteadyState:
-    return memory.host_steady_state(sizes, num_ranks, platform, mode,
-                                    framework_bytes_per_rank=FRAMEWORK_HOST_BYTES_PER_RANK)
+def host_steady_state(
+    sizes: ModelSizes, num_ranks: int, platform: str = "cuda", mode: str = "allgather"
+) -> memory.HostSteadyState:
+    return memory.host_steady_state(
+        sizes, num_ranks, platform, mode, framework_bytes_per_rank=FRAMEWORK_HOST_BYTES_PER_RANK
+    )
 
 
 def host_capacity(sizes: ModelSizes, num_ranks: int, platform: str = "ascend") -> memory.HostCapacity:
     return memory.host_capacity(sizes, num_ranks, platform, framework_bytes_per_rank=FRAMEWORK_HOST_BYTES_PER_RANK)
 
 
-def hbm_per_card(sizes: ModelSizes, num_shards: int, mode: str = "allgather", *,
-                 activation_bytes: int = 0) -> hbm.HbmPerCard:
-    return hbm.hbm_per_card(sizes, num_shards, mode, activation_bytes=activation_bytes,
-                            context_bytes=DEVICE_CONTEXT_BYTES)
+def hbm_per_card(
+    sizes: ModelSizes, num_shards: int, mode: str = "allgather", *, activation_bytes: int = 0
+) -> hbm.HbmPerCard:
+    return hbm.hbm_per_card(
+        sizes, num_shards, mode, activation_bytes=activation_bytes, context_bytes=DEVICE_CONTEXT_BYTES
+    )
 
 
-def approach_memory(sizes: ModelSizes, num_devices: int, approach: str, *,
-                    activation_bytes: int = 0) -> hbm.ApproachMemory:
-    return hbm.approach_memory(sizes, num_devices, approach, activation_bytes=activation_bytes,
-                               context_bytes=DEVICE_CONTEXT_BYTES)
+def approach_memory(
+    sizes: ModelSizes, num_devices: int, approach: str, *, activation_bytes: int = 0
+) -> hbm.ApproachMemory:
+    return hbm.approach_memory(
+        sizes, num_devices, approach, activation_bytes=activation_bytes, context_bytes=DEVICE_CONTEXT_BYTES
+    )

@@ -57,11 +57,17 @@ def byte_rows(spec: ModelSpec, num_slots: int = 2) -> list[dict[str, Any]]:
         ("host arena = pinned = H2D per pass", "sum_b n_b", plain.shard_bytes_per_rank, q.shard_bytes_per_rank),
         ("slot", "max_b c_b", plain.slot_bytes, q.slot_bytes),
         ("staging buffer per slot", "max_b n_b (FP8 only)", 0, q.max_padded_block_bytes),
-        ("device weight bytes", "S (slot + staging)", num_slots * plain.slot_bytes,
-         num_slots * (q.slot_bytes + q.max_padded_block_bytes)),
+        (
+            "device weight bytes",
+            "S (slot + staging)",
+            num_slots * plain.slot_bytes,
+            num_slots * (q.slot_bytes + q.max_padded_block_bytes),
+        ),
     ]
-    return [{"item": item, "formula": formula, "BF16": bf16, "FP8": fp8,
-             "FP8 / BF16": f"{fp8 / bf16:.3f}" if bf16 else "-"} for item, formula, bf16, fp8 in rows]
+    return [
+        {"item": item, "formula": formula, "BF16": bf16, "FP8": fp8, "FP8 / BF16": f"{fp8 / bf16:.3f}" if bf16 else "-"}
+        for item, formula, bf16, fp8 in rows
+    ]
 
 
 def _image(report: dict) -> dict:
@@ -89,29 +95,49 @@ def h200_passes(num_slots: int = 2) -> dict[str, Timeline]:
         ring = Ring.cold(n, num_slots=num_slots, mode="rank-local", quantized=quantized)
         schedule = ring.after(ring.next_schedule(1)).next_schedule(1)  # a warm step: the step before prefetched
         dequant = [dequant_seconds(s, c, H200_D2D_TRAFFIC_BYTES_PER_S) for s, c in zip(moved, sizes.block_bytes)]
-        durations = bandwidth_durations(n, h2d_bytes=moved, allgather_bytes=0.0, compute_s=compute_s,
-                                        h2d_bytes_per_s=report["pinned_h2d_peak_bytes_per_s"],
-                                        allgather_bytes_per_s=H200_D2D_COPY_BYTES_PER_S,
-                                        dequant_s=dequant if quantized else None)
-        out[name] = simulate(schedule, durations, meta=(("model", report["config"]), ("workload", "image"),
-                                                        ("weights", name)))
+        durations = bandwidth_durations(
+            n,
+            h2d_bytes=moved,
+            allgather_bytes=0.0,
+            compute_s=compute_s,
+            h2d_bytes_per_s=report["pinned_h2d_peak_bytes_per_s"],
+            allgather_bytes_per_s=H200_D2D_COPY_BYTES_PER_S,
+            dequant_s=dequant if quantized else None,
+        )
+        out[name] = simulate(
+            schedule, durations, meta=(("model", report["config"]), ("workload", "image"), ("weights", name))
+        )
     return out
 
 
 def pass_rows(passes: dict[str, Timeline]) -> list[dict[str, str]]:
     """Per pass: simulated step, its lanes' busy time, and the step measured in the same H200 run."""
     measured = _image(load(FP8_STEP_FILE))
-    return [{"weights": name, "simulated ms": f"{1e3 * tl.makespan_s:.1f}",
-             "H2D busy ms": f"{1e3 * tl.busy_s('h2d'):.1f}", "DQ busy ms": f"{1e3 * tl.busy_s('allgather'):.1f}",
-             "compute busy ms": f"{1e3 * tl.busy_s('compute'):.1f}",
-             "measured ms": f"{1e3 * measured[_STEP_VARIANTS[name]]['step_s']:.1f}"} for name, tl in passes.items()]
+    return [
+        {
+            "weights": name,
+            "simulated ms": f"{1e3 * tl.makespan_s:.1f}",
+            "H2D busy ms": f"{1e3 * tl.busy_s('h2d'):.1f}",
+            "DQ busy ms": f"{1e3 * tl.busy_s('allgather'):.1f}",
+            "compute busy ms": f"{1e3 * tl.busy_s('compute'):.1f}",
+            "measured ms": f"{1e3 * measured[_STEP_VARIANTS[name]]['step_s']:.1f}",
+        }
+        for name, tl in passes.items()
+    ]
 
 
 def quality_rows(name_or_rows: str | list[dict] = QUALITY_FILE) -> list[dict[str, str]]:
     """``bench fp8-quality``'s rows (a committed file, or the row dicts of a run): each output's error against
     BF16 and its equality with fake_quantize."""
     rows = load(name_or_rows)["rows"] if isinstance(name_or_rows, str) else name_or_rows
-    return [{"output": r["output"], "elements": f"{r['num_elements']:,d}", "rel L2": f"{r['rel_l2']:.4f}",
-             "max abs": f"{r['max_abs']:.4g}", "cosine": f"{r['cosine']:.6f}",
-             "equal to fake_quantize": "-" if (eq := r["equal_to_fake_quantized"]) is None else str(eq)}
-            for r in rows]
+    return [
+        {
+            "output": r["output"],
+            "elements": f"{r['num_elements']:,d}",
+            "rel L2": f"{r['rel_l2']:.4f}",
+            "max abs": f"{r['max_abs']:.4g}",
+            "cosine": f"{r['cosine']:.6f}",
+            "equal to fake_quantize": "-" if (eq := r["equal_to_fake_quantized"]) is None else str(eq),
+        }
+        for r in rows
+    ]

@@ -18,9 +18,26 @@ from dlo_fn.repro.data import DATA_DIR as FIGURES_DATA_DIR
 from dlo_fn.repro.published import compare, published
 
 __all__ = [
-    "DATA_DIR", "TOPOLOGIES", "SELECTED", "TASKS", "Case", "Route", "PairedDelta",
-    "load_cases", "route", "selected_routes", "route_row", "route_rows", "case_routes", "task_frontiers",
-    "frontier_ordered", "ordering_rows", "paired_delta", "paired_deltas", "delta_rows", "frontier_comparisons",
+    "DATA_DIR",
+    "TOPOLOGIES",
+    "SELECTED",
+    "TASKS",
+    "Case",
+    "Route",
+    "PairedDelta",
+    "load_cases",
+    "route",
+    "selected_routes",
+    "route_row",
+    "route_rows",
+    "case_routes",
+    "task_frontiers",
+    "frontier_ordered",
+    "ordering_rows",
+    "paired_delta",
+    "paired_deltas",
+    "delta_rows",
+    "frontier_comparisons",
 ]
 
 DATA_DIR = FIGURES_DATA_DIR / "minimax_h3_b300"
@@ -104,22 +121,39 @@ def load_cases(data_dir: pathlib.Path = DATA_DIR) -> dict[str, Case]:
             name = row["case"]
             if name not in waves:
                 raise ValueError(f"{data_dir / 'wave_samples.csv'}: no waves for case {name!r}")
-            cases[name] = Case(name, row["task"], row["mode"], int(row["dp"]), int(row["sp"]),
-                               int(row["measured_videos"]), float(row["energy_wh_per_video"]),
-                               float(row["measured_peak_memory_gib"]), tuple(waves[name]))
+            cases[name] = Case(
+                name,
+                row["task"],
+                row["mode"],
+                int(row["dp"]),
+                int(row["sp"]),
+                int(row["measured_videos"]),
+                float(row["energy_wh_per_video"]),
+                float(row["measured_peak_memory_gib"]),
+                tuple(waves[name]),
+            )
     return cases
 
 
 def route(cases: dict[str, Case], task: str, mode: str, dp: int, sp: int, *, pool_soak: bool = True) -> Route:
     """Pool the five-wave case with its fifteen-wave soak repeat (if any and ``pool_soak``)."""
-    found = [c for c in cases.values() if (c.task, c.mode, c.dp, c.sp) == (task, mode, dp, sp)
-             and (pool_soak or not c.soak)]
+    found = [
+        c for c in cases.values() if (c.task, c.mode, c.dp, c.sp) == (task, mode, dp, sp) and (pool_soak or not c.soak)
+    ]
     if not found:
         raise KeyError(f"no MiniMax case for task={task} mode={mode} DP{dp}xSP{sp}")
     videos = sum(c.measured_videos for c in found)
     energy = sum(c.energy_wh_per_video * c.measured_videos for c in found) / videos
-    return Route(task, mode, dp, sp, tuple(c.case for c in found), tuple(w for c in found for w in c.waves_s),
-                 energy, max(c.peak_gib for c in found))
+    return Route(
+        task,
+        mode,
+        dp,
+        sp,
+        tuple(c.case for c in found),
+        tuple(w for c in found for w in c.waves_s),
+        energy,
+        max(c.peak_gib for c in found),
+    )
 
 
 def selected_routes(cases: dict[str, Case], task: str = "t2va") -> tuple[Route, ...]:
@@ -139,16 +173,27 @@ def frontier_ordered(routes: tuple[Route, ...]) -> bool:
 def ordering_rows(cases: dict[str, Case]) -> list[dict]:
     rows = []
     for task, rs in task_frontiers(cases).items():
-        rows.append({"task": task, **{r.label: f"{r.p50_s:.1f} s, {r.videos_per_hour:.1f} v/h" for r in rs},
-                     "ordered": frontier_ordered(rs)})
+        rows.append(
+            {
+                "task": task,
+                **{r.label: f"{r.p50_s:.1f} s, {r.videos_per_hour:.1f} v/h" for r in rs},
+                "ordered": frontier_ordered(rs),
+            }
+        )
     return rows
 
 
 def paired_delta(cases: dict[str, Case], dp: int, sp: int) -> PairedDelta:
     ag = route(cases, "t2va", "allgather", dp, sp, pool_soak=False)
     rl = route(cases, "t2va", "ranklocal", dp, sp, pool_soak=False)
-    return PairedDelta(dp, sp, 100 * (ag.videos_per_hour / rl.videos_per_hour - 1), 100 * (ag.p50_s / rl.p50_s - 1),
-                       ag.peak_gib, rl.peak_gib)
+    return PairedDelta(
+        dp,
+        sp,
+        100 * (ag.videos_per_hour / rl.videos_per_hour - 1),
+        100 * (ag.p50_s / rl.p50_s - 1),
+        ag.peak_gib,
+        rl.peak_gib,
+    )
 
 
 def paired_deltas(cases: dict[str, Case]) -> tuple[PairedDelta, ...]:
@@ -160,8 +205,13 @@ def frontier_comparisons(cases: dict[str, Case]) -> list:
     rows = []
     for r in selected_routes(cases):
         key = f"minimax.t2va.dp{r.dp}sp{r.sp}.{r.mode}"
-        for field, value in (("wave_p50", r.p50_s), ("wave_p95", r.p95_s), ("videos_per_hour", r.videos_per_hour),
-                             ("peak_gib", r.peak_gib), ("energy_wh", r.energy_wh_per_video)):
+        for field, value in (
+            ("wave_p50", r.p50_s),
+            ("wave_p95", r.p95_s),
+            ("videos_per_hour", r.videos_per_hour),
+            ("peak_gib", r.peak_gib),
+            ("energy_wh", r.energy_wh_per_video),
+        ):
             rows.append(compare(f"{key}.{field}", value))
     for d in paired_deltas(cases):
         key = f"minimax.delta.dp{d.dp}sp{d.sp}"
@@ -176,10 +226,19 @@ def frontier_comparisons(cases: dict[str, Case]) -> list:
 
 def route_row(r: Route, selected: bool) -> dict:
     """One route with every wave statistic at full precision (the figure CSVs' row)."""
-    return {"task": r.task, "topology": r.label, "mode": r.mode, "selected": selected, "cases": "+".join(r.cases),
-            "waves": len(r.waves_s), "wave_p50_s": r.p50_s, "wave_p95_s": r.p95_s,
-            "videos_per_hour": r.videos_per_hour, "energy_wh_per_video": r.energy_wh_per_video,
-            "peak_gib": r.peak_gib}
+    return {
+        "task": r.task,
+        "topology": r.label,
+        "mode": r.mode,
+        "selected": selected,
+        "cases": "+".join(r.cases),
+        "waves": len(r.waves_s),
+        "wave_p50_s": r.p50_s,
+        "wave_p95_s": r.p95_s,
+        "videos_per_hour": r.videos_per_hour,
+        "energy_wh_per_video": r.energy_wh_per_video,
+        "peak_gib": r.peak_gib,
+    }
 
 
 def route_rows(routes, ndigits: int = 2) -> list[dict]:
@@ -199,7 +258,14 @@ def case_routes(cases: dict[str, Case]) -> tuple[Route, ...]:
 
 def delta_rows(deltas: tuple[PairedDelta, ...]) -> list[dict]:
     """The paired deltas beside the published throughput deltas (the rows of Figure 7's right panel)."""
-    return [{"topology": f"DP{d.dp}xSP{d.sp}", "throughput_pct": d.throughput_pct, "p50_pct": d.p50_pct,
-             "allgather_peak_gib": d.allgather_peak_gib, "ranklocal_peak_gib": d.ranklocal_peak_gib,
-             "published_throughput_pct": published(f"minimax.delta.dp{d.dp}sp{d.sp}.throughput_pct").value}
-            for d in deltas]
+    return [
+        {
+            "topology": f"DP{d.dp}xSP{d.sp}",
+            "throughput_pct": d.throughput_pct,
+            "p50_pct": d.p50_pct,
+            "allgather_peak_gib": d.allgather_peak_gib,
+            "ranklocal_peak_gib": d.ranklocal_peak_gib,
+            "published_throughput_pct": published(f"minimax.delta.dp{d.dp}sp{d.sp}.throughput_pct").value,
+        }
+        for d in deltas
+    ]

@@ -78,29 +78,61 @@ def pcie_topology(name: str, flop_fraction: float) -> Topology:
     link = link_bytes_per_s(gen)
     frac = flop_fraction
     dram = _ddr_bytes_per_s(channels, mts)
-    link_src = (f"PCIe Gen{gen} x16: {PCIE_RAW_BYTES_PER_S[gen] / 1e9:.1f} GB/s per direction x "
-                f"{link / PCIE_RAW_BYTES_PER_S[gen]:.3f} (the H200's measured pinned H2D over its Gen5 x16 rate)")
-    peer_src = {"pcie": "peer-to-peer over PCIe (no NVLink on this card)",
-                "host": "no peer-to-peer on GeForce drivers: NCCL stages it through host memory"}[peer]
+    link_src = (
+        f"PCIe Gen{gen} x16: {PCIE_RAW_BYTES_PER_S[gen] / 1e9:.1f} GB/s per direction x "
+        f"{link / PCIE_RAW_BYTES_PER_S[gen]:.3f} (the H200's measured pinned H2D over its Gen5 x16 rate)"
+    )
+    peer_src = {
+        "pcie": "peer-to-peer over PCIe (no NVLink on this card)",
+        "host": "no peer-to-peer on GeForce drivers: NCCL stages it through host memory",
+    }[peer]
     return Topology(
-        name, 8, link, link, link, link, BlockCompute(flop_per_s=tflops * 1e12 * frac), hbm_gb * 10**9,
-        host_gb * GIB // 8, (("allgather", 176e-6), ("rank-local", 48e-6)), False, (), 0,
+        name,
+        8,
+        link,
+        link,
+        link,
+        link,
+        BlockCompute(flop_per_s=tflops * 1e12 * frac),
+        hbm_gb * 10**9,
+        host_gb * GIB // 8,
+        (("allgather", 176e-6), ("rank-local", 48e-6)),
+        False,
+        (),
+        0,
         FRAMEWORK_HOST_BYTES_PER_RANK,
-        (("h2d_bytes_per_s", link_src),
-         ("allgather_bus_bytes_per_s", "each GPU receives at its link's rate (module docstring)"),
-         ("all_to_all_bytes_per_s", "the link rate, as the all-gather"),
-         ("d2d_copy_bytes_per_s", "unused at W > 1; the link rate"),
-         ("compute", f"{sheet}: BF16 dense {tflops:g} TFLOPS x {frac:.3f} (our bench block's fraction of the "
-                     f"H200's 989.4 on the H200)"),
-         ("hbm_bytes_per_rank", f"{sheet}: {hbm_gb} GB"),
-         ("host_bytes_per_rank", f"assumed {host_gb} GiB host RAM / 8"),
-         ("host_s_per_block", "README H200 measurement of our executor"),
-         ("framework_host_bytes", "repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK"),
-         ("peer_link", peer_src),
-         ("gpus_per_uplink", "assumed: a PCIe switch per pair of GPUs, one x16 uplink each" if per_uplink > 1
-          else "assumed: every GPU on its own root port (x16 each)"),
-         ("uplink_bytes_per_s", link_src if per_uplink > 1 else "no shared uplink"),
-         ("host_memory_bytes_per_s", f"assumed 2 sockets, {channels} channels of DDR at {mts} MT/s: "
-                                     f"{dram / 1e9:.0f} GB/s peak"),
-         ("ranks_per_host", "one host")),
-        (), peer, per_uplink, link if per_uplink > 1 else None, dram, 8)
+        (
+            ("h2d_bytes_per_s", link_src),
+            ("allgather_bus_bytes_per_s", "each GPU receives at its link's rate (module docstring)"),
+            ("all_to_all_bytes_per_s", "the link rate, as the all-gather"),
+            ("d2d_copy_bytes_per_s", "unused at W > 1; the link rate"),
+            (
+                "compute",
+                f"{sheet}: BF16 dense {tflops:g} TFLOPS x {frac:.3f} (our bench block's fraction of the "
+                f"H200's 989.4 on the H200)",
+            ),
+            ("hbm_bytes_per_rank", f"{sheet}: {hbm_gb} GB"),
+            ("host_bytes_per_rank", f"assumed {host_gb} GiB host RAM / 8"),
+            ("host_s_per_block", "README H200 measurement of our executor"),
+            ("framework_host_bytes", "repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK"),
+            ("peer_link", peer_src),
+            (
+                "gpus_per_uplink",
+                "assumed: a PCIe switch per pair of GPUs, one x16 uplink each"
+                if per_uplink > 1
+                else "assumed: every GPU on its own root port (x16 each)",
+            ),
+            ("uplink_bytes_per_s", link_src if per_uplink > 1 else "no shared uplink"),
+            (
+                "host_memory_bytes_per_s",
+                f"assumed 2 sockets, {channels} channels of DDR at {mts} MT/s: {dram / 1e9:.0f} GB/s peak",
+            ),
+            ("ranks_per_host", "one host"),
+        ),
+        (),
+        peer,
+        per_uplink,
+        link if per_uplink > 1 else None,
+        dram,
+        8,
+    )

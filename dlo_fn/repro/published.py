@@ -71,11 +71,17 @@ class Published:
 
 MODELS = {
     "cosmos3-nano": PublishedModel(
-        "cosmos3-nano", 17 * 10**9, 72, 33 * 10**9,
+        "cosmos3-nano",
+        17 * 10**9,
+        72,
+        33 * 10**9,
         f"published sizes: {_SEED}, references: 'Cosmos3-Nano: 33 GB safetensors (17B params, 72 blocks)'",
     ),
     "cosmos3-super": PublishedModel(
-        "cosmos3-super", 64 * 10**9, 128, 124 * 10**9,
+        "cosmos3-super",
+        64 * 10**9,
+        128,
+        124 * 10**9,
         f"published sizes: {_SEED}, references: 'Cosmos3-Super: 124 GB safetensors (64B params, 128 blocks)'",
     ),
 }

@@ -22,8 +22,9 @@ _KEYS = ("rss", "uss", "pss", "hwm", "sum_pss")
 
 def read_phases(path: pathlib.Path = PHASES_CSV) -> list[dict]:
     with pathlib.Path(path).open(newline="") as f:
-        return [{k: int(v) if k.endswith("_bytes") or k == "ranks" else v for k, v in r.items()}
-                for r in csv.DictReader(f)]
+        return [
+            {k: int(v) if k.endswith("_bytes") or k == "ranks" else v for k, v in r.items()} for r in csv.DictReader(f)
+        ]
 
 
 def published_rank_rows() -> list[dict]:
@@ -32,16 +33,26 @@ def published_rank_rows() -> list[dict]:
     c = FRAMEWORK_HOST_BYTES_PER_RANK
     m = rank_memory(model_sizes("cosmos3-super"), 4, "allgather", "npu", constant=ProcessConstant(c, c, c))
     rows = []
-    for item, key, value in (("worker VmHWM (fill)", "host.super_dp4.worker_hwm", m.phase("fill").hwm_bytes),
-                             ("pinned shards per rank", "fig3.super_dp4.dlo.pinned_per_rank", m.terms.arena_bytes)):
+    for item, key, value in (
+        ("worker VmHWM (fill)", "host.super_dp4.worker_hwm", m.phase("fill").hwm_bytes),
+        ("pinned shards per rank", "fig3.super_dp4.dlo.pinned_per_rank", m.terms.arena_bytes),
+    ):
         p = published(key).value
-        rows.append({"item": item, "published_gb": p, "predicted_gb": round(value / GB, 1),
-                     "error_%": round(100 * (value / GB / p - 1), 1), "measured": "-"})
+        rows.append(
+            {
+                "item": item,
+                "published_gb": p,
+                "predicted_gb": round(value / GB, 1),
+                "error_%": round(100 * (value / GB / p - 1), 1),
+                "measured": "-",
+            }
+        )
     return rows
 
 
-def measured_rank_rows(rows: list[dict], phases: tuple[str, ...] = ("fill", "offload", "generate"),
-                       ranks: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict]:
+def measured_rank_rows(
+    rows: list[dict], phases: tuple[str, ...] = ("fill", "offload", "generate"), ranks: tuple[int, ...] = (1, 2, 3, 4)
+) -> list[dict]:
     """Measured vs predicted MB per (mode, N, phase), with the worst relative error of the five values."""
     out = []
     for r in rows:

@@ -27,9 +27,19 @@ from dlo_fn.repro.ceilings import VIDEO_720P_10S
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import published
 
-__all__ = ["TOKENS", "SP_HBM_FILE", "MESH_HOST_FILE", "rank_rows", "group_rows", "memory_rows", "host_rows",
-           "phase_rows",
-           "hbm_rows", "fig4_sp_rows", "load"]
+__all__ = [
+    "TOKENS",
+    "SP_HBM_FILE",
+    "MESH_HOST_FILE",
+    "rank_rows",
+    "group_rows",
+    "memory_rows",
+    "host_rows",
+    "phase_rows",
+    "hbm_rows",
+    "fig4_sp_rows",
+    "load",
+]
 
 TOKENS = VIDEO_720P_10S.tokens
 SP_HBM_FILE = "sp_hbm_nvidia-h200.json"
@@ -57,11 +67,17 @@ def rank_rows(mesh: MeshPlan, name: str = "cosmos3-super", tokens: int = TOKENS)
     """Who holds which tokens, heads and weight bytes: one row per rank."""
     rows = []
     for r in mesh.rank_table(_sizes(name), tokens, get_config(name).num_heads):
-        rows.append({"rank": r.rank, "(dp, sp)": f"({r.dp_rank}, {r.sp_rank})",
-                     "tokens": f"[{r.token_range[0]}, {r.token_range[1]})",
-                     "heads": f"[{r.head_range[0]}, {r.head_range[1]})",
-                     "shard group": ",".join(map(str, r.shard_group)), "shard": f"{r.shard_index} / {r.num_shards}",
-                     "weight GB": _gb(r.pinned_bytes)})
+        rows.append(
+            {
+                "rank": r.rank,
+                "(dp, sp)": f"({r.dp_rank}, {r.sp_rank})",
+                "tokens": f"[{r.token_range[0]}, {r.token_range[1]})",
+                "heads": f"[{r.head_range[0]}, {r.head_range[1]})",
+                "shard group": ",".join(map(str, r.shard_group)),
+                "shard": f"{r.shard_index} / {r.num_shards}",
+                "weight GB": _gb(r.pinned_bytes),
+            }
+        )
     return rows
 
 
@@ -71,33 +87,59 @@ def group_rows(dp: int, sp: int, name: str = "cosmos3-super") -> list[dict]:
     for group in ("world", "dp", "sp"):
         mesh = MeshPlan(dp, sp, group)
         per = mesh.pinned_bytes_per_rank(sizes)
-        rows.append({"shard group": group, "W": mesh.num_shards, "groups": len(mesh.shard_groups),
-                     "per rank GB": _gb(per), "all ranks GB": _gb(mesh.world_size * per),
-                     "model copies": round(mesh.world_size * per / sizes.total_block_bytes, 3)})
+        rows.append(
+            {
+                "shard group": group,
+                "W": mesh.num_shards,
+                "groups": len(mesh.shard_groups),
+                "per rank GB": _gb(per),
+                "all ranks GB": _gb(mesh.world_size * per),
+                "model copies": round(mesh.world_size * per / sizes.total_block_bytes, 3),
+            }
+        )
     return rows
 
 
-def memory_rows(mesh: MeshPlan, name: str = "cosmos3-super", tokens: int = TOKENS, num_heads: int | None = None
-                ) -> list[dict]:
+def memory_rows(
+    mesh: MeshPlan, name: str = "cosmos3-super", tokens: int = TOKENS, num_heads: int | None = None
+) -> list[dict]:
     """The per-rank memory table (item, formula, GB) of :func:`dlo_fn.plan.mesh_memory.mesh_memory_rows`."""
     rows = mesh_memory_rows(_sizes(name), mesh, _dims(name, num_heads), tokens)
     return [{"item": r.item, "formula": r.formula, "GB": _gb(r.value_bytes)} for r in rows]
 
 
-def phase_rows(name: str = "cosmos3-super", sp: int = 4, tokens: int = TOKENS, num_heads: int | None = None
-               ) -> list[dict]:
+def phase_rows(
+    name: str = "cosmos3-super", sp: int = 4, tokens: int = TOKENS, num_heads: int | None = None
+) -> list[dict]:
     """Each phase of the SP model: activations, communication, total (GB)."""
     a = sp_activations(_dims(name, num_heads), tokens, sp)
-    return [{"phase": p.name, "activations GB": _gb(p.activation_bytes), "communication GB": _gb(p.communication_bytes),
-             "total GB": _gb(p.total_bytes), "peak": "<-" if p is a.peak_phase else ""} for p in a.phases]
+    return [
+        {
+            "phase": p.name,
+            "activations GB": _gb(p.activation_bytes),
+            "communication GB": _gb(p.communication_bytes),
+            "total GB": _gb(p.total_bytes),
+            "peak": "<-" if p is a.peak_phase else "",
+        }
+        for p in a.phases
+    ]
 
 
 def host_rows(doc: dict) -> list[dict]:
     """``bench mesh-host``: each rank's arena against the plan, per shard group."""
-    return [{"group": r["shard_group"], "rank": r["rank"], "W": r["num_shards"], "shard": r["shard_index"],
-             "planned MB": r["planned_bytes"] / 1e6, "arena MB": r["arena_bytes"] / 1e6,
-             "anon +MB": round(r["anon_delta_bytes"] / 1e6, 3), "exact": r["arena_bytes"] == r["planned_bytes"]}
-            for r in doc["records"]]
+    return [
+        {
+            "group": r["shard_group"],
+            "rank": r["rank"],
+            "W": r["num_shards"],
+            "shard": r["shard_index"],
+            "planned MB": r["planned_bytes"] / 1e6,
+            "arena MB": r["arena_bytes"] / 1e6,
+            "anon +MB": round(r["anon_delta_bytes"] / 1e6, 3),
+            "exact": r["arena_bytes"] == r["planned_bytes"],
+        }
+        for r in doc["records"]
+    ]
 
 
 def _rank0(doc: dict) -> list[dict]:
@@ -116,12 +158,19 @@ def hbm_rows(doc: dict) -> list[dict]:
     rows = []
     for r in _rank0(doc):
         model = _model(r)
-        rows.append({"case": r["case"], "tokens/rank": r["local_tokens"],
-                     "weights plan GB": _gb(r["weight_bytes_planned"]), "weights meas GB": _gb(r["weight_bytes"]),
-                     "weights +bytes": r["weight_bytes"] - r["weight_bytes_planned"],
-                     "workload model GB": _gb(model.peak_bytes), "workload meas GB": _gb(r["workload_peak_bytes"]),
-                     "workload err %": round(100 * (r["workload_peak_bytes"] / model.peak_bytes - 1), 2),
-                     "phase": model.peak_phase.name})
+        rows.append(
+            {
+                "case": r["case"],
+                "tokens/rank": r["local_tokens"],
+                "weights plan GB": _gb(r["weight_bytes_planned"]),
+                "weights meas GB": _gb(r["weight_bytes"]),
+                "weights +bytes": r["weight_bytes"] - r["weight_bytes_planned"],
+                "workload model GB": _gb(model.peak_bytes),
+                "workload meas GB": _gb(r["workload_peak_bytes"]),
+                "workload err %": round(100 * (r["workload_peak_bytes"] / model.peak_bytes - 1), 2),
+                "phase": model.peak_phase.name,
+            }
+        )
     return rows
 
 
@@ -138,10 +187,21 @@ def fig4_sp_rows(doc: dict) -> list[dict]:
         m = measured.get(name)
         meas_peak = m["idle_device_bytes"] + m["workload_peak_bytes"] + DEVICE_CONTEXT_BYTES if m else None
         for bar, pub, plan_bytes, meas_bytes in (
-                ("idle", published(f"fig4.{short}.idle").value, h.idle_bytes,
-                 m["idle_device_bytes"] + DEVICE_CONTEXT_BYTES if m else None),
-                ("peak", published(f"fig4.{short}.peak").value, h.peak_bytes, meas_peak)):
-            rows.append({"bar": f"{short.capitalize()} DLO+SP {bar}", "published GB": pub,
-                         "predicted GB": _gb(plan_bytes), "measured GB": _gb(meas_bytes) if meas_bytes else "",
-                         "pred vs pub %": round(100 * (plan_bytes / GB / pub - 1), 1)})
+            (
+                "idle",
+                published(f"fig4.{short}.idle").value,
+                h.idle_bytes,
+                m["idle_device_bytes"] + DEVICE_CONTEXT_BYTES if m else None,
+            ),
+            ("peak", published(f"fig4.{short}.peak").value, h.peak_bytes, meas_peak),
+        ):
+            rows.append(
+                {
+                    "bar": f"{short.capitalize()} DLO+SP {bar}",
+                    "published GB": pub,
+                    "predicted GB": _gb(plan_bytes),
+                    "measured GB": _gb(meas_bytes) if meas_bytes else "",
+                    "pred vs pub %": round(100 * (plan_bytes / GB / pub - 1), 1),
+                }
+            )
     return rows

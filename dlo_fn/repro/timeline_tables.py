@@ -18,15 +18,31 @@ from dlo_fn.plan.timeline import Timeline, simulate
 from dlo_fn.plan.trace import from_chrome_trace
 from dlo_fn.plan.workload import Workload
 from dlo_fn.repro.ceilings import (
-    H200_BLOCK_COMPUTE_S, H200_PASS, H200_PINNED_H2D_BYTES_PER_S, IMAGE_1024_CFG, REF_BLOCK_BYTES,
-    REF_PASS_NUM_BLOCKS, VIDEO_832X480X29_CFG, h200_durations,
+    H200_BLOCK_COMPUTE_S,
+    H200_PASS,
+    H200_PINNED_H2D_BYTES_PER_S,
+    IMAGE_1024_CFG,
+    REF_BLOCK_BYTES,
+    REF_PASS_NUM_BLOCKS,
+    VIDEO_832X480X29_CFG,
+    h200_durations,
 )
 from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.tables import text_table
 
 __all__ = [
-    "CASES", "MACHINE", "IMAGE_1024_CFG", "VIDEO_832X480X29_CFG", "h200_pass", "bound_of", "prediction_rows",
-    "sweep_rows", "sweep_grid", "nano_super_rows", "MEASURED_TIMELINE", "MEASURED_TIMELINE_H200",
+    "CASES",
+    "MACHINE",
+    "IMAGE_1024_CFG",
+    "VIDEO_832X480X29_CFG",
+    "h200_pass",
+    "bound_of",
+    "prediction_rows",
+    "sweep_rows",
+    "sweep_grid",
+    "nano_super_rows",
+    "MEASURED_TIMELINE",
+    "MEASURED_TIMELINE_H200",
     "measured_vs_predicted",
 ]
 
@@ -36,13 +52,24 @@ MEASURED_TIMELINE = DATA_DIR / "measured_timeline_cpu.json"
 MEASURED_TIMELINE_H200 = DATA_DIR / "measured_timeline_cuda.json"
 
 
-def h200_pass(workload: Workload, *, num_blocks: int = REF_PASS_NUM_BLOCKS, num_steps: int = 1,
-              num_slots: int = 2, requests_per_load: int = 1, mode: str = "allgather") -> Timeline:
+def h200_pass(
+    workload: Workload,
+    *,
+    num_blocks: int = REF_PASS_NUM_BLOCKS,
+    num_steps: int = 1,
+    num_slots: int = 2,
+    requests_per_load: int = 1,
+    mode: str = "allgather",
+) -> Timeline:
     """Simulated pass(es) over reference blocks on one H200, cold start."""
-    schedule = build_schedule(num_blocks, num_steps, num_slots=num_slots, requests_per_load=requests_per_load,
-                              mode=mode)
-    return simulate(schedule, h200_durations(num_blocks, workload, mode=mode),
-                    meta=(("workload", workload.name), ("machine", MACHINE)))
+    schedule = build_schedule(
+        num_blocks, num_steps, num_slots=num_slots, requests_per_load=requests_per_load, mode=mode
+    )
+    return simulate(
+        schedule,
+        h200_durations(num_blocks, workload, mode=mode),
+        meta=(("workload", workload.name), ("machine", MACHINE)),
+    )
 
 
 def bound_of(timeline: Timeline) -> str:
@@ -70,22 +97,38 @@ def prediction_rows() -> list[dict]:
         for variant, value in predicted.items():
             m = H200_PASS[(w.name, variant)]
             measured = m.seconds if m.seconds is not None else ideal_s * m.ratio_to_ideal
-            rows.append({"workload": w.name, "variant": variant, "predicted_s": round(value, 4),
-                         "measured_s": round(measured, 4),
-                         "rel_error_pct": round(100 * (value - measured) / measured, 1)})
+            rows.append(
+                {
+                    "workload": w.name,
+                    "variant": variant,
+                    "predicted_s": round(value, 4),
+                    "measured_s": round(measured, 4),
+                    "rel_error_pct": round(100 * (value - measured) / measured, 1),
+                }
+            )
     return rows
 
 
-def sweep_rows(workload: Workload = IMAGE_1024_CFG, slots: tuple[int, ...] = (1, 2, 3, 4),
-               requests: tuple[int, ...] = (1, 2, 3, 4), num_steps: int = 4) -> list[dict]:
+def sweep_rows(
+    workload: Workload = IMAGE_1024_CFG,
+    slots: tuple[int, ...] = (1, 2, 3, 4),
+    requests: tuple[int, ...] = (1, 2, 3, 4),
+    num_steps: int = 4,
+) -> list[dict]:
     """Seconds per pass per request over ``num_steps`` passes, for slots x requests per load (allgather, W=1)."""
     rows = []
     for num_slots in slots:
         for r in requests:
             tl = h200_pass(workload, num_steps=num_steps, num_slots=num_slots, requests_per_load=r)
-            rows.append({"num_slots": num_slots, "requests_per_load": r,
-                         "ms_per_pass_per_request": round(1e3 * tl.makespan_s / (num_steps * r), 1),
-                         "exposed_transfer_ms": round(1e3 * tl.exposed_transfer_s(), 1), "bound": bound_of(tl)})
+            rows.append(
+                {
+                    "num_slots": num_slots,
+                    "requests_per_load": r,
+                    "ms_per_pass_per_request": round(1e3 * tl.makespan_s / (num_steps * r), 1),
+                    "exposed_transfer_ms": round(1e3 * tl.exposed_transfer_s(), 1),
+                    "bound": bound_of(tl),
+                }
+            )
     return rows
 
 
@@ -94,8 +137,13 @@ def sweep_grid(rows: list[dict]) -> str:
     slots = sorted({r["num_slots"] for r in rows})
     reqs = sorted({r["requests_per_load"] for r in rows})
     at = {(r["num_slots"], r["requests_per_load"]): r for r in rows}
-    grid = [{"slots \\ R": s, **{f"R={q}": f"{at[s, q]['ms_per_pass_per_request']} {at[s, q]['bound'][0].upper()}"
-                                 for q in reqs}} for s in slots]
+    grid = [
+        {
+            "slots \\ R": s,
+            **{f"R={q}": f"{at[s, q]['ms_per_pass_per_request']} {at[s, q]['bound'][0].upper()}" for q in reqs},
+        }
+        for s in slots
+    ]
     return text_table(grid)
 
 
@@ -110,10 +158,16 @@ def nano_super_rows(world_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
         spec = config_spec(name)
         for w in world_sizes:
             layout = model_layout(spec, w)
-            rows.append({"model": name, "W": w, "num_blocks": layout.num_blocks,
-                         "max_shard_MB": round(layout.max_shard_bytes / 1e6, 1),
-                         "h2d_ms_per_block": round(1e3 * layout.max_shard_bytes / H200_PINNED_H2D_BYTES_PER_S, 2),
-                         "h2d_s_per_step": round(layout.shard_bytes_per_rank / H200_PINNED_H2D_BYTES_PER_S, 3)})
+            rows.append(
+                {
+                    "model": name,
+                    "W": w,
+                    "num_blocks": layout.num_blocks,
+                    "max_shard_MB": round(layout.max_shard_bytes / 1e6, 1),
+                    "h2d_ms_per_block": round(1e3 * layout.max_shard_bytes / H200_PINNED_H2D_BYTES_PER_S, 2),
+                    "h2d_s_per_step": round(layout.shard_bytes_per_rank / H200_PINNED_H2D_BYTES_PER_S, 3),
+                }
+            )
     return rows
 
 

@@ -44,10 +44,28 @@ from dlo_fn.repro.data import DATA_DIR
 from dlo_fn.repro.published import MODELS, published
 from dlo_fn.repro.waves_tables import NANO_BLOCKS, SHARD_H2D_BYTES_PER_S, reference_costs
 
-__all__ = ["TOPOLOGY_NAMES", "MODEL_NAMES", "topology", "model", "workload", "h200_topology", "bench_model",
-           "MINIMAX_STEPS", "MINIMAX_WORKLOAD", "MINIMAX_FITS", "minimax_fits", "topology_from_dict",
-           "H200_IMAGE", "H200_VIDEO", "NANO_WORKLOAD", "topology_to_dict", "probe_to_dict", "probe_from_dict",
-           "workloads", "TOPOLOGY_FILE_FIELDS"]
+__all__ = [
+    "TOPOLOGY_NAMES",
+    "MODEL_NAMES",
+    "topology",
+    "model",
+    "workload",
+    "h200_topology",
+    "bench_model",
+    "MINIMAX_STEPS",
+    "MINIMAX_WORKLOAD",
+    "MINIMAX_FITS",
+    "minimax_fits",
+    "topology_from_dict",
+    "H200_IMAGE",
+    "H200_VIDEO",
+    "NANO_WORKLOAD",
+    "topology_to_dict",
+    "probe_to_dict",
+    "probe_from_dict",
+    "workloads",
+    "TOPOLOGY_FILE_FIELDS",
+]
 
 BENCH = CONFIGS["bench"]
 SUPER = CONFIGS["cosmos3-super"]
@@ -72,9 +90,14 @@ NANO_WORKLOAD = Workload("nano 832x480x29 CFG", tokens_for(NANO, 480, 832, 29), 
 def bench_model() -> PolicyModel:
     sizes = ModelSizes.from_spec(config_spec("bench"))
     act = (H200_PEAK_IMAGE_BYTES - H200_SLOTS_BYTES - sizes.resident_bytes) / H200_IMAGE.step_tokens
-    return PolicyModel(sizes, BENCH.hidden_dim, 2, int(act),
-                       source="models.specs.config_spec('bench') (24 blocks of 0.56 GB); activations per token: "
-                              "bench step's measured peak (image, rank-local) - 2 slots - resident, / step tokens")
+    return PolicyModel(
+        sizes,
+        BENCH.hidden_dim,
+        2,
+        int(act),
+        source="models.specs.config_spec('bench') (24 blocks of 0.56 GB); activations per token: "
+        "bench step's measured peak (image, rank-local) - 2 slots - resident, / step tokens",
+    )
 
 
 SERVE_PROFILE = DATA_DIR / "serve_step_profile_h200.json"
@@ -93,51 +116,89 @@ def h200_topology() -> Topology:
     m = bench_model()
     overhead, per_request = h200_engine_overheads()
     return Topology(
-        "1xH200", 1, ceilings.H200_PINNED_H2D_BYTES_PER_S, ceilings.H200_D2D_COPY_BYTES_PER_S,
-        ceilings.H200_D2D_COPY_BYTES_PER_S, ceilings.H200_D2D_COPY_BYTES_PER_S,
-        BlockCompute(table=((H200_IMAGE.tokens, 2, BENCH_BLOCK_S["image"]),
-                            (H200_VIDEO.tokens, 2, BENCH_BLOCK_S["video"]))),
-        H200_GPU_BYTES, H200_HOST_BYTES, (("allgather", 176e-6), ("rank-local", 48e-6)), False,
-        ((H200_IMAGE.tokens, 2, overhead),), 0, 0,
-        (("h2d_bytes_per_s", "repro.ceilings: pinned H2D 54.4-55.0 GB/s (DESIGN.md 6)"),
-         ("allgather_bus_bytes_per_s", "one rank: no collective; set to the device copy"),
-         ("all_to_all_bytes_per_s", "one rank: no SP; set to the device copy"),
-         ("d2d_copy_bytes_per_s", "repro.ceilings: 4.2 TB/s read+write / 2"),
-         ("compute", "models.configs 'bench' source: one block 8.9 ms (1024^2) / 33.5 ms (832x480x29), CFG"),
-         ("hbm_bytes_per_rank", "gpu_memory_bytes, figures/data/waves_r_sweep_h200_steps24.csv"),
-         ("host_bytes_per_rank", "125.9 GiB RAM, the same machine line"),
-         ("host_s_per_block", "docs/performance.md: executor host work 176 us (allgather) / 48 us (rank-local) "
-                              "per block"),
-         ("step_overhead", f"{SERVE_PROFILE.name}: the engine's step-boundary gap, median of 23, "
-                           f"{1e3 * overhead:.2f} ms (1024^2, 2 slots)"),
-         ("request_overhead", f"{SERVE_PROFILE.name}: init_state + decode and hash, {1e3 * per_request:.1f} ms"),
-         ("model", m.source)), ((H200_IMAGE.tokens, per_request),))
+        "1xH200",
+        1,
+        ceilings.H200_PINNED_H2D_BYTES_PER_S,
+        ceilings.H200_D2D_COPY_BYTES_PER_S,
+        ceilings.H200_D2D_COPY_BYTES_PER_S,
+        ceilings.H200_D2D_COPY_BYTES_PER_S,
+        BlockCompute(
+            table=((H200_IMAGE.tokens, 2, BENCH_BLOCK_S["image"]), (H200_VIDEO.tokens, 2, BENCH_BLOCK_S["video"]))
+        ),
+        H200_GPU_BYTES,
+        H200_HOST_BYTES,
+        (("allgather", 176e-6), ("rank-local", 48e-6)),
+        False,
+        ((H200_IMAGE.tokens, 2, overhead),),
+        0,
+        0,
+        (
+            ("h2d_bytes_per_s", "repro.ceilings: pinned H2D 54.4-55.0 GB/s (DESIGN.md 6)"),
+            ("allgather_bus_bytes_per_s", "one rank: no collective; set to the device copy"),
+            ("all_to_all_bytes_per_s", "one rank: no SP; set to the device copy"),
+            ("d2d_copy_bytes_per_s", "repro.ceilings: 4.2 TB/s read+write / 2"),
+            ("compute", "models.configs 'bench' source: one block 8.9 ms (1024^2) / 33.5 ms (832x480x29), CFG"),
+            ("hbm_bytes_per_rank", "gpu_memory_bytes, figures/data/waves_r_sweep_h200_steps24.csv"),
+            ("host_bytes_per_rank", "125.9 GiB RAM, the same machine line"),
+            (
+                "host_s_per_block",
+                "docs/performance.md: executor host work 176 us (allgather) / 48 us (rank-local) per block",
+            ),
+            (
+                "step_overhead",
+                f"{SERVE_PROFILE.name}: the engine's step-boundary gap, median of 23, "
+                f"{1e3 * overhead:.2f} ms (1024^2, 2 slots)",
+            ),
+            ("request_overhead", f"{SERVE_PROFILE.name}: init_state + decode and hash, {1e3 * per_request:.1f} ms"),
+            ("model", m.source),
+        ),
+        ((H200_IMAGE.tokens, per_request),),
+    )
 
 
 def h200_flop_fraction() -> float:
     """The fraction of the H200's dense BF16 peak our bench block reaches (1024^2 with CFG, measured 8.9 ms)."""
     m, w = bench_model(), H200_IMAGE
-    return (block_flops(m, w.tokens, w.cfg_branches) / BENCH_BLOCK_S["image"]
-            / pcie_topologies.H200_BF16_PEAK_FLOP_PER_S)
+    return block_flops(m, w.tokens, w.cfg_branches) / BENCH_BLOCK_S["image"] / pcie_topologies.H200_BF16_PEAK_FLOP_PER_S
 
 
 def _b300(num_ranks: int, name: str, compute: BlockCompute, host_per_rank: int) -> Topology:
     nv, a2a = b300.B300_NVLINK_ALLGATHER_BYTES_PER_S, b300.B300_NVLINK_ALL_TO_ALL_BYTES_PER_S
     return Topology(
-        name, num_ranks, b300.B300_PINNED_H2D_BYTES_PER_S, nv, a2a, ceilings.H200_D2D_COPY_BYTES_PER_S, compute,
-        288 * 10**9, host_per_rank, (("allgather", 176e-6), ("rank-local", 48e-6)), True, (), 0,
+        name,
+        num_ranks,
+        b300.B300_PINNED_H2D_BYTES_PER_S,
+        nv,
+        a2a,
+        ceilings.H200_D2D_COPY_BYTES_PER_S,
+        compute,
+        288 * 10**9,
+        host_per_rank,
+        (("allgather", 176e-6), ("rank-local", 48e-6)),
+        True,
+        (),
+        0,
         FRAMEWORK_HOST_BYTES_PER_RANK,
-        (("h2d_bytes_per_s", "repro.b300.B300_PINNED_H2D_BYTES_PER_S (fitted: b300.t2i.dlo_noag_dp4.wave_s)"),
-         ("allgather_bus_bytes_per_s", "repro.b300.B300_NVLINK_ALLGATHER_BYTES_PER_S (fitted: b300.t2i.hsdp_usp4)"),
-         ("all_to_all_bytes_per_s", "repro.b300.B300_NVLINK_ALL_TO_ALL_BYTES_PER_S (not fitted: NCCL's NVLink 5 "
-                                    "bus rate, 18 links x 40.1 GB/s, SM100_NVLINK_BW in nccl src/graph/topo.h)"),
-         ("d2d_copy_bytes_per_s", "H200's measured device copy (only used at W = 1)"),
-         ("compute", "see the model: B300_EFFECTIVE_FLOP_PER_S through repro.b300.step_costs, or the MiniMax fit"),
-         ("hbm_bytes_per_rank", "NVIDIA B300 datasheet: 288 GB HBM3e"),
-         ("host_bytes_per_rank", "assumed 2 TB host RAM / ranks (the published PSS of 532 GiB fits)"),
-         ("host_s_per_block", "the H200 measurement of our executor (no B300 measurement); serial with "
-                              "compute as the reference's host work is on Ascend (enforce_eager)"),
-         ("framework_host_bytes", "repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK")))
+        (
+            ("h2d_bytes_per_s", "repro.b300.B300_PINNED_H2D_BYTES_PER_S (fitted: b300.t2i.dlo_noag_dp4.wave_s)"),
+            ("allgather_bus_bytes_per_s", "repro.b300.B300_NVLINK_ALLGATHER_BYTES_PER_S (fitted: b300.t2i.hsdp_usp4)"),
+            (
+                "all_to_all_bytes_per_s",
+                "repro.b300.B300_NVLINK_ALL_TO_ALL_BYTES_PER_S (not fitted: NCCL's NVLink 5 "
+                "bus rate, 18 links x 40.1 GB/s, SM100_NVLINK_BW in nccl src/graph/topo.h)",
+            ),
+            ("d2d_copy_bytes_per_s", "H200's measured device copy (only used at W = 1)"),
+            ("compute", "see the model: B300_EFFECTIVE_FLOP_PER_S through repro.b300.step_costs, or the MiniMax fit"),
+            ("hbm_bytes_per_rank", "NVIDIA B300 datasheet: 288 GB HBM3e"),
+            ("host_bytes_per_rank", "assumed 2 TB host RAM / ranks (the published PSS of 532 GiB fits)"),
+            (
+                "host_s_per_block",
+                "the H200 measurement of our executor (no B300 measurement); serial with "
+                "compute as the reference's host work is on Ascend (enforce_eager)",
+            ),
+            ("framework_host_bytes", "repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK"),
+        ),
+    )
 
 
 def _super_compute() -> BlockCompute:
@@ -153,8 +214,9 @@ def super_model() -> PolicyModel:
 
 def nano_model() -> PolicyModel:
     p = MODELS["cosmos3-nano"]
-    return PolicyModel(ModelSizes.uniform("cosmos3-nano", p.checkpoint_bytes, p.num_blocks), NANO.hidden_dim,
-                       source=p.source)
+    return PolicyModel(
+        ModelSizes.uniform("cosmos3-nano", p.checkpoint_bytes, p.num_blocks), NANO.hidden_dim, source=p.source
+    )
 
 
 def minimax_fits() -> dict[str, tuple[float, str]]:
@@ -163,9 +225,13 @@ def minimax_fits() -> dict[str, tuple[float, str]]:
     rl18 = minimax.route(cases, "t2va", "ranklocal", 1, 8, pool_soak=False).p50_s
     rl81 = minimax.route(cases, "t2va", "ranklocal", 8, 1, pool_soak=False).p50_s
     weight = b300.B300_PINNED_H2D_BYTES_PER_S * rl18 / MINIMAX_STEPS
-    return {"MINIMAX_WEIGHT_BYTES": (weight, "rank-local DP1xSP8 T2VA wave P50 (every rank copies M per step)"),
-            "MINIMAX_BLOCK_COMPUTE_S": (rl81 / MINIMAX_STEPS / SUPER.num_blocks,
-                                        "rank-local DP8xSP1 T2VA wave P50 (one request per GPU, compute bound)")}
+    return {
+        "MINIMAX_WEIGHT_BYTES": (weight, "rank-local DP1xSP8 T2VA wave P50 (every rank copies M per step)"),
+        "MINIMAX_BLOCK_COMPUTE_S": (
+            rl81 / MINIMAX_STEPS / SUPER.num_blocks,
+            "rank-local DP8xSP1 T2VA wave P50 (one request per GPU, compute bound)",
+        ),
+    }
 
 
 MINIMAX_FITS = ("MINIMAX_WEIGHT_BYTES", "MINIMAX_BLOCK_COMPUTE_S")
@@ -173,8 +239,11 @@ MINIMAX_FITS = ("MINIMAX_WEIGHT_BYTES", "MINIMAX_BLOCK_COMPUTE_S")
 
 def minimax_model() -> PolicyModel:
     weight = minimax_fits()["MINIMAX_WEIGHT_BYTES"][0]
-    return PolicyModel(ModelSizes.uniform("minimax-h3", int(weight), SUPER.num_blocks), SUPER.hidden_dim,
-                       source="Cosmos3-Super architecture holding MiniMax's fitted weight bytes")
+    return PolicyModel(
+        ModelSizes.uniform("minimax-h3", int(weight), SUPER.num_blocks),
+        SUPER.hidden_dim,
+        source="Cosmos3-Super architecture holding MiniMax's fitted weight bytes",
+    )
 
 
 def _ascend() -> Topology:
@@ -183,21 +252,37 @@ def _ascend() -> Topology:
     bus = 3 * shard / costs.allgather_s  # ((W - 1) / W) W s / busbw = a  =>  busbw = (W - 1) s / a
     dispatch = published("perf.nano.allgather_overhead.python_dispatch").value / 1e3 / NANO_BLOCKS
     return Topology(
-        "4xAscend910B3", 4, SHARD_H2D_BYTES_PER_S, bus, bus, bus,
-        BlockCompute(table=((NANO_WORKLOAD.tokens, 2, costs.compute_s),)), 64 * 10**9, 2 * 10**12 // 4,
-        (("allgather", costs.host_s), ("rank-local", dispatch)), True, (), DEVICE_CONTEXT_BYTES,
+        "4xAscend910B3",
+        4,
+        SHARD_H2D_BYTES_PER_S,
+        bus,
+        bus,
+        bus,
+        BlockCompute(table=((NANO_WORKLOAD.tokens, 2, costs.compute_s),)),
+        64 * 10**9,
+        2 * 10**12 // 4,
+        (("allgather", costs.host_s), ("rank-local", dispatch)),
+        True,
+        (),
+        DEVICE_CONTEXT_BYTES,
         FRAMEWORK_HOST_BYTES_PER_RANK,
-        (("h2d_bytes_per_s", "assumed 25 GB/s (repro.waves_tables.SHARD_H2D_BYTES_PER_S; hidden for > 10 GB/s)"),
-         ("allgather_bus_bytes_per_s", "perf.nano.allgather_overhead.hccl: 10 ms per step over 72 blocks"),
-         ("all_to_all_bytes_per_s", "HCCS, taken equal to the all-gather rate (no published a2a)"),
-         ("d2d_copy_bytes_per_s", "unused (W = 4)"),
-         ("compute", "perf.nano.hsdp_sp.ms_per_step / 72 (repro.wave_model: B c = T_hsdp)"),
-         ("hbm_bytes_per_rank", "Ascend 910B3: 64 GB HBM"),
-         ("host_bytes_per_rank", "2 TB host / 4 (plan.memory.host_capacity's default host)"),
-         ("host_s_per_block", "allgather: (stream switching + Python dispatch) / 72, perf.nano.allgather_overhead; "
-                              "rank-local: the Python dispatch part only (assumed: no collective to switch to)"),
-         ("context_bytes", "repro.calibration.DEVICE_CONTEXT_BYTES (fitted: hbm.nano_dp4.idle)"),
-         ("framework_host_bytes", "repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK")))
+        (
+            ("h2d_bytes_per_s", "assumed 25 GB/s (repro.waves_tables.SHARD_H2D_BYTES_PER_S; hidden for > 10 GB/s)"),
+            ("allgather_bus_bytes_per_s", "perf.nano.allgather_overhead.hccl: 10 ms per step over 72 blocks"),
+            ("all_to_all_bytes_per_s", "HCCS, taken equal to the all-gather rate (no published a2a)"),
+            ("d2d_copy_bytes_per_s", "unused (W = 4)"),
+            ("compute", "perf.nano.hsdp_sp.ms_per_step / 72 (repro.wave_model: B c = T_hsdp)"),
+            ("hbm_bytes_per_rank", "Ascend 910B3: 64 GB HBM"),
+            ("host_bytes_per_rank", "2 TB host / 4 (plan.memory.host_capacity's default host)"),
+            (
+                "host_s_per_block",
+                "allgather: (stream switching + Python dispatch) / 72, perf.nano.allgather_overhead; "
+                "rank-local: the Python dispatch part only (assumed: no collective to switch to)",
+            ),
+            ("context_bytes", "repro.calibration.DEVICE_CONTEXT_BYTES (fitted: hbm.nano_dp4.idle)"),
+            ("framework_host_bytes", "repro.calibration.FRAMEWORK_HOST_BYTES_PER_RANK"),
+        ),
+    )
 
 
 def topology(name: str) -> Topology:
@@ -216,8 +301,12 @@ def topology(name: str) -> Topology:
 
 
 def model(name: str) -> PolicyModel:
-    makers = {"bench": bench_model, "cosmos3-super": super_model, "cosmos3-nano": nano_model,
-              "minimax-h3": minimax_model}
+    makers = {
+        "bench": bench_model,
+        "cosmos3-super": super_model,
+        "cosmos3-nano": nano_model,
+        "minimax-h3": minimax_model,
+    }
     if name not in makers:
         raise ValueError(f"unknown policy model {name!r}; known: {', '.join(makers)}")
     return makers[name]()
@@ -239,8 +328,16 @@ TOPOLOGY_NAMES = ("1xH200", "4xB300", "8xB300", "4xAscend910B3", *pcie_topologie
 MODEL_NAMES = ("bench", "cosmos3-super", "cosmos3-nano", "minimax-h3")
 
 _LINK_FIELDS = ("peer_link", "gpus_per_uplink", "uplink_bytes_per_s", "host_memory_bytes_per_s", "ranks_per_host")
-_FIELDS = ("name", "num_ranks", "h2d_bytes_per_s", "allgather_bus_bytes_per_s", "all_to_all_bytes_per_s",
-           "d2d_copy_bytes_per_s", "hbm_bytes_per_rank", "host_bytes_per_rank")
+_FIELDS = (
+    "name",
+    "num_ranks",
+    "h2d_bytes_per_s",
+    "allgather_bus_bytes_per_s",
+    "all_to_all_bytes_per_s",
+    "d2d_copy_bytes_per_s",
+    "hbm_bytes_per_rank",
+    "host_bytes_per_rank",
+)
 # A topology file's fields beyond _FIELDS: (field, required, JSON form). ``policy --help`` prints this table.
 _MORE_FIELDS = (
     ("compute", True, '{"flop_per_s": x} or {"table": [[tokens, cfg_branches, seconds], ...]}'),
@@ -251,8 +348,12 @@ _MORE_FIELDS = (
     ("context_bytes", False, "int (default 0)"),
     ("framework_host_bytes", False, "int (default 0)"),
     ("sources", False, '{field: "where the number comes from"}'),
-    ("peer_link", False, '"nvlink" (default: the all-gather on links of its own), "pcie" (P2P over the H2D\'s PCIe '
-                         'links) or "host" (no P2P: staged through host memory)'),
+    (
+        "peer_link",
+        False,
+        '"nvlink" (default: the all-gather on links of its own), "pcie" (P2P over the H2D\'s PCIe '
+        'links) or "host" (no P2P: staged through host memory)',
+    ),
     ("gpus_per_uplink", False, "int: GPUs sharing one switch uplink (default 1)"),
     ("uplink_bytes_per_s", False, "number or null: the switch uplink's rate (default null: no shared uplink)"),
     ("host_memory_bytes_per_s", False, "number or null: host memory bandwidth (default null: no limit)"),
@@ -275,15 +376,29 @@ def topology_from_dict(data: dict, where: str = "topology") -> Topology:
     compute = BlockCompute(table=tuple(tuple(r) for r in comp.get("table", ())), flop_per_s=comp.get("flop_per_s"))
     host = data.get("host_s_per_block", {"allgather": 0.0, "rank-local": 0.0})
     ints = {f: int(data[f]) for f in ("num_ranks", "hbm_bytes_per_rank", "host_bytes_per_rank")}
-    return Topology(str(data["name"]), ints["num_ranks"], float(data["h2d_bytes_per_s"]),
-                    float(data["allgather_bus_bytes_per_s"]), float(data["all_to_all_bytes_per_s"]),
-                    float(data["d2d_copy_bytes_per_s"]), compute, ints["hbm_bytes_per_rank"],
-                    ints["host_bytes_per_rank"], tuple(sorted(host.items())), bool(data.get("host_serial", False)),
-                    tuple(tuple(r) for r in data.get("step_overhead", ())), int(data.get("context_bytes", 0)),
-                    int(data.get("framework_host_bytes", 0)), tuple(sorted(data.get("sources", {}).items())),
-                    tuple(tuple(r) for r in data.get("request_overhead", ())), str(data.get("peer_link", "nvlink")),
-                    int(data.get("gpus_per_uplink", 1)), _opt(data, "uplink_bytes_per_s", float),
-                    _opt(data, "host_memory_bytes_per_s", float), _opt(data, "ranks_per_host", int))
+    return Topology(
+        str(data["name"]),
+        ints["num_ranks"],
+        float(data["h2d_bytes_per_s"]),
+        float(data["allgather_bus_bytes_per_s"]),
+        float(data["all_to_all_bytes_per_s"]),
+        float(data["d2d_copy_bytes_per_s"]),
+        compute,
+        ints["hbm_bytes_per_rank"],
+        ints["host_bytes_per_rank"],
+        tuple(sorted(host.items())),
+        bool(data.get("host_serial", False)),
+        tuple(tuple(r) for r in data.get("step_overhead", ())),
+        int(data.get("context_bytes", 0)),
+        int(data.get("framework_host_bytes", 0)),
+        tuple(sorted(data.get("sources", {}).items())),
+        tuple(tuple(r) for r in data.get("request_overhead", ())),
+        str(data.get("peer_link", "nvlink")),
+        int(data.get("gpus_per_uplink", 1)),
+        _opt(data, "uplink_bytes_per_s", float),
+        _opt(data, "host_memory_bytes_per_s", float),
+        _opt(data, "ranks_per_host", int),
+    )
 
 
 def _opt(data: dict, key: str, kind):
@@ -292,22 +407,38 @@ def _opt(data: dict, key: str, kind):
 
 def topology_to_dict(t: Topology) -> dict:
     """The JSON form :func:`topology_from_dict` reads back (the same Topology)."""
-    compute = ({"flop_per_s": t.compute.flop_per_s} if t.compute.flop_per_s is not None
-               else {"table": [list(r) for r in t.compute.table]})
-    return {**{f: getattr(t, f) for f in _FIELDS}, "compute": compute, "host_s_per_block": dict(t.host_s_per_block),
-            "host_serial": t.host_serial, "step_overhead": [list(r) for r in t.step_overhead],
-            "context_bytes": t.context_bytes, "framework_host_bytes": t.framework_host_bytes,
-            "sources": dict(t.sources), "request_overhead": [list(r) for r in t.request_overhead],
-            **{f: getattr(t, f) for f in _LINK_FIELDS}}
+    compute = (
+        {"flop_per_s": t.compute.flop_per_s}
+        if t.compute.flop_per_s is not None
+        else {"table": [list(r) for r in t.compute.table]}
+    )
+    return {
+        **{f: getattr(t, f) for f in _FIELDS},
+        "compute": compute,
+        "host_s_per_block": dict(t.host_s_per_block),
+        "host_serial": t.host_serial,
+        "step_overhead": [list(r) for r in t.step_overhead],
+        "context_bytes": t.context_bytes,
+        "framework_host_bytes": t.framework_host_bytes,
+        "sources": dict(t.sources),
+        "request_overhead": [list(r) for r in t.request_overhead],
+        **{f: getattr(t, f) for f in _LINK_FIELDS},
+    }
 
 
 def probe_to_dict(t: Topology, m: PolicyModel, w: Workload, sps: tuple[int, ...]) -> dict:
     """What a start-up probe measured (``generate --mode/--slots/--sp auto`` writes it): the topology, the model
     as the policy sees it, the workload and the sp sizes considered; ``policy --topology FILE`` reads it."""
-    model = {"name": m.sizes.name, "block_bytes": list(m.sizes.block_bytes), "resident_bytes": m.sizes.resident_bytes,
-             "hidden_dim": m.hidden_dim, "dtype_bytes": m.dtype_bytes,
-             "activation_bytes_per_token": m.activation_bytes_per_token,
-             "num_all_to_all_per_block": m.num_all_to_all_per_block, "source": m.source}
+    model = {
+        "name": m.sizes.name,
+        "block_bytes": list(m.sizes.block_bytes),
+        "resident_bytes": m.sizes.resident_bytes,
+        "hidden_dim": m.hidden_dim,
+        "dtype_bytes": m.dtype_bytes,
+        "activation_bytes_per_token": m.activation_bytes_per_token,
+        "num_all_to_all_per_block": m.num_all_to_all_per_block,
+        "source": m.source,
+    }
     workload = {"name": w.name, "tokens": w.tokens, "num_steps": w.num_steps, "cfg_branches": w.cfg_branches}
     return {"topology": topology_to_dict(t), "model": model, "workload": workload, "sps": list(sps)}
 
@@ -323,5 +454,3 @@ def probe_from_dict(data: dict, where: str = "probe") -> tuple[Topology, PolicyM
     workload = Workload(str(w["name"]), int(w["tokens"]), int(w["num_steps"]), int(w["cfg_branches"]))
     sps = tuple(int(x) for x in data.get("sps", ())) or None
     return topology_from_dict(data["topology"], where=f"{where}: topology"), model, workload, sps
-
-

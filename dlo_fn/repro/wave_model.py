@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlo_fn.plan.schedule import AG, C, H2D, Op, build_schedule
+from dlo_fn.plan.schedule import AG, H2D, C, Op, build_schedule
 from dlo_fn.plan.timeline import Timeline, simulate
 
 __all__ = ["WaveCosts", "WavePrediction", "simulate_wave_steps", "predict_wave", "host_for_fraction"]

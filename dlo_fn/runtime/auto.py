@@ -32,8 +32,11 @@ def decide(topology, model, workload, fields, options, ctx, *, sps=(1,), source=
     them; one sp > 1: its shard group), on every rank; logged with the runner-up."""
     fixed = {f: None if f in fields else getattr(options, f) for f in plan_auto.AUTO_FIELDS}
     result = plan_auto.choose(topology, model, workload, sps=tuple(sps), **fixed, **kw)
-    rows = [r for r in result.rows if sps[0] == 1 or len(sps) > 1
-            or r.candidate.shard_group in ("-", GROUPS.get(options.shard_group))] or [result.chosen]
+    rows = [
+        r
+        for r in result.rows
+        if sps[0] == 1 or len(sps) > 1 or r.candidate.shard_group in ("-", GROUPS.get(options.shard_group))
+    ] or [result.chosen]
     picked = [rows[0], rows[1] if len(rows) > 1 else None]
     if ctx.group is not None and ctx.world_size > 1:
         torch.distributed.broadcast_object_list(picked, src=0, group=ctx.group)
@@ -63,12 +66,15 @@ def resolve(pending, paths, entries, fields, workload, mesh, build):
     sizes = ModelSizes.from_spec(spec, source="the model's spec")
     if isinstance(workload, Workload):
         pmodel = PolicyModel(sizes, plan_auto.hidden_dim(first), dtype.itemsize, source="the model's spec")
-        topo = plan_auto.topology_from("probe and workload", ctx.world_size, links,
-                                       BlockCompute(flop_per_s=_flop_per_s(ctx.platform, dtype)))
+        topo = plan_auto.topology_from(
+            "probe and workload", ctx.world_size, links, BlockCompute(flop_per_s=_flop_per_s(ctx.platform, dtype))
+        )
         return built(decide(topo, pmodel, workload, fields, options, ctx, sps=sp, source="workload"))
     if workload is not None:
-        raise TypeError(f"offload(workload=...) takes a dlo_fn.plan.workload.Workload, a serve.probe.Probe or "
-                        f"None (measured on the first call), got {type(workload).__name__}")
+        raise TypeError(
+            f"offload(workload=...) takes a dlo_fn.plan.workload.Workload, a serve.probe.Probe or "
+            f"None (measured on the first call), got {type(workload).__name__}"
+        )
     blocks = [lst[i] for lst, i in entries]
     dev, sync = ctx.platform.device, ctx.platform.synchronize
     _to_device(model, {id(m) for b in blocks for m in b.modules()}, dev)
@@ -100,13 +106,23 @@ def resolve(pending, paths, entries, fields, workload, mesh, build):
         for h in hooks:
             h.remove()
         act = max(acc.max_memory_allocated() - st["base"] - max(sizes.block_bytes), 0) if acc else 0
-        topo, pmodel, wl = plan_auto.measured_inputs(sizes, plan_auto.hidden_dim(first), dtype.itemsize, tuple(times),
-                                                     wall - st["load_s"] - sum(times), act, links, ctx.world_size)
+        topo, pmodel, wl = plan_auto.measured_inputs(
+            sizes,
+            plan_auto.hidden_dim(first),
+            dtype.itemsize,
+            tuple(times),
+            wall - st["load_s"] - sum(times),
+            act,
+            links,
+            ctx.world_size,
+        )
         vars(pending).update(vars(built(decide(topo, pmodel, wl, fields, options, ctx, sps=sp, source="first call"))))
 
     for b, block in enumerate(blocks):
-        hooks += [block.register_forward_pre_hook(functools.partial(before, b)),
-                  block.register_forward_hook(functools.partial(after, b))]
+        hooks += [
+            block.register_forward_pre_hook(functools.partial(before, b)),
+            block.register_forward_hook(functools.partial(after, b)),
+        ]
     hooks += [model.register_forward_pre_hook(start), model.register_forward_hook(end)]
     return pending
 
@@ -122,8 +138,9 @@ def _to_device(module, skip: set, dev) -> list:
                 if t is not None and t.device != dev:
                     saved.append((table, key, t))
                     moved = t.detach().to(dev)
-                    table[key] = torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) \
-                        else moved
+                    table[key] = (
+                        torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) else moved
+                    )
     return saved
 
 

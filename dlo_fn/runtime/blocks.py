@@ -22,8 +22,16 @@ from torch import nn
 
 from dlo_fn.plan.layout import BlockLayout, ModelLayout
 
-__all__ = ["block_state", "strip_block", "make_views", "BlockProxy", "layout_key", "CALLS", "make_caller",
-           "build_callers"]
+__all__ = [
+    "block_state",
+    "strip_block",
+    "make_views",
+    "BlockProxy",
+    "layout_key",
+    "CALLS",
+    "make_caller",
+    "build_callers",
+]
 
 CALLS = ("functional_call", "swap", "compile")
 
@@ -67,8 +75,10 @@ def strip_block(block: nn.Module, device: torch.device) -> None:
 
 def layout_key(layout: BlockLayout, aliases: dict[str, tuple[str, ...]]) -> tuple:
     """Blocks with equal keys share their views in a slot (e.g. every block of a uniform DiT)."""
-    return (tuple((p.name, p.shape, p.dtype, p.offset_bytes) for p in layout.placements),
-            tuple(sorted(aliases.items())))
+    return (
+        tuple((p.name, p.shape, p.dtype, p.offset_bytes) for p in layout.placements),
+        tuple(sorted(aliases.items())),
+    )
 
 
 def make_views(slot: torch.Tensor, layout: BlockLayout, aliases: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
@@ -125,9 +135,15 @@ def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> 
     return call
 
 
-def build_callers(layout: ModelLayout, blocks: Sequence[nn.Module], aliases: Sequence[Mapping[str, tuple[str, ...]]],
-                  num_slots: int, slot_span: Callable[[int, int], torch.Tensor], kind: str, plugin: Any = None
-                  ) -> tuple[list[tuple[Any, ...]], int]:
+def build_callers(
+    layout: ModelLayout,
+    blocks: Sequence[nn.Module],
+    aliases: Sequence[Mapping[str, tuple[str, ...]]],
+    num_slots: int,
+    slot_span: Callable[[int, int], torch.Tensor],
+    kind: str,
+    plugin: Any = None,
+) -> tuple[list[tuple[Any, ...]], int]:
     """``(callers, view sets)``: one call per (block, slot) on the typed views of the bytes ``slot_span(block,
     slot)``, the views shared by blocks of one layout at one address (every block of a uniform DiT), each call
     wrapped by ``plugin`` (:class:`~dlo_fn.runtime.executor.CallPlugin`) if there is one."""

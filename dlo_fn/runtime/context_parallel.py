@@ -48,8 +48,9 @@ def _cp_mesh(ctx: DistContext, mesh: Mesh) -> Any:
     """The (ring = 1, ulysses = sp) device mesh of this rank's replica, over the (dp, sp) mesh's ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    full = init_device_mesh(ctx.platform.device.type, (mesh.dp_size, 1, mesh.sp_size),
-                            mesh_dim_names=("cp_dp", "ring", "ulysses"))
+    full = init_device_mesh(
+        ctx.platform.device.type, (mesh.dp_size, 1, mesh.sp_size), mesh_dim_names=("cp_dp", "ring", "ulysses")
+    )
     return full["ring", "ulysses"]
 
 
@@ -65,12 +66,15 @@ def enable_context_parallel(model: nn.Module, ctx: DistContext, mesh: Mesh, **cp
     if getattr(model, "_cp_plan", None) is None:
         raise ValueError(f"{type(model).__name__} has no _cp_plan: diffusers cannot split its sequence")
     if any(isinstance(m, BlockProxy) for m in model.modules()):
-        raise ValueError("enable_context_parallel: call it before offload(): the offloaded blocks' attention "
-                         "processors are no longer in the module tree")
+        raise ValueError(
+            "enable_context_parallel: call it before offload(): the offloaded blocks' attention "
+            "processors are no longer in the module tree"
+        )
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
     if heads is not None and heads % mesh.sp_size:
-        raise ValueError(f"num_attention_heads {heads} is not divisible by sp {mesh.sp_size} (Ulysses gives each "
-                         f"sp rank heads / sp)")
+        raise ValueError(
+            f"num_attention_heads {heads} is not divisible by sp {mesh.sp_size} (Ulysses gives each sp rank heads / sp)"
+        )
     cp = diffusers.ContextParallelConfig(ulysses_degree=mesh.sp_size, mesh=_cp_mesh(ctx, mesh), **cp_options)
     if torch.accelerator.device_count() > 0:
         model.enable_parallelism(config=cp)
@@ -87,8 +91,9 @@ def enable_context_parallel(model: nn.Module, ctx: DistContext, mesh: Mesh, **cp
     model._parallel_config = config
     for module in model.modules():
         processor = getattr(module, "processor", None)
-        if isinstance(module, (Attention, MochiAttention, AttentionModuleMixin)) and hasattr(processor,
-                                                                                            "_parallel_config"):
+        if isinstance(module, (Attention, MochiAttention, AttentionModuleMixin)) and hasattr(
+            processor, "_parallel_config"
+        ):
             processor._parallel_config = config
     apply_context_parallel(model, cp, model._cp_plan)
     return cp

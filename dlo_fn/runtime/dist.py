@@ -48,9 +48,15 @@ class DistContext:
         return self.rank == 0
 
 
-def init_distributed(platform: Platform | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     init_method: str | None = None, rank: int | None = None,
-                     world_size: int | None = None, single_process_group: bool = False) -> DistContext:
+def init_distributed(
+    platform: Platform | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    single_process_group: bool = False,
+) -> DistContext:
     """Join (or create) the default process group.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) or with an explicit ``init_method`` the

@@ -71,10 +71,20 @@ class Executor:
     :class:`CallPlugin`; ``dequantizer``: the DQ op of quantised shards (default torch ops).
     """
 
-    def __init__(self, platform: Platform, layout: ModelLayout, store: HostStore, blocks: Sequence[nn.Module],
-                 aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None,
-                 options: OffloadOptions | None = None, *, group: Any = None, rank: int = 0,
-                 plugin: CallPlugin | None = None, dequantizer: Any = None) -> None:
+    def __init__(
+        self,
+        platform: Platform,
+        layout: ModelLayout,
+        store: HostStore,
+        blocks: Sequence[nn.Module],
+        aliases: Sequence[Mapping[str, tuple[str, ...]]] | None = None,
+        options: OffloadOptions | None = None,
+        *,
+        group: Any = None,
+        rank: int = 0,
+        plugin: CallPlugin | None = None,
+        dequantizer: Any = None,
+    ) -> None:
         options = options or OffloadOptions()
         mode = check_mode(options.mode, OFFLOAD_MODES, "executor mode")
         if len(blocks) != layout.num_blocks:
@@ -84,17 +94,25 @@ class Executor:
         if group is None and layout.num_shards != 1:
             raise ValueError(f"a layout sharded over {layout.num_shards} ranks needs a process group")
         if layout.load_group > 1 and layout.load_group != options.load_group:
-            raise ValueError(f"the layout groups its blocks {layout.load_group} at a time (one all-gather per group), "
-                             f"the executor was asked for load_group = {options.load_group}: pass load_group = "
-                             f"{layout.load_group}, or build the layout with load_group = {options.load_group}")
+            raise ValueError(
+                f"the layout groups its blocks {layout.load_group} at a time (one all-gather per group), "
+                f"the executor was asked for load_group = {options.load_group}: pass load_group = "
+                f"{layout.load_group}, or build the layout with load_group = {options.load_group}"
+            )
         self.platform, self.layout, self.store, self.options = platform, layout, store, options
         self.mode, self.rank, self.plugin = mode, rank, plugin
         self.dequantizer = dequantizer or TorchDequant()
         # An all-gather over one rank is the identity: the plan lowers it to the rank-local ring, so the ring's
         # mode is the program's (what the timeline records) and ``mode`` the one asked for.
-        self.ring = Ring.cold(layout.num_blocks, num_slots=options.num_slots, mode=mode,
-                              num_landing=options.num_landing if mode == "allgather" else None,
-                              num_shards=layout.num_shards, load_group=options.load_group, quantized=layout.quantized)
+        self.ring = Ring.cold(
+            layout.num_blocks,
+            num_slots=options.num_slots,
+            mode=mode,
+            num_landing=options.num_landing if mode == "allgather" else None,
+            num_shards=layout.num_shards,
+            load_group=options.load_group,
+            quantized=layout.quantized,
+        )
         self.num_slots, self.num_landing = self.ring.num_slots, self.ring.num_landing
         self.blocks = tuple(blocks)
         self.aliases = tuple(aliases) if aliases is not None else tuple({} for _ in blocks)
@@ -106,11 +124,16 @@ class Executor:
         # High priority, as FSDP's all-gather stream: a gather's or a dequantise op's kernels take free
         # multiprocessors before the compute's queued thread blocks, so a load ends during the block before it.
         self.allgather_stream = platform.new_stream("allgather", priority=-1)
-        self._callers, self.num_view_sets = build_callers(layout, self.blocks, self.aliases, self.num_slots,
-                                                          self.slot_span, options.block_call, plugin)
+        self._callers, self.num_view_sets = build_callers(
+            layout, self.blocks, self.aliases, self.num_slots, self.slot_span, options.block_call, plugin
+        )
         self.stats = ExecutorStats()
-        self._issuer = Issuer(platform.stream_setter(), group if layout.num_shards > 1 else None,
-                              options.async_collectives and not platform.is_accelerator, self.stats)
+        self._issuer = Issuer(
+            platform.stream_setter(),
+            group if layout.num_shards > 1 else None,
+            options.async_collectives and not platform.is_accelerator,
+            self.stats,
+        )
         self._programs = Programs(self._compile)
         self._carry: dict[str, Any] = {}
         self._run: RunState | None = None
@@ -137,13 +160,28 @@ class Executor:
         return self.ring.next_schedule(num_steps, requests_per_load)  # cold for the first run or after an error
 
     def _compile(self, sch: Schedule) -> Program:
-        return compile_schedule(sch, self.layout, self.store, self.buffers, self._callers,
-                                (self.h2d_stream, self.allgather_stream), self.platform.new_event, self.dequantizer)
+        return compile_schedule(
+            sch,
+            self.layout,
+            self.store,
+            self.buffers,
+            self._callers,
+            (self.h2d_stream, self.allgather_stream),
+            self.platform.new_event,
+            self.dequantizer,
+        )
 
     in_run = property(lambda self: self._run is not None)
 
-    def begin_run(self, num_steps: int | None = None, requests_per_load: int | None = None, *,
-                  schedule: Schedule | None = None, compute: bool = True, _implicit: bool = False) -> Schedule:
+    def begin_run(
+        self,
+        num_steps: int | None = None,
+        requests_per_load: int | None = None,
+        *,
+        schedule: Schedule | None = None,
+        compute: bool = True,
+        _implicit: bool = False,
+    ) -> Schedule:
         """Open a run of ``num_steps`` passes over the blocks (default 1) with ``requests_per_load`` computes per
         loaded block (block-major, default 1), following the ring's next schedule, or ``schedule`` if handed
         (it must start from :attr:`ring`). ``compute=False``: take part in every load and all-gather, compute
@@ -155,8 +193,16 @@ class Executor:
         program = self._programs.get(self.ring, num_steps, requests_per_load, schedule)
         recorder = self._recorder
         events, starts = (program.events, None) if recorder is None else recorder.run_events(len(program.ops))
-        self._run = RunState(program, events, starts, self._carry, compute, _implicit, self.platform.current_stream(),
-                             index=self._run_count)
+        self._run = RunState(
+            program,
+            events,
+            starts,
+            self._carry,
+            compute,
+            _implicit,
+            self.platform.current_stream(),
+            index=self._run_count,
+        )
         self._run_count += 1
         self.stats.runs += 1
         return program.schedule
@@ -168,11 +214,13 @@ class Executor:
             raise ScheduleError("no run is open")
         p = run.program
         if run.compute and p.next_compute[run.cursor] < len(p.ops):
-            left = sum(1 for op in p.ops[run.cursor:] if op.kind == C)
+            left = sum(1 for op in p.ops[run.cursor :] if op.kind == C)
             self.abort()
-            raise ScheduleError(f"run ended with {left} block computes not done: the model called fewer blocks "
-                                f"than the schedule's {p.schedule.num_steps} step(s) x {p.schedule.num_blocks} "
-                                f"blocks x {p.schedule.requests_per_load}")
+            raise ScheduleError(
+                f"run ended with {left} block computes not done: the model called fewer blocks "
+                f"than the schedule's {p.schedule.num_steps} step(s) x {p.schedule.num_blocks} "
+                f"blocks x {p.schedule.requests_per_load}"
+            )
         self._issuer.issue_until(run, len(p.ops))
         self._carry = {buf: run.events[i] for buf, i in p.last_use}
         self.ring = self.ring.after(p.schedule)
@@ -181,8 +229,14 @@ class Executor:
         self._run = None
 
     @contextlib.contextmanager
-    def run(self, num_steps: int | None = None, requests_per_load: int | None = None, *,
-            schedule: Schedule | None = None, compute: bool = True) -> Iterator[Schedule]:
+    def run(
+        self,
+        num_steps: int | None = None,
+        requests_per_load: int | None = None,
+        *,
+        schedule: Schedule | None = None,
+        compute: bool = True,
+    ) -> Iterator[Schedule]:
         """``with executor.run(T, R): ...`` (or ``run(schedule=s)``) around the model calls of one run (see
         :meth:`begin_run`)."""
         schedule = self.begin_run(num_steps, requests_per_load, schedule=schedule, compute=compute)
@@ -249,16 +303,20 @@ class Executor:
         i = p.next_compute[run.cursor]
         if i >= len(p.ops):
             self.abort()
-            raise ScheduleError(f"block {block_index} called but the run's {p.schedule.num_blocks} x "
-                                f"{p.schedule.num_steps} x {p.schedule.requests_per_load} computes are all done: "
-                                f"open a run with more steps or requests")
+            raise ScheduleError(
+                f"block {block_index} called but the run's {p.schedule.num_blocks} x "
+                f"{p.schedule.num_steps} x {p.schedule.requests_per_load} computes are all done: "
+                f"open a run with more steps or requests"
+            )
         op = p.ops[i]
         if op.block != block_index:
             self.abort()
-            raise ScheduleError(f"block {block_index} ({self.layout.shards[block_index].block.name}) called, but "
-                                f"the schedule expects block {op.block} ({self.layout.shards[op.block].block.name}) "
-                                f"next ({p.schedule.ops[i]}): the model must call every block of the block list(s) "
-                                f"once per pass, in order (and, for R requests, each block R times in a row)")
+            raise ScheduleError(
+                f"block {block_index} ({self.layout.shards[block_index].block.name}) called, but "
+                f"the schedule expects block {op.block} ({self.layout.shards[op.block].block.name}) "
+                f"next ({p.schedule.ops[i]}): the model must call every block of the block list(s) "
+                f"once per pass, in order (and, for R requests, each block R times in a row)"
+            )
         issuer, stream = self._issuer, run.stream
         issuer.issue_until(run, i)
         issuer.wait_for(stream, op, run)
@@ -293,8 +351,18 @@ class Executor:
             raise ValueError("construct the executor with record_timeline=True to measure a timeline")
         self.synchronize()
         ring, plugin = self.ring, self.plugin.name if self.plugin is not None else "none"
-        return self._recorder.take((  # "world_size": the key the committed measured timelines carry for num_shards
-            ("source", "measured"), ("platform", self.platform.kind), ("mode", ring.mode),
-            ("num_blocks", str(ring.num_blocks)), ("num_slots", str(ring.num_slots)),
-            ("num_landing", str(ring.num_landing)), ("world_size", str(self.layout.num_shards)),
-            ("plugin", plugin), ("dequant", self.dequantizer.name), *self.options.describe(), *meta))
+        return self._recorder.take(
+            (  # "world_size": the key the committed measured timelines carry for num_shards
+                ("source", "measured"),
+                ("platform", self.platform.kind),
+                ("mode", ring.mode),
+                ("num_blocks", str(ring.num_blocks)),
+                ("num_slots", str(ring.num_slots)),
+                ("num_landing", str(ring.num_landing)),
+                ("world_size", str(self.layout.num_shards)),
+                ("plugin", plugin),
+                ("dequant", self.dequantizer.name),
+                *self.options.describe(),
+                *meta,
+            )
+        )

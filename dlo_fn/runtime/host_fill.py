@@ -55,9 +55,15 @@ def fill_threads(nbytes: int, local_ranks: int = 1) -> int:
     return 1 if nbytes < 256 << 20 else max(1, min(16, len(os.sched_getaffinity(0)) // local_ranks))
 
 
-def fill_arena(arena: torch.Tensor, tasks: Sequence[tuple[int, int, Any]], source: Callable[[Any], torch.Tensor],
-               gaps: Sequence[tuple[int, int]], threads: int, bounds: Sequence[int] = (),
-               on_full: Callable[[int, int], None] | None = None) -> tuple[list[tuple[int, int]], float, float]:
+def fill_arena(
+    arena: torch.Tensor,
+    tasks: Sequence[tuple[int, int, Any]],
+    source: Callable[[Any], torch.Tensor],
+    gaps: Sequence[tuple[int, int]],
+    threads: int,
+    bounds: Sequence[int] = (),
+    on_full: Callable[[int, int], None] | None = None,
+) -> tuple[list[tuple[int, int]], float, float]:
     """Zero the ``[lo, hi)`` gaps, then copy ``source(key)`` (flat uint8, called once per task on the thread that
     copies it) to ``arena[dst:]`` for each ``(dst, nbytes, key)`` on ``threads`` threads: range after range of
     ``bounds`` (increasing ends, the last the arena's size; no piece crosses one), largest first within a range.

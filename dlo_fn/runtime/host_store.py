@@ -16,7 +16,8 @@ blocks costs 2 GiB each). On CUDA we allocate ``n`` pageable bytes and page-lock
 ``cudaHostRegister`` (``torch.cuda.cudart()``); pinned bytes = ``n`` rounded up to the page size. The
 registration is undone when the store is closed or collected. Measured on one H200 machine (torch 2.11,
 ``bench step``'s ``pinning_overhead``): pinning 1.2 GiB with ``pin_memory()`` grew the resident set by 2.0 GiB,
-with ``cudaHostRegister`` by 1.2 GiB; the 13.5 GB arena of 24 blocks then feeds H2D at 55.3 GB/s. On NPU the driver's host allocator is used
+with ``cudaHostRegister`` by 1.2 GiB; the 13.5 GB arena of 24 blocks then feeds H2D at 55.3 GB/s. On NPU the driver's
+host allocator is used
 (``pin_memory=True`` on one arena); its pages are invisible to the cgroup (DESIGN.md, Figure 6). CPU has no
 pinned memory: the arena is plain (pageable) memory.
 
@@ -74,8 +75,10 @@ def _register_cuda(buf: torch.Tensor) -> int:
     cudart = torch.cuda.cudart()
     rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)  # torch's binding releases the GIL
     if rc != cudart.cudaError.success:
-        raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed with {rc}: not enough lockable "
-                           f"host memory (check `ulimit -l` and the container's memory limit)")
+        raise RuntimeError(
+            f"cudaHostRegister of {buf.numel()} bytes failed with {rc}: not enough lockable "
+            f"host memory (check `ulimit -l` and the container's memory limit)"
+        )
     return buf.data_ptr()
 
 
@@ -121,8 +124,15 @@ class HostStore:
     Built by :func:`build_host_store`. ``arena`` is None for the rank-local ``"mmap"`` source.
     """
 
-    def __init__(self, layout: ModelLayout, rank: int, sources: tuple[tuple[H2DSource, ...], ...],
-                 arena: torch.Tensor | None, how: str, finalizer: object | None = None) -> None:
+    def __init__(
+        self,
+        layout: ModelLayout,
+        rank: int,
+        sources: tuple[tuple[H2DSource, ...], ...],
+        arena: torch.Tensor | None,
+        how: str,
+        finalizer: object | None = None,
+    ) -> None:
         if len(sources) != layout.num_blocks:
             raise ValueError(f"{len(sources)} source lists for {layout.num_blocks} blocks")
         self.layout, self.rank, self.sources, self.arena, self.how = layout, rank, sources, arena, how
@@ -137,7 +147,7 @@ class HostStore:
     @property
     def streamed_bytes(self) -> int:
         """Bytes per pass this rank's H2D reads from outside its arena (pageable: the mapping)."""
-        return sum(s.src.numel() for srcs in self.sources[self.num_pinned_blocks:] for s in srcs)
+        return sum(s.src.numel() for srcs in self.sources[self.num_pinned_blocks :] for s in srcs)
 
     @property
     def pinned(self) -> bool:
@@ -182,17 +192,29 @@ def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None
         raise ValueError(f"block {block.name}: tensor {name!r} is missing from the module")
     pl = block.placement(name)
     if tuple(t.shape) != pl.shape or t.dtype != pl.dtype:
-        raise ValueError(f"block {block.name}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says "
-                         f"{pl.shape} {pl.dtype}")
+        raise ValueError(
+            f"block {block.name}: tensor {name!r} is {tuple(t.shape)} {t.dtype}, the layout says {pl.shape} {pl.dtype}"
+        )
     if t.device.type == "meta":
-        raise ValueError(f"block {block.name}: tensor {name!r} is on the meta device: load the checkpoint "
-                         f"(dlo_fn.io.load.load_model) before offloading")
+        raise ValueError(
+            f"block {block.name}: tensor {name!r} is on the meta device: load the checkpoint "
+            f"(dlo_fn.io.load.load_model) before offloading"
+        )
     return t.detach()
 
 
-def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Mapping[str, torch.Tensor]],
-                     platform: Platform, *, source: str = "pinned", progress: bool = False,
-                     pinned_blocks: int | None = None, threads: int | None = None, local_ranks: int = 1) -> HostStore:
+def build_host_store(
+    layout: ModelLayout,
+    rank: int,
+    block_tensors: Sequence[Mapping[str, torch.Tensor]],
+    platform: Platform,
+    *,
+    source: str = "pinned",
+    progress: bool = False,
+    pinned_blocks: int | None = None,
+    threads: int | None = None,
+    local_ranks: int = 1,
+) -> HostStore:
     """Fill this rank's store from the block tensors (typically zero-copy mmap views).
 
     ``block_tensors[b]`` maps each tensor name of block ``b`` (relative, as in the layout) to its tensor.
@@ -212,9 +234,13 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     if source == "mmap":
         if layout.num_shards != 1:
             raise ValueError("source='mmap' streams whole blocks: it needs a rank-local (num_shards 1) layout")
-        sources = tuple(tuple(H2DSource(tensor_bytes(_check_tensor(layout, b, p.name, block_tensors[b].get(p.name))),
-                                        p.offset_bytes) for p in shard.block.placements)
-                        for b, shard in enumerate(layout.shards))
+        sources = tuple(
+            tuple(
+                H2DSource(tensor_bytes(_check_tensor(layout, b, p.name, block_tensors[b].get(p.name))), p.offset_bytes)
+                for p in shard.block.placements
+            )
+            for b, shard in enumerate(layout.shards)
+        )
         return HostStore(layout, rank, sources, None, "mmap")
     k = layout.num_blocks if pinned_blocks is None else pinned_blocks
     if not 0 <= k <= layout.num_blocks:
@@ -225,7 +251,8 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     def piece_bytes(b: int, p) -> torch.Tensor:  # a grouped layout's piece may hold another block's bytes
         owner = b if p.block is None else p.block
         return tensor_bytes(_check_tensor(layout, owner, p.tensor, block_tensors[owner].get(p.tensor)))[
-            p.src_start : p.src_stop]
+            p.src_start : p.src_stop
+        ]
 
     t0 = time.perf_counter()
     nbytes = layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank
@@ -251,8 +278,9 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo_fn-pin") as pinner:
         on_full = (lambda lo, hi: pinned.append(pinner.submit(_register_cuda, arena[lo:hi]))) if late_pin else None
         try:
-            copied, copy_s, zero_s = fill_arena(arena, tasks, lambda key: piece_bytes(*key), gaps, threads, bounds,
-                                                on_full)
+            copied, copy_s, zero_s = fill_arena(
+                arena, tasks, lambda key: piece_bytes(*key), gaps, threads, bounds, on_full
+            )
         finally:  # what was locked is unlocked with the arena, also when the fill failed
             t1 = time.perf_counter()
             concurrent.futures.wait(pinned)
@@ -264,10 +292,23 @@ def build_host_store(layout: ModelLayout, rank: int, block_tensors: Sequence[Map
     if failed is not None:
         fin()
         raise failed
-    timings = dict(alloc_s=alloc_s, copy_s=copy_s, zero_s=zero_s, pin_s=pin_s, threads=threads,
-                   total_s=alloc_s + copy_s + zero_s + pin_s)
-    (log.info if progress else log.debug)("host store: rank %d, %d bytes (%s), %d/%d blocks in the arena: %s", rank,
-                                          arena.numel(), how, k, layout.num_blocks, timings)
+    timings = dict(
+        alloc_s=alloc_s,
+        copy_s=copy_s,
+        zero_s=zero_s,
+        pin_s=pin_s,
+        threads=threads,
+        total_s=alloc_s + copy_s + zero_s + pin_s,
+    )
+    (log.info if progress else log.debug)(
+        "host store: rank %d, %d bytes (%s), %d/%d blocks in the arena: %s",
+        rank,
+        arena.numel(),
+        how,
+        k,
+        layout.num_blocks,
+        timings,
+    )
     store = HostStore(layout, rank, tuple(sources), arena, how, fin)
     store.num_pinned_blocks, store.copied_ranges, store.timings = k, tuple(copied), timings
     return store

@@ -28,9 +28,17 @@ __all__ = ["MEASURE_SHAPE", "record_run"]
 MEASURE_SHAPE = {"height": 64, "width": 64, "num_frames": 5}
 
 
-def record_run(config: str = "tiny", steps: int = 2, mode: str = "allgather", *, warmup_steps: int = 1,
-               seed: int = 0, num_slots: int = 2, platform: Platform | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> tuple[Schedule, Timeline]:
+def record_run(
+    config: str = "tiny",
+    steps: int = 2,
+    mode: str = "allgather",
+    *,
+    warmup_steps: int = 1,
+    seed: int = 0,
+    num_slots: int = 2,
+    platform: Platform | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[Schedule, Timeline]:
     """``(schedule, measured)`` of one run of ``steps`` steps (``measured`` without run prefixes, times from the
     first warm-up op). After a warm-up (``warmup_steps >= 1``) the run starts warm: block 0 was prefetched by the
     warm-up run (``schedule.warm_start``); ``warmup_steps=0`` measures the cold first run.
@@ -42,8 +50,10 @@ def record_run(config: str = "tiny", steps: int = 2, mode: str = "allgather", *,
     from dlo_fn.runtime.offload import offload
 
     if mode not in OFFLOAD_MODES:
-        raise ValueError(f"record_run measures an offloaded schedule: mode must be one of "
-                         f"{', '.join(OFFLOAD_MODES)}, got {mode!r} (resident mode has no schedule to record)")
+        raise ValueError(
+            f"record_run measures an offloaded schedule: mode must be one of "
+            f"{', '.join(OFFLOAD_MODES)}, got {mode!r} (resident mode has no schedule to record)"
+        )
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -60,14 +70,15 @@ def record_run(config: str = "tiny", steps: int = 2, mode: str = "allgather", *,
         ctx = DistContext(0, 1, 0, platform, None)
     try:
         if ctx.world_size != 1:
-            raise ValueError(f"record_run measures one process, but this one is in a group of {ctx.world_size} "
-                             f"ranks: call it outside that group (or destroy it first)")
+            raise ValueError(
+                f"record_run measures one process, but this one is in a group of {ctx.world_size} "
+                f"ranks: call it outside that group (or destroy it first)"
+            )
         model = build_model(config, device=platform.device, dtype=dtype, seed=seed)
         off = offload(model, BLOCK_PATHS, ctx, mode=mode, num_slots=num_slots, record_timeline=True)
         if warmup_steps:
             with off.run(num_steps=warmup_steps):
-                generate(off.model, Request("warm-up", seed=seed, num_inference_steps=warmup_steps,
-                                            **MEASURE_SHAPE))
+                generate(off.model, Request("warm-up", seed=seed, num_inference_steps=warmup_steps, **MEASURE_SHAPE))
         request = Request("a red fox in snow", seed=seed, num_inference_steps=steps, **MEASURE_SHAPE)
         with off.run(num_steps=steps) as schedule:
             generate(off.model, request)

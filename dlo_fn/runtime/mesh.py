@@ -91,7 +91,6 @@ def build_mesh(ctx: DistContext, sp: int = 1, dp: int | None = None) -> Mesh:
     return Mesh(device_mesh, dp, sp, dp_rank, sp_rank, device_mesh.get_group("dp"), device_mesh.get_group("sp"))
 
 
-
 @dataclass(frozen=True, slots=True)
 class ShardGroup:
     """The ranks that split each block's weights: ``group`` (None when ``size`` is 1: nothing to gather),
@@ -118,6 +117,7 @@ def shard_group(ctx: DistContext, mesh: Mesh | None, name: str = "world") -> Sha
         return ShardGroup(name, None, 1, 0)
     if mesh.dp_size * mesh.sp_size != ctx.world_size:
         raise ValueError(f"a ({mesh.dp_size}, {mesh.sp_size}) mesh does not cover the world of {ctx.world_size}")
-    size, rank, group = ((mesh.dp_size, mesh.dp_rank, mesh.dp_group) if name == "dp"
-                         else (mesh.sp_size, mesh.sp_rank, mesh.sp_group))
+    size, rank, group = (
+        (mesh.dp_size, mesh.dp_rank, mesh.dp_group) if name == "dp" else (mesh.sp_size, mesh.sp_rank, mesh.sp_group)
+    )
     return ShardGroup(name, group if size > 1 else None, size, rank)

@@ -34,14 +34,15 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
+from dlo_fn.io.bind import with_address_residues
+from dlo_fn.io.quantized import drop_stored, stored_weights
+from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 from dlo_fn.plan.host_budget import pinned_prefix
 from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
 from dlo_fn.plan.modes import MODES
+from dlo_fn.plan.quant import quantized_tensors
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
-from dlo_fn.io.bind import with_address_residues
-from dlo_fn.io.quantized import drop_stored, stored_weights
-from dlo_fn.plan.quant import quantized_tensors
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks, local_ranks
 from dlo_fn.runtime.executor import Executor
@@ -49,7 +50,6 @@ from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
 from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.quant import StoredBlock, fp32_modules, needed_ranges
-from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -77,8 +77,14 @@ class Offloaded:
         return self.options.mode
 
     @contextlib.contextmanager
-    def run(self, num_steps: int | None = None, requests_per_load: int | None = None, *,
-            schedule: Schedule | None = None, compute: bool = True) -> Iterator[Any]:
+    def run(
+        self,
+        num_steps: int | None = None,
+        requests_per_load: int | None = None,
+        *,
+        schedule: Schedule | None = None,
+        compute: bool = True,
+    ) -> Iterator[Any]:
         """An explicit run (see :meth:`Executor.run`: ``T`` x ``R`` on the executor's ring, default 1 x 1, or a
         handed ``schedule``); a no-op context when resident."""
         if self.executor is None:
@@ -128,8 +134,15 @@ def _plugins(options: OffloadOptions, platform: Any) -> dict[str, Any]:
     return {"plugin": plugins_for(options, platform), "dequantizer": dequantizer_for(options, platform)}
 
 
-def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ctx: DistContext | None = None,
-            options: OffloadOptions | None = None, *, mesh: Mesh | None = None, **overrides: Any) -> Offloaded:
+def offload(
+    model: nn.Module,
+    block_paths: str | Sequence[str] | None = None,
+    ctx: DistContext | None = None,
+    options: OffloadOptions | None = None,
+    *,
+    mesh: Mesh | None = None,
+    **overrides: Any,
+) -> Offloaded:
     """Prepare ``model`` (in place) for offloaded execution on ``ctx``'s device; see the module docstring.
     ``mesh`` (:func:`dlo_fn.runtime.mesh.build_mesh`) is needed for the "dp" / "sp" shard groups; without one
     the world is a (world, 1) mesh.
@@ -151,8 +164,10 @@ def offload(model: nn.Module, block_paths: str | Sequence[str] | None = None, ct
     fields = [f for f in ("mode", "num_slots", "load_group") if overrides.get(f) == "auto"]
     workload = overrides.pop("workload", None)
     if workload is not None and not fields:
-        raise ValueError("offload(workload=...) describes the requests for the policy: pass it with mode, "
-                         "num_slots or load_group = 'auto'")
+        raise ValueError(
+            "offload(workload=...) describes the requests for the policy: pass it with mode, "
+            "num_slots or load_group = 'auto'"
+        )
     if overrides:
         import dataclasses
 
@@ -193,38 +208,55 @@ def _check_stored(model: nn.Module, options: OffloadOptions) -> None:
     if fmt is None:
         return
     if options.quantization != fmt.quantization or options.mode == "resident":
-        raise ValueError(f"{type(model).__name__} comes from a quantised checkpoint (FP8 block weights, no "
-                         f"{fmt.torch_dtype} ones): offload it with quantization={fmt.quantization!r} (CLI: "
-                         f"--quantization {fmt.quantization}) in an offloaded mode, or dequantise it first "
-                         "(dlo_fn.runtime.quant.fake_quantize(model)) to run it resident")
+        raise ValueError(
+            f"{type(model).__name__} comes from a quantised checkpoint (FP8 block weights, no "
+            f"{fmt.torch_dtype} ones): offload it with quantization={fmt.quantization!r} (CLI: "
+            f"--quantization {fmt.quantization}) in an offloaded mode, or dequantise it first "
+            "(dlo_fn.runtime.quant.fake_quantize(model)) to run it resident"
+        )
     if options.quantize_exclude not in ((), fmt.exclude):
-        raise ValueError(f"quantize_exclude {list(options.quantize_exclude)}: the checkpoint was quantised with "
-                         f"exclude {list(fmt.exclude)}; pass that (or nothing), or quantize the source again")
+        raise ValueError(
+            f"quantize_exclude {list(options.quantize_exclude)}: the checkpoint was quantised with "
+            f"exclude {list(fmt.exclude)}; pass that (or nothing), or quantize the source again"
+        )
 
 
-def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistContext, options: OffloadOptions,
-           mesh: Mesh | None, started_s: float | None = None) -> Offloaded:
+def _build(
+    model: nn.Module,
+    paths: tuple[str, ...],
+    spec: ModelSpec,
+    ctx: DistContext,
+    options: OffloadOptions,
+    mesh: Mesh | None,
+    started_s: float | None = None,
+) -> Offloaded:
     platform = ctx.platform
     lap = _Laps(started_s)
     stored = stored_weights(model)  # checked against the options by offload (the policy never picks resident)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None)
-    shards = shard_group(ctx, mesh, options.shard_group) if options.mode == "allgather" else ShardGroup(
-        "none", None, 1, 0)
+    shards = (
+        shard_group(ctx, mesh, options.shard_group) if options.mode == "allgather" else ShardGroup("none", None, 1, 0)
+    )
     num_shards = shards.size
     group = layout_load_group(spec.num_blocks, num_shards, options.load_group)
     if group != options.load_group and num_shards > 1 and ctx.is_main:
-        log.info("per-block shard layout: %s; the group's %d all-gathers go in one launch",
-                 grouped_layout_problem(spec.num_blocks, options.load_group), options.load_group)
+        log.info(
+            "per-block shard layout: %s; the group's %d all-gathers go in one launch",
+            grouped_layout_problem(spec.num_blocks, options.load_group),
+            options.load_group,
+        )
     exclude = (stored.format.exclude if stored is not None else options.quantize_exclude) + fp32_modules(model)
     layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization, exclude)
     if stored is not None:
         fp8 = set(quantized_tensors(spec, exclude))  # what the layout stores as FP8
         if fp8 != set(stored.tensors):
-            raise ValueError(f"the checkpoint's FP8 tensors are not those FP8 shards of block lists {list(paths)} "
-                             f"store (e.g. {sorted(fp8 ^ set(stored.tensors))[0]!r}): offload the block lists it "
-                             "was quantised for, or quantize the source again")
+            raise ValueError(
+                f"the checkpoint's FP8 tensors are not those FP8 shards of block lists {list(paths)} "
+                f"store (e.g. {sorted(fp8 ^ set(stored.tensors))[0]!r}): offload the block lists it "
+                "was quantised for, or quantize the source again"
+            )
     lap("describe_s")
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
@@ -242,11 +274,20 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
         tensors = [stored.block(sh.block.name, t) for t, sh in zip(tensors, layout.shards)]
     elif layout.quantized:  # each rank quantises the rows its own pieces read (runtime.quant.StoredBlock)
         where = platform.device if platform.is_accelerator else None
-        tensors = [StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
-                   for t, sh in zip(tensors, layout.shards)]
-    store = build_host_store(layout, shards.rank, tensors, platform, source=source,
-                             progress=options.progress and ctx.is_main, pinned_blocks=pinned,
-                             local_ranks=local_ranks(ctx))
+        tensors = [
+            StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
+            for t, sh in zip(tensors, layout.shards)
+        ]
+    store = build_host_store(
+        layout,
+        shards.rank,
+        tensors,
+        platform,
+        source=source,
+        progress=options.progress and ctx.is_main,
+        pinned_blocks=pinned,
+        local_ranks=local_ranks(ctx),
+    )
     lap("store_s")
     aliases = [a for _, a in states]
     del states, tensors, stored  # the mmap views stay referenced (by the store) only for the "mmap" source
@@ -256,8 +297,17 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
         block = lst[i]
         strip_block(block, platform.device)
         blocks.append(block)
-    executor = Executor(platform, layout, store, blocks, aliases, options, group=shards.group, rank=ctx.rank,
-                        **_plugins(options, platform))
+    executor = Executor(
+        platform,
+        layout,
+        store,
+        blocks,
+        aliases,
+        options,
+        group=shards.group,
+        rank=ctx.rank,
+        **_plugins(options, platform),
+    )
     for b, (lst, i) in enumerate(entries):
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     lap("executor_s")
@@ -273,7 +323,16 @@ def _build(model: nn.Module, paths: tuple[str, ...], spec: ModelSpec, ctx: DistC
     timings = lap.done(warm_up_s=executor.warm_up_s)
     timings["executor_s"] -= executor.warm_up_s
     log.debug("offload phases: %s", timings)
-    log.info("offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes, %s",
-             spec.name, layout.num_blocks, options.mode, num_shards, shards.name, store.arena_bytes, store.how,
-             executor.device_weight_bytes, ", ".join(f"{k} {v}" for k, v in options.describe()))
+    log.info(
+        "offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes, %s",
+        spec.name,
+        layout.num_blocks,
+        options.mode,
+        num_shards,
+        shards.name,
+        store.arena_bytes,
+        store.how,
+        executor.device_weight_bytes,
+        ", ".join(f"{k} {v}" for k, v in options.describe()),
+    )
     return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release, timings=timings)

@@ -71,8 +71,10 @@ class OffloadOptions:
         if self.block_call not in CALLS:
             raise ValueError(f"block_call must be one of {', '.join(CALLS)}; got {self.block_call!r}")
         if self.graph not in GRAPHS or self.graph is True:
-            raise ValueError(f"graph must be False or 'block' (each block's compute replayed as a CUDA graph, the "
-                             f"copies eager); got {self.graph!r}")
+            raise ValueError(
+                f"graph must be False or 'block' (each block's compute replayed as a CUDA graph, the "
+                f"copies eager); got {self.graph!r}"
+            )
         if self.graph_shapes < 1:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
         check_quantization(self.quantization)
@@ -82,13 +84,19 @@ class OffloadOptions:
         # is the rank-local sequence, known only with the shard group).
         check_load_group(self.load_group, self.num_slots, "rank-local", quantized=self.quantization is not None)
         if self.quantization is not None and self.rank_local_source == "mmap":
-            raise ValueError("rank_local_source='mmap' streams the checkpoint's own bytes: quantised shards need the "
-                             "pinned source (the default)")
+            raise ValueError(
+                "rank_local_source='mmap' streams the checkpoint's own bytes: quantised shards need the "
+                "pinned source (the default)"
+            )
         if self.pinned_budget_bytes is not None and self.pinned_budget_bytes < 0:
             raise ValueError(f"pinned_budget_bytes must be >= 0, got {self.pinned_budget_bytes}")
 
     def describe(self) -> tuple[tuple[str, str], ...]:
         """The execution choices as (key, value) strings: for a Timeline's metadata and benchmark records."""
-        return (("block_call", self.block_call), ("graph", str(self.graph or "none")),
-                ("load_group", str(self.load_group)), ("async_collectives", str(self.async_collectives)),
-                ("quantization", str(self.quantization or "none")))
+        return (
+            ("block_call", self.block_call),
+            ("graph", str(self.graph or "none")),
+            ("load_group", str(self.load_group)),
+            ("async_collectives", str(self.async_collectives)),
+            ("quantization", str(self.quantization or "none")),
+        )

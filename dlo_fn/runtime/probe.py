@@ -35,8 +35,9 @@ def flat_block(block: torch.nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).view(torch.uint8).cpu() for t in block.state_dict().values()])
 
 
-def probe_links(flat: torch.Tensor, ctx: DistContext, *, reps: int = 3, a2a_elements: int = 0,
-                dtype: torch.dtype = torch.bfloat16) -> LinkRates:
+def probe_links(
+    flat: torch.Tensor, ctx: DistContext, *, reps: int = 3, a2a_elements: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> LinkRates:
     """The machine's links for block bytes ``flat`` (module docstring); the all-to-all of ``a2a_elements``
     elements of ``dtype`` (0: not measured). Every rank of ``ctx`` calls it (collectives at ``W > 1``)."""
     platform, dev, w = ctx.platform, ctx.platform.device, ctx.world_size
@@ -47,15 +48,23 @@ def probe_links(flat: torch.Tensor, ctx: DistContext, *, reps: int = 3, a2a_elem
     if many:
         shard = -(-flat.numel() // w)
         gathered = torch.empty(shard * w, dtype=torch.uint8, device=dev)
-        mine = gathered[ctx.rank * shard: (ctx.rank + 1) * shard].clone()
+        mine = gathered[ctx.rank * shard : (ctx.rank + 1) * shard].clone()
         bus = d2d = (w - 1) * shard / best_s(lambda: all_gather_bytes(gathered, mine, ctx.group), platform, reps)
-        tail = lambda: all_gather_bytes(gathered[: w * 4096], gathered[ctx.rank * 4096: (ctx.rank + 1) * 4096],  # noqa: E731
-                                        ctx.group)
+
+        def tail():
+            return all_gather_bytes(
+                gathered[: w * 4096],
+                gathered[ctx.rank * 4096 : (ctx.rank + 1) * 4096],
+                ctx.group,
+            )
     else:
         other = torch.empty_like(dst)
         bus = d2d = flat.numel() / best_s(lambda: other.copy_(dst), platform, reps)
         n2 = max(1, min(1 << 20, flat.numel() // 2))
-        tail = lambda: dst[n2: 2 * n2].copy_(dst[:n2])  # noqa: E731
+
+        def tail():
+            return dst[n2 : 2 * n2].copy_(dst[:n2])
+
     small, stream = staged[: max(1, min(1 << 20, flat.numel() // 2))], platform.current_stream()
 
     def issue(extra=None):  # a small copy + event record + wait, and the collective's (or copy's) issue

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.plan.ops import AG, C, DQ, H2D
+from dlo_fn.plan.ops import AG, DQ, H2D, C
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
 from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.runtime.host_store import HostStore
@@ -103,8 +103,9 @@ class Programs:
     def compiled(self) -> tuple[Program, ...]:
         return tuple(self._cache.values())
 
-    def get(self, ring: Ring, num_steps: int | None, requests_per_load: int | None,
-            schedule: Schedule | None) -> Program:
+    def get(
+        self, ring: Ring, num_steps: int | None, requests_per_load: int | None, schedule: Schedule | None
+    ) -> Program:
         """The program of the next run on ``ring``: ``schedule`` if handed (it must start from ``ring``; checked
         in full before its first run), else the ring's next schedule for ``num_steps`` x ``requests_per_load``
         (default 1 x 1)."""
@@ -116,8 +117,10 @@ class Programs:
             return program
         for name, value in (("num_steps", num_steps), ("requests_per_load", requests_per_load)):
             if value is not None and value != getattr(schedule, name):
-                raise ScheduleError(f"{name}={value}, but the schedule handed has {name}="
-                                    f"{getattr(schedule, name)}: pass the schedule alone")
+                raise ScheduleError(
+                    f"{name}={value}, but the schedule handed has {name}="
+                    f"{getattr(schedule, name)}: pass the schedule alone"
+                )
         ring.check(schedule, "the executor's ring")
         program = self._cache.get(schedule)
         if program is None:
@@ -142,24 +145,33 @@ class RunState:
     cursor: int = 0
 
 
-def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffers: Any,
-                     callers: Sequence[Sequence[Any]], streams: tuple[Any, Any],
-                     new_event: Callable[[], Any], dequantizer: Any = None) -> Program:
+def compile_schedule(
+    sch: Schedule,
+    layout: ModelLayout,
+    store: HostStore,
+    buffers: Any,
+    callers: Sequence[Sequence[Any]],
+    streams: tuple[Any, Any],
+    new_event: Callable[[], Any],
+    dequantizer: Any = None,
+) -> Program:
     """Resolve every op of ``sch`` against the ``buffers`` (:class:`~dlo_fn.runtime.slots.SlotBuffers`: the bytes
     a block occupies in a slot, a landing or a staging buffer), ``callers[block][slot]`` the block's bound call,
     ``streams`` the (H2D stream, all-gather stream); a DQ op's call comes from ``dequantizer``
     (:class:`~dlo_fn.runtime.quant.TorchDequant` or a plug-in's)."""
 
     def target(op: Any) -> torch.Tensor:  # what a load writes: its slot, or its slot's staging buffer
-        return buffers.slot_span(op.block, op.slot) if op.slot is not None else buffers.staging_span(op.block,
-                                                                                                    op.staging)
+        return (
+            buffers.slot_span(op.block, op.slot) if op.slot is not None else buffers.staging_span(op.block, op.staging)
+        )
 
     pairs: list[tuple[Pair, ...]] = []
     for op in sch.ops:
         if op.kind == H2D:
             dst = buffers.landing_span(op.block, op.landing) if op.landing is not None else target(op)
-            pairs.append(tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src)
-                               for s in store.sources[op.block]))
+            pairs.append(
+                tuple((dst[s.dst_start : s.dst_start + s.src.numel()], s.src) for s in store.sources[op.block])
+            )
         elif op.kind == AG:
             n = layout.shards[op.block].shard_bytes
             pairs.append(((target(op)[: n * layout.num_shards], buffers.landing_span(op.block, op.landing)[:n]),))
@@ -178,14 +190,21 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffe
     for i, op in enumerate(sch.ops):
         caller = None
         if op.kind == DQ:  # the stored block in the slot's staging buffer -> the slot, in the compute dtype
-            caller = dequantizer.prepare(buffers.staging_span(op.block, op.slot), buffers.slot_span(op.block, op.slot),
-                                         layout.shards[op.block].block, layout.compute_block(op.block))
+            caller = dequantizer.prepare(
+                buffers.staging_span(op.block, op.slot),
+                buffers.slot_span(op.block, op.slot),
+                layout.shards[op.block].block,
+                layout.compute_block(op.block),
+            )
         if op.kind == C:
             caller = callers[op.block][op.slot]
             if getattr(caller, "per_request", False):  # a plug-in's caller that keys on the request
                 caller = functools.partial(caller, request=op.request)
-        ops.append(CompiledOp(op.kind, op.block, stream_of[op.kind], sch.deps[i], tuple(carry[i]), pairs[i], caller,
-                              i in recorded))
+        ops.append(
+            CompiledOp(
+                op.kind, op.block, stream_of[op.kind], sch.deps[i], tuple(carry[i]), pairs[i], caller, i in recorded
+            )
+        )
     nxt, upcoming = [0] * (len(ops) + 1), len(ops)
     for i in range(len(ops), -1, -1):
         if i < len(ops) and ops[i].kind == C:
@@ -194,8 +213,14 @@ def compile_schedule(sch: Schedule, layout: ModelLayout, store: HostStore, buffe
     return Program(sch, tuple(ops), tuple(nxt), tuple(new_event() for _ in ops), sch.carried_last_use)
 
 
-def _merge_group_loads(kinds: Sequence[str], pairs: list[tuple[Pair, ...]], lead: tuple[int | None, ...],
-                       deps: Sequence[tuple[int, ...]], carry: Sequence[list[str]], spans: bool = False) -> None:
+def _merge_group_loads(
+    kinds: Sequence[str],
+    pairs: list[tuple[Pair, ...]],
+    lead: tuple[int | None, ...],
+    deps: Sequence[tuple[int, ...]],
+    carry: Sequence[list[str]],
+    spans: bool = False,
+) -> None:
     """In place: the copies of a load group's H2D that continue the previous H2D's last copy in both its source
     and its destination (one storage each: the slots and the landing buffers are one allocation each, the arena
     holds the blocks back to back) join that copy, and the later H2D is left with none; a load group's AG joins
@@ -231,8 +256,9 @@ def _merge_group_loads(kinds: Sequence[str], pairs: list[tuple[Pair, ...]], lead
         carry[i].clear()
 
 
-def _check_group_gathers(sch: Schedule, layout: ModelLayout, kinds: Sequence[str],
-                         pairs: Sequence[tuple[Pair, ...]]) -> None:
+def _check_group_gathers(
+    sch: Schedule, layout: ModelLayout, kinds: Sequence[str], pairs: Sequence[tuple[Pair, ...]]
+) -> None:
     """ScheduleError unless every all-gather of a grouped layout is one whole group's (one pair of ``G`` pieces):
     a part of a group gathers rank-major pieces that are no block (a schedule whose load groups are not the
     layout's, or a run that splits a group)."""
@@ -247,13 +273,17 @@ def _check_group_gathers(sch: Schedule, layout: ModelLayout, kinds: Sequence[str
                 f"op {i} ({op}): the layout gathers blocks {g} at a time (one all-gather per group), but this "
                 f"schedule's all-gather there is not one whole group's (load_group = {sch.load_group}, slot_offset "
                 f"= {sch.slot_offset}, landing_offset = {sch.landing_offset}): run the ring's schedules "
-                f"(load_group = {g}) on it")
+                f"(load_group = {g}) on it"
+            )
 
 
 def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``b``'s bytes start where ``a``'s end, in the same storage (both flat uint8 views)."""
-    return (a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.data_ptr() + a.numel() == b.data_ptr())
+    return (
+        a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.data_ptr() + a.numel() == b.data_ptr()
+    )
 
 
 def _byte_view(t: torch.Tensor, n: int) -> torch.Tensor:

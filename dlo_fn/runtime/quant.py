@@ -20,8 +20,15 @@ from dlo_fn.plan.quant import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX, quantized_tensor
 from dlo_fn.plan.spec import spec_from_module
 from dlo_fn.runtime.blocks import make_views
 
-__all__ = ["quantize_rows", "dequantize_into", "StoredBlock", "needed_ranges", "TorchDequant", "fake_quantize",
-           "fp32_modules"]
+__all__ = [
+    "quantize_rows",
+    "dequantize_into",
+    "StoredBlock",
+    "needed_ranges",
+    "TorchDequant",
+    "fake_quantize",
+    "fp32_modules",
+]
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +57,13 @@ class StoredBlock(Mapping):
     a quantised one and its scales are computed on first access, only for the rows covering ``needed[name]`` (the
     byte ranges this rank's pieces read; other pages never touched), the last one computed kept for the next piece."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], stored: BlockLayout,
-                 needed: Mapping[str, Sequence[tuple[int, int]]], device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        stored: BlockLayout,
+        needed: Mapping[str, Sequence[tuple[int, int]]],
+        device: torch.device | None = None,
+    ) -> None:
         self._tensors, self._stored, self._needed = tensors, stored, needed
         self._device = device  # where the rows are quantised (the same bits on the host and a GPU; faster there)
         self._fp8 = {p.name for p in stored.placements if p.dtype == FP8_DTYPE}
@@ -113,8 +125,9 @@ def fp32_modules(model: nn.Module) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def fake_quantize(model: nn.Module, block_paths: str | Sequence[str] | None = None,
-                  exclude: Sequence[str] = ()) -> nn.Module:
+def fake_quantize(
+    model: nn.Module, block_paths: str | Sequence[str] | None = None, exclude: Sequence[str] = ()
+) -> nn.Module:
     """In place: every block weight that ``offload(..., quantization="fp8")`` stores as FP8 becomes
     ``dequantise(quantise(w))`` in its own dtype, on its own device: the reference the offloaded model equals bit
     for bit. ``block_paths`` as ``offload`` takes them (None: the model's own); ``exclude`` adds to the model's fp32

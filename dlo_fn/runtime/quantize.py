@@ -23,8 +23,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from dlo_fn.io.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, open_checkpoint, read_header, \
-    resolve_checkpoint
+from dlo_fn.io.checkpoint import (
+    CONFIG_FILE,
+    Checkpoint,
+    CheckpointError,
+    open_checkpoint,
+    read_header,
+    resolve_checkpoint,
+)
 from dlo_fn.io.quantized import FP8_NAME, META_DTYPE, META_EXCLUDE, META_QUANTIZATION, stored_format
 from dlo_fn.models.checkpoint import safetensors_header
 from dlo_fn.plan.quant import SCALE_SUFFIX, quantized_tensors
@@ -57,14 +63,23 @@ def _read(f, offset: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
 
-def _write_file(src: pathlib.Path, dst: pathlib.Path, ckpt: Checkpoint, selected: dict[str, torch.dtype],
-                marks: dict[str, str], update: Callable[[int], None], device: torch.device) -> int:
+def _write_file(
+    src: pathlib.Path,
+    dst: pathlib.Path,
+    ckpt: Checkpoint,
+    selected: dict[str, torch.dtype],
+    marks: dict[str, str],
+    update: Callable[[int], None],
+    device: torch.device,
+) -> int:
     header = read_header(src)
     items = []  # DST's tensors: each selected one as FP8 plus its scales, the others as they are
     for key, e in header.items():
         if key in selected:
-            items += [(key, FP8_NAME, e["shape"], math.prod(e["shape"])),
-                      (key + SCALE_SUFFIX, "F32", e["shape"][:1], 4 * e["shape"][0])]
+            items += [
+                (key, FP8_NAME, e["shape"], math.prod(e["shape"])),
+                (key + SCALE_SUFFIX, "F32", e["shape"][:1], 4 * e["shape"][0]),
+            ]
         elif key != "__metadata__":
             items.append((key, e["dtype"], e["shape"], e["data_offsets"][1] - e["data_offsets"][0]))
     head, offsets = safetensors_header(items, {**(header.get("__metadata__") or {}), **marks})
@@ -102,20 +117,36 @@ def _prepare_out(out: pathlib.Path, root: pathlib.Path, overwrite: bool) -> None
         raise ValueError(f"{out} is the source's own folder: write the quantised checkpoint to a new folder")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file: give a new folder")
-    old = [p for p in out.iterdir() if p.name == CONFIG_FILE or p.name.endswith((".safetensors", ".index.json",
-                                                                                ".partial"))] if out.exists() else []
+    old = (
+        [
+            p
+            for p in out.iterdir()
+            if p.name == CONFIG_FILE or p.name.endswith((".safetensors", ".index.json", ".partial"))
+        ]
+        if out.exists()
+        else []
+    )
     if old and not overwrite:
-        raise FileExistsError(f"{out} already holds a checkpoint ({', '.join(sorted(p.name for p in old)[:3])}): "
-                              "choose a new folder, or pass overwrite=True (--force) to replace it")
+        raise FileExistsError(
+            f"{out} already holds a checkpoint ({', '.join(sorted(p.name for p in old)[:3])}): "
+            "choose a new folder, or pass overwrite=True (--force) to replace it"
+        )
     for p in old:
         p.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
 
-def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, exclude: Sequence[str] = (),
-                        block_paths: str | Sequence[str] | None = None, model_or_factory=None,
-                        overwrite: bool = False, progress: bool | None = None,
-                        device: str | torch.device | None = None) -> QuantizeReport:
+def quantize_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    exclude: Sequence[str] = (),
+    block_paths: str | Sequence[str] | None = None,
+    model_or_factory=None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    device: str | torch.device | None = None,
+) -> QuantizeReport:
     """Write ``src`` (a checkpoint ``load_model`` reads: a dlo_fn folder, file or index, a diffusers model folder)
     to the new folder ``dst`` with FP8 block weights (module doc). ``block_paths``: the block lists (default: the
     model's own, as ``offload`` finds them); ``model_or_factory`` as ``load_model`` takes it; ``exclude``: modules
@@ -130,8 +161,9 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, exclu
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     ckpt = open_checkpoint(src)
     if stored_format(ckpt) is not None:
-        raise CheckpointError("already quantised (fp8): load it as it is, or quantize its source checkpoint",
-                              file=ckpt.files[0])
+        raise CheckpointError(
+            "already quantised (fp8): load it as it is, or quantize its source checkpoint", file=ckpt.files[0]
+        )
     model, by_diffusers = build_for_checkpoint(ckpt, model_or_factory)
     plan_targets(ckpt, model, cast_dtype=True if by_diffusers else None)  # the load would succeed
     paths = normalize_block_paths(block_paths) if block_paths is not None else block_paths_for(model)
@@ -140,26 +172,44 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, exclu
     spec = spec_from_module(model, paths)
     selected = {k: t.dtype for k, t in quantized_tensors(spec, exclude + fp32_modules(model)).items()}
     if not selected:
-        raise ValueError(f"no block tensor of {ckpt.source} is stored as FP8 (block lists {', '.join(paths)}, "
-                         f"exclude {list(exclude)}): check the block paths and the excluded modules")
+        raise ValueError(
+            f"no block tensor of {ckpt.source} is stored as FP8 (block lists {', '.join(paths)}, "
+            f"exclude {list(exclude)}): check the block paths and the excluded modules"
+        )
     tied = next((k for k in selected if k not in ckpt.entries), None)
     if tied is not None:
-        raise CheckpointError("a tied block tensor is stored under another name: quantize cannot pair it; "
-                              "pass exclude= its module", file=ckpt.root, key=tied)
-    nbytes = {d: sum(ckpt.entries[k].nbytes for k, v in selected.items() if v == d)
-              for d in dict.fromkeys(selected.values())}
-    marks = {META_QUANTIZATION: "fp8", META_EXCLUDE: json.dumps(list(exclude)),  # the dtype of most FP8 bytes:
-             META_DTYPE: str(max(nbytes, key=nbytes.__getitem__)).removeprefix("torch.")}
+        raise CheckpointError(
+            "a tied block tensor is stored under another name: quantize cannot pair it; pass exclude= its module",
+            file=ckpt.root,
+            key=tied,
+        )
+    nbytes = {
+        d: sum(ckpt.entries[k].nbytes for k, v in selected.items() if v == d) for d in dict.fromkeys(selected.values())
+    }
+    marks = {
+        META_QUANTIZATION: "fp8",
+        META_EXCLUDE: json.dumps(list(exclude)),  # the dtype of most FP8 bytes:
+        META_DTYPE: str(max(nbytes, key=nbytes.__getitem__)).removeprefix("torch."),
+    }
     out = pathlib.Path(dst)
     _, _, index = resolve_checkpoint(src)
     _prepare_out(out, ckpt.root, overwrite)
-    with tqdm(total=ckpt.total_bytes, unit="B", unit_scale=True, desc="quantize",
-              disable=None if progress is None else not progress, leave=False) as bar:
+    with tqdm(
+        total=ckpt.total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="quantize",
+        disable=None if progress is None else not progress,
+        leave=False,
+    ) as bar:
         written = sum(_write_file(f, out / f.name, ckpt, selected, marks, bar.update, device) for f in ckpt.files)
     if index is not None:
         doc = json.loads(index.read_text())
-        doc["weight_map"] = {k: name for key, name in doc["weight_map"].items()
-                             for k in ((key, key + SCALE_SUFFIX) if key in selected else (key,))}
+        doc["weight_map"] = {
+            k: name
+            for key, name in doc["weight_map"].items()
+            for k in ((key, key + SCALE_SUFFIX) if key in selected else (key,))
+        }
         doc["metadata"] = {**(doc.get("metadata") or {}), "total_size": written}
         (out / index.name).write_text(json.dumps(doc, indent=2) + "\n")
     if (ckpt.root / CONFIG_FILE).is_file():

@@ -56,7 +56,9 @@ class RunRecorder:
     def take(self, meta: Sequence[tuple[str, str]]) -> Timeline:
         """The spans recorded since the last call (the caller has synchronised), then forget them."""
         origin = self._origin
-        recs = [(op, stream, origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3, self.rank)
-                for op, stream, s, e in self._records]
+        recs = [
+            (op, stream, origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3, self.rank)
+            for op, stream, s, e in self._records
+        ]
         self._records = []
         return Timeline.from_records(recs, tuple(meta))

@@ -28,8 +28,11 @@ class SlotBuffers:
         slot, landing, staging = layout.slot_bytes, layout.max_shard_bytes, layout.max_padded_block_bytes
         num_staging = num_slots if layout.quantized else 0
         new = lambda n: torch.empty(n, dtype=torch.uint8, device=platform.device)  # noqa: E731
-        self._slots, self._landing, self._staging = new(num_slots * slot), new(num_landing * landing), new(
-            num_staging * staging)
+        self._slots, self._landing, self._staging = (
+            new(num_slots * slot),
+            new(num_landing * landing),
+            new(num_staging * staging),
+        )
         self.slots = tuple(self._slots[s * slot : (s + 1) * slot] for s in range(num_slots))
         self.landing = tuple(self._landing[n * landing : (n + 1) * landing] for n in range(num_landing))
         self.staging = tuple(self._staging[s * staging : (s + 1) * staging] for s in range(num_staging))
@@ -39,14 +42,17 @@ class SlotBuffers:
     @property
     def device_bytes(self) -> int:
         """Bytes of the slots and landing buffers (their storages): the executor's whole weight footprint."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in self.slots + self.landing + self.staging}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in self.slots + self.landing + self.staging
+        }
         return sum(storages.values())
 
     def slot_span(self, block: int, slot: int) -> torch.Tensor:
         """The bytes of ``slot`` that ``block`` occupies there (see the module doc)."""
-        size = (self.layout.compute_block(block).nbytes if self.layout.quantized else
-                self.layout.shards[block].padded_bytes)
+        size = (
+            self.layout.compute_block(block).nbytes if self.layout.quantized else self.layout.shards[block].padded_bytes
+        )
         return self._span(self._slots, self.layout.slot_bytes, slot, size)
 
     def staging_span(self, block: int, slot: int) -> torch.Tensor:

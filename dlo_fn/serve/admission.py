@@ -41,12 +41,14 @@ def admission_cost(config: Any, request: Request) -> float:
 
 def queued_request(config: Any, index: int, request: Request) -> QueuedRequest:
     """Submission ``index`` as the planner queues it (id: the index; arrival and per-block cost unused)."""
-    return QueuedRequest(str(index), 0.0, request.num_inference_steps, admission_key(request),
-                         admission_cost(config, request))
+    return QueuedRequest(
+        str(index), 0.0, request.num_inference_steps, admission_key(request), admission_cost(config, request)
+    )
 
 
-def admit(admission: str, queued: list[QueuedRequest], held: Sequence[Sequence[QueuedRequest]],
-          R: int) -> tuple[tuple[str, int], ...]:
+def admit(
+    admission: str, queued: list[QueuedRequest], held: Sequence[Sequence[QueuedRequest]], R: int
+) -> tuple[tuple[str, int], ...]:
     """``(request_id, replica)`` placements of ``queued`` given what each replica ``held``, by ``admission``."""
     if admission == "cost":  # relative costs, no load term: only the compute maxima compare
         return admit_cost_aware(queued, held, R, PassCosts.uniform(1, 0.0))
@@ -60,8 +62,16 @@ class MemoryAdmission:
     before it is queued, with its bytes, the budget and the largest size of its aspect that fits. Any replica
     may get any request, so every rank must hold it."""
 
-    def __init__(self, config: Any, weight_itemsize: int, shares: Mapping[int, Share], *, requests_per_rank: int,
-                 sp: int = 1, cap_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        weight_itemsize: int,
+        shares: Mapping[int, Share],
+        *,
+        requests_per_rank: int,
+        sp: int = 1,
+        cap_bytes: int | None = None,
+    ) -> None:
         from dlo_fn.plan.sp_memory import BlockDims
 
         self.config, self.dims = config, BlockDims.from_config(config, weight_itemsize)
@@ -72,11 +82,16 @@ class MemoryAdmission:
         """``request``'s :class:`~dlo_fn.plan.request_memory.RequestMemory` (at another size if given)."""
         from dlo_fn.plan.request_memory import request_memory
 
-        return request_memory(self.dims, request_shape(self.config, request, height, width), sp=self.sp,
-                              requests_per_rank=self.requests_per_rank)
+        return request_memory(
+            self.dims,
+            request_shape(self.config, request, height, width),
+            sp=self.sp,
+            requests_per_rank=self.requests_per_rank,
+        )
 
-    def _short(self, request: Request, height: int | None = None,
-               width: int | None = None) -> tuple[int, int, int, str, str] | None:
+    def _short(
+        self, request: Request, height: int | None = None, width: int | None = None
+    ) -> tuple[int, int, int, str, str] | None:
         """The first rank that cannot hold ``request`` (at ``height x width``): ``(rank, needed, budget, what,
         where the budget comes from)``; None when every rank can."""
         m = self.memory(request, height, width)
@@ -84,9 +99,10 @@ class MemoryAdmission:
             if share.device_bytes is None:  # a CPU rank: device and host are one pool
                 checks = ((m.pool_bytes, share.host_bytes, "host (CPU) memory", share.host_why),)
             else:
-                checks = ((m.device_bytes, share.device_bytes, "device memory", share.device_why),
-                          (m.host_bytes, share.host_bytes, "host memory for the decoded video",
-                           share.host_why))
+                checks = (
+                    (m.device_bytes, share.device_bytes, "device memory", share.device_why),
+                    (m.host_bytes, share.host_bytes, "host memory for the decoded video", share.host_why),
+                )
             for needed, budget, what, source in checks:
                 if needed > budget:
                     return rank, needed, budget, what, source
@@ -94,8 +110,8 @@ class MemoryAdmission:
 
     def refusal(self, request: Request) -> str | None:
         """Why ``request`` cannot be admitted (one line), or None."""
-        from dlo_fn.plan.request_memory import largest_fitting
         from dlo_fn.io.memstat import format_bytes
+        from dlo_fn.plan.request_memory import largest_fitting
 
         short = self._short(request)
         if short is None:
@@ -104,17 +120,21 @@ class MemoryAdmission:
         m = self.memory(request)
         _, p_h, p_w = self.config.patch_size
         unit = math.lcm(self.config.vae_spatial * p_h, self.config.vae_spatial * p_w)
-        best = largest_fitting(request.height, request.width, unit,
-                               lambda h, w: self._short(request, h, w) is None)
+        best = largest_fitting(request.height, request.width, unit, lambda h, w: self._short(request, h, w) is None)
         held = f", {self.requests_per_rank} held per rank" if self.requests_per_rank > 1 else ""
-        fits = (f"the largest size of this aspect that fits ({request.num_frames} frame(s), "
-                f"{'CFG' if request.cfg else 'no CFG'}, {request.outputs_per_prompt} output(s){held}): "
-                f"height {best[0]}, width {best[1]}" if best else "no size of this aspect fits: lower the frames "
-                "or outputs, or serve on more memory")
-        return (f"rejected before dispatch: needs {format_bytes(needed)} of {what} per rank (compute "
-                f"{format_bytes(m.device_bytes)}, its block's '{m.peak_phase}' phase {format_bytes(m.call_bytes)}; "
-                f"the decoded video and its copies {format_bytes(m.host_bytes)}) but rank {rank} has "
-                f"{format_bytes(budget)} ({source}); {fits}")
+        fits = (
+            f"the largest size of this aspect that fits ({request.num_frames} frame(s), "
+            f"{'CFG' if request.cfg else 'no CFG'}, {request.outputs_per_prompt} output(s){held}): "
+            f"height {best[0]}, width {best[1]}"
+            if best
+            else "no size of this aspect fits: lower the frames or outputs, or serve on more memory"
+        )
+        return (
+            f"rejected before dispatch: needs {format_bytes(needed)} of {what} per rank (compute "
+            f"{format_bytes(m.device_bytes)}, its block's '{m.peak_phase}' phase {format_bytes(m.call_bytes)}; "
+            f"the decoded video and its copies {format_bytes(m.host_bytes)}) but rank {rank} has "
+            f"{format_bytes(budget)} ({source}); {fits}"
+        )
 
 
 def request_shape(config: Any, request: Request, height: int | None = None, width: int | None = None):

@@ -49,8 +49,16 @@ import torch
 from dlo_fn.models.request import Request
 from dlo_fn.models.sampler import finish, init_state, model_inputs, update
 
-__all__ = ["Fault", "InjectedFault", "WaveAborted", "Outcome", "run_batch", "collective_failure", "FAULT_ENV",
-           "FAULT_EXIT_CODE"]
+__all__ = [
+    "Fault",
+    "InjectedFault",
+    "WaveAborted",
+    "Outcome",
+    "run_batch",
+    "collective_failure",
+    "FAULT_ENV",
+    "FAULT_EXIT_CODE",
+]
 
 log = logging.getLogger(__name__)
 FAULT_ENV = "DLO_FN_FAULT"
@@ -111,9 +119,11 @@ class Fault:
         """Continuous serving runs ring steps, not waves: a ``wave`` other than 0 would be ignored there, so it is
         refused (``ValueError`` naming what to give instead)."""
         if continuous and self.wave:
-            raise ValueError(f"{FAULT_ENV}: \"wave\": {self.wave} applies to strict serving (waves); continuous "
-                             f"serving fires the fault at ring step \"step\" (now {self.step}): give the ring step "
-                             f"as \"step\" and leave \"wave\" out, or serve with --serving strict")
+            raise ValueError(
+                f'{FAULT_ENV}: "wave": {self.wave} applies to strict serving (waves); continuous '
+                f'serving fires the fault at ring step "step" (now {self.step}): give the ring step '
+                f'as "step" and leave "wave" out, or serve with --serving strict'
+            )
         return self
 
     def fire(self) -> None:
@@ -147,8 +157,15 @@ def _describe(exc: BaseException) -> str:
 
 # What the backends put in the errors of a collective that a peer broke (gloo raises plain RuntimeErrors
 # naming its own source files; NCCL and HCCL name themselves; a closed socket or a timeout says so).
-_COLLECTIVE_MARKS = ("gloo", "NCCL", "HCCL", "Timed out", "timed out", "Connection closed by peer",
-                     "Connection reset by peer")
+_COLLECTIVE_MARKS = (
+    "gloo",
+    "NCCL",
+    "HCCL",
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+)
 
 
 def collective_failure(exc: BaseException) -> bool:
@@ -251,8 +268,9 @@ def run_batch(
             try:
                 offloaded.idle(num_steps)
             except Exception as idle_exc:
-                raise WaveAborted(f"{text}; then serving the all-gathers failed: {_describe(idle_exc)}",
-                                  exc) from idle_exc
+                raise WaveAborted(
+                    f"{text}; then serving the all-gathers failed: {_describe(idle_exc)}", exc
+                ) from idle_exc
         dt = time.perf_counter() - t0
         return [Outcome(p, False, error=text, compute_s=dt) for p in positions]
     finished = []
@@ -263,15 +281,20 @@ def run_batch(
             finished.append((p, None, f"rank {rank}: {_describe(exc)}"))
     # After finish(): the latents came back to the host, so on an accelerator the device work is included.
     compute_s = time.perf_counter() - t0
-    return [Outcome(p, True, res.video, res.sha256, compute_s=compute_s) if res is not None
-            else Outcome(p, False, error=err, compute_s=compute_s) for p, res, err in finished]
+    return [
+        Outcome(p, True, res.video, res.sha256, compute_s=compute_s)
+        if res is not None
+        else Outcome(p, False, error=err, compute_s=compute_s)
+        for p, res, err in finished
+    ]
 
 
 def _drain(executor: Any, rank: int, cause: BaseException) -> None:
     """Finish the open run without compute, so the other ranks' all-gathers complete (see module doc)."""
     if not executor.in_run:
-        raise WaveAborted(f"rank {rank}: the run was dropped after {_describe(cause)}; the wave cannot complete",
-                          cause) from cause
+        raise WaveAborted(
+            f"rank {rank}: the run was dropped after {_describe(cause)}; the wave cannot complete", cause
+        ) from cause
     try:
         executor.drain()
     except Exception as exc:

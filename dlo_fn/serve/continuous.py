@@ -49,7 +49,8 @@ without it, with no culprit on the board, or on a mesh with sp > 1 (the culprit'
 not re-formed), the step fails closed as in strict mode: the culprit's replica's requests get the reason
 naming it, the other replicas' "not completed: held by rank r, whose ring broke when ...", the queue "not
 dispatched" (exactly one result each), and the engine stops; the followers wait for rank 0's (empty)
-recovery plan before they return, so none reads as dead in the diagnosis. Out of scope: rank 0's own death (it is the client's
+recovery plan before they return, so none reads as dead in the diagnosis. Out of scope: rank 0's own death (it is the
+client's
 process); under ``torchrun`` a worker that *exits* makes the elastic agent stop every worker, so the recovery
 from a death applies to launchers that let the others run (``serve_local``, a scheduler's own processes); a
 stall is recovered under torchrun too. Tested on gloo only: on NCCL the watchdog by default ends a process
@@ -77,7 +78,13 @@ from dlo_fn.serve.continuous_rank import ContinuousRank, follow_step
 from dlo_fn.serve.progress import RingProgress, ring_progress
 from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import (
-    EngineOptions, RequestResult, ResultBook, StepRecord, Submission, not_dispatched, to_wire,
+    EngineOptions,
+    RequestResult,
+    ResultBook,
+    StepRecord,
+    Submission,
+    not_dispatched,
+    to_wire,
 )
 from dlo_fn.serve.wire import StatusBoard, diagnosis_wait_s
 
@@ -101,9 +108,18 @@ class ContinuousDriver:
     serves (a fault names a ring step); so do ``ranks`` (the global ranks still serving, rank 0 first) and,
     after a recovery, ``degraded`` (why) and the survivors' ``channel``."""
 
-    def __init__(self, channel: Any, board: StatusBoard, own: ContinuousRank, options: EngineOptions, *,
-                 world_size: int, config: Any, reload: Reload | None = None,
-                 replicas: Sequence[Sequence[int]] | None = None) -> None:
+    def __init__(
+        self,
+        channel: Any,
+        board: StatusBoard,
+        own: ContinuousRank,
+        options: EngineOptions,
+        *,
+        world_size: int,
+        config: Any,
+        reload: Reload | None = None,
+        replicas: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         self.channel, self.board, self.own, self.options = channel, board, own, options
         self.world_size, self.config, self.reload = world_size, config, reload
         self.next_step = 0
@@ -114,18 +130,31 @@ class ContinuousDriver:
         self.epoch = 0
         self.degraded: str | None = None
 
-    def serve(self, subs: Sequence[Submission], arrived: Callable[[], Sequence[tuple[int, float]]],
-              closed: Callable[[], bool], wait: Callable[[float], None], t0: float,
-              publish: Callable[[RequestResult], None] | None = None) -> Served:
+    def serve(
+        self,
+        subs: Sequence[Submission],
+        arrived: Callable[[], Sequence[tuple[int, float]]],
+        closed: Callable[[], bool],
+        wait: Callable[[float], None],
+        t0: float,
+        publish: Callable[[RequestResult], None] | None = None,
+    ) -> Served:
         """Serve until the input is ``closed`` and nothing is held. ``arrived()``: new valid submissions as
         ``(index, arrival time.monotonic)``; ``wait(until_s)``: block for input until then (monotonic);
         ``publish(result)``: each result as it ends. A bar shows the progress (:mod:`dlo_fn.serve.progress`)."""
         with ring_progress(self.options.progress) as bar:
             return self._serve(subs, arrived, closed, wait, t0, publish, bar)
 
-    def _serve(self, subs: Sequence[Submission], arrived: Callable[[], Sequence[tuple[int, float]]],
-               closed: Callable[[], bool], wait: Callable[[float], None], t0: float,
-               publish: Callable[[RequestResult], None] | None, bar: RingProgress) -> Served:
+    def _serve(
+        self,
+        subs: Sequence[Submission],
+        arrived: Callable[[], Sequence[tuple[int, float]]],
+        closed: Callable[[], bool],
+        wait: Callable[[float], None],
+        t0: float,
+        publish: Callable[[RequestResult], None] | None,
+        bar: RingProgress,
+    ) -> Served:
         W, R = self.world_size, self.options.requests_per_rank
         keepalive_s = self.options.timeout_s / 3
         out = Served(publish, self.options.keep_videos)
@@ -160,8 +189,12 @@ class ContinuousDriver:
                 continue
             k = self.next_step
             units = self._units()
-            placed = admit(self.options.admission, [queued_request(self.config, i, subs[i].request) for i, _ in queue],
-                           [[queued_request(self.config, i, subs[i].request) for i in held[u[0]]] for u in units], R)
+            placed = admit(
+                self.options.admission,
+                [queued_request(self.config, i, subs[i].request) for i, _ in queue],
+                [[queued_request(self.config, i, subs[i].request) for i in held[u[0]]] for u in units],
+                R,
+            )
             starts: list[list[tuple[int, dict]]] = [[] for _ in live]
             now = time.monotonic()
             for rid, j in placed:
@@ -172,8 +205,9 @@ class ContinuousDriver:
                     held[g].append(i)
                 left[i] = subs[i].request.num_inference_steps
                 start[i] = (units[j][0], now, k)
-                log.info("ring step %d: %s starts on replica %s, %d step(s)", k, subs[i].request_id,
-                         list(units[j]), left[i])
+                log.info(
+                    "ring step %d: %s starts on replica %s, %d step(s)", k, subs[i].request_id, list(units[j]), left[i]
+                )
             placed_ids = {int(rid) for rid, _ in placed}
             queue = [(i, a) for i, a in queue if i not in placed_ids]
             during = tuple(tuple(h) for h in held)
@@ -206,11 +240,13 @@ class ContinuousDriver:
                     lost = {g for u in units if set(u) & bad for g in u}  # a culprit's whole replica
                     for r, h in enumerate(during):
                         for i in h:
-                            why = reason if r in lost or not bad else (
-                                f"not completed: held by rank {r}, whose ring broke when {reason}")
+                            why = (
+                                reason
+                                if r in lost or not bad
+                                else (f"not completed: held by rank {r}, whose ring broke when {reason}")
+                            )
                             if i not in out.results:
-                                out.results[i] = self._result(subs, i, None, start[i][0], start, arrival[i],
-                                                              mono0, why)
+                                out.results[i] = self._result(subs, i, None, start[i][0], start, arrival[i], mono0, why)
                     break
                 # Degraded: the culprits' requests are lost with them; every survivor resumes what it held
                 # (from its last completed step); what a survivor never started goes back to the queue's head.
@@ -219,8 +255,9 @@ class ContinuousDriver:
                     keep = {i: done for i, done in reports[g]["held"]} if g in reports else {}
                     for o in reports.get(g, {}).get("outcomes", ()):
                         if o.position not in out.results:
-                            out.results[o.position] = self._result(subs, o.position, o, g, start,
-                                                                   arrival[o.position], mono0)
+                            out.results[o.position] = self._result(
+                                subs, o.position, o, g, start, arrival[o.position], mono0
+                            )
                     for i in h:
                         if i in out.results or i in keep:
                             continue
@@ -238,16 +275,25 @@ class ContinuousDriver:
             out.steps.append(StepRecord(k, now - mono0, end - mono0, during, tuple(compute), len(queue)))
             for u in units:  # what ended in a step of the degraded ring was served by it (and says so)
                 for r, o in _merged(u, outcomes):
-                    out.results[o.position] = self._result(subs, o.position, o, r, start,
-                                                           arrival[o.position], mono0, degraded=self.degraded)
+                    out.results[o.position] = self._result(
+                        subs, o.position, o, r, start, arrival[o.position], mono0, degraded=self.degraded
+                    )
                 for i in during[u[0]]:
                     if i not in out.results:
                         left[i] -= 1
                         if left[i]:
                             continue
-                        out.results[i] = self._result(subs, i, None, u[0], start, arrival[i], mono0,
-                                                      f"rank {u[0]} returned no result at its last ring step {k}",
-                                                      degraded=self.degraded)
+                        out.results[i] = self._result(
+                            subs,
+                            i,
+                            None,
+                            u[0],
+                            start,
+                            arrival[i],
+                            mono0,
+                            f"rank {u[0]} returned no result at its last ring step {k}",
+                            degraded=self.degraded,
+                        )
                     for g in u:
                         held[g].remove(i)
                     if len(u) > 1:
@@ -264,8 +310,18 @@ class ContinuousDriver:
         if self.board.store is None:
             return None
         self.epoch += 1
-        got = recover_ring(self.board, self.epoch, k, reason, bad, ranks=self.ranks, replicas=self.replicas,
-                           own=self.own, reload=self.reload, options=self.options)
+        got = recover_ring(
+            self.board,
+            self.epoch,
+            k,
+            reason,
+            bad,
+            ranks=self.ranks,
+            replicas=self.replicas,
+            own=self.own,
+            reload=self.reload,
+            options=self.options,
+        )
         if got is None:
             return None
         self.channel, self.ranks = got.channel, got.survivors
@@ -280,20 +336,43 @@ class ContinuousDriver:
             return tuple((g,) for g in self.ranks)
         return self.replicas
 
-    def _result(self, subs: Sequence[Submission], i: int, o: Outcome | None, rank: int,
-                start: Mapping[int, tuple[int, float, int]], arrival: float, mono0: float,
-                error: str | None = None, degraded: str | None = None) -> RequestResult:
+    def _result(
+        self,
+        subs: Sequence[Submission],
+        i: int,
+        o: Outcome | None,
+        rank: int,
+        start: Mapping[int, tuple[int, float, int]],
+        arrival: float,
+        mono0: float,
+        error: str | None = None,
+        degraded: str | None = None,
+    ) -> RequestResult:
         _, started, first = start.get(i, (rank, arrival, -1))
         end = time.monotonic()
-        timings = {"arrival_s": arrival - mono0, "queued_s": started - arrival, "latency_s": end - arrival,
-                   "first_step": float(first), "last_step": float(self.next_step - 1)}
+        timings = {
+            "arrival_s": arrival - mono0,
+            "queued_s": started - arrival,
+            "latency_s": end - arrival,
+            "first_step": float(first),
+            "last_step": float(self.next_step - 1),
+        }
         sub = subs[i]
         if o is None or error is not None:
-            return RequestResult(i, sub.request_id, sub.request, False, error=error or "no outcome returned",
-                                 rank=rank, timings=timings, degraded=degraded)
+            return RequestResult(
+                i,
+                sub.request_id,
+                sub.request,
+                False,
+                error=error or "no outcome returned",
+                rank=rank,
+                timings=timings,
+                degraded=degraded,
+            )
         timings["compute_s"] = o.compute_s
-        return RequestResult(i, sub.request_id, sub.request, o.ok, o.video, o.sha256, o.error, rank, None, None,
-                             timings, degraded)
+        return RequestResult(
+            i, sub.request_id, sub.request, o.ok, o.video, o.sha256, o.error, rank, None, None, timings, degraded
+        )
 
     def _fail(self, k: int, where: str, exc: BaseException) -> tuple[str, set[int]]:
         """The reason ring step ``k`` failed closed and the culprit ranks the status board names."""

@@ -37,22 +37,33 @@ class Recovered:
     reports: Mapping[int, dict]
 
 
-def step_failure(board: StatusBoard, followers: Sequence[int], k: int, where: str, exc: BaseException,
-                 grace_s: float) -> tuple[str, set[int]]:
+def step_failure(
+    board: StatusBoard, followers: Sequence[int], k: int, where: str, exc: BaseException, grace_s: float
+) -> tuple[str, set[int]]:
     """The reason ring step ``k`` failed closed and the culprit ranks the status board names among
     ``followers``."""
     verdicts = board.diagnose(followers, k, grace_s)
     bad = culprits(verdicts)
     blame = "; ".join(str(v) for v in bad) if bad else "no culprit found on the status board"
     text = str(exc).splitlines()[0][:200] if str(exc) else ""
-    reason = (f"ring step {k} failed closed: {blame}. Rank 0 saw, {where}: {type(exc).__name__}: {text}")
+    reason = f"ring step {k} failed closed: {blame}. Rank 0 saw, {where}: {type(exc).__name__}: {text}"
     log.error(reason)
     return reason, {v.rank for v in bad}
 
 
-def recover_ring(board: StatusBoard, epoch: int, k: int, reason: str, bad: set[int], *, ranks: Sequence[int],
-                 replicas: Sequence[Sequence[int]], own: ContinuousRank, reload: Reload | None,
-                 options: EngineOptions) -> Recovered | None:
+def recover_ring(
+    board: StatusBoard,
+    epoch: int,
+    k: int,
+    reason: str,
+    bad: set[int],
+    *,
+    ranks: Sequence[int],
+    replicas: Sequence[Sequence[int]],
+    own: ContinuousRank,
+    reload: Reload | None,
+    options: EngineOptions,
+) -> Recovered | None:
     """Recovery ``epoch`` after ring step ``k`` failed with culprits ``bad`` among the serving ``ranks``;
     None: no recovery (an sp replica lost its SP group, no culprit found, no checkpoint to read the lost shards
     from, or the recovery itself failed), with an empty plan posted so the followers stop waiting."""
@@ -61,8 +72,13 @@ def recover_ring(board: StatusBoard, epoch: int, k: int, reason: str, bad: set[i
         log.error("no recovery after ring step %d on an sp mesh: the serve stops (%s)", k, reason)
         return None
     survivors = tuple(g for g in ranks if g not in bad)
-    why = ("no culprit found" if not bad else "no checkpoint to rebuild from (Engine(checkpoint=...))"
-           if reload is None else None)
+    why = (
+        "no culprit found"
+        if not bad
+        else "no checkpoint to rebuild from (Engine(checkpoint=...))"
+        if reload is None
+        else None
+    )
     if why is None:
         try:
             rank_local_replica(own.offloaded, reload)
@@ -82,6 +98,8 @@ def recover_ring(board: StatusBoard, epoch: int, k: int, reason: str, bad: set[i
     except Exception as exc:  # noqa: BLE001
         log.error("recovery %d failed: %s: %s", epoch, type(exc).__name__, exc)
         return None
-    degraded = (f"degraded since ring step {k}: ranks {list(survivors)} serve as rank-local replicas "
-                f"({reason.split('. Rank 0 saw')[0]})")
+    degraded = (
+        f"degraded since ring step {k}: ranks {list(survivors)} serve as rank-local replicas "
+        f"({reason.split('. Rank 0 saw')[0]})"
+    )
     return Recovered(channel, survivors, degraded, reports)

@@ -72,8 +72,11 @@ class ContinuousRank:
     def report(self, k: int) -> dict:
         """For a recovery after ring step ``k`` failed: the requests held (admission order) with the steps they
         completed, and step ``k``'s outcomes if this rank completed it (its pre-step states otherwise stayed)."""
-        return {"rank": self.rank, "held": [(i, s.step) for i, s in self.held.items()],
-                "outcomes": list(self.last_outcomes) if self.last_step == k else []}
+        return {
+            "rank": self.rank,
+            "held": [(i, s.step) for i, s in self.held.items()],
+            "outcomes": list(self.last_outcomes) if self.last_step == k else [],
+        }
 
     def step(self, k: int, starts: Sequence[tuple[int, dict]], ended: Sequence[int] = ()) -> list[Outcome]:
         """Drop ``ended`` (requests that ended on an sp partner: see :func:`follow_step`), admit ``starts``
@@ -106,8 +109,11 @@ class ContinuousRank:
             try:
                 self.offloaded.idle(1)
             except Exception as exc:
-                raise WaveAborted(f"idle rank {self.rank} could not serve its all-gathers at ring step {k}: "
-                                  f"{type(exc).__name__}: {exc}", exc) from exc
+                raise WaveAborted(
+                    f"idle rank {self.rank} could not serve its all-gathers at ring step {k}: "
+                    f"{type(exc).__name__}: {exc}",
+                    exc,
+                ) from exc
             return out
         t0 = time.perf_counter()
         opened = False
@@ -171,8 +177,9 @@ class ContinuousRank:
                 res = finish(state)
                 out.append(Outcome(index, True, res.video, res.sha256, compute_s=spent))
             except Exception as exc:  # noqa: BLE001 - decoding one request must not lose the others
-                out.append(Outcome(index, False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
-                                   compute_s=spent))
+                out.append(
+                    Outcome(index, False, error=f"rank {self.rank}: {type(exc).__name__}: {exc}", compute_s=spent)
+                )
         return out
 
     def _shadow(self, k: int, embeds: list, xs: list, done: int) -> bool:
@@ -198,8 +205,14 @@ class ContinuousRank:
         return True
 
 
-def follow_step(rank_state: ContinuousRank, channel: Any, board: StatusBoard, msg: dict,
-                index: int | None = None, leader: bool = True) -> bool:
+def follow_step(
+    rank_state: ContinuousRank,
+    channel: Any,
+    board: StatusBoard,
+    msg: dict,
+    index: int | None = None,
+    leader: bool = True,
+) -> bool:
     """A follower's ``cstep``: run its part of ring step ``msg["step"]`` (its ``starts`` at ``index``, its
     place among the ranks serving; its rank unless a recovery renumbered them), answer rank 0; False when
     the exchange failed (the group is unusable). An sp rank that does not lead its replica answers its

@@ -23,7 +23,13 @@ from dlo_fn.serve.batch import Outcome, WaveAborted
 from dlo_fn.serve.requests import EngineOptions, RequestResult, ResultBook, Submission, WaveRecord
 from dlo_fn.serve.share import ShareRunner, TraceSpan
 from dlo_fn.serve.wave_results import (
-    fail_wave, fill_wave, relative_spans, request_result, spread, wave_shares, wave_steps,
+    fail_wave,
+    fill_wave,
+    relative_spans,
+    request_result,
+    spread,
+    wave_shares,
+    wave_steps,
 )
 from dlo_fn.serve.wire import Channel, StatusBoard, culprits, diagnosis_wait_s
 
@@ -47,17 +53,31 @@ class Dispatched:
 class Driver:
     """Rank 0's half of the protocol over ``channel``; ``runner`` runs rank 0's own shares."""
 
-    def __init__(self, channel: Channel, board: StatusBoard, runner: ShareRunner, options: EngineOptions, *,
-                 mode: str, world_size: int, lockstep: bool,
-                 replicas: Sequence[Sequence[int]] | None = None) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        board: StatusBoard,
+        runner: ShareRunner,
+        options: EngineOptions,
+        *,
+        mode: str,
+        world_size: int,
+        lockstep: bool,
+        replicas: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         self.channel, self.board, self.runner, self.options = channel, board, runner, options
         self.mode, self.world_size, self.lockstep = mode, world_size, lockstep
         self.replicas = tuple(tuple(r) for r in replicas) if replicas else tuple((r,) for r in range(world_size))
         self.leaders = tuple(r[0] for r in self.replicas)
         self._next_round = 0
 
-    def dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
-                 publish: Callable[[RequestResult], None] | None = None) -> Dispatched:
+    def dispatch(
+        self,
+        waves: Sequence[WavePlan],
+        subs: Sequence[Submission],
+        t0: float,
+        publish: Callable[[RequestResult], None] | None = None,
+    ) -> Dispatched:
         """Run ``waves`` (indices into ``subs``); ``t0`` is when serving began (``time.perf_counter``);
         ``publish(result)`` gets each result as its wave (or queue) ends."""
         results = ResultBook(publish, keep_videos=self.options.keep_videos)
@@ -66,8 +86,9 @@ class Driver:
         return self._independent(waves, subs, t0, results)
 
     # -- allgather: one wave at a time, every rank in it ------------------------------------------------------
-    def _lockstep(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
-                  results: ResultBook) -> Dispatched:
+    def _lockstep(
+        self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float, results: ResultBook
+    ) -> Dispatched:
         records: list[WaveRecord] = []
         stopped = None
         world, leaders = self.world_size, self.leaders
@@ -79,8 +100,15 @@ class Driver:
                 queued_s = t_start - t0
                 stage = "broadcasting the wave"
                 try:
-                    self.channel.broadcast({"kind": "wave", "wave": wave.wave_id, "steps": steps,
-                                            "shares": shares, "trace": trace is not None})
+                    self.channel.broadcast(
+                        {
+                            "kind": "wave",
+                            "wave": wave.wave_id,
+                            "steps": steps,
+                            "shares": shares,
+                            "trace": trace is not None,
+                        }
+                    )
                     if trace is not None:
                         trace.append((0, "control", "broadcast", t_start, time.perf_counter()))
                     stage = "running its own share"
@@ -106,24 +134,41 @@ class Driver:
                     stopped = self._fail(wave.wave_id, stage, exc, range(1, world))
                     wave_s = time.perf_counter() - t_start
                     results.update(fail_wave(subs, wave, stopped, queued_s=queued_s, wave_s=wave_s, leaders=leaders))
-                    records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
-                                              "failed", stopped))
+                    records.append(
+                        WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s, "failed", stopped)
+                    )
                     break
                 wave_s = time.perf_counter() - t_start
                 filled = fill_wave(subs, wave, outcomes, queued_s=queued_s, wave_s=wave_s, leaders=leaders)
                 results.update(filled)
                 status = "ok" if all(r.ok for r in filled.values()) else "partial"
                 errors = sorted({r.error for r in filled.values() if not r.ok})
-                records.append(WaveRecord(wave.wave_id, wave.key.short(), wave.rank_indices, steps, wave_s,
-                                          status, "; ".join(errors) or None,
-                                          relative_spans(trace, t_start) if trace is not None else ()))
-                log.info("wave %d: %d request(s) on %d replica(s), %s, %.3f s", wave.wave_id, len(wave.indices),
-                         len(leaders) - len(wave.idle_ranks), status, wave_s)
+                records.append(
+                    WaveRecord(
+                        wave.wave_id,
+                        wave.key.short(),
+                        wave.rank_indices,
+                        steps,
+                        wave_s,
+                        status,
+                        "; ".join(errors) or None,
+                        relative_spans(trace, t_start) if trace is not None else (),
+                    )
+                )
+                log.info(
+                    "wave %d: %d request(s) on %d replica(s), %s, %.3f s",
+                    wave.wave_id,
+                    len(wave.indices),
+                    len(leaders) - len(wave.idle_ranks),
+                    status,
+                    wave_s,
+                )
         return Dispatched(results, tuple(records), stopped)
 
     # -- rank-local / resident: one queue per rank, results collected rank by rank ----------------------------
-    def _independent(self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float,
-                     results: ResultBook) -> Dispatched:
+    def _independent(
+        self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float, results: ResultBook
+    ) -> Dispatched:
         world, replicas = self.world_size, self.replicas
         dp = len(replicas)
         queues: list[list[WavePlan]] = [[] for _ in range(dp)]
@@ -140,21 +185,29 @@ class Driver:
         stopped = None
         if world > 1 and waves:
             try:
-                self.channel.broadcast({"kind": "round", "round": round_id, "queues": msg_queues,
-                                        "trace": trace is not None})
+                self.channel.broadcast(
+                    {"kind": "round", "round": round_id, "queues": msg_queues, "trace": trace is not None}
+                )
             except Exception as exc:  # noqa: BLE001
-                stopped = self._fail(None, "broadcasting the queues", exc, range(1, world),
-                                     what=f"round {round_id} (waves {', '.join(str(w.wave_id) for w in waves)})")
+                stopped = self._fail(
+                    None,
+                    "broadcasting the queues",
+                    exc,
+                    range(1, world),
+                    what=f"round {round_id} (waves {', '.join(str(w.wave_id) for w in waves)})",
+                )
                 for w in waves:
-                    results.update(fail_wave(subs, w, stopped, queued_s=0.0, wave_s=0.0,
-                                             owner_rank=replicas[owner[w.wave_id]][0]))
+                    results.update(
+                        fail_wave(subs, w, stopped, queued_s=0.0, wave_s=0.0, owner_rank=replicas[owner[w.wave_id]][0])
+                    )
                 return Dispatched(results, (), stopped)
         outcomes: dict[int, Sequence[Outcome]] = {}
 
         def fill(wave_id: int, outs: Sequence[Outcome]) -> dict[int, RequestResult]:
             w, d = by_id[wave_id], owner[wave_id]
-            filled = fill_wave(subs, w, {0: outs}, queued_s=t_start - t0,
-                               wave_s=max((o.compute_s for o in outs), default=0.0))
+            filled = fill_wave(
+                subs, w, {0: outs}, queued_s=t_start - t0, wave_s=max((o.compute_s for o in outs), default=0.0)
+            )
             # ran on replica d, whose leader wrote it
             return {i: dataclasses.replace(res, rank=replicas[d][0]) for i, res in filled.items()}
 
@@ -166,8 +219,10 @@ class Driver:
             if trace is not None:
                 trace.extend(own.spans)
         if world > 1 and any(queues[1:]):
-            log.info("rank 0's queue done; waiting for rank(s) %s to finish theirs",
-                     ", ".join(str(replicas[d][0]) for d in range(1, dp) if queues[d]))
+            log.info(
+                "rank 0's queue done; waiting for rank(s) %s to finish theirs",
+                ", ".join(str(replicas[d][0]) for d in range(1, dp) if queues[d]),
+            )
         self.board.post("done", round=round_id)
         for r in replicas[0][1:]:  # rank 0's sp partners ran its queue with it: nothing to collect
             self.board.set_flag(f"go/{round_id}/{r}")
@@ -189,13 +244,26 @@ class Driver:
                     continue
                 except Exception as exc:  # noqa: BLE001
                     failure = exc
-            stopped = self._fail(None, stage, failure, list(replicas[d]),
-                                 what=f"rank {r}'s queue (waves {', '.join(str(w.wave_id) for w in queues[d])})")
+            stopped = self._fail(
+                None,
+                stage,
+                failure,
+                list(replicas[d]),
+                what=f"rank {r}'s queue (waves {', '.join(str(w.wave_id) for w in queues[d])})",
+            )
             for w in queues[d]:
                 wave_s = time.perf_counter() - t_start
                 results.update(fail_wave(subs, w, stopped, queued_s=0.0, wave_s=wave_s, owner_rank=r))
-                records[w.wave_id] = WaveRecord(w.wave_id, w.key.short(), spread(w, d, dp), wave_steps(subs, w),
-                                                time.perf_counter() - t_start, "failed", stopped, lockstep=False)
+                records[w.wave_id] = WaveRecord(
+                    w.wave_id,
+                    w.key.short(),
+                    spread(w, d, dp),
+                    wave_steps(subs, w),
+                    time.perf_counter() - t_start,
+                    "failed",
+                    stopped,
+                    lockstep=False,
+                )
         for wave_id, outs in outcomes.items():
             w, d = by_id[wave_id], owner[wave_id]
             compute_s = max((o.compute_s for o in outs), default=0.0)
@@ -203,8 +271,16 @@ class Driver:
             filled = {i: results[i] for i in w.indices}
             status = "ok" if all(res.ok for res in filled.values()) else "partial"
             errors = sorted({res.error for res in filled.values() if not res.ok})
-            records[wave_id] = WaveRecord(wave_id, w.key.short(), spread(w, d, dp), wave_steps(subs, w),
-                                          compute_s, status, "; ".join(errors) or None, lockstep=False)
+            records[wave_id] = WaveRecord(
+                wave_id,
+                w.key.short(),
+                spread(w, d, dp),
+                wave_steps(subs, w),
+                compute_s,
+                status,
+                "; ".join(errors) or None,
+                lockstep=False,
+            )
         out = [records[k] for k in sorted(records)]
         if trace is not None and out:
             out[0] = dataclasses.replace(out[0], trace=relative_spans(trace, t_start))
@@ -212,20 +288,33 @@ class Driver:
 
     # -- helpers ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _progress(self, subs: Sequence[Submission], wave: WavePlan, steps: int,
-                  num_waves: int) -> Iterator[Callable[[], None]]:
+    def _progress(
+        self, subs: Sequence[Submission], wave: WavePlan, steps: int, num_waves: int
+    ) -> Iterator[Callable[[], None]]:
         """One line when a wave starts (log, INFO) and a tqdm bar of its denoising steps, named by its request
         ids, on rank 0 (stderr; ``options.progress`` None: only on a terminal); yields the bar's tick."""
         from tqdm.auto import tqdm
 
         ids = [subs[i].request_id for i in wave.indices]
         where = f"{self.world_size} rank(s) in lockstep" if self.lockstep else "rank 0"
-        log.info("wave %d (%d in this dispatch): %d request(s) [%s], %d step(s), on %s", wave.wave_id, num_waves,
-                 len(ids), ", ".join(ids), steps, where)
+        log.info(
+            "wave %d (%d in this dispatch): %d request(s) [%s], %d step(s), on %s",
+            wave.wave_id,
+            num_waves,
+            len(ids),
+            ", ".join(ids),
+            steps,
+            where,
+        )
         enabled = self.options.progress
         shown = ",".join(ids) if len(ids) <= 3 else f"{ids[0]},...,{ids[-1]}"
-        bar = tqdm(total=steps, unit="step", desc=f"wave {wave.wave_id} {shown}",
-                   disable=None if enabled is None else not enabled, leave=True)
+        bar = tqdm(
+            total=steps,
+            unit="step",
+            desc=f"wave {wave.wave_id} {shown}",
+            disable=None if enabled is None else not enabled,
+            leave=True,
+        )
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         try:
@@ -234,8 +323,9 @@ class Driver:
         finally:
             bar.close()
 
-    def _fail(self, wave_id: int | None, where: str, exc: BaseException, ranks: Sequence[int],
-              what: str | None = None) -> str:
+    def _fail(
+        self, wave_id: int | None, where: str, exc: BaseException, ranks: Sequence[int], what: str | None = None
+    ) -> str:
         """The reason a wave (or ``what``) failed closed, with the culprits the board names among ``ranks``."""
         wait_s = diagnosis_wait_s(self.options.grace_s, self.options.timeout_s, self.replicas)
         verdicts = self.board.diagnose(ranks, wave_id, wait_s)
@@ -244,11 +334,17 @@ class Driver:
         # all-to-all its partners wait for it, and its drain then waits for them); every rank's first error
         # is in what it reported, so name those.
         told = tuple(v for v in verdicts if v.verdict in ("error", "victim"))
-        blame = ("; ".join(str(v) for v in bad) if bad else
-                 "no rank stalled or died; reported: " + "; ".join(str(v) for v in told) if told
-                 else "no culprit found on the status board")
-        reason = (f"{what or f'wave {wave_id}'} failed closed: {blame}. Rank 0 saw, {where}: "
-                  f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        blame = (
+            "; ".join(str(v) for v in bad)
+            if bad
+            else "no rank stalled or died; reported: " + "; ".join(str(v) for v in told)
+            if told
+            else "no culprit found on the status board"
+        )
+        reason = (
+            f"{what or f'wave {wave_id}'} failed closed: {blame}. Rank 0 saw, {where}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        )
         log.error(reason)
         return reason
 
@@ -266,8 +362,9 @@ class Driver:
             if board.store is None:
                 return None  # no board: fall back to the bounded recv
             if rec is not None and board.age_s(rec) >= timeout_s:
-                return TimeoutError(f"rank {rank} made no progress for {board.age_s(rec):.1f} s "
-                                    f"(timeout_s {timeout_s})")
+                return TimeoutError(
+                    f"rank {rank} made no progress for {board.age_s(rec):.1f} s (timeout_s {timeout_s})"
+                )
             if rec is None and time.monotonic() - started >= timeout_s:
                 return TimeoutError(f"rank {rank} never posted a status within {timeout_s} s")
             if time.monotonic() - last_beat >= 1.0:

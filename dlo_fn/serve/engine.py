@@ -28,7 +28,8 @@ module handles the requests.
 
 **Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one, or one that needs more memory
 than a rank has left, :class:`~dlo_fn.serve.admission.MemoryAdmission`, is rejected before any dispatch; in
-continuous serving too), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per rank), and
+continuous serving too), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per
+rank), and
 for each wave:
 
 1. broadcasts it (one ``broadcast_object_list``): rank ``r`` runs the requests at positions ``r, r+W, ...``;
@@ -47,7 +48,8 @@ all-gathers (see :mod:`dlo_fn.serve.batch`). A rank that stalls or dies breaks t
 is bounded by ``timeout_s`` (the process group's timeout; in independent mode also a progress watchdog on the
 board), the wave fails closed (every request in it gets an error naming the wave and the culprit rank, from
 :class:`~dlo_fn.serve.wire.StatusBoard`), the engine stops, and every request not yet dispatched gets a
-"not dispatched" error. Nothing hangs and nothing is dropped silently. Every result goes to the caller's ``on_result`` the moment it
+"not dispatched" error. Nothing hangs and nothing is dropped silently. Every result goes to the caller's
+``on_result`` the moment it
 exists (:meth:`Engine.serve`), so it can be on disk before the serve ends (:mod:`dlo_fn.serve.writer`).
 """
 
@@ -68,11 +70,18 @@ from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
 from dlo_fn.serve.admission import MemoryAdmission
 from dlo_fn.serve.engine_parts import build_parts, executor_stats, memory_admission
+from dlo_fn.serve.outputs import RunInfo
 from dlo_fn.serve.recover import Reload
 from dlo_fn.serve.requests import (
-    EngineOptions, RequestResult, ServeReport, Submission, WaveRecord, as_submissions, not_dispatched, rejection,
+    EngineOptions,
+    RequestResult,
+    ServeReport,
+    Submission,
+    WaveRecord,
+    as_submissions,
+    not_dispatched,
+    rejection,
 )
-from dlo_fn.serve.outputs import RunInfo
 from dlo_fn.serve.share import gather_timelines
 from dlo_fn.serve.stream import StreamIntake
 
@@ -93,9 +102,17 @@ class Engine:
     serving's survivors read the blocks of a lost rank (:mod:`dlo_fn.serve.recover`: the path the model was
     loaded from, on every host, or a callable that loads it again; None: a lost rank fails everything)."""
 
-    def __init__(self, model: nn.Module, offloaded: Offloaded, ctx: DistContext,
-                 options: EngineOptions | None = None, *, session: str = "engine", mesh: Mesh | None = None,
-                 checkpoint: str | os.PathLike | Reload | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        offloaded: Offloaded,
+        ctx: DistContext,
+        options: EngineOptions | None = None,
+        *,
+        session: str = "engine",
+        mesh: Mesh | None = None,
+        checkpoint: str | os.PathLike | Reload | None = None,
+    ) -> None:
         self.model, self.offloaded, self.ctx = model, offloaded, ctx
         self.options = options or EngineOptions()
         self.rank, self.world_size = ctx.rank, ctx.world_size
@@ -127,8 +144,13 @@ class Engine:
     @property
     def run_info(self) -> RunInfo:
         """What every manifest line repeats about this engine's runs (mode, replicas, R, serving)."""
-        return RunInfo(self.mode, self.dp_size, self.sp_size, self.options.requests_per_rank,
-                       "continuous" if self.continuous else "strict")
+        return RunInfo(
+            self.mode,
+            self.dp_size,
+            self.sp_size,
+            self.options.requests_per_rank,
+            "continuous" if self.continuous else "strict",
+        )
 
     def run(self, submissions: Iterable[Request | Submission] | None = None) -> ServeReport | None:
         """Rank 0: :meth:`serve` then :meth:`close`, returning the report; other ranks: :meth:`follow`."""
@@ -163,8 +185,9 @@ class Engine:
                 valid.append((i, time.monotonic()))
         if self._continuous is not None:
             batch = [valid]
-            return self._serve_continuous(subs, results, lambda: batch.pop() if batch else (), lambda: True,
-                                          lambda until_s: None, t0)
+            return self._serve_continuous(
+                subs, results, lambda: batch.pop() if batch else (), lambda: True, lambda until_s: None, t0
+            )
         plan = form_waves(pending, self._width, self.options.requests_per_rank, first_wave_id=self._next_wave)
         self._next_wave += len(plan.waves)
         done, waves = self._dispatch(plan.waves, subs, t0)
@@ -180,21 +203,40 @@ class Engine:
         keepalive_s = opts.timeout_s / 3
         t0 = time.perf_counter()
         self._publish, self._on_result = on_result or _ignore, on_result
-        intake = StreamIntake(source, self.config, width=self._width, requests_per_rank=opts.requests_per_rank,
-                              max_wait_s=opts.max_wait_s, on_result=self._publish, memory=self.memory_admission())
+        intake = StreamIntake(
+            source,
+            self.config,
+            width=self._width,
+            requests_per_rank=opts.requests_per_rank,
+            max_wait_s=opts.max_wait_s,
+            on_result=self._publish,
+            memory=self.memory_admission(),
+        )
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
         last_message = time.monotonic()
         if self._continuous is not None:
+
             def wait(until_s: float) -> None:
                 intake.receive(until_s=until_s, stopped=self.stopped)
-            report = self._serve_continuous(intake.submissions, intake.rejected,
-                                            lambda: intake.take_arrived(self.stopped), lambda: intake.closed, wait,
-                                            t0)
+
+            report = self._serve_continuous(
+                intake.submissions,
+                intake.rejected,
+                lambda: intake.take_arrived(self.stopped),
+                lambda: intake.closed,
+                wait,
+                t0,
+            )
             while not intake.closed:  # the engine stopped: what still arrives gets "not dispatched"
                 intake.receive(until_s=time.monotonic() + keepalive_s, stopped=self.stopped)
-            return self._report(intake.submissions, {**{r.index: r for r in report.results}, **intake.rejected},
-                                (), t0, steps=report.steps)
+            return self._report(
+                intake.submissions,
+                {**{r.index: r for r in report.results}, **intake.rejected},
+                (),
+                t0,
+                steps=report.steps,
+            )
         while True:
             waves = intake.due_waves(self._next_wave)
             if waves:
@@ -238,8 +280,9 @@ class Engine:
         """Rank 0: the admission against memory (:class:`~dlo_fn.serve.admission.MemoryAdmission`) over every
         rank's posted room, built at the first serve; None for a model without a DiT config to size."""
         if self._memory is None:
-            self._memory = memory_admission(self.model, self.board, self._room, self.options, self.world_size,
-                                            self.sp_size)
+            self._memory = memory_admission(
+                self.model, self.board, self._room, self.options, self.world_size, self.sp_size
+            )
         return self._memory
 
     def close(self) -> None:
@@ -268,8 +311,10 @@ class Engine:
         to each rank's. Not after a failure (the group is broken): raises ``RuntimeError``."""
         self._require_driver()
         if self.stopped is not None or self.degraded is not None:
-            raise RuntimeError(f"engine {'stopped' if self.stopped else 'degraded'} ({self.stopped or self.degraded}):"
-                               f" no timelines to gather")
+            raise RuntimeError(
+                f"engine {'stopped' if self.stopped else 'degraded'} ({self.stopped or self.degraded}):"
+                f" no timelines to gather"
+            )
         return gather_timelines(self.channel, self.offloaded, self.world_size, meta)
 
     # -- dispatch --------------------------------------------------------------------------------------------
@@ -279,8 +324,9 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine closed: build a new one")
 
-    def _dispatch(self, waves: Sequence[WavePlan], subs: Sequence[Submission],
-                  t0: float) -> tuple[dict[int, RequestResult], list[WaveRecord]]:
+    def _dispatch(
+        self, waves: Sequence[WavePlan], subs: Sequence[Submission], t0: float
+    ) -> tuple[dict[int, RequestResult], list[WaveRecord]]:
         """Results of every request in ``waves`` (a "not dispatched" error for those a failure kept from
         running) and the records of the waves that ran."""
         results: dict[int, RequestResult] = {}
@@ -298,8 +344,15 @@ class Engine:
                     self._publish(results[i])
         return results, records
 
-    def _serve_continuous(self, subs: Sequence[Submission], rejected: Mapping[int, RequestResult],
-                          arrived: Any, closed: Any, wait: Any, t0: float) -> ServeReport:
+    def _serve_continuous(
+        self,
+        subs: Sequence[Submission],
+        rejected: Mapping[int, RequestResult],
+        arrived: Any,
+        closed: Any,
+        wait: Any,
+        t0: float,
+    ) -> ServeReport:
         """Continuous serving (:mod:`dlo_fn.serve.continuous`) of what ``arrived()`` gives until ``closed()``."""
         if self.stopped is not None:
             done = {i: not_dispatched(i, s, self.stopped) for i, s in enumerate(subs) if i not in rejected}
@@ -311,14 +364,29 @@ class Engine:
             self.stopped = served.stopped
         return self._report(subs, {**rejected, **served.results}, (), t0, steps=tuple(served.steps))
 
-    def _report(self, subs: Sequence[Submission], results: Mapping[int, RequestResult],
-                waves: Sequence[WaveRecord], t0: float, steps: tuple = ()) -> ServeReport:
+    def _report(
+        self,
+        subs: Sequence[Submission],
+        results: Mapping[int, RequestResult],
+        waves: Sequence[WaveRecord],
+        t0: float,
+        steps: tuple = (),
+    ) -> ServeReport:
         results = dict(results)
         for i, s in enumerate(subs):  # anything the engine never reached (it stopped first)
             if i not in results:
                 results[i] = not_dispatched(i, s, self.stopped)
                 self._publish(results[i])
-        return ServeReport(tuple(results[i] for i in range(len(subs))), tuple(waves), self.mode,
-                           self.dp_size, self.options.requests_per_rank, time.perf_counter() - t0,
-                           executor_stats(self.offloaded), sp_size=self.sp_size, steps=steps,
-                           serving="continuous" if self.continuous else "strict", degraded=self.degraded)
+        return ServeReport(
+            tuple(results[i] for i in range(len(subs))),
+            tuple(waves),
+            self.mode,
+            self.dp_size,
+            self.options.requests_per_rank,
+            time.perf_counter() - t0,
+            executor_stats(self.offloaded),
+            sp_size=self.sp_size,
+            steps=steps,
+            serving="continuous" if self.continuous else "strict",
+            degraded=self.degraded,
+        )

@@ -23,10 +23,10 @@ from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
+from dlo_fn.serve.admission import MemoryAdmission
 from dlo_fn.serve.continuous import ContinuousDriver, ContinuousRank
 from dlo_fn.serve.driver import Driver
 from dlo_fn.serve.follower import Follower
-from dlo_fn.serve.admission import MemoryAdmission
 from dlo_fn.serve.memory_room import Room, gather_rooms, measure_room, post_room, rank_shares
 from dlo_fn.serve.recover import Reload, reloader
 from dlo_fn.serve.requests import EngineOptions
@@ -56,9 +56,16 @@ class EngineParts:
     room: Room  # this rank's free memory once offloaded (posted for rank 0's admission)
 
 
-def build_parts(model: nn.Module, offloaded: Offloaded, ctx: DistContext, options: EngineOptions, *,
-                session: str, mesh: Mesh | None,
-                checkpoint: str | os.PathLike | Reload | None) -> EngineParts:
+def build_parts(
+    model: nn.Module,
+    offloaded: Offloaded,
+    ctx: DistContext,
+    options: EngineOptions,
+    *,
+    session: str,
+    mesh: Mesh | None,
+    checkpoint: str | os.PathLike | Reload | None,
+) -> EngineParts:
     """Check, connect and wire one rank's engine (see module doc); raises ``ValueError`` before any message
     when the mode, the mesh or the heads do not fit."""
     mode = check_mode(offloaded.mode, MODES, "engine mode")
@@ -73,10 +80,12 @@ def build_parts(model: nn.Module, offloaded: Offloaded, ctx: DistContext, option
     channel = Channel(ctx.group, ctx.platform.backend, options.timeout_s)
     board = StatusBoard(default_store(), rank, world_size, session)
     runner = ShareRunner(model, offloaded, rank, board, options.fault, sp=mesh.sp if mesh is not None else None)
-    driver = Driver(channel, board, runner, options, mode=mode, world_size=world_size, lockstep=lockstep,
-                    replicas=replicas)
-    follower = Follower(channel, board, runner, options, rank=rank, replica=replica,
-                        leader=rank == replicas[replica][0])
+    driver = Driver(
+        channel, board, runner, options, mode=mode, world_size=world_size, lockstep=lockstep, replicas=replicas
+    )
+    follower = Follower(
+        channel, board, runner, options, rank=rank, replica=replica, leader=rank == replicas[replica][0]
+    )
     # Continuous serving (dlo_fn.serve.continuous): lockstep ranks (replicas of sp ranks on a mesh), or one
     # rank in any mode. No recovery on an sp mesh (a lost rank breaks its replica's SP group).
     continuous = options.serving == "continuous" and (lockstep or world_size == 1)
@@ -85,12 +94,18 @@ def build_parts(model: nn.Module, offloaded: Offloaded, ctx: DistContext, option
     reload = reloader(checkpoint) if continuous and sp_size == 1 else None
     follower.reload = reload
     own = ContinuousRank(model, offloaded, rank, options.fault, runner.sp)
-    ring = None if not continuous or rank else ContinuousDriver(
-        channel, board, own, options, world_size=world_size, config=config, reload=reload, replicas=replicas)
+    ring = (
+        None
+        if not continuous or rank
+        else ContinuousDriver(
+            channel, board, own, options, world_size=world_size, config=config, reload=reload, replicas=replicas
+        )
+    )
     room = measure_room(rank, offloaded, ctx.platform.device)
     post_room(board.store, board.prefix, room)
-    return EngineParts(mode, replicas, replica, config, lockstep, continuous, channel, board, driver, follower,
-                       ring, room)
+    return EngineParts(
+        mode, replicas, replica, config, lockstep, continuous, channel, board, driver, follower, ring, room
+    )
 
 
 def replicas_of(mesh: Mesh | None, world_size: int) -> tuple[tuple[int, ...], ...]:
@@ -103,8 +118,9 @@ def replicas_of(mesh: Mesh | None, world_size: int) -> tuple[tuple[int, ...], ..
     return replicas
 
 
-def memory_admission(model: nn.Module, board: StatusBoard, room: Room, options: EngineOptions, world_size: int,
-                     sp_size: int) -> MemoryAdmission | None:
+def memory_admission(
+    model: nn.Module, board: StatusBoard, room: Room, options: EngineOptions, world_size: int, sp_size: int
+) -> MemoryAdmission | None:
     """Rank 0's admission against memory over every rank's posted room; None for a model without a DiT config
     to size (its requests are checked by validation alone)."""
     config = getattr(model, "config", None)
@@ -112,8 +128,14 @@ def memory_admission(model: nn.Module, board: StatusBoard, room: Room, options: 
         return None
     rooms = gather_rooms(board.store, board.prefix, world_size, room, options.timeout_s)
     itemsize = next((p.dtype.itemsize for p in model.parameters() if p.dtype.is_floating_point), 2)
-    return MemoryAdmission(config, itemsize, rank_shares(rooms), requests_per_rank=options.requests_per_rank,
-                           sp=sp_size, cap_bytes=options.memory_budget_bytes)
+    return MemoryAdmission(
+        config,
+        itemsize,
+        rank_shares(rooms),
+        requests_per_rank=options.requests_per_rank,
+        sp=sp_size,
+        cap_bytes=options.memory_budget_bytes,
+    )
 
 
 def executor_stats(offloaded: Offloaded) -> dict[str, float]:
@@ -122,5 +144,10 @@ def executor_stats(offloaded: Offloaded) -> dict[str, float]:
     if ex is None:
         return {}
     st = ex.stats
-    return {"computes": float(st.computes), "loads": float(st.loads), "runs": float(st.runs),
-            "issue_s": st.issue_s, "call_s": st.call_s}
+    return {
+        "computes": float(st.computes),
+        "loads": float(st.loads),
+        "runs": float(st.runs),
+        "issue_s": st.issue_s,
+        "call_s": st.call_s,
+    }

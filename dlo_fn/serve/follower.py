@@ -34,12 +34,24 @@ _POLL_S = 0.02
 class Follower:
     """Rank ``rank``'s side of the protocol over ``channel``; ``runner`` runs its shares."""
 
-    def __init__(self, channel: Channel, board: StatusBoard, runner: ShareRunner, options: EngineOptions, *,
-                 rank: int, replica: int | None = None, leader: bool = True, reload: Reload | None = None) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        board: StatusBoard,
+        runner: ShareRunner,
+        options: EngineOptions,
+        *,
+        rank: int,
+        replica: int | None = None,
+        leader: bool = True,
+        reload: Reload | None = None,
+    ) -> None:
         self.channel, self.board, self.runner, self.options, self.rank = channel, board, runner, options, rank
         self.replica = rank if replica is None else replica
         self.leader = leader
-        self.continuous = ContinuousRank(runner.model, runner.offloaded, rank, options.fault, runner.sp)  # "cstep" messages
+        self.continuous = ContinuousRank(
+            runner.model, runner.offloaded, rank, options.fault, runner.sp
+        )  # "cstep" messages
         # Recovery of continuous serving (dlo_fn.serve.recover): this rank's place among the ranks serving,
         # the recoveries so far, and where a rank-local replica reads its blocks (None: no recovery; only
         # continuous serving recovers, and its rank 0 posts a plan after every failure).
@@ -54,8 +66,11 @@ class Follower:
             try:
                 msg = self.channel.broadcast(None)
             except Exception as exc:  # noqa: BLE001 - rank 0 stopped answering: nothing more to serve
-                self.board.post("collective-failed", wave=None if last_wave is None else last_wave + 1,
-                                error=f"waiting for the next wave: {type(exc).__name__}: {exc}")
+                self.board.post(
+                    "collective-failed",
+                    wave=None if last_wave is None else last_wave + 1,
+                    error=f"waiting for the next wave: {type(exc).__name__}: {exc}",
+                )
                 log.error("rank %d: lost rank 0 while waiting for work: %s", self.rank, exc)
                 if self._rejoin():
                     continue
@@ -98,8 +113,13 @@ class Follower:
         self.epoch += 1
         plan = wait_plan(self.board, self.epoch, bound_s)
         if plan is None or self.rank not in plan.survivors or self.reload is None:
-            log.error("rank %d: %s", self.rank, "no recovery plan from rank 0" if plan is None else
-                      f"not among the survivors {list(plan.survivors)}: {plan.reason}")
+            log.error(
+                "rank %d: %s",
+                self.rank,
+                "no recovery plan from rank 0"
+                if plan is None
+                else f"not among the survivors {list(plan.survivors)}: {plan.reason}",
+            )
             return False
         try:
             rank_local_replica(self.runner.offloaded, self.reload)
@@ -127,8 +147,7 @@ class Follower:
         if trace is not None:
             trace.extend(run.spans)
         failed = [o for o in run.outcomes if not o.ok]
-        self.board.post("error" if failed else "done", wave=wave_id,
-                        **({"error": failed[0].error} if failed else {}))
+        self.board.post("error" if failed else "done", wave=wave_id, **({"error": failed[0].error} if failed else {}))
         if not self.leader:
             return True
         try:
@@ -163,8 +182,12 @@ class Follower:
             if board.store is None:
                 break
             if rec is not None and board.age_s(rec) >= timeout_s:
-                log.error("rank %d: rank 0 made no progress for %.1f s; giving up on round %d", rank,
-                          board.age_s(rec), round_id)
+                log.error(
+                    "rank %d: rank 0 made no progress for %.1f s; giving up on round %d",
+                    rank,
+                    board.age_s(rec),
+                    round_id,
+                )
                 return False
             time.sleep(_POLL_S)
         if not self.leader:

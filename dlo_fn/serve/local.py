@@ -58,29 +58,45 @@ class LocalRun:
     wall_s: float
 
 
-def open_model(checkpoint: str | os.PathLike, ctx: Any, mode: str, *, record_timeline: bool = False,
-               progress: bool = False, mesh: Any = None, shard_group: str = "world",
-               quantization: str | None = None) -> tuple[Any, Any]:
+def open_model(
+    checkpoint: str | os.PathLike,
+    ctx: Any,
+    mode: str,
+    *,
+    record_timeline: bool = False,
+    progress: bool = False,
+    mesh: Any = None,
+    shard_group: str = "world",
+    quantization: str | None = None,
+) -> tuple[Any, Any]:
     """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``
     (its weights sharded over ``shard_group`` of ``mesh``; ``quantization="fp8"``: FP8 shards)."""
-    from dlo_fn.models import BLOCK_PATHS, build_model, load_config
     from dlo_fn.io.load import load_model
+    from dlo_fn.models import BLOCK_PATHS, build_model, load_config
     from dlo_fn.runtime.offload import offload
 
     config, dtype = load_config(checkpoint)
     model = load_model(checkpoint, lambda: build_model(config, "meta", dtype), progress=progress)
     model.eval()
     model.init_buffers("cpu")
-    offloaded = offload(model, BLOCK_PATHS, ctx, mode=mode, record_timeline=record_timeline, mesh=mesh,
-                        shard_group=shard_group, quantization=quantization)
+    offloaded = offload(
+        model,
+        BLOCK_PATHS,
+        ctx,
+        mode=mode,
+        record_timeline=record_timeline,
+        mesh=mesh,
+        shard_group=shard_group,
+        quantization=quantization,
+    )
     model.init_buffers(ctx.platform.device)
     return model, offloaded
 
 
 def _reopen(checkpoint: str) -> Any:
     """The model as :func:`open_model` maps it, for a recovery's rank-local replica (dlo_fn.serve.recover)."""
-    from dlo_fn.models import build_model, load_config
     from dlo_fn.io.load import load_model
+    from dlo_fn.models import build_model, load_config
 
     config, dtype = load_config(checkpoint)
     return load_model(checkpoint, lambda: build_model(config, "meta", dtype), progress=False).eval()
@@ -115,29 +131,52 @@ def thread_lock_for_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: Sequence[Phase], threads: int,
-               out: Any, log_level: int, sp_size: int = 1) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    init_file: str,
+    checkpoint: str,
+    phases: Sequence[Phase],
+    threads: int,
+    out: Any,
+    log_level: int,
+    sp_size: int = 1,
+) -> None:
     thread_lock_for_bars()
     torch.set_num_threads(threads)
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from dlo_fn.runtime.dist import init_distributed
     from dlo_fn.runtime.mesh import build_mesh
-    from dlo_fn.serve.engine import Engine
     from dlo_fn.runtime.platform import platform_for
+    from dlo_fn.serve.engine import Engine
 
     timeout_s = max((p.options.timeout_s for p in phases), default=60.0)
     code, broken = 0, False
     try:
-        ctx = init_distributed(platform_for("cpu"), timeout_s=timeout_s, init_method=f"file://{init_file}",
-                               rank=rank, world_size=world)
+        ctx = init_distributed(
+            platform_for("cpu"), timeout_s=timeout_s, init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
         mesh = build_mesh(ctx, sp=sp_size) if sp_size > 1 else None
         reports: list[Any] = []
         for k, phase in enumerate(phases):
-            model, off = open_model(checkpoint, ctx, phase.mode, record_timeline=phase.options.trace, mesh=mesh,
-                                    shard_group=phase.shard_group)
-            engine = Engine(model, off, ctx, phase.options, session=f"phase{k}", mesh=mesh,
-                            checkpoint=(lambda: _reopen(checkpoint)) if phase.recovery else None)
+            model, off = open_model(
+                checkpoint,
+                ctx,
+                phase.mode,
+                record_timeline=phase.options.trace,
+                mesh=mesh,
+                shard_group=phase.shard_group,
+            )
+            engine = Engine(
+                model,
+                off,
+                ctx,
+                phase.options,
+                session=f"phase{k}",
+                mesh=mesh,
+                checkpoint=(lambda: _reopen(checkpoint)) if phase.recovery else None,
+            )
             if rank == 0:
                 try:
                     if phase.forced is not None:
@@ -173,9 +212,17 @@ def _rank_main(rank: int, world: int, init_file: str, checkpoint: str, phases: S
     exit_now(code)
 
 
-def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size: int, *, sp_size: int = 1,
-                threads_per_rank: int = 1, join_timeout_s: float = 300.0, grace_s: float = 10.0,
-                log_level: int = logging.WARNING) -> LocalRun:
+def serve_local(
+    checkpoint: str | os.PathLike,
+    phases: Sequence[Phase],
+    dp_size: int,
+    *,
+    sp_size: int = 1,
+    threads_per_rank: int = 1,
+    join_timeout_s: float = 300.0,
+    grace_s: float = 10.0,
+    log_level: int = logging.WARNING,
+) -> LocalRun:
     """Run ``phases`` on ``dp_size x sp_size`` spawned CPU ranks; see the module docstring. Raises
     ``RuntimeError`` with rank 0's traceback if it failed outside the engine, ``TimeoutError`` if it gave no
     answer within ``join_timeout_s`` (every process is then killed)."""
@@ -189,10 +236,24 @@ def serve_local(checkpoint: str | os.PathLike, phases: Sequence[Phase], dp_size:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_serve_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world, init_file, str(checkpoint), tuple(phases), threads_per_rank,
-                                   pipes[r][1], log_level, sp_size))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                daemon=True,
+                args=(
+                    r,
+                    world,
+                    init_file,
+                    str(checkpoint),
+                    tuple(phases),
+                    threads_per_rank,
+                    pipes[r][1],
+                    log_level,
+                    sp_size,
+                ),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         for _, w in pipes:

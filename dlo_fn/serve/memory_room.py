@@ -99,8 +99,9 @@ def gather_rooms(store: Any, prefix: str, world_size: int, own: Room, timeout_s:
             store.wait([key], timedelta(seconds=timeout_s))
             rooms.append(Room(**json.loads(store.get(key).decode())))
         except Exception as exc:  # noqa: BLE001 - its room is unknown; the serve goes on with the others'
-            log.warning("rank %d posted no memory room within %.0f s (%s): admission uses the other ranks'", r,
-                        timeout_s, exc)
+            log.warning(
+                "rank %d posted no memory room within %.0f s (%s): admission uses the other ranks'", r, timeout_s, exc
+            )
     return tuple(rooms)
 
 
@@ -137,10 +138,15 @@ def rank_shares(rooms: Sequence[Room]) -> dict[int, Share]:
     for room in rooms:
         n_host, n_dev = on_host[room.host], on_device[(room.host, room.device)]
         host_why = f"{room.why}, after a {RESERVE_FRACTION:.0%} reserve" + (
-            f", shared by {n_host} ranks on its host" if n_host > 1 else "")
+            f", shared by {n_host} ranks on its host" if n_host > 1 else ""
+        )
         device_why = f"free device memory, after a {RESERVE_FRACTION:.0%} reserve" + (
-            f", shared by {n_dev} ranks on the device" if n_dev > 1 else "")
-        out[room.rank] = Share(int(room.host_bytes * keep) // n_host,
-                               None if room.device_bytes is None else int(room.device_bytes * keep) // n_dev,
-                               host_why, device_why)
+            f", shared by {n_dev} ranks on the device" if n_dev > 1 else ""
+        )
+        out[room.rank] = Share(
+            int(room.host_bytes * keep) // n_host,
+            None if room.device_bytes is None else int(room.device_bytes * keep) // n_dev,
+            host_why,
+            device_why,
+        )
     return out

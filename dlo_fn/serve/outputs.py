@@ -38,8 +38,17 @@ import numpy as np
 
 from dlo_fn.serve.requests import RequestResult, ServeReport
 
-__all__ = ["RunInfo", "preview_strip", "video_sha256", "read_manifest", "manifest_row", "save_video",
-           "replace_text", "wave_lines", "step_lines"]
+__all__ = [
+    "RunInfo",
+    "preview_strip",
+    "video_sha256",
+    "read_manifest",
+    "manifest_row",
+    "save_video",
+    "replace_text",
+    "wave_lines",
+    "step_lines",
+]
 
 
 def video_sha256(video: Any) -> str:
@@ -134,9 +143,20 @@ def manifest_row(result: RequestResult, info: RunInfo | None, files: list[str], 
 
 def wave_lines(report: ServeReport) -> str:
     ids = {r.index: r.request_id for r in report.results}
-    waves = [{"wave": w.wave_id, "key": w.key, "ranks": [[ids.get(i, i) for i in idx] for idx in w.rank_indices],
-              "idle_ranks": list(w.idle_ranks), "lockstep": w.lockstep, "steps": w.num_steps,
-              "latency_s": round(w.latency_s, 6), "status": w.status, "error": w.error} for w in report.waves]
+    waves = [
+        {
+            "wave": w.wave_id,
+            "key": w.key,
+            "ranks": [[ids.get(i, i) for i in idx] for idx in w.rank_indices],
+            "idle_ranks": list(w.idle_ranks),
+            "lockstep": w.lockstep,
+            "steps": w.num_steps,
+            "latency_s": round(w.latency_s, 6),
+            "status": w.status,
+            "error": w.error,
+        }
+        for w in report.waves
+    ]
     return "".join(json.dumps(w, sort_keys=True) + "\n" for w in waves)
 
 
@@ -145,9 +165,17 @@ def step_lines(report: ServeReport) -> str:
     if not (report.steps or report.degraded):
         return ""
     ids = {r.index: r.request_id for r in report.results}
-    steps = [{"step": k.step, "start_s": round(k.start_s, 6), "end_s": round(k.end_s, 6),
-              "ranks": [[ids.get(i, i) for i in held] for held in k.held],
-              "compute_s": [round(c, 6) for c in k.compute_s], "queued": k.num_queued} for k in report.steps]
+    steps = [
+        {
+            "step": k.step,
+            "start_s": round(k.start_s, 6),
+            "end_s": round(k.end_s, 6),
+            "ranks": [[ids.get(i, i) for i in held] for held in k.held],
+            "compute_s": [round(c, 6) for c in k.compute_s],
+            "queued": k.num_queued,
+        }
+        for k in report.steps
+    ]
     if report.degraded:
         steps.append({"degraded": report.degraded})
     return "".join(json.dumps(k, sort_keys=True) + "\n" for k in steps)

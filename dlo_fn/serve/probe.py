@@ -47,15 +47,15 @@ class Probe:
     seconds: float  # wall time the probe took
 
 
-
 @torch.no_grad()
 def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = "blocks") -> Probe:
     """Measure this machine for ``model`` (a :class:`~dlo_fn.models.dit.VideoDiT`, not yet offloaded) and the
     ``request`` it will serve. Moves the non-block modules to the device (offloading does that anyway)."""
     started = time.perf_counter()
     platform, dev = ctx.platform, ctx.platform.device
-    sizes = ModelSizes.from_spec(spec_from_module(model, (block_path,), name=type(model).__name__),
-                                 source="probe: the model's spec")
+    sizes = ModelSizes.from_spec(
+        spec_from_module(model, (block_path,), name=type(model).__name__), source="probe: the model's spec"
+    )
     for name, child in model.named_children():
         if name != block_path:
             child.to(dev)
@@ -66,12 +66,17 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
     embedded = model.embed(*model_inputs(state))
     x, kwargs = embedded.x, embedded.block_kwargs
     dtype = next(block.parameters()).dtype
-    links = probe_links(flat_block(blocks[0]), ctx, reps=reps, a2a_elements=x.shape[0] * x.shape[1] *
-                        model.config.hidden_dim, dtype=dtype)
+    links = probe_links(
+        flat_block(blocks[0]),
+        ctx,
+        reps=reps,
+        a2a_elements=x.shape[0] * x.shape[1] * model.config.hidden_dim,
+        dtype=dtype,
+    )
     before = platform.memory_allocated() if platform.is_accelerator else 0
     if platform.is_accelerator:
         platform.reset_peak_memory_stats()
-    block_s = best_s(lambda: block(x, **kwargs), platform, reps)
+    block_s = best_s(lambda: block(x, **kwargs), platform, reps)  # noqa: F821 (a closure; the name is deleted after its last call)
     tokens = x.shape[1]
     act = (platform.max_memory_allocated() - before) // max(x.shape[0] * tokens, 1) if platform.is_accelerator else 0
     text = model.encode_text(model_inputs(state).text_tokens)  # once per request, as the engine does
@@ -85,22 +90,43 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
     request_s = best_s(lambda: finish(dataclasses.replace(init_state(model, request, dev), step=done)), platform, 1)
     del block, embedded, x
     branches = 2 if request.cfg else 1
-    workload = Workload(f"{request.height}x{request.width}x{request.num_frames}", tokens,
-                        request.num_inference_steps, branches)
+    workload = Workload(
+        f"{request.height}x{request.width}x{request.num_frames}", tokens, request.num_inference_steps, branches
+    )
     topology = dataclasses.replace(
-        topology_from(f"probe {platform.kind} x{ctx.world_size}", ctx.world_size, links,
-                      BlockCompute(table=((tokens, branches, block_s),)), ((tokens, branches, overhead),),
-                      "probe on this machine"),
-        request_overhead=((tokens, request_s),))
-    pmodel = PolicyModel(sizes, model.config.hidden_dim, dtype.itemsize, int(act),
-                         source="probe: the model's spec; activations from the allocator's peak")
+        topology_from(
+            f"probe {platform.kind} x{ctx.world_size}",
+            ctx.world_size,
+            links,
+            BlockCompute(table=((tokens, branches, block_s),)),
+            ((tokens, branches, overhead),),
+            "probe on this machine",
+        ),
+        request_overhead=((tokens, request_s),),
+    )
+    pmodel = PolicyModel(
+        sizes,
+        model.config.hidden_dim,
+        dtype.itemsize,
+        int(act),
+        source="probe: the model's spec; activations from the allocator's peak",
+    )
     seconds = time.perf_counter() - started
-    log.info("probe (%.1f s): H2D %.1f GB/s, all-gather/copy %.1f GB/s, all-to-all %s, block %.2f ms on %d tokens x "
-             "%d, outside the blocks %.2f ms per step, per request %.1f ms, host per block %.0f / %.0f us "
-             "(allgather / rank-local)", seconds, links.h2d_bytes_per_s / 1e9, links.allgather_bus_bytes_per_s / 1e9,
-             f"{links.all_to_all_bytes_per_s / 1e6:.1f} MB/s" if links.all_to_all_bytes_per_s else "- (one rank)",
-             1e3 * block_s, tokens, branches, 1e3 * overhead, 1e3 * request_s,
-             *(1e6 * s for _, s in links.host_s_per_block))
+    log.info(
+        "probe (%.1f s): H2D %.1f GB/s, all-gather/copy %.1f GB/s, all-to-all %s, block %.2f ms on %d tokens x "
+        "%d, outside the blocks %.2f ms per step, per request %.1f ms, host per block %.0f / %.0f us "
+        "(allgather / rank-local)",
+        seconds,
+        links.h2d_bytes_per_s / 1e9,
+        links.allgather_bus_bytes_per_s / 1e9,
+        f"{links.all_to_all_bytes_per_s / 1e6:.1f} MB/s" if links.all_to_all_bytes_per_s else "- (one rank)",
+        1e3 * block_s,
+        tokens,
+        branches,
+        1e3 * overhead,
+        1e3 * request_s,
+        *(1e6 * s for _, s in links.host_s_per_block),
+    )
     return Probe(topology, pmodel, workload, seconds)
 
 

@@ -19,8 +19,9 @@ class RingProgress:
     def __init__(self, enabled: bool | None) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=0, unit="request", desc="serving", leave=True,
-                        disable=None if enabled is None else not enabled)
+        self.bar = tqdm(
+            total=0, unit="request", desc="serving", leave=True, disable=None if enabled is None else not enabled
+        )
 
     def show(self, done: int, arrived: int, queued: int, step: int) -> None:
         if self.bar.disable:

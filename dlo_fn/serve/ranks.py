@@ -21,13 +21,27 @@ from dlo_fn.runtime.platform import platform_for
 __all__ = ["run_ranks"]
 
 
-def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, kind: str, timeout_s: float,
-               threads: int, results: Any, args: Sequence[Any]) -> None:
+def _rank_main(
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    init_file: str,
+    kind: str,
+    timeout_s: float,
+    threads: int,
+    results: Any,
+    args: Sequence[Any],
+) -> None:
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        ctx = init_distributed(platform_for(kind, rank), timeout_s=timeout_s, init_method=f"file://{init_file}",
-                               rank=rank, world_size=world_size)
+        ctx = init_distributed(
+            platform_for(kind, rank),
+            timeout_s=timeout_s,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+        )
         try:
             out = fn(ctx, *args)
         finally:
@@ -38,8 +52,14 @@ def _rank_main(rank: int, fn: Callable, world_size: int, init_file: str, kind: s
         raise SystemExit(1)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-              platform: str = "cpu", threads_per_rank: int = 1) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    platform: str = "cpu",
+    threads_per_rank: int = 1,
+) -> list[Any]:
     """Run ``fn(ctx: DistContext, *args)`` in ``world_size`` fresh processes (spawn) joined by a file://
     rendezvous; return the results in rank order. ``fn`` must be importable (module level) and its result
     picklable. Raises ``RuntimeError`` with the failing ranks' tracebacks, or ``TimeoutError`` after
@@ -51,9 +71,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     with tempfile.TemporaryDirectory(prefix="dlo_fn_ranks_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            mpctx.Process(target=_rank_main, daemon=True,
-                          args=(r, fn, world_size, init_file, platform, timeout_s, threads_per_rank, results,
-                                tuple(args)))
+            mpctx.Process(
+                target=_rank_main,
+                daemon=True,
+                args=(r, fn, world_size, init_file, platform, timeout_s, threads_per_rank, results, tuple(args)),
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -66,7 +88,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 if left <= 0:
                     raise TimeoutError(
                         f"run_ranks: ranks {sorted(set(range(world_size)) - set(got))} did not finish within "
-                        f"{timeout_s:.0f} s; finished: {sorted(got)}")
+                        f"{timeout_s:.0f} s; finished: {sorted(got)}"
+                    )
                 try:
                     rank, ok, value = results.get(timeout=min(left, 0.5))
                     got[rank] = (ok, value)
@@ -83,8 +106,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                         except queue_mod.Empty:
                             break
                     if any(r not in got for r in dead):
-                        raise RuntimeError(f"run_ranks: ranks {[r for r in dead if r not in got]} died "
-                                           f"(exit codes {[procs[r].exitcode for r in dead]}) without a report")
+                        raise RuntimeError(
+                            f"run_ranks: ranks {[r for r in dead if r not in got]} died "
+                            f"(exit codes {[procs[r].exitcode for r in dead]}) without a report"
+                        )
                     if not any(ok is False for ok, _ in got.values()):
                         continue
                 if any(ok is False for ok, _ in got.values()):

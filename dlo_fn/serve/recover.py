@@ -79,6 +79,7 @@ def reloader(source: str | os.PathLike | Reload | None) -> Reload | None:
         from dlo_fn.io.load import load_model
 
         return load_model(path, progress=False).eval()
+
     return load
 
 
@@ -113,8 +114,7 @@ def rejoin(board: StatusBoard, plan: RecoveryPlan, rank: int, timeout_s: float, 
             missing = [r for r, k in zip(plan.survivors, keys) if not board.store.check([k])]
             raise TimeoutError(f"recovery {plan.epoch}: ranks {missing} did not rejoin within {bound_s:.0f} s")
         time.sleep(_POLL_S)
-    return GroupChannel.build(board.store, f"{prefix}pg/", plan.survivors.index(rank), len(plan.survivors),
-                              timeout_s)
+    return GroupChannel.build(board.store, f"{prefix}pg/", plan.survivors.index(rank), len(plan.survivors), timeout_s)
 
 
 def rank_local_replica(offloaded: Offloaded, reload: Reload) -> None:
@@ -133,8 +133,9 @@ def rank_local_replica(offloaded: Offloaded, reload: Reload) -> None:
     del fresh, tensors  # the store holds the block views it streams from; the rest of the mapping goes
     blocks, aliases = old.blocks, old.aliases
     old.release()  # before the new slots are allocated: they take the old ones' device memory
-    options = dataclasses.replace(offloaded.options, mode="rank-local", rank_local_source="mmap", graph=False,
-                                  num_slots=old.num_slots)
+    options = dataclasses.replace(
+        offloaded.options, mode="rank-local", rank_local_source="mmap", graph=False, num_slots=old.num_slots
+    )
     executor = Executor(offloaded.ctx.platform, layout, store, blocks, aliases, options, rank=old.rank)
     for module in offloaded.model.modules():
         if isinstance(module, BlockProxy) and module.block is blocks[module.block_index]:
@@ -142,5 +143,6 @@ def rank_local_replica(offloaded: Offloaded, reload: Reload) -> None:
     offloaded.options = options
     offloaded.layout, offloaded.store, offloaded.executor = layout, store, executor
     offloaded.shards = ShardGroup("none", None, 1, 0)
-    log.warning("rank %d: now a rank-local replica streaming %d blocks from the checkpoint mapping", old.rank,
-                layout.num_blocks)
+    log.warning(
+        "rank %d: now a rank-local replica streaming %d blocks from the checkpoint mapping", old.rank, layout.num_blocks
+    )

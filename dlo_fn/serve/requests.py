@@ -19,16 +19,30 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from dlo_fn.models.request import Request
 from dlo_fn.serve.batch import Fault
 
-__all__ = ["to_wire", "from_wire", "Submission", "EngineOptions", "RequestResult", "ResultBook", "WaveRecord",
-           "StepRecord",
-           "ServeReport", "SERVING", "read_prompts", "as_submissions", "wave_table", "result_table", "not_dispatched"]
+__all__ = [
+    "to_wire",
+    "from_wire",
+    "Submission",
+    "EngineOptions",
+    "RequestResult",
+    "ResultBook",
+    "WaveRecord",
+    "StepRecord",
+    "ServeReport",
+    "SERVING",
+    "read_prompts",
+    "as_submissions",
+    "wave_table",
+    "result_table",
+    "not_dispatched",
+]
 
 SERVING = ("strict", "continuous")  # strict: waves (today's behaviour); continuous: see dlo_fn.serve.continuous
 
@@ -77,7 +91,6 @@ def as_submissions(items: Iterable[Request | Submission]) -> list[Submission]:
     return out
 
 
-
 def rejection(sub: "Submission", config: Any, memory: Any = None) -> str | None:
     """Why ``sub`` cannot be dispatched (its own parse error, a field the model's ``config`` refuses, or more
     memory than a rank has left: ``memory``, a :class:`~dlo_fn.serve.admission.MemoryAdmission`), or None:
@@ -89,6 +102,7 @@ def rejection(sub: "Submission", config: Any, memory: Any = None) -> str | None:
     except ValueError as exc:
         return f"rejected before dispatch: {exc}"
     return memory.refusal(sub.request) if memory is not None else None
+
 
 def read_prompts(path: str | pathlib.Path, defaults: Mapping[str, Any] | None = None) -> list[Submission]:
     """Parse a prompts file (see the module docstring). A bad line becomes a submission with an error that
@@ -148,8 +162,9 @@ class EngineOptions:
             raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
-        if self.memory_budget_bytes is not None and not (isinstance(self.memory_budget_bytes, int)
-                                                         and self.memory_budget_bytes > 0):
+        if self.memory_budget_bytes is not None and not (
+            isinstance(self.memory_budget_bytes, int) and self.memory_budget_bytes > 0
+        ):
             raise ValueError(f"memory_budget_bytes must be None or an int > 0, got {self.memory_budget_bytes!r}")
 
 
@@ -215,8 +230,9 @@ def _request_result(*fields: Any) -> "RequestResult":
 
 def not_dispatched(index: int, sub: Submission, stopped: str | None) -> RequestResult:
     """The result of submission ``index``, which the engine never reached: it stopped earlier (``stopped``)."""
-    return RequestResult(index, sub.request_id, sub.request, False,
-                         error=f"not dispatched: the engine stopped earlier ({stopped})")
+    return RequestResult(
+        index, sub.request_id, sub.request, False, error=f"not dispatched: the engine stopped earlier ({stopped})"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,10 +310,13 @@ def wave_table(report: ServeReport) -> str:
         if w.lockstep:
             ranks = " | ".join(",".join(ids.get(i, str(i)) for i in idx) or "idle" for idx in w.rank_indices)
         else:
-            ranks = " ".join(f"rank {r}: " + ",".join(ids.get(i, str(i)) for i in idx)
-                             for r, idx in enumerate(w.rank_indices) if idx)
-        lines.append(f"{w.wave_id:>4}  {w.key:<22} {ranks:<40} {w.latency_s:>8.3f}s  {w.status}"
-                     + (f": {w.error.splitlines()[0][:120]}" if w.error else ""))
+            ranks = " ".join(
+                f"rank {r}: " + ",".join(ids.get(i, str(i)) for i in idx) for r, idx in enumerate(w.rank_indices) if idx
+            )
+        lines.append(
+            f"{w.wave_id:>4}  {w.key:<22} {ranks:<40} {w.latency_s:>8.3f}s  {w.status}"
+            + (f": {w.error.splitlines()[0][:120]}" if w.error else "")
+        )
     return "\n".join(lines)
 
 
@@ -310,4 +329,3 @@ def result_table(report: ServeReport) -> str:
         tail = r.sha256 if r.ok else f"ERROR {(r.error or '').splitlines()[0][:150]}"
         lines.append(f"{r.request_id:<10} {wave:>4} {rank:>4}  {shape:<20} {tail}")
     return "\n".join(lines)
-

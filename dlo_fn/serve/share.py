@@ -47,13 +47,27 @@ class ShareRun:
 class ShareRunner:
     """Runs this rank's shares of waves on ``model`` (wrapped by ``offloaded``), reporting on ``board``."""
 
-    def __init__(self, model: nn.Module, offloaded: Offloaded, rank: int, board: StatusBoard,
-                 fault: Fault | None = None, sp: SPContext | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        offloaded: Offloaded,
+        rank: int,
+        board: StatusBoard,
+        fault: Fault | None = None,
+        sp: SPContext | None = None,
+    ) -> None:
         self.model, self.offloaded, self.rank, self.board, self.sp = model, offloaded, rank, board, sp
         self.fault = fault if fault is not None and fault.rank == rank else None
 
-    def run(self, wave_id: int, num_steps: int, share: Sequence[tuple[int, dict]], *, trace: bool = False,
-            on_step: Callable[[], None] | None = None) -> ShareRun:
+    def run(
+        self,
+        wave_id: int,
+        num_steps: int,
+        share: Sequence[tuple[int, dict]],
+        *,
+        trace: bool = False,
+        on_step: Callable[[], None] | None = None,
+    ) -> ShareRun:
         """Run ``share`` of wave ``wave_id`` (``num_steps`` denoising steps); ``on_step()`` after every step
         (rank 0's progress bar). Raises :class:`~dlo_fn.serve.batch.WaveAborted` when the collectives could
         not be completed."""
@@ -62,6 +76,7 @@ class ShareRunner:
         block_spans: list[TraceSpan] = []
         on_block = None
         if trace:
+
             def on_block(label: str, step: int, block: int, s: float, e: float) -> None:
                 block_spans.append((self.rank, "compute", f"{label} s{step} b{block}", s, e))
 
@@ -72,8 +87,16 @@ class ShareRunner:
 
         positions = [p for p, _ in share]
         outcomes = run_batch(
-            self.model, self.offloaded, [from_wire(r) for _, r in share], positions, num_steps=num_steps,
-            rank=self.rank, fault=fault, on_block=on_block, on_step=step_done, sp=self.sp,
+            self.model,
+            self.offloaded,
+            [from_wire(r) for _, r in share],
+            positions,
+            num_steps=num_steps,
+            rank=self.rank,
+            fault=fault,
+            on_block=on_block,
+            on_step=step_done,
+            sp=self.sp,
         )
         if not trace:
             return ShareRun(tuple(outcomes))
@@ -114,8 +137,9 @@ def own_timeline(offloaded: Offloaded, meta: Sequence[tuple[str, str]] = ()) -> 
     return ex.take_timeline(tuple(meta)) if ex is not None and ex.options.record_timeline else None
 
 
-def gather_timelines(channel: Channel, offloaded: Offloaded, world_size: int,
-                     meta: Sequence[tuple[str, str]] = ()) -> Timeline:
+def gather_timelines(
+    channel: Channel, offloaded: Offloaded, world_size: int, meta: Sequence[tuple[str, str]] = ()
+) -> Timeline:
     """Rank 0: every rank's :func:`own_timeline` (each follower sends its own when asked with a ``timeline``
     message), in rank order, as one Timeline with the meta of the last rank that recorded one."""
     timelines = [own_timeline(offloaded, meta)]

@@ -27,9 +27,17 @@ class StreamIntake:
     """What arrived on ``source`` so far: every ``submissions`` entry (by arrival index), the ``rejected``
     ones' results, and the valid ones still waiting for a wave."""
 
-    def __init__(self, source: "queue.Queue[Any]", config: DiTConfig | None, *, width: int, requests_per_rank: int,
-                 max_wait_s: float, on_result: Callable[[RequestResult], None] | None = None,
-                 memory: Any = None) -> None:
+    def __init__(
+        self,
+        source: "queue.Queue[Any]",
+        config: DiTConfig | None,
+        *,
+        width: int,
+        requests_per_rank: int,
+        max_wait_s: float,
+        on_result: Callable[[RequestResult], None] | None = None,
+        memory: Any = None,
+    ) -> None:
         self.source, self.config, self.on_result, self.memory = source, config, on_result, memory
         self.width, self.requests_per_rank, self.max_wait_s = width, requests_per_rank, max_wait_s
         self.submissions: list[Submission] = []
@@ -41,9 +49,14 @@ class StreamIntake:
     def due_waves(self, first_wave_id: int) -> tuple[WavePlan, ...]:
         """The waves due now (every waiting request once the stream closed), numbered from ``first_wave_id``;
         they stop waiting."""
-        plan = form_waves(self._pending, self.width, self.requests_per_rank,
-                          now_s=math.inf if self.closed else time.monotonic(), max_wait_s=self.max_wait_s,
-                          first_wave_id=first_wave_id)
+        plan = form_waves(
+            self._pending,
+            self.width,
+            self.requests_per_rank,
+            now_s=math.inf if self.closed else time.monotonic(),
+            max_wait_s=self.max_wait_s,
+            first_wave_id=first_wave_id,
+        )
         if plan.waves:
             waiting = set(plan.waiting)
             self._pending = [p for p in self._pending if p.index in waiting]
@@ -81,8 +94,13 @@ class StreamIntake:
         self.submissions.append(sub)
         reason = rejection(sub, self.config, self.memory)
         if reason is not None or stopped is not None:
-            self.rejected[index] = RequestResult(index, sub.request_id, sub.request, False, error=reason or (
-                f"not dispatched: the engine stopped earlier ({stopped})"))
+            self.rejected[index] = RequestResult(
+                index,
+                sub.request_id,
+                sub.request,
+                False,
+                error=reason or (f"not dispatched: the engine stopped earlier ({stopped})"),
+            )
             if self.on_result is not None:
                 self.on_result(self.rejected[index])
         else:
@@ -94,12 +112,22 @@ class StreamIntake:
         if isinstance(item, Request):
             item = Submission(f"req{index:04d}", item)
         if not isinstance(item, Submission):
-            return Submission(f"item{index:04d}", None, error=(
-                f"rejected before dispatch: stream item {index} is a {type(item).__name__}; put a Request, a "
-                f"Submission, or None (end of stream) on the queue"))
+            return Submission(
+                f"item{index:04d}",
+                None,
+                error=(
+                    f"rejected before dispatch: stream item {index} is a {type(item).__name__}; put a Request, a "
+                    f"Submission, or None (end of stream) on the queue"
+                ),
+            )
         if item.request_id in self._seen:
-            return Submission(f"{item.request_id}#dup{index}", None, error=(
-                f"rejected before dispatch: duplicate request id {item.request_id!r} (stream item {index}); give "
-                f"each submission its own id"))
+            return Submission(
+                f"{item.request_id}#dup{index}",
+                None,
+                error=(
+                    f"rejected before dispatch: duplicate request id {item.request_id!r} (stream item {index}); give "
+                    f"each submission its own id"
+                ),
+            )
         self._seen.add(item.request_id)
         return item

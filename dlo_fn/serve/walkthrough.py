@@ -44,17 +44,18 @@ class RankRun:
     sha256: str
 
 
-def offload_and_run(ctx: Any, checkpoint: str, prompts: Sequence[str], request: dict,
-                    modes: Sequence[str] = ("allgather", "rank-local")) -> list[RankRun]:
+def offload_and_run(
+    ctx: Any, checkpoint: str, prompts: Sequence[str], request: dict, modes: Sequence[str] = ("allgather", "rank-local")
+) -> list[RankRun]:
     """On rank ``ctx.rank``: per mode, load ``checkpoint`` (mmap), offload its blocks over the world and run the
     request ``Request(prompts[rank], seed=rank, **request)`` in one run of its steps; see the module doc."""
     import pathlib
 
+    from dlo_fn.io.load import load_model
+    from dlo_fn.io.release import viewed_files
     from dlo_fn.models import BLOCK_PATHS, Request, generate
     from dlo_fn.plan.compare import single_run
-    from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
-    from dlo_fn.io.release import viewed_files
 
     req = Request(prompts[ctx.rank], seed=ctx.rank, **request)
     runs = []
@@ -66,12 +67,24 @@ def offload_and_run(ctx: Any, checkpoint: str, prompts: Sequence[str], request: 
         with off.run(num_steps=req.num_inference_steps) as schedule:
             result = generate(off.model, req)
         measured = single_run(ex.take_timeline(), 0)
-        runs.append(RankRun(
-            mode=mode, rank=ctx.rank, num_shards=off.layout.num_shards, files=files,
-            slot_bytes=tuple(s.numel() for s in ex.slots), landing_bytes=tuple(t.numel() for t in ex.landing),
-            device_weight_bytes=ex.device_weight_bytes, planned_device_weight_bytes=ex.planned_device_weight_bytes,
-            host_store_bytes=store.arena_bytes, host_store_pinned=store.pinned, schedule=schedule,
-            measured=measured, plugin=dict(measured.meta).get("plugin", "none"), video=result.video.numpy(),
-            sha256=result.sha256))
+        runs.append(
+            RankRun(
+                mode=mode,
+                rank=ctx.rank,
+                num_shards=off.layout.num_shards,
+                files=files,
+                slot_bytes=tuple(s.numel() for s in ex.slots),
+                landing_bytes=tuple(t.numel() for t in ex.landing),
+                device_weight_bytes=ex.device_weight_bytes,
+                planned_device_weight_bytes=ex.planned_device_weight_bytes,
+                host_store_bytes=store.arena_bytes,
+                host_store_pinned=store.pinned,
+                schedule=schedule,
+                measured=measured,
+                plugin=dict(measured.meta).get("plugin", "none"),
+                video=result.video.numpy(),
+                sha256=result.sha256,
+            )
+        )
         ex.release()
     return runs

@@ -20,16 +20,46 @@ from dlo_fn.serve.share import TraceSpan
 __all__ = ["request_result", "wave_steps", "wave_shares", "relative_spans", "spread", "fill_wave", "fail_wave"]
 
 
-def request_result(index: int, sub: Submission, outcome: Outcome | None, *, rank: int, wave_id: int,
-                   position: int, queued_s: float, wave_s: float, error: str | None = None) -> RequestResult:
+def request_result(
+    index: int,
+    sub: Submission,
+    outcome: Outcome | None,
+    *,
+    rank: int,
+    wave_id: int,
+    position: int,
+    queued_s: float,
+    wave_s: float,
+    error: str | None = None,
+) -> RequestResult:
     """A result from a rank's outcome (or an error when there is none)."""
     timings = {"queued_s": queued_s, "wave_s": wave_s}
     if outcome is None or error is not None:
-        return RequestResult(index, sub.request_id, sub.request, False, error=error or "no outcome returned",
-                             rank=rank, wave_id=wave_id, position=position, timings=timings)
+        return RequestResult(
+            index,
+            sub.request_id,
+            sub.request,
+            False,
+            error=error or "no outcome returned",
+            rank=rank,
+            wave_id=wave_id,
+            position=position,
+            timings=timings,
+        )
     timings["compute_s"] = outcome.compute_s
-    return RequestResult(index, sub.request_id, sub.request, outcome.ok, outcome.video, outcome.sha256,
-                         outcome.error, rank, wave_id, position, timings)
+    return RequestResult(
+        index,
+        sub.request_id,
+        sub.request,
+        outcome.ok,
+        outcome.video,
+        outcome.sha256,
+        outcome.error,
+        rank,
+        wave_id,
+        position,
+        timings,
+    )
 
 
 def wave_steps(subs: Sequence[Submission], wave: WavePlan) -> int:
@@ -39,8 +69,10 @@ def wave_steps(subs: Sequence[Submission], wave: WavePlan) -> int:
 
 def wave_shares(subs: Sequence[Submission], wave: WavePlan) -> list[list[tuple[int, dict]]]:
     """Each replica's share of the wave: ``(position, request as a dict)`` pairs, by replica."""
-    return [[(p, to_wire(subs[wave.indices[p]].request)) for p in pos]
-            for pos in assign_positions(len(wave.indices), wave.dp_size)]
+    return [
+        [(p, to_wire(subs[wave.indices[p]].request)) for p in pos]
+        for pos in assign_positions(len(wave.indices), wave.dp_size)
+    ]
 
 
 def _owners(wave: WavePlan) -> dict[int, int]:
@@ -58,8 +90,15 @@ def spread(w: WavePlan, rank: int, world: int) -> tuple[tuple[int, ...], ...]:
     return tuple(w.indices if r == rank else () for r in range(world))
 
 
-def fill_wave(subs: Sequence[Submission], wave: WavePlan, outcomes: Mapping[int, Sequence[Outcome]], *,
-              queued_s: float, wave_s: float, leaders: Sequence[int] | None = None) -> dict[int, RequestResult]:
+def fill_wave(
+    subs: Sequence[Submission],
+    wave: WavePlan,
+    outcomes: Mapping[int, Sequence[Outcome]],
+    *,
+    queued_s: float,
+    wave_s: float,
+    leaders: Sequence[int] | None = None,
+) -> dict[int, RequestResult]:
     """Match outcomes (by replica) to the wave's requests by wave position (a missing one becomes an error);
     a result's rank is its replica's leader (``leaders[d]``, default ``d``)."""
     owner = _owners(wave)
@@ -68,18 +107,38 @@ def fill_wave(subs: Sequence[Submission], wave: WavePlan, outcomes: Mapping[int,
     out = {}
     for p, i in enumerate(wave.indices):
         d, o = got.get(p, (owner[p], None))
-        err = (None if o is not None
-               else f"rank {lead(owner[p])} returned no result for wave {wave.wave_id} position {p}")
-        out[i] = request_result(i, subs[i], o, rank=lead(d), wave_id=wave.wave_id, position=p,
-                                queued_s=queued_s, wave_s=wave_s, error=err)
+        err = (
+            None if o is not None else f"rank {lead(owner[p])} returned no result for wave {wave.wave_id} position {p}"
+        )
+        out[i] = request_result(
+            i, subs[i], o, rank=lead(d), wave_id=wave.wave_id, position=p, queued_s=queued_s, wave_s=wave_s, error=err
+        )
     return out
 
 
-def fail_wave(subs: Sequence[Submission], wave: WavePlan, reason: str, *, queued_s: float, wave_s: float,
-              owner_rank: int | None = None, leaders: Sequence[int] | None = None) -> dict[int, RequestResult]:
+def fail_wave(
+    subs: Sequence[Submission],
+    wave: WavePlan,
+    reason: str,
+    *,
+    queued_s: float,
+    wave_s: float,
+    owner_rank: int | None = None,
+    leaders: Sequence[int] | None = None,
+) -> dict[int, RequestResult]:
     """Every request of a wave that failed closed gets ``reason``."""
     owners = {p: (leaders[d] if leaders is not None else d) for p, d in _owners(wave).items()}
-    return {i: RequestResult(i, subs[i].request_id, subs[i].request, False, error=reason,
-                             rank=owner_rank if owner_rank is not None else owners[p], wave_id=wave.wave_id,
-                             position=p, timings={"queued_s": queued_s, "wave_s": wave_s})
-            for p, i in enumerate(wave.indices)}
+    return {
+        i: RequestResult(
+            i,
+            subs[i].request_id,
+            subs[i].request,
+            False,
+            error=reason,
+            rank=owner_rank if owner_rank is not None else owners[p],
+            wave_id=wave.wave_id,
+            position=p,
+            timings={"queued_s": queued_s, "wave_s": wave_s},
+        )
+        for p, i in enumerate(wave.indices)
+    }

@@ -62,8 +62,9 @@ class Channel:
 
             # Collective new_group: every rank constructs its Channel at the same point. Same members as the
             # device group (all ranks for the default group); messages go over gloo on the host.
-            group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+            group = dist.new_group(
+                ranks=dist.get_process_group_ranks(group), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
         self.group = group
 
     def broadcast(self, obj: Any = None) -> Any:
@@ -75,13 +76,15 @@ class Channel:
         return box[0]
 
     def send(self, obj: Any, dst: int = 0) -> None:
-        dist.send_object_list([obj], dst=dist.get_global_rank(self.group, dst) if _has_global(self.group) else dst,
-                              group=self.group)
+        dist.send_object_list(
+            [obj], dst=dist.get_global_rank(self.group, dst) if _has_global(self.group) else dst, group=self.group
+        )
 
     def recv(self, src: int) -> Any:
         box = [None]
-        dist.recv_object_list(box, src=dist.get_global_rank(self.group, src) if _has_global(self.group) else src,
-                              group=self.group)
+        dist.recv_object_list(
+            box, src=dist.get_global_rank(self.group, src) if _has_global(self.group) else src, group=self.group
+        )
         return box[0]
 
 
@@ -97,8 +100,13 @@ class GroupChannel:
 
     @classmethod
     def build(cls, store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> "GroupChannel":
-        group = None if world_size == 1 else dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, store), rank, world_size, datetime.timedelta(seconds=timeout_s))
+        group = (
+            None
+            if world_size == 1
+            else dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix, store), rank, world_size, datetime.timedelta(seconds=timeout_s)
+            )
+        )
         return cls(group, rank, world_size)
 
     def broadcast(self, obj: Any = None) -> Any:

@@ -39,8 +39,16 @@ from typing import Any, Iterator, Sequence
 from dlo_fn.serve.outputs import RunInfo, manifest_row, replace_text, save_video, step_lines, wave_lines
 from dlo_fn.serve.requests import RequestResult, ServeReport, Submission
 
-__all__ = ["EXISTING", "OWN_FILES", "ExistingOutputError", "ResultWriter", "check_out", "finish_on_sigterm",
-           "own_files", "write_outputs"]
+__all__ = [
+    "EXISTING",
+    "OWN_FILES",
+    "ExistingOutputError",
+    "ResultWriter",
+    "check_out",
+    "finish_on_sigterm",
+    "own_files",
+    "write_outputs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +78,23 @@ def check_out(out: str | os.PathLike, existing: str = "refuse") -> None:
         more = f" and {len(found) - 1} more" if len(found) > 1 else ""
         raise ExistingOutputError(
             f"{out} holds an earlier run's outputs ({found[0].name}{more}): choose a new folder, or clean it first "
-            f"(generate --out-exists clean deletes only these files)")
+            f"(generate --out-exists clean deletes only these files)"
+        )
 
 
 class ResultWriter:
     """Rank 0's writer of one run under ``out`` (see the module docstring). ``info``: the run's
     :class:`~dlo_fn.serve.outputs.RunInfo` (mode, ranks, serving), set once the engine exists."""
 
-    def __init__(self, out: str | os.PathLike, *, existing: str = "refuse", previews: bool = True,
-                 expected: Sequence[Submission] = (), info: Any = None) -> None:
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        *,
+        existing: str = "refuse",
+        previews: bool = True,
+        expected: Sequence[Submission] = (),
+        info: Any = None,
+    ) -> None:
         self.out, self.previews, self.info = pathlib.Path(out), previews, info
         check_out(self.out, existing)
         for path in own_files(self.out):  # existing == "clean": only what a run writes
@@ -110,8 +126,12 @@ class ResultWriter:
                 for path in self.out.glob("*.tmp"):
                     path.unlink(missing_ok=True)
                 files = []
-                result = dataclasses.replace(result, ok=False, video=None, error=(
-                    f"finished, but writing its files under {self.out} failed: {type(exc).__name__}: {exc}"))
+                result = dataclasses.replace(
+                    result,
+                    ok=False,
+                    video=None,
+                    error=(f"finished, but writing its files under {self.out} failed: {type(exc).__name__}: {exc}"),
+                )
             row = manifest_row(result, self.info, files, self.out)
             try:
                 self._append(row)
@@ -167,8 +187,9 @@ class ResultWriter:
             self._fd = None
 
 
-def write_outputs(out_dir: str | pathlib.Path, report: ServeReport, *, previews: bool = True,
-                  existing: str = "refuse") -> pathlib.Path:
+def write_outputs(
+    out_dir: str | pathlib.Path, report: ServeReport, *, previews: bool = True, existing: str = "refuse"
+) -> pathlib.Path:
     """Write videos, previews and the manifests of a finished serve (see the module docstring) through a
     :class:`~dlo_fn.serve.writer.ResultWriter` (``existing``: what to do with an earlier run's files there);
     returns the manifest's path."""
@@ -198,10 +219,14 @@ def finish_on_sigterm(writer: ResultWriter, say: Any = None, exit_code: int = 12
             if not data:
                 return
             if signal.SIGTERM in data:
-                lines = writer.stop("the run was stopped (SIGTERM) before this request finished; under torchrun "
-                                    "that follows another rank's exit")
-                text = (f"stopped by SIGTERM: {writer.written - lines} result(s) were on disk, {lines} request(s) "
-                        f"got a 'not completed' line in {writer.manifest}")
+                lines = writer.stop(
+                    "the run was stopped (SIGTERM) before this request finished; under torchrun "
+                    "that follows another rank's exit"
+                )
+                text = (
+                    f"stopped by SIGTERM: {writer.written - lines} result(s) were on disk, {lines} request(s) "
+                    f"got a 'not completed' line in {writer.manifest}"
+                )
                 (say or (lambda t: print(t, file=sys.stderr)))(text)
                 sys.stderr.flush()
                 os._exit(exit_code)

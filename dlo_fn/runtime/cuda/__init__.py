@@ -30,8 +30,9 @@ def plugins_for(options: Any, platform: Any) -> BlockGraphs | None:
     if options.graph != "block":
         return None
     if platform.kind != "cuda":
-        log.warning("cuda graph (per block): CUDA graphs need a CUDA device (platform %r); running eager",
-                    platform.kind)
+        log.warning(
+            "cuda graph (per block): CUDA graphs need a CUDA device (platform %r); running eager", platform.kind
+        )
         return None
     return BlockGraphs(options.graph_shapes)
 

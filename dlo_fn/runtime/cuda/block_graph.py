@@ -51,8 +51,14 @@ from typing import Any, Callable
 
 import torch
 
-from dlo_fn.runtime.cuda.capture import (ShapeLRU, capture_guard, flatten_call, flatten_outputs, rebuild_call,
-                                        tensor_specs)
+from dlo_fn.runtime.cuda.capture import (
+    ShapeLRU,
+    capture_guard,
+    flatten_call,
+    flatten_outputs,
+    rebuild_call,
+    tensor_specs,
+)
 
 __all__ = ["BlockGraphs", "CudaCapture", "holders"]
 
@@ -146,8 +152,10 @@ class BlockGraphs:
                 self._graphs.pop(k, None), self._seen.pop(k, None), self._eager.discard(k)
         if dropped:
             self._prune()
-            log.info("cuda graph (per block): more than %d input shapes; dropped the graphs of the least recently "
-                     "used one", self._shapes.limit)
+            log.info(
+                "cuda graph (per block): more than %d input shapes; dropped the graphs of the least recently used one",
+                self._shapes.limit,
+            )
 
     def _prune(self) -> None:
         """Free the chain buffers and shared inputs no remaining graph reads or writes."""
@@ -191,8 +199,10 @@ class BlockGraphs:
                 bufs = self._bufs
                 for j, k in got.direct:  # loops, not generators: this is the replay's host work per block
                     if flat[j] is not bufs[k]:
-                        self._log_once("a block's input is not the chain buffer it was at capture (the model "
-                                       "changed it between blocks)")
+                        self._log_once(
+                            "a block's input is not the chain buffer it was at capture (the model "
+                            "changed it between blocks)"
+                        )
                         return caller(args, kwargs)
                 if self._held(got.writes):
                     return caller(args, kwargs)
@@ -220,8 +230,10 @@ class BlockGraphs:
         for k in writes:
             if holders(bufs[k]) != base[k]:
                 self.held_eager += 1
-                self._log_once("the model keeps a block's output past the next block (a reference to it or a view "
-                               "of it is alive when the block two further on would overwrite it)")
+                self._log_once(
+                    "the model keeps a block's output past the next block (a reference to it or a view "
+                    "of it is alive when the block two further on would overwrite it)"
+                )
                 return True
         return False
 
@@ -253,8 +265,17 @@ class BlockGraphs:
             keys.append(k)
         return tuple(keys)
 
-    def _capture(self, key: tuple, caller: Callable, args: tuple, kwargs: dict, flat: list[torch.Tensor],
-                 block: int, request: int, spec: tuple) -> Any:
+    def _capture(
+        self,
+        key: tuple,
+        caller: Callable,
+        args: tuple,
+        kwargs: dict,
+        flat: list[torch.Tensor],
+        block: int,
+        request: int,
+        spec: tuple,
+    ) -> Any:
         # What the graph reads, by position: a chain buffer (by key: nothing here holds it) or a shared input.
         direct, copied, sources = [], [], []
         for j, t in enumerate(flat):
@@ -265,8 +286,11 @@ class BlockGraphs:
             else:
                 entry = self._shared.get((request, j, spec[j]))
                 if entry is None:  # outside the graphs' pool: it outlives every capture
-                    entry = self._shared[(request, j, spec[j])] = [torch.empty_strided(
-                        t.shape, t.stride(), dtype=t.dtype, device=t.device), None, -1]
+                    entry = self._shared[(request, j, spec[j])] = [
+                        torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device),
+                        None,
+                        -1,
+                    ]
                     self._shared_of.setdefault(request, []).append(entry)
                 self._copy_in(entry, t)
                 copied.append((j, entry))
@@ -288,8 +312,9 @@ class BlockGraphs:
             output = caller(*rebuild_call(num_args, names, structure, inputs))
             outs = flatten_outputs(output)
             if outs is None or tensor_specs(outs, self._device) != out_specs:
-                raise ValueError("the block's outputs differ from those of its eager call (count, shape, strides "
-                                 "or dtype)")
+                raise ValueError(
+                    "the block's outputs differ from those of its eager call (count, shape, strides or dtype)"
+                )
             for t, k in zip(outs, writes):
                 bufs[k].copy_(t)
             return output

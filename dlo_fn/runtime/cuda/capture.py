@@ -75,7 +75,7 @@ def rebuild_call(num_args: int, names: tuple, structure: tuple, tensors: list[An
         elif item[0] == "const":
             values.append(item[2])
         else:
-            values.append(item[0](tensors[i:i + item[1]]))
+            values.append(item[0](tensors[i : i + item[1]]))
             i += item[1]
     return tuple(values[:num_args]), dict(zip(names, values[num_args:]))
 
@@ -120,8 +120,11 @@ def tensor_specs(flat: list[Any] | None, device_type: str | None = None) -> tupl
     if device_type is not None:
         on = _ON_DEVICE.get(device_type)
         if on is None:
-            on = _ON_DEVICE[device_type] = (operator.attrgetter(f"is_{device_type}") if hasattr(
-                torch.Tensor, f"is_{device_type}") else (lambda t: t.device.type == device_type))
+            on = _ON_DEVICE[device_type] = (
+                operator.attrgetter(f"is_{device_type}")
+                if hasattr(torch.Tensor, f"is_{device_type}")
+                else (lambda t: t.device.type == device_type)
+            )
     specs = []
     for t in flat:  # one loop, no generators: this runs per block call
         if not isinstance(t, torch.Tensor) or (on is not None and not on(t)):

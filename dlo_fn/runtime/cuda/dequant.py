@@ -32,8 +32,17 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 
 @triton.jit
-def _dequant_rows(src, dst, desc, first, NUM: tl.constexpr, TILE: tl.constexpr, OUT: tl.constexpr,
-                  ALIGN: tl.constexpr, EVEN: tl.constexpr):
+def _dequant_rows(
+    src,
+    dst,
+    desc,
+    first,
+    NUM: tl.constexpr,
+    TILE: tl.constexpr,
+    OUT: tl.constexpr,
+    ALIGN: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     # desc row j (int64): source byte offset, destination element offset, scale byte offset, row length
     # (elements); first[j]: the tensor's first program (= row) among the launch's. EVEN: TILE divides every row
     # and every start is 16-byte aligned (ALIGN: the elements in 16 bytes of OUT), so nothing is masked.
@@ -117,9 +126,21 @@ class KernelDequant:
         launches = []
         for (dtype, tile, even), (descs, programs) in rows.items():
             table, starts, total, num = _table(descs, programs, slot.device)
-            launches.append((_dequant_rows, (total,), (staging, slot, table, starts),
-                             dict(NUM=num, TILE=tile, OUT=_TL[dtype], ALIGN=16 // dtype.itemsize, EVEN=even,
-                                  num_warps=max(1, min(8, tile // 512)))))
+            launches.append(
+                (
+                    _dequant_rows,
+                    (total,),
+                    (staging, slot, table, starts),
+                    dict(
+                        NUM=num,
+                        TILE=tile,
+                        OUT=_TL[dtype],
+                        ALIGN=16 // dtype.itemsize,
+                        EVEN=even,
+                        num_warps=max(1, min(8, tile // 512)),
+                    ),
+                )
+            )
         if copies[0]:
             table, starts, total, num = _table(*copies, slot.device)
             launches.append((_copy_bytes, (total,), (staging, slot, table, starts), dict(NUM=num, TILE=COPY_TILE)))
