@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -40,9 +41,11 @@ from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mappe
 from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
 from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.quant import quantized_tensors
+from dlo_fn.plan.resident import with_resident
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
+from dlo_fn.runtime.budget import quantize_resident, resident_for_budget
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks, local_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
@@ -70,6 +73,7 @@ class Offloaded:
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
     auto: Any = None  # the policy's choice (dlo_fn.cost.auto.AutoChoice) where options were "auto"
     timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
+    resident_blocks: tuple[int, ...] = ()  # blocks kept on the device under options.hbm_budget (plan.resident)
 
     @property
     def mode(self) -> str:
@@ -106,10 +110,12 @@ class Offloaded:
 
     @property
     def device_weight_bytes(self) -> int:
-        """Device bytes held for block weights: slots + landing buffers, or every block when resident."""
-        if self.executor is not None:
-            return self.executor.device_weight_bytes
-        return self.spec.total_block_bytes
+        """Device bytes held for weights: the ring's buffers (slots, landing and staging buffers), the non-block
+        tensors and the resident blocks; the whole model when resident. ``hbm_budget`` bounds it."""
+        if self.executor is None:
+            return self.spec.total_bytes
+        kept = sum(self.spec.blocks[b].nbytes for b in self.resident_blocks)
+        return self.executor.device_weight_bytes + self.spec.resident_bytes + kept
 
     @property
     def pinned_host_bytes(self) -> int:
@@ -168,8 +174,6 @@ def offload(
             "num_slots or load_group = 'auto'"
         )
     if overrides:
-        import dataclasses
-
         options = dataclasses.replace(options, **{k: v for k, v in overrides.items() if k not in fields})
     _check_stored(model, options)
     paths = normalize_block_paths(block_paths)
@@ -239,6 +243,16 @@ def _build(
         shard_group(ctx, mesh, options.shard_group) if options.mode == "allgather" else ShardGroup("none", None, 1, 0)
     )
     num_shards = shards.size
+    exclude = (stored.format.exclude if stored is not None else options.quantize_exclude) + fp32_modules(model)
+    full, resident = spec, ()
+    if options.hbm_budget is not None:  # the plan keeps what fits resident and streams the rest (runtime.budget)
+        resident = _resident_for_budget(model, spec, options, num_shards, exclude, stored)
+        if len(resident) == spec.num_blocks:  # the whole model fits: nothing streams, nothing is pinned
+            out = _build(model, paths, spec, ctx, dataclasses.replace(options, mode="resident"), mesh, started_s)
+            if options.quantization is not None:  # on the device, as the streamed blocks' dequantise op would
+                quantize_resident(model, spec, resident, exclude)
+            return out
+        spec = with_resident(spec, resident)
     group = layout_load_group(spec.num_blocks, num_shards, options.load_group)
     if group != options.load_group and num_shards > 1 and ctx.is_main:
         log.info(
@@ -246,7 +260,6 @@ def _build(
             grouped_layout_problem(spec.num_blocks, options.load_group),
             options.load_group,
         )
-    exclude = (stored.format.exclude if stored is not None else options.quantize_exclude) + fp32_modules(model)
     layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization, exclude)
     if stored is not None:
         fp8 = set(quantized_tensors(spec, exclude))  # what the layout stores as FP8
@@ -262,7 +275,7 @@ def _build(
     lap("digest_s")
     # Before the blocks drop their views: which checkpoint files back this model.
     files = tuple(sorted(set(viewed_files(model)) | set(stored.files if stored is not None else ())))
-    entries = _block_lists(model, paths)
+    entries = [e for b, e in enumerate(_block_lists(model, paths)) if b not in resident]
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
     pinned = None
@@ -313,6 +326,8 @@ def _build(
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     lap("executor_s")
     model.to(platform.device)
+    if resident and layout.quantized:
+        quantize_resident(model, full, resident, exclude)
     lap("to_device_s")
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
     streams = store.num_pinned_blocks < layout.num_blocks
@@ -336,4 +351,18 @@ def _build(
         executor.device_weight_bytes,
         ", ".join(f"{k} {v}" for k, v in options.describe()),
     )
-    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release, timings=timings)
+    return Offloaded(
+        model, ctx, options, full, layout, store, executor, shards, release, timings=timings, resident_blocks=resident
+    )
+
+
+def _resident_for_budget(
+    model: nn.Module, spec: ModelSpec, options: OffloadOptions, num_shards: int, exclude: tuple[str, ...], stored: Any
+) -> tuple[int, ...]:
+    """The blocks ``options.hbm_budget`` keeps resident (all of them where the whole model fits)."""
+    if stored is not None:
+        raise ValueError(
+            f"hbm_budget with {type(model).__name__} from a quantised checkpoint: resident blocks need their "
+            "compute-dtype weights; load the source checkpoint with quantization='fp8' instead"
+        )
+    return resident_for_budget(spec, options, num_shards, exclude)

@@ -15,6 +15,7 @@ from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.lowering import check_load_group
 from dlo_fn.plan.modes import check_mode
 from dlo_fn.plan.quant import check_quantization
+from dlo_fn.plan.sizes import parse_bytes
 from dlo_fn.runtime.blocks import CALLS
 from dlo_fn.runtime.mesh import check_shard_group
 
@@ -60,9 +61,17 @@ class OffloadOptions:
     # The dequantise op: "torch" (torch ops: a cast and a multiply per tensor), "kernel" (one Triton launch per
     # block, the CUDA plug-in dlo_fn.runtime.cuda.dequant), "auto" (the kernel where CUDA and Triton are there).
     dequant: str = "auto"
+    # HBM budget (dlo_fn.plan.resident): device weight bytes (int, or a size such as "16GB" / "12GiB") within which
+    # as many blocks as fit stay resident, spread through the forward, and the rest stream; None streams every block.
+    hbm_budget: int | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
+        if self.hbm_budget is not None:
+            try:
+                object.__setattr__(self, "hbm_budget", parse_bytes(self.hbm_budget))
+            except ValueError as e:
+                raise ValueError(f"hbm_budget: {e}") from None
         check_shard_group(self.shard_group)
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")

@@ -1,0 +1,129 @@
+"""Resident blocks under an HBM budget: which blocks stay on the device, and what the device then holds.
+
+Streaming every block makes a link-bound model pay ``bytes / link`` per pass even where the card could hold most
+of it. With a set ``R`` of blocks kept resident (whole on every rank, in the compute dtype) and the rest streamed
+through the ring, a pass takes at least
+
+    max(sum_b compute_b, sum_{b not in R} h2d_b / link)
+
+so a budget buys resident speed once the streamed bytes hide under the compute.
+
+**Where the resident blocks go.** A streamed load into a ring of ``S = 2`` slots starts when the slot's previous
+block has computed and must end before its own block computes, so it hides under the compute of the blocks
+between two streamed blocks. Spreading the ``k`` resident blocks evenly through the ``B`` (block ``b`` is
+resident iff ``floor(b k / B) != floor((b - 1) k / B)``, so each period of ``B / k`` blocks opens with a resident
+one) gives every streamed load about the same compute to hide under; bunching them would leave the loads of the
+bunched streamed blocks bare. Example, ``B = 8``::
+
+    k = 2   R S S S R S S S
+    k = 4   R S R S R S R S
+    k = 6   R S R R R S R R
+
+**The plan.** :func:`with_resident` moves the resident blocks' tensors into the spec's resident tensors (named
+``<block>.<tensor>``), so the layout, the ring, the schedule and the timeline are those of the streamed blocks
+only (the ring is shorter; lowering never sees a resident block's load), and ``total_bytes`` is unchanged.
+
+**Device weight bytes** of a plan (what ``Offloaded.device_weight_bytes`` reports; :func:`device_weight_bytes`)::
+
+    S x slot + N x landing + S_q x staging  +  resident bytes (non-block tensors + resident blocks)
+
+with ``S_q = S`` for quantised shards (else 0); every block resident is ``total_bytes`` and no ring at all.
+:func:`choose_resident` keeps the largest spread set whose plan fits the budget; the two-slot minimum (nothing
+resident) is the least a budget may be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.spec import ModelSpec, TensorSpec
+
+__all__ = [
+    "spread_resident",
+    "with_resident",
+    "buffer_bytes",
+    "device_weight_bytes",
+    "ResidentChoice",
+    "choose_resident",
+    "BudgetError",
+]
+
+
+class BudgetError(ValueError):
+    """An HBM budget below the least a plan can hold (the message names the minimum)."""
+
+
+def spread_resident(num_blocks: int, num_resident: int) -> tuple[int, ...]:
+    """The ``num_resident`` blocks of ``num_blocks`` kept on the device, spread evenly (module docstring)."""
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+    if not isinstance(num_resident, int) or not 0 <= num_resident <= num_blocks:
+        raise ValueError(f"num_resident must be an int in [0, {num_blocks}], got {num_resident!r}")
+    k, n = num_resident, num_blocks
+    return tuple(b for b in range(n) if (b * k) // n != ((b - 1) * k) // n)
+
+
+def with_resident(spec: ModelSpec, resident: tuple[int, ...]) -> ModelSpec:
+    """``spec`` with blocks ``resident`` moved into its resident tensors: the spec of the streamed blocks."""
+    keep = set(resident)
+    if not keep <= set(range(spec.num_blocks)):
+        raise ValueError(f"resident blocks {sorted(keep)} outside [0, {spec.num_blocks})")
+    if len(keep) == spec.num_blocks:
+        raise ValueError("every block resident leaves nothing to stream: run the model resident")
+    moved = tuple(
+        TensorSpec(f"{b.name}.{t.name}", t.shape, t.dtype, t.kind)
+        for i, b in enumerate(spec.blocks)
+        if i in keep
+        for t in b.tensors
+    )
+    blocks = tuple(b for i, b in enumerate(spec.blocks) if i not in keep)
+    return replace(spec, blocks=blocks, resident=spec.resident + moved)
+
+
+def buffer_bytes(layout: ModelLayout, num_slots: int, num_landing: int) -> int:
+    """The ring's device buffers: ``S x slot + N x landing (+ S x staging for quantised shards)``."""
+    staging = num_slots * layout.max_padded_block_bytes if layout.quantized else 0
+    return num_slots * layout.slot_bytes + num_landing * layout.max_shard_bytes + staging
+
+
+def device_weight_bytes(spec: ModelSpec, layout: ModelLayout | None, num_slots: int, num_landing: int) -> int:
+    """Weights on the device: the ring's buffers for ``layout`` (of ``spec``'s streamed blocks; None: no ring,
+    every block resident) plus ``spec``'s resident tensors (its non-block tensors and its resident blocks)."""
+    if layout is None:
+        return spec.total_bytes
+    return buffer_bytes(layout, num_slots, num_landing) + spec.resident_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentChoice:
+    """The blocks kept resident for a budget and the device weight bytes of that plan."""
+
+    resident: tuple[int, ...]
+    device_weight_bytes: int
+
+
+def choose_resident(
+    spec: ModelSpec,
+    budget_bytes: int,
+    layout_of: Callable[[ModelSpec], ModelLayout],
+    num_slots: int,
+    num_landing: int,
+    owner: str = "hbm_budget",
+) -> ResidentChoice:
+    """The most blocks :func:`spread_resident` keeps whose plan fits ``budget_bytes`` of device weight bytes
+    (``layout_of`` lays out a streamed spec as the runtime will). Everything resident where the whole model fits;
+    :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
+    if budget_bytes >= spec.total_bytes:
+        return ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes)
+    for k in range(spec.num_blocks - 1, -1, -1):
+        resident = spread_resident(spec.num_blocks, k)
+        streamed = with_resident(spec, resident)
+        need = device_weight_bytes(streamed, layout_of(streamed), num_slots, num_landing)
+        if need <= budget_bytes:
+            return ResidentChoice(resident, need)
+    raise BudgetError(
+        f"{owner} = {budget_bytes} bytes is below the {need} bytes of device weights the ring of {num_slots} "
+        f"slots needs with every block streamed (and the non-block weights resident): pass at least {need}"
+    )
