@@ -293,3 +293,20 @@ def test_figure_from_the_report_is_deterministic(report, tmp_path):
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(first, second))
     timed = [v for v in report["model"]["variants"] if v.get("forward_s") and not v["variant"].startswith("ours-fp8")]
     assert len(real_rows(found)) == 2 * len(timed) + 1
+
+
+@pytest.mark.slow
+def test_budget_variants_equal_resident(tmp_path):
+    """The HBM-budget rows (BF16 and FP8) and accelerate's device map: on the quick configs every budget holds
+    the whole model, so ours runs resident (nothing pinned) and equals resident (FP8: the fake-quantised one)."""
+    names = "ours-hbm-12GB,ours-fp8-hbm-6GB,accelerate-16GiB"
+    args = _args(tmp_path, "--models", "flux", "--variants", names)
+    assert args.func(args) == 0
+    rows = {v["variant"]: v for v in json.loads((tmp_path / "real_flux.json").read_text())["model"]["variants"]}
+    for name in names.split(","):
+        assert rows[name]["status"] == "ok" and rows[name]["equal_to_resident"] is True, rows[name]
+    for name in ("ours-hbm-12GB", "ours-fp8-hbm-6GB"):
+        row = rows[name]
+        assert row["resident_blocks"] == row["num_blocks"] == 5 and row["pinned_bytes"] == 0 and row["num_slots"] == 0
+    assert rows["ours-hbm-12GB"]["sha256"] == rows["resident"]["sha256"] != rows["ours-fp8-hbm-6GB"]["sha256"]
+    assert rows["accelerate-16GiB"]["weight_device_bytes"] > 0

@@ -231,6 +231,15 @@ class ModelRun:
                 warmup=args.warmup,
                 repeats=args.repeats,
             )
+        if variant in rv.ACCELERATE:
+            self._needs("accelerate")
+            return rv.measure(
+                p,
+                rv.device_map_setup(p, folder, self.case.cls, rv.ACCELERATE[variant], self.inputs),
+                want=self.want,
+                warmup=args.warmup,
+                repeats=args.repeats,
+            )
         if variant == "model-offload":
             self._needs("accelerate")
             if p.kind == "cuda":
@@ -333,6 +342,7 @@ class ModelRun:
             "diffusers-block": 5 + m / 1e9 + n * 1.6 * b,
             "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,
             "model-offload": 5 + m / 2e9 + n * (r + 2 * m / 5e9),
+            **{v: 5 + m / 2e9 + n * (r + m / 20e9) for v in rv.ACCELERATE},
             "ranks-2": 30 + 2 * m / 2e9,
             "ranks-4": 40 + 2 * m / 2e9,
             "pipeline": 30 + m / 1e9 + (1 + a.pipeline_repeats) * 28 * (r + 1.5 * b),

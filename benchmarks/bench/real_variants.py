@@ -6,6 +6,10 @@
 ``diffusers-block``    ``from_pretrained`` + ``enable_group_offload("block_level", num_blocks_per_group=1,
                        use_stream=True)`` (diffusers 0.42.1; ``use_stream`` only where the device has streams)
 ``diffusers-leaf``     the same, ``offload_type="leaf_level"``
+``ours-hbm-<N>GB``     ``offload(..., hbm_budget="<N>GB")``: the blocks that fit <N> GB of device weights resident,
+                       spread through the forward, the rest streamed (``ours-fp8-hbm-*``: with FP8 shards)
+``accelerate-<N>GiB``  ``from_pretrained(..., device_map="auto", max_memory={0: "<N>GiB", "cpu": ...})``: accelerate
+                       fills the device with the first modules and moves the rest at each forward
 ``model-offload``      ``from_pretrained`` + accelerate's ``cpu_offload_with_hook`` (what ``enable_model_cpu_offload``
                        installs): the whole model moves to the device for the forward and back after it (the
                        pipeline frees it at the end of every request)
@@ -31,6 +35,7 @@ from dlo_fn.io.memstat import process_memory
 
 __all__ = [
     "OURS",
+    "ACCELERATE",
     "PREQUANTIZED",
     "QUANTIZED_SUFFIX",
     "VARIANTS",
@@ -41,6 +46,7 @@ __all__ = [
     "ours_setup",
     "diffusers_setup",
     "model_offload_setup",
+    "device_map_setup",
     "release",
     "options_missing",
 ]
@@ -55,7 +61,12 @@ OURS = {
     "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (its first call measures the blocks)
     "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
     "ours-fp8-prequantized": dict(mode="rank-local", quantization="fp8"),  # from `quantize`'s folder (PREQUANTIZED)
+    # HBM budgets that emulate 12 to 24 GB cards (device weight bytes; plan.resident), BF16 and FP8
+    **{f"ours-hbm-{n}GB": dict(mode="rank-local", hbm_budget=f"{n}GB") for n in (12, 16, 20, 24)},
+    **{f"ours-fp8-hbm-{n}GB": dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB") for n in (6, 8)},
 }
+# accelerate's device map at a device budget (the peer users reach for): name -> max_memory of device 0.
+ACCELERATE = {f"accelerate-{n}GiB": f"{n}GiB" for n in (12, 16)}
 # Variants that load the checkpoint `python -m dlo_fn quantize` wrote from the model's (once per run, timed as the
 # entry's "quantized_checkpoint"), so their ready time is the FP8 bytes' and no rank quantises anything.
 PREQUANTIZED = ("ours-fp8-prequantized",)
@@ -77,7 +88,7 @@ _ORDER = (
     "model-offload",
     "pipeline",
 )
-VARIANTS = _ORDER[:7] + tuple(k for k in OURS if k not in _ORDER) + _ORDER[7:]
+VARIANTS = _ORDER[:7] + tuple(k for k in OURS if k not in _ORDER) + tuple(ACCELERATE) + _ORDER[7:]
 GRAPH_WARMUP = 4  # block graphs: cold, warm, captured, replayed
 
 
@@ -225,19 +236,21 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
             "load_s": t1 - t0,
             "offload_s": t2 - t1,
             "pinned_bytes": o.pinned_host_bytes,
-            "arena_bytes": store.arena_bytes,
-            "pinning": store.how,
-            "num_slots": o.executor.num_slots,
-            # W = 1, every block in the arena: one pass moves the arena (FP8: its stored bytes)
-            "h2d_bytes_per_forward": store.arena_bytes,
-            "store": store.timings,
+            "arena_bytes": store.arena_bytes if store else 0,
+            "pinning": store.how if store else None,
+            "num_slots": o.executor.num_slots if o.executor else 0,
+            # W = 1, every streamed block in the arena: one pass moves the arena (FP8: its stored bytes)
+            "h2d_bytes_per_forward": store.arena_bytes if store else 0,
+            "store": store.timings if store else None,
             # offload's work besides filling the store (layout, slots, moving the rest, closing the mapping)
-            "offload_other_s": t2 - t1 - (store.timings or {}).get("total_s", 0.0),
+            "offload_other_s": t2 - t1 - ((store.timings if store else None) or {}).get("total_s", 0.0),
             "weight_device_bytes": o.device_weight_bytes,
+            "resident_blocks": len(o.resident_blocks) if o.executor else len(o.spec.blocks),
+            "num_blocks": len(o.spec.blocks),
             "options": {k: str(v) for k, v in kwargs.items()},
             "chosen": str(getattr(o, "auto", None)) if kwargs.get("mode") == "auto" else None,
         }
-        if probe_peak and ctx.platform.kind == "cuda" and store.pinned:
+        if probe_peak and ctx.platform.kind == "cuda" and store and store.pinned:
             from benchmarks.bench.step_variants import pinned_peak_bytes_per_s
 
             facts["after_ready"] = lambda: {
@@ -249,7 +262,8 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
 
         def teardown():
             o.synchronize()
-            o.store.close()
+            if o.store is not None:
+                o.store.close()
 
         return forward, facts, teardown
 
@@ -315,5 +329,31 @@ def model_offload_setup(platform, folder: str, cls_name: str, inputs: dict):
             "back_to_host_s_all": back,
         }
         return forward, facts, (lambda: None)
+
+    return setup
+
+
+def device_map_setup(platform, folder: str, cls_name: str, max_memory: str, inputs: dict):
+    """accelerate's device map within ``max_memory`` of the device (the rest on the host, moved at each forward),
+    as ``from_pretrained(..., device_map="auto", max_memory=...)`` sets it up."""
+    import diffusers
+
+    def setup():
+        t0 = time.perf_counter()
+        index = platform.device.index or 0 if platform.kind == "cuda" else "cpu"
+        budget = {index: max_memory, "cpu": "400GiB"} if platform.kind == "cuda" else None
+        model = getattr(diffusers, cls_name).from_pretrained(
+            folder, torch_dtype=torch.bfloat16, device_map="auto", max_memory=budget
+        )
+        on_device = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.device.type == platform.device.type
+        )
+        facts = {
+            "load_s": time.perf_counter() - t0,
+            "offload_s": 0.0,
+            "weight_device_bytes": on_device,
+            "options": {"device_map": "auto", "max_memory": str(budget)},
+        }
+        return (lambda: model(**inputs)[0]), facts, (lambda: None)
 
     return setup
