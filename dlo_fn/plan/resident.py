@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, layout_load_group, model_layout
+from dlo_fn.plan.lowering import default_num_landing, lowered_mode
 from dlo_fn.plan.spec import ModelSpec, TensorSpec
 
 __all__ = [
@@ -45,6 +46,8 @@ __all__ = [
     "with_resident",
     "buffer_bytes",
     "device_weight_bytes",
+    "layout_for",
+    "ring_num_landing",
     "ResidentChoice",
     "choose_resident",
     "BudgetError",
@@ -96,12 +99,43 @@ def device_weight_bytes(spec: ModelSpec, layout: ModelLayout | None, num_slots: 
     return buffer_bytes(layout, num_slots, num_landing) + spec.resident_bytes
 
 
+def layout_for(
+    spec: ModelSpec,
+    num_shards: int,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    load_group: int = 1,
+    quantization: str | None = None,
+    exclude: tuple[str, ...] = (),
+) -> ModelLayout:
+    """The layout ``offload`` builds for ``spec``'s blocks on a shard group of ``num_shards`` ranks."""
+    group = layout_load_group(spec.num_blocks, num_shards, load_group)
+    return model_layout(spec, num_shards, alignment_bytes, group, quantization, exclude)
+
+
+def ring_num_landing(mode: str, num_shards: int, num_landing: int | None, load_group: int = 1) -> int:
+    """The landing buffers the ring holds: none where ``mode`` lowers to rank-local, else ``num_landing`` (None:
+    the default, two per load group)."""
+    if lowered_mode(mode, num_shards) == "rank-local":
+        return 0
+    return num_landing if num_landing is not None else default_num_landing(load_group)
+
+
 @dataclass(frozen=True, slots=True)
 class ResidentChoice:
-    """The blocks kept resident for a budget and the device weight bytes of that plan."""
+    """The blocks kept resident for a budget, the device weight bytes of that plan, and the bytes one pass moves
+    to each rank (its streamed shards; FP8: as stored)."""
 
     resident: tuple[int, ...]
     device_weight_bytes: int
+    h2d_bytes_per_pass: int
+
+    def to_dict(self) -> dict:
+        return {
+            "resident_blocks": list(self.resident),
+            "num_resident": len(self.resident),
+            "device_weight_bytes": self.device_weight_bytes,
+            "h2d_bytes_per_pass": self.h2d_bytes_per_pass,
+        }
 
 
 def choose_resident(
@@ -116,13 +150,14 @@ def choose_resident(
     (``layout_of`` lays out a streamed spec as the runtime will). Everything resident where the whole model fits;
     :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
     if budget_bytes >= spec.total_bytes:
-        return ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes)
+        return ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0)
     for k in range(spec.num_blocks - 1, -1, -1):
         resident = spread_resident(spec.num_blocks, k)
         streamed = with_resident(spec, resident)
-        need = device_weight_bytes(streamed, layout_of(streamed), num_slots, num_landing)
+        layout = layout_of(streamed)
+        need = device_weight_bytes(streamed, layout, num_slots, num_landing)
         if need <= budget_bytes:
-            return ResidentChoice(resident, need)
+            return ResidentChoice(resident, need, layout.shard_bytes_per_rank)
     raise BudgetError(
         f"{owner} = {budget_bytes} bytes is below the {need} bytes of device weights the ring of {num_slots} "
         f"slots needs with every block streamed (and the non-block weights resident): pass at least {need}"

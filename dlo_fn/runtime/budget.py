@@ -12,40 +12,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dlo_fn.plan.layout import ModelLayout, layout_load_group, model_layout
-from dlo_fn.plan.lowering import default_num_landing, lowered_mode
 from dlo_fn.plan.quant import quantized_tensors
-from dlo_fn.plan.resident import choose_resident
+from dlo_fn.plan.resident import choose_resident, layout_for, ring_num_landing
 from dlo_fn.plan.spec import ModelSpec
 from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.quant import dequantize_into, quantize_rows
 
-__all__ = ["ring_num_landing", "streamed_layout", "resident_for_budget", "quantize_resident"]
-
-
-def ring_num_landing(options: OffloadOptions, num_shards: int) -> int:
-    """The landing buffers the executor's ring will hold (0 where the mode lowers to rank-local)."""
-    if lowered_mode(options.mode, num_shards) == "rank-local":
-        return 0
-    return options.num_landing if options.num_landing is not None else default_num_landing(options.load_group)
-
-
-def streamed_layout(spec: ModelSpec, options: OffloadOptions, num_shards: int, exclude: tuple[str, ...]) -> ModelLayout:
-    """The layout ``offload`` builds for ``spec``'s blocks on a shard group of ``num_shards``."""
-    group = layout_load_group(spec.num_blocks, num_shards, options.load_group)
-    return model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization, exclude)
+__all__ = ["resident_for_budget", "quantize_resident"]
 
 
 def resident_for_budget(
     spec: ModelSpec, options: OffloadOptions, num_shards: int, exclude: tuple[str, ...]
 ) -> tuple[int, ...]:
-    """The blocks kept resident within ``options.hbm_budget`` (:func:`dlo_fn.plan.resident.choose_resident`)."""
+    """The blocks kept resident within ``options.hbm_budget`` (:func:`dlo_fn.plan.resident.choose_resident`),
+    priced with the layout and the ring ``offload`` builds."""
+    o = options
     choice = choose_resident(
         spec,
-        options.hbm_budget,
-        lambda s: streamed_layout(s, options, num_shards, exclude),
-        options.num_slots,
-        ring_num_landing(options, num_shards),
+        o.hbm_budget,
+        lambda s: layout_for(s, num_shards, o.alignment_bytes, o.load_group, o.quantization, exclude),
+        o.num_slots,
+        ring_num_landing(o.mode, num_shards, o.num_landing, o.load_group),
     )
     return choice.resident
 
