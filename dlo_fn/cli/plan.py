@@ -32,6 +32,9 @@ fields:
                               (rank-local).
                               Independent of the number of blocks.
   layout_digest               SHA-256 of the layout; ranks compare it at start-up
+  hbm_budget (--hbm-budget)   the blocks kept resident (spread through the forward), device_weight_bytes =
+                              ring buffers + resident tensors + resident blocks (what Offloaded reports),
+                              h2d_bytes_per_pass = the streamed shards of one rank
 
 mesh (--dp D --sp S): N = D x S ranks, row-major (rank = d x S + s); --shard-group picks the W ranks that
 share one set of shards: world (W = N, default), dp (W = D: the sp partners hold identical shards, as the
@@ -117,6 +120,19 @@ def register(subparsers) -> None:
         help="tokens of one sequence for the SP terms (75600 = 720p 10 s: 1280x720, 81 frames)",
     )
     p.add_argument("--batch", type=int, default=1, help="sequences per pass for the SP terms (2 with CFG)")
+    p.add_argument(
+        "--hbm-budget",
+        default=None,
+        metavar="BYTES",
+        help="device weight bytes per rank (e.g. 16GB): the blocks offload keeps resident within it, the device "
+        "weight bytes and the bytes a pass streams (dlo_fn.plan.resident)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="price --hbm-budget with FP8 shards (stored blocks streamed, resident blocks in the compute dtype)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -224,6 +240,31 @@ def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
     return doc, notes
 
 
+def _budget(args: argparse.Namespace, spec, num_shards: int) -> dict | None:
+    """What ``offload(..., hbm_budget=...)`` keeps resident and holds on the device (None without the flag)."""
+    from dlo_fn.plan.resident import choose_resident, layout_for, ring_num_landing
+    from dlo_fn.plan.sizes import parse_bytes
+
+    if args.hbm_budget is None:
+        return None
+    try:
+        budget = parse_bytes(args.hbm_budget)
+    except ValueError as exc:
+        raise UsageError(f"plan: --hbm-budget: {exc}") from None
+    try:
+        choice = choose_resident(
+            spec,
+            budget,
+            lambda s: layout_for(s, num_shards, args.alignment, args.load_group, args.quantization),
+            args.slots,
+            ring_num_landing(args.mode, num_shards, args.landing, args.load_group),
+            owner="--hbm-budget",
+        )
+    except ValueError as exc:
+        raise UsageError(f"plan: {exc}") from None
+    return {"budget_bytes": budget, **choice.to_dict()}
+
+
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.io.sources import spec_for
     from dlo_fn.plan.summary import plan_summary
@@ -243,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     num_shards = mesh.num_shards if mesh else args.num_shards
     summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment, args.load_group)
     mesh_doc, notes = _mesh_doc(args, spec, mesh) if mesh else (None, [])
+    budget = _budget(args, spec, num_shards)
     from dlo_fn.cli.rank_rows import TERM_FORMULAS
     from dlo_fn.cost.rank_memory import rank_terms
     from dlo_fn.plan.sizes import ModelSizes
@@ -262,7 +304,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {**summary.to_dict(), "rank_terms": terms, **({"mesh": mesh_doc, "notes": notes} if mesh else {})},
+                {
+                    **summary.to_dict(),
+                    "rank_terms": terms,
+                    **({"hbm_budget": budget} if budget else {}),
+                    **({"mesh": mesh_doc, "notes": notes} if mesh else {}),
+                },
                 indent=2,
             )
         )
@@ -270,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
     for key, value in summary.to_dict().items():
         text = _fmt_bytes(value) if "_bytes" in key and key != "alignment_bytes" else str(value)
         print(f"{key:28s} {text}")
+    if budget:
+        print(f"\nHBM budget {_fmt_bytes(budget['budget_bytes'])} (dlo_fn.plan.resident):")
+        print(f"  resident blocks        {budget['num_resident']} of {spec.num_blocks}: {budget['resident_blocks']}")
+        for key in ("device_weight_bytes", "h2d_bytes_per_pass"):
+            print(f"  {key:22s} {_fmt_bytes(budget[key])}")
     print(f"\nhost terms per rank (W = {num_shards} ranks on one host, accelerator; dlo_fn.cost.rank_memory):")
     for key, value in terms.items():
         print(f"  {key:22s} {TERM_FORMULAS[key]:66s} {value if key == 'readers' else _fmt_bytes(value)}")

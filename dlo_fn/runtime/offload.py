@@ -251,6 +251,7 @@ def _build(
             out = _build(model, paths, spec, ctx, dataclasses.replace(options, mode="resident"), mesh, started_s)
             if options.quantization is not None:  # on the device, as the streamed blocks' dequantise op would
                 quantize_resident(model, spec, resident, exclude)
+            out.resident_blocks = resident
             return out
         spec = with_resident(spec, resident)
     group = layout_load_group(spec.num_blocks, num_shards, options.load_group)
