@@ -62,8 +62,9 @@ OURS = {
     "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
     "ours-fp8-prequantized": dict(mode="rank-local", quantization="fp8"),  # from `quantize`'s folder (PREQUANTIZED)
     # HBM budgets that emulate 12 to 24 GB cards (device weight bytes; plan.resident), BF16 and FP8
-    **{f"ours-hbm-{n}GB": dict(mode="rank-local", hbm_budget=f"{n}GB") for n in (12, 16, 20, 24)},
-    **{f"ours-fp8-hbm-{n}GB": dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB") for n in (6, 8)},
+    **{f"ours-hbm-{n}GB": dict(mode="rank-local", hbm_budget=f"{n}GB") for n in (12, 16, 18, 20, 24)},
+    "ours-hbm-16GB-3-slots": dict(mode="rank-local", hbm_budget="16GB", num_slots=3),
+    **{f"ours-fp8-hbm-{n}GB": dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB") for n in (6, 8, 10, 12)},
 }
 # accelerate's device map at a device budget (the peer users reach for): name -> max_memory of device 0.
 ACCELERATE = {f"accelerate-{n}GiB": f"{n}GiB" for n in (12, 16)}

@@ -10,14 +10,18 @@ so a budget buys resident speed once the streamed bytes hide under the compute.
 
 **Where the resident blocks go.** A streamed load into a ring of ``S = 2`` slots starts when the slot's previous
 block has computed and must end before its own block computes, so it hides under the compute of the blocks
-between two streamed blocks. Spreading the ``k`` resident blocks evenly through the ``B`` (block ``b`` is
-resident iff ``floor(b k / B) != floor((b - 1) k / B)``, so each period of ``B / k`` blocks opens with a resident
-one) gives every streamed load about the same compute to hide under; bunching them would leave the loads of the
-bunched streamed blocks bare. Example, ``B = 8``::
+between two streamed blocks; the ring cannot bank the slack of one gap for the next. So every streamed block
+needs, before it, compute in proportion to its bytes. Taking a block's bytes as the measure of its compute (the
+plan knows no more), a streamed fraction ``f`` of the bytes is spread by credit: walking the blocks in forward
+order, each adds ``f n_b`` to the credit, and block ``b`` streams where the credit covers its ``n_b`` bytes (which
+it then spends), else stays resident. A streamed block so follows about ``n_b / f`` bytes of forward since the
+last one, and the pass opens with resident blocks. Examples (``f = m / 8``; blocks of bytes ``2 1 1 2 1 1`` at
+``f = 1/2``: the large blocks stay resident, their loads would be the hardest to hide)::
 
-    k = 2   R S S S R S S S
-    k = 4   R S R S R S R S
-    k = 6   R S R R R S R R
+    equal blocks, m = 2   R R R S R R R S
+    equal blocks, m = 4   R S R S R S R S
+    equal blocks, m = 6   R S S S R S S S
+    2 1 1 2 1 1, m = 4    R S S R S S
 
 **The plan.** :func:`with_resident` moves the resident blocks' tensors into the spec's resident tensors (named
 ``<block>.<tensor>``), so the layout, the ring, the schedule and the timeline are those of the streamed blocks
@@ -58,14 +62,21 @@ class BudgetError(ValueError):
     """An HBM budget below the least a plan can hold (the message names the minimum)."""
 
 
-def spread_resident(num_blocks: int, num_resident: int) -> tuple[int, ...]:
-    """The ``num_resident`` blocks of ``num_blocks`` kept on the device, spread evenly (module docstring)."""
-    if not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-    if not isinstance(num_resident, int) or not 0 <= num_resident <= num_blocks:
-        raise ValueError(f"num_resident must be an int in [0, {num_blocks}], got {num_resident!r}")
-    k, n = num_resident, num_blocks
-    return tuple(b for b in range(n) if (b * k) // n != ((b - 1) * k) // n)
+def spread_resident(block_bytes: tuple[int, ...], streamed: int, steps: int) -> tuple[int, ...]:
+    """The blocks kept on the device when a fraction ``f = streamed / steps`` of the bytes streams, by credit
+    (module docstring; integers, so a plan is the same on every rank)."""
+    if not block_bytes or any(n < 1 for n in block_bytes):
+        raise ValueError(f"block_bytes must be positive sizes, one per block, got {block_bytes!r}")
+    if not isinstance(steps, int) or steps < 1 or not isinstance(streamed, int) or not 0 <= streamed <= steps:
+        raise ValueError(f"the streamed fraction must be m / steps with 0 <= m <= steps, got {streamed!r}/{steps!r}")
+    credit, keep = 0, []
+    for b, n in enumerate(block_bytes):
+        credit += streamed * n  # in units of 1 / steps bytes
+        if credit >= steps * n:
+            credit -= steps * n
+        else:
+            keep.append(b)
+    return tuple(keep)
 
 
 def with_resident(spec: ModelSpec, resident: tuple[int, ...]) -> ModelSpec:
@@ -146,13 +157,17 @@ def choose_resident(
     num_landing: int,
     owner: str = "hbm_budget",
 ) -> ResidentChoice:
-    """The most blocks :func:`spread_resident` keeps whose plan fits ``budget_bytes`` of device weight bytes
-    (``layout_of`` lays out a streamed spec as the runtime will). Everything resident where the whole model fits;
-    :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
+    """The least streamed fraction ``f = m / (4 B)`` whose :func:`spread_resident` plan fits ``budget_bytes`` of
+    device weight bytes (``layout_of`` lays out a streamed spec as the runtime will). Everything resident where
+    the whole model fits; :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
     if budget_bytes >= spec.total_bytes:
         return ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0)
-    for k in range(spec.num_blocks - 1, -1, -1):
-        resident = spread_resident(spec.num_blocks, k)
+    steps, tried = 4 * spec.num_blocks, set()
+    for m in range(1, steps + 1):
+        resident = spread_resident(spec.block_bytes, m, steps)
+        if len(resident) == spec.num_blocks or resident in tried:
+            continue
+        tried.add(resident)
         streamed = with_resident(spec, resident)
         layout = layout_of(streamed)
         need = device_weight_bytes(streamed, layout, num_slots, num_landing)
