@@ -41,11 +41,9 @@ from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mappe
 from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
 from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.quant import quantized_tensors
-from dlo_fn.plan.resident import with_resident
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
-from dlo_fn.runtime.budget import quantize_resident, resident_for_budget
 from dlo_fn.runtime.dist import DistContext, check_same_across_ranks, local_ranks
 from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
@@ -246,6 +244,9 @@ def _build(
     exclude = (stored.format.exclude if stored is not None else options.quantize_exclude) + fp32_modules(model)
     full, resident = spec, ()
     if options.hbm_budget is not None:  # the plan keeps what fits resident and streams the rest (runtime.budget)
+        from dlo_fn.plan.resident import with_resident
+        from dlo_fn.runtime.budget import quantize_resident
+
         resident = _resident_for_budget(model, spec, options, num_shards, exclude, stored)
         if len(resident) == spec.num_blocks:  # the whole model fits: nothing streams, nothing is pinned
             out = _build(model, paths, spec, ctx, dataclasses.replace(options, mode="resident"), mesh, started_s)
@@ -328,6 +329,8 @@ def _build(
     lap("executor_s")
     model.to(platform.device)
     if resident and layout.quantized:
+        from dlo_fn.runtime.budget import quantize_resident
+
         quantize_resident(model, full, resident, exclude)
     lap("to_device_s")
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
@@ -366,4 +369,6 @@ def _resident_for_budget(
             f"hbm_budget with {type(model).__name__} from a quantised checkpoint: resident blocks need their "
             "compute-dtype weights; load the source checkpoint with quantization='fp8' instead"
         )
+    from dlo_fn.runtime.budget import resident_for_budget
+
     return resident_for_budget(spec, options, num_shards, exclude)

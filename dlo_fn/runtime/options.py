@@ -15,7 +15,6 @@ from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.lowering import check_load_group
 from dlo_fn.plan.modes import check_mode
 from dlo_fn.plan.quant import check_quantization
-from dlo_fn.plan.sizes import parse_bytes
 from dlo_fn.runtime.blocks import CALLS
 from dlo_fn.runtime.mesh import check_shard_group
 
@@ -68,6 +67,8 @@ class OffloadOptions:
     def __post_init__(self) -> None:
         check_mode(self.mode)
         if self.hbm_budget is not None:
+            from dlo_fn.plan.sizes import parse_bytes  # only with a budget: the README's API stays lean
+
             try:
                 object.__setattr__(self, "hbm_budget", parse_bytes(self.hbm_budget))
             except ValueError as e:
