@@ -56,6 +56,10 @@ def test_mode_flags_and_options():
     opts = options_from_args(parser.parse_args(base + ["--slots", "3", "--trace", "t.json"]))
     assert opts.num_slots == 3 and opts.record_timeline and opts.mode == "allgather"
     assert options_from_args(parser.parse_args(base + ["--shard-group", "dp"])).shard_group == "dp"
+    assert options_from_args(parser.parse_args(base + ["--hbm-budget", "12GiB"])).hbm_budget == 12 * 2**30
+    assert options_from_args(parser.parse_args(base)).hbm_budget is None
+    with pytest.raises(UsageError, match="^generate: --hbm-budget: cannot read 'much'"):
+        options_from_args(parser.parse_args(base + ["--hbm-budget", "much"]))
 
 
 @pytest.mark.slow

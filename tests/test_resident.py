@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlo_fn.plan.layout import model_layout
-from dlo_fn.plan.resident import BudgetError, choose_resident, device_weight_bytes, spread_resident, with_resident
+from dlo_fn.plan.resident import (
+    BudgetError,
+    choose_resident,
+    device_weight_bytes,
+    frontier,
+    spread_resident,
+    with_resident,
+)
 from dlo_fn.plan.schedule import Ring
 from dlo_fn.plan.spec import spec_from_module
 from dlo_fn.runtime.offload import offload
@@ -149,3 +156,13 @@ def test_budget_as_a_size_string_and_bad_budgets():
         offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget="lots")
     with pytest.raises(BudgetError, match="hbm_budget = 100 bytes is below"):
         offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget=100)
+
+
+def test_frontier_holds_more_and_streams_less_at_each_step():
+    spec = _spec(8)
+    plans = frontier(spec, _layout_of, 2, 0)
+    assert plans[0].resident == () and plans[-1].resident == tuple(range(8)) and plans[-1].h2d_bytes_per_pass == 0
+    for a, b in zip(plans, plans[1:]):
+        assert a.device_weight_bytes < b.device_weight_bytes and a.h2d_bytes_per_pass > b.h2d_bytes_per_pass
+    for p in plans:  # each is the plan its own budget buys
+        assert choose_resident(spec, p.device_weight_bytes, _layout_of, 2, 0) == p

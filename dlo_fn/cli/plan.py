@@ -242,7 +242,7 @@ def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
 
 def _budget(args: argparse.Namespace, spec, num_shards: int) -> dict | None:
     """What ``offload(..., hbm_budget=...)`` keeps resident and holds on the device (None without the flag)."""
-    from dlo_fn.plan.resident import choose_resident, layout_for, ring_num_landing
+    from dlo_fn.plan.resident import choose_resident, frontier, layout_for, ring_num_landing
     from dlo_fn.plan.sizes import parse_bytes
 
     if args.hbm_budget is None:
@@ -251,18 +251,17 @@ def _budget(args: argparse.Namespace, spec, num_shards: int) -> dict | None:
         budget = parse_bytes(args.hbm_budget)
     except ValueError as exc:
         raise UsageError(f"plan: --hbm-budget: {exc}") from None
+    layout_of = lambda s: layout_for(s, num_shards, args.alignment, args.load_group, args.quantization)  # noqa: E731
+    ring = (args.slots, ring_num_landing(args.mode, num_shards, args.landing, args.load_group))
     try:
-        choice = choose_resident(
-            spec,
-            budget,
-            lambda s: layout_for(s, num_shards, args.alignment, args.load_group, args.quantization),
-            args.slots,
-            ring_num_landing(args.mode, num_shards, args.landing, args.load_group),
-            owner="--hbm-budget",
-        )
+        choice = choose_resident(spec, budget, layout_of, *ring, owner="--hbm-budget")
     except ValueError as exc:
         raise UsageError(f"plan: {exc}") from None
-    return {"budget_bytes": budget, **choice.to_dict()}
+    larger = [p for p in frontier(spec, layout_of, *ring) if p.h2d_bytes_per_pass < choice.h2d_bytes_per_pass]
+    # what a larger budget buys: the next plans of the frontier, each streaming less per pass
+    picks = larger[:3] + larger[-1:] if len(larger) > 4 else larger
+    buys = [{"device_weight_bytes": p.device_weight_bytes, "h2d_bytes_per_pass": p.h2d_bytes_per_pass} for p in picks]
+    return {"budget_bytes": budget, **choice.to_dict(), "larger_budgets": buys}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,6 +321,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  resident blocks        {budget['num_resident']} of {spec.num_blocks}: {budget['resident_blocks']}")
         for key in ("device_weight_bytes", "h2d_bytes_per_pass"):
             print(f"  {key:22s} {_fmt_bytes(budget[key])}")
+        for p in budget["larger_budgets"]:
+            print(
+                f"  a budget of {_fmt_bytes(p['device_weight_bytes'])} streams {_fmt_bytes(p['h2d_bytes_per_pass'])}"
+                " per pass"
+            )
     print(f"\nhost terms per rank (W = {num_shards} ranks on one host, accelerator; dlo_fn.cost.rank_memory):")
     for key, value in terms.items():
         print(f"  {key:22s} {TERM_FORMULAS[key]:66s} {value if key == 'readers' else _fmt_bytes(value)}")

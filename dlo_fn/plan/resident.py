@@ -32,8 +32,8 @@ only (the ring is shorter; lowering never sees a resident block's load), and ``t
     S x slot + N x landing + S_q x staging  +  resident bytes (non-block tensors + resident blocks)
 
 with ``S_q = S`` for quantised shards (else 0); every block resident is ``total_bytes`` and no ring at all.
-:func:`choose_resident` keeps the largest spread set whose plan fits the budget; the two-slot minimum (nothing
-resident) is the least a budget may be.
+:func:`frontier` lists every such plan, device bytes against streamed bytes; :func:`choose_resident` takes the one
+that streams the least within the budget; the two-slot minimum (nothing resident) is the least a budget may be.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ __all__ = [
     "layout_for",
     "ring_num_landing",
     "ResidentChoice",
+    "frontier",
     "choose_resident",
     "BudgetError",
 ]
@@ -149,6 +150,33 @@ class ResidentChoice:
         }
 
 
+def frontier(
+    spec: ModelSpec, layout_of: Callable[[ModelSpec], ModelLayout], num_slots: int, num_landing: int
+) -> tuple[ResidentChoice, ...]:
+    """Every plan :func:`choose_resident` can pick, from the most streamed (the ring alone) to the whole model
+    resident: device weight bytes against the bytes a pass streams, each plan holding more and streaming less than
+    the one before (with the link and the compute, the time/HBM frontier: ``max(compute, h2d_bytes_per_pass /
+    link)``)."""
+    steps, seen, out = 4 * spec.num_blocks, set(), []
+    for m in range(steps, 0, -1):
+        resident = spread_resident(spec.block_bytes, m, steps)
+        if len(resident) == spec.num_blocks or resident in seen:
+            continue
+        seen.add(resident)
+        streamed = with_resident(spec, resident)
+        layout = layout_of(streamed)
+        choice = ResidentChoice(
+            resident, device_weight_bytes(streamed, layout, num_slots, num_landing), layout.shard_bytes_per_rank
+        )
+        if not out or choice.h2d_bytes_per_pass < out[-1].h2d_bytes_per_pass:
+            out.append(choice)
+    kept = [ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0)]
+    for choice in reversed(out):  # a plan that holds as much as one streaming less is no choice
+        if choice.device_weight_bytes < kept[-1].device_weight_bytes:
+            kept.append(choice)
+    return tuple(reversed(kept))
+
+
 def choose_resident(
     spec: ModelSpec,
     budget_bytes: int,
@@ -157,23 +185,17 @@ def choose_resident(
     num_landing: int,
     owner: str = "hbm_budget",
 ) -> ResidentChoice:
-    """The least streamed fraction ``f = m / (4 B)`` whose :func:`spread_resident` plan fits ``budget_bytes`` of
-    device weight bytes (``layout_of`` lays out a streamed spec as the runtime will). Everything resident where
-    the whole model fits; :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
+    """The plan of the :func:`frontier` that streams the least within ``budget_bytes`` of device weight bytes
+    (``layout_of`` lays out a streamed spec as the runtime will): everything resident where the whole model fits;
+    :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
     if budget_bytes >= spec.total_bytes:
         return ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0)
-    steps, tried = 4 * spec.num_blocks, set()
-    for m in range(1, steps + 1):
-        resident = spread_resident(spec.block_bytes, m, steps)
-        if len(resident) == spec.num_blocks or resident in tried:
-            continue
-        tried.add(resident)
-        streamed = with_resident(spec, resident)
-        layout = layout_of(streamed)
-        need = device_weight_bytes(streamed, layout, num_slots, num_landing)
-        if need <= budget_bytes:
-            return ResidentChoice(resident, need, layout.shard_bytes_per_rank)
-    raise BudgetError(
-        f"{owner} = {budget_bytes} bytes is below the {need} bytes of device weights the ring of {num_slots} "
-        f"slots needs with every block streamed (and the non-block weights resident): pass at least {need}"
-    )
+    plans = frontier(spec, layout_of, num_slots, num_landing)
+    fits = [p for p in plans if p.device_weight_bytes <= budget_bytes]
+    if not fits:
+        need = plans[0].device_weight_bytes
+        raise BudgetError(
+            f"{owner} = {budget_bytes} bytes is below the {need} bytes of device weights the ring of {num_slots} "
+            f"slots needs with every block streamed (and the non-block weights resident): pass at least {need}"
+        )
+    return min(fits, key=lambda p: p.h2d_bytes_per_pass)
