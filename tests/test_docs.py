@@ -1,17 +1,17 @@
-"""The measured tables of README.md and docs/ are rendered from the committed data (dlo_fn.repro.doc_tables), and
+"""The measured tables of README.md and docs/ are rendered from the committed data (benchmarks.repro.doc_tables), and
 docs/measurements.md names every file under figures/data/."""
 
 from __future__ import annotations
 
 import pathlib
 
-from dlo_fn.repro import doc_tables
+from benchmarks.repro import doc_tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_every_table_block_is_what_its_data_renders():
-    assert doc_tables.stale(ROOT) == [], "run `python -m dlo_fn figures` and commit the refreshed docs"
+    assert doc_tables.stale(ROOT) == [], "run `python -m benchmarks figures` and commit the refreshed docs"
 
 
 def test_every_table_block_names_a_table_and_every_table_is_used():

@@ -37,7 +37,6 @@ from torch import nn
 from dlo_fn.io.bind import with_address_residues
 from dlo_fn.io.quantized import drop_stored, stored_weights
 from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
-from dlo_fn.plan.host_budget import pinned_prefix
 from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
 from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.quant import quantized_tensors
@@ -69,7 +68,7 @@ class Offloaded:
     executor: Executor | None
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
-    auto: Any = None  # the policy's choice (dlo_fn.plan.auto.AutoChoice) where options were "auto"
+    auto: Any = None  # the policy's choice (dlo_fn.cost.auto.AutoChoice) where options were "auto"
     timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
 
     @property
@@ -268,6 +267,8 @@ def _build(
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
     pinned = None
     if options.pinned_budget_bytes is not None and source == "pinned":
+        from dlo_fn.cost.host_budget import pinned_prefix  # the host-budget model, only when a budget is set
+
         pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     tensors = [t for t, _ in states]
     if stored is not None:  # a quantised checkpoint: the pieces are read from its FP8 and scale views
