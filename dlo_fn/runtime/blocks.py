@@ -1,23 +1,19 @@
-"""Blocks as stateless functions of their weights: state extraction, meta stripping, views, proxies, calls.
+"""Blocks as stateless functions of their weights: state extraction, stripping, views, proxies, calls.
 
-A block module keeps its code and loses its storage: every parameter and persistent buffer is replaced by a
-*stand-in* (ties kept): a zero-stride view of one element on the device, with the tensor's shape and dtype and
-no storage of its size; non-persistent buffers (recomputed tables) move to the device. Stand-ins rather than
-``meta`` tensors because adapter libraries read a base layer's device and dtype to place what they add (peft
-moves a LoRA's weights to its base weight's device: ``meta`` would drop them). The executor then
-runs the block as a function of ``views``, typed views into the slot the block was gathered into, built once
-per (slot, block layout) at start-up (by default ``"swap"``: the views are put in the block's parameter and
-buffer tables for the call, as ``torch.func.functional_call(block, views, args, kwargs)`` does, with the
-tables resolved once instead of per call; see :func:`make_caller`):
+A block module keeps its code and loses its storage: every parameter and persistent buffer becomes a
+:class:`StandIn` (ties kept; not ``meta``: peft places a LoRA on its base weight's device and dtype), and
+non-persistent buffers (recomputed tables) move to the device. The executor then runs the block as a function
+of ``views``, typed views into the slot the block was gathered into, built once per (slot, block layout) at
+start-up (by default ``"swap"``: the views are put in the block's parameter and buffer tables for the call, as
+``torch.func.functional_call(block, views, args, kwargs)`` does, with the tables resolved once instead of per
+call; see :func:`make_caller`):
 
     views[name] = slot[offset : offset + nbytes].view(dtype).view(shape)
 
 Each entry of the model's block list is replaced by a :class:`BlockProxy` whose ``forward`` hands its
-arguments to the executor. The proxy shares the block's submodules, so the module tree keeps every path
-(``transformer_blocks.0.attn.to_q``): peft and diffusers find and wrap the block's layers after offload, and
-the ``"swap"`` call, which holds each base layer's own parameter table, feeds the streamed views to a wrapped
-layer's ``base_layer`` unchanged (adapters: docs/design.md).
-"""
+arguments to the executor. The proxy shares the block's submodules, so every path stays in the module tree
+(``transformer_blocks.0.attn.to_q``): peft and diffusers wrap the block's layers after offload, and ``"swap"``,
+holding each layer's own parameter table, feeds the views to a wrapped layer's ``base_layer`` unchanged."""
 
 from __future__ import annotations
 
