@@ -173,6 +173,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "quantize": ("test_quantize", "quantize_rank", (FixtureArg("quantized_tiny"),)),
         "lora": ("test_lora", "lora_rank", ()),
         "models_lora": ("test_models_lora", "lora_rank", (FixtureArg("tiny_checkpoint"),)),
+        "serve_lora": ("test_serve_lora", "serve_rank", (FixtureArg("tiny_checkpoint"),)),
     },
     3: {
         "models_sp": ("test_models_sp", "_rank", ()),

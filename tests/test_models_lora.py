@@ -4,6 +4,7 @@ the same adapter; rank-local, allgather, FP8 shards (against fake_quantize plus 
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import tempfile
 
@@ -31,11 +32,8 @@ def run_choices(model, files) -> list[str]:
     """Both adapters loaded, then one generation per (adapter, scale) of :data:`CHOICES`: the output hashes."""
     for name, path in zip("ab", files):
         load_adapter(model, path, name)
-    out = []
-    for name, scale in CHOICES:
-        use_adapter(model, name, scale)
-        out.append(generate(model, REQUEST).sha256)
-    return out
+    # generate makes each request's adapter active (Request.lora / lora_scale)
+    return [generate(model, dataclasses.replace(REQUEST, lora=n, lora_scale=s)).sha256 for n, s in CHOICES]
 
 
 @pytest.fixture(scope="module")

@@ -11,42 +11,45 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
+import sys
 import warnings
 
 import torch
 from torch import nn
 
-__all__ = ["TARGETS", "write_adapter", "load_adapter", "use_adapter", "adapter_names"]
+__all__ = ["TARGETS", "write_adapter", "load_adapter", "use_adapter", "adapter_names", "block_chooser"]
 
 # Every attention and MLP linear of every block (peft matches the regex against full module names).
 TARGETS = r"blocks\.\d+\.(self_attn\.(qkv|out)|cross_attn\.(q|kv|out)|mlp\.(fc1|fc2))"
 
 
-def _config(rank: int):
+def _config(rank: int):  # alpha = rank: the update is B A x, times the request's scale
     import peft
 
     return peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False)
 
 
 def write_adapter(model: nn.Module, path: str | os.PathLike, rank: int = 4, seed: int = 0) -> pathlib.Path:
-    """A random rank-``rank`` adapter for ``model``'s architecture (shapes only are read: a meta model will do),
-    written to ``path``; A and B both random (peft's ``init_lora_weights=False``), so it changes every output."""
-    import copy
-
-    import peft
+    """A random rank-``rank`` adapter on :data:`TARGETS` of ``model`` (only its layers' names and shapes are
+    read: a meta, resident or offloaded model will do), written to ``path`` in the layers' dtype. A and B are
+    both random (A ~ N(0, 1/in), B ~ N(0, 1/rank)), so the adapter changes every output."""
     from safetensors.torch import save_file
 
-    twin = copy.deepcopy(model).to_empty(device="cpu") if _on_meta(model) else copy.deepcopy(model)
-    torch.manual_seed(seed)
-    peft.inject_adapter_in_model(_config(rank), twin, adapter_name="x")
-    state = peft.get_peft_model_state_dict(twin, adapter_name="x")
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, mod in model.named_modules():
+        name = name.replace(".base_layer", "")  # a layer peft already wraps
+        if isinstance(mod, nn.Linear) and re.fullmatch(TARGETS, name):
+            dtype = mod.weight.dtype
+            a = torch.randn(rank, mod.in_features, generator=g) / mod.in_features**0.5
+            b = torch.randn(mod.out_features, rank, generator=g) / rank**0.5
+            state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"] = a.to(dtype), b.to(dtype)
+    if not state:
+        raise ValueError(f"{type(model).__name__} has no layers matching {TARGETS!r}: no adapter to write")
     path = pathlib.Path(path)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"rank": str(rank)})
+    save_file(state, str(path), metadata={"rank": str(rank)})
     return path
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, name: str) -> None:
@@ -74,6 +77,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, name: str) -> None:
             f"adapter file {str(path)!r} does not fit this model (e.g. {result.unexpected_keys[0]!r}): write it "
             "for this model's config"
         )
+    for layer in _layers(model):  # peft's injection may have changed what is active: choose afresh
+        layer.__dict__.pop("_dlo_choice", None)
     use_adapter(model, None)
 
 
@@ -84,7 +89,9 @@ def _layers(model: nn.Module):
 
 
 def adapter_names(model: nn.Module) -> tuple[str, ...]:
-    """The adapters loaded into ``model``, in load order."""
+    """The adapters loaded into ``model``, in load order (none without peft imported: nothing loaded one)."""
+    if "peft" not in sys.modules:
+        return ()
     layers = _layers(model)
     return tuple(layers[0].lora_A) if layers else ()
 
@@ -94,7 +101,29 @@ def use_adapter(model: nn.Module, name: str | None, scale: float = 1.0) -> None:
     if name is not None and name not in adapter_names(model):
         raise ValueError(f"lora={name!r} is not loaded (loaded: {list(adapter_names(model))}): load it first")
     for layer in _layers(model):
-        layer.enable_adapters(name is not None)
-        if name is not None:
-            layer.set_adapter(name)
-            layer.set_scale(name, scale)
+        _choose(layer, name, scale)
+
+
+def _choose(layer: nn.Module, name: str | None, scale: float) -> None:
+    if layer.__dict__.get("_dlo_choice") == (name, scale):
+        return  # peft's set_adapter walks every adapter's parameters: skip what is already chosen
+    layer.enable_adapters(name is not None)
+    if name is not None:
+        layer.set_adapter(name)
+        layer.set_scale(name, scale)
+    layer.__dict__["_dlo_choice"] = (name, scale)
+
+
+def block_chooser(model: nn.Module):
+    """For serving, where each request of a rank runs its own adapter: a function ``(block, request)`` that
+    makes ``request.lora`` at ``request.lora_scale`` active in ``block`` (one of ``model.blocks``) before the
+    request's call of it; None when ``model`` has no adapters (nothing to switch)."""
+    if not adapter_names(model):
+        return None
+    layers = {id(b): _layers(b) for b in model.blocks}
+
+    def choose(block: nn.Module, request) -> None:
+        for layer in layers[id(block)]:
+            _choose(layer, request.lora, request.lora_scale)
+
+    return choose
