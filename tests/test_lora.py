@@ -155,6 +155,8 @@ def test_pipeline_load_lora_weights_after_offload(lora_files):
         diffusers.FluxPipeline(None, None, None, None, None, None, t, image_encoder=None, feature_extractor=None)
         for t in (ref, o.model)
     ]
+    with torch.no_grad():
+        base = ref(**inputs(1))[0]
     outs = []
     for pipe in pipes:
         pipe.load_lora_weights(str(lora_files["flux"][0]), adapter_name="a")
@@ -166,6 +168,7 @@ def test_pipeline_load_lora_weights_after_offload(lora_files):
         with torch.no_grad():
             outs.append(pipe.transformer(**inputs(2))[0])
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    assert not torch.equal(outs[0], base)  # the adapters were loaded, not left at peft's no-op init
 
 
 def lora_rank(ctx) -> dict:

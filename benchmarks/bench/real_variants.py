@@ -55,6 +55,8 @@ OURS = {
     "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (its first call measures the blocks)
     "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
     "ours-fp8-prequantized": dict(mode="rank-local", quantization="fp8"),  # from `quantize`'s folder (PREQUANTIZED)
+    "ours-lora": dict(mode="rank-local"),  # + adapters loaded after offload (benchmarks.bench.real_lora)
+    "ours-lora-fp8": dict(mode="rank-local", quantization="fp8"),
 }
 # Variants that load the checkpoint `python -m dlo_fn quantize` wrote from the model's (once per run, timed as the
 # entry's "quantized_checkpoint"), so their ready time is the FP8 bytes' and no rank quantises anything.
@@ -204,9 +206,10 @@ def measure(
     return row
 
 
-def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False):
+def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False, adapters: tuple = ()):
     """``load_model`` + ``offload``: the public API, timed in parts; ``probe_peak``: the pinned H2D peak from the
-    arena, once ready."""
+    arena, once ready; ``adapters``: LoRA files loaded, switched and one removed once ready
+    (:func:`benchmarks.bench.real_lora.adapter_work`), the forwards then run with the first."""
     from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
@@ -243,6 +246,11 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
             facts["after_ready"] = lambda: {
                 "arena_h2d_peak_bytes_per_s": pinned_peak_bytes_per_s(ctx.platform, store, o.layout)
             }
+        if adapters:
+            from benchmarks.bench.real_lora import adapter_work
+
+            peak = facts.pop("after_ready", dict)
+            facts["after_ready"] = lambda: {**peak(), **adapter_work(o, adapters, ctx.platform)}
 
         def forward():
             return o.model(**inputs)[0]

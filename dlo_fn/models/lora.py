@@ -30,23 +30,26 @@ def _config(rank: int):  # alpha = rank: the update is B A x, times the request'
     return peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False)
 
 
-def write_adapter(model: nn.Module, path: str | os.PathLike, rank: int = 4, seed: int = 0) -> pathlib.Path:
-    """A random rank-``rank`` adapter on :data:`TARGETS` of ``model`` (only its layers' names and shapes are
-    read: a meta, resident or offloaded model will do), written to ``path`` in the layers' dtype. A and B are
-    both random (A ~ N(0, 1/in), B ~ N(0, 1/rank)), so the adapter changes every output."""
+def write_adapter(
+    model: nn.Module, path: str | os.PathLike, rank: int = 4, seed: int = 0, targets: str = TARGETS
+) -> pathlib.Path:
+    """A random rank-``rank`` adapter on the linears of ``model`` whose names match ``targets`` (only their
+    names and shapes are read: a meta, resident or offloaded model will do; a diffusers model loads the file
+    with ``load_lora_adapter(path, prefix=None)``), written to ``path`` in the layers' dtype. A and B are both
+    random (A ~ N(0, 1/in), B ~ N(0, 1/rank)), so the adapter changes every output."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, mod in model.named_modules():
         name = name.replace(".base_layer", "")  # a layer peft already wraps
-        if isinstance(mod, nn.Linear) and re.fullmatch(TARGETS, name):
+        if isinstance(mod, nn.Linear) and re.fullmatch(targets, name):
             dtype = mod.weight.dtype
             a = torch.randn(rank, mod.in_features, generator=g) / mod.in_features**0.5
             b = torch.randn(mod.out_features, rank, generator=g) / rank**0.5
             state[f"{name}.lora_A.weight"], state[f"{name}.lora_B.weight"] = a.to(dtype), b.to(dtype)
     if not state:
-        raise ValueError(f"{type(model).__name__} has no layers matching {TARGETS!r}: no adapter to write")
+        raise ValueError(f"{type(model).__name__} has no linears matching {targets!r}: no adapter to write")
     path = pathlib.Path(path)
     save_file(state, str(path), metadata={"rank": str(rank)})
     return path
