@@ -77,7 +77,7 @@ def _steps(name: str, model, files) -> list[tuple[str, torch.Tensor]]:
     run("none")
     model.load_lora_adapter(str(files[0]), adapter_name="a")
     run("a loaded")
-    model.load_lora_adapter(str(files[1]), adapter_name="b")
+    model.load_lora_adapter(str(files[1]), adapter_name="b", low_cpu_mem_usage=True)  # peft's meta-init path
     model.set_adapters(["a", "b"], weights=[0.7, -0.4])
     run("a*0.7 + b*-0.4")
     model.set_adapters("b")
