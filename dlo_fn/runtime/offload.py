@@ -133,6 +133,15 @@ def _plugins(options: OffloadOptions, platform: Any) -> dict[str, Any]:
     return {"plugin": plugins_for(options, platform), "dequantizer": dequantizer_for(options, platform)}
 
 
+def _filler(options: OffloadOptions, ctx: DistContext) -> Any:
+    """The host store's fill plug-in ``options.host_fill`` asks for on this platform, or None (the core's)."""
+    if options.host_fill == "plain" or (options.host_fill == "auto" and ctx.platform.kind != "cuda"):
+        return None
+    from dlo_fn.runtime.cuda.host_fill import ParallelFill
+
+    return ParallelFill(local_ranks=local_ranks(ctx))
+
+
 def offload(
     model: nn.Module,
     block_paths: str | Sequence[str] | None = None,
@@ -287,7 +296,7 @@ def _build(
         source=source,
         progress=options.progress and ctx.is_main,
         pinned_blocks=pinned,
-        local_ranks=local_ranks(ctx),
+        fill=_filler(options, ctx),
     )
     lap("store_s")
     aliases = [a for _, a in states]

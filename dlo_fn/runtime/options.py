@@ -2,9 +2,9 @@
 results that record it.
 
 Every execution choice is a field here, never an environment variable. The core runtime (``executor``,
-``program``, ``issue``) reads the fields it needs; the one plug-in, CUDA block graphs (``graph="block"``,
-:mod:`dlo_fn.runtime.cuda`), is chosen by :func:`dlo_fn.runtime.offload.offload` from ``graph`` and handed to the
-executor, which never imports it.
+``program``, ``issue``) reads the fields it needs; the plug-ins (:mod:`dlo_fn.runtime.cuda`: block graphs,
+``graph``; the FP8 dequantise kernel, ``dequant``; the start-up fill, ``host_fill``) are chosen by
+:func:`dlo_fn.runtime.offload.offload` from these fields and handed to the core, which never imports them.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from dlo_fn.plan.quant import check_quantization
 from dlo_fn.runtime.blocks import CALLS
 from dlo_fn.runtime.mesh import check_shard_group
 
-__all__ = ["GRAPHS", "OffloadOptions"]
+__all__ = ["GRAPHS", "HOST_FILLS", "OffloadOptions"]
 
 GRAPHS = (False, "block")  # False: eager; "block": each block's compute a CUDA graph (runtime.cuda)
+# "plain": the core's fill (runtime.host_store.plain_fill); "parallel": the start-up plug-in
+# (runtime.cuda.host_fill.ParallelFill); "auto": the plug-in on CUDA, where it measured faster, else plain.
+HOST_FILLS = ("auto", "parallel", "plain")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,8 @@ class OffloadOptions:
     # The dequantise op: "torch" (torch ops: a cast and a multiply per tensor), "kernel" (one Triton launch per
     # block, the CUDA plug-in dlo_fn.runtime.cuda.dequant), "auto" (the kernel where CUDA and Triton are there).
     dequant: str = "auto"
+    # How the host arena is filled at start-up (HOST_FILLS).
+    host_fill: str = "auto"
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -77,6 +82,8 @@ class OffloadOptions:
             )
         if self.graph_shapes < 1:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
+        if self.host_fill not in HOST_FILLS:
+            raise ValueError(f"host_fill must be one of {', '.join(map(repr, HOST_FILLS))}; got {self.host_fill!r}")
         check_quantization(self.quantization)
         if self.dequant not in ("auto", "torch", "kernel"):
             raise ValueError(f"dequant must be 'auto', 'torch' or 'kernel'; got {self.dequant!r}")
