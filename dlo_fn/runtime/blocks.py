@@ -95,9 +95,9 @@ def make_views(slot: torch.Tensor, layout: BlockLayout, aliases: dict[str, tuple
 def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> Callable[[tuple, dict], Any]:
     """A function ``(args, kwargs) -> block output`` computing ``block`` with ``views`` as its weights.
 
-    ``"functional_call"``: :func:`torch.func.functional_call` (resolves every name per call, ~20-40 us for a
-    20-tensor block on a slow CPU). ``"swap"``: the same re-parametrisation with the (dict, key) pairs resolved
-    once here: assign the views, call, put the meta tensors back (~2 us). ``"compile"``: ``functional_call`` of
+    ``"functional_call"``: :func:`torch.func.functional_call` (resolves every name per call). ``"swap"``: the same
+    re-parametrisation with the (dict, key) pairs resolved once here: assign the views, call, put the meta tensors
+    back (what each costs the host: ``docs/performance.md``). ``"compile"``: ``functional_call`` of
     the block compiled with ``torch.compile`` (``nn.Module.compile``, once per block): the views are the
     compiled graph's weight inputs, so every block of one class and every slot share one compiled graph.
     """

@@ -29,7 +29,7 @@ on several threads and registers range by range while it copies.
 source         host memory per node (W ranks, model M)      H2D
 =============  ===========================================  ===============================================
 ``"pinned"``   W x M private pinned (each rank its copy)    pinned: the link's full rate
-``"mmap"``     M shared page cache (views kept, no copy)    pageable: a fraction of it (DESIGN.md section 6),
+``"mmap"``     M shared page cache (views kept, no copy)    pageable: a fraction of it (docs/performance.md),
                                                             one copy per tensor through a staging buffer
 =============  ===========================================  ===============================================
 """

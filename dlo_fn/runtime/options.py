@@ -34,7 +34,7 @@ class OffloadOptions:
     num_slots: int = 2
     num_landing: int | None = None  # allgather default 2 (2G with load groups)
     rank_local_source: str = "pinned"  # "pinned": private pinned copy; "mmap": stream from the shared mmap
-    block_call: str = "swap"  # or "functional_call" (same bits, ~3x the host time; dlo_fn.runtime.blocks)
+    block_call: str = "swap"  # or "functional_call" (same bits, more host time; dlo_fn.runtime.blocks)
     async_collectives: bool = False  # CPU/gloo: overlap all-gathers with compute
     record_timeline: bool = False
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
