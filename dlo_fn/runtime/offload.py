@@ -68,7 +68,9 @@ class Offloaded:
     executor: Executor | None
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
-    auto: Any = None  # the policy's choice (dlo_fn.cost.auto.AutoChoice) where options were "auto"
+    # Where options were "auto": the policy's choice (dlo_fn.cost.auto.AutoChoice: the chosen and runner-up rows with
+    # their predicted step times, the fields chosen and where the inputs came from); None when none was.
+    auto: Any = None
     timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
 
     @property
@@ -158,8 +160,10 @@ def offload(
     ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
     ``block_paths=None``: the model's own block lists (:func:`dlo_fn.io.diffusers_load.block_paths_for`:
     the common diffusers DiTs, or the one top-level list of identical blocks): ``offload(transformer, ctx=ctx)``.
-    ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them for ``workload=`` (a Workload),
-    or measured on the first call (:mod:`dlo_fn.runtime.auto`); ``Offloaded.auto`` holds the choice.
+    ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them first, for ``workload=`` (a
+    Workload) or from one call of the model on ``example=`` (a dict of keyword arguments or a tuple of positional
+    ones) timed through a plain probe (:func:`dlo_fn.runtime.auto.resolve`); ``offload`` then builds from the
+    concrete options, and ``Offloaded.auto`` holds the choice and the runner-up.
     """
     t0 = time.perf_counter()
     if ctx is None:
@@ -170,10 +174,10 @@ def offload(
         block_paths = block_paths_for(model)
     options = options or OffloadOptions()
     fields = [f for f in ("mode", "num_slots", "load_group") if overrides.get(f) == "auto"]
-    workload = overrides.pop("workload", None)
-    if workload is not None and not fields:
+    workload, example = overrides.pop("workload", None), overrides.pop("example", None)
+    if (workload is not None or example is not None) and not fields:
         raise ValueError(
-            "offload(workload=...) describes the requests for the policy: pass it with mode, "
+            "offload(workload=... / example=...) describe the requests for the policy: pass them with mode, "
             "num_slots or load_group = 'auto'"
         )
     if overrides:
@@ -185,12 +189,14 @@ def offload(
     spec = spec_from_module(model, paths, name=type(model).__name__)
     if ctx.platform.device.type == "cpu":  # the resident model computes from these very tensors: keep their alignment
         spec = with_address_residues(spec, model)
-    if fields:  # the policy chooses them, then builds with concrete options (dlo_fn.runtime.auto)
+    choice = None
+    if fields:  # the policy chooses them first (dlo_fn.runtime.auto); the build sees concrete options only
         from dlo_fn.runtime.auto import resolve
 
-        pending = Offloaded(model, ctx, options, spec, None, None, None)  # built at the first call's end
-        return resolve(pending, paths, _block_lists(model, paths), fields, workload, mesh, _build)
-    return _build(model, paths, spec, ctx, options, mesh, started_s=t0)
+        options, choice = resolve(
+            model, _block_lists(model, paths), spec, ctx, options, fields, workload, mesh, example
+        )
+    return _build(model, paths, spec, ctx, options, mesh, started_s=t0, auto=choice)
 
 
 class _Laps:
@@ -237,13 +243,14 @@ def _build(
     options: OffloadOptions,
     mesh: Mesh | None,
     started_s: float | None = None,
+    auto: Any = None,
 ) -> Offloaded:
     platform = ctx.platform
     lap = _Laps(started_s)
     stored = stored_weights(model)  # checked against the options by offload (the policy never picks resident)
     if options.mode == "resident":
         model.to(platform.device)
-        return Offloaded(model, ctx, options, spec, None, None, None)
+        return Offloaded(model, ctx, options, spec, None, None, None, auto=auto)
     shards = (
         shard_group(ctx, mesh, options.shard_group) if options.mode == "allgather" else ShardGroup("none", None, 1, 0)
     )
@@ -345,4 +352,4 @@ def _build(
         executor.device_weight_bytes,
         ", ".join(f"{k} {v}" for k, v in options.describe()),
     )
-    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release, timings=timings)
+    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release, auto, timings)
