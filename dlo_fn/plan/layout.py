@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo_fn.plan.quant import check_quantization, stored_block
+from dlo_fn.plan.quant import Quantization, check_quantization, stored_block
 from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES, BlockSpec, ModelSpec
 
 __all__ = [
@@ -454,13 +454,13 @@ def model_layout(
     num_shards: int,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     load_group: int = 1,
-    quantization: str | None = None,
+    quantization: str | Quantization | None = None,
     exclude: tuple[str, ...] = (),
 ) -> ModelLayout:
     """Flat layout of every block of ``spec``, sharded over ``num_shards`` ranks; ``load_group > 1`` (it must
     divide the number of blocks): the grouped layout, one all-gather per group of that many blocks.
-    ``quantization="fp8"``: the shards lay out the stored blocks and ``compute`` the blocks of ``spec``
-    (:mod:`dlo_fn.plan.quant`; ``exclude``: modules kept as they are)."""
+    ``quantization="fp8"`` (or a :class:`~dlo_fn.plan.quant.Quantization`): the shards lay out the stored blocks
+    and ``compute`` the blocks of ``spec`` (:mod:`dlo_fn.plan.quant`; ``exclude``: modules kept as they are)."""
     if check_quantization(quantization) is not None:  # ModelLayout refuses load groups
         stored = tuple(block_layout(stored_block(b, exclude), alignment_bytes) for b in spec.blocks)
         return ModelLayout(

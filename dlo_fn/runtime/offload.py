@@ -34,12 +34,10 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
-from dlo_fn.io.bind import with_address_residues
-from dlo_fn.io.quantized import drop_stored, stored_weights
+from dlo_fn.io.bind import drop_stored, stored_weights, with_address_residues
 from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
 from dlo_fn.plan.modes import MODES
-from dlo_fn.plan.quant import quantized_tensors
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
@@ -48,7 +46,6 @@ from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
 from dlo_fn.runtime.options import OffloadOptions
-from dlo_fn.runtime.quant import StoredBlock, fp32_modules, needed_ranges
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -221,18 +218,32 @@ def _check_stored(model: nn.Module, options: OffloadOptions) -> None:
     fmt = getattr(stored_weights(model), "format", None)
     if fmt is None:
         return
-    if options.quantization != fmt.quantization or options.mode == "resident":
+    q = options.quantization
+    if q is None or q.format != fmt.quantization or options.mode == "resident":
         raise ValueError(
             f"{type(model).__name__} comes from a quantised checkpoint (FP8 block weights, no "
             f"{fmt.torch_dtype} ones): offload it with quantization={fmt.quantization!r} (CLI: "
             f"--quantization {fmt.quantization}) in an offloaded mode, or dequantise it first "
             "(dlo_fn.runtime.quant.fake_quantize(model)) to run it resident"
         )
-    if options.quantize_exclude not in ((), fmt.exclude):
+    if q.exclude not in ((), fmt.exclude):
         raise ValueError(
-            f"quantize_exclude {list(options.quantize_exclude)}: the checkpoint was quantised with "
+            f"quantization exclude {list(q.exclude)}: the checkpoint was quantised with "
             f"exclude {list(fmt.exclude)}; pass that (or nothing), or quantize the source again"
         )
+
+
+def _stored(model: nn.Module, options: OffloadOptions, platform: Any) -> Any:
+    """What a quantised host store reads its blocks from, one interface either way: a quantised checkpoint's stored
+    weights (:class:`dlo_fn.io.quantized.StoredWeights`, checked against the options by :func:`_check_stored`), or
+    the model quantised as it is offloaded (:class:`dlo_fn.runtime.quant.QuantizeOnLoad`); None: not quantised."""
+    stored = stored_weights(model)
+    if stored is None and options.quantization is not None:
+        from dlo_fn.runtime.quant import QuantizeOnLoad
+
+        device = platform.device if platform.is_accelerator else None  # quantise where the rows go: the same bits
+        stored = QuantizeOnLoad(options.quantization.exclude, device)
+    return stored
 
 
 def _build(
@@ -247,7 +258,6 @@ def _build(
 ) -> Offloaded:
     platform = ctx.platform
     lap = _Laps(started_s)
-    stored = stored_weights(model)  # checked against the options by offload (the policy never picks resident)
     if options.mode == "resident":
         model.to(platform.device)
         return Offloaded(model, ctx, options, spec, None, None, None, auto=auto)
@@ -262,16 +272,15 @@ def _build(
             grouped_layout_problem(spec.num_blocks, options.load_group),
             options.load_group,
         )
-    exclude = (stored.format.exclude if stored is not None else options.quantize_exclude) + fp32_modules(model)
+    stored, exclude = _stored(model, options, platform), ()
+    if stored is not None:  # the FP8 modules load only here
+        from dlo_fn.plan.quant import quantized_tensors
+        from dlo_fn.runtime.quant import fp32_modules
+
+        exclude = stored.exclude + fp32_modules(model)
+        stored.check(set(quantized_tensors(spec, exclude)), paths)  # what the layout stores as FP8
+    # options.quantization is set exactly where stored is (a quantised checkpoint needs it: _check_stored)
     layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization, exclude)
-    if stored is not None:
-        fp8 = set(quantized_tensors(spec, exclude))  # what the layout stores as FP8
-        if fp8 != set(stored.tensors):
-            raise ValueError(
-                f"the checkpoint's FP8 tensors are not those FP8 shards of block lists {list(paths)} "
-                f"store (e.g. {sorted(fp8 ^ set(stored.tensors))[0]!r}): offload the block lists it "
-                "was quantised for, or quantize the source again"
-            )
     lap("describe_s")
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
@@ -287,14 +296,9 @@ def _build(
 
         pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     tensors = [t for t, _ in states]
-    if stored is not None:  # a quantised checkpoint: the pieces are read from its FP8 and scale views
-        tensors = [stored.block(sh.block.name, t) for t, sh in zip(tensors, layout.shards)]
-    elif layout.quantized:  # each rank quantises the rows its own pieces read (runtime.quant.StoredBlock)
-        where = platform.device if platform.is_accelerator else None
-        tensors = [
-            StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
-            for t, sh in zip(tensors, layout.shards)
-        ]
+    if stored is not None:  # the pieces are read from the stored weights (FP8 and scales), this rank's only
+        rank = shards.rank if num_shards > 1 else 0
+        tensors = [stored.block(sh.block, t, sh.pieces[rank]) for t, sh in zip(tensors, layout.shards)]
     store = build_host_store(
         layout,
         shards.rank,

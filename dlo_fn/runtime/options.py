@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.lowering import check_load_group
 from dlo_fn.plan.modes import check_mode
-from dlo_fn.plan.quant import check_quantization
+from dlo_fn.plan.quant import Quantization, as_quantization
 from dlo_fn.runtime.blocks import CALLS
 from dlo_fn.runtime.mesh import check_shard_group
 
@@ -57,9 +57,9 @@ class OffloadOptions:
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
     pinned_budget_bytes: int | None = None
     # Quantised shards (dlo_fn.plan.quant): "fp8" stores and moves every >= 2-D floating block weight as FP8,
-    # dequantised on the device; ``quantize_exclude``: modules kept as they are, besides a diffusers model's fp32 ones.
-    quantization: str | None = None
-    quantize_exclude: tuple[str, ...] = ()
+    # dequantised on the device; Quantization("fp8", exclude=(...)) keeps the named modules as they are too. Held as
+    # a Quantization (or None).
+    quantization: str | Quantization | None = None
     # The dequantise op: "torch" (torch ops: a cast and a multiply per tensor), "kernel" (one Triton launch per
     # block, the CUDA plug-in dlo_fn.runtime.cuda.dequant), "auto" (the kernel where CUDA and Triton are there).
     dequant: str = "auto"
@@ -84,7 +84,7 @@ class OffloadOptions:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
         if self.host_fill not in HOST_FILLS:
             raise ValueError(f"host_fill must be one of {', '.join(map(repr, HOST_FILLS))}; got {self.host_fill!r}")
-        check_quantization(self.quantization)
+        object.__setattr__(self, "quantization", as_quantization(self.quantization))
         if self.dequant not in ("auto", "torch", "kernel"):
             raise ValueError(f"dequant must be 'auto', 'torch' or 'kernel'; got {self.dequant!r}")
         # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank
