@@ -5,7 +5,8 @@ each such block from ``TABLES[NAME]()``. ``python -m benchmarks figures`` refres
 ``tests/test_docs.py`` fails when a committed block differs from what its function renders now. So a new run
 committed under ``figures/data/`` (same name, same schema) updates the docs by regeneration, never by hand.
 
-Each table ends with a line naming its data file(s), the machine and the command inside them.
+Each table ends with a line naming its data file(s), the machine and the command inside them; the README's
+headline block is its figure's image line and caption (:mod:`benchmarks.repro.headline`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable, Iterable
 from benchmarks.repro import (
     continuous_tables,
     fp8_tables,
+    headline,
     host_cost_tables,
     pcie_tables,
     policy_tables,
@@ -313,6 +315,7 @@ def _real(name: str, *own_runs: str, skip: tuple[str, ...] = ()) -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {
+    "headline": lambda: headline.headline(headline.find_real_reports()),  # README's figure, alt text and caption
     "results": results_table,
     # the FP8 and gloo-rank rows of the Flux comparison are an earlier kernel's and set-up's: their own runs below
     "real-flux": lambda: _real(
