@@ -1,5 +1,5 @@
-"""Notebook 11's tables (benchmarks.repro.host_cost_tables): the plan's count of stream operations per block is what
-the executor issues (counted on the CPU), and the tables read the committed H200 JSON."""
+"""Notebook 05's host tables (benchmarks.repro.host_cost_tables): the plan's count of stream operations per block
+is what the executor issues (counted on the CPU), and the tables read the committed H200 JSON."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Notebook 11's tables: the host's work per offloaded block, the reference's (published, Ascend) against ours.
+"""Notebook 05's host-cost tables: the work per offloaded block, the reference's (published, Ascend) against ours.
 
 * :func:`published_rows` - the reference's AllGather overhead per step (Nano DP4, 72 blocks) and per block;
 * :func:`planned_stream_ops` / :func:`planned_rows` - the stream operations per block the executor issues for a
