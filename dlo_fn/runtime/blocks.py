@@ -76,11 +76,12 @@ class StandIn(nn.Parameter):
             "default; set_adapters/disable_lora/unload_lora_weights work), or fuse it before offload()"
         )
 
-    def __repr__(self) -> str:  # its one element is not a value of the weight
-        return f"StandIn(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
-
     data = property(lambda self: self, _refuse)
     __iadd__ = __isub__ = __imul__ = copy_ = add_ = sub_ = mul_ = _refuse
+
+
+def _stand_in(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and not any(t.stride())
 
 
 def strip_block(block: nn.Module, device: torch.device) -> None:
@@ -129,9 +130,9 @@ def make_views(slot: torch.Tensor, layout: BlockLayout, aliases: dict[str, tuple
 def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> Callable[[tuple, dict], Any]:
     """A function ``(args, kwargs) -> block output`` computing ``block`` with ``views`` as its weights.
 
-    ``"functional_call"``: :func:`torch.func.functional_call` (resolves every name per call, ~20-40 us for a
-    20-tensor block on a slow CPU). ``"swap"``: the same re-parametrisation with the (dict, key) pairs resolved
-    once here: assign the views, call, put the meta tensors back (~2 us). ``"compile"``: ``functional_call`` of
+    ``"functional_call"``: :func:`torch.func.functional_call` (resolves every name per call). ``"swap"``: the same
+    re-parametrisation with the (dict, key) pairs resolved once here: assign the views, call, put the meta tensors
+    back (what each costs the host: ``docs/performance.md``). ``"compile"``: ``functional_call`` of
     the block compiled with ``torch.compile`` (``nn.Module.compile``, once per block): the views are the
     compiled graph's weight inputs, so every block of one class and every slot share one compiled graph.
     """
@@ -170,8 +171,7 @@ def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> 
 
 
 def _unwrapped(block: nn.Module, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``views`` renamed for the layers an adapter library wrapped since (peft moves ``to_q.weight`` to
-    ``to_q.base_layer.weight``); resolved per call, since adapters come and go between calls."""
+    """``views`` renamed, per call, for layers wrapped since (peft: ``to_q.weight`` -> ``to_q.base_layer.weight``)."""
     out = {}
     for name, view in views.items():
         path, _, attr = name.rpartition(".")
@@ -213,21 +213,16 @@ def build_callers(
 
 class BlockProxy(nn.Module):
     """Stands in a block list for block ``block_index``; ``forward`` asks the executor to advance the
-    schedule to this block's compute and run it.
-
-    The proxy shares the block's submodule table, so the block's layers keep their paths in the model (what
-    peft and diffusers search and wrap, and ``state_dict`` lists: diffusers reads base shapes there). Moving or
-    casting the model (``to``) leaves the block's stand-ins alone (the runtime owns those weights) and moves
-    what was added to the block since (adapter weights). The stand-ins hold no values: save the checkpoint the
-    model came from, not an offloaded model's ``state_dict``. Unknown attributes are read from the block."""
+    schedule to this block's compute and run it. It shares the block's submodule table, so the block's layers
+    keep their paths in the model (peft and diffusers wrap them; ``state_dict`` lists their stand-ins, which hold
+    no values: save the checkpoint, not an offloaded model). ``to`` moves what was added since (adapter weights),
+    never the stand-ins. Unknown attributes are read from the block."""
 
     def __init__(self, compute: Callable[[int, tuple, dict], Any], block_index: int, block: nn.Module) -> None:
         super().__init__()
         self.__dict__["_dlo_compute"] = compute
         self.__dict__["_dlo_block"] = block
         self.__dict__["_modules"] = block._modules
-        tensors, _ = block_state(block)
-        self.__dict__["_dlo_stand_ins"] = frozenset(t.untyped_storage().data_ptr() for t in tensors.values())
         self.block_index = block_index
 
     @property
@@ -243,17 +238,10 @@ class BlockProxy(nn.Module):
         except AttributeError:
             return getattr(self.__dict__["_dlo_block"], name)
 
-    def _is_stand_in(self, t: torch.Tensor | None) -> bool:
-        return t is not None and t.untyped_storage().data_ptr() in self.__dict__["_dlo_stand_ins"]
-
     def _apply(self, fn: Callable, recurse: bool = True) -> "BlockProxy":
-        for mod in self.block.modules():  # each module alone, its stand-ins held out (None is skipped)
-            held = [
-                (table, k, t)
-                for table in (mod._parameters, mod._buffers)
-                for k, t in table.items()
-                if self._is_stand_in(t)
-            ]
+        for mod in self.block.modules():  # each module alone, its stand-ins (zero strides) held out as None
+            tables = (mod._parameters, mod._buffers)
+            held = [(table, k, t) for table in tables for k, t in table.items() if t is not None and _stand_in(t)]
             for table, k, _ in held:
                 table[k] = None
             try:
