@@ -171,6 +171,9 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "context_parallel": ("test_context_parallel", "_rank", ()),
         "quant": ("test_quant", "quant_rank", (FixtureArg("tiny_checkpoint"),)),
         "quantize": ("test_quantize", "quantize_rank", (FixtureArg("quantized_tiny"),)),
+        "lora": ("test_lora", "lora_rank", ()),
+        "models_lora": ("test_models_lora", "lora_rank", (FixtureArg("tiny_checkpoint"),)),
+        "serve_lora": ("test_serve_lora", "serve_rank", (FixtureArg("tiny_checkpoint"),)),
     },
     3: {
         "models_sp": ("test_models_sp", "_rank", ()),

@@ -190,7 +190,7 @@ def _anon_huge_kb(addr: int) -> int:
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_huge_page_buffer_is_zeroed_private_memory_in_2mib_pages_where_the_kernel_gives_them():
-    from dlo_fn.runtime.host_fill import huge_page_buffer
+    from dlo_fn.runtime.cuda.host_fill import huge_page_buffer
 
     n = 16 << 20
     buf = huge_page_buffer(n)
@@ -209,12 +209,12 @@ def test_a_cuda_arena_locked_range_by_range_is_pinned_and_unlocked_with_its_stor
     unlocks every range."""
     import ctypes
 
-    from dlo_fn.runtime import host_fill
+    from dlo_fn.runtime.cuda import host_fill
 
     spec, tensors = _model([[((256, 256), torch.float32), ((7,), torch.bfloat16)]] * 5)
     layout = model_layout(spec, 1)
     monkeypatch.setattr(host_fill, "PIN_RANGE_BYTES", 1)  # a range per block
-    store = build_host_store(layout, 0, tensors, platform_for("cuda", 0))
+    store = build_host_store(layout, 0, tensors, platform_for("cuda", 0), fill=host_fill.ParallelFill())
     flags, libcuda = ctypes.c_uint(0), ctypes.CDLL("libcuda.so.1")
 
     def locked(b: int) -> bool:  # the driver knows flags for a registered range's first page

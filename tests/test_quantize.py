@@ -20,7 +20,7 @@ from dlo_fn.io.checkpoint import open_checkpoint, read_header
 from dlo_fn.io.load import load_checkpoint, load_model
 from dlo_fn.io.quantized import META_QUANTIZATION, stored_weights
 from dlo_fn.models import BLOCK_PATHS, Request, generate
-from dlo_fn.plan.quant import FP8_DTYPE, quantized
+from dlo_fn.plan.quant import FP8_DTYPE, Quantization, quantized
 from dlo_fn.plan.spec import spec_from_module
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.quant import fake_quantize, quantize_rows
@@ -185,7 +185,7 @@ def test_offloading_it_otherwise_and_other_excludes_are_one_clear_error(quantize
         with pytest.raises(ValueError, match="quantised checkpoint .* offload it with quantization='fp8'"):
             offload(load_model(dst), ctx=CTX, **{"mode": "rank-local", **kw})
     with pytest.raises(ValueError, match=r"quantised with exclude \[\]"):
-        offload(load_model(dst), ctx=CTX, mode="rank-local", quantization="fp8", quantize_exclude=("mlp",))
+        offload(load_model(dst), ctx=CTX, mode="rank-local", quantization=Quantization("fp8", exclude=("mlp",)))
     quantize_checkpoint(src, tmp_path / "kept", exclude=("attn",), progress=False)  # its exclude comes with it
     o = offload(load_model(tmp_path / "kept"), ctx=CTX, mode="rank-local", quantization="fp8")
     names = {p.name for sh in o.layout.shards for p in sh.block.placements if p.dtype == FP8_DTYPE}

@@ -58,9 +58,11 @@ OURS = {
     "ours-allgather": dict(mode="allgather"),  # W = 1: the plan lowers it to the rank-local program
     "ours-bgraph": dict(mode="rank-local", graph="block"),
     "ours-3-slots": dict(mode="rank-local", num_slots=3),
-    "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (its first call measures the blocks)
+    "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (one example call measures the blocks)
     "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
     "ours-fp8-prequantized": dict(mode="rank-local", quantization="fp8"),  # from `quantize`'s folder (PREQUANTIZED)
+    "ours-lora": dict(mode="rank-local"),  # + adapters loaded after offload (benchmarks.bench.real_lora)
+    "ours-lora-fp8": dict(mode="rank-local", quantization="fp8"),
     # HBM budgets that emulate 12 to 24 GB cards (device weight bytes; plan.resident), BF16 and FP8
     **{f"ours-hbm-{n}GB": dict(mode="rank-local", hbm_budget=f"{n}GB") for n in (12, 16, 18, 20, 24)},
     "ours-hbm-16GB-3-slots": dict(mode="rank-local", hbm_budget="16GB", num_slots=3),
@@ -216,9 +218,10 @@ def measure(
     return row
 
 
-def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False):
+def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False, adapters: tuple = ()):
     """``load_model`` + ``offload``: the public API, timed in parts; ``probe_peak``: the pinned H2D peak from the
-    arena, once ready."""
+    arena, once ready; ``adapters``: LoRA files loaded, switched and one removed once ready
+    (:func:`benchmarks.bench.real_lora.adapter_work`), the forwards then run with the first."""
     from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
@@ -226,10 +229,9 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
         t0 = time.perf_counter()
         model = load_model(folder, progress=False)
         t1 = time.perf_counter()
-        o = offload(model, ctx=ctx, **kwargs)
-        if o.executor is None:  # mode="auto" with no workload: the first call measures the blocks, then builds
-            with torch.no_grad():
-                o.model(**inputs)
+        # mode="auto": one call on the inputs, timed through the plain probe, chooses; then offload builds
+        auto = any(v == "auto" for v in kwargs.values())
+        o = offload(model, ctx=ctx, **kwargs, **({"example": inputs} if auto else {}))
         ctx.platform.synchronize()
         t2 = time.perf_counter()
         store = o.store
@@ -257,6 +259,11 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
             facts["after_ready"] = lambda: {
                 "arena_h2d_peak_bytes_per_s": pinned_peak_bytes_per_s(ctx.platform, store, o.layout)
             }
+        if adapters:
+            from benchmarks.bench.real_lora import adapter_work
+
+            peak = facts.pop("after_ready", dict)
+            facts["after_ready"] = lambda: {**peak(), **adapter_work(o, adapters, ctx.platform)}
 
         def forward():
             return o.model(**inputs)[0]

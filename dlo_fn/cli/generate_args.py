@@ -59,7 +59,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("functional_call", "swap"),
         default="swap",
         help="how a block runs on its slot's views: swap puts them in the block's parameter tables "
-        "for the call (resolved once); functional_call is torch.func's (same bits, ~3x the "
+        "for the call (resolved once); functional_call is torch.func's (same bits, more "
         "host time)",
     )
     parser.add_argument(

@@ -37,7 +37,10 @@ __all__ = [
     "resolve_checkpoint",
     "open_checkpoint",
     "CONFIG_FILE",
+    "META_QUANTIZATION",
+    "quantization_marked",
 ]
+META_QUANTIZATION = "dlo_fn.quantization"  # the mark a quantised checkpoint's files carry (dlo_fn.io.quantized)
 
 # (single file, index) pairs, in the order a directory is searched.
 WEIGHT_NAMES = (
@@ -307,3 +310,9 @@ def open_checkpoint(
                 f"config is a JSON {type(config).__name__}, not an object: write it again", file=root / CONFIG_FILE
             )
     return Checkpoint(os.fspath(checkpoint), root, tuple(files), entries, config)
+
+
+def quantization_marked(ckpt: Checkpoint) -> bool:
+    """Whether any file of ``ckpt`` carries the quantised checkpoint's mark (:mod:`dlo_fn.io.quantized` reads the
+    rest); the loader asks first, so plain checkpoints never load the FP8 modules."""
+    return any(META_QUANTIZATION in (read_header(f).get("__metadata__") or {}) for f in ckpt.files)

@@ -34,6 +34,7 @@ import torch
 
 from dlo_fn.models.config import DiTConfig, latent_shape
 from dlo_fn.models.decode import decode_latents
+from dlo_fn.models.lora import adapter_names, use_adapter
 from dlo_fn.models.request import Request
 from dlo_fn.models.text import tokenize
 
@@ -170,7 +171,11 @@ def generate(model, request: Request, *, sp=None) -> Result:
     """Run a whole request through ``model`` (a :class:`~dlo_fn.models.dit.VideoDiT`, possibly with offloaded blocks).
 
     ``sp``: a :class:`~dlo_fn.models.sp.SPContext`; every rank of its group calls ``generate`` with the same
-    request (same seed, so the same noise), computes its share of the tokens and gets the whole result."""
+    request (same seed, so the same noise), computes its share of the tokens and gets the whole result.
+    ``request.lora`` (at ``lora_scale``) is made the active adapter first where the model has adapters
+    (:mod:`dlo_fn.models.lora`)."""
+    if request.lora is not None or adapter_names(model):
+        use_adapter(model, request.lora, request.lora_scale)
     state = init_state(model, request)
     kwargs = {} if sp is None else {"sp": sp}
     text = model.encode_text(state.text_tokens)  # the prompt's states do not change across steps: encode once

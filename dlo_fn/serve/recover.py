@@ -9,8 +9,8 @@ whole blocks from the checkpoint mapping (the file is on every host; :mod:`dlo_f
 ``"mmap"`` source: no copy, one shared page cache per host, pageable H2D): each becomes an independent
 rank-local replica, whose step needs no collective at all, and a second failure costs only that rank's
 requests. Device memory is the same slots without the landing buffers, so the rebuilt executor fits where
-the old one was. What it costs: host H2D from pageable memory (on an H200 about 7 GB/s instead of 55), so a
-degraded replica runs slower where the loads were hidden behind compute only just.
+the old one was. What it costs: host H2D from pageable memory (a fraction of the pinned rate:
+``docs/performance.md``), so a degraded replica runs slower where the loads were hidden behind compute only just.
 
 **Agreement** (keys under the status board's prefix, in the process group's store: a FileStore, a TCPStore
 hosted by rank 0, or torchrun's agent store; all outlive a follower):

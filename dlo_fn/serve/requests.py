@@ -91,16 +91,22 @@ def as_submissions(items: Iterable[Request | Submission]) -> list[Submission]:
     return out
 
 
-def rejection(sub: "Submission", config: Any, memory: Any = None) -> str | None:
-    """Why ``sub`` cannot be dispatched (its own parse error, a field the model's ``config`` refuses, or more
-    memory than a rank has left: ``memory``, a :class:`~dlo_fn.serve.admission.MemoryAdmission`), or None:
-    checked on rank 0 before any rank does work for it."""
+def rejection(sub: "Submission", config: Any, memory: Any = None, adapters: tuple[str, ...] = ()) -> str | None:
+    """Why ``sub`` cannot be dispatched (its own parse error, a field the model's ``config`` refuses, an
+    adapter not among the model's ``adapters``, or more memory than a rank has left: ``memory``, a
+    :class:`~dlo_fn.serve.admission.MemoryAdmission`), or None: checked on rank 0 before any rank does work
+    for it."""
     if sub.error is not None:
         return sub.error
     try:
         sub.request.validate(config)
     except ValueError as exc:
         return f"rejected before dispatch: {exc}"
+    if sub.request.lora is not None and sub.request.lora not in adapters:
+        return (
+            f"rejected before dispatch: lora={sub.request.lora!r} is not loaded (loaded: {list(adapters)}): "
+            "name a loaded adapter or pass none"
+        )
     return memory.refusal(sub.request) if memory is not None else None
 
 
