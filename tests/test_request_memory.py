@@ -62,7 +62,8 @@ torch.set_num_threads(1)
 from dlo_fn.models import Request, generate
 from dlo_fn.plan.request_memory import request_memory
 from dlo_fn.plan.sp_memory import BlockDims
-from dlo_fn.runtime.dist import init_distributed
+from dlo_fn.runtime.dist import DistContext
+from dlo_fn.runtime.platform import platform_for
 from dlo_fn.serve.admission import request_shape
 from dlo_fn.serve.local import open_model
 
@@ -71,7 +72,8 @@ def status(key):
     return int(line.split()[1]) * 1024
 
 checkpoint, mode, fields = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-model, _ = open_model(checkpoint, init_distributed(), mode)
+# On the CPU even where CUDA is present: the pool model is the CPU's, where compute and decode share the RSS.
+model, _ = open_model(checkpoint, DistContext(0, 1, 0, platform_for("cpu"), None), mode)
 generate(model, Request("warm", height=32, width=32, num_frames=5, num_inference_steps=1))  # kernels loaded
 request = Request("a red fox", **fields)
 before = status("VmRSS:")
