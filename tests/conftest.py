@@ -8,6 +8,18 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``cuda`` runs CUDA code (``make test-gpu`` selects them); without CUDA it is skipped, unless
+    it is marked ``cuda(cpu=True)``: it runs on the CPU too, its CUDA part only where CUDA is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is not None and not marker.kwargs.get("cpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models gain nothing from threads, and OpenMP spinning on a shared 2-core machine is slow. Tests that

@@ -208,7 +208,7 @@ def test_measured_timeline_matches_schedule_and_exports_trace(tmp_path):
     assert from_chrome_trace(json.loads(path.read_text())) == tl
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["allgather", "rank-local"])
 @torch.no_grad()
 def test_cuda_streams_events_bit_exact(mode):

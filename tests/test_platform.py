@@ -74,7 +74,7 @@ def test_bad_platform_kinds_fail_clearly():
         platform_for("npu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_streams_and_events_order_work():
     p = platform_for("cuda", 0)
     side = p.new_stream("h2d")

@@ -28,7 +28,7 @@ WORKLOAD = Workload("tiny", tokens=64, num_steps=20, cfg_branches=1)
 
 
 def _platforms():
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
 
 
 @torch.no_grad()

@@ -299,7 +299,7 @@ def test_writing_streams_in_flat_memory(tmp_path):
         assert torch.equal(got["embed.weight"], f.get_tensor("embed.weight"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_quantizing_on_a_gpu_writes_the_same_bytes(tmp_path):
     from dlo_fn.models import write_checkpoint
 

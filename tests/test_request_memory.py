@@ -111,7 +111,7 @@ def test_the_model_bounds_the_peak_a_request_adds(checkpoint, mode, fields):
     assert got["measured"] - SCRATCH_BYTES <= got["planned"] <= 2 * got["measured"] + SCRATCH_BYTES, got
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["resident", "rank-local"])
 def test_the_device_terms_bound_the_cuda_peak(checkpoint, mode):
     """On CUDA the compute terms (latents, held state, the block's peak phase) against the allocator's peak over
