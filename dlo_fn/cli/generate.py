@@ -114,7 +114,10 @@ def register(subparsers) -> None:
         "generate",
         help="generate videos with layerwise-offloaded weights (torchrun for several ranks)",
         description=__doc__.split("\n\n")[0] + " Run under torchrun --nproc-per-node N for N ranks; without "
-        "torchrun it runs as one process. CPU ranks use gloo.",
+        "torchrun it runs as one process. CPU ranks use gloo. Without --height/--width/--frames/--steps each "
+        "prompt runs the published size (832x480, 29 frames, 35 steps: minutes to hours on a CPU, even for the "
+        "tiny model; it says its FLOPs and least time before starting): --height 64 --width 64 --frames 5 "
+        "--steps 4 runs in seconds.",
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
@@ -171,6 +174,14 @@ def run_generate(args: argparse.Namespace) -> int:
     options, submissions = check_generate_args(args)
     platform = detect_platform(prefer=args.platform)
     ctx = init_distributed(platform, timeout_s=args.timeout)
+    if ctx.is_main:
+        from dlo_fn.cli.checks import _stderr
+        from dlo_fn.cli.generate_size import default_size_note
+        from dlo_fn.models import load_config
+
+        note = default_size_note(args, submissions, load_config(args.checkpoint)[0], platform)
+        if note:
+            _stderr(f"dlo_fn generate: {note}")
     from dlo_fn.cli.budget import apply_host_budget
 
     options = apply_host_budget(args, ctx, options)
