@@ -195,3 +195,7 @@ def test_continuous_serving_shows_a_bar_on_a_terminal_and_none_in_a_log(checkpoi
     )
     assert logged.returncode == 0 and "ring step 0: req0000 starts" in logged.stderr
     assert "serving:" not in logged.stderr and "request/s" not in logged.stderr, logged.stderr[-2000:]
+    # Log lines in words and units: no raw dicts of float seconds or bare byte counts.
+    assert "{'" not in logged.stderr and "_s'" not in logged.stderr, logged.stderr[-2000:]
+    assert re.search(r"host store: rank 0, [\d.]+ kB \(pageable\), .* filled in [\d.]+ ms", logged.stderr)
+    assert re.search(r"offload VideoDiT: allgather, 4 blocks, .* device weights [\d.]+ kB on cpu", logged.stderr)

@@ -46,6 +46,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from dlo_fn.io.memstat import format_bytes
 from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.runtime.host_fill import fill_arena, fill_threads, huge_page_buffer, pin_bounds
 from dlo_fn.runtime.platform import Platform
@@ -301,13 +302,15 @@ def build_host_store(
         total_s=alloc_s + copy_s + zero_s + pin_s,
     )
     (log.info if progress else log.debug)(
-        "host store: rank %d, %d bytes (%s), %d/%d blocks in the arena: %s",
+        "host store: rank %d, %s (%s), %d/%d blocks in the arena, filled in %.1f ms (allocate %.1f, copy %.1f, "
+        "zero %.1f, pin %.1f ms) on %d thread(s)",
         rank,
-        arena.numel(),
+        format_bytes(arena.numel()),
         how,
         k,
         layout.num_blocks,
-        timings,
+        *(1e3 * timings[key] for key in ("total_s", "alloc_s", "copy_s", "zero_s", "pin_s")),
+        threads,
     )
     store = HostStore(layout, rank, tuple(sources), arena, how, fin)
     store.num_pinned_blocks, store.copied_ranges, store.timings = k, tuple(copied), timings
