@@ -15,6 +15,7 @@ import torch
 from conftest import engine_options, mixed_request, mixed_requests
 
 from dlo_fn.runtime.dist import init_distributed
+from dlo_fn.runtime.platform import platform_for
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
 from dlo_fn.serve.engine import Engine
 from dlo_fn.serve.local import Phase, open_model, serve_local
@@ -49,7 +50,7 @@ def _check_bytes(report, mixed_expected, skip=()):
 
 @pytest.mark.parametrize("mode, r", [("allgather", 1), ("allgather", 3), ("resident", 2)])
 def test_one_rank_continuous_is_bit_identical(checkpoint, mixed_expected, mode, r):
-    model, off = open_model(checkpoint, init_distributed(), mode)
+    model, off = open_model(checkpoint, init_distributed(platform_for("cpu")), mode)
     report = Engine(model, off, off.ctx, _options(requests_per_rank=r)).serve(SUBS)
     assert report.serving == "continuous" and report.waves == ()
     _check_bytes(report, mixed_expected)
