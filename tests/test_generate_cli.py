@@ -30,6 +30,7 @@ def test_all_modes_write_the_same_hashes(checkpoint, resident_rows, tmp_path):
     # Continuous (the default): fox | owl, then the third takes rank 0 at the fox's end.
     assert [r["rank"] for r in allgather] == [0, 1, 0] and {r["serving"] for r in allgather} == {"continuous"}
     steps = [json.loads(line) for line in (tmp_path / "ag" / "steps.jsonl").read_text().splitlines()]
+    assert not (tmp_path / "ag" / "waves.jsonl").exists()  # continuous serving has ring steps, no waves
     held = [ids for k in steps for ids in k["ranks"]]
     assert (
         {i for ids in held for i in ids} == {r["id"] for r in allgather}

@@ -123,14 +123,17 @@ def _topology(text: str):
     """``(topology, probe)``: probe is ``(model, workload, sps)`` when the file is an ``auto_policy.json``."""
     from dlo_fn.repro import topologies
 
-    if text.endswith(".json"):
-        path = pathlib.Path(text)
+    path = pathlib.Path(text)
+    if path.is_file() or text.endswith(".json"):  # a file of any name is read; a name is looked up
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise SystemExit(f"policy: --topology {text}: no such file") from None
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"policy: --topology {text}: not JSON ({exc})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SystemExit(
+                f"policy: --topology {text}: not JSON ({exc}): a topology file is one JSON object (its fields: "
+                "policy --help)"
+            ) from None
         try:
             if isinstance(data, dict) and "topology" in data:
                 t, *probe = topologies.probe_from_dict(data, where=f"--topology {text}")

@@ -301,15 +301,20 @@ def topology(name: str) -> Topology:
 
 
 def model(name: str) -> PolicyModel:
+    """A calibrated model, or any other named config (``plan --model`` and ``make-checkpoint`` know them) from its
+    spec's exact sizes, activations left out of the HBM check."""
     makers = {
         "bench": bench_model,
         "cosmos3-super": super_model,
         "cosmos3-nano": nano_model,
         "minimax-h3": minimax_model,
     }
-    if name not in makers:
-        raise ValueError(f"unknown policy model {name!r}; known: {', '.join(makers)}")
-    return makers[name]()
+    if name in makers:
+        return makers[name]()
+    if name in CONFIGS:
+        spec = config_spec(name)
+        return PolicyModel(ModelSizes.from_spec(spec), CONFIGS[name].hidden_dim, source=f"config_spec({name!r})")
+    raise ValueError(f"unknown policy model {name!r}; known: {', '.join(MODEL_NAMES)}")
 
 
 def workloads() -> dict[str, Workload]:
@@ -325,7 +330,9 @@ def workload(name: str) -> Workload:
 
 
 TOPOLOGY_NAMES = ("1xH200", "4xB300", "8xB300", "4xAscend910B3", *pcie_topologies.PCIE_TOPOLOGY_NAMES)
-MODEL_NAMES = ("bench", "cosmos3-super", "cosmos3-nano", "minimax-h3")
+MODEL_NAMES = ("bench", "cosmos3-super", "cosmos3-nano", "minimax-h3") + tuple(
+    n for n in CONFIGS if n not in ("bench", "cosmos3-super", "cosmos3-nano")
+)
 
 _LINK_FIELDS = ("peer_link", "gpus_per_uplink", "uplink_bytes_per_s", "host_memory_bytes_per_s", "ranks_per_host")
 _FIELDS = (
