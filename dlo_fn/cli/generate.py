@@ -288,6 +288,28 @@ def _serve(args: argparse.Namespace, ctx, options, submissions, writer, built: d
             print(f"wrote every rank's measured timeline ({len(timeline.spans)} spans): {args.trace}")
         code = report_failures(report, [s.error for s in submissions if s.error])
     else:
-        engine.follow()
+        code = _follow(engine, ctx.rank)
     offloaded.synchronize()
     return code
+
+
+def _follow(engine, rank: int) -> int:
+    """A follower serves until rank 0 says stop (0), or says in one line why it stopped (1): rank 0 died, or this
+    rank was left behind (it stalled past --timeout and the others went on). Rank 0 wrote every request's
+    outcome that it saw end; a lost group's raw error is no traceback either."""
+    import torch.distributed as dist
+
+    from dlo_fn.cli import EXIT_FAILURE, _say
+
+    try:
+        engine.follow()
+    except dist.DistError as exc:
+        engine.stopped = f"lost the process group ({type(exc).__name__}: {exc}): rank 0 died or the others went on"
+    if engine.stopped is None:
+        return 0
+    _say(
+        "generate",
+        f"rank {rank}: {engine.stopped}; rank 0's --out manifest.jsonl has every request that ended; run the "
+        "rest again (a rank that stalls needs a longer --timeout)",
+    )
+    return EXIT_FAILURE
