@@ -9,10 +9,11 @@ NB_SANITIZE = notebooks/sanitize.cfg
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml benchmarks/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[cpu,test,notebooks]'
+	$(PY) -m pip install --quiet --no-deps -e benchmarks
 	$(PY) -m ipykernel install --prefix $(VENV) --name python3 >/dev/null
 	@touch $@
 
@@ -35,10 +36,10 @@ test-nb: $(STAMP)
 	$(PY) -m pytest --nbval --nbval-sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
 
 # The main job: the embedded demo (2 CPU ranks over gloo, a generated checkpoint), then every notebook
-# executed in place and every figure regenerated.
+# executed in place and every figure regenerated (the lab, benchmarks/).
 reproduce: $(STAMP)
 	$(PY) -m dlo_fn demo
-	$(PY) -m dlo_fn figures --execute-notebooks
+	$(PY) -m benchmarks figures --execute-notebooks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -311,6 +311,6 @@ def wan_pipeline_folder(tmp_path_factory) -> str:
 def ckpt_200mb(tmp_path_factory) -> str:
     """The 216 MB load-benchmark checkpoint (bench.load), written once: test_release and test_bench_load only
     read it."""
-    from dlo_fn.bench.load import make_checkpoint
+    from benchmarks.bench.load import make_checkpoint
 
     return str(make_checkpoint("load-200mb", tmp_path_factory.mktemp("load200")))

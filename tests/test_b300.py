@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dlo_fn.repro import b300
-from dlo_fn.repro import b300_tables as fb
-from dlo_fn.repro.published import published
+from benchmarks.repro import b300
+from benchmarks.repro import b300_tables as fb
+from benchmarks.repro.published import published
 
 
 def _super_bytes() -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dlo_fn.bench.continuous import FIELDS, SIZES, STEPS, lockstep_loss, planned, scores, trace
-from dlo_fn.repro import continuous_tables as ct
+from benchmarks.bench.continuous import FIELDS, SIZES, STEPS, lockstep_loss, planned, scores, trace
+from benchmarks.repro import continuous_tables as ct
 from dlo_fn.serve.requests import RequestResult
 
 
@@ -52,7 +52,9 @@ def test_planned_policies_use_the_engine_keys():
 
 def test_committed_run_and_notebook_tables():
     detail = ct.load()
-    assert {"machine", "command", "date"} <= set(detail) and detail["command"].startswith("python -m dlo_fn bench")
+    assert {"machine", "command", "date"} <= set(detail) and detail["command"].startswith(
+        ("python -m benchmarks bench", "python -m dlo_fn bench")
+    )
     policies = [r["policy"] for r in ct.policy_rows(detail)]
     assert policies == ["continuous", "continuous-cost", "strict", "independent rank-local"]
     assert all(r["all_ok"] for r in detail["rows"]) and len(detail["trace"]) >= 16

@@ -1,4 +1,4 @@
-"""The allgather host-cost bench (dlo_fn.bench.allgather_host) on the CPU: two real gloo ranks."""
+"""The allgather host-cost bench (benchmarks.bench.allgather_host) on the CPU: two real gloo ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def test_allgather_host_bench_runs_two_ranks_and_splits_the_collective_off():
     # Two gloo ranks, each block sharded over both, at load groups 1 and 2 (the grouped layout): outputs equal to
     # resident on both ranks, the executor's own time its host time less the time inside the collective calls,
     # one collective per block or per group, and the stream operations the plan counts.
-    from dlo_fn.bench import allgather_host
+    from benchmarks.bench import allgather_host
 
     out = allgather_host.measure("tiny", (1, 2), quick=True, nccl=torch.cuda.is_available())
     r = out["gloo_two_ranks"]

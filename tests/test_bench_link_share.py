@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from dlo_fn.bench.link_share import predict, topology
-from dlo_fn.cli import build_parser
-from dlo_fn.repro.pcie_tables import link_share_rows
+from benchmarks.bench.link_share import predict, topology
+from benchmarks.cli import lab_parser as build_parser
+from benchmarks.repro.pcie_tables import link_share_rows
 
 MB = 10**6
 
@@ -35,7 +35,9 @@ def test_quick_run_schema_and_table(tmp_path):
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     assert (
-        r["command"].startswith("python -m dlo_fn bench link-share") and r["date"] and r["machine"]["platform"] == "cpu"
+        r["command"].startswith("python -m benchmarks bench link-share")
+        and r["date"]
+        and r["machine"]["platform"] == "cpu"
     )
     assert r["link_bytes_per_s"] > 0 and r["host_memory_bytes_per_s"] > 0
     assert [row["world_size"] for row in r["rows"]] == [1, 2]

@@ -9,8 +9,8 @@ import json
 import psutil
 import pytest
 
-from dlo_fn.bench.load import run_load_bench
-from dlo_fn.cli import main
+from benchmarks.bench.load import run_load_bench
+from benchmarks.cli import main
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_cli_json_and_csv(tmp_path, capsys):
     rows = list(csv.DictReader(out.open()))
     assert [(r["mode"], r["ranks"]) for r in rows] == [("mmap", "1"), ("copy", "1")]
     assert [(r["mode"], r["ranks"]) for r in printed] == [("mmap", 1), ("copy", 1)]
-    assert all(r["command"].startswith("python -m dlo_fn bench load") and r["machine"] and r["date"] for r in rows)
+    assert all(r["command"].startswith("python -m benchmarks bench load") and r["machine"] and r["date"] for r in rows)
     assert all(int(r["model_bytes"]) == printed[0]["model_bytes"] > 0 for r in rows)
     assert all(r["sum_pss_bytes"] > r["model_bytes"] for r in printed)
     procs = list(csv.DictReader(out.with_name("sweep_processes.csv").open()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlo_fn.bench.mesh_host import measure
+from benchmarks.bench.mesh_host import measure
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from dlo_fn.cli import build_parser
+from benchmarks.cli import lab_parser as build_parser
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("accelerate")
@@ -55,7 +55,7 @@ def report(tmp_path_factory):
 
 @pytest.mark.slow
 def test_report_structure(report):
-    assert report["command"].startswith("python -m dlo_fn bench real") and report["date"] and report["quick"]
+    assert report["command"].startswith("python -m benchmarks bench real") and report["date"] and report["quick"]
     assert report["machine"]["platform"] == "cpu" and report["machine"]["diffusers"] == diffusers.__version__
     assert "--touch-host-gb 0.05" in report["command"] and report["touch_host"]["bytes"] == 50_000_000
     assert report["touch_host"]["s"] > 0
@@ -139,7 +139,7 @@ def test_the_file_holds_every_finished_variant_and_survives_a_kill(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "dlo_fn",
+        "benchmarks",
         "bench",
         "real",
         "--quick",
@@ -183,9 +183,9 @@ def test_the_file_holds_every_finished_variant_and_survives_a_kill(tmp_path):
 def test_the_budget_skips_what_would_not_finish(tmp_path):
     """A budget too small for a model's checkpoint skips the model; once a model runs, a variant that would end past
     the deadline is skipped (recorded with the reason), and the file says so."""
-    from dlo_fn.bench.real import _write
-    from dlo_fn.bench.real_models import MODELS
-    from dlo_fn.bench.real_run import ModelRun
+    from benchmarks.bench.real import _write
+    from benchmarks.bench.real_models import MODELS
+    from benchmarks.bench.real_run import ModelRun
     from dlo_fn.runtime.dist import init_distributed
     from dlo_fn.runtime.platform import platform_for
 
@@ -234,7 +234,7 @@ PUBLISHED = {  # blocks, block bytes (bf16; fp32 where the class keeps it), late
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_configs_on_meta(name):
-    from dlo_fn.bench.real_models import MODELS, forward_inputs, tokens_per_row
+    from benchmarks.bench.real_models import MODELS, forward_inputs, tokens_per_row
     from dlo_fn.io.diffusers_load import _meta_build, block_paths_for
     from dlo_fn.plan.spec import spec_from_module
 
@@ -249,7 +249,7 @@ def test_published_configs_on_meta(name):
 
 def test_flux_pipeline_component_configs_on_meta():
     transformers = pytest.importorskip("transformers")
-    from dlo_fn.bench.real_pipeline import CLIP_L, FLUX_VAE, T5_XXL
+    from benchmarks.bench.real_pipeline import CLIP_L, FLUX_VAE, T5_XXL
 
     with torch.device("meta"):
         clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(**CLIP_L))
@@ -261,7 +261,7 @@ def test_flux_pipeline_component_configs_on_meta():
 
 @pytest.mark.slow
 def test_figure_from_the_report_is_deterministic(report, tmp_path):
-    from dlo_fn.figures.real import find_real_reports, plot_bench_real, real_rows
+    from benchmarks.figures.real import find_real_reports, plot_bench_real, real_rows
 
     data = tmp_path / "data"
     data.mkdir()

@@ -6,7 +6,7 @@ import csv
 import json
 import statistics
 
-from dlo_fn.cli import main
+from benchmarks.cli import main
 
 
 def test_bench_slots_rows_are_medians_of_their_waves(tmp_path):

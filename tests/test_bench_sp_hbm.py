@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from dlo_fn.bench.sp_hbm import SPCase, _peak_allocations, parse_case
-from dlo_fn.cli import main
+from benchmarks.bench.sp_hbm import SPCase, _peak_allocations, parse_case
+from benchmarks.cli import main
 
 
 @pytest.mark.slow

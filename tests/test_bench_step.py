@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dlo_fn.bench.step_variants import DEFAULT_VARIANTS as VARIANTS
-from dlo_fn.cli import build_parser
-from dlo_fn.figures.bench import bench_rows, plot_bench_step
+from benchmarks.bench.step_variants import DEFAULT_VARIANTS as VARIANTS
+from benchmarks.cli import lab_parser as build_parser
+from benchmarks.figures.bench import bench_rows, plot_bench_step
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def quick_report(tmp_path_factory):
 
 def test_quick_bench_reports_every_variant(quick_report):
     r = quick_report
-    assert r["config"] == "tiny" and r["num_blocks"] == 4 and r["command"].startswith("python -m dlo_fn bench step")
+    assert r["config"] == "tiny" and r["num_blocks"] == 4 and r["command"].startswith("python -m benchmarks bench step")
     assert r["machine"]["platform"] == "cpu" and r["date"]
     assert r["pinned_h2d_peak_bytes_per_s"] > 0 and r["pinned_arena_bytes"] == r["h2d_bytes_per_pass"]
     assert [w["name"] for w in r["workloads"]] == ["video", "image"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from dlo_fn.cli import main
+from benchmarks.cli import main
+from benchmarks.repro.timeline_tables import measured_vs_predicted
 from dlo_fn.plan.compare import check_against_schedule, schedule_from_params
-from dlo_fn.repro.timeline_tables import measured_vs_predicted
 
 
 def test_recording_rebuilds_its_schedule_and_replays(tmp_path, capsys):
@@ -14,7 +14,7 @@ def test_recording_rebuilds_its_schedule_and_replays(tmp_path, capsys):
     assert main(["bench", "timeline", "--steps", "1", "--mode", "rank-local", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert {"machine", "command", "date", "schedule", "trace"} <= set(record)
-    assert record["command"].startswith("python -m dlo_fn bench timeline")
+    assert record["command"].startswith("python -m benchmarks bench timeline")
     measured, predicted, _ = measured_vs_predicted(out)
     schedule = schedule_from_params(record["schedule"])
     assert check_against_schedule(measured, schedule)

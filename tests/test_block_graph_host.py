@@ -214,7 +214,7 @@ def test_the_timeline_records_every_op_of_a_block_graphed_run():
 def test_the_wrapper_benchmark_replays_every_block():
     # bench.hostloop --block-graphs times the wrapper's host work per replayed call: after the first (eager) pass
     # every call is a replay (the capturing call replays once too), else it would time eager calls.
-    from dlo_fn.bench.hostloop import block_graph_call_us
+    from benchmarks.bench.hostloop import block_graph_call_us
 
     r = block_graph_call_us(num_blocks=4, passes=10)
     assert r["block_graph_captures"] == 4 and r["block_graph_replays"] == 4 * (5 + 10) - 4  # pass 1 eager

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.cli import lab_parser
 from dlo_fn.cli import build_parser
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
@@ -21,24 +22,34 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict:
     return action.choices
 
 
-COMMANDS = _subparsers(build_parser())
+LAB = _subparsers(lab_parser())  # python -m benchmarks COMMAND
+COMMANDS = {**_subparsers(build_parser()), **LAB}
 
 
-def _examples() -> list[list[str]]:
-    """The bash block's commands after `dlo_fn` (continuation lines joined, comments and non-dlo_fn lines left)."""
+def _examples() -> list[tuple[str, list[str]]]:
+    """The bash block's commands: ``(program, the words after it)`` for ``dlo_fn`` and ``benchmarks`` (continuation
+    lines joined, comments and other lines left)."""
     block = re.search(r"```bash\n(.*?)```", DOC.read_text(), re.S).group(1)
     joined = re.sub(r"\\\n", " ", block)
     commands = []
     for line in joined.splitlines():
         words = shlex.split(line, comments=True)
-        if "dlo_fn" in words and words[0] in ("python", "torchrun"):
-            commands.append(words[words.index("dlo_fn") + 1 :])
+        for program in ("dlo_fn", "benchmarks"):
+            if program in words and words[0] in ("python", "torchrun"):
+                commands.append((program, words[words.index(program) + 1 :]))
     return commands
 
 
-@pytest.mark.parametrize("argv", _examples(), ids=" ".join)
-def test_every_example_parses(argv):
-    build_parser().parse_args(argv)  # argparse's mistakes exit: a failure here names the command
+@pytest.mark.parametrize("program, argv", _examples(), ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_every_example_parses(program, argv):
+    parser = build_parser() if program == "dlo_fn" else lab_parser()
+    parser.parse_args(argv)  # argparse's mistakes exit: a failure here names the command
+
+
+def test_the_lab_commands_are_said_to_be_the_labs():
+    text = DOC.read_text()
+    assert "`python -m benchmarks COMMAND`" in text and all(f"`{name}" in text for name in LAB)
+    assert all(program == "benchmarks" for program, argv in _examples() if argv[0] in LAB)
 
 
 def _mentions() -> list[tuple[str, str, str | None]]:
@@ -91,4 +102,4 @@ def test_every_flag_and_listed_value_is_accepted(command, flag, value):
 
 def test_bench_subcommands_in_the_table_exist():
     listed = re.search(r"`bench \{([^}]*)\}`", DOC.read_text()).group(1).split(",")
-    assert set(listed) == set(_subparsers(COMMANDS["bench"])), listed
+    assert set(listed) == set(_subparsers(LAB["bench"])), listed

@@ -1,5 +1,6 @@
 """Every mistake is one line, argparse's own too; ``policy --help`` lists what ``--topology``, ``--model`` and
-``--workload`` accept and a topology file's fields, generated from :mod:`dlo_fn.repro.topologies`."""
+``--workload`` accept and a topology file's fields, read from the named machines the lab writes
+(:mod:`dlo_fn.cost.topology_file`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from dlo_fn.cli import build_parser, main
             ["dlo_fn policy: error: unrecognized arguments: --slotz 2", "python -m dlo_fn policy --help"],
         ),
         (["policy", "--objective", "speed"], ["dlo_fn policy: error: ", "invalid choice: 'speed'"]),
-        (["bench", "step", "--bogus"], ["dlo_fn bench step: error: unrecognized arguments: --bogus"]),
         (["make-checkpoint"], ["dlo_fn make-checkpoint: error: ", "required: --model, --out"]),
     ],
 )
@@ -29,15 +29,15 @@ def test_argparse_mistakes_are_one_line(capsys, argv, words):
 
 
 def test_policy_help_names_topologies_models_workloads_and_the_file_fields(capsys):
-    from dlo_fn.repro import topologies
+    from dlo_fn.cost import topology_file as topologies
 
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["policy", "--help"])
     out = capsys.readouterr().out
     assert exc.value.code == 0
     topo = out.split("named topologies (--topology NAME):")[1]
-    assert all(f"\n  {name} " in topo for name in topologies.TOPOLOGY_NAMES)
-    assert all(name in out for name in topologies.MODEL_NAMES)
+    assert all(f"\n  {name} " in topo for name in topologies.topology_names())
+    assert all(name in out for name in topologies.model_names())
     assert all(repr(name) in out for name in topologies.workloads())
     fields = out.split("a topology file (--topology FILE.json) is one JSON object:")[1]
     for field, required, _ in topologies.TOPOLOGY_FILE_FIELDS:
@@ -45,7 +45,7 @@ def test_policy_help_names_topologies_models_workloads_and_the_file_fields(capsy
 
 
 def test_the_file_fields_are_what_topology_from_dict_reads():
-    from dlo_fn.repro import topologies
+    from dlo_fn.cost import topology_file as topologies
 
     written = topologies.topology_to_dict(topologies.topology("1xH200"))
     assert set(written) == {f for f, _, _ in topologies.TOPOLOGY_FILE_FIELDS}
@@ -53,3 +53,14 @@ def test_the_file_fields_are_what_topology_from_dict_reads():
     assert topologies.topology_from_dict(required).name == "1xH200"
     with pytest.raises(ValueError, match="missing field"):
         topologies.topology_from_dict({k: v for k, v in required.items() if k != "compute"})
+
+
+def test_the_lab_says_its_mistakes_in_one_line_with_its_own_name(capsys):
+    from benchmarks.cli import main as lab_main
+
+    with pytest.raises(SystemExit) as exc:
+        lab_main(["bench", "step", "--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err == [
+        "benchmarks bench step: error: unrecognized arguments: --bogus (see python -m benchmarks bench step --help)"
+    ], err

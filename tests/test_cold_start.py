@@ -1,11 +1,11 @@
-"""Figure 2 data (dlo_fn.repro.cold_start): the model's Nano DP4 terms, the sweep reader and the slope fit."""
+"""Figure 2 data (benchmarks.repro.cold_start): the model's Nano DP4 terms, the sweep reader and the slope fit."""
 
 from __future__ import annotations
 
 import pytest
 
-from dlo_fn.plan.memory import GB
-from dlo_fn.repro import cold_start as fig2
+from benchmarks.repro import cold_start as fig2
+from dlo_fn.cost.memory import GB
 
 
 def _rows(m, c, ns=(1, 2, 3, 4)):
@@ -47,7 +47,10 @@ def test_committed_sweep_shows_both_laws():
     """The committed measurement itself: slopes within 10% of c (mmap) and M + c (copy)."""
     sweep = fig2.read_sweep()
     assert sorted({r["ranks"] for r in sweep}) == [1, 2, 3, 4] and {r["mode"] for r in sweep} == {"mmap", "copy"}
-    assert all(r["machine"] and r["command"].startswith("python -m dlo_fn bench load") for r in sweep)
+    assert all(
+        r["machine"] and r["command"].startswith(("python -m benchmarks bench load", "python -m dlo_fn bench load"))
+        for r in sweep
+    )
     fits = fig2.fit_sweep(sweep)
     assert all(abs(f.slope_ratio - 1) < 0.1 for f in fits.values()), fig2.fit_rows(fits)
     assert 0.9e9 < fits["copy"].model_bytes < 1.1e9

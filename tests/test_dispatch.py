@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo_fn.plan.dispatch import (
+from dlo_fn.cost.dispatch import (
     PassCosts,
     Replicas,
     admit_continuous,
@@ -22,7 +22,7 @@ from dlo_fn.plan.dispatch import (
     plan_continuous,
     plan_strict,
 )
-from dlo_fn.plan.dispatch import (
+from dlo_fn.cost.dispatch import (
     QueuedRequest as Q,
 )
 

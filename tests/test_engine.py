@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from dlo_fn.cost.waves import IncompatibleWaveError
 from dlo_fn.models import Request, generate
-from dlo_fn.plan.waves import IncompatibleWaveError
 from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.serve.engine import Engine
 from dlo_fn.serve.local import open_model

@@ -19,6 +19,7 @@ import torch
 from conftest import scenario
 
 from dlo_fn.models import CONFIGS, Request, generate
+from dlo_fn.models.sp import sp_of
 from dlo_fn.runtime.dist import DistContext, init_distributed
 from dlo_fn.runtime.platform import platform_for
 from dlo_fn.serve.batch import Fault
@@ -56,7 +57,7 @@ def _rank(ctx: DistContext, checkpoint: str) -> dict:
         mesh = build_mesh(ctx, sp=sp)
         for mode, group in _cases(dp, sp):
             model, off = open_model(checkpoint, ctx, mode, mesh=mesh, shard_group=group)
-            got = generate(model, REQUESTS[mesh.dp_rank], sp=mesh.sp)  # replicas in lockstep, one request each
+            got = generate(model, REQUESTS[mesh.dp_rank], sp=sp_of(mesh))  # replicas in lockstep, one request each
             engine = Engine(model, off, ctx, options, session=f"{dp}x{sp}-{mode}-{group}", mesh=mesh)
             report = engine.run(SUBS[: dp + 1])  # one more request than replicas: a partial wave
             out[(dp, sp, mode, group)] = {
@@ -81,7 +82,7 @@ def _fp8_rank(ctx: DistContext, checkpoint: str) -> bytes:
     mesh = build_mesh(ctx, sp=2)
     for mode, group in _cases(2, 2):
         model, off = open_model(checkpoint, ctx, mode, mesh=mesh, shard_group=group, quantization="fp8")
-        got = generate(model, REQUESTS[mesh.dp_rank], sp=mesh.sp)
+        got = generate(model, REQUESTS[mesh.dp_rank], sp=sp_of(mesh))
         reports = {}
         for serving in ("strict", "continuous"):
             options = EngineOptions(timeout_s=60.0, progress=False, serving=serving)

@@ -131,8 +131,8 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
 def _stream_ops_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
     """The issue loop's stream operations and collectives at W > 1, counted by the executor (ExecutorStats) against
     the plan's count: one load per block and groups of 2 (one collective per group)."""
+    from dlo_fn.cost.host_cost import planned_stream_ops
     from dlo_fn.models import BLOCK_PATHS, generate
-    from dlo_fn.plan.host_cost import planned_stream_ops
 
     out = {}
     for g in (1, 2):

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from dlo_fn.figures import all_figures
+from benchmarks.figures import all_figures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIGURES = all_figures()
@@ -26,8 +26,8 @@ def test_regenerated_figure_matches_committed(name, tmp_path):
     for path in written:
         rel = path.relative_to(out)
         committed = ROOT / "figures" / rel
-        assert committed.exists(), f"{rel} is not committed: run `python -m dlo_fn figures --only {name}`"
+        assert committed.exists(), f"{rel} is not committed: run `python -m benchmarks figures --only {name}`"
         assert path.read_bytes() == committed.read_bytes(), (
-            f"{rel} differs from the committed file: regenerate with `python -m dlo_fn figures --only {name}` "
+            f"{rel} differs from the committed file: regenerate with `python -m benchmarks figures --only {name}` "
             f"and commit, or make the figure deterministic"
         )

@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 
+from benchmarks.figures import memory as memory_figures
+from benchmarks.figures import minimax as minimax_figures
+from benchmarks.repro import memory_tables as memory_data
+from benchmarks.repro import minimax
+from benchmarks.repro.published import PUBLISHED, published
 from dlo_fn.cli import main
-from dlo_fn.figures import memory as memory_figures
-from dlo_fn.figures import minimax as minimax_figures
-from dlo_fn.repro import memory_tables as memory_data
-from dlo_fn.repro import minimax
-from dlo_fn.repro.published import PUBLISHED, published
 
 FIGS = {**memory_figures.FIGURES, **minimax_figures.FIGURES}
 

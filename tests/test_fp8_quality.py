@@ -1,4 +1,4 @@
-"""FP8 quality, measured (dlo_fn.bench.fp8_quality.output_error): the metric on constructed
+"""FP8 quality, measured (benchmarks.bench.fp8_quality.output_error): the metric on constructed
 inputs, then the reference DiT offloaded with FP8 shards against its BF16 self (one forward and a whole request),
 bit for bit equal to ``fake_quantize`` and within the bound of one e4m3 rounding."""
 
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from dlo_fn.bench.fp8_quality import output_error
-from dlo_fn.cli import build_parser
+from benchmarks.bench.fp8_quality import output_error
+from benchmarks.cli import lab_parser as build_parser
 
 # An e4m3 value has 3 mantissa bits: round to nearest errs by at most 2^-4 of the value in the normal range, where
 # the per-channel scale puts a row's values (its amax at 448), so the weights' relative L2 error is below 2^-4
@@ -57,7 +57,10 @@ def test_reference_dit_fp8_error_is_measured(tmp_path):
     args = build_parser().parse_args(["bench", "fp8-quality", "--platform", "cpu", "--steps", "3", "--out", str(out)])
     assert args.func(args) == 0
     report = json.loads(out.read_text())
-    assert report["command"].startswith("python -m dlo_fn bench fp8-quality") and report["machine"]["platform"] == "cpu"
+    assert (
+        report["command"].startswith("python -m benchmarks bench fp8-quality")
+        and report["machine"]["platform"] == "cpu"
+    )
     assert report["request"]["num_inference_steps"] == 3 and report["date"]
     rows = {r["output"]: r for r in report["rows"]}
     assert list(rows) == ["weights", "one forward", "request latents", "request video"]
@@ -72,10 +75,10 @@ def test_reference_dit_fp8_error_is_measured(tmp_path):
 
 
 def test_byte_rows_are_the_plans_and_the_simulated_step_has_a_dq_lane():
+    from benchmarks.repro import fp8_tables
     from dlo_fn.models.specs import config_spec
     from dlo_fn.plan.quant import stored_block
     from dlo_fn.plan.sizes import ModelSizes
-    from dlo_fn.repro import fp8_tables
 
     spec = config_spec("tiny")
     rows = {r["item"]: r for r in fp8_tables.byte_rows(spec, num_slots=2)}

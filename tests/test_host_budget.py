@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dlo_fn.plan.host_budget import host_budget, pinned_prefix, streamed_pass_cost_s
+from dlo_fn.cost.host_budget import host_budget, pinned_prefix, streamed_pass_cost_s
 from dlo_fn.plan.sizes import GB, ModelSizes
 
 SIZES = ModelSizes.uniform("m", 10 * GB, 10, resident_bytes=0)  # ten 1 GB blocks

@@ -1,15 +1,15 @@
-"""Notebook 11's tables (dlo_fn.repro.host_cost_tables): the plan's count of stream operations per block is what
-the executor issues (counted on the CPU), and the tables read the committed H200 JSON."""
+"""Notebook 05's host tables (benchmarks.repro.host_cost_tables): the plan's count of stream operations per block
+is what the executor issues (counted on the CPU), and the tables read the committed H200 JSON."""
 
 from __future__ import annotations
 
 import copy
 
-from dlo_fn.repro import host_cost_tables as hc
+from benchmarks.repro import host_cost_tables as hc
 
 
 def test_the_plans_stream_ops_are_the_executors():
-    from dlo_fn.bench.hostloop import measure
+    from benchmarks.bench.hostloop import measure
 
     planned = hc.planned_stream_ops(hc.steady_schedule(24))
     assert planned == {"waits": 2.0, "copies": 1.0, "records": 2.0, "total": 5.0, "collectives": 0.0}
@@ -26,7 +26,7 @@ def test_load_groups_planned_ops_are_the_executors():
     # Groups of G on 2G slots: per group one wait, one (merged) copy and one record per stream, plus the run's
     # boundary (each slot's first use waits on the previous run); a run prefetches whole groups, so the copies are
     # one per group exactly.
-    from dlo_fn.bench.hostloop import measure
+    from benchmarks.bench.hostloop import measure
 
     rows = {r["load_group"]: r for r in hc.planned_rows(24, (1, 2, 4))}
     for g in (2, 4):
@@ -46,7 +46,7 @@ def test_tables_from_the_committed_runs():
     }
     assert all(r["equal_to_resident"] is True for r in graphs)
     bg = hc.block_graph_host_rows(*(hc.load(n) for n in hc.BENCH_REPORTS))
-    assert [r["run"] for r in bg] == ["bench 2026-12-02", "bench-small40 2026-12-02"]
+    assert [r["bench config"] for r in bg] == ["bench", "bench-small40"]
     groups = hc.graph_rows(hc.load("groups_bench_step"), hc.GROUP_VARIANTS)
     assert {r["variant"] for r in groups} == set(hc.GROUP_VARIANTS.values())
     assert all(r["equal_to_resident"] is True for r in groups)

@@ -155,7 +155,7 @@ def test_grouped_layout_gathers_each_group_in_one_all_gather(group, num_groups, 
     sizes = ModelSizes.from_spec(spec, 64)
     assert layout.shard_bytes_per_rank == sum(grouped_shard_bytes(sizes.block_bytes, world, g, 64))
     # what the plan prices (plan.memory, the policy) is the layout offload() builds: grouped at W > 1 only
-    from dlo_fn.plan.memory import pinned_host_bytes_per_rank
+    from dlo_fn.cost.memory import pinned_host_bytes_per_rank
 
     built = layout if world > 1 else flat
     assert pinned_host_bytes_per_rank(sizes, world, "allgather", 64, load_group=g) == built.shard_bytes_per_rank

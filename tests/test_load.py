@@ -17,7 +17,7 @@ from torch import nn
 from dlo_fn.io.bind import meta_module_from_header, meta_params
 from dlo_fn.io.checkpoint import read_header
 from dlo_fn.io.load import LoadReport, load_checkpoint, load_model
-from dlo_fn.io.memstat import file_mappings, in_mappings
+from dlo_fn.io.mappings import file_mappings, in_mappings
 
 
 class Net(nn.Module):

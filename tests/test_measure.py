@@ -1,5 +1,5 @@
 """Measured timelines of the tiny reference DiT (CPU, real 1-rank gloo group) against their schedule; duration
-fitting and simulation of the same schedule; Chrome trace round trip (runtime/measure.py, plan/compare.py)."""
+fitting and simulation of the same schedule; Chrome trace round trip (benchmarks/measure.py, plan/compare.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.measure import record_run
 from dlo_fn.plan.compare import KindDurations, check_against_schedule, fit_durations, single_run
 from dlo_fn.plan.ops import Op
 from dlo_fn.plan.schedule import build_schedule
 from dlo_fn.plan.timeline import Span, Timeline, simulate
 from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
-from dlo_fn.runtime.measure import record_run
 
 
 # (mode, warm-up steps): a warm run after a warm-up request, and a cold first run.
@@ -101,12 +101,28 @@ def test_measured_trace_round_trips(recorded, tmp_path):
 def test_plot_overlay_draws_both(recorded):
     import matplotlib.pyplot as plt
 
-    from dlo_fn.figures.timeline import plot_overlay
+    from benchmarks.figures.timeline import plot_overlay
 
     schedule, measured = recorded
     fig = plot_overlay(measured, simulate(schedule, fit_durations(measured)))
     try:
         assert len(fig.axes[0].patches) == 2 * len(measured.spans)
+    finally:
+        plt.close(fig)
+
+
+def test_plot_beside_draws_each_timeline_on_its_own_axes_from_zero(recorded):
+    import matplotlib.pyplot as plt
+
+    from benchmarks.figures.timeline import plot_beside
+
+    schedule, measured = recorded
+    predicted = simulate(schedule, fit_durations(measured))
+    fig = plot_beside(measured, predicted)
+    try:
+        top, bottom = fig.axes
+        assert len(top.patches) == len(measured.spans) and len(bottom.patches) == len(predicted.spans)
+        assert min(p.get_x() for p in top.patches) == 0.0  # the measured run starts at its first op
     finally:
         plt.close(fig)
 

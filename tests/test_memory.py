@@ -9,10 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo_fn.plan.accounting import memory_accounting
-from dlo_fn.plan.hbm import approach_memory, hbm_per_card, scale_activation_bytes
-from dlo_fn.plan.layout import model_layout
-from dlo_fn.plan.memory import (
+from benchmarks.repro import deployment
+from benchmarks.repro.published import MODELS, PUBLISHED, compare, published, relative_error
+from dlo_fn.cost import calibration as cal
+from dlo_fn.cost.accounting import memory_accounting
+from dlo_fn.cost.hbm import approach_memory, hbm_per_card, scale_activation_bytes
+from dlo_fn.cost.memory import (
     GB,
     ModelSizes,
     cold_start,
@@ -21,11 +23,9 @@ from dlo_fn.plan.memory import (
     parse_bytes,
     pinned_host_bytes_per_rank,
 )
+from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 from dlo_fn.plan.summary import plan_summary
-from dlo_fn.repro import calibration as cal
-from dlo_fn.repro import deployment
-from dlo_fn.repro.published import MODELS, PUBLISHED, compare, published, relative_error
 
 SMALL = ModelSizes("small", (100, 300, 200), resident_bytes=50)
 # The plan's models take the deployment's two constants as inputs; these tests pass the published calibration.

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from conftest import scenario
 
+from dlo_fn.models.sp import sp_of
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import build_mesh
 from dlo_fn.runtime.platform import platform_for
@@ -52,14 +53,14 @@ def _rank(ctx: DistContext) -> dict:
             "coordinate": mesh.coordinate,
             "dp_members": tuple(dist.get_process_group_ranks(mesh.dp_group)),
             "sp_members": tuple(dist.get_process_group_ranks(mesh.sp_group)),
-            "sp_is_none": mesh.sp is None,
+            "sp_is_none": sp_of(mesh) is None,
         }
         if (dp, sp) == (2, 2):
             from dlo_fn.models import CONFIGS, build_model, generate
 
             model = build_model(CONFIGS["tiny"], "cpu", torch.float32)
             req = _request(mesh.dp_rank)
-            got, ref = generate(model, req, sp=mesh.sp), generate(model, req)
+            got, ref = generate(model, req, sp=sp_of(mesh)), generate(model, req)
             out["sp_in_mesh"] = (torch.equal(got.latents, ref.latents), got.sha256, ref.sha256)
     return out
 
@@ -112,6 +113,6 @@ def test_sizes_that_do_not_fit_are_one_clear_line(ranks):
 def test_single_process_mesh_has_no_groups():
     ctx = DistContext(0, 1, 0, platform_for("cpu"), None)
     mesh = build_mesh(ctx)
-    assert (mesh.dp_size, mesh.sp_size, mesh.coordinate, mesh.sp, mesh.device_mesh) == (1, 1, (0, 0), None, None)
+    assert (mesh.dp_size, mesh.sp_size, mesh.coordinate, sp_of(mesh), mesh.device_mesh) == (1, 1, (0, 0), None, None)
     with pytest.raises(ValueError, match="sp=2 does not divide the world size 1"):
         build_mesh(ctx, sp=2)

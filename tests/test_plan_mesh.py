@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlo_fn.cost.mesh import SHARD_GROUPS, MeshPlan, rank_shard_ranges
+from dlo_fn.cost.sp_memory import BlockDims, sp_activations
 from dlo_fn.plan.layout import align_up, model_layout
-from dlo_fn.plan.mesh import SHARD_GROUPS, MeshPlan, rank_shard_ranges
 from dlo_fn.plan.sizes import ModelSizes
-from dlo_fn.plan.sp_memory import BlockDims, sp_activations
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 
 
@@ -188,9 +188,9 @@ def _cli_json(capsys, *args) -> dict:
 
 
 def test_plan_cli_mesh_terms_and_rank_table(capsys):
+    from dlo_fn.cost.mesh_memory import mesh_hbm
     from dlo_fn.models import get_config
     from dlo_fn.models.specs import config_spec
-    from dlo_fn.plan.mesh_memory import mesh_hbm
 
     doc = _cli_json(capsys, "plan", "--model", "cosmos3-super", "--dp", "2", "--sp", "4")
     sizes = ModelSizes.from_spec(config_spec("cosmos3-super"))

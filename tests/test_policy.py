@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo_fn.plan.policy import Candidate, candidates, plan, predict, with_bandwidth
+from dlo_fn.cost.policy import Candidate, candidates, plan, predict, with_bandwidth
+from dlo_fn.cost.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.sizes import ModelSizes
-from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 
 MB = 10**6
@@ -207,7 +207,7 @@ def test_a_plan_that_does_not_fit_is_never_chosen(hbm, host, objective):
 
 def test_all_to_all_is_per_rank_share_at_bus_rate():
     """u = k g ceil(L / sp) D e ((sp - 1) / sp) / busbw: each rank's share of the tokens, not the sequence."""
-    from dlo_fn.plan.policy import all_to_all_s
+    from dlo_fn.cost.policy import all_to_all_s
 
     t = topo(a2a=2e9)
     wl = Workload("toy", tokens=101, num_steps=4, cfg_branches=2)
@@ -218,7 +218,7 @@ def test_all_to_all_is_per_rank_share_at_bus_rate():
 def test_minimax_routes_signs_and_frontier_on_8xb300():
     """The published MiniMax-H3 comparison through the policy (notebook 09): the frontier ordering holds, the signs
     at DP1xSP8 (+) and DP8xSP1 (-) are right, DP4xSP2's stays inside the model's paired-delta error (a tie)."""
-    from dlo_fn.repro import policy_tables as pt
+    from benchmarks.repro import policy_tables as pt
 
     signs = {r["route"]: (r["predicted_sign"], r["choice_matches"]) for r in pt.minimax_delta_rows()}
     assert signs["DP1xSP8"] == ("+", True) and signs["DP8xSP1"] == ("-", True)
@@ -291,8 +291,8 @@ def test_allgather_host_scale_against_the_h200_measurement():
     G = 2 and G = 8 check it (G = 8 measured no cheaper than G = 4: the model is optimistic there)."""
     import statistics
 
-    from dlo_fn.plan.host_cost import host_scale
-    from dlo_fn.repro import host_cost_tables as hc
+    from benchmarks.repro import host_cost_tables as hc
+    from dlo_fn.cost.host_cost import host_scale
 
     runs = hc.load("allgather_host")["runs"]
 
@@ -318,8 +318,8 @@ def test_host_scale_against_the_h200_measurement():
     24 blocks, its dispatch rows); G = 2 of the same run checks it."""
     import json
 
-    from dlo_fn.plan.host_cost import host_scale
-    from dlo_fn.repro.data import DATA_DIR
+    from benchmarks.repro.data import DATA_DIR
+    from dlo_fn.cost.host_cost import host_scale
 
     rows = json.loads((DATA_DIR / "bench_step_nvidia-h200.json").read_text())["dispatch"]["variants"]
     assert host_scale(24, 2, 1) == 1.0 and host_scale(24, 8, 4) < host_scale(24, 4, 2) < 1.0

@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from dlo_fn.plan.auto import AUTO_FIELDS
+from dlo_fn.cost.auto import AUTO_FIELDS
+from dlo_fn.cost.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.sizes import ModelSizes
-from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.offload import offload
@@ -154,8 +154,8 @@ def test_measured_inputs_are_the_first_calls_times():
     """Pure: the first call's per-block times become the mean block compute (a median over the blocks' FLOP
     shares: one slow block, a first call's lazy set-up, does not move it), its time outside the blocks the
     per-step work; the prediction of a compute-bound plan is then the measured pass."""
-    from dlo_fn.plan.auto import LinkRates, measured_inputs, option_values
-    from dlo_fn.plan.policy import Candidate, predict
+    from dlo_fn.cost.auto import LinkRates, measured_inputs, option_values
+    from dlo_fn.cost.policy import Candidate, predict
 
     sizes = ModelSizes.uniform("toy", 8 * 10**6, 8)
     links = LinkRates(1e12, 1e12, 1e12, (("allgather", 0.0), ("rank-local", 0.0)), 10**10, 10**10)

@@ -65,7 +65,7 @@ def test_json_missing_field(tmp_path, capsys):
 
 
 def test_help_names_every_topology_workload_and_the_file_schema(capsys):
-    from dlo_fn.repro import topologies
+    from benchmarks.repro import topologies
 
     with pytest.raises(SystemExit):
         main(["policy", "--help"])

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo_fn.plan.links import link_busy_s, link_bytes
-from dlo_fn.plan.policy import Candidate, plan, predict
+from benchmarks.repro import pcie_topologies, topologies
+from dlo_fn.cost.links import link_busy_s, link_bytes
+from dlo_fn.cost.policy import Candidate, plan, predict
+from dlo_fn.cost.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.sizes import ModelSizes
-from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
-from dlo_fn.repro import pcie_topologies, topologies
 
 MB = 2**20  # shards of whole pages: no padding
 GB = 1000 * MB

@@ -1,4 +1,4 @@
-"""The per-rank host model (plan/rank_memory.py) against the committed sweeps: recomputed from each run's
+"""The per-rank host model (cost/rank_memory.py) against the committed sweeps: recomputed from each run's
 measured constant and the config's exact sizes it gives the committed prediction byte for byte, and on CPU
 every phase's RSS / USS / PSS / VmHWM / sum-PSS is within 5% of the measurement (N = 1..4, three modes);
 on the H200 the load/offload rows are, and the pinned arena equals the plan to the byte."""
@@ -11,7 +11,7 @@ import pathlib
 import pytest
 import torch
 
-from dlo_fn.plan.rank_memory import ProcessConstant, gloo_cuda_staging_bytes, rank_memory, rank_terms
+from dlo_fn.cost.rank_memory import ProcessConstant, gloo_cuda_staging_bytes, rank_memory, rank_terms
 from dlo_fn.plan.sizes import ModelSizes
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "figures" / "data"
@@ -19,7 +19,7 @@ KEYS = ("rss", "uss", "pss", "hwm", "sum_pss")
 
 
 def _sizes(name: str) -> ModelSizes:
-    from dlo_fn.bench.load import load_config
+    from benchmarks.bench.load import load_config
     from dlo_fn.models import BLOCK_PATHS, build_model
     from dlo_fn.plan.spec import spec_from_module
 

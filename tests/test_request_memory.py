@@ -1,4 +1,4 @@
-"""A request's bytes on a rank (dlo_fn.plan.request_memory): the terms, their scaling with sp and R, the largest
+"""A request's bytes on a rank (dlo_fn.cost.request_memory): the terms, their scaling with sp and R, the largest
 size a budget holds, and the model against the peak RSS a real request adds on the CPU (fresh processes)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from dlo_fn.cost.request_memory import RequestShape, largest_fitting, request_memory
+from dlo_fn.cost.sp_memory import BlockDims, sp_activations
 from dlo_fn.models import CONFIGS, Request
-from dlo_fn.plan.request_memory import RequestShape, largest_fitting, request_memory
-from dlo_fn.plan.sp_memory import BlockDims, sp_activations
 from dlo_fn.serve.admission import request_shape
 
 TINY = CONFIGS["tiny"]
@@ -60,8 +60,8 @@ MEASURE = r"""
 import json, pathlib, sys, torch
 torch.set_num_threads(1)
 from dlo_fn.models import Request, generate
-from dlo_fn.plan.request_memory import request_memory
-from dlo_fn.plan.sp_memory import BlockDims
+from dlo_fn.cost.request_memory import request_memory
+from dlo_fn.cost.sp_memory import BlockDims
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.platform import platform_for
 from dlo_fn.serve.admission import request_shape

@@ -10,11 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import build_case, schedule_cases
 
-from dlo_fn.plan.schedule import AG, H2D, C, build_schedule, next_schedule
-from dlo_fn.plan.timeline import Span, Timeline, bandwidth_durations, block_summary, simulate, simulate_runs
-from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
-from dlo_fn.plan.workload import Workload
-from dlo_fn.repro.ceilings import (
+from dlo_fn.cost.ceilings import (
     H200_BLOCK_COMPUTE_S,
     H200_PASS,
     H200_PINNED_H2D_BYTES_PER_S,
@@ -24,6 +20,10 @@ from dlo_fn.repro.ceilings import (
     VIDEO_832X480X29_CFG,
     h200_durations,
 )
+from dlo_fn.plan.schedule import AG, H2D, C, build_schedule, next_schedule
+from dlo_fn.plan.timeline import Span, Timeline, bandwidth_durations, block_summary, simulate, simulate_runs
+from dlo_fn.plan.trace import from_chrome_trace, to_chrome_trace
+from dlo_fn.plan.workload import Workload
 
 
 def _kind_cost(h2d: float, ag: float, c: float):

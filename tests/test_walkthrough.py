@@ -1,4 +1,4 @@
-"""dlo_fn.serve.walkthrough (notebook 03's per-rank function): on 2 gloo ranks, per mode, the buffers and host
+"""benchmarks.walkthrough (notebook 03's per-rank function): on 2 gloo ranks, per mode, the buffers and host
 bytes the runtime built, the schedule it followed and its measured Timeline, and an output equal to resident."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import torch
 
 @pytest.mark.slow
 def test_offload_and_run_on_two_ranks(tmp_path):
+    from benchmarks.walkthrough import offload_and_run
     from dlo_fn.io.load import load_model
     from dlo_fn.models import Request, generate
     from dlo_fn.models.checkpoint import ensure_checkpoint
     from dlo_fn.plan.compare import check_against_schedule
     from dlo_fn.serve.ranks import run_ranks
-    from dlo_fn.serve.walkthrough import offload_and_run
 
     ckpt = ensure_checkpoint(tmp_path)
     shape = dict(height=32, width=32, num_frames=5, num_inference_steps=1)

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo_fn.models import Request
-from dlo_fn.plan.waves import (
+from dlo_fn.cost.waves import (
     PER_REQUEST_FIELDS,
     IncompatibleWaveError,
     Pending,
@@ -20,6 +19,7 @@ from dlo_fn.plan.waves import (
     form_waves,
     validate_wave,
 )
+from dlo_fn.models import Request
 
 
 def _req(**kw) -> Request:
@@ -168,9 +168,9 @@ def test_wave_formation_invariants(pend, dp, r, now, wait):
             assert now - waiting[0].arrival_s < wait
 
 
-# ---- the wave timeline model (dlo_fn.repro.wave_model) -----------------------------------------------------------
+# ---- the wave timeline model (benchmarks.repro.wave_model) -----------------------------------------------------------
 
-from dlo_fn.repro.wave_model import WaveCosts, host_for_fraction, predict_wave  # noqa: E402
+from benchmarks.repro.wave_model import WaveCosts, host_for_fraction, predict_wave  # noqa: E402
 
 
 def test_hidden_transfers_give_the_ideal():
@@ -195,7 +195,7 @@ def test_requests_per_rank_amortise_a_transfer_bound_load():
 
 
 def test_published_overhead_split_reproduces_the_published_wave():
-    from dlo_fn.repro.waves_tables import perf, reference_costs
+    from benchmarks.repro.waves_tables import perf, reference_costs
 
     pred = predict_wave(reference_costs(), baseline_step_s=0.870)
     published_step = perf("perf.nano.dlo_ag_dp4_4req.ms_per_step").value / 1e3

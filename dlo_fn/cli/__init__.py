@@ -34,8 +34,6 @@ COMMANDS = (
     "quantize",
     "generate",
     "demo",
-    "bench",
-    "figures",
 )
 
 
@@ -77,9 +75,9 @@ class ArgumentParser(argparse.ArgumentParser):
         return self
 
     def error(self, message: str) -> NoReturn:
-        command = self.prog.removeprefix("python -m ").removeprefix("dlo_fn").strip()
+        tool, _, command = self.prog.removeprefix("python -m ").partition(" ")
         if _rank() == 0:
-            _say(command, f"{message} (see {self.prog} --help)")
+            _say(command, f"{message} (see {self.prog} --help)", tool=tool)
         raise SystemExit(_usage_exit())
 
 
@@ -100,19 +98,25 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog="python -m dlo_fn",
-        description=(
-            "Distributed Layerwise Offload (DLO) for diffusion transformers: plan shard layouts and "
-            "slot schedules, size host and HBM memory, write checkpoints, generate with offloaded "
-            "weights, benchmark, and regenerate the figures."
-        ),
-    )
+DESCRIPTION = (
+    "Distributed Layerwise Offload (DLO) for diffusion transformers: plan shard layouts and slot schedules, size "
+    "host and HBM memory, write checkpoints, generate with offloaded weights. Benchmarks and figures: "
+    "python -m benchmarks --help (the lab, in the repository)."
+)
+
+
+def build_parser(
+    prog: str = "python -m dlo_fn",
+    modules: tuple[str, ...] = tuple(f"dlo_fn.cli.{name}" for name in COMMANDS),
+    description: str = DESCRIPTION,
+) -> argparse.ArgumentParser:
+    """The parser of ``prog``: one subcommand per module in ``modules`` (each has ``register(subparsers)``);
+    the lab's ``python -m benchmarks`` builds its own from its command modules."""
+    parser = ArgumentParser(prog=prog, description=description)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
-        importlib.import_module(f"dlo_fn.cli.{name}").register(sub)
+    for name in modules:
+        importlib.import_module(name).register(sub)
     _verbose_everywhere(sub)
     return parser
 
@@ -137,9 +141,9 @@ def _rank() -> int:
         return 0
 
 
-def _say(command: str, message: str, *, rank_prefix: bool = False) -> None:
+def _say(command: str, message: str, *, rank_prefix: bool = False, tool: str = "dlo_fn") -> None:
     where = f"rank {_rank()}: " if rank_prefix else ""
-    name = f"dlo_fn {command}".strip()
+    name = f"{tool} {command}".strip()
     lines = []
     for line in str(message).strip().splitlines() or [type(message).__name__]:
         for prefix in (f"{name}: ", f"{command}: "):  # messages that already name the command
@@ -191,12 +195,12 @@ def _quiet_stdout() -> None:
         pass
 
 
-def entry() -> None:
+def entry(parser: argparse.ArgumentParser | None = None) -> None:
     """``python -m dlo_fn`` and the ``dlo-fn`` script: :func:`main`, then exit with its code. A torchrun rank
     (``WORLD_SIZE`` > 1) leaves without the interpreter's teardown, its outputs written and its process group
     destroyed (:func:`~dlo_fn.runtime.dist.exit_now`: a follower's gloo threads aborted it at exit), as
     ``serve_local``'s ranks do."""
-    code = main()
+    code = main(parser=parser)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from dlo_fn.runtime.dist import exit_now
 
@@ -204,8 +208,9 @@ def entry() -> None:
     raise SystemExit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    parser = parser or build_parser()
+    tool = parser.prog.removeprefix("python -m ")
     args = parser.parse_args(argv)  # argparse's own errors: one line, exit 2 (ArgumentParser.error)
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(
@@ -223,22 +228,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     except KeyboardInterrupt:
         if _rank() == 0:
-            _say(command, "interrupted")
+            _say(command, "interrupted", tool=tool)
         return EXIT_INTERRUPTED
     except SystemExit as exc:  # raise SystemExit("message") from a command: a usage error
         if exc.code is None or isinstance(exc.code, int):
             raise
         if _rank() == 0:
-            _say(command, exc.code)
+            _say(command, exc.code, tool=tool)
         return _usage_exit()
     except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
         if verbose:
             traceback.print_exc()
         if _rank() == 0:
-            _say(command, str(exc) or type(exc).__name__)
+            _say(command, str(exc) or type(exc).__name__, tool=tool)
         return _usage_exit()
     except OSError as exc:
         if verbose:
             traceback.print_exc()
-        _say(command, f"{type(exc).__name__}: {exc}", rank_prefix="RANK" in os.environ)
+        _say(command, f"{type(exc).__name__}: {exc}", rank_prefix="RANK" in os.environ, tool=tool)
         return EXIT_FAILURE

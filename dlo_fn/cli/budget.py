@@ -1,7 +1,7 @@
 """`generate --host-budget BYTES`: turn a host budget into this rank's pinned budget, or refuse at start-up.
 
 The budget is what the ranks on this host may hold together (page cache not counted); the process constant
-``c`` is this rank's USS now, before any weight page is read (:mod:`dlo_fn.plan.host_budget`)."""
+``c`` is this rank's USS now, before any weight page is read (:mod:`dlo_fn.cost.host_budget`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ def apply_host_budget(args, ctx, options):
     budget cannot hold the ranks of this host even with every block streamed."""
     if getattr(args, "host_budget", None) is None:
         return options
+    from dlo_fn.cost.host_budget import host_budget
     from dlo_fn.io.memstat import process_memory
     from dlo_fn.io.sources import spec_for
-    from dlo_fn.plan.host_budget import host_budget
     from dlo_fn.plan.sizes import ModelSizes, parse_bytes
 
     try:
@@ -64,10 +64,10 @@ def _largest_over_ranks(value: int, ctx) -> int:
 
 def step_cost_note(plan) -> str:
     """The planner's step-time cost of the streamed part, from the H200 ceilings measured here (pinned and
-    pageable H2D, dlo_fn.repro.ceilings): an upper bound where the pass is H2D-bound."""
+    pageable H2D, dlo_fn.cost.ceilings): an upper bound where the pass is H2D-bound."""
     if not plan.streamed_bytes or plan.status == "refused":
         return ""
-    from dlo_fn.repro.ceilings import H200_PAGEABLE_H2D_RANGE_BYTES_PER_S, H200_PINNED_H2D_BYTES_PER_S
+    from dlo_fn.cost.ceilings import H200_PAGEABLE_H2D_RANGE_BYTES_PER_S, H200_PINNED_H2D_BYTES_PER_S
 
     lo, hi = (
         plan.extra_pass_s(H200_PINNED_H2D_BYTES_PER_S, bw) for bw in reversed(H200_PAGEABLE_H2D_RANGE_BYTES_PER_S)

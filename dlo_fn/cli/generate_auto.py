@@ -32,14 +32,14 @@ def is_auto(args: argparse.Namespace) -> bool:
 def auto_sps(args: argparse.Namespace, world_size: int, num_heads: int | None) -> tuple[int, ...]:
     """The sp sizes the policy may choose: ``--sp`` itself, or (``auto``) the divisors of the ranks that the
     heads allow (an sp > 1 mesh is served as ``--serving`` says: continuous per replica, or strict waves)."""
-    from dlo_fn.plan.auto import sp_choices
+    from dlo_fn.cost.auto import sp_choices
 
     return (args.sp,) if args.sp != "auto" else sp_choices(world_size, num_heads)
 
 
 def choose_auto(args: argparse.Namespace, model, ctx):
     """Probe this machine for the first request, ask the policy (rank 0 decides for every rank), log the choice
-    with the runner-up and the predicted step; returns the chosen :class:`~dlo_fn.plan.policy.PlanRow`."""
+    with the runner-up and the predicted step; returns the chosen :class:`~dlo_fn.cost.policy.PlanRow`."""
     import types
 
     from dlo_fn.runtime.auto import decide
@@ -77,13 +77,13 @@ def choose_auto(args: argparse.Namespace, model, ctx):
 def _write_probe(args: argparse.Namespace, found, sps) -> None:
     """``<out>/auto_policy.json``: the measured topology, model and workload, so ``python -m dlo_fn policy
     --topology`` that file prints the table this choice was made from."""
-    from dlo_fn.repro.topologies import probe_to_dict
+    from dlo_fn.cost.topology_file import probe_to_dict
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "auto_policy.json"
     path.write_text(json.dumps(probe_to_dict(found.topology, found.model, found.workload, sps), indent=1))
-    from dlo_fn.plan.auto import AUTO_LOAD_GROUPS, auto_slots
+    from dlo_fn.cost.auto import AUTO_LOAD_GROUPS, auto_slots
 
     groups = AUTO_LOAD_GROUPS if args.load_group == "auto" else (args.load_group,)
     slots, groups = ",".join(map(str, auto_slots(groups))), ",".join(map(str, groups))

@@ -28,15 +28,13 @@ def _size(n: int) -> str:
 
 def config_names() -> tuple[str, ...]:
     """The named configs (:data:`dlo_fn.models.CONFIGS`) and the load benchmark's sizes (~200 MB, ~1 GB)."""
-    from dlo_fn.bench.load import LOAD_CONFIGS
-    from dlo_fn.models.configs import CONFIGS
+    from dlo_fn.models.configs import CONFIGS, LOAD_CONFIGS
 
     return tuple(CONFIGS) + tuple(LOAD_CONFIGS)
 
 
 def _config(name: str):
-    from dlo_fn.bench.load import LOAD_CONFIGS, load_config
-    from dlo_fn.models.configs import CONFIGS
+    from dlo_fn.models.configs import CONFIGS, LOAD_CONFIGS, load_config
 
     return load_config(name) if name in LOAD_CONFIGS else CONFIGS[name]
 

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from dlo_fn.cli import HelpFormatter, UsageError
-from dlo_fn.plan.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
+from dlo_fn.cost.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
 TERMS_HELP = """\
@@ -36,10 +36,10 @@ A = --alignment):
 
   mesh: per rank (with --sp > 1, --shard-group dp|sp, or --tokens): shard / pinned per rank, HBM slots,
     landing, resident, context, and with --model NAME --tokens L the Ulysses SP activations and all-to-all
-    buffers of the block's peak phase (dlo_fn.plan.sp_memory; ~ 46 B ceil(L / S) D bytes at sp > 1)
-  host per rank        the rank's terms (dlo_fn.plan.rank_memory) and its RSS / USS / PSS / VmHWM after load,
+    buffers of the block's peak phase (dlo_fn.cost.sp_memory; ~ 46 B ceil(L / S) D bytes at sp > 1)
+  host per rank        the rank's terms (dlo_fn.cost.rank_memory) and its RSS / USS / PSS / VmHWM after load,
                        while filling, after offload and while generating; c = --framework-bytes-per-rank
-                       (measure yours: python -m dlo_fn bench load --phases)
+                       (measure yours: python -m benchmarks bench load --phases)
 
 sizes accept units: 124GB, 33e9, 1.5TiB, 512MiB (GB = 1e9 bytes, GiB = 2^30).
 examples:
@@ -145,7 +145,7 @@ def register(subparsers) -> None:
         default=None,
         metavar="SIZE",
         help="host bytes the --dp ranks may hold together: how many shards fit pinned, the rest streamed "
-        "(dlo_fn.plan.host_budget), or the bytes needed and the largest dp that fits",
+        "(dlo_fn.cost.host_budget), or the bytes needed and the largest dp that fits",
     )
     p.add_argument("--hbm-bytes", default=None, metavar="SIZE", help="say whether the HBM peak fits")
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
@@ -159,8 +159,8 @@ DEVICE_OF_PLATFORM = {"cuda": "cuda", "ascend": "npu"}
 
 def one_high_water_mark(rows: tuple, per_rank: dict) -> tuple:
     """The cold-start row "per-rank high-water mark" with the value of the per-rank model printed below it
-    (:mod:`dlo_fn.plan.rank_memory`, the largest VmHWM of its phases), so the command states one number. The
-    cold-start model (:func:`dlo_fn.plan.memory.cold_start`, the published paper's) counts the pages a rank
+    (:mod:`dlo_fn.cost.rank_memory`, the largest VmHWM of its phases), so the command states one number. The
+    cold-start model (:func:`dlo_fn.cost.memory.cold_start`, the published paper's) counts the pages a rank
     touches once; the rank model also holds the filled arena beside the file pages it was copied from (and, on
     Ascend, leaves the driver's pinned pages out), as measured (``bench load --phases``)."""
     import dataclasses
@@ -175,7 +175,7 @@ def one_high_water_mark(rows: tuple, per_rank: dict) -> tuple:
 
 
 def _sizes(args: argparse.Namespace, parse_bytes):
-    from dlo_fn.plan.memory import ModelSizes
+    from dlo_fn.cost.memory import ModelSizes
 
     if args.model:
         if args.num_blocks is not None or args.max_block_bytes or parse_bytes(args.resident_bytes):
@@ -213,18 +213,18 @@ def _sizes(args: argparse.Namespace, parse_bytes):
 
 
 def _dims(args: argparse.Namespace):
+    from dlo_fn.cost.sp_memory import BlockDims
     from dlo_fn.models import CONFIGS
-    from dlo_fn.plan.sp_memory import BlockDims
 
     return BlockDims.from_config(CONFIGS[args.model]) if args.model in CONFIGS else None
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlo_fn.plan.accounting import memory_accounting
-    from dlo_fn.plan.memory import parse_bytes as parse
-    from dlo_fn.plan.mesh import MeshPlan
-    from dlo_fn.plan.mesh_memory import mesh_memory_rows
-    from dlo_fn.repro import calibration
+    from dlo_fn.cost import calibration
+    from dlo_fn.cost.accounting import memory_accounting
+    from dlo_fn.cost.memory import parse_bytes as parse
+    from dlo_fn.cost.mesh import MeshPlan
+    from dlo_fn.cost.mesh_memory import mesh_memory_rows
 
     def parse_bytes(text):  # a size the user wrote: an unreadable one names its flag
         try:
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     budget = None
     device = DEVICE_OF_PLATFORM[args.platform]
     if args.host_budget and args.mode != "rank-local-mmap":
-        from dlo_fn.plan.host_budget import host_budget
+        from dlo_fn.cost.host_budget import host_budget
 
         budget = host_budget(
             sizes,

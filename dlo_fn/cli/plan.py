@@ -6,8 +6,8 @@ import argparse
 import json
 
 from dlo_fn.cli import HelpFormatter, UsageError
+from dlo_fn.cost.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
 from dlo_fn.plan.lowering import default_num_landing, load_group_problem
-from dlo_fn.plan.mesh import DEFAULT_SHARD_GROUP, SHARD_GROUPS
 from dlo_fn.plan.modes import OFFLOAD_MODES
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
 
@@ -37,7 +37,7 @@ mesh (--dp D --sp S): N = D x S ranks, row-major (rank = d x S + s); --shard-gro
 share one set of shards: world (W = N, default), dp (W = D: the sp partners hold identical shards, as the
 reference), sp (W = S). Per rank: shard / pinned bytes sum_b align_up(ceil(n_b / W), A); HBM slots, landing
 buffers, resident tensors; and, for a named config, the Ulysses SP activations and all-to-all buffers of the
-block's peak phase at --tokens (dlo_fn.plan.sp_memory: ~ 46 B ceil(L / S) D bytes at sp > 1). A rank table
+block's peak phase at --tokens (dlo_fn.cost.sp_memory: ~ 46 B ceil(L / S) D bytes at sp > 1). A rank table
 gives each rank's coordinate, tokens, heads, shard group and shard index.
 """
 
@@ -178,7 +178,7 @@ def check_layout_args(args: argparse.Namespace, command: str = "plan") -> None:
 
 def _mesh(args: argparse.Namespace):
     """The MeshPlan of --dp/--sp (None without them); SystemExit with one line for sizes that do not fit."""
-    from dlo_fn.plan.mesh import MeshPlan
+    from dlo_fn.cost.mesh import MeshPlan
 
     if args.dp is None and args.sp is None:
         return None
@@ -196,15 +196,15 @@ def _mesh(args: argparse.Namespace):
 
 def _dims(name: str):
     """Block widths of a named config (None for a checkpoint: the SP terms are then left out)."""
+    from dlo_fn.cost.sp_memory import BlockDims
     from dlo_fn.models import CONFIGS
-    from dlo_fn.plan.sp_memory import BlockDims
 
     return BlockDims.from_config(CONFIGS[name]) if name in CONFIGS else None
 
 
 def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
+    from dlo_fn.cost.mesh_memory import mesh_memory_rows
     from dlo_fn.models import CONFIGS
-    from dlo_fn.plan.mesh_memory import mesh_memory_rows
     from dlo_fn.plan.sizes import ModelSizes
 
     sizes = ModelSizes.from_spec(spec, args.alignment)
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment, args.load_group)
     mesh_doc, notes = _mesh_doc(args, spec, mesh) if mesh else (None, [])
     from dlo_fn.cli.rank_rows import TERM_FORMULAS
-    from dlo_fn.plan.rank_memory import rank_terms
+    from dlo_fn.cost.rank_memory import rank_terms
     from dlo_fn.plan.sizes import ModelSizes
 
     terms = dict(
@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     for key, value in summary.to_dict().items():
         text = _fmt_bytes(value) if "_bytes" in key and key != "alignment_bytes" else str(value)
         print(f"{key:28s} {text}")
-    print(f"\nhost terms per rank (W = {num_shards} ranks on one host, accelerator; dlo_fn.plan.rank_memory):")
+    print(f"\nhost terms per rank (W = {num_shards} ranks on one host, accelerator; dlo_fn.cost.rank_memory):")
     for key, value in terms.items():
         print(f"  {key:22s} {TERM_FORMULAS[key]:66s} {value if key == 'readers' else _fmt_bytes(value)}")
     if mesh is None:

@@ -1,8 +1,8 @@
 """`python -m dlo_fn policy`: rank every (dp, sp, mode, shard group, slots, R, load group) of a model on a topology.
 
-``--topology`` is a named machine (``--help`` lists them, from :mod:`dlo_fn.repro.topologies`, every field with
+``--topology`` is a named machine (``--help`` lists them, from :mod:`dlo_fn.cost.topology_file`, every field with
 its source) or a JSON file with the same fields
-(:func:`dlo_fn.repro.topologies.topology_from_dict`), or the ``auto_policy.json`` that ``generate`` writes under
+(:func:`dlo_fn.cost.topology_file.topology_from_dict`), or the ``auto_policy.json`` that ``generate`` writes under
 ``--out`` with ``--mode/--slots/--sp auto`` (the measured topology with its model, workload and sp sizes). Prints
 the ranked table (the chosen plan first), the sources
 of the topology's fields, and one line saying why the choice won and what came second.
@@ -20,7 +20,7 @@ from dlo_fn.cli import HelpFormatter
 
 class _HelpWithTables(argparse.Action):
     """``-h/--help``: the usage and options, then the named topologies, models and workloads and the fields of a
-    topology file, generated from :mod:`dlo_fn.repro.topologies` when asked (so ``--help`` of the other commands
+    topology file, generated from :mod:`dlo_fn.cost.topology_file` when asked (so ``--help`` of the other commands
     stays fast, and a topology added there is listed here)."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
@@ -35,10 +35,10 @@ class _HelpWithTables(argparse.Action):
 def help_tables() -> str:
     """The epilog of ``policy --help``: every named topology (ranks, H2D, HBM), model, workload, and the JSON
     fields of a topology file (required and optional)."""
-    from dlo_fn.repro import topologies
+    from dlo_fn.cost import topology_file as topologies
 
     lines = ["named topologies (--topology NAME):"]
-    for name in topologies.TOPOLOGY_NAMES:
+    for name in topologies.topology_names():
         t = topologies.topology(name)
         lines.append(
             f"  {name:<16} {t.num_ranks} rank(s), H2D {t.h2d_bytes_per_s / 1e9:.1f} GB/s, "
@@ -46,7 +46,7 @@ def help_tables() -> str:
         )
     lines += [
         "",
-        "models (--model NAME): " + ", ".join(topologies.MODEL_NAMES),
+        "models (--model NAME): " + ", ".join(topologies.model_names()) + "; or a named config (plan --help)",
         "",
         "named workloads (--workload NAME; default: the topology's own):",
     ]
@@ -56,7 +56,7 @@ def help_tables() -> str:
     for field, required, form in topologies.TOPOLOGY_FILE_FIELDS:
         lines.append(f"  {field:<26} {'required' if required else 'optional'}  {form}")
     lines += [
-        "a named one as such a file: python -c 'import json; from dlo_fn.repro import topologies as t; "
+        "a named one as such a file: python -c 'import json; from dlo_fn.cost import topology_file as t; "
         'print(json.dumps(t.topology_to_dict(t.topology("1xH200"))))\'',
         "--topology also reads the auto_policy.json that generate --out writes with --mode/--slots/--sp auto.",
     ]
@@ -119,9 +119,27 @@ def _ints(flag: str, text: str) -> tuple[int, ...]:
     return values
 
 
+def _model(name: str):
+    """A named policy model (calibrated), or any named config ``plan`` and ``make-checkpoint`` know, from its
+    spec's exact sizes (activations left out of the HBM check)."""
+    from dlo_fn.cost import topology_file as topologies
+    from dlo_fn.cost.topology import PolicyModel
+    from dlo_fn.models import CONFIGS
+    from dlo_fn.models.specs import config_spec
+    from dlo_fn.plan.sizes import ModelSizes
+
+    if name in topologies.model_names() or name not in CONFIGS:
+        try:
+            return topologies.model(name)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; or a named config: {', '.join(CONFIGS)}") from None
+    spec = ModelSizes.from_spec(config_spec(name))
+    return PolicyModel(spec, CONFIGS[name].hidden_dim, source=f"dlo_fn.models.specs.config_spec({name!r})")
+
+
 def _topology(text: str):
     """``(topology, probe)``: probe is ``(model, workload, sps)`` when the file is an ``auto_policy.json``."""
-    from dlo_fn.repro import topologies
+    from dlo_fn.cost import topology_file as topologies
 
     path = pathlib.Path(text)
     if path.is_file() or text.endswith(".json"):  # a file of any name is read; a name is looked up
@@ -148,9 +166,9 @@ def _topology(text: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlo_fn.plan.policy import plan
-    from dlo_fn.repro import topologies
-    from dlo_fn.repro.tables import text_table
+    from dlo_fn.cost import topology_file as topologies
+    from dlo_fn.cost.policy import plan
+    from dlo_fn.plan.summary import text_table
 
     topology, probe = _topology(args.topology)
     if args.world is not None:
@@ -162,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             model, workload, sps = probe
         else:
             sps = None
-            model = topologies.model(args.model)
+            model = _model(args.model)
             workload = topologies.workload(
                 args.workload or DEFAULT_WORKLOAD.get(topology.name, "image 1024^2 CFG, 24 steps")
             )

@@ -1,4 +1,4 @@
-"""The per-rank host rows that `memory` and `plan` print (:mod:`dlo_fn.plan.rank_memory`): the terms, then
+"""The per-rank host rows that `memory` and `plan` print (:mod:`dlo_fn.cost.rank_memory`): the terms, then
 RSS / USS / PSS / VmHWM and the sum of PSS over ranks by phase."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TERM_FORMULAS = {
 def rank_memory_doc(sizes, num_ranks: int, mode: str, device: str, constant_bytes: int, **kwargs) -> dict:
     """JSON-ready per-rank model; the constant ``c`` is taken as RSS = USS = PSS = ``constant_bytes`` (give a
     measured value: ``bench load --phases`` reads the three apart)."""
-    from dlo_fn.plan.rank_memory import ProcessConstant, rank_memory
+    from dlo_fn.cost.rank_memory import ProcessConstant, rank_memory
 
     m = rank_memory(
         sizes,

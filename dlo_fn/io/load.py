@@ -44,7 +44,7 @@ from dlo_fn.io.bind import (
     rollback,
 )
 from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from dlo_fn.io.memstat import file_mappings, in_mappings
+from dlo_fn.io.mappings import file_mappings, in_mappings
 from dlo_fn.io.quantized import bind_stored, stored_format
 
 __all__ = [

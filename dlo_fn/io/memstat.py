@@ -16,7 +16,6 @@ page cache to the cgroup that first read it, and anonymous memory to its owner.
 
 from __future__ import annotations
 
-import bisect
 import os
 import pathlib
 import platform
@@ -38,6 +37,8 @@ __all__ = [
     "host_description",
     "format_bytes",
 ]
+
+from dlo_fn.io.mappings import file_mappings, in_mappings  # noqa: F401 (memory readings by file)
 
 KIB = 1024
 
@@ -228,19 +229,6 @@ def cgroup_memory(pid: int | None = None) -> CgroupMemory | None:
     return None
 
 
-def file_mappings(paths: Sequence[str | os.PathLike], pid: int | None = None) -> dict[str, list[tuple[int, int]]]:
-    """``{resolved path: [(start, stop) address ranges]}`` of the mappings of ``paths`` in ``/proc/PID/maps``."""
-    wanted = {str(pathlib.Path(p).resolve()) for p in paths}
-    out: dict[str, list[tuple[int, int]]] = {p: [] for p in wanted}
-    pid = os.getpid() if pid is None else int(pid)
-    for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5] in wanted:
-            start, stop = (int(x, 16) for x in parts[0].split("-"))
-            out[parts[5]].append((start, stop))
-    return {p: sorted(r) for p, r in out.items()}
-
-
 def mapped_file_memory(paths: Sequence[str | os.PathLike], pid: int | None = None) -> dict[str, int]:
     """``{"rss_bytes", "pss_bytes"}`` of the mappings of ``paths`` only (``/proc/PID/smaps``): how much of a
     process's footprint is those files' pages."""
@@ -259,12 +247,6 @@ def mapped_file_memory(paths: Sequence[str | os.PathLike], pid: int | None = Non
             else:
                 pss += value
     return {"rss_bytes": rss, "pss_bytes": pss}
-
-
-def in_mappings(ranges: Sequence[tuple[int, int]], start: int, nbytes: int) -> bool:
-    """Whether ``[start, start + nbytes)`` lies inside one of the sorted ``ranges``."""
-    i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
-    return i >= 0 and ranges[i][0] <= start and start + nbytes <= ranges[i][1]
 
 
 def host_description() -> str:

@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from dlo_fn.io.memstat import file_mappings, in_mappings
+from dlo_fn.io.mappings import file_mappings, in_mappings
 from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES
 
 __all__ = [

@@ -24,7 +24,6 @@ import logging
 import os
 import pathlib
 import re
-import struct
 import sys
 from typing import Sequence
 
@@ -33,8 +32,8 @@ import torch
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.dit import DTYPES, build_model
 from dlo_fn.models.init import TensorInit, init_plan, init_tensor
+from dlo_fn.plan.header import safetensors_header
 from dlo_fn.plan.sizes import parse_bytes
-from dlo_fn.plan.spec import dtype_from_safetensors
 
 __all__ = [
     "MODEL_TYPE",
@@ -43,7 +42,6 @@ __all__ = [
     "INDEX_FILE",
     "parse_size",
     "shard_tensors",
-    "safetensors_header",
     "write_checkpoint",
     "ensure_checkpoint",
     "load_config",
@@ -79,23 +77,6 @@ def shard_tensors(tensors: Sequence[TensorInit], max_shard_bytes: int) -> tuple[
         shards[-1].append(t)
         size += t.nbytes
     return tuple(tuple(s) for s in shards)
-
-
-def safetensors_header(
-    items: Sequence[tuple[str, str, Sequence[int], int]], meta: dict | None = None
-) -> tuple[bytes, dict[str, int]]:
-    """(``[u64 N][JSON header]`` bytes, each key's offset in the file) of ``(key, safetensors dtype, shape, nbytes)``
-    items. Larger item sizes first (stable: keeps the items' order) keeps every tensor aligned: the data starts at a
-    multiple of 8 and each group's total is a multiple of the next item size."""
-    header, offset = {"__metadata__": meta or {"format": "pt"}}, 0
-    for key, dtype, shape, nbytes in sorted(items, key=lambda it: -dtype_from_safetensors(it[1]).itemsize):
-        assert offset % dtype_from_safetensors(dtype).itemsize == 0, (key, offset)
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    offsets = {k: 8 + len(text) + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
-    return struct.pack("<Q", len(text)) + text, offsets
 
 
 def _write_file(path: pathlib.Path, tensors: Sequence[TensorInit], seed: int, bar) -> None:

@@ -125,3 +125,29 @@ def get_config(name: str) -> DiTConfig:
         return CONFIGS[name]
     except KeyError:
         raise ValueError(f"unknown model config {name!r}; known: {', '.join(CONFIGS)}") from None
+
+
+# Reference-DiT sizes for this benchmark (hidden 1024, 8 heads, MLP 4096, full adaLN from a 256-d timestep
+# embedding; 35.2 MB of bf16 weights per block): name -> number of blocks.
+LOAD_CONFIGS = {"load-200mb": 6, "load-1gb": 28}  # 215.8 MB and 989.3 MB in bf16
+
+
+def load_config(name: str):
+    """The :class:`~dlo_fn.models.DiTConfig` behind a :data:`LOAD_CONFIGS` name."""
+    if name not in LOAD_CONFIGS:
+        raise ValueError(f"unknown load-bench config {name!r}; known: {', '.join(LOAD_CONFIGS)}")
+    return DiTConfig(
+        name=name,
+        num_blocks=LOAD_CONFIGS[name],
+        hidden_dim=1024,
+        num_heads=8,
+        mlp_dim=4096,
+        cond_dim=256,
+        adaln_rank=0,
+        text_dim=256,
+        text_heads=4,
+        text_layers=2,
+        text_mlp_dim=1024,
+        text_len=64,
+        source="load benchmark (LOAD_CONFIGS; bench load): host memory only, never generated from",
+    )

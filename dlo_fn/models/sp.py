@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["SPContext", "TokenShard", "check_sp_heads"]
+__all__ = ["SPContext", "TokenShard", "check_sp_heads", "sp_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,12 @@ class SPContext:
     def from_group(cls, group: Any) -> "SPContext":
         """The context of the calling rank in ``group`` (e.g. ``mesh.get_group("sp")``)."""
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
+
+
+def sp_of(mesh: Any) -> SPContext | None:
+    """What the model's ``sp=`` argument takes on a rank of ``mesh`` (a :class:`dlo_fn.runtime.mesh.Mesh`: its
+    ``sp_group``, ``sp_size`` and ``sp_rank``); None when sp is 1 (the single-process path)."""
+    return SPContext(mesh.sp_group, mesh.sp_size, mesh.sp_rank) if mesh.sp_size > 1 else None
 
 
 def check_sp_heads(num_heads: int, sp_size: int) -> None:

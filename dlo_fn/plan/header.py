@@ -18,7 +18,8 @@ header that passes here never fails later inside safetensors, and adds what the 
 from __future__ import annotations
 
 import json
-from typing import Mapping
+import struct
+from typing import Mapping, Sequence
 
 from dlo_fn.plan.spec import dtype_from_safetensors
 
@@ -119,3 +120,20 @@ def check_header(header: Mapping, data_bytes: int) -> None:
         )
     if end < data_bytes:
         raise HeaderError(f"corrupted: {data_bytes - end} bytes after the last tensor")
+
+
+def safetensors_header(
+    items: Sequence[tuple[str, str, Sequence[int], int]], meta: dict | None = None
+) -> tuple[bytes, dict[str, int]]:
+    """(``[u64 N][JSON header]`` bytes, each key's offset in the file) of ``(key, safetensors dtype, shape, nbytes)``
+    items. Larger item sizes first (stable: keeps the items' order) keeps every tensor aligned: the data starts at a
+    multiple of 8 and each group's total is a multiple of the next item size."""
+    header, offset = {"__metadata__": meta or {"format": "pt"}}, 0
+    for key, dtype, shape, nbytes in sorted(items, key=lambda it: -dtype_from_safetensors(it[1]).itemsize):
+        assert offset % dtype_from_safetensors(dtype).itemsize == 0, (key, offset)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    offsets = {k: 8 + len(text) + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return struct.pack("<Q", len(text)) + text, offsets

@@ -29,7 +29,7 @@ current one starts computing, and the H2D stream runs up to ``N`` loads ahead of
 **Load groups** (``G = load_group``, ``S`` a multiple of ``G`` and ``>= 2G``; allgather: ``N`` a multiple of ``G``,
 default ``2G``). For blocks so
 small that the host's stream operations per block are the bound (five per block: the H2D, its wait for the slot and
-its record, the compute's wait and record; :mod:`dlo_fn.plan.host_cost`), ``G`` consecutive loads on ``G``
+its record, the compute's wait and record; :mod:`dlo_fn.cost.host_cost`), ``G`` consecutive loads on ``G``
 consecutive slots
 move as one unit. Load ``k`` is in group ``(o + k) // G`` (slots ``G*j .. G*j+G-1`` for some ``j``), and:
 

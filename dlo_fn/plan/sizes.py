@@ -1,6 +1,6 @@
 """Model sizes as the memory models see them, and byte-size parsing (``"124GB"``, ``"33e9"``).
 
-The memory models (:mod:`dlo_fn.plan.memory`, :mod:`dlo_fn.plan.hbm`) need only each block's flat bytes and the
+The memory models (:mod:`dlo_fn.cost.memory`, :mod:`dlo_fn.cost.hbm`) need only each block's flat bytes and the
 resident bytes: a :class:`ModelSizes` holds exactly that, built from a :class:`~dlo_fn.plan.spec.ModelSpec`
 (exact), from a total and a block count (equal blocks), or from a total and the largest block. Shard arithmetic
 is the layout planner's (:func:`dlo_fn.plan.layout.equal_shard_bytes`): ``s_b = align_up(ceil(n_b / W), A)``

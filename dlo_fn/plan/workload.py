@@ -10,7 +10,7 @@ field              meaning
 
 A block computes over ``L x cfg_branches`` tokens per step (:attr:`Workload.step_tokens`); how long that
 takes is a property of the machine, not of the workload, so measured compute lives beside the machine's other
-ceilings (``dlo_fn.repro.ceilings``), keyed by the workload's name.
+ceilings (``dlo_fn.cost.ceilings``), keyed by the workload's name.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``offload(model, ctx=ctx, mode="auto", num_slots="auto", load_group="auto")`` for any model: the links probed
 on block 0's bytes, then with ``workload=`` (a Workload: block FLOPs at a measured matmul rate; a
-:class:`~dlo_fn.serve.probe.Probe`) the choice (:mod:`dlo_fn.plan.auto`; rank 0's on every rank) and one build with
+:class:`~dlo_fn.serve.probe.Probe`) the choice (:mod:`dlo_fn.cost.auto`; rank 0's on every rank) and one build with
 concrete options. Without, the **first call** is a synchronous layerwise pass (each block's tensors on the device
 only for its call, nothing to copy on CPU; timed around syncs): no resident copy, the plain model's output; its end
 chooses and builds. Every rank makes that first call (a broadcast, a collective build), as DP calls do.
@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import torch
 
-from dlo_fn.plan import auto as plan_auto
+from dlo_fn.cost import auto as plan_auto
+from dlo_fn.cost.topology import BlockCompute, PolicyModel
 from dlo_fn.plan.sizes import ModelSizes
-from dlo_fn.plan.topology import BlockCompute, PolicyModel
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.probe import best_s, flat_block, probe_links
 
@@ -28,7 +28,7 @@ GROUPS = {"world": "mesh", "dp": "dp"}  # OffloadOptions.shard_group -> the poli
 
 
 def decide(topology, model, workload, fields, options, ctx, *, sps=(1,), source="probe", **kw):
-    """Rank 0's :class:`~dlo_fn.plan.auto.AutoChoice` for the ``auto`` ``fields`` (the others as ``options`` has
+    """Rank 0's :class:`~dlo_fn.cost.auto.AutoChoice` for the ``auto`` ``fields`` (the others as ``options`` has
     them; one sp > 1: its shard group), on every rank; logged with the runner-up."""
     fixed = {f: None if f in fields else getattr(options, f) for f in plan_auto.AUTO_FIELDS}
     result = plan_auto.choose(topology, model, workload, sps=tuple(sps), **fixed, **kw)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from time import perf_counter as _clock  # the per-block path reads it as one global
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from torch import nn
 
@@ -33,7 +33,6 @@ from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.plan.modes import OFFLOAD_MODES, check_mode
 from dlo_fn.plan.ops import C
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
-from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.blocks import build_callers
 from dlo_fn.runtime.dist import all_gather_bytes
 from dlo_fn.runtime.host_store import HostStore
@@ -44,6 +43,9 @@ from dlo_fn.runtime.program import ExecutorStats, Program, Programs, RunState, c
 from dlo_fn.runtime.quant import TorchDequant
 from dlo_fn.runtime.recorder import RunRecorder
 from dlo_fn.runtime.slots import SlotBuffers
+
+if TYPE_CHECKING:
+    from dlo_fn.plan.timeline import Timeline
 
 __all__ = ["CallPlugin", "Executor", "ExecutorStats", "ScheduleError"]
 

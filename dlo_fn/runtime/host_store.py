@@ -46,9 +46,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from dlo_fn.io.memstat import format_bytes
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.runtime.host_fill import fill_arena, fill_threads, huge_page_buffer, pin_bounds
 from dlo_fn.runtime.platform import Platform
 
 __all__ = ["HostStore", "H2DSource", "alloc_host", "pin_in_place", "build_host_store", "tensor_bytes", "SOURCES"]
@@ -220,7 +218,7 @@ def build_host_store(
 
     ``block_tensors[b]`` maps each tensor name of block ``b`` (relative, as in the layout) to its tensor.
     ``source="mmap"`` is for rank-local layouts only: nothing is copied, the H2D ops read the views.
-    ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.plan.host_budget`): only blocks ``0..k-1`` go into the
+    ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.cost.host_budget`): only blocks ``0..k-1`` go into the
     arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
     tensors (pageable), which must then stay alive (the store holds them). ``threads`` fill the arena (module
     docstring; default :func:`fill_threads`: the CPUs this process may use, shared by ``local_ranks`` ranks filling
@@ -254,6 +252,8 @@ def build_host_store(
         return tensor_bytes(_check_tensor(layout, owner, p.tensor, block_tensors[owner].get(p.tensor)))[
             p.src_start : p.src_stop
         ]
+
+    from dlo_fn.runtime.host_fill import fill_arena, fill_threads, huge_page_buffer, pin_bounds
 
     t0 = time.perf_counter()
     nbytes = layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank
@@ -301,6 +301,8 @@ def build_host_store(
         threads=threads,
         total_s=alloc_s + copy_s + zero_s + pin_s,
     )
+    from dlo_fn.io.memstat import format_bytes
+
     (log.info if progress else log.debug)(
         "host store: rank %d, %s (%s), %d/%d blocks in the arena, filled in %.1f ms (allocate %.1f, copy %.1f, "
         "zero %.1f, pin %.1f ms) on %d thread(s)",

@@ -31,7 +31,6 @@ from typing import Any
 
 from torch.distributed.device_mesh import init_device_mesh
 
-from dlo_fn.models.sp import SPContext
 from dlo_fn.runtime.dist import DistContext
 
 __all__ = ["AXES", "SHARD_GROUPS", "Mesh", "ShardGroup", "build_mesh", "check_shard_group", "shard_group"]
@@ -64,11 +63,6 @@ class Mesh:
         if self.device_mesh is None:
             return ((0,),)
         return tuple(tuple(int(r) for r in row) for row in self.device_mesh.mesh.tolist())
-
-    @property
-    def sp(self) -> SPContext | None:
-        """What the model's ``sp=`` argument takes; None when sp is 1 (the single-process path)."""
-        return SPContext(self.sp_group, self.sp_size, self.sp_rank) if self.sp_size > 1 else None
 
 
 def build_mesh(ctx: DistContext, sp: int = 1, dp: int | None = None) -> Mesh:

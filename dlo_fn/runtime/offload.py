@@ -35,10 +35,8 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from dlo_fn.io.bind import with_address_residues
-from dlo_fn.io.memstat import format_bytes
 from dlo_fn.io.quantized import drop_stored, stored_weights
 from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
-from dlo_fn.plan.host_budget import pinned_prefix
 from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
 from dlo_fn.plan.modes import MODES
 from dlo_fn.plan.quant import quantized_tensors
@@ -70,7 +68,7 @@ class Offloaded:
     executor: Executor | None
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
-    auto: Any = None  # the policy's choice (dlo_fn.plan.auto.AutoChoice) where options were "auto"
+    auto: Any = None  # the policy's choice (dlo_fn.cost.auto.AutoChoice) where options were "auto"
     timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
 
     @property
@@ -120,6 +118,8 @@ class Offloaded:
     def describe(self) -> str:
         """What ``offload`` set up and, for ``auto`` fields, why (chosen and runner-up with their predicted step
         times), in words: ``print(offloaded)`` shows it, no logging set-up needed."""
+        from dlo_fn.io.memstat import format_bytes
+
         name = self.spec.name
         if self.executor is None and self.mode != "resident":
             return f"{name}: pending: its auto fields are chosen at the end of the first call, from what it measures"
@@ -301,6 +301,8 @@ def _build(
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
     pinned = None
     if options.pinned_budget_bytes is not None and source == "pinned":
+        from dlo_fn.cost.host_budget import pinned_prefix  # the host-budget model, only when a budget is set
+
         pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     tensors = [t for t, _ in states]
     if stored is not None:  # a quantised checkpoint: the pieces are read from its FP8 and scale views

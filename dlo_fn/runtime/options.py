@@ -50,7 +50,7 @@ class OffloadOptions:
     # layout"): one all-gather per group instead of G; else one per block, in one coalesced launch.
     load_group: int = 1
     shard_group: str = "world"  # allgather: "world" | "dp" | "sp" of the mesh (dlo_fn.runtime.mesh)
-    # Host budget (dlo_fn.plan.host_budget): pin the leading blocks whose shards fit in this many bytes and
+    # Host budget (dlo_fn.cost.host_budget): pin the leading blocks whose shards fit in this many bytes and
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
     pinned_budget_bytes: int | None = None
     # Quantised shards (dlo_fn.plan.quant): "fp8" stores and moves every >= 2-D floating block weight as FP8,

@@ -1,4 +1,4 @@
-"""Start-up measurements of the machine for ``auto`` options (what and how: :mod:`dlo_fn.plan.auto`): pinned H2D of
+"""Start-up measurements of the machine for ``auto`` options (what and how: :mod:`dlo_fn.cost.auto`): pinned H2D of
 block 0's bytes, its all-gather over the group (else a device copy), an all-to-all (``W > 1``, 64 MiB a rank at
 most), the host's issue cost per block, the memories; each the best of ``reps`` around syncs, seconds in all.
 :func:`dlo_fn.serve.probe.probe` adds what the reference DiT's engine does with a request.
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dlo_fn.plan.auto import LinkRates
+from dlo_fn.cost.auto import LinkRates
 from dlo_fn.runtime.dist import DistContext, all_gather_bytes
 
 __all__ = ["best_s", "flat_block", "probe_links"]

@@ -22,7 +22,6 @@ import torch
 from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.plan.ops import AG, DQ, H2D, C
 from dlo_fn.plan.schedule import Ring, Schedule, ScheduleError
-from dlo_fn.plan.schedule_check import check_schedule
 from dlo_fn.runtime.host_store import HostStore
 
 __all__ = ["CompiledOp", "ExecutorStats", "Program", "Programs", "RunState", "compile_schedule"]
@@ -60,7 +59,7 @@ class ExecutorStats:
 
     @property
     def stream_ops(self) -> int:
-        """Waits, copies and records issued: what the plan counts (:func:`dlo_fn.plan.host_cost.planned_stream_ops`)."""
+        """Waits, copies and records issued: what the plan counts (:func:`dlo_fn.cost.host_cost.planned_stream_ops`)."""
         return self.waits + self.copies + self.records
 
 
@@ -124,6 +123,8 @@ class Programs:
         ring.check(schedule, "the executor's ring")
         program = self._cache.get(schedule)
         if program is None:
+            from dlo_fn.plan.schedule_check import check_schedule  # the hazard checker, once per new schedule
+
             check_schedule(schedule)  # a hand-made schedule may break any invariant: say which before it runs
             program = self._cache[schedule] = self._compile(schedule)
         return program

@@ -4,7 +4,7 @@ The math and which tensors it applies to are :mod:`dlo_fn.plan.quant`'s. A row (
 own scale, so :class:`StoredBlock` quantises only the rows a rank's pieces read: no rank holds a whole FP8 (or BF16)
 copy. :func:`dequantize_into` is the one dequantise kernel, called by the executor's DQ op and by
 :func:`fake_quantize`, so the offloaded model and the fake-quantised resident one compute from the same bits
-(their cost against BF16: :func:`dlo_fn.bench.fp8_quality.output_error`).
+(their cost against BF16: :func:`benchmarks.bench.fp8_quality.output_error`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from dlo_fn.io.checkpoint import (
     resolve_checkpoint,
 )
 from dlo_fn.io.quantized import FP8_NAME, META_DTYPE, META_EXCLUDE, META_QUANTIZATION, stored_format
-from dlo_fn.models.checkpoint import safetensors_header
+from dlo_fn.plan.header import safetensors_header
 from dlo_fn.plan.quant import SCALE_SUFFIX, quantized_tensors
 from dlo_fn.plan.spec import dtype_from_safetensors, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.quant import fp32_modules, quantize_rows

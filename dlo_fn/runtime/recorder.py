@@ -9,11 +9,12 @@ Span names are ``"run<j> <op>"`` (``j`` = the executor's run counter, see :func:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from dlo_fn.plan.schedule import Schedule
-from dlo_fn.plan.timeline import Timeline
-from dlo_fn.runtime.platform import Platform
+if TYPE_CHECKING:
+    from dlo_fn.plan.schedule import Schedule
+    from dlo_fn.plan.timeline import Timeline
+    from dlo_fn.runtime.platform import Platform
 
 __all__ = ["RunRecorder", "stamp_on_completion"]
 
@@ -55,6 +56,8 @@ class RunRecorder:
 
     def take(self, meta: Sequence[tuple[str, str]]) -> Timeline:
         """The spans recorded since the last call (the caller has synchronised), then forget them."""
+        from dlo_fn.plan.timeline import Timeline  # the simulator's type, loaded when a recording is taken
+
         origin = self._origin
         recs = [
             (op, stream, origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3, self.rank)

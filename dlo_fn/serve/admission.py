@@ -2,16 +2,16 @@
 
 **Memory** (:class:`MemoryAdmission`, strict and continuous serving alike, every rank layout): before a request
 is queued rank 0 sets its bytes on a rank, the plan's terms for its shape, CFG and outputs with ``R`` held per
-rank and ``sp`` ranks per replica (:mod:`dlo_fn.plan.request_memory`), against what every rank has left once the
+rank and ``sp`` ranks per replica (:mod:`dlo_fn.cost.request_memory`), against what every rank has left once the
 model is offloaded (:mod:`dlo_fn.serve.memory_room`: free device memory, available host memory, cgroup and
 ``ulimit -v``, split between the ranks that share them). One that cannot fit gets its own result saying its
 bytes, the budget and the largest size of its aspect that fits; nothing is allocated for it, and the others run.
 
 **Placement** (continuous serving). Before every ring step rank 0's
 :class:`~dlo_fn.serve.continuous.ContinuousDriver` hands the queue (FIFO) and what each replica still holds to
-:func:`admit`, the planner's live rule: :func:`~dlo_fn.plan.dispatch.admit_continuous` (the head goes to the
+:func:`admit`, the planner's live rule: :func:`~dlo_fn.cost.dispatch.admit_continuous` (the head goes to the
 first empty replica, else to the replica of its key with the fewest held, ``< R``; no overtaking), or with
-``EngineOptions(admission="cost")`` :func:`~dlo_fn.plan.dispatch.admit_cost_aware` on the relative costs of
+``EngineOptions(admission="cost")`` :func:`~dlo_fn.cost.dispatch.admit_cost_aware` on the relative costs of
 :func:`admission_cost`. Requests of one :func:`admission_key` may share a replica.
 """
 
@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+from dlo_fn.cost.dispatch import PassCosts, QueuedRequest, admit_continuous, admit_cost_aware
 from dlo_fn.models.config import tokens_for
 from dlo_fn.models.request import Request
-from dlo_fn.plan.dispatch import PassCosts, QueuedRequest, admit_continuous, admit_cost_aware
 from dlo_fn.serve.memory_room import Share
 
 __all__ = ["admission_key", "admission_cost", "queued_request", "admit", "MemoryAdmission", "request_shape"]
@@ -56,7 +56,7 @@ def admit(
 
 
 class MemoryAdmission:
-    """Admission against memory: a request whose bytes on a rank (:mod:`dlo_fn.plan.request_memory`, for its
+    """Admission against memory: a request whose bytes on a rank (:mod:`dlo_fn.cost.request_memory`, for its
     shape, CFG and outputs, ``R`` held per rank, ``sp`` ranks per replica) exceed what a rank has left
     (``shares``: :func:`dlo_fn.serve.memory_room.rank_shares`, each capped at ``cap_bytes`` when given) is refused
     before it is queued, with its bytes, the budget and the largest size of its aspect that fits. Any replica
@@ -72,15 +72,15 @@ class MemoryAdmission:
         sp: int = 1,
         cap_bytes: int | None = None,
     ) -> None:
-        from dlo_fn.plan.sp_memory import BlockDims
+        from dlo_fn.cost.sp_memory import BlockDims
 
         self.config, self.dims = config, BlockDims.from_config(config, weight_itemsize)
         self.requests_per_rank, self.sp = requests_per_rank, sp
         self.shares = {r: s.capped(cap_bytes) for r, s in shares.items()} if cap_bytes is not None else dict(shares)
 
     def memory(self, request: Request, height: int | None = None, width: int | None = None):
-        """``request``'s :class:`~dlo_fn.plan.request_memory.RequestMemory` (at another size if given)."""
-        from dlo_fn.plan.request_memory import request_memory
+        """``request``'s :class:`~dlo_fn.cost.request_memory.RequestMemory` (at another size if given)."""
+        from dlo_fn.cost.request_memory import request_memory
 
         return request_memory(
             self.dims,
@@ -110,8 +110,8 @@ class MemoryAdmission:
 
     def refusal(self, request: Request) -> str | None:
         """Why ``request`` cannot be admitted (one line), or None."""
+        from dlo_fn.cost.request_memory import largest_fitting
         from dlo_fn.io.memstat import format_bytes
-        from dlo_fn.plan.request_memory import largest_fitting
 
         short = self._short(request)
         if short is None:
@@ -138,10 +138,10 @@ class MemoryAdmission:
 
 
 def request_shape(config: Any, request: Request, height: int | None = None, width: int | None = None):
-    """``request``'s :class:`~dlo_fn.plan.request_memory.RequestShape` (at another ``height x width`` if given)."""
+    """``request``'s :class:`~dlo_fn.cost.request_memory.RequestShape` (at another ``height x width`` if given)."""
+    from dlo_fn.cost.request_memory import RequestShape
     from dlo_fn.models.config import latent_shape
     from dlo_fn.models.decode import num_pixel_frames
-    from dlo_fn.plan.request_memory import RequestShape
 
     h, w = height or request.height, width or request.width
     latent = latent_shape(config, h, w, request.num_frames)

@@ -17,10 +17,10 @@ sp rank its tokens, the all-to-alls within the replica's sp group); the replica'
 the videos, its partners their outcomes without them. Before each step rank 0
 
 1. retires what ended, admits arrived requests with the live rule of the planner
-   (:func:`dlo_fn.plan.dispatch.admit_continuous`: FIFO, no overtaking; the head goes to the first empty
+   (:func:`dlo_fn.cost.dispatch.admit_continuous`: FIFO, no overtaking; the head goes to the first empty
    replica, else to the replica of its key with the fewest held, ``< R``; key = the request's shape:
    :func:`admission_key`; or, with ``EngineOptions(admission="cost")``,
-   :func:`~dlo_fn.plan.dispatch.admit_cost_aware` on the relative costs of :func:`admission_cost`), and
+   :func:`~dlo_fn.cost.dispatch.admit_cost_aware` on the relative costs of :func:`admission_cost`), and
 2. broadcasts ``{"kind": "cstep", "step": k, "starts": [[(index, request), ...] per rank], "ended": [...]}``
    (one ``broadcast_object_list``: every rank agrees on who does what before the step, bounded by
    ``timeout_s``; ``ended``: the requests that ended on an sp replica since the last step, which a partner

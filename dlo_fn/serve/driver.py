@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
-from dlo_fn.plan.waves import WavePlan
+from dlo_fn.cost.waves import WavePlan
 from dlo_fn.serve.batch import Outcome, WaveAborted
 from dlo_fn.serve.requests import EngineOptions, RequestResult, ResultBook, Submission, WaveRecord
 from dlo_fn.serve.share import ShareRunner, TraceSpan

@@ -28,7 +28,7 @@ module handles the requests.
 
 **Allgather mode: lockstep waves.** Rank 0 validates every submission (a bad one, or one that needs more memory
 than a rank has left, :class:`~dlo_fn.serve.admission.MemoryAdmission`, is rejected before any dispatch; in
-continuous serving too), forms waves with :func:`dlo_fn.plan.waves.form_waves` (``W`` ranks, ``R`` requests per
+continuous serving too), forms waves with :func:`dlo_fn.cost.waves.form_waves` (``W`` ranks, ``R`` requests per
 rank), and
 for each wave:
 
@@ -62,9 +62,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 
+from dlo_fn.cost.waves import Pending, WavePlan, compat_key, form_waves, validate_wave
 from dlo_fn.models.request import Request
 from dlo_fn.plan.timeline import Timeline
-from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves, validate_wave
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import Mesh
 from dlo_fn.runtime.offload import Offloaded
@@ -256,7 +256,7 @@ class Engine:
 
     def serve_forced(self, waves: Sequence[Sequence[Request]], on_result: OnResult | None = None) -> ServeReport:
         """Rank 0: dispatch caller-formed waves as given. Every wave is checked first
-        (:func:`~dlo_fn.plan.waves.validate_wave`): a mixed one raises ``IncompatibleWaveError`` naming the
+        (:func:`~dlo_fn.cost.waves.validate_wave`): a mixed one raises ``IncompatibleWaveError`` naming the
         differing fields before anything is dispatched."""
         self._require_driver()
         width = self._width

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from dlo_fn.models.sp import check_sp_heads
+from dlo_fn.models.sp import check_sp_heads, sp_of
 from dlo_fn.plan.modes import MODES, check_mode
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.mesh import Mesh
@@ -79,7 +79,7 @@ def build_parts(
     lockstep = mode == "allgather" and world_size > 1
     channel = Channel(ctx.group, ctx.platform.backend, options.timeout_s)
     board = StatusBoard(default_store(), rank, world_size, session)
-    runner = ShareRunner(model, offloaded, rank, board, options.fault, sp=mesh.sp if mesh is not None else None)
+    runner = ShareRunner(model, offloaded, rank, board, options.fault, sp=sp_of(mesh) if mesh is not None else None)
     driver = Driver(
         channel, board, runner, options, mode=mode, world_size=world_size, lockstep=lockstep, replicas=replicas
     )

@@ -23,13 +23,13 @@ import time
 
 import torch
 
+from dlo_fn.cost import auto as plan_auto
+from dlo_fn.cost.auto import topology_from
+from dlo_fn.cost.policy import PolicyResult
+from dlo_fn.cost.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.models.sampler import finish, init_state, model_inputs, update
-from dlo_fn.plan import auto as plan_auto
-from dlo_fn.plan.auto import topology_from
-from dlo_fn.plan.policy import PolicyResult
 from dlo_fn.plan.sizes import ModelSizes
 from dlo_fn.plan.spec import spec_from_module
-from dlo_fn.plan.topology import BlockCompute, PolicyModel, Topology
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.probe import best_s, flat_block, probe_links
@@ -131,7 +131,7 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
 
 
 def choose(found: Probe, **kw) -> PolicyResult:
-    """:func:`dlo_fn.plan.auto.choose` on a probe's topology, model and workload, logged."""
+    """:func:`dlo_fn.cost.auto.choose` on a probe's topology, model and workload, logged."""
     result = plan_auto.choose(found.topology, found.model, found.workload, **kw)
     log.info("policy: %s", result.why())
     return result

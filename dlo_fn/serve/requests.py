@@ -149,7 +149,7 @@ class EngineOptions:
     trace: bool = False  # record per-rank spans of each wave (Figure 5)
     progress: bool | None = None  # tqdm on rank 0; None: only on a terminal
     serving: str = "continuous"  # or "strict": waves (dlo_fn.serve.continuous says which wins when)
-    admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.plan.dispatch.admit_cost_aware)
+    admission: str = "fifo"  # continuous: "fifo" or "cost" (dlo_fn.cost.dispatch.admit_cost_aware)
     memory_budget_bytes: int | None = None  # cap each rank's room for requests (dlo_fn.serve.admission)
     keep_videos: bool = True  # False: a result handed to serve's on_result is kept without its video (generate)
 

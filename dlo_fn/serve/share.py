@@ -1,7 +1,7 @@
 """One rank's share of a wave: what rank 0 (:mod:`dlo_fn.serve.driver`) and every follower
 (:mod:`dlo_fn.serve.follower`) run when a wave reaches them.
 
-A share is the wave's ``(position, request as a dict)`` pairs that :func:`dlo_fn.plan.waves.assign_positions`
+A share is the wave's ``(position, request as a dict)`` pairs that :func:`dlo_fn.cost.waves.assign_positions`
 gave this rank's replica (empty for an idle one; the sp ranks of a replica run the same share, each its
 tokens). :class:`ShareRunner` runs it block-major with
 :func:`dlo_fn.serve.batch.run_batch`, posts ``running`` with the step on the status board after every denoising

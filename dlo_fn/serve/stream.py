@@ -3,7 +3,7 @@
 Submissions arrive on a ``queue.Queue`` (a :class:`~dlo_fn.models.Request` or a
 :class:`~dlo_fn.serve.requests.Submission`; ``None`` closes the stream). :class:`StreamIntake` validates each on
 arrival (a bad one gets its error result at once and never stops the stream) and holds the rest in
-:func:`dlo_fn.plan.waves.form_waves`: a wave is due as soon as it is full, or when its oldest request has waited
+:func:`dlo_fn.cost.waves.form_waves`: a wave is due as soon as it is full, or when its oldest request has waited
 ``max_wait_s`` (the bounded wait to fill a wave), or when the stream closes. The engine dispatches what is due
 and, while nothing is, keeps the followers alive (they wait in the wave broadcast) with an ``idle`` message.
 """
@@ -15,9 +15,9 @@ import queue
 import time
 from typing import Any, Callable
 
+from dlo_fn.cost.waves import Pending, WavePlan, compat_key, form_waves
 from dlo_fn.models.config import DiTConfig
 from dlo_fn.models.request import Request
-from dlo_fn.plan.waves import Pending, WavePlan, compat_key, form_waves
 from dlo_fn.serve.requests import RequestResult, Submission, rejection
 
 __all__ = ["StreamIntake"]

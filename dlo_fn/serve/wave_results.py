@@ -1,7 +1,7 @@
 """How a strict wave's requests reach its replicas and their outcomes become results, for rank 0's
 :class:`~dlo_fn.serve.driver.Driver`.
 
-A wave's requests go to its replicas by position (:func:`dlo_fn.plan.waves.assign_positions`): :func:`wave_shares`
+A wave's requests go to its replicas by position (:func:`dlo_fn.cost.waves.assign_positions`): :func:`wave_shares`
 builds each replica's share of the ``wave`` message, :func:`fill_wave` matches the outcomes that come back to the
 requests by wave position (a missing one becomes an error naming the replica's leader), and :func:`fail_wave`
 gives every request of a wave that failed closed its reason. A result's ``rank`` is the leader of the replica
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from dlo_fn.plan.waves import WavePlan, assign_positions
+from dlo_fn.cost.waves import WavePlan, assign_positions
 from dlo_fn.serve.batch import Outcome
 from dlo_fn.serve.requests import RequestResult, Submission, to_wire
 from dlo_fn.serve.share import TraceSpan

@@ -1,0 +1,319 @@
+"""The variants `bench real` runs side by side, each from the checkpoint folder to one timed forward.
+
+=====================  ===========================================================================================
+``resident``           the whole model on the device (made there with random weights, then saved)
+``ours-*``             ``load_model(folder)`` + ``offload(model, ctx=ctx, **OURS[name])``: the public API
+``diffusers-block``    ``from_pretrained`` + ``enable_group_offload("block_level", num_blocks_per_group=1,
+                       use_stream=True)`` (diffusers 0.42.1; ``use_stream`` only where the device has streams)
+``diffusers-leaf``     the same, ``offload_type="leaf_level"``
+``model-offload``      ``from_pretrained`` + accelerate's ``cpu_offload_with_hook`` (what ``enable_model_cpu_offload``
+                       installs): the whole model moves to the device for the forward and back after it (the
+                       pipeline frees it at the end of every request)
+=====================  ===========================================================================================
+
+Every timed forward runs back to back after warm-up, timed with events on the compute stream (the device time of
+a denoising loop's step); the last output is compared byte for byte with the resident one, and measured against it
+(:func:`error_to_resident`: relative L2, max-abs and cosine, in float64 on the host; what FP8 shards cost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from dlo_fn.io.memstat import process_memory
+
+__all__ = [
+    "OURS",
+    "PREQUANTIZED",
+    "QUANTIZED_SUFFIX",
+    "VARIANTS",
+    "digest",
+    "error_to_resident",
+    "time_forwards",
+    "measure",
+    "ours_setup",
+    "diffusers_setup",
+    "model_offload_setup",
+    "release",
+    "options_missing",
+]
+
+# Our variants: name -> offload() keyword arguments. One line adds one.
+OURS = {
+    "ours-rank-local": dict(mode="rank-local"),
+    "ours-fp8": dict(mode="rank-local", quantization="fp8"),
+    "ours-allgather": dict(mode="allgather"),  # W = 1: the plan lowers it to the rank-local program
+    "ours-bgraph": dict(mode="rank-local", graph="block"),
+    "ours-3-slots": dict(mode="rank-local", num_slots=3),
+    "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (its first call measures the blocks)
+    "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
+    "ours-fp8-prequantized": dict(mode="rank-local", quantization="fp8"),  # from `quantize`'s folder (PREQUANTIZED)
+}
+# Variants that load the checkpoint `python -m dlo_fn quantize` wrote from the model's (once per run, timed as the
+# entry's "quantized_checkpoint"), so their ready time is the FP8 bytes' and no rank quantises anything.
+PREQUANTIZED = ("ours-fp8-prequantized",)
+QUANTIZED_SUFFIX = "-fp8"
+# Run order (most important first, so a run cut short keeps what matters); "resident" always runs first. An OURS
+# entry not named here runs after the other variants of ours.
+_ORDER = (
+    "resident",
+    "ours-rank-local",
+    "ours-fp8",
+    "diffusers-block",
+    "ours-allgather",
+    "ours-bgraph",
+    "ours-3-slots",
+    "ranks-2",
+    "ranks-4",
+    "diffusers-leaf",
+    "ours-cold",
+    "model-offload",
+    "pipeline",
+)
+VARIANTS = _ORDER[:7] + tuple(k for k in OURS if k not in _ORDER) + _ORDER[7:]
+GRAPH_WARMUP = 4  # block graphs: cold, warm, captured, replayed
+
+
+def options_missing(kwargs: dict) -> list[str]:
+    """The keys of ``kwargs`` that :class:`~dlo_fn.runtime.options.OffloadOptions` has no field for (a feature that
+    has not landed yet)."""
+    from dlo_fn.runtime.options import OffloadOptions
+
+    fields = {f.name for f in dataclasses.fields(OffloadOptions)}
+    return [k for k in kwargs if k not in fields]
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of the tensor's bytes (on the host)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def error_to_resident(out: torch.Tensor, want_host: torch.Tensor) -> dict:
+    """A row's output against the resident one (kept on the host): ``rel_error_to_resident`` (0.0 for
+    byte-identical outputs), ``max_abs_error_to_resident``, ``cosine_to_resident``
+    (:func:`benchmarks.bench.fp8_quality.output_error`)."""
+    from benchmarks.bench.fp8_quality import output_error
+
+    err = output_error(out, want_host)
+    return {
+        "rel_error_to_resident": err.rel_l2,
+        "max_abs_error_to_resident": err.max_abs,
+        "cosine_to_resident": err.cosine,
+    }
+
+
+def release(platform) -> None:
+    gc.collect()
+    if platform.kind == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
+
+
+@torch.no_grad()
+def time_forwards(
+    platform, forward: Callable[[], torch.Tensor], warmup: int, repeats: int
+) -> tuple[list[float], torch.Tensor]:
+    """``repeats`` forwards back to back after ``warmup``, each timed with events on the compute stream; returns
+    the seconds of each and the last output."""
+    for _ in range(warmup):
+        forward()
+    platform.synchronize()
+    stream = platform.current_stream()
+    events = [(platform.new_event(timing=True), platform.new_event(timing=True)) for _ in range(repeats)]
+    out = None
+    for start, end in events:
+        start.record(stream)
+        out = forward()
+        end.record(stream)
+    platform.synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in events], out
+
+
+def _caching_pinned_bytes() -> int | None:
+    """Bytes the caching host allocator holds pinned (``pin_memory()``: powers of two), where torch says."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_initialized():
+        return None
+    s = stats()
+    for key in ("allocated_bytes.current", "allocated_bytes.all.current"):
+        if key in s:
+            return int(s[key])
+    return None
+
+
+def measure(
+    platform,
+    setup: Callable[[], tuple[Callable[[], torch.Tensor], dict, Callable[[], None]]],
+    *,
+    want: torch.Tensor | None,
+    warmup: int,
+    repeats: int,
+    base_device_bytes: int | None = None,
+) -> dict:
+    """Set up a variant (``setup()`` returns ``(forward, facts, teardown)``), time it to ready, sample memory,
+    time the forwards, compare the output with ``want``; the variant is torn down and released before returning.
+    A ``facts["after_ready"]`` callable runs once the clock has stopped (a probe; its dict joins the row). Peak
+    device bytes are counted above ``base_device_bytes`` (default: what was allocated before the set-up)."""
+    release(platform)
+    before = process_memory()
+    base_dev = platform.memory_allocated() if base_device_bytes is None else base_device_bytes
+    base_pinned = _caching_pinned_bytes()
+    platform.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    forward, facts, teardown = setup()
+    try:
+        platform.synchronize()
+        ready_s = time.perf_counter() - t0
+        after = process_memory()
+        probe = facts.pop("after_ready", None)
+        facts.update(probe() if probe is not None else {})
+        row: dict[str, Any] = {
+            "status": "ok",
+            "ready_s": ready_s,
+            "host_rss_before_bytes": before.rss_bytes,
+            "host_rss_bytes": after.rss_bytes,
+            "host_uss_bytes": after.uss_bytes,
+            **facts,
+        }
+        if row.get("pinned_bytes") is None and base_pinned is not None:
+            row["pinned_bytes"] = _caching_pinned_bytes() - base_pinned
+        if repeats > 0:
+            times, out = time_forwards(platform, forward, warmup, repeats)
+            row.update(
+                forward_s=statistics.median(times),
+                forward_s_all=times,
+                sha256=digest(out),
+                finite=bool(torch.isfinite(out).all()),
+                equal_to_resident=None if want is None else bool(torch.equal(out, want)),
+            )
+            row["output"] = out  # taken out by the caller (the resident reference), never written
+        row["peak_device_bytes"] = platform.max_memory_allocated() - base_dev
+    finally:
+        teardown()
+        release(platform)
+    return row
+
+
+def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False):
+    """``load_model`` + ``offload``: the public API, timed in parts; ``probe_peak``: the pinned H2D peak from the
+    arena, once ready."""
+    from dlo_fn.io.load import load_model
+    from dlo_fn.runtime.offload import offload
+
+    def setup():
+        t0 = time.perf_counter()
+        model = load_model(folder, progress=False)
+        t1 = time.perf_counter()
+        o = offload(model, ctx=ctx, **kwargs)
+        if o.executor is None:  # mode="auto" with no workload: the first call measures the blocks, then builds
+            with torch.no_grad():
+                o.model(**inputs)
+        ctx.platform.synchronize()
+        t2 = time.perf_counter()
+        store = o.store
+        facts = {
+            "load_s": t1 - t0,
+            "offload_s": t2 - t1,
+            "pinned_bytes": o.pinned_host_bytes,
+            "arena_bytes": store.arena_bytes,
+            "pinning": store.how,
+            "num_slots": o.executor.num_slots,
+            # W = 1, every block in the arena: one pass moves the arena (FP8: its stored bytes)
+            "h2d_bytes_per_forward": store.arena_bytes,
+            "store": store.timings,
+            # offload's work besides filling the store (layout, slots, moving the rest, closing the mapping)
+            "offload_other_s": t2 - t1 - (store.timings or {}).get("total_s", 0.0),
+            "weight_device_bytes": o.device_weight_bytes,
+            "options": {k: str(v) for k, v in kwargs.items()},
+            "chosen": str(getattr(o, "auto", None)) if kwargs.get("mode") == "auto" else None,
+        }
+        if probe_peak and ctx.platform.kind == "cuda" and store.pinned:
+            from benchmarks.bench.step_variants import pinned_peak_bytes_per_s
+
+            facts["after_ready"] = lambda: {
+                "arena_h2d_peak_bytes_per_s": pinned_peak_bytes_per_s(ctx.platform, store, o.layout)
+            }
+
+        def forward():
+            return o.model(**inputs)[0]
+
+        def teardown():
+            o.synchronize()
+            o.store.close()
+
+        return forward, facts, teardown
+
+    return setup
+
+
+def diffusers_setup(platform, folder: str, cls_name: str, offload_type: str, inputs: dict):
+    """diffusers group offloading as its docs show it, from the folder."""
+    import diffusers
+
+    def setup():
+        cls = getattr(diffusers, cls_name)
+        t0 = time.perf_counter()
+        model = cls.from_pretrained(folder, torch_dtype=torch.bfloat16)
+        t1 = time.perf_counter()
+        use_stream = platform.is_accelerator
+        kw = dict(num_blocks_per_group=1) if offload_type == "block_level" else {}
+        model.enable_group_offload(
+            onload_device=platform.device,
+            offload_device=torch.device("cpu"),
+            offload_type=offload_type,
+            use_stream=use_stream,
+            **kw,
+        )
+        facts = {
+            "load_s": t1 - t0,
+            "offload_s": time.perf_counter() - t1,
+            "use_stream": use_stream,
+            "options": {"offload_type": offload_type, **{k: str(v) for k, v in kw.items()}},
+        }
+        return (lambda: model(**inputs)[0]), facts, (lambda: None)
+
+    return setup
+
+
+def model_offload_setup(platform, folder: str, cls_name: str, inputs: dict):
+    """The whole model to the device for each forward and back after it (accelerate's hook, as diffusers' model
+    CPU offload installs it; the pipeline calls ``offload()`` at the end of every request)."""
+    import diffusers
+    from accelerate import cpu_offload_with_hook
+
+    def setup():
+        t0 = time.perf_counter()
+        model = getattr(diffusers, cls_name).from_pretrained(folder, torch_dtype=torch.bfloat16)
+        t1 = time.perf_counter()
+        _, hook = cpu_offload_with_hook(model, platform.device)
+        there, back = [], []  # per forward (warm-up first): to the device and the forward; back to the host
+
+        def forward():
+            t = time.perf_counter()
+            out = model(**inputs)[0]
+            platform.synchronize()  # the move back waits for the forward anyway; this only splits the time
+            there.append(time.perf_counter() - t)
+            hook.offload()
+            back.append(time.perf_counter() - t - there[-1])
+            return out
+
+        facts = {
+            "load_s": t1 - t0,
+            "offload_s": time.perf_counter() - t1,
+            "pinned_bytes": 0,
+            "to_device_and_forward_s_all": there,
+            "back_to_host_s_all": back,
+        }
+        return forward, facts, (lambda: None)
+
+    return setup
