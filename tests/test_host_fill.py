@@ -113,7 +113,7 @@ def test_timings_add_up():
     assert build_host_store(model_layout(spec, 1), 0, tensors, CPU, source="mmap").timings is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_arena_is_filled_then_registered():
     """On CUDA the plug-in's arena is filled pageable on several threads and registered after, the core's registered
     first and filled on one thread: the same bytes as a store built on the CPU, pinned exactly, and an H2D from it

@@ -134,7 +134,7 @@ def test_alloc_host_is_exact_size():
         assert buf.numel() == n and buf.untyped_storage().nbytes() == n and how == "pageable"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_arena_is_pinned_exactly_by_host_register():
     cuda = platform_for("cuda", 0)
     n = (1 << 30) + 12345  # a caching-allocator pin would round this to 2 GiB
@@ -155,7 +155,7 @@ def test_cuda_arena_is_pinned_exactly_by_host_register():
     fin()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_registration_is_undone_when_the_buffer_is_collected():
     """Without close(): dropping the last reference unlocks the pages (the finalizer must not keep them)."""
     import gc
@@ -203,7 +203,7 @@ def test_huge_page_buffer_is_zeroed_private_memory_in_2mib_pages_where_the_kerne
     assert huge_kb > 0 if mode in ("always", "madvise") else huge_kb == 0, (mode, huge_kb)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_a_cuda_arena_locked_range_by_range_is_pinned_and_unlocked_with_its_store(monkeypatch):
     """Several registrations (small ranges): every H2D reads pinned pages, the bytes are the model's, and close()
     unlocks every range."""

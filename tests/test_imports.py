@@ -10,10 +10,10 @@ import json
 import subprocess
 import sys
 
-# The README's API in lines of dlo_fn source (physical lines in the formatter's layout): the budget asked for was
-# 5,000 lines counted before `ruff format`, which grew the package by 20% (29,398 -> 35,348 lines, same files). The
-# FP8 modules and the start-up plug-ins load on demand; the budget keeps a little room above what the API loads.
-API_LINE_BUDGET = 5_800
+# The README's API in lines of dlo_fn source (physical lines in the formatter's layout): the issue's 5,000 lines were
+# counted before `ruff format`, which grew the same files by 20% (29,398 -> 35,348 lines), so 6,000 here. The FP8
+# modules, the start-up plug-ins, the memory models and the Timeline machinery load on demand.
+API_LINE_BUDGET = 6_000
 
 PROBE = """
 import json, sys

@@ -29,7 +29,7 @@ WORKLOAD = Workload("tiny", tokens=64, num_steps=20, cfg_branches=1)
 
 
 def _platforms():
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
 
 
 @torch.no_grad()
@@ -40,9 +40,12 @@ def _check(ctx, name: str, workload, seeds, **fields) -> dict:
     chooses = {"workload": workload} if workload is not None else {"example": _on(inputs(seeds[0]), ctx)}
     o = offload(copy.deepcopy(ref).cpu(), ctx=ctx, **chooses, **fields)
     pending = o.executor is None
+    before = str(o)
     got = [o.model(**_on(inputs(s), ctx))[0] for s in seeds]
     c = o.auto.chosen.candidate
     return {
+        "printed": (before, str(o)),
+        "why": o.auto.why(),
         "equal": all(torch.equal(g, w) for g, w in zip(got, want)),
         "pending": pending,
         "chosen": c.label,
@@ -77,6 +80,13 @@ def test_auto_offload_is_bit_exact_and_records_its_choice(name, workload, platfo
     assert r["computes"] == 3 * r["blocks"]
     text = caplog.text
     assert f"auto: {r['chosen']}: predicted step" in text and f"runner-up {r['runner_up']}:" in text
+    # print(offloaded) says the same without logging set up: what it runs, then the choice and the runner-up.
+    before, after = r["printed"]
+    assert before == after  # built with its choice when offload returns: the first call changes nothing
+    mode, slots, group = r["options"]
+    assert after.splitlines()[0].split(": ")[1].startswith(f"{mode}, ") and f"{slots} device slots" in after
+    assert f"load group {group};" in after and after.splitlines()[1] == f"auto: {r['why']}"
+    assert f"runner-up {r['runner_up']}:" in after and "predicted step" in after
 
 
 def test_fixed_fields_stay_and_bad_workloads_are_one_line():

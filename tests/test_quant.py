@@ -239,7 +239,7 @@ def test_fp8_on_gloo_ranks(request, world):
         assert res["shards[allgather]"] == world and res["shards[rank-local]"] == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     "mode,graph,dequant",
     [
@@ -272,7 +272,7 @@ def test_fp8_on_cuda_streams_bit_exact(mode, graph, dequant):
     assert o.executor.measured_device_bytes >= o.executor.planned_device_weight_bytes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @torch.no_grad()
 def test_kernel_dequant_equals_torch_ops_on_every_row_length(dtype):

@@ -194,6 +194,13 @@ def test_offloading_it_otherwise_and_other_excludes_are_one_clear_error(quantize
     assert generate(o.model, REQUEST).sha256 == generate(want, REQUEST).sha256
 
 
+def test_running_it_without_offload_refuses_instead_of_nan(quantized_tiny):
+    # Its block weights are on meta until offload stores them: generate would run and return NaN.
+    _, dst = quantized_tiny
+    with pytest.raises(ValueError, match=r"VideoDiT's blocks\.0\..* is not loaded .* runs only offloaded"):
+        generate(load_model(dst), REQUEST)
+
+
 def _one_line(capsys, argv) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -299,7 +306,7 @@ def test_writing_streams_in_flat_memory(tmp_path):
         assert torch.equal(got["embed.weight"], f.get_tensor("embed.weight"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_quantizing_on_a_gpu_writes_the_same_bytes(tmp_path):
     from dlo_fn.models import write_checkpoint
 

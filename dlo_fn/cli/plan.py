@@ -69,6 +69,7 @@ def register(subparsers) -> None:
         dest="num_shards",
         type=int,
         default=1,
+        action=_SaysItsSpelling,
         metavar="W",
         help="ranks in the shard group (every rank that runs in lockstep); default 1",
     )
@@ -151,10 +152,37 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
+def _say_if_generate_refuses(model: str) -> None:
+    """``plan`` plans any safetensors checkpoint (from its headers when no config describes it); ``generate``
+    runs dlo_fn checkpoints only. One line on stderr says so, so the two never disagree silently."""
+    from dlo_fn.cli.checks import _stderr
+    from dlo_fn.models import CONFIGS, load_config
+
+    if model in CONFIGS:
+        return
+    try:
+        load_config(model)
+    except (ValueError, OSError) as exc:
+        _stderr(
+            f"dlo_fn plan: note: generate cannot run --model {model} ({exc}); this plan is for "
+            "dlo_fn.runtime.offload.offload(model, block_paths) from Python"
+        )
+
+
+class _SaysItsSpelling(argparse.Action):
+    """Stores the value and the spelling given (``--num-shards`` or ``--shard-world``), for messages that name the
+    flag the user typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_flag", option_string)
+
+
 def check_layout_args(args: argparse.Namespace, command: str = "plan") -> None:
     """The layout flags ``plan`` and ``generate`` share, checked before anything is built or loaded."""
     if getattr(args, "num_shards", 1) < 1:
-        raise UsageError(f"{command}: --shard-world {args.num_shards}: give the number of ranks, >= 1")
+        flag = getattr(args, "num_shards_flag", "--num-shards")
+        raise UsageError(f"{command}: {flag} {args.num_shards}: give the number of ranks, >= 1")
     if isinstance(args.slots, int) and args.slots < 1:
         raise UsageError(f"{command}: --slots {args.slots}: give >= 1 device slots (2 = double buffer)")
     if args.landing is not None and args.landing < 1:
@@ -280,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         spec = spec_for(args.model, block_paths)
     except (ValueError, OSError) as exc:
         raise UsageError(f"plan: --model {args.model}: {exc}") from exc
+    _say_if_generate_refuses(args.model)
     num_shards = mesh.num_shards if mesh else args.num_shards
     summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment, args.load_group)
     mesh_doc, notes = _mesh_doc(args, spec, mesh) if mesh else (None, [])

@@ -170,15 +170,17 @@ def model_from_config(ckpt: Checkpoint) -> nn.Module:
     where = ckpt.root / CONFIG_FILE
     if ckpt.config is None:
         raise CheckpointError(
-            "no config.json next to the weights, so the model is unknown: pass model_or_factory= "
-            "(a module, a factory or a diffusers class)",
+            "no config.json next to the weights, so the model is unknown: the command line takes dlo_fn and "
+            "diffusers checkpoints only; from Python pass model_or_factory= (a module, a factory or a diffusers "
+            "class)",
             file=where,
         )
     kind = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None
     if kind != DLO_MODEL_TYPE:
         raise CheckpointError(
             f"config.json is neither a dlo_fn config (model_type {kind!r}, not {DLO_MODEL_TYPE!r}) "
-            "nor a diffusers one (_class_name): pass model_or_factory= to build the model yourself",
+            "nor a diffusers one (_class_name): the command line takes those only; from Python pass "
+            "model_or_factory= to build the model yourself",
             file=where,
         )
     from dlo_fn import models

@@ -238,6 +238,12 @@ def _read_index(index: pathlib.Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"unreadable index ({exc}): write or download it again", file=index) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if weight_map is None and isinstance(data, dict) and not index.name.endswith(".index.json"):
+        raise CheckpointError(
+            f"a JSON file without a weight_map is no checkpoint index (a model's config?): pass the folder "
+            f"that holds the checkpoint, {index.parent}",
+            file=index,
+        )
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(
             "index has no weight_map of key -> shard file name: write it again (or pass the checkpoint directory)",

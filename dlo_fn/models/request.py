@@ -160,4 +160,6 @@ class Request:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Request":
         check_known_fields(cls, data)
+        if "prompt" not in data:
+            raise ValueError('no "prompt" field: every request needs one, e.g. {"prompt": "a red fox"}')
         return cls(**data)

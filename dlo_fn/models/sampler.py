@@ -102,7 +102,21 @@ def _config_and_device(model_or_config, device) -> tuple[DiTConfig, torch.device
     device = torch.device(device)
     if device.type == "meta":
         raise ValueError("the model is on the meta device: load or materialise its weights before sampling")
+    _check_materialised(model_or_config)
     return config, device
+
+
+def _check_materialised(model: torch.nn.Module) -> None:
+    """A tensor left on meta runs without an error and gives NaN (a checkpoint written by ``quantize`` keeps its
+    FP8 block weights aside, their module entries on meta). An offloaded model's blocks are proxies whose meta
+    blocks are not registered, so they do not count."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.is_meta:
+            raise ValueError(
+                f"{type(model).__name__}'s {name} is not loaded (it is on the meta device): load the model's "
+                "weights first, or offload it (dlo_fn.runtime.offload.offload); a checkpoint written by "
+                "`python -m dlo_fn quantize` runs only offloaded, with quantization='fp8'"
+            )
 
 
 def init_state(model_or_config, request: Request, device: torch.device | str | None = None) -> SamplerState:

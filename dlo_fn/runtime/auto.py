@@ -22,7 +22,7 @@ from dlo_fn.plan.sizes import ModelSizes
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.probe import best_s, flat_block, probe_links
 
-__all__ = ["resolve", "decide", "time_one_call"]
+__all__ = ["resolve", "decide", "time_one_call", "flop_per_s"]
 
 log = logging.getLogger(__name__)
 GROUPS = {"world": "mesh", "dp": "dp"}  # OffloadOptions.shard_group -> the policy's shard group
@@ -76,7 +76,7 @@ def resolve(model, entries, spec, ctx, options, fields, workload, mesh, example)
     if workload is not None:
         pmodel = PolicyModel(sizes, plan_auto.hidden_dim(first), dtype.itemsize, source="the model's spec")
         topo = plan_auto.topology_from(
-            "probe and workload", ctx.world_size, links, BlockCompute(flop_per_s=_flop_per_s(ctx.platform, dtype))
+            "probe and workload", ctx.world_size, links, BlockCompute(flop_per_s=flop_per_s(ctx.platform, dtype))
         )
         return concrete(decide(topo, pmodel, workload, fields, options, ctx, sps=sp, source="workload"))
     times, outside_s, peak = time_one_call(model, [lst[i] for lst, i in entries], ctx.platform, example)
@@ -149,7 +149,7 @@ def _to_device(module, skip: set, dev) -> list:
     return saved
 
 
-def _flop_per_s(platform, dtype) -> float:
+def flop_per_s(platform, dtype) -> float:
     """A square matmul's rate on the device in the blocks' dtype (fp32 on CPU, where bf16 kernels are slow)."""
     n = 2048 if platform.is_accelerator else 256
     dt = dtype if platform.is_accelerator else torch.float32

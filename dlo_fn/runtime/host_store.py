@@ -323,14 +323,18 @@ def build_host_store(
     )
     timings = {**filled.timings}
     timings["total_s"] = sum(timings[key] for key in ("alloc_s", "copy_s", "zero_s", "pin_s"))
+    from dlo_fn.io.memstat import format_bytes
+
     (log.info if progress else log.debug)(
-        "host store: rank %d, %d bytes (%s), %d/%d blocks in the arena: %s",
+        "host store: rank %d, %s (%s), %d/%d blocks in the arena, filled in %.1f ms (allocate %.1f, copy %.1f, "
+        "zero %.1f, pin %.1f ms) on %d thread(s)",
         rank,
-        arena.numel(),
+        format_bytes(arena.numel()),
         filled.how,
         k,
         layout.num_blocks,
-        timings,
+        *(1e3 * timings[key] for key in ("total_s", "alloc_s", "copy_s", "zero_s", "pin_s")),
+        timings["threads"],
     )
     store = HostStore(layout, rank, sources, arena, filled.how, filled.finalizer)
     store.num_pinned_blocks, store.copied_ranges, store.timings = k, filled.copied, timings

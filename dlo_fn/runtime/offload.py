@@ -118,6 +118,39 @@ class Offloaded:
     def pinned_host_bytes(self) -> int:
         return self.store.arena_bytes if self.store is not None and self.store.pinned else 0
 
+    def describe(self) -> str:
+        """What ``offload`` set up and, for ``auto`` fields, why (chosen and runner-up with their predicted step
+        times), in words: ``print(offloaded)`` shows it, no logging set-up needed."""
+        from dlo_fn.io.memstat import format_bytes
+
+        name = self.spec.name
+        if self.executor is None:
+            return (
+                f"{name}: resident, {self.spec.num_blocks} blocks ({format_bytes(self.spec.total_block_bytes)}) "
+                f"on {self.ctx.platform.device}"
+            )
+        ex = self.executor
+        if self.mode == "allgather":
+            where = f"each block split over {self.shards.size} rank(s) ({self.shards.name}) and all-gathered"
+            landing = f", {ex.num_landing} landing buffers" if ex.num_landing else ""
+        else:
+            where, landing = "whole blocks copied from this rank's host store", ""
+        text = (
+            f"{name}: {self.mode}, {self.spec.num_blocks} blocks ({len(self.resident_blocks)} resident), {where}; "
+            f"{ex.num_slots} device slots{landing}, "
+            f"load group {self.options.load_group}; host store {format_bytes(self.store.arena_bytes)} "
+            f"({self.store.how}), device weights {format_bytes(self.device_weight_bytes)} on "
+            f"{self.ctx.platform.device}"
+        )
+        how = f"auto: {self.auto.why()}" if self.auto is not None else "set by the caller (no auto field)"
+        return f"{text}\n{how}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return f"Offloaded({self.describe()})"
+
 
 def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module, int]]:
     out = []
@@ -359,16 +392,7 @@ def _build(
     timings = lap.done(warm_up_s=executor.warm_up_s)
     timings["executor_s"] -= executor.warm_up_s
     log.debug("offload phases: %s", timings)
-    log.info(
-        "offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes, %s",
-        spec.name,
-        layout.num_blocks,
-        options.mode,
-        num_shards,
-        shards.name,
-        store.arena_bytes,
-        store.how,
-        executor.device_weight_bytes,
-        ", ".join(f"{k} {v}" for k, v in options.describe()),
-    )
-    return Offloaded(model, ctx, options, full, layout, store, executor, shards, release, auto, timings, resident)
+    done = Offloaded(model, ctx, options, full, layout, store, executor, shards, release, auto, timings, resident)
+    extras = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in options.describe() if k != "load_group")
+    log.info("offload %s; %s; ready in %.2f s", done.describe().splitlines()[0], extras, timings["total_s"])
+    return done

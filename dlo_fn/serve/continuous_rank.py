@@ -151,9 +151,10 @@ class ContinuousRank:
                 opened = False
         except Exception as exc:  # noqa: BLE001 - every request held here gets this error, then keep serving
             text = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            log.error("%s (ring step %d)\n%s", text, k, traceback.format_exc())
             if opened and collective_failure(exc):  # a peer broke the step: no drain or shadow can finish it
+                log.debug("%s (ring step %d)\n%s", text, k, traceback.format_exc())  # the abort says it in one line
                 raise abort_run(executor, self.rank, exc) from exc
+            log.error("%s (ring step %d)\n%s", text, k, traceback.format_exc())
             if opened:  # on an sp replica a shadow run lets the partners finish their step; else drain
                 if not self._shadow(k, embeds, xs, done):
                     _drain(executor, self.rank, exc)

@@ -89,15 +89,20 @@ def post_plan(board: StatusBoard, plan: RecoveryPlan) -> None:
 
 
 def wait_plan(board: StatusBoard, epoch: int, bound_s: float) -> RecoveryPlan | None:
-    """Rank 0's plan for recovery ``epoch``, or None when none came within ``bound_s`` (rank 0 is gone)."""
+    """Rank 0's plan for recovery ``epoch``, or None when none came within ``bound_s`` or the store is gone (rank 0
+    is gone: under torchrun without an agent store, rank 0 hosts the store, and its death resets the connection)."""
     if board.store is None:
         return None
     key = f"{board.prefix}recover/{epoch}/plan"
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
-        if board.store.check([key]):
-            data = json.loads(board.store.get(key).decode())
-            return RecoveryPlan(data["epoch"], data["step"], tuple(data["survivors"]), data["reason"])
+        try:
+            if board.store.check([key]):
+                data = json.loads(board.store.get(key).decode())
+                return RecoveryPlan(data["epoch"], data["step"], tuple(data["survivors"]), data["reason"])
+        except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
+            log.debug("recovery %d: the store is gone: %s: %s", epoch, type(exc).__name__, exc)
+            return None
         time.sleep(_POLL_S)
     return None
 

@@ -114,6 +114,10 @@ def read_prompts(path: str | pathlib.Path, defaults: Mapping[str, Any] | None = 
     """Parse a prompts file (see the module docstring). A bad line becomes a submission with an error that
     names the file and line, so it is reported in the results instead of stopping the others."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a directory: give the prompts file in it (JSON lines, one request per line)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompts file not found (JSON lines, one request per line)")
     defaults = dict(defaults or {})
