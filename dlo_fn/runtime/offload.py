@@ -136,12 +136,12 @@ class Offloaded:
         else:
             where, landing = "whole blocks copied from this rank's host store", ""
         text = (
-            f"{name}: {self.mode}, {self.spec.num_blocks} blocks ({len(self.resident_blocks)} resident), {where}; "
-            f"{ex.num_slots} device slots{landing}, "
+            f"{name}: {self.mode}, {self.spec.num_blocks} blocks, {where}; {ex.num_slots} device slots{landing}, "
             f"load group {self.options.load_group}; host store {format_bytes(self.store.arena_bytes)} "
             f"({self.store.how}), device weights {format_bytes(self.device_weight_bytes)} on "
             f"{self.ctx.platform.device}"
         )
+        text += f"; {len(self.resident_blocks)} blocks resident (hbm_budget)" if self.resident_blocks else ""
         how = f"auto: {self.auto.why()}" if self.auto is not None else "set by the caller (no auto field)"
         return f"{text}\n{how}"
 
