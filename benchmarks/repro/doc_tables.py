@@ -325,7 +325,7 @@ def _real(name: str, *own_runs: str, skip: tuple[str, ...] = ()) -> str:
     return _rows(rows, [name, *own_runs])
 
 
-HBM_FILE = "bench_real_flux_hbm_budget_nvidia-h200.json"
+HBM_FILE = "hbm_bench_real_flux_nvidia-h200.json"
 HBM_ORDER = (
     "resident",
     "ours-rank-local",

@@ -1,7 +1,7 @@
 """FLUX.1-dev's time/HBM frontier: every plan an HBM budget can buy (:func:`dlo_fn.plan.resident.frontier`, on
 the model's spec at its published config: :func:`benchmarks.bench.real_models.meta_spec`), its predicted forward
 ``max(resident forward, H2D bytes / pinned peak)`` from the committed H200 run's resident forward and peak, and
-that run's measured rows beside it (notebook 13)."""
+that run's measured rows beside it (notebook 12)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from benchmarks.repro.data import DATA_DIR
 
 __all__ = ["HBM_FILE", "load", "frontier_rows", "measured_rows"]
 
-HBM_FILE = "bench_real_flux_hbm_budget_nvidia-h200.json"
+HBM_FILE = "hbm_bench_real_flux_nvidia-h200.json"
 
 
 def load() -> dict:
