@@ -143,18 +143,10 @@ class ContinuousDriver:
         ``(index, arrival time.monotonic)``; ``wait(until_s)``: block for input until then (monotonic);
         ``publish(result)``: each result as it ends. A bar shows the progress (:mod:`dlo_fn.serve.progress`)."""
         with ring_progress(self.options.progress) as bar:
-            return self._serve(subs, arrived, closed, wait, t0, publish, bar)
+            return self._serve(bar, subs, arrived, closed, wait, t0, publish)
 
-    def _serve(
-        self,
-        subs: Sequence[Submission],
-        arrived: Callable[[], Sequence[tuple[int, float]]],
-        closed: Callable[[], bool],
-        wait: Callable[[float], None],
-        t0: float,
-        publish: Callable[[RequestResult], None] | None,
-        bar: RingProgress,
-    ) -> Served:
+    def _serve(self, bar: RingProgress, subs, arrived, closed, wait, t0, publish) -> Served:
+        """:meth:`serve` (its arguments are typed there) with the progress ``bar`` open."""
         W, R = self.world_size, self.options.requests_per_rank
         keepalive_s = self.options.timeout_s / 3
         out = Served(publish, self.options.keep_videos)
