@@ -8,6 +8,16 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_from_the_start():
+    """One thread before any module or session fixture runs too (pytest sets those up before a test's own
+    fixtures): a bench run in a module fixture spent most of its time in OpenMP spinning on two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models gain nothing from threads, and OpenMP spinning on a shared 2-core machine is slow. Tests that
