@@ -86,6 +86,7 @@ from dlo_fn.serve.requests import (
     not_dispatched,
     to_wire,
 )
+from dlo_fn.serve.wave_results import outcome_result
 from dlo_fn.serve.wire import StatusBoard, diagnosis_wait_s
 
 __all__ = ["ContinuousDriver", "ContinuousRank", "Served", "admission_key", "admission_cost", "follow_step"]
@@ -349,22 +350,7 @@ class ContinuousDriver:
             "first_step": float(first),
             "last_step": float(self.next_step - 1),
         }
-        sub = subs[i]
-        if o is None or error is not None:
-            return RequestResult(
-                i,
-                sub.request_id,
-                sub.request,
-                False,
-                error=error or "no outcome returned",
-                rank=rank,
-                timings=timings,
-                degraded=degraded,
-            )
-        timings["compute_s"] = o.compute_s
-        return RequestResult(
-            i, sub.request_id, sub.request, o.ok, o.video, o.sha256, o.error, rank, None, None, timings, degraded
-        )
+        return outcome_result(i, subs[i], o, error, rank, timings, degraded=degraded)
 
     def _fail(self, k: int, where: str, exc: BaseException) -> tuple[str, set[int]]:
         """The reason ring step ``k`` failed closed and the culprit ranks the status board names."""
