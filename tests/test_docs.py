@@ -37,3 +37,20 @@ def test_measurements_name_every_data_file():
     files = [p for p in sorted((ROOT / "figures" / "data").iterdir()) if not p.stem.endswith("_quick")]  # CPU smoke
     missing = [p.name for p in files if f"`{p.name}" not in text]
     assert not missing, f"docs/measurements.md does not name: {missing}"
+
+
+def test_the_headline_caption_quotes_the_data_its_figure_draws():
+    """The README's alt text names every model the headline figure draws, and each range its caption quotes is
+    the min-max of that variant's rows in the figure's data (figures/data/fig_bench_real.csv)."""
+    import csv
+
+    readme = (ROOT / "README.md").read_text()
+    alt, caption = readme.split("<!-- table: headline -->\n")[1].split("\n<!-- /table -->")[0].split("\n")
+    rows = list(csv.DictReader((ROOT / "figures" / "data" / "fig_bench_real.csv").open()))
+    titles = {"flux": "FLUX.1-dev", "wan480": "Wan2.1-T2V-14B 832x480", "wan720": "Wan2.1-T2V-14B 1280x720"}
+    for model in {r["model"] for r in rows}:
+        assert titles.get(model, "LTX-Video") in alt, f"the alt text leaves out {model}"
+    for variant, text in (("ours-rank-local", "at {}x of the bound"), ("diffusers-block", "takes {}x at block")):
+        ratios = [float(r["ratio_to_bound"]) for r in rows if r["variant"] == variant]
+        span = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        assert text.format(span) in caption, f"{variant}: the caption does not quote {span}"

@@ -1,5 +1,5 @@
-"""Notebook 11's tables (benchmarks.repro.host_cost_tables): the plan's count of stream operations per block is what
-the executor issues (counted on the CPU), and the tables read the committed H200 JSON."""
+"""Notebook 05's host tables (benchmarks.repro.host_cost_tables): the plan's count of stream operations per block
+is what the executor issues (counted on the CPU), and the tables read the committed H200 JSON."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_tables_from_the_committed_runs():
     }
     assert all(r["equal_to_resident"] is True for r in graphs)
     bg = hc.block_graph_host_rows(*(hc.load(n) for n in hc.BENCH_REPORTS))
-    assert [r["run"] for r in bg] == ["bench 2026-12-02", "bench-small40 2026-12-02"]
+    assert [r["bench config"] for r in bg] == ["bench", "bench-small40"]
     groups = hc.graph_rows(hc.load("groups_bench_step"), hc.GROUP_VARIANTS)
     assert {r["variant"] for r in groups} == set(hc.GROUP_VARIANTS.values())
     assert all(r["equal_to_resident"] is True for r in groups)

@@ -111,6 +111,22 @@ def test_plot_overlay_draws_both(recorded):
         plt.close(fig)
 
 
+def test_plot_beside_draws_each_timeline_on_its_own_axes_from_zero(recorded):
+    import matplotlib.pyplot as plt
+
+    from benchmarks.figures.timeline import plot_beside
+
+    schedule, measured = recorded
+    predicted = simulate(schedule, fit_durations(measured))
+    fig = plot_beside(measured, predicted)
+    try:
+        top, bottom = fig.axes
+        assert len(top.patches) == len(measured.spans) and len(bottom.patches) == len(predicted.spans)
+        assert min(p.get_x() for p in top.patches) == 0.0  # the measured run starts at its first op
+    finally:
+        plt.close(fig)
+
+
 def test_fit_on_known_spans_and_missing_kind():
     tl = Timeline.from_records(
         [

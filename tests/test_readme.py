@@ -123,3 +123,14 @@ def test_every_notebook_and_figure_is_in_the_readme():
     files = [*NOTEBOOKS, *sorted((ROOT / "figures").glob("*.png")), *sorted((ROOT / "figures").glob("*.gif"))]
     missing = [p.relative_to(ROOT).as_posix() for p in files if f"]({p.relative_to(ROOT).as_posix()})" not in text]
     assert not missing, f"not linked from README.md: {missing}"
+
+
+def test_the_notebooks_read_in_order_each_ending_with_the_next():
+    """Numbered 01, 02, ... without a gap, and every notebook but the last closes with a markdown cell that names
+    the next one (``notebook NN``), so a reader who starts at 01 is handed on to the end."""
+    numbers = [int(nb.name[:2]) for nb in NOTEBOOKS]
+    assert numbers == list(range(1, len(NOTEBOOKS) + 1)), [nb.name for nb in NOTEBOOKS]
+    for nb, number in zip(NOTEBOOKS[:-1], numbers):
+        cells = json.loads(nb.read_text())["cells"]
+        last = "".join(next(c for c in reversed(cells) if c["cell_type"] == "markdown")["source"])
+        assert f"notebook {number + 1:02d}" in last, f"{nb.name} does not end with what notebook {number + 1:02d} shows"

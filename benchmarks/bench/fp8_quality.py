@@ -27,7 +27,7 @@ from dlo_fn.cli import HelpFormatter
 
 __all__ = ["QualityRow", "output_error", "REQUEST", "reference_dit_quality", "register", "run"]
 
-# The request measured (notebook 03's shape, four steps: a whole sampling schedule from noise to latents).
+# The request measured (notebooks 03 and 11's shape, four steps: a whole sampling schedule from noise to latents).
 REQUEST = dict(prompt="a red fox in the snow", seed=0, height=32, width=32, num_frames=5, num_inference_steps=4)
 
 

@@ -1,5 +1,5 @@
 """`python -m benchmarks figures`: regenerate every figure and the measured tables of README.md and docs/ (and
-optionally execute every notebook in place, in name order: ``notebooks/01_*.ipynb`` to ``12_*.ipynb``)."""
+optionally execute every notebook in place, in name order: ``notebooks/01_*.ipynb`` to ``11_*.ipynb``)."""
 
 from __future__ import annotations
 

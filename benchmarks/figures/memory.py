@@ -199,6 +199,15 @@ def fig3_host_weights_per_rank(out_dir: pathlib.Path) -> list[pathlib.Path]:
     return paths
 
 
+def _variant_label(variant: str) -> str:
+    """``dlo-rank-local-swap-g4`` -> ``groups\nof 4`` (load groups of 4): short enough to sit under its bar (the
+    names in full print over each other)."""
+    rest = variant.removeprefix("dlo-").removeprefix("rank-local").removeprefix("-swap")
+    if rest.startswith("-g") and rest[2:].isdigit():
+        return f"groups\nof {rest[2:]}"
+    return {"": "2 slots", "-fp8": "FP8 shards"}.get(rest, variant.removeprefix("dlo-").replace("-", "\n"))
+
+
 def fig4_hbm(out_dir: pathlib.Path) -> list[pathlib.Path]:
     """HBM per card at 720p 10 s on 4 cards: DLO's weight term grows only with the largest block (Super's
     is 2.1x Nano's) while HSDP+SP holds a quarter of the model; measured GPU HBM is drawn when committed."""
@@ -228,6 +237,7 @@ def fig4_hbm(out_dir: pathlib.Path) -> list[pathlib.Path]:
                 textcoords="offset points",
                 xytext=(0, 4),
                 fontsize=7,
+                bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none"},  # legible over the HBM line
             )
         ax1.axhline(HBM_GB, color="k", ls="--", lw=1)
         ax1.set(
@@ -264,7 +274,7 @@ def fig4_hbm(out_dir: pathlib.Path) -> list[pathlib.Path]:
                 )
             ax2.set(
                 xticks=range(len(measured)),
-                xticklabels=[m["variant"].removeprefix("dlo-") for m in measured],
+                xticklabels=[_variant_label(m["variant"]) for m in measured],
                 ylabel="weight HBM (GB)",
                 title=f"measured weight HBM, bench config ({measured[0]['machine']})",
             )

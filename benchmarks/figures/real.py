@@ -1,26 +1,21 @@
 """Users' own models: one denoising forward per offload variant against the bound, from `bench real`'s JSON.
 
-Reads the committed ``figures/data/bench_real_<model>_<machine>.json`` (``python -m benchmarks bench real`` on a GPU;
-quick CPU runs, ``*_quick.json``, are ignored); the machine with the most models wins. Rows of runs of their own
-(``bench_real_<model>_<what>_<machine>.json``, each ratio to its own run's resident forward) join their model's.
+Reads the committed ``bench real`` reports that :func:`benchmarks.repro.headline.find_real_reports` picks (one
+machine's, each model joined by the rows of runs of its own) and draws one row per model. The README's alt text
+and caption come from the same reports (:func:`benchmarks.repro.headline.headline`).
 The figure is registered only once such data is committed, so ``python -m benchmarks figures`` skips it until then.
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
-import re
-import textwrap
 
 from benchmarks.figures.style import COLORS, figure_style, save_png, write_csv
-from benchmarks.repro.data import DATA_DIR
+from benchmarks.repro.headline import find_real_reports, panel_title, timed
 from benchmarks.repro.variants import REAL, short_labels
 
 __all__ = ["FIGURES", "find_real_reports", "real_rows", "plot_bench_real", "fig_bench_real"]
 
-MODEL_ORDER = ("flux", "wan480", "wan720", "ltx")
-TITLES = {"flux": "FLUX.1-dev", "wan480": "Wan2.1-T2V-14B", "wan720": "Wan2.1-T2V-14B", "ltx": "LTX-Video"}
 LABELS = short_labels(REAL)
 FIELDS = (
     "model",
@@ -37,41 +32,10 @@ FIELDS = (
 X_MAX = 2.0  # bars past this (whole-model offload) are drawn to the edge with their value written
 
 
-def find_real_reports(data_dir: pathlib.Path = DATA_DIR) -> list[dict]:
-    """The committed reports of one machine, in :data:`MODEL_ORDER` (empty when none is committed)."""
-    by_machine: dict[str, dict[str, pathlib.Path]] = {}
-    for path in sorted(pathlib.Path(data_dir).glob("bench_real_*.json")):
-        m = re.fullmatch(r"bench_real_([a-z0-9]+)_(.+)\.json", path.name)
-        if m and m.group(1) in MODEL_ORDER and not m.group(2).endswith("quick"):
-            by_machine.setdefault(m.group(2), {})[m.group(1)] = path
-    if not by_machine:
-        return []
-    machine = max(sorted(by_machine), key=lambda k: len(by_machine[k]))
-    files = by_machine[machine]
-    reports = {m: json.loads(files[m].read_text()) for m in MODEL_ORDER if m in files}
-    for extra in sorted(k for k in by_machine if k.endswith("_" + machine)):  # rows measured in runs of their own
-        for m, path in by_machine[extra].items():
-            if m in reports:
-                reports[m]["model"]["variants"] += [
-                    v for v in json.loads(path.read_text())["model"]["variants"] if v["variant"] != "resident"
-                ]
-    return list(reports.values())
-
-
-def _timed(report: dict) -> list[dict]:
-    """The timed rows, FP8 shards' left out: this figure sets offloading against the bound at the model's own
-    precision, where every output is the resident one (FP8 against BF16: docs/measurements.md#fp8-shards)."""
-    return [
-        v
-        for v in report["model"]["variants"]
-        if v.get("status") == "ok" and v.get("ratio_to_bound") and not v["variant"].startswith("ours-fp8")
-    ]
-
-
 def real_rows(reports: list[dict]) -> list[dict]:
     rows = []
     for r in reports:
-        for v in _timed(r):
+        for v in timed(r):
             rows.append(
                 {
                     "model": r["model"]["name"],
@@ -96,64 +60,44 @@ def _color(variant: str) -> str:
 
 
 def _panel_title(model: dict) -> str:
-    w = model["workload"]
-    shape = f"{w['width']}x{w['height']}" + (f"x{w['frames']}" if w["frames"] > 1 else "")
-    cfg = ", CFG" if w["batch"] > 1 else ""
     return (
-        f"{TITLES.get(model['name'], model['name'])} {shape}{cfg}\n{model['block_bytes'] / 1e9:.1f} GB in "
-        f"{model['num_blocks']} blocks; {model['bound']}-bound: {model['bound_s'] * 1e3:.0f} ms"
-    )
-
-
-def _finding(reports: list[dict]) -> str:
-    parts = []
-    for r in reports:
-        ratio = {v["variant"]: v["ratio_to_bound"] for v in _timed(r)}
-        ours = ratio.get("ours-rank-local")
-        if ours is None:
-            continue
-        text = f"{TITLES.get(r['model']['name'], r['model']['name'])}: ours {ours:.3f}x the bound"
-        if "diffusers-block" in ratio:
-            text += f", diffusers {ratio['diffusers-block']:.2f}x"
-        parts.append(text)
-    same = all(v.get("equal_to_resident") is not False for r in reports for v in _timed(r))
-    device = reports[0]["machine"].get("device_name", reports[0]["machine"].get("platform", "?"))
-    return (
-        f"One forward on {device}, random weights at the published configs: "
-        + "; ".join(parts)
-        + ("; every output byte-identical to resident" if same else "; NOT every output equals resident")
+        f"{panel_title(model)}: {model['block_bytes'] / 1e9:.1f} GB, {model['num_blocks']} blocks, "
+        f"bound {model['bound_s'] * 1e3:.0f} ms ({model['bound']})"
     )
 
 
 def plot_bench_real(reports: list[dict], out_dir: pathlib.Path, name: str = "fig_bench_real") -> list[pathlib.Path]:
+    """One row per model (legible at the README's width): a bar per variant, forward time over the bound."""
     import matplotlib.pyplot as plt
 
     out_dir = pathlib.Path(out_dir)
     paths = [write_csv(out_dir / "data" / f"{name}.csv", real_rows(reports), FIELDS)]
+    heights = [len(timed(r)) + 1.6 for r in reports]  # one unit per bar, plus the title and the axis
     with figure_style():
-        fig, axes = plt.subplots(1, len(reports), figsize=(5.4 * len(reports), 3.8), squeeze=False)
-        for ax, r in zip(axes[0], reports):
-            rows = _timed(r)
+        fig, axes = plt.subplots(
+            len(reports),
+            1,
+            figsize=(7.6, 0.24 * sum(heights) + 0.5),
+            sharex=True,
+            squeeze=False,
+            gridspec_kw={"height_ratios": heights},
+        )
+        for ax, r in zip(axes[:, 0], reports):
+            rows = timed(r)
             values = [min(v["ratio_to_bound"], X_MAX) for v in rows]
             y = list(range(len(rows)))
-            ax.barh(y, values, color=[_color(v["variant"]) for v in rows])
+            ax.barh(y, values, color=[_color(v["variant"]) for v in rows], height=0.75)
             for i, v in enumerate(rows):
                 mark = "" if v.get("equal_to_resident") is not False else "  (differs!)"
-                ax.text(
-                    values[i],
-                    i,
-                    f" {v['ratio_to_bound']:.3f}x, {v['forward_s'] * 1e3:.0f} ms{mark}",
-                    va="center",
-                    fontsize=7.5,
-                )
+                ax.text(values[i], i, f" {v['ratio_to_bound']:.3f}x, {v['forward_s'] * 1e3:.0f} ms{mark}", va="center")
             ax.axvline(1.0, color="black", lw=1)
-            ax.axvline(1.01, color="black", lw=0.8, ls="--")
             ax.set_yticks(y, [LABELS.get(v["variant"], v["variant"]) for v in rows])
-            ax.invert_yaxis()
+            ax.set_ylim(len(rows) - 0.5, -0.5)
             ax.set_xlim(0, X_MAX * 1.45)
-            ax.set_title(_panel_title(r["model"]), fontsize=9)
-            ax.set_xlabel("forward time / bound  (dashed: +1%)")
-        fig.suptitle(textwrap.fill(_finding(reports), width=int(14 * fig.get_figwidth())), fontsize=9)
+            ax.set_title(_panel_title(r["model"]), loc="left", fontsize=9)
+        axes[-1, 0].set_xlabel("forward time / bound (bound: max(resident forward, block bytes / pinned copy rate))")
+        device = reports[0]["machine"].get("device_name", "?")
+        fig.suptitle(f"One forward per offload variant, one {device}, random weights at the published configs")
         fig.tight_layout()
         paths.insert(0, save_png(fig, out_dir / f"{name}.png"))
     return paths

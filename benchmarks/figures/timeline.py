@@ -31,6 +31,7 @@ __all__ = [
     "draw_gantt",
     "plot_three_streams",
     "plot_overlay",
+    "plot_beside",
     "fig_timeline_three_streams",
     "fig_timeline_animation",
     "fig_timeline_measured_vs_predicted",
@@ -177,6 +178,27 @@ def plot_overlay(measured: Timeline, predicted: Timeline, *, title: str | None =
             frameon=False,
         )
         ax.set_title(title or "Measured vs predicted (same schedule, median duration per op kind)", loc="left")
+        fig.tight_layout()
+    return fig
+
+
+def plot_beside(measured: Timeline, predicted: Timeline, *, title: str | None = None):
+    """The measured Timeline (top) and ``predicted``, the simulator's of the same schedule (bottom), each from its
+    own first op on one shared time axis, ops labelled by block; returns the matplotlib Figure (not saved: a live
+    measurement varies run to run)."""
+    import matplotlib.pyplot as plt
+
+    with figure_style():
+        fig, axes = plt.subplots(2, 1, figsize=(10, 4.4), sharex=True)
+        for ax, tl, what in ((axes[0], measured, "measured"), (axes[1], predicted, "simulated")):
+            draw_gantt(ax, tl.shifted(tl.start_s))
+            ax.set_title(f"{what}: {1e3 * tl.makespan_s:.1f} ms", loc="left", fontsize=9)
+        end_ms = 1e3 * max(measured.makespan_s, predicted.makespan_s)
+        axes[1].set_xlim(0, end_ms * 1.01)
+        axes[0].set_xlabel("")
+        axes[1].set_xlabel("time from the run's first op (ms)")
+        if title:
+            fig.suptitle(title, fontsize=10)
         fig.tight_layout()
     return fig
 

@@ -1,5 +1,5 @@
 """FP8 shards in numbers: the plan's bytes, the quantised schedule simulated on measured H200 inputs, and the
-output error measured on the reference DiT (notebook 03, docs/measurements.md).
+output error measured on the reference DiT (notebook 11, docs/measurements.md).
 
 * :func:`byte_rows` - one model's plan at ``W = 1`` (rank-local, ``S`` slots) in BF16 and with FP8 shards: a block
   as stored (FP8 weights, their scales, what stays as it is) against the block as computed, and what the host,

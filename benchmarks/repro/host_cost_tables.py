@@ -1,4 +1,4 @@
-"""Notebook 11's tables: the host's work per offloaded block, the reference's (published, Ascend) against ours.
+"""Notebook 05's host-cost tables: the work per offloaded block, the reference's (published, Ascend) against ours.
 
 * :func:`published_rows` - the reference's AllGather overhead per step (Nano DP4, 72 blocks) and per block;
 * :func:`planned_stream_ops` / :func:`planned_rows` - the stream operations per block the executor issues for a
@@ -106,7 +106,7 @@ def torch_path_rows(*reports: dict[str, Any]) -> list[dict[str, object]]:
             if name.startswith("dlo-") and "proxy_host_us_per_block" in r and "graph" not in name:
                 rows.append(
                     {
-                        "run": f"{report['config']} {report['date'][:10]}",
+                        "bench config": report["config"],
                         "variant": name,
                         "executor_us_per_block": f"{r['proxy_host_us_per_block']:.1f}",
                         "stream_ops_per_block": f"{ops[name]:.3f}" if name in ops else "-",
@@ -152,7 +152,7 @@ def block_graph_host_rows(*reports: dict[str, Any]) -> list[dict[str, object]]:
         if row is not None:
             rows.append(
                 {
-                    "run": f"{rep['config']} {rep['date'][:10]}",
+                    "bench config": rep["config"],
                     "variant": "block graphs",
                     "executor_us_per_block": f"{row['proxy_host_us_per_block']:.1f}",
                 }

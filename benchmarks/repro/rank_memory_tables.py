@@ -1,4 +1,4 @@
-"""Per-rank host rows for notebooks 04 and 12: published (where the seed has a per-rank number), predicted by
+"""Per-rank host rows for notebook 04: published (where the seed has a per-rank number), predicted by
 :mod:`dlo_fn.cost.rank_memory`, measured (``figures/data/load_phases*.csv``)."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
   from a pre-quantised checkpoint), and the output's error against the resident one;
 * :func:`pipeline_rows` - a full FLUX.1-dev request (28 steps) with the transformer resident, offloaded, and FP8;
 * :func:`ready_rows` - time to ready, one rank and W gloo ranks sharing the H200, 4 KiB and 2 MiB arena pages;
-* :func:`core_rows` - the runtime before its core was reduced (the driver-call issuer, step graphs) and after, each
-  pair measured side by side in one device call: step time / bound of the default variant, and on FLUX.1-dev.
+* :func:`core_rows` - the runtime core (after) against a heavier one (before: the driver-call issuer, step graphs),
+  each pair measured side by side: step time / bound of the default variant, and on FLUX.1-dev.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def pipeline_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
 def ready_rows() -> list[dict[str, str]]:
     """FLUX.1-dev's time to ready per set-up: one rank alone (the bench's own process) and each of W gloo ranks
     sharing the H200 (allgather; the slowest rank), with the CUDA arena in 4 KiB pages locked after the copy
-    (``REAL_FILE``), and in one device call in 2 MiB pages locked after the copy (``READY_AFTER_FILE``) and range by
+    (``REAL_FILE``), and, one after the other, in 2 MiB pages locked after the copy (``READY_AFTER_FILE``) and range by
     range during it (``READY_FILE``, the store as it is), against the host's floor for the same bytes with either
     page size, measured in the same run (for W ranks: by each rank after its set-up, every rank at once). The warm-up
     all-gather moves a byte per rank; the first forward of W ranks is gloo's (every all-gather of device tensors

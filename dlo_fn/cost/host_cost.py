@@ -3,7 +3,7 @@ host-cost model for load groups; pure.
 
 :func:`planned_stream_ops` counts, for a schedule, the stream operations per compute the executor issues
 (``runtime.issue``: waits, copies, records; the executor counts the same in ``ExecutorStats``, tests/test_executor.py,
-tests/test_executor_dist.py and notebook 11). :func:`steady_schedule` is the ring's schedule of a pass after the
+tests/test_executor_dist.py and notebook 05). :func:`steady_schedule` is the ring's schedule of a pass after the
 first.
 
 :func:`host_scale` is the policy's model of how the host work per block changes with load groups: of the host
