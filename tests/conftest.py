@@ -181,6 +181,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "context_parallel": ("test_context_parallel", "_rank", ()),
         "quant": ("test_quant", "quant_rank", (FixtureArg("tiny_checkpoint"),)),
         "quantize": ("test_quantize", "quantize_rank", (FixtureArg("quantized_tiny"),)),
+        "offload_ready": ("test_offload_ready", "_rank", (FixtureArg("tiny_checkpoint"),)),
     },
     3: {
         "models_sp": ("test_models_sp", "_rank", ()),
