@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.dlo_fn-installed
 NB_SANITIZE = notebooks/sanitize.cfg
 
-.PHONY: setup lint test test-py test-nb reproduce demo notebooks figures clean
+.PHONY: setup lint test test-py test-gpu test-nb reproduce demo notebooks figures clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ lint: $(STAMP)
 
 test-py: $(STAMP)
 	$(PY) -m pytest tests
+
+# Every test marked cuda, on a machine with a CUDA device (they are skipped elsewhere).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m cuda tests
 
 test-nb: $(STAMP)
 	$(PY) -m pytest --nbval --nbval-sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 
+@pytest.mark.cuda(cpu=True)
 def test_allgather_host_bench_runs_two_ranks_and_splits_the_collective_off():
     # Two gloo ranks, each block sharded over both, at load groups 1 and 2 (the grouped layout): outputs equal to
     # resident on both ranks, the executor's own time its host time less the time inside the collective calls,

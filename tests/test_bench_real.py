@@ -293,3 +293,36 @@ def test_figure_from_the_report_is_deterministic(report, tmp_path):
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(first, second))
     timed = [v for v in report["model"]["variants"] if v.get("forward_s") and not v["variant"].startswith("ours-fp8")]
     assert len(real_rows(found)) == 2 * len(timed) + 1
+
+
+def test_adapter_rows(tmp_path):
+    """ours-lora(-fp8): adapters loaded, switched and removed after offload; the forward with the adapter equals
+    the resident model's with it (resident-lora), which differs from the resident model's without."""
+    args = _args(tmp_path, "--models", "flux", "--variants", "ours-lora,ours-lora-fp8")
+    assert args.func(args) == 0
+    rows = {v["variant"]: v for v in json.loads((tmp_path / "real_flux.json").read_text())["model"]["variants"]}
+    assert list(rows) == ["resident", "resident-lora", "ours-lora", "ours-lora-fp8"]
+    assert rows["resident-lora"]["sha256"] != rows["resident"]["sha256"]
+    assert rows["ours-lora"]["sha256"] == rows["resident-lora"]["sha256"]
+    for name in ("ours-lora", "ours-lora-fp8"):
+        v = rows[name]
+        assert v["status"] == "ok" and v["equal_to_resident"] is True and v["adapter_rank"] == 4, v
+        assert len(v["adapter_load_s_all"]) == 2 and len(v["adapter_switch_s_all"]) == 4 and v["adapter_unload_s"] > 0
+        assert v["pinned_bytes_after_adapters"] == v["pinned_bytes_before_adapters"] and v["ratio_to_bound"] > 0
+
+
+@pytest.mark.slow
+def test_budget_variants_equal_resident(tmp_path):
+    """The HBM-budget rows (BF16 and FP8) and accelerate's device map: on the quick configs every budget holds
+    the whole model, so ours runs resident (nothing pinned) and equals resident (FP8: the fake-quantised one)."""
+    names = "ours-hbm-12GB,ours-fp8-hbm-6GB,accelerate-16GiB"
+    args = _args(tmp_path, "--models", "flux", "--variants", names)
+    assert args.func(args) == 0
+    rows = {v["variant"]: v for v in json.loads((tmp_path / "real_flux.json").read_text())["model"]["variants"]}
+    for name in names.split(","):
+        assert rows[name]["status"] == "ok" and rows[name]["equal_to_resident"] is True, rows[name]
+    for name in ("ours-hbm-12GB", "ours-fp8-hbm-6GB"):
+        row = rows[name]
+        assert row["resident_blocks"] == row["num_blocks"] == 5 and row["pinned_bytes"] == 0 and row["num_slots"] == 0
+    assert rows["ours-hbm-12GB"]["sha256"] == rows["resident"]["sha256"] != rows["ours-fp8-hbm-6GB"]["sha256"]
+    assert rows["accelerate-16GiB"]["weight_device_bytes"] > 0

@@ -17,7 +17,7 @@ from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
 from tests.test_executor import ToyBlock, toy
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.cuda
 
 
 def _ctx() -> DistContext:

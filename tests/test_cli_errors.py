@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dlo_fn.cli import UsageError, main
 from dlo_fn.cli.make_checkpoint import SIZES_BF16_BYTES, config_names
@@ -34,6 +35,7 @@ def _one_line(capsys, argv, code=2) -> str:
     [
         (["--model", "nano2"], ["--model nano2", "neither a named config"]),
         (["--model", "tiny", "--shard-world", "0"], ["--shard-world 0", ">= 1"]),
+        (["--model", "tiny", "--num-shards", "-2"], ["--num-shards -2", ">= 1"]),
         (["--model", "tiny", "--alignment", "100"], ["--alignment 100", "power of two"]),
         (["--model", "tiny", "--landing", "0"], ["--landing 0"]),
     ],
@@ -149,6 +151,45 @@ def test_generate_prompts_file_mistakes(capsys, checkpoint, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()  # one line per bad line, each naming FILE:LINE
     assert [e.split(": ")[2] for e in err] == [f"--prompts {bad}:1", f"--prompts {bad}:2"]
     assert "height=33" in err[1]
+
+
+def test_messages_point_to_what_was_typed_and_what_to_do(capsys, checkpoint, tmp_path):
+    line = _one_line(capsys, _generate(checkpoint, tmp_path, "--prompts", str(tmp_path)))
+    assert f"--prompts {tmp_path}: {tmp_path} is a directory: give the prompts file in it" in line
+    no_prompt = tmp_path / "seed_only.jsonl"
+    no_prompt.write_text('# a request\n{"seed": 1}\n')
+    line = _one_line(capsys, _generate(checkpoint, tmp_path, "--prompts", str(no_prompt)))
+    assert f'{no_prompt}:2: no "prompt" field: every request needs one' in line and "__init__" not in line
+    text = tmp_path / "afile.txt"
+    text.write_text("1xH200\n")
+    line = _one_line(capsys, ["policy", "--topology", str(text)])
+    assert f"--topology {text}: not JSON" in line and "unknown topology" not in line
+    line = _one_line(capsys, ["plan", "--model", f"{checkpoint}/config.json"])
+    assert f"pass the folder that holds the checkpoint, {checkpoint}" in line
+    assert main(["policy", "--model", "tiny", "--topology", "1xH200", "--limit", "1"]) == 0
+    capsys.readouterr()
+    # A checkpoint the CLI cannot build: it says what the CLI takes, and the Python call for the rest.
+    import shutil
+
+    other = tmp_path / "llama"
+    shutil.copytree(checkpoint, other)
+    (other / "config.json").write_text('{"model_type": "llama"}')
+    line = _one_line(capsys, ["quantize", str(other), str(tmp_path / "q"), "--no-progress"])
+    assert "the command line takes those only; from Python pass model_or_factory=" in line
+    # plan plans it from its headers, and says on stderr that generate cannot run it, as generate then says.
+    assert main(["plan", "--model", str(other)]) == 0
+    (note,) = capsys.readouterr().err.strip().splitlines()
+    assert note.startswith(f"dlo_fn plan: note: generate cannot run --model {other} (") and "llama" in note
+    assert "model_type is 'llama'" in _one_line(capsys, _generate(str(other), tmp_path, "--prompt", "x"))
+
+
+def test_plan_without_block_lists_names_the_flag(capsys, tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "flat").mkdir()
+    save_file({"a.weight": torch.zeros(4, 4)}, str(tmp_path / "flat" / "model.safetensors"))
+    line = _one_line(capsys, ["plan", "--model", str(tmp_path / "flat")])
+    assert "name its block lists (plan --block-paths a,b; Python: block_paths=)" in line
 
 
 def test_make_checkpoint_mistakes(capsys, tmp_path):

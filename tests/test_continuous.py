@@ -15,6 +15,7 @@ import torch
 from conftest import engine_options, mixed_request, mixed_requests
 
 from dlo_fn.runtime.dist import init_distributed
+from dlo_fn.runtime.platform import platform_for
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
 from dlo_fn.serve.engine import Engine
 from dlo_fn.serve.local import Phase, open_model, serve_local
@@ -49,7 +50,7 @@ def _check_bytes(report, mixed_expected, skip=()):
 
 @pytest.mark.parametrize("mode, r", [("allgather", 1), ("allgather", 3), ("resident", 2)])
 def test_one_rank_continuous_is_bit_identical(checkpoint, mixed_expected, mode, r):
-    model, off = open_model(checkpoint, init_distributed(), mode)
+    model, off = open_model(checkpoint, init_distributed(platform_for("cpu")), mode)
     report = Engine(model, off, off.ctx, _options(requests_per_rank=r)).serve(SUBS)
     assert report.serving == "continuous" and report.waves == ()
     _check_bytes(report, mixed_expected)
@@ -191,3 +192,35 @@ def test_generate_cli_serves_continuously_on_two_ranks(checkpoint, mixed_expecte
     assert "empty prompts are rejected" in rows.pop("req0004")["error"]
     assert {i: r["sha256"] for i, r in rows.items()} == {i: e.sha256 for i, e in mixed_expected.items()}
     assert {r["serving"] for r in rows.values()} == {"continuous"} and {r["rank"] for r in rows.values()} == {0, 1}
+
+
+def _two_plain_processes(checkpoint, out, fault: dict) -> list:
+    """``generate`` on 2 ranks started as plain processes (env:// rendezvous, as two nodes' agents would start
+    them; torchrun on one node would SIGTERM the follower when rank 0 exits): each rank's (exit code, stderr)."""
+    from dlo_fn.runtime.dist import free_port
+
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "dlo_fn", "generate", "--checkpoint", checkpoint, "--out", str(out), "--timeout", "3"]
+    cmd += ["--steps", "3", "--height", "32", "--width", "32", "--frames", "5", "--prompt", "a", "--prompt", "b"]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DLO_FN_FAULT=json.dumps(fault), DLO_FN_PLATFORM="cpu")
+        env.update(OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+    return [(p.wait(timeout=150), p.stderr.read()) for p in procs]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "fault",
+    [{"rank": 0, "kind": "exit", "step": 1}, {"rank": 1, "kind": "stall", "step": 1, "stall_s": 20}],
+    ids=["rank-0-dies", "follower-wakes-late"],
+)
+def test_a_follower_that_loses_rank_zero_says_so_in_one_line(checkpoint, tmp_path, fault):
+    (_, _), (code, err) = _two_plain_processes(checkpoint, tmp_path / "out", fault)
+    ours = [line for line in err.splitlines() if line.startswith("dlo_fn generate: error:")]
+    assert code == 1 and len(ours) == 1 and "Traceback" not in err, err[-3000:]
+    assert ours[0].startswith("dlo_fn generate: error: rank 1: lost rank 0 (no recovery plan from it within "), ours
+    assert "rank 0 died, or it went on and ended without this rank, which stalled past --timeout" in ours[0]

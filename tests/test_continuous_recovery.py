@@ -11,6 +11,7 @@ from conftest import engine_options, mixed_request, mixed_requests
 
 from dlo_fn.models import generate
 from dlo_fn.runtime.dist import init_distributed
+from dlo_fn.runtime.platform import platform_for
 from dlo_fn.serve.batch import FAULT_EXIT_CODE, Fault
 from dlo_fn.serve.local import Phase, _reopen, open_model, serve_local
 from dlo_fn.serve.recover import RecoveryPlan, post_plan, rank_local_replica, reloader, wait_plan
@@ -41,7 +42,7 @@ def _check(report, mixed_expected, lost: dict[str, str]):
 
 
 def test_rank_local_replica_is_bit_identical(checkpoint, mixed_expected):
-    model, off = open_model(checkpoint, init_distributed(), "allgather")
+    model, off = open_model(checkpoint, init_distributed(platform_for("cpu")), "allgather")
     rank_local_replica(off, reloader(lambda: _reopen(checkpoint)))
     assert off.mode == "rank-local" and off.executor.mode == "rank-local" and off.store.how == "mmap"
     assert off.executor.num_landing == 0

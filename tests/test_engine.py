@@ -169,3 +169,18 @@ def test_stream_bounded_wait_fills_waves_then_gives_up(checkpoint, reference):
         assert res.ok == (req is not None)
         if req is not None:
             assert res.sha256 == reference(req).sha256
+
+
+@pytest.mark.parametrize("mode", ["allgather", "rank-local"])
+def test_engine_with_an_hbm_budget_is_bit_identical(checkpoint, reference, mode):
+    """The ring's minimum plus one block: one block resident, the rest streamed, R = 2 requests per load."""
+    _, plain = open_model(checkpoint, init_distributed(), mode)
+    budget = plain.device_weight_bytes + max(plain.spec.block_bytes)
+    model, off = open_model(checkpoint, init_distributed(), mode, hbm_budget=budget)
+    assert len(off.resident_blocks) == 1 and off.device_weight_bytes <= budget
+    engine = Engine(model, off, off.ctx, EngineOptions(progress=False, serving="strict", requests_per_rank=2))
+    reqs = [_req(seed=1), _req("a cat", seed=4), _req(seed=3, guidance_scale=1.0)]
+    for req, res in zip(reqs, engine.serve(reqs).results):
+        ref = reference(req)
+        assert res.ok, res.error
+        assert torch.equal(res.video, ref.video) and res.sha256 == ref.sha256

@@ -21,6 +21,7 @@ from conftest import scenario
 from dlo_fn.models import CONFIGS, Request, generate
 from dlo_fn.models.sp import sp_of
 from dlo_fn.runtime.dist import DistContext, init_distributed
+from dlo_fn.runtime.platform import platform_for
 from dlo_fn.serve.batch import Fault
 from dlo_fn.serve.local import Phase, open_model, serve_local
 from dlo_fn.serve.requests import EngineOptions, as_submissions
@@ -41,7 +42,7 @@ def _cases(dp: int, sp: int) -> tuple[tuple[str, str], ...]:
 
 @pytest.fixture(scope="module")
 def expected(six_heads):
-    model, _ = open_model(six_heads, init_distributed(), "resident")
+    model, _ = open_model(six_heads, init_distributed(platform_for("cpu")), "resident")
     return [generate(model, r) for r in REQUESTS]
 
 
@@ -101,7 +102,7 @@ def test_fp8_shards_on_a_mesh_and_both_servings_equal_fake_quantised(request, si
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.runtime.quant import fake_quantize
 
-    model, _ = open_model(six_heads, init_distributed(), "resident")
+    model, _ = open_model(six_heads, init_distributed(platform_for("cpu")), "resident")
     fake_quantize(model, BLOCK_PATHS)
     want = [generate(model, r) for r in REQUESTS]
     results = [pickle.loads(r) for r in scenario(request, 4, "engine_mesh_fp8")]

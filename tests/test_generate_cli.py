@@ -30,6 +30,7 @@ def test_all_modes_write_the_same_hashes(checkpoint, resident_rows, tmp_path):
     # Continuous (the default): fox | owl, then the third takes rank 0 at the fox's end.
     assert [r["rank"] for r in allgather] == [0, 1, 0] and {r["serving"] for r in allgather} == {"continuous"}
     steps = [json.loads(line) for line in (tmp_path / "ag" / "steps.jsonl").read_text().splitlines()]
+    assert not (tmp_path / "ag" / "waves.jsonl").exists()  # continuous serving has ring steps, no waves
     held = [ids for k in steps for ids in k["ranks"]]
     assert (
         {i for ids in held for i in ids} == {r["id"] for r in allgather}
@@ -56,6 +57,10 @@ def test_mode_flags_and_options():
     opts = options_from_args(parser.parse_args(base + ["--slots", "3", "--trace", "t.json"]))
     assert opts.num_slots == 3 and opts.record_timeline and opts.mode == "allgather"
     assert options_from_args(parser.parse_args(base + ["--shard-group", "dp"])).shard_group == "dp"
+    assert options_from_args(parser.parse_args(base + ["--hbm-budget", "12GiB"])).hbm_budget == 12 * 2**30
+    assert options_from_args(parser.parse_args(base)).hbm_budget is None
+    with pytest.raises(UsageError, match="^generate: --hbm-budget: cannot read 'much'"):
+        options_from_args(parser.parse_args(base + ["--hbm-budget", "much"]))
 
 
 @pytest.mark.slow
@@ -178,3 +183,7 @@ def test_continuous_serving_shows_a_bar_on_a_terminal_and_none_in_a_log(checkpoi
     )
     assert logged.returncode == 0 and "ring step 0: req0000 starts" in logged.stderr
     assert "serving:" not in logged.stderr and "request/s" not in logged.stderr, logged.stderr[-2000:]
+    # Log lines in words and units: no raw dicts of float seconds or bare byte counts.
+    assert "{'" not in logged.stderr and "_s'" not in logged.stderr, logged.stderr[-2000:]
+    assert re.search(r"host store: rank 0, [\d.]+ kB \(pageable\), .* filled in [\d.]+ ms", logged.stderr)
+    assert re.search(r"offload VideoDiT: allgather, 4 blocks, .* device weights [\d.]+ kB on cpu", logged.stderr)

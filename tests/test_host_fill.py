@@ -1,6 +1,6 @@
-"""The host store's fill on several threads (dlo_fn.runtime.host_fill.fill_arena): the same bytes as one thread,
-every piece copied once from one call of its source, gaps zeroed over dirty memory, the phases timed, and each
-range handed over (to be locked) as soon as it is whole."""
+"""The start-up fill plug-in (dlo_fn.runtime.cuda.host_fill: ParallelFill, fill_arena) on several threads: the same
+bytes as the core's one-thread fill, every piece copied once from one call of its source, gaps zeroed over dirty
+memory, the phases timed, and each range handed over (to be locked) as soon as it is whole."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
-from dlo_fn.runtime.host_fill import fill_arena
+from dlo_fn.runtime.cuda.host_fill import ParallelFill, fill_arena
 from dlo_fn.runtime.host_store import build_host_store, tensor_bytes
 from dlo_fn.runtime.platform import platform_for
 
@@ -41,15 +41,16 @@ def test_threads_fill_the_same_bytes_as_one_thread(world, group):
     spec, tensors = _model(6)
     layout = model_layout(spec, world, load_group=group)
     for rank in range(world):
-        one = build_host_store(layout, rank, tensors, CPU, threads=1)
-        many = build_host_store(layout, rank, tensors, CPU, threads=4)
-        assert torch.equal(one.arena, many.arena)
-        assert many.timings["threads"] == 4 and one.timings["threads"] == 1
-        assert sorted(many.copied_ranges) == sorted(one.copied_ranges)
+        plain = build_host_store(layout, rank, tensors, CPU)
+        one = build_host_store(layout, rank, tensors, CPU, fill=ParallelFill(threads=1))
+        many = build_host_store(layout, rank, tensors, CPU, fill=ParallelFill(threads=4))
+        assert torch.equal(one.arena, many.arena) and torch.equal(plain.arena, many.arena)
+        assert many.timings["threads"] == 4 and one.timings["threads"] == 1 == plain.timings["threads"]
+        assert sorted(many.copied_ranges) == sorted(one.copied_ranges) == sorted(plain.copied_ranges)
         assert sum(b - a for a, b in many.copied_ranges) == sum(p.nbytes for s in layout.shards for p in s.pieces[rank])
     # And the bytes are the tensors' (W = 1: each block's shard is the block, padded).
     if world == 1:
-        store = build_host_store(layout, 0, tensors, CPU, threads=4)
+        store = build_host_store(layout, 0, tensors, CPU, fill=ParallelFill(threads=4))
         for b, shard in enumerate(layout.shards):
             flat = store.shard(b)
             for p in shard.block.placements:
@@ -89,42 +90,49 @@ def test_fill_arena_zeroes_gaps_over_dirty_memory_and_calls_each_source_once():
 def test_a_bad_tensor_fails_from_a_worker_thread_with_its_name():
     spec, tensors = _model(4)
     tensors[2] = dict(tensors[2], **{"b.weight": torch.zeros(3, 3, dtype=torch.bfloat16)})
-    with pytest.raises(ValueError, match=r"blocks.2: tensor 'b.weight'.*layout says"):
-        build_host_store(model_layout(spec, 1), 0, tensors, CPU, threads=4)
+    for fill in (None, ParallelFill(threads=4)):
+        with pytest.raises(ValueError, match=r"blocks.2: tensor 'b.weight'.*layout says"):
+            build_host_store(model_layout(spec, 1), 0, tensors, CPU, fill=fill)
     with pytest.raises(ValueError, match="threads must be >= 1"):
-        build_host_store(model_layout(spec, 1), 0, tensors, CPU, threads=0)
+        build_host_store(model_layout(spec, 1), 0, tensors, CPU, fill=ParallelFill(threads=0))
 
 
 def test_small_arenas_fill_on_one_thread_by_default():
     """Below 256 MiB threads would cost more (their stacks and malloc arenas stay in the process's anonymous
     memory, which `bench mesh-host` checks to the page) than they save."""
     spec, tensors = _model(4)
-    assert build_host_store(model_layout(spec, 1), 0, tensors, CPU).timings["threads"] == 1
+    assert build_host_store(model_layout(spec, 1), 0, tensors, CPU, fill=ParallelFill()).timings["threads"] == 1
 
 
 def test_timings_add_up():
     spec, tensors = _model(4)
-    t = build_host_store(model_layout(spec, 1), 0, tensors, CPU, threads=2).timings
-    assert t["pin_s"] == 0.0 and min(t["alloc_s"], t["zero_s"]) >= 0 and t["copy_s"] > 0 and t["threads"] == 2
-    assert t["total_s"] == pytest.approx(t["alloc_s"] + t["copy_s"] + t["zero_s"])
+    for fill, threads in ((ParallelFill(threads=2), 2), (None, 1)):
+        t = build_host_store(model_layout(spec, 1), 0, tensors, CPU, fill=fill).timings
+        assert t["pin_s"] == 0.0 and min(t["alloc_s"], t["zero_s"]) >= 0 and t["copy_s"] > 0
+        assert t["threads"] == threads and t["total_s"] == pytest.approx(t["alloc_s"] + t["copy_s"] + t["zero_s"])
     assert build_host_store(model_layout(spec, 1), 0, tensors, CPU, source="mmap").timings is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_arena_is_filled_then_registered():
-    """On CUDA the arena is filled pageable on several threads and registered after: the same bytes as a store
-    built on the CPU, pinned exactly, and an H2D from it lands them."""
+    """On CUDA the plug-in's arena is filled pageable on several threads and registered after, the core's registered
+    first and filled on one thread: the same bytes as a store built on the CPU, pinned exactly, and an H2D from it
+    lands them."""
     spec, tensors = _model(6)
     layout = model_layout(spec, 2)
     for rank in range(2):
-        cpu = build_host_store(layout, rank, tensors, CPU, threads=1)
-        cuda = build_host_store(layout, rank, tensors, platform_for("cuda", 0), threads=4)
+        cpu = build_host_store(layout, rank, tensors, CPU)
+        cuda = build_host_store(layout, rank, tensors, platform_for("cuda", 0), fill=ParallelFill(threads=4))
+        core = build_host_store(layout, rank, tensors, platform_for("cuda", 0))
         assert cuda.how == "cudaHostRegister" and cuda.arena.is_pinned() and cuda.timings["pin_s"] > 0
         assert cuda.timings["threads"] == 4 and torch.equal(cpu.arena, cuda.arena)
-        dev = cuda.shard(1).to("cuda", non_blocking=True)
-        torch.cuda.synchronize()
-        assert torch.equal(dev.cpu(), cpu.shard(1))
-        cuda.close()
+        assert core.how == "cudaHostRegister" and core.arena.is_pinned() and core.timings["pin_s"] == 0.0
+        assert core.timings["threads"] == 1 and torch.equal(cpu.arena, core.arena)
+        for store in (cuda, core):
+            dev = store.shard(1).to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(dev.cpu(), cpu.shard(1))
+            store.close()
 
 
 @pytest.mark.parametrize("threads", [1, 4])
@@ -156,7 +164,7 @@ def test_each_range_is_handed_over_once_as_soon_as_its_pieces_and_gaps_are_in(th
 
 
 def test_registration_ranges_end_at_block_starts_after_at_least_their_size(monkeypatch):
-    from dlo_fn.runtime import host_fill
+    from dlo_fn.runtime.cuda import host_fill
 
     spec = ModelSpec(
         "m", tuple(BlockSpec(f"blocks.{b}", (TensorSpec("w", (64, 64), torch.float32),)) for b in range(6))
@@ -171,3 +179,17 @@ def test_registration_ranges_end_at_block_starts_after_at_least_their_size(monke
         assert bounds[-1] == n and all(b in starts for b in bounds[:-1]), (group, bounds)
         assert all(hi - lo >= 2 * block_bytes for lo, hi in zip([0, *bounds], bounds[:-1])), (group, bounds)
         assert host_fill.pin_bounds(layout, 2, layout.shard_offsets[2])[-1] == layout.shard_offsets[2]
+
+
+def test_offload_chooses_the_fill_from_its_options():
+    """``host_fill``: "auto" is the core's fill off CUDA, "parallel" the plug-in with this host's ranks, "plain" the
+    core's; anything else is one line naming the option."""
+    from dlo_fn.runtime.dist import DistContext
+    from dlo_fn.runtime.offload import _filler
+    from dlo_fn.runtime.options import OffloadOptions
+
+    ctx = DistContext(0, 1, 0, CPU, None)
+    assert _filler(OffloadOptions(), ctx) is None and _filler(OffloadOptions(host_fill="plain"), ctx) is None
+    assert _filler(OffloadOptions(host_fill="parallel"), ctx) == ParallelFill(local_ranks=1)
+    with pytest.raises(ValueError, match="host_fill must be one of 'auto', 'parallel', 'plain'; got 'fast'"):
+        OffloadOptions(host_fill="fast")

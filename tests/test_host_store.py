@@ -134,7 +134,7 @@ def test_alloc_host_is_exact_size():
         assert buf.numel() == n and buf.untyped_storage().nbytes() == n and how == "pageable"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_arena_is_pinned_exactly_by_host_register():
     cuda = platform_for("cuda", 0)
     n = (1 << 30) + 12345  # a caching-allocator pin would round this to 2 GiB
@@ -155,7 +155,7 @@ def test_cuda_arena_is_pinned_exactly_by_host_register():
     fin()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_registration_is_undone_when_the_buffer_is_collected():
     """Without close(): dropping the last reference unlocks the pages (the finalizer must not keep them)."""
     import gc
@@ -190,7 +190,7 @@ def _anon_huge_kb(addr: int) -> int:
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_huge_page_buffer_is_zeroed_private_memory_in_2mib_pages_where_the_kernel_gives_them():
-    from dlo_fn.runtime.host_fill import huge_page_buffer
+    from dlo_fn.runtime.cuda.host_fill import huge_page_buffer
 
     n = 16 << 20
     buf = huge_page_buffer(n)
@@ -203,18 +203,18 @@ def test_huge_page_buffer_is_zeroed_private_memory_in_2mib_pages_where_the_kerne
     assert huge_kb > 0 if mode in ("always", "madvise") else huge_kb == 0, (mode, huge_kb)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_a_cuda_arena_locked_range_by_range_is_pinned_and_unlocked_with_its_store(monkeypatch):
     """Several registrations (small ranges): every H2D reads pinned pages, the bytes are the model's, and close()
     unlocks every range."""
     import ctypes
 
-    from dlo_fn.runtime import host_fill
+    from dlo_fn.runtime.cuda import host_fill
 
     spec, tensors = _model([[((256, 256), torch.float32), ((7,), torch.bfloat16)]] * 5)
     layout = model_layout(spec, 1)
     monkeypatch.setattr(host_fill, "PIN_RANGE_BYTES", 1)  # a range per block
-    store = build_host_store(layout, 0, tensors, platform_for("cuda", 0))
+    store = build_host_store(layout, 0, tensors, platform_for("cuda", 0), fill=host_fill.ParallelFill())
     flags, libcuda = ctypes.c_uint(0), ctypes.CDLL("libcuda.so.1")
 
     def locked(b: int) -> bool:  # the driver knows flags for a registered range's first page

@@ -1,6 +1,7 @@
 """What a user pays for at import: the README's API (``offload``, ``load_model``, ``init_distributed``) loads the
 plan, the runtime core and checkpoint I/O, not the reference model, the analytic models (loaded when
-``mode="auto"`` or a planner command asks), the serving engine, the plug-ins or the lab. Run in a fresh
+``mode="auto"`` or a planner command asks), the FP8 modules (loaded when quantisation is asked for or a quantised
+checkpoint is loaded), the serving engine, the plug-ins or the lab. Run in a fresh
 interpreter, so other tests' imports do not count."""
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import sys
 
 import pytest
 
-# The README's API in lines of dlo_fn source (physical lines in the formatter's layout): the budget asked for was
-# 5,000 lines counted before `ruff format`, which grew the package by 20% (29,398 -> 35,348 lines, same files).
+# The README's API in lines of dlo_fn source (physical lines in the formatter's layout): the issue's 5,000 lines were
+# counted before `ruff format`, which grew the same files by 20% (29,398 -> 35,348 lines), so 6,000 here. The FP8
+# modules, the start-up plug-ins, the memory models and the Timeline machinery load on demand.
 API_LINE_BUDGET = 6_000
 
 PROBE = """
@@ -38,7 +40,15 @@ def test_the_readme_api_loads_the_core_only(loaded):
         for m in mods
         if m.startswith(("dlo_fn.models", "dlo_fn.cost", "dlo_fn.serve", "dlo_fn.cli", "dlo_fn.runtime.cuda"))
         or m.startswith("benchmarks")
-        or m in ("dlo_fn.runtime.auto", "dlo_fn.runtime.probe", "dlo_fn.plan.timeline", "dlo_fn.io.memstat")
+        or m
+        in (
+            "dlo_fn.runtime.auto",
+            "dlo_fn.runtime.probe",
+            "dlo_fn.plan.timeline",
+            "dlo_fn.io.memstat",
+            "dlo_fn.io.quantized",
+            "dlo_fn.runtime.quant",
+        )
     ]
     assert not unwanted, f"the README's API loads {sorted(unwanted)}"
 

@@ -152,7 +152,7 @@ def test_a_huge_request_is_refused_under_ulimit_and_the_others_run(checkpoint, t
     assert f"huge failed: {error}" in done.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_on_cuda_a_huge_request_is_refused_on_device_memory(checkpoint, tmp_path):
     lines = [
         {"id": "fox", "prompt": "a fox"},

@@ -41,7 +41,7 @@ def test_good_request_validates_and_chains():
         ({"sampler": "ddim"}, "sampler"),
         ({"outputs_per_prompt": 0}, "outputs_per_prompt"),
         ({"quality": ""}, "quality"),
-        ({"lora": "style.safetensors"}, "lora"),
+        ({"lora": ""}, "lora"),
         ({"lora_scale": float("inf")}, "lora_scale"),
         ({"extra_args": {"nested": {"a": 1}}}, "extra_args"),
     ],

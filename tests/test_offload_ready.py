@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import scenario
 
+from dlo_fn.runtime.cuda.host_fill import ParallelFill, fill_threads
 from dlo_fn.runtime.dist import DistContext
-from dlo_fn.runtime.host_fill import fill_threads
 from dlo_fn.runtime.platform import platform_for
 
 PHASES = ("describe_s", "digest_s", "store_s", "warm_up_s", "executor_s", "to_device_s", "release_s")
@@ -22,7 +22,8 @@ def _offloaded(ctx: DistContext, ckpt: str):
     from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.runtime.offload import offload
 
-    return offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather")
+    # the start-up fill plug-in (on CPU too): each rank takes its share of the cores
+    return offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather", host_fill="parallel")
 
 
 @torch.no_grad()
@@ -72,3 +73,5 @@ def test_fill_threads_share_the_cores():
     assert fill_threads(1 << 30, 2) == max(1, min(16, cpus // 2)) and fill_threads(1 << 30, 10 * cpus) == 1
     with pytest.raises(ValueError, match="local_ranks must be >= 1"):
         fill_threads(1 << 30, 0)
+    with pytest.raises(ValueError, match="local_ranks must be >= 1"):
+        ParallelFill(local_ranks=0)

@@ -105,3 +105,47 @@ def test_load_group_needs_its_slots(capsys):
     assert main(["plan", "--model", "tiny", "--num-shards", "2", "--load-group", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--load-group 2: load_group = 2 needs num_slots a multiple of it" in err[0], err
+
+
+@pytest.mark.parametrize("mode", ["rank-local", "allgather"])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_hbm_budget_is_priced_to_the_byte_against_the_runtime(capsys, tiny_checkpoint, mode, quantization):
+    """`plan --hbm-budget` keeps the blocks offload keeps; the plan of the spec offload describes gives its device
+    weight bytes to the byte. (On CPU offload lays weights out at the resident model's address residues, up to
+    64 bytes more per tensor in a slot than the header's plan; on an accelerator the two specs are one.)"""
+    from test_executor_dist import load_reference
+
+    from dlo_fn.models import BLOCK_PATHS
+    from dlo_fn.plan.resident import choose_resident, layout_for, ring_num_landing
+    from dlo_fn.runtime.dist import init_distributed
+    from dlo_fn.runtime.offload import offload
+
+    fp8 = ("--quantization", quantization) if quantization else ()
+    kept = []
+    for budget in ("0.55MB", "0.64MB", "0.7MB"):  # the tiny model: 0.65 MB
+        plan = _plan(capsys, "--model", tiny_checkpoint, "--mode", mode, "--hbm-budget", budget, *fp8)["hbm_budget"]
+        ctx = init_distributed()
+        o = offload(
+            load_reference(tiny_checkpoint), BLOCK_PATHS, ctx, mode=mode, hbm_budget=budget, quantization=quantization
+        )
+        assert plan["resident_blocks"] == list(o.resident_blocks)
+        again = choose_resident(
+            o.spec,
+            plan["budget_bytes"],
+            lambda s: layout_for(s, 1, quantization=quantization),
+            2,
+            ring_num_landing(mode, 1, None),
+        )
+        assert again.resident == o.resident_blocks and again.device_weight_bytes == o.device_weight_bytes
+        assert again.h2d_bytes_per_pass == (o.store.arena_bytes if o.store else 0)
+        assert o.device_weight_bytes <= plan["budget_bytes"]
+        tensors = max(len(b.tensors) for b in o.spec.blocks)
+        assert 0 <= o.device_weight_bytes - plan["device_weight_bytes"] <= 2 * 2 * 64 * tensors
+        kept.append(plan["num_resident"])
+    assert kept[-1] == 4 and (quantization or 0 < kept[1] < 4)  # FP8's staging leaves no room between here
+
+
+def test_hbm_budget_below_the_ring_is_one_line(capsys):
+    assert main(["plan", "--model", "tiny", "--hbm-budget", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pass at least" in err[0] and "Traceback" not in err[0]

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from dlo_fn.runtime.platform import HostEvent, HostStream, Platform, detect_platform, platform_for
+from dlo_fn.runtime.platform import HostEvent, HostStream, Platform, detect_platform, device_shortfall, platform_for
 
 
 def test_cpu_platform_handles():
@@ -74,7 +74,35 @@ def test_bad_platform_kinds_fail_clearly():
         platform_for("npu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_more_ranks_than_devices_is_one_line_saying_what_to_do():
+    assert device_shortfall("cuda", 0, 1, 1) is None and device_shortfall("cuda", 7, 8, 8) is None
+    why = device_shortfall("cuda", 0, 2, 1)
+    assert why.startswith("2 ranks on this host but 1 CUDA device:") and "--nproc-per-node 1" in why, why
+    assert "\n" not in why and "--platform cpu" in why
+    # A rank past the host's count (LOCAL_WORLD_SIZE unset) is short too; every rank of the host says the same.
+    assert device_shortfall("npu", 3, 1, 2).startswith("4 ranks on this host but 2 NPU devices")
+    assert device_shortfall("cuda", 1, 2, 1) == why
+
+
+@pytest.mark.cuda
+def test_torchrun_with_more_ranks_than_devices_is_one_line(checkpoint, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from dlo_fn.runtime.dist import free_port
+
+    n = torch.cuda.device_count() + 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port"]
+    cmd += [str(free_port()), "-m", "dlo_fn", "generate", "--platform", "cuda", "--checkpoint", checkpoint]
+    cmd += ["--out", str(tmp_path), "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ours = [line for line in done.stderr.splitlines() if line.startswith("dlo_fn generate: error:")]
+    assert done.returncode != 0 and len(ours) == 1, done.stderr[-3000:]
+    assert f"{n} ranks on this host but {n - 1} CUDA device" in ours[0] and "dlo_fn/" not in done.stderr
+
+
+@pytest.mark.cuda
 def test_cuda_streams_and_events_order_work():
     p = platform_for("cuda", 0)
     side = p.new_stream("h2d")

@@ -1,6 +1,7 @@
 """``offload(model, ctx=ctx, mode="auto", num_slots="auto", load_group="auto")`` on diffusers models (tiny Wan and
-Flux of tests/test_third_party.py): the workload given, or measured on the first call; bit-exact to the plain
-model; the choice logged and recorded; on real gloo ranks every rank follows rank 0's choice."""
+Flux of tests/test_third_party.py): the workload given, or one example call timed through the plain probe; resolved
+before the build, which sees concrete options only; bit-exact to the plain model; the choice logged and recorded; on
+real gloo ranks every rank follows rank 0's choice."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ WORKLOAD = Workload("tiny", tokens=64, num_steps=20, cfg_branches=1)
 
 
 def _platforms():
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
 
 
 @torch.no_grad()
@@ -36,11 +37,15 @@ def _check(ctx, name: str, workload, seeds, **fields) -> dict:
     build, inputs, _ = CASES[name]
     ref = build().to(ctx.platform.device)
     want = [ref(**_on(inputs(s), ctx))[0] for s in seeds]
-    o = offload(copy.deepcopy(ref).cpu(), ctx=ctx, workload=workload, **fields)
+    chooses = {"workload": workload} if workload is not None else {"example": _on(inputs(seeds[0]), ctx)}
+    o = offload(copy.deepcopy(ref).cpu(), ctx=ctx, **chooses, **fields)
     pending = o.executor is None
+    before = str(o)
     got = [o.model(**_on(inputs(s), ctx))[0] for s in seeds]
     c = o.auto.chosen.candidate
     return {
+        "printed": (before, str(o)),
+        "why": o.auto.why(),
         "equal": all(torch.equal(g, w) for g, w in zip(got, want)),
         "pending": pending,
         "chosen": c.label,
@@ -63,18 +68,25 @@ def _on(kw: dict, ctx) -> dict:
 
 @pytest.mark.parametrize("platform", _platforms())
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("workload", [None, WORKLOAD], ids=["first-call", "workload"])
+@pytest.mark.parametrize("workload", [None, WORKLOAD], ids=["example-call", "workload"])
 def test_auto_offload_is_bit_exact_and_records_its_choice(name, workload, platform, caplog):
     ctx = DistContext(0, 1, 0, platform_for(platform), None)
     with caplog.at_level(logging.INFO, logger="dlo_fn.runtime.auto"):
         r = _check(ctx, name, workload, (0, 1, 2), **AUTO)
-    assert r["equal"] and r["pending"] == (workload is None)
-    assert r["source"] == ("first call" if workload is None else "workload") and r["fields"] == AUTO_FIELDS
+    assert r["equal"] and not r["pending"]  # offload returned a built model: the choice came first
+    assert r["source"] == ("example call" if workload is None else "workload") and r["fields"] == AUTO_FIELDS
     assert r["options"] == r["candidate"] and r["step_s"] > 0  # OffloadOptions holds the concrete choice
-    # The first call ran before the executor existed: it computed nothing through it.
-    assert r["computes"] == (2 if workload is None else 3) * r["blocks"]
+    # The example call ran through the probe, before the executor existed: every call after ran through it.
+    assert r["computes"] == 3 * r["blocks"]
     text = caplog.text
     assert f"auto: {r['chosen']}: predicted step" in text and f"runner-up {r['runner_up']}:" in text
+    # print(offloaded) says the same without logging set up: what it runs, then the choice and the runner-up.
+    before, after = r["printed"]
+    assert before == after  # built with its choice when offload returns: the first call changes nothing
+    mode, slots, group = r["options"]
+    assert after.splitlines()[0].split(": ")[1].startswith(f"{mode}, ") and f"{slots} device slots" in after
+    assert f"load group {group};" in after and after.splitlines()[1] == f"auto: {r['why']}"
+    assert f"runner-up {r['runner_up']}:" in after and "predicted step" in after
 
 
 def test_fixed_fields_stay_and_bad_workloads_are_one_line():
@@ -83,8 +95,10 @@ def test_fixed_fields_stay_and_bad_workloads_are_one_line():
     assert r["options"][0] == "allgather" and r["fields"] == ("num_slots",) and r["equal"]
     with pytest.raises(TypeError, match=r"offload\(workload=...\) takes a dlo_fn.plan.workload.Workload"):
         offload(CASES["wan"][0](), ctx=ctx, workload=64, **AUTO)
-    with pytest.raises(ValueError, match="pass it with mode, num_slots or load_group = 'auto'"):
+    with pytest.raises(ValueError, match="pass them with mode, num_slots or load_group = 'auto'"):
         offload(CASES["wan"][0](), ctx=ctx, workload=WORKLOAD)
+    with pytest.raises(ValueError, match=r"chooses from workload= .* or from one timed call: pass example="):
+        offload(CASES["wan"][0](), ctx=ctx, **AUTO)
 
 
 def _rank(ctx) -> dict:
@@ -92,7 +106,7 @@ def _rank(ctx) -> dict:
     out = {
         f"{name}-{how}": _check(ctx, name, wl, seeds, **AUTO)
         for name in sorted(CASES)
-        for how, wl in (("first-call", None), ("workload", WORKLOAD))
+        for how, wl in (("example-call", None), ("workload", WORKLOAD))
     }
     out["wan-allgather"] = _check(ctx, "wan", None, seeds, mode="allgather", num_slots="auto", load_group="auto")
     out["agree"] = _disagreeing_inputs(ctx)

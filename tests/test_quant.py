@@ -171,6 +171,24 @@ def test_options_are_checked():
         OffloadOptions(mode="rank-local", quantization="fp8", rank_local_source="mmap")
 
 
+def test_quantization_is_one_option_value():
+    """``quantization="fp8"`` is ``Quantization("fp8")``, which carries the modules it keeps; records say "fp8"."""
+    from dlo_fn.plan.quant import Quantization
+
+    assert OffloadOptions(quantization="fp8").quantization == Quantization("fp8", exclude=())
+    q = OffloadOptions(quantization=Quantization("fp8", exclude=["proj_out"])).quantization
+    assert q.exclude == ("proj_out",) and str(q) == "fp8" and OffloadOptions().quantization is None
+    assert dict(OffloadOptions(quantization=q).describe())["quantization"] == "fp8"
+    with pytest.raises(ValueError, match="quantization must be None, 'fp8' or a Quantization"):
+        OffloadOptions(quantization=8)
+    with pytest.raises(ValueError, match="exclude must be a tuple of module names"):
+        Quantization("fp8", exclude="proj_out")
+    # Quantised on the fly, the FP8 tensors are the layout's: the excluded module's weights are not among them.
+    o = offload(toy(2), "blocks", CTX, mode="rank-local", quantization=Quantization("fp8", exclude=("0",)))
+    fp8 = {(sh.block.name, p.name) for sh in o.layout.shards for p in sh.block.placements if p.dtype == FP8_DTYPE}
+    assert fp8 and all(name != "blocks.0" for name, _ in fp8)
+
+
 @pytest.mark.parametrize("name", ["wan", "flux"])
 @pytest.mark.parametrize("mode", ["rank-local", "allgather"])
 @torch.no_grad()
@@ -221,7 +239,7 @@ def test_fp8_on_gloo_ranks(request, world):
         assert res["shards[allgather]"] == world and res["shards[rank-local]"] == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     "mode,graph,dequant",
     [
@@ -254,7 +272,7 @@ def test_fp8_on_cuda_streams_bit_exact(mode, graph, dequant):
     assert o.executor.measured_device_bytes >= o.executor.planned_device_weight_bytes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @torch.no_grad()
 def test_kernel_dequant_equals_torch_ops_on_every_row_length(dtype):

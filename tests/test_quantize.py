@@ -20,7 +20,7 @@ from dlo_fn.io.checkpoint import open_checkpoint, read_header
 from dlo_fn.io.load import load_checkpoint, load_model
 from dlo_fn.io.quantized import META_QUANTIZATION, stored_weights
 from dlo_fn.models import BLOCK_PATHS, Request, generate
-from dlo_fn.plan.quant import FP8_DTYPE, quantized
+from dlo_fn.plan.quant import FP8_DTYPE, Quantization, quantized
 from dlo_fn.plan.spec import spec_from_module
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.quant import fake_quantize, quantize_rows
@@ -185,13 +185,20 @@ def test_offloading_it_otherwise_and_other_excludes_are_one_clear_error(quantize
         with pytest.raises(ValueError, match="quantised checkpoint .* offload it with quantization='fp8'"):
             offload(load_model(dst), ctx=CTX, **{"mode": "rank-local", **kw})
     with pytest.raises(ValueError, match=r"quantised with exclude \[\]"):
-        offload(load_model(dst), ctx=CTX, mode="rank-local", quantization="fp8", quantize_exclude=("mlp",))
+        offload(load_model(dst), ctx=CTX, mode="rank-local", quantization=Quantization("fp8", exclude=("mlp",)))
     quantize_checkpoint(src, tmp_path / "kept", exclude=("attn",), progress=False)  # its exclude comes with it
     o = offload(load_model(tmp_path / "kept"), ctx=CTX, mode="rank-local", quantization="fp8")
     names = {p.name for sh in o.layout.shards for p in sh.block.placements if p.dtype == FP8_DTYPE}
     assert names and not any("attn" in n.split(".") for n in names)
     want = fake_quantize(load_model(src), exclude=("attn",))
     assert generate(o.model, REQUEST).sha256 == generate(want, REQUEST).sha256
+
+
+def test_running_it_without_offload_refuses_instead_of_nan(quantized_tiny):
+    # Its block weights are on meta until offload stores them: generate would run and return NaN.
+    _, dst = quantized_tiny
+    with pytest.raises(ValueError, match=r"VideoDiT's blocks\.0\..* is not loaded .* runs only offloaded"):
+        generate(load_model(dst), REQUEST)
 
 
 def _one_line(capsys, argv) -> str:
@@ -299,7 +306,7 @@ def test_writing_streams_in_flat_memory(tmp_path):
         assert torch.equal(got["embed.weight"], f.get_tensor("embed.weight"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_quantizing_on_a_gpu_writes_the_same_bytes(tmp_path):
     from dlo_fn.models import write_checkpoint
 

@@ -335,3 +335,16 @@ def tokens_per_row(case: ModelCase, quick: bool) -> int:
 
 
 Forward = Callable[[], torch.Tensor]
+
+
+def meta_spec(name: str):
+    """The spec of model ``name`` (:data:`MODELS`) at its published config, built on meta (no weights)."""
+    import diffusers
+
+    from dlo_fn.io.diffusers_load import _meta_build, block_paths_for
+    from dlo_fn.plan.spec import spec_from_module
+
+    case = MODELS[name]
+    config, _ = case.at(False)
+    model = _meta_build(getattr(diffusers, case.cls), config, torch.bfloat16)
+    return spec_from_module(model, block_paths_for(model), name=case.cls)

@@ -11,7 +11,7 @@ cannot avoid, each step measured alone on a buffer of its own, with the threads 
 ``floor_s = touch_s + register_s + copy_s`` with 4 KiB pages; with 2 MiB pages the same sum of ``copy_s`` and
 ``touch_hugepage_s`` / ``register_hugepage_s``, measured on a buffer advised ``MADV_HUGEPAGE`` (2 MiB pages where the
 kernel gives them: ``hugepage_bytes``, under the host's ``thp`` mode), as the CUDA arena is
-(:func:`dlo_fn.runtime.host_fill.huge_page_buffer`). The floor is a sum of phases each measured alone; the store
+(:func:`dlo_fn.runtime.cuda.host_fill.huge_page_buffer`). The floor is a sum of phases each measured alone; the store
 overlaps two of them (it locks filled ranges while it copies the next), so it can come in under it. Beside them,
 ``register_untouched_s``: register of a fresh buffer, which makes the driver fault every page itself (the other
 order).
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from dlo_fn.runtime.host_fill import fill_threads
+from dlo_fn.runtime.cuda.host_fill import fill_threads
 
 __all__ = ["measure_floor", "h2d_peak_bytes_per_s", "evict", "resident_fraction", "cold_read_s", "touch_host"]
 
@@ -142,7 +142,7 @@ def _anon_huge_bytes() -> int:
 
 def _hugepages(platform, nbytes: int, threads: int) -> dict:
     """Touch (and register) ``nbytes`` in 2 MiB pages, allocated as the CUDA arena is (``huge_page_buffer``)."""
-    from dlo_fn.runtime.host_fill import huge_page_buffer
+    from dlo_fn.runtime.cuda.host_fill import huge_page_buffer
     from dlo_fn.runtime.host_store import pin_in_place
 
     buf, before = huge_page_buffer(nbytes), _anon_huge_bytes()
@@ -218,7 +218,7 @@ def touch_host(nbytes: int, threads: int = 16) -> float:
     VM whose hypervisor backs guest memory at its first use (the H200 machine here is a Firecracker microVM: two
     ranks filled 22 GB in 5.5 s the first time, in 1.2-1.6 s every time after), whichever variant first lands on
     such memory pays the hypervisor's faults; touched once, every variant and floor meets memory as a bare host's."""
-    from dlo_fn.runtime.host_fill import huge_page_buffer
+    from dlo_fn.runtime.cuda.host_fill import huge_page_buffer
 
     buf = huge_page_buffer(nbytes)
     seconds = _touch(buf.data_ptr(), nbytes, threads)

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks.bench import real_lora as rl
 from benchmarks.bench import real_models as rm
 from benchmarks.bench import real_ready as rr
 from benchmarks.bench import real_variants as rv
@@ -38,6 +39,8 @@ class ModelRun:
             "variants": [],
         }
         self.want = self.want_fp8 = None
+        self.adapters: tuple[str, ...] = ()  # LoRA files (real_lora) when a variant loads them
+        self.want_lora = self.want_fp8_lora = None
         self.want_host = None  # the resident output on the host: every row's error is measured against it
 
     def write(self) -> None:
@@ -116,11 +119,28 @@ class ModelRun:
         self.want_host = self.want.cpu()
         row.update(rv.error_to_resident(self.want_host, self.want_host))
         self._add("resident", row)
+        if any(v in rl.VARIANTS for v in variants):
+            self.adapters = rl.write_adapters(model, self.folder, case.family, args.quick)
+            rl.load(model, self.adapters[0], "a")
+            row = rv.measure(
+                self.platform,
+                lambda: ((lambda: model(**self.inputs)[0]), {}, lambda: None),  # noqa: F821 (as above)
+                want=None,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                base_device_bytes=0,
+            )
+            self.want_lora = row.pop("output").clone()
+            self._add("resident-lora", {**row, "ready_s": None, "adapter_rank": int(rl.open_rank(self.adapters[0]))})
+            model.unload_lora()
         if any(rv.OURS.get(v, {}).get("quantization") for v in variants):
             from dlo_fn.runtime.quant import fake_quantize
 
             fake_quantize(model)  # in place: the resident model is done with
             self.want_fp8 = model(**self.inputs)[0].clone()
+            if "ours-lora-fp8" in variants:
+                rl.load(model, self.adapters[0], "a")
+                self.want_fp8_lora = model(**self.inputs)[0].clone()
         if any(v.startswith("ranks-") for v in variants):
             cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.inputs.items()}
             torch.save({"inputs": cpu, "want": self.want.cpu()}, self.folder / REF_FILE)
@@ -203,6 +223,8 @@ class ModelRun:
             if missing:
                 raise Skip(f"OffloadOptions has no field {', '.join(missing)} yet")
             want = self.want_fp8 if kwargs.get("quantization") else self.want  # the resident run made both
+            if variant in rl.VARIANTS:
+                want = self.want_fp8_lora if kwargs.get("quantization") else self.want_lora
             first = "floor" not in self.entry  # the floor and the arena's peak, next to the first of ours
             if first:
                 self.entry["floor"] = rr.measure_floor(p, self.arena_bytes, self.files)
@@ -213,7 +235,14 @@ class ModelRun:
                 folder = self._quantized_folder()
             row = rv.measure(
                 p,
-                rv.ours_setup(self.ctx, folder, kwargs, self.inputs, probe_peak=first),
+                rv.ours_setup(
+                    self.ctx,
+                    folder,
+                    kwargs,
+                    self.inputs,
+                    probe_peak=first,
+                    adapters=self.adapters if variant in rl.VARIANTS else (),
+                ),
                 want=want,
                 warmup=warmup,
                 repeats=args.repeats,
@@ -227,6 +256,15 @@ class ModelRun:
             return rv.measure(
                 p,
                 rv.diffusers_setup(p, folder, self.case.cls, kind, self.inputs),
+                want=self.want,
+                warmup=args.warmup,
+                repeats=args.repeats,
+            )
+        if variant in rv.ACCELERATE:
+            self._needs("accelerate")
+            return rv.measure(
+                p,
+                rv.device_map_setup(p, folder, self.case.cls, rv.ACCELERATE[variant], self.inputs),
                 want=self.want,
                 warmup=args.warmup,
                 repeats=args.repeats,
@@ -333,6 +371,7 @@ class ModelRun:
             "diffusers-block": 5 + m / 1e9 + n * 1.6 * b,
             "diffusers-leaf": 5 + m / 1e9 + n * 2.5 * b,
             "model-offload": 5 + m / 2e9 + n * (r + 2 * m / 5e9),
+            **{v: 5 + m / 2e9 + n * (r + m / 20e9) for v in rv.ACCELERATE},
             "ranks-2": 30 + 2 * m / 2e9,
             "ranks-4": 40 + 2 * m / 2e9,
             "pipeline": 30 + m / 1e9 + (1 + a.pipeline_repeats) * 28 * (r + 1.5 * b),

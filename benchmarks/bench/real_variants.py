@@ -6,6 +6,10 @@
 ``diffusers-block``    ``from_pretrained`` + ``enable_group_offload("block_level", num_blocks_per_group=1,
                        use_stream=True)`` (diffusers 0.42.1; ``use_stream`` only where the device has streams)
 ``diffusers-leaf``     the same, ``offload_type="leaf_level"``
+``ours-hbm-<N>GB``     ``offload(..., hbm_budget="<N>GB")``: the blocks that fit <N> GB of device weights resident,
+                       spread through the forward, the rest streamed (``ours-fp8-hbm-*``: with FP8 shards)
+``accelerate-<N>GiB``  ``from_pretrained(..., device_map="auto", max_memory={0: "<N>GiB", "cpu": ...})``: accelerate
+                       fills the device with the first modules and moves the rest at each forward
 ``model-offload``      ``from_pretrained`` + accelerate's ``cpu_offload_with_hook`` (what ``enable_model_cpu_offload``
                        installs): the whole model moves to the device for the forward and back after it (the
                        pipeline frees it at the end of every request)
@@ -32,6 +36,7 @@ from dlo_fn.io.memstat import process_memory
 
 __all__ = [
     "OURS",
+    "ACCELERATE",
     "PREQUANTIZED",
     "QUANTIZED_SUFFIX",
     "VARIANTS",
@@ -42,12 +47,15 @@ __all__ = [
     "ours_setup",
     "diffusers_setup",
     "model_offload_setup",
+    "device_map_setup",
     "release",
     "options_missing",
 ]
 
 # Our variants: name -> offload() keyword arguments, from the one table of variants (a row there adds one).
 OURS = {v.name: v.options for v in REAL if v.options is not None}
+# accelerate's device map at a device budget (the peer users reach for): name -> max_memory of device 0.
+ACCELERATE = {v.name: v.name.removeprefix("accelerate-") for v in REAL if v.name.startswith("accelerate-")}
 # Variants that load the checkpoint `python -m dlo_fn quantize` wrote from the model's (once per run, timed as the
 # entry's "quantized_checkpoint"), so their ready time is the FP8 bytes' and no rank quantises anything.
 PREQUANTIZED = ("ours-fp8-prequantized",)
@@ -179,9 +187,10 @@ def measure(
     return row
 
 
-def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False):
+def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False, adapters: tuple = ()):
     """``load_model`` + ``offload``: the public API, timed in parts; ``probe_peak``: the pinned H2D peak from the
-    arena, once ready."""
+    arena, once ready; ``adapters``: LoRA files loaded, switched and one removed once ready
+    (:func:`benchmarks.bench.real_lora.adapter_work`), the forwards then run with the first."""
     from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
@@ -189,10 +198,9 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
         t0 = time.perf_counter()
         model = load_model(folder, progress=False)
         t1 = time.perf_counter()
-        o = offload(model, ctx=ctx, **kwargs)
-        if o.executor is None:  # mode="auto" with no workload: the first call measures the blocks, then builds
-            with torch.no_grad():
-                o.model(**inputs)
+        # mode="auto": one call on the inputs, timed through the plain probe, chooses; then offload builds
+        auto = any(v == "auto" for v in kwargs.values())
+        o = offload(model, ctx=ctx, **kwargs, **({"example": inputs} if auto else {}))
         ctx.platform.synchronize()
         t2 = time.perf_counter()
         store = o.store
@@ -200,31 +208,39 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
             "load_s": t1 - t0,
             "offload_s": t2 - t1,
             "pinned_bytes": o.pinned_host_bytes,
-            "arena_bytes": store.arena_bytes,
-            "pinning": store.how,
-            "num_slots": o.executor.num_slots,
-            # W = 1, every block in the arena: one pass moves the arena (FP8: its stored bytes)
-            "h2d_bytes_per_forward": store.arena_bytes,
-            "store": store.timings,
+            "arena_bytes": store.arena_bytes if store else 0,
+            "pinning": store.how if store else None,
+            "num_slots": o.executor.num_slots if o.executor else 0,
+            # W = 1, every streamed block in the arena: one pass moves the arena (FP8: its stored bytes)
+            "h2d_bytes_per_forward": store.arena_bytes if store else 0,
+            "store": store.timings if store else None,
             # offload's work besides filling the store (layout, slots, moving the rest, closing the mapping)
-            "offload_other_s": t2 - t1 - (store.timings or {}).get("total_s", 0.0),
+            "offload_other_s": t2 - t1 - ((store.timings if store else None) or {}).get("total_s", 0.0),
             "weight_device_bytes": o.device_weight_bytes,
+            "resident_blocks": len(o.resident_blocks) if o.executor else len(o.spec.blocks),
+            "num_blocks": len(o.spec.blocks),
             "options": {k: str(v) for k, v in kwargs.items()},
             "chosen": str(getattr(o, "auto", None)) if kwargs.get("mode") == "auto" else None,
         }
-        if probe_peak and ctx.platform.kind == "cuda" and store.pinned:
+        if probe_peak and ctx.platform.kind == "cuda" and store and store.pinned:
             from benchmarks.bench.step_variants import pinned_peak_bytes_per_s
 
             facts["after_ready"] = lambda: {
                 "arena_h2d_peak_bytes_per_s": pinned_peak_bytes_per_s(ctx.platform, store, o.layout)
             }
+        if adapters:
+            from benchmarks.bench.real_lora import adapter_work
+
+            peak = facts.pop("after_ready", dict)
+            facts["after_ready"] = lambda: {**peak(), **adapter_work(o, adapters, ctx.platform)}
 
         def forward():
             return o.model(**inputs)[0]
 
         def teardown():
             o.synchronize()
-            o.store.close()
+            if o.store is not None:
+                o.store.close()
 
         return forward, facts, teardown
 
@@ -290,5 +306,31 @@ def model_offload_setup(platform, folder: str, cls_name: str, inputs: dict):
             "back_to_host_s_all": back,
         }
         return forward, facts, (lambda: None)
+
+    return setup
+
+
+def device_map_setup(platform, folder: str, cls_name: str, max_memory: str, inputs: dict):
+    """accelerate's device map within ``max_memory`` of the device (the rest on the host, moved at each forward),
+    as ``from_pretrained(..., device_map="auto", max_memory=...)`` sets it up."""
+    import diffusers
+
+    def setup():
+        t0 = time.perf_counter()
+        index = platform.device.index or 0 if platform.kind == "cuda" else "cpu"
+        budget = {index: max_memory, "cpu": "400GiB"} if platform.kind == "cuda" else None
+        model = getattr(diffusers, cls_name).from_pretrained(
+            folder, torch_dtype=torch.bfloat16, device_map="auto", max_memory=budget
+        )
+        on_device = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.device.type == platform.device.type
+        )
+        facts = {
+            "load_s": time.perf_counter() - t0,
+            "offload_s": 0.0,
+            "weight_device_bytes": on_device,
+            "options": {"device_map": "auto", "max_memory": str(budget)},
+        }
+        return (lambda: model(**inputs)[0]), facts, (lambda: None)
 
     return setup

@@ -226,7 +226,7 @@ def _measure(
         "tokens": tokens,
         "local_tokens": model_sp.local_tokens,
         "batch": 1,
-        "weight_bytes": off.executor.measured_device_bytes if device == "cuda" else off.device_weight_bytes,
+        "weight_bytes": off.executor.measured_device_bytes if device == "cuda" else off.executor.device_weight_bytes,
         "weight_bytes_planned": plan.hbm_weight_bytes,
         "resident_bytes": idle - before - (off.executor.measured_device_bytes if device == "cuda" else 0),
         "resident_bytes_planned": off.spec.resident_bytes,

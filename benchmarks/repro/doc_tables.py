@@ -221,6 +221,8 @@ def results_table() -> str:
         for f in (real_tables.REAL_FILE, real_tables.WAN_FILE)
     )
 
+    hbm = {v["variant"]: v for v in _json(HBM_FILE)["model"]["variants"]}
+
     def x(report: dict, variant: str) -> str:
         return " / ".join(_x(r) for w in report["workloads"] for r in w["variants"] if r["variant"] == variant)
 
@@ -252,6 +254,15 @@ def results_table() -> str:
             " / "
             f"{real['ours-fp8-auto']['forward_s'] / real['ours-rank-local']['forward_s']:.3f}",
             "measurements.md#fp8-shards",
+        ),
+        (
+            "FLUX.1-dev forward / resident under an HBM budget (device weights): ours at 18 GB / 16 GB / every block "
+            "streamed; accelerate's device map at 16 GiB",
+            " / ".join(
+                f"{hbm[v]['ratio_to_resident']:.3f}x" for v in ("ours-hbm-18GB", "ours-hbm-16GB", "ours-rank-local")
+            )
+            + f"; {hbm['accelerate-16GiB']['ratio_to_resident']:.2f}x",
+            "measurements.md#resident-blocks-under-an-hbm-budget",
         ),
         (
             "one step / bound, 40 blocks of 75 MB: eager / block graphs",
@@ -298,9 +309,60 @@ def _real(name: str, *own_runs: str, skip: tuple[str, ...] = ()) -> str:
     return _rows(rows, [name, *own_runs])
 
 
+HBM_FILE = "hbm_bench_real_flux_nvidia-h200.json"
+HBM_ORDER = (
+    "resident",
+    "ours-rank-local",
+    "ours-hbm-12GB",
+    "ours-hbm-16GB",
+    "ours-hbm-16GB-3-slots",
+    "ours-hbm-18GB",
+    "ours-hbm-20GB",
+    "ours-hbm-24GB",
+    "ours-fp8",
+    "ours-fp8-hbm-8GB",
+    "ours-fp8-hbm-10GB",
+    "ours-fp8-hbm-12GB",
+    "accelerate-12GiB",
+    "accelerate-16GiB",
+)
+
+
+def hbm_budget_table() -> str:
+    """FLUX.1-dev under HBM budgets: device weights, resident blocks, bytes streamed, time against resident and the
+    row's own bound, byte-identical or not (measurements.md, "Resident blocks under an HBM budget")."""
+    report = _json(HBM_FILE)
+    rows = {v["variant"]: v for v in report["model"]["variants"]}
+    blocks = report["model"]["num_blocks"]
+
+    def cell(v: dict, key: str, fmt: str) -> str:
+        return "-" if v.get(key) is None else format(v[key], fmt)
+
+    out = []
+    for name in (n for n in HBM_ORDER if n in rows):
+        v = rows[name]
+        kept = blocks if name == "resident" else v.get("resident_blocks")
+        out.append(
+            {
+                "variant": f"`{name}`",
+                "device weights GB": f"{v['weight_device_bytes'] / 1e9:.2f}",
+                "resident blocks": "-" if kept is None else f"{kept} of {blocks}",
+                "H2D GB per forward": "-"
+                if v.get("h2d_bytes_per_forward") is None
+                else f"{v['h2d_bytes_per_forward'] / 1e9:.2f}",
+                "forward ms": f"{v['forward_s'] * 1e3:.1f}",
+                "/ resident": cell(v, "ratio_to_resident", ".3f"),
+                "/ own bound": cell(v, "ratio_to_own_bound", ".3f"),
+                "equal": "-" if v.get("equal_to_resident") is None else str(v["equal_to_resident"]),
+            }
+        )
+    return _rows(out, [HBM_FILE])
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": lambda: headline.headline(headline.find_real_reports()),  # README's figure, alt text and caption
     "results": results_table,
+    "hbm-budget": hbm_budget_table,
     # the FP8 and gloo-rank rows of the Flux comparison are an earlier kernel's and set-up's: their own runs below
     "real-flux": lambda: _real(
         real_tables.REAL_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="flux"), skip=("ours-fp8", "ranks-")

@@ -43,12 +43,14 @@ def find_real_reports(data_dir: pathlib.Path = DATA_DIR) -> list[dict]:
 
 
 def timed(report: dict) -> list[dict]:
-    """The timed rows, FP8 shards' left out: the headline sets offloading against the bound at the model's own
-    precision, where every output is the resident one (FP8 against BF16: docs/measurements.md#fp8-shards)."""
+    """The timed rows, FP8 shards' and adapters' left out: the headline sets offloading against the bound at the
+    model's own precision, where every output is the resident one (FP8 against BF16: docs/measurements.md#fp8-shards;
+    adapters against the resident model with the adapter: #lora-adapters-after-offload)."""
+    skip = ("ours-fp8", "ours-lora", "resident-lora")
     return [
         v
         for v in report["model"]["variants"]
-        if v.get("status") == "ok" and v.get("ratio_to_bound") and not v["variant"].startswith("ours-fp8")
+        if v.get("status") == "ok" and v.get("ratio_to_bound") and not v["variant"].startswith(skip)
     ]
 
 

@@ -48,6 +48,18 @@ REAL = (
         None,
         dict(mode="rank-local", quantization="fp8"),
     ),
+    Variant("ours-lora", options=dict(mode="rank-local")),  # + adapters loaded after offload (bench real_lora)
+    Variant("ours-lora-fp8", options=dict(mode="rank-local", quantization="fp8")),
+    # HBM budgets that emulate 12 to 24 GB cards (device weight bytes; plan.resident), BF16 and FP8
+    *(Variant(f"ours-hbm-{n}GB", options=dict(mode="rank-local", hbm_budget=f"{n}GB")) for n in (12, 16, 18, 20, 24)),
+    Variant("ours-hbm-16GB-3-slots", options=dict(mode="rank-local", hbm_budget="16GB", num_slots=3)),
+    *(
+        Variant(f"ours-fp8-hbm-{n}GB", options=dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB"))
+        for n in (6, 8, 10, 12)
+    ),
+    # accelerate's device map at a device budget (the peer users reach for): max_memory of device 0 in the name
+    Variant("accelerate-12GiB"),
+    Variant("accelerate-16GiB"),
     Variant("ranks-2"),
     Variant("ranks-4"),
     Variant("diffusers-leaf", "diffusers group offloading, leaf_level + stream", "diffusers group offload, leaf"),

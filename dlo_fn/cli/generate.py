@@ -114,7 +114,10 @@ def register(subparsers) -> None:
         "generate",
         help="generate videos with layerwise-offloaded weights (torchrun for several ranks)",
         description=__doc__.split("\n\n")[0] + " Run under torchrun --nproc-per-node N for N ranks; without "
-        "torchrun it runs as one process. CPU ranks use gloo.",
+        "torchrun it runs as one process. CPU ranks use gloo. Without --height/--width/--frames/--steps each "
+        "prompt runs the published size (832x480, 29 frames, 35 steps: minutes to hours on a CPU, even for the "
+        "tiny model; it says its FLOPs and least time before starting): --height 64 --width 64 --frames 5 "
+        "--steps 4 runs in seconds.",
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
@@ -171,6 +174,14 @@ def run_generate(args: argparse.Namespace) -> int:
     options, submissions = check_generate_args(args)
     platform = detect_platform(prefer=args.platform)
     ctx = init_distributed(platform, timeout_s=args.timeout)
+    if ctx.is_main:
+        from dlo_fn.cli.checks import _stderr
+        from dlo_fn.cli.generate_size import default_size_note
+        from dlo_fn.models import load_config
+
+        note = default_size_note(args, submissions, load_config(args.checkpoint)[0], platform)
+        if note:
+            _stderr(f"dlo_fn generate: {note}")
     from dlo_fn.cli.budget import apply_host_budget
 
     options = apply_host_budget(args, ctx, options)
@@ -277,6 +288,28 @@ def _serve(args: argparse.Namespace, ctx, options, submissions, writer, built: d
             print(f"wrote every rank's measured timeline ({len(timeline.spans)} spans): {args.trace}")
         code = report_failures(report, [s.error for s in submissions if s.error])
     else:
-        engine.follow()
+        code = _follow(engine, ctx.rank)
     offloaded.synchronize()
     return code
+
+
+def _follow(engine, rank: int) -> int:
+    """A follower serves until rank 0 says stop (0), or says in one line why it stopped (1): rank 0 died, or this
+    rank was left behind (it stalled past --timeout and the others went on). Rank 0 wrote every request's
+    outcome that it saw end; a lost group's raw error is no traceback either."""
+    import torch.distributed as dist
+
+    from dlo_fn.cli import EXIT_FAILURE, _say
+
+    try:
+        engine.follow()
+    except dist.DistError as exc:
+        engine.stopped = f"lost the process group ({type(exc).__name__}: {exc}): rank 0 died or the others went on"
+    if engine.stopped is None:
+        return 0
+    _say(
+        "generate",
+        f"rank {rank}: {engine.stopped}; rank 0's --out manifest.jsonl has every request that ended; run the "
+        "rest again (a rank that stalls needs a longer --timeout)",
+    )
+    return EXIT_FAILURE

@@ -59,7 +59,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("functional_call", "swap"),
         default="swap",
         help="how a block runs on its slot's views: swap puts them in the block's parameter tables "
-        "for the call (resolved once); functional_call is torch.func's (same bits, ~3x the "
+        "for the call (resolved once); functional_call is torch.func's (same bits, more "
         "host time)",
     )
     parser.add_argument(
@@ -131,6 +131,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="host bytes the ranks on this host may hold together (e.g. 64GB): pin the shards "
         "that fit, stream the rest from the mapping (pageable), or refuse at start-up",
+    )
+    parser.add_argument(
+        "--hbm-budget",
+        default=None,
+        metavar="BYTES",
+        help="device weight bytes per rank (e.g. 16GB, 12GiB): keep the blocks that fit resident, spread "
+        "through the forward, and stream the rest; the whole model if it fits; refused below the two slots",
     )
 
 
@@ -229,7 +236,19 @@ def options_from_args(args: argparse.Namespace):
         shard_group=args.shard_group,
         load_group=group,
         quantization=args.quantization,
+        hbm_budget=_hbm_budget(args),
     )
+
+
+def _hbm_budget(args: argparse.Namespace) -> int | None:
+    from dlo_fn.plan.sizes import parse_bytes
+
+    if getattr(args, "hbm_budget", None) is None:
+        return None
+    try:
+        return parse_bytes(args.hbm_budget)
+    except ValueError as exc:
+        raise UsageError(f"generate: --hbm-budget: {exc}") from None
 
 
 def _defaults(args: argparse.Namespace) -> dict:

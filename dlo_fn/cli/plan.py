@@ -32,6 +32,9 @@ fields:
                               (rank-local).
                               Independent of the number of blocks.
   layout_digest               SHA-256 of the layout; ranks compare it at start-up
+  hbm_budget (--hbm-budget)   the blocks kept resident (spread through the forward), device_weight_bytes =
+                              ring buffers + resident tensors + resident blocks (what Offloaded reports),
+                              h2d_bytes_per_pass = the streamed shards of one rank
 
 mesh (--dp D --sp S): N = D x S ranks, row-major (rank = d x S + s); --shard-group picks the W ranks that
 share one set of shards: world (W = N, default), dp (W = D: the sp partners hold identical shards, as the
@@ -66,6 +69,7 @@ def register(subparsers) -> None:
         dest="num_shards",
         type=int,
         default=1,
+        action=_SaysItsSpelling,
         metavar="W",
         help="ranks in the shard group (every rank that runs in lockstep); default 1",
     )
@@ -117,6 +121,19 @@ def register(subparsers) -> None:
         help="tokens of one sequence for the SP terms (75600 = 720p 10 s: 1280x720, 81 frames)",
     )
     p.add_argument("--batch", type=int, default=1, help="sequences per pass for the SP terms (2 with CFG)")
+    p.add_argument(
+        "--hbm-budget",
+        default=None,
+        metavar="BYTES",
+        help="device weight bytes per rank (e.g. 16GB): the blocks offload keeps resident within it, the device "
+        "weight bytes and the bytes a pass streams (dlo_fn.plan.resident)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="price --hbm-budget with FP8 shards (stored blocks streamed, resident blocks in the compute dtype)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -135,10 +152,37 @@ def _fmt_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
+def _say_if_generate_refuses(model: str) -> None:
+    """``plan`` plans any safetensors checkpoint (from its headers when no config describes it); ``generate``
+    runs dlo_fn checkpoints only. One line on stderr says so, so the two never disagree silently."""
+    from dlo_fn.cli.checks import _stderr
+    from dlo_fn.models import CONFIGS, load_config
+
+    if model in CONFIGS:
+        return
+    try:
+        load_config(model)
+    except (ValueError, OSError) as exc:
+        _stderr(
+            f"dlo_fn plan: note: generate cannot run --model {model} ({exc}); this plan is for "
+            "dlo_fn.runtime.offload.offload(model, block_paths) from Python"
+        )
+
+
+class _SaysItsSpelling(argparse.Action):
+    """Stores the value and the spelling given (``--num-shards`` or ``--shard-world``), for messages that name the
+    flag the user typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_flag", option_string)
+
+
 def check_layout_args(args: argparse.Namespace, command: str = "plan") -> None:
     """The layout flags ``plan`` and ``generate`` share, checked before anything is built or loaded."""
     if getattr(args, "num_shards", 1) < 1:
-        raise UsageError(f"{command}: --shard-world {args.num_shards}: give the number of ranks, >= 1")
+        flag = getattr(args, "num_shards_flag", "--num-shards")
+        raise UsageError(f"{command}: {flag} {args.num_shards}: give the number of ranks, >= 1")
     if isinstance(args.slots, int) and args.slots < 1:
         raise UsageError(f"{command}: --slots {args.slots}: give >= 1 device slots (2 = double buffer)")
     if args.landing is not None and args.landing < 1:
@@ -207,6 +251,30 @@ def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
     return doc, notes
 
 
+def _budget(args: argparse.Namespace, spec, num_shards: int) -> dict | None:
+    """What ``offload(..., hbm_budget=...)`` keeps resident and holds on the device (None without the flag)."""
+    from dlo_fn.plan.resident import choose_resident, frontier, layout_for, ring_num_landing
+    from dlo_fn.plan.sizes import parse_bytes
+
+    if args.hbm_budget is None:
+        return None
+    try:
+        budget = parse_bytes(args.hbm_budget)
+    except ValueError as exc:
+        raise UsageError(f"plan: --hbm-budget: {exc}") from None
+    layout_of = lambda s: layout_for(s, num_shards, args.alignment, args.load_group, args.quantization)  # noqa: E731
+    ring = (args.slots, ring_num_landing(args.mode, num_shards, args.landing, args.load_group))
+    try:
+        choice = choose_resident(spec, budget, layout_of, *ring, owner="--hbm-budget")
+    except ValueError as exc:
+        raise UsageError(f"plan: {exc}") from None
+    larger = [p for p in frontier(spec, layout_of, *ring) if p.h2d_bytes_per_pass < choice.h2d_bytes_per_pass]
+    # what a larger budget buys: the next plans of the frontier, each streaming less per pass
+    picks = larger[:3] + larger[-1:] if len(larger) > 4 else larger
+    buys = [{"device_weight_bytes": p.device_weight_bytes, "h2d_bytes_per_pass": p.h2d_bytes_per_pass} for p in picks]
+    return {"budget_bytes": budget, **choice.to_dict(), "larger_budgets": buys}
+
+
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.io.sources import spec_for
     from dlo_fn.plan.summary import plan_summary
@@ -223,9 +291,11 @@ def run(args: argparse.Namespace) -> int:
         spec = spec_for(args.model, block_paths)
     except (ValueError, OSError) as exc:
         raise UsageError(f"plan: --model {args.model}: {exc}") from exc
+    _say_if_generate_refuses(args.model)
     num_shards = mesh.num_shards if mesh else args.num_shards
     summary = plan_summary(spec, num_shards, args.mode, args.slots, args.landing, args.alignment, args.load_group)
     mesh_doc, notes = _mesh_doc(args, spec, mesh) if mesh else (None, [])
+    budget = _budget(args, spec, num_shards)
     from dlo_fn.cli.rank_rows import TERM_FORMULAS
     from dlo_fn.cost.rank_memory import rank_terms
     from dlo_fn.plan.sizes import ModelSizes
@@ -245,7 +315,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {**summary.to_dict(), "rank_terms": terms, **({"mesh": mesh_doc, "notes": notes} if mesh else {})},
+                {
+                    **summary.to_dict(),
+                    "rank_terms": terms,
+                    **({"hbm_budget": budget} if budget else {}),
+                    **({"mesh": mesh_doc, "notes": notes} if mesh else {}),
+                },
                 indent=2,
             )
         )
@@ -253,6 +328,16 @@ def run(args: argparse.Namespace) -> int:
     for key, value in summary.to_dict().items():
         text = _fmt_bytes(value) if "_bytes" in key and key != "alignment_bytes" else str(value)
         print(f"{key:28s} {text}")
+    if budget:
+        print(f"\nHBM budget {_fmt_bytes(budget['budget_bytes'])} (dlo_fn.plan.resident):")
+        print(f"  resident blocks        {budget['num_resident']} of {spec.num_blocks}: {budget['resident_blocks']}")
+        for key in ("device_weight_bytes", "h2d_bytes_per_pass"):
+            print(f"  {key:22s} {_fmt_bytes(budget[key])}")
+        for p in budget["larger_budgets"]:
+            print(
+                f"  a budget of {_fmt_bytes(p['device_weight_bytes'])} streams {_fmt_bytes(p['h2d_bytes_per_pass'])}"
+                " per pass"
+            )
     print(f"\nhost terms per rank (W = {num_shards} ranks on one host, accelerator; dlo_fn.cost.rank_memory):")
     for key, value in terms.items():
         print(f"  {key:22s} {TERM_FORMULAS[key]:66s} {value if key == 'readers' else _fmt_bytes(value)}")

@@ -46,7 +46,7 @@ def help_tables() -> str:
         )
     lines += [
         "",
-        "models (--model NAME): " + ", ".join(topologies.model_names()),
+        "models (--model NAME): " + ", ".join(topologies.model_names()) + "; or a named config (plan --help)",
         "",
         "named workloads (--workload NAME; default: the topology's own):",
     ]
@@ -119,18 +119,39 @@ def _ints(flag: str, text: str) -> tuple[int, ...]:
     return values
 
 
+def _model(name: str):
+    """A named policy model (calibrated), or any named config ``plan`` and ``make-checkpoint`` know, from its
+    spec's exact sizes (activations left out of the HBM check)."""
+    from dlo_fn.cost import topology_file as topologies
+    from dlo_fn.cost.topology import PolicyModel
+    from dlo_fn.models import CONFIGS
+    from dlo_fn.models.specs import config_spec
+    from dlo_fn.plan.sizes import ModelSizes
+
+    if name in topologies.model_names() or name not in CONFIGS:
+        try:
+            return topologies.model(name)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; or a named config: {', '.join(CONFIGS)}") from None
+    spec = ModelSizes.from_spec(config_spec(name))
+    return PolicyModel(spec, CONFIGS[name].hidden_dim, source=f"dlo_fn.models.specs.config_spec({name!r})")
+
+
 def _topology(text: str):
     """``(topology, probe)``: probe is ``(model, workload, sps)`` when the file is an ``auto_policy.json``."""
     from dlo_fn.cost import topology_file as topologies
 
-    if text.endswith(".json"):
-        path = pathlib.Path(text)
+    path = pathlib.Path(text)
+    if path.is_file() or text.endswith(".json"):  # a file of any name is read; a name is looked up
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise SystemExit(f"policy: --topology {text}: no such file") from None
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"policy: --topology {text}: not JSON ({exc})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SystemExit(
+                f"policy: --topology {text}: not JSON ({exc}): a topology file is one JSON object (its fields: "
+                "policy --help)"
+            ) from None
         try:
             if isinstance(data, dict) and "topology" in data:
                 t, *probe = topologies.probe_from_dict(data, where=f"--topology {text}")
@@ -159,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             model, workload, sps = probe
         else:
             sps = None
-            model = topologies.model(args.model)
+            model = _model(args.model)
             workload = topologies.workload(
                 args.workload or DEFAULT_WORKLOAD.get(topology.name, "image 1024^2 CFG, 24 steps")
             )

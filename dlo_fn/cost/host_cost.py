@@ -12,9 +12,9 @@ the loop's Python, which every block pays, and the rest scales with the stream o
 
     host(G) = host(1) x (f + (1 - f) x ops(G) / ops(1)),     f = HOST_FIXED_SHARE
 
-``f = 0.14`` is fitted on G = 4 of one H200 run of the issue loop (``figures/data/bench_step_nvidia-h200.json``,
-``bench step``'s dispatch rows, bench-narrow, 24 blocks: 42.5 us per block at G = 1 and 17.8 at G = 4, where the
-operations go 5 -> 1.625 per block); it predicts 25.1 us at G = 2, measured 24.2 (tests/test_policy.py checks both).
+``HOST_FIXED_SHARE`` is fitted on G = 4 of one H200 run of the issue loop (``figures/data/bench_step_nvidia-h200.json``,
+``bench step``'s dispatch rows, bench-narrow, 24 blocks) and predicts G = 2 of the same run (tests/test_policy.py
+checks both; the rows: ``docs/performance.md``, "Host work per block").
 
 The allgather program (``W > 1``: H2D into landing buffers, all-gathers into the slots) is priced the same way
 with its own share, each all-gather call counted as ``HOST_COLLECTIVE_CALLS`` stream operations (the collective's
@@ -26,7 +26,7 @@ enqueue)::
 where ``coll(G)`` is one per block on the per-block shard layout and one per group on the grouped one
 (:mod:`dlo_fn.plan.layout`, what ``offload`` builds where ``G`` divides the blocks). These two constants were fitted
 on one NCCL rank that kept the W > 1 op sequence, under an issue path the runtime no longer has
-(``figures/data/allgather_host_nvidia-h200.json``: 63.65 us per block at G = 1, 22.95 at G = 4 grouped); the issue
+(``figures/data/allgather_host_nvidia-h200.json``, G = 1 and G = 4 grouped); the issue
 loop's own rows come from ``python -m benchmarks.bench.allgather_host`` on a GPU (two ranks sharing it, and the
 NCCL call's host cost), which has not run on one yet.
 """

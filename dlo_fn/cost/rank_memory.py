@@ -32,9 +32,9 @@ byte per rank: it only creates the communicator), and ``x`` is added from the fi
 Rank-local mmap streams every block from the open mapping: after offload ``c`` (+ ``R`` read on CUDA), during
 generation ``+ sum_b n_b`` file pages (PSS ``/ N``, USS only when ``N = 1``) + slots.
 
-Not modelled, measured on one H200 (figures/data/load_phases_h200.csv): on CUDA the first compute loads kernel
-modules and library state into host memory (+460-509 MB RSS per rank beside ``x``, for the 216 MB checkpoint):
-pass it as ``a`` once measured; and gloo's staging peaks ~50 MB above ``x`` while a gather runs.
+Not modelled, measured on one H200 (figures/data/load_phases_h200.csv, notebook 04): on CUDA the first compute loads
+kernel modules and library state into host memory beside ``x``: pass it as ``a`` once measured; and gloo's staging
+peaks a little above ``x`` while a gather runs.
 
 USS = RSS minus shared pages (the constant's own split, file pages read by more than one rank); PSS divides
 shared file pages by ``N``. With the mapping closed the ranks share no weight page, so the sum of PSS over
@@ -138,8 +138,8 @@ def gloo_cuda_staging_bytes(sizes: ModelSizes, num_shards: int, alignment_bytes:
     """``x`` for gloo over CUDA tensors: gloo stages the all-gather's input (one shard, ``L``) and output (one
     slot, ``S``) in pinned host buffers from the caching host allocator, which rounds each up to a power of
     two and keeps them from the first step's all-gather on: ``x = pow2(L) + pow2(S)``. (NCCL / HCCL: 0.) Seen on
-    one H200 (figures/data/load_phases_h200.csv, N = 2): the allgather rank's first step adds ~120 MB more than
-    the rank-local one's once their arenas' difference is taken out, against ``x`` = 101 MB."""
+    one H200 (figures/data/load_phases_h200.csv, N = 2; ``docs/performance.md``): the allgather rank's first step
+    adds a little more than ``x`` over the rank-local one's once their arenas' difference is taken out."""
     return _pow2(sizes.max_shard_bytes(num_shards, alignment_bytes)) + _pow2(
         sizes.max_padded_block_bytes(num_shards, alignment_bytes)
     )

@@ -37,7 +37,12 @@ __all__ = [
     "buffer_hook",
     "non_persistent_buffers",
     "recompute_buffers",
+    "stored_weights",
+    "drop_stored",
+    "STORED_ATTR",
 ]
+
+STORED_ATTR = "dlo_fn_stored"  # where a loaded quantised checkpoint's stored weights wait (dlo_fn.io.quantized)
 
 DLO_MODEL_TYPE = "dlo_fn-video-dit"
 
@@ -165,15 +170,17 @@ def model_from_config(ckpt: Checkpoint) -> nn.Module:
     where = ckpt.root / CONFIG_FILE
     if ckpt.config is None:
         raise CheckpointError(
-            "no config.json next to the weights, so the model is unknown: pass model_or_factory= "
-            "(a module, a factory or a diffusers class)",
+            "no config.json next to the weights, so the model is unknown: the command line takes dlo_fn and "
+            "diffusers checkpoints only; from Python pass model_or_factory= (a module, a factory or a diffusers "
+            "class)",
             file=where,
         )
     kind = ckpt.config.get("model_type") if isinstance(ckpt.config, dict) else None
     if kind != DLO_MODEL_TYPE:
         raise CheckpointError(
             f"config.json is neither a dlo_fn config (model_type {kind!r}, not {DLO_MODEL_TYPE!r}) "
-            "nor a diffusers one (_class_name): pass model_or_factory= to build the model yourself",
+            "nor a diffusers one (_class_name): the command line takes those only; from Python pass "
+            "model_or_factory= to build the model yourself",
             file=where,
         )
     from dlo_fn import models
@@ -283,3 +290,14 @@ def with_address_residues(spec, model: nn.Module):
             tensors.append(dataclasses.replace(t, residue_bytes=r if r % t.dtype.itemsize == 0 else 0))
         blocks.append(dataclasses.replace(block, tensors=tuple(tensors)))
     return dataclasses.replace(spec, blocks=tuple(blocks))
+
+
+def stored_weights(model: nn.Module):
+    """The :class:`~dlo_fn.io.quantized.StoredWeights` a quantised checkpoint's load left on ``model`` (None: none);
+    here, not in :mod:`dlo_fn.io.quantized`, so that asking costs no FP8 module."""
+    return getattr(model, STORED_ATTR, None)
+
+
+def drop_stored(model: nn.Module) -> None:
+    """Forget ``model``'s stored views (once a host store or the dequantised weights hold their bits)."""
+    vars(model).pop(STORED_ATTR, None)

@@ -37,7 +37,10 @@ __all__ = [
     "resolve_checkpoint",
     "open_checkpoint",
     "CONFIG_FILE",
+    "META_QUANTIZATION",
+    "quantization_marked",
 ]
+META_QUANTIZATION = "dlo_fn.quantization"  # the mark a quantised checkpoint's files carry (dlo_fn.io.quantized)
 
 # (single file, index) pairs, in the order a directory is searched.
 WEIGHT_NAMES = (
@@ -235,6 +238,12 @@ def _read_index(index: pathlib.Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"unreadable index ({exc}): write or download it again", file=index) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if weight_map is None and isinstance(data, dict) and not index.name.endswith(".index.json"):
+        raise CheckpointError(
+            f"a JSON file without a weight_map is no checkpoint index (a model's config?): pass the folder "
+            f"that holds the checkpoint, {index.parent}",
+            file=index,
+        )
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(
             "index has no weight_map of key -> shard file name: write it again (or pass the checkpoint directory)",
@@ -307,3 +316,9 @@ def open_checkpoint(
                 f"config is a JSON {type(config).__name__}, not an object: write it again", file=root / CONFIG_FILE
             )
     return Checkpoint(os.fspath(checkpoint), root, tuple(files), entries, config)
+
+
+def quantization_marked(ckpt: Checkpoint) -> bool:
+    """Whether any file of ``ckpt`` carries the quantised checkpoint's mark (:mod:`dlo_fn.io.quantized` reads the
+    rest); the loader asks first, so plain checkpoints never load the FP8 modules."""
+    return any(META_QUANTIZATION in (read_header(f).get("__metadata__") or {}) for f in ckpt.files)

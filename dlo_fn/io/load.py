@@ -43,9 +43,8 @@ from dlo_fn.io.bind import (
     recompute_buffers,
     rollback,
 )
-from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, open_checkpoint, quantization_marked
 from dlo_fn.io.mappings import file_mappings, in_mappings
-from dlo_fn.io.quantized import bind_stored, stored_format
 
 __all__ = [
     "LoadReport",
@@ -148,7 +147,11 @@ def load_checkpoint(
         cast_dtype = True  # from_pretrained casts every stored tensor to its module's dtype
     elif isinstance(model_or_factory, nn.Module):
         _warn_cast_buffers(model)
-    fmt = stored_format(ckpt)  # a quantised checkpoint: its FP8 tensors mapped aside (dlo_fn.io.quantized)
+    fmt = None
+    if quantization_marked(ckpt):  # a quantised checkpoint: its FP8 tensors mapped aside (dlo_fn.io.quantized)
+        from dlo_fn.io.quantized import bind_stored, stored_format
+
+        fmt = stored_format(ckpt)
     targets, ignored = plan_targets(ckpt, model, key_map, cast_dtype, fmt.keys if fmt is not None else ())
     recomputed, _ = non_persistent_buffers(model, _buffer_hook(model))
     saved = [(t.module, t.attr, t.kind, getattr(t.module, t.attr)) for t in targets]

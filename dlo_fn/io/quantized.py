@@ -23,7 +23,9 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from dlo_fn.io.checkpoint import Checkpoint, CheckpointError, read_header
+from dlo_fn.io.bind import STORED_ATTR, drop_stored, stored_weights
+from dlo_fn.io.checkpoint import META_QUANTIZATION, Checkpoint, CheckpointError, read_header
+from dlo_fn.plan.layout import BlockLayout
 from dlo_fn.plan.quant import SCALE_SUFFIX, check_quantization
 
 __all__ = [
@@ -38,9 +40,8 @@ __all__ = [
     "drop_stored",
 ]
 
-META_QUANTIZATION, META_EXCLUDE, META_DTYPE = "dlo_fn.quantization", "dlo_fn.quantize_exclude", "dlo_fn.torch_dtype"
+META_EXCLUDE, META_DTYPE = "dlo_fn.quantize_exclude", "dlo_fn.torch_dtype"
 FP8_NAME = "F8_E4M3"
-_ATTR = "dlo_fn_stored"  # where a loaded model keeps its StoredWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +58,35 @@ class StoredFormat:
 @dataclass(frozen=True, slots=True)
 class StoredWeights:
     """A loaded quantised checkpoint's stored block tensors: dotted module name -> ``(FP8 view, float32 scale
-    view)``, both views of the file's mapping, and the files they view."""
+    view)``, both views of the file's mapping, and the files they view. What ``offload`` fills a quantised host
+    store from; quantising on the fly gives it the same interface (:class:`dlo_fn.runtime.quant.QuantizeOnLoad`:
+    ``exclude``, ``files``, ``check``, ``block``)."""
 
     format: StoredFormat
     tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     files: tuple[str, ...]
 
-    def block(self, block_name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A block's tensors as the host store reads them: ``tensors`` (the module's, by relative name) with each
-        stored one replaced by its FP8 view and its scales added under ``<name>_scale``."""
-        out, prefix = dict(tensors), block_name + "."
+    @property
+    def exclude(self) -> tuple[str, ...]:
+        """The modules the writer kept as they were."""
+        return self.format.exclude
+
+    def check(self, fp8: set[str], paths: tuple[str, ...]) -> None:
+        """The FP8 tensors the layout of block lists ``paths`` stores (``fp8``, dotted names) are those stored."""
+        if fp8 != set(self.tensors):
+            raise ValueError(
+                f"the checkpoint's FP8 tensors are not those FP8 shards of block lists {list(paths)} "
+                f"store (e.g. {sorted(fp8 ^ set(self.tensors))[0]!r}): offload the block lists it "
+                "was quantised for, or quantize the source again"
+            )
+
+    def block(
+        self, stored: BlockLayout, tensors: Mapping[str, torch.Tensor], pieces: object = None
+    ) -> dict[str, torch.Tensor]:
+        """Block ``stored``'s tensors as the host store reads them: ``tensors`` (the module's, by relative name)
+        with each stored one replaced by its FP8 view and its scales added under ``<name>_scale`` (``pieces``, the
+        rank's, change nothing: the file holds every row)."""
+        out, prefix = dict(tensors), stored.name + "."
         for name, (q, scale) in self.tensors.items():
             if name.startswith(prefix):
                 out[name.removeprefix(prefix)], out[name.removeprefix(prefix) + SCALE_SUFFIX] = q, scale
@@ -136,14 +156,4 @@ def bind_stored(ckpt: Checkpoint, model: nn.Module, fmt: StoredFormat) -> None:
                 key=key,
             )
         tensors[key] = (handles[entry.file].get_tensor(key), handles[entry.file].get_tensor(key + SCALE_SUFFIX))
-    setattr(model, _ATTR, StoredWeights(fmt, tensors, tuple(str(f.resolve()) for f in ckpt.files)))
-
-
-def stored_weights(model: nn.Module) -> StoredWeights | None:
-    """The :class:`StoredWeights` a quantised checkpoint's load left on ``model`` (None: none)."""
-    return getattr(model, _ATTR, None)
-
-
-def drop_stored(model: nn.Module) -> None:
-    """Forget ``model``'s stored views (once a host store or the dequantised weights hold their bits)."""
-    vars(model).pop(_ATTR, None)
+    setattr(model, STORED_ATTR, StoredWeights(fmt, tensors, tuple(str(f.resolve()) for f in ckpt.files)))

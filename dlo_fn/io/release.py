@@ -5,8 +5,8 @@ lives as long as any view of it does. After :func:`~dlo_fn.runtime.host_store.bu
 *read* its ``1/W`` of every block out of the mapping; those pages stay in the rank's page tables (counted in
 its RSS and, since no other rank touched the same pages, in its USS) for as long as the mapping is open. The
 blocks' views are dropped when the blocks go to meta, but the resident (non-block) tensors still view the same
-mapping, so it stays open and the touched pages stay charged to the rank: on 2 gloo ranks and a 0.99 GB
-checkpoint that was ~475 MB of USS per rank beyond the plan.
+mapping, so it stays open and the touched pages stay charged to the rank (about half the rank's share of the
+checkpoint in USS beyond the plan, measured: ``docs/performance.md``).
 
 :func:`release_mapped_tensors` (run after the resident tensors moved to the device) closes the mapping:
 

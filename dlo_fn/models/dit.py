@@ -305,7 +305,7 @@ def build_model(
     model.eval().requires_grad_(False)
     if device.type != "meta":
         # Fresh storage tensor by tensor: nn.Module.to_empty would give the same, but its meta empty_like
-        # imports sympy on first use (~0.5 s per process, paid by every test rank).
+        # imports sympy on first use, a start-up cost every test rank would pay.
         for module in model.modules():
             for name, p in module._parameters.items():
                 if p is not None:

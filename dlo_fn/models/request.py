@@ -15,7 +15,7 @@ Fields (all compared by ``==`` and hashable, so wave grouping can key on them):
     negative_prompt      ""             yes: tokens of the unconditional branch
     outputs_per_prompt   1              yes: N videos from one noise generator, drawn in order
     quality              "default"      no: carried for serving / wave grouping
-    lora, lora_scale     None, 1.0      lora must be None: the reference model has no adapters
+    lora, lora_scale     None, 1.0      yes: the adapter (dlo_fn.models.lora) active for it, at that scale
     extra_args           {}             no: a read-only dict (FrozenDict) of JSON scalars / tuples, carried as is
 
 Defaults are the published Cosmos3-Nano workload (832 x 480, 29 frames, 35 steps).
@@ -131,8 +131,8 @@ class Request:
             raise ValueError(f"sampler={self.sampler!r}: unknown; known: {', '.join(SAMPLERS)}")
         if not isinstance(self.quality, str) or not self.quality:
             raise ValueError(f"quality={self.quality!r}: must be a non-empty string")
-        if self.lora is not None:
-            raise ValueError(f"lora={self.lora!r}: the reference model has no LoRA adapters; pass lora=None")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora={self.lora!r}: must be None or the name of a loaded adapter")
         if not _is_number(self.lora_scale):
             raise ValueError(f"lora_scale={self.lora_scale!r}: must be a finite number")
         for key, value in self.extra_args.items():
@@ -160,4 +160,6 @@ class Request:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Request":
         check_known_fields(cls, data)
+        if "prompt" not in data:
+            raise ValueError('no "prompt" field: every request needs one, e.g. {"prompt": "a red fox"}')
         return cls(**data)

@@ -34,6 +34,7 @@ import torch
 
 from dlo_fn.models.config import DiTConfig, latent_shape
 from dlo_fn.models.decode import decode_latents
+from dlo_fn.models.lora import adapter_names, use_adapter
 from dlo_fn.models.request import Request
 from dlo_fn.models.text import tokenize
 
@@ -101,7 +102,21 @@ def _config_and_device(model_or_config, device) -> tuple[DiTConfig, torch.device
     device = torch.device(device)
     if device.type == "meta":
         raise ValueError("the model is on the meta device: load or materialise its weights before sampling")
+    _check_materialised(model_or_config)
     return config, device
+
+
+def _check_materialised(model: torch.nn.Module) -> None:
+    """A tensor left on meta runs without an error and gives NaN (a checkpoint written by ``quantize`` keeps its
+    FP8 block weights aside, their module entries on meta). An offloaded model's blocks are proxies whose meta
+    blocks are not registered, so they do not count."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.is_meta:
+            raise ValueError(
+                f"{type(model).__name__}'s {name} is not loaded (it is on the meta device): load the model's "
+                "weights first, or offload it (dlo_fn.runtime.offload.offload); a checkpoint written by "
+                "`python -m dlo_fn quantize` runs only offloaded, with quantization='fp8'"
+            )
 
 
 def init_state(model_or_config, request: Request, device: torch.device | str | None = None) -> SamplerState:
@@ -170,7 +185,11 @@ def generate(model, request: Request, *, sp=None) -> Result:
     """Run a whole request through ``model`` (a :class:`~dlo_fn.models.dit.VideoDiT`, possibly with offloaded blocks).
 
     ``sp``: a :class:`~dlo_fn.models.sp.SPContext`; every rank of its group calls ``generate`` with the same
-    request (same seed, so the same noise), computes its share of the tokens and gets the whole result."""
+    request (same seed, so the same noise), computes its share of the tokens and gets the whole result.
+    ``request.lora`` (at ``lora_scale``) is made the active adapter first where the model has adapters
+    (:mod:`dlo_fn.models.lora`)."""
+    if request.lora is not None or adapter_names(model):
+        use_adapter(model, request.lora, request.lora_scale)
     state = init_state(model, request)
     kwargs = {} if sp is None else {"sp": sp}
     text = model.encode_text(state.text_tokens)  # the prompt's states do not change across steps: encode once

@@ -70,7 +70,7 @@ class ByteTextEncoder(nn.Module):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         # An explicit (empty) weight skips nn.Embedding's normal_ init: on meta that first call imports torch's
-        # reference decompositions (~2 s per process); weights come from dlo_fn.models.init anyway.
+        # reference decompositions, a start-up cost per process; weights come from dlo_fn.models.init anyway.
         self.token_embed = nn.Embedding(
             VOCAB_SIZE, config.text_dim, _weight=torch.empty(VOCAB_SIZE, config.text_dim, **kw)
         )

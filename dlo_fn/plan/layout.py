@@ -36,8 +36,8 @@ Example: a block with ``q.weight`` (bf16, 64 x 16 = 2048 bytes) and ``norm.weigh
 **Grouped shard layout** (``load_group = G > 1``; :func:`model_layout`, ``B`` a multiple of ``G``). Blocks
 ``G i .. G i + G - 1`` form group ``i``: a load group of the ring (:mod:`dlo_fn.plan.lowering`), whose ``G``
 loads land side by side in ``G`` consecutive landing buffers and are gathered into ``G`` consecutive slots. With
-per-block shards that is ``G`` all-gathers (each a collective launch of its own, ~11 us of host work on NCCL
-whether grouped or not); the grouped layout makes it ONE. The group's blocks are concatenated at a stride of
+per-block shards that is ``G`` all-gathers (each a collective launch of its own, with its host work, grouped
+or not); the grouped layout makes it ONE. The group's blocks are concatenated at a stride of
 ``P_i = W q_i`` bytes, ``q_i = max_b s_b`` over the group (so block ``g`` of the group starts at ``g P_i``), and
 rank ``r`` owns bytes ``[r G q_i, (r + 1) G q_i)`` of that concatenation: one all-gather of ``G q_i`` bytes from
 each rank then writes the ``G`` blocks at their stride, in place. Block ``g``'s :class:`ShardLayout` describes
@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo_fn.plan.quant import check_quantization, stored_block
+from dlo_fn.plan.quant import Quantization, check_quantization, stored_block
 from dlo_fn.plan.spec import KERNEL_ALIGNMENT_BYTES, BlockSpec, ModelSpec
 
 __all__ = [
@@ -454,13 +454,13 @@ def model_layout(
     num_shards: int,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     load_group: int = 1,
-    quantization: str | None = None,
+    quantization: str | Quantization | None = None,
     exclude: tuple[str, ...] = (),
 ) -> ModelLayout:
     """Flat layout of every block of ``spec``, sharded over ``num_shards`` ranks; ``load_group > 1`` (it must
     divide the number of blocks): the grouped layout, one all-gather per group of that many blocks.
-    ``quantization="fp8"``: the shards lay out the stored blocks and ``compute`` the blocks of ``spec``
-    (:mod:`dlo_fn.plan.quant`; ``exclude``: modules kept as they are)."""
+    ``quantization="fp8"`` (or a :class:`~dlo_fn.plan.quant.Quantization`): the shards lay out the stored blocks
+    and ``compute`` the blocks of ``spec`` (:mod:`dlo_fn.plan.quant`; ``exclude``: modules kept as they are)."""
     if check_quantization(quantization) is not None:  # ModelLayout refuses load groups
         stored = tuple(block_layout(stored_block(b, exclude), alignment_bytes) for b in spec.blocks)
         return ModelLayout(

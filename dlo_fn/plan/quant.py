@@ -20,7 +20,7 @@ one from the other ("Quantised loads" in :mod:`dlo_fn.plan.lowering`). Pure: no 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -32,6 +32,8 @@ __all__ = [
     "FP8_MAX",
     "SCALE_SUFFIX",
     "check_quantization",
+    "Quantization",
+    "as_quantization",
     "quantized",
     "quantized_tensors",
     "stored_block",
@@ -46,13 +48,46 @@ SCALE_SUFFIX = "_scale"
 _FLOATING = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_quantization(quantization: str | None) -> str | None:
+def check_quantization(quantization: "str | Quantization | None") -> str | None:
+    """The format (``"fp8"``) of a quantisation option value, or None; anything else is a ``ValueError``."""
+    if isinstance(quantization, Quantization):
+        return quantization.format
     if quantization not in (None, "fp8"):
         raise ValueError(
             f"quantization must be None or 'fp8' (FP8 e4m3 weights, one float32 scale per output "
             f"channel); got {quantization!r}"
         )
     return quantization
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    """A storage codec as an option value (``OffloadOptions.quantization``): its ``format`` (``"fp8"``) and the
+    modules it keeps as they are (``exclude``, besides a diffusers model's fp32 ones). ``str()`` is the format."""
+
+    format: str = "fp8"
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_quantization(self.format)
+        if self.format is None:
+            raise ValueError("Quantization needs a format ('fp8'); for none pass quantization=None")
+        if isinstance(self.exclude, str) or not all(isinstance(m, str) for m in self.exclude):
+            raise ValueError(f"Quantization exclude must be a tuple of module names, got {self.exclude!r}")
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+
+    def __str__(self) -> str:
+        return self.format
+
+
+def as_quantization(value: "str | Quantization | None") -> Quantization | None:
+    """``"fp8"`` -> ``Quantization("fp8")``; a :class:`Quantization` or None as it is; anything else is a
+    ``ValueError`` saying what is taken."""
+    if value is None or isinstance(value, Quantization):
+        return value
+    if isinstance(value, str):
+        return Quantization(value)
+    raise ValueError(f"quantization must be None, 'fp8' or a Quantization('fp8', exclude=(...)); got {value!r}")
 
 
 def quantized(tensor: TensorSpec, block: str, exclude: Sequence[str] = ()) -> bool:

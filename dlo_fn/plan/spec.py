@@ -258,7 +258,10 @@ def _detect_block_paths(keys: Iterable[str]) -> tuple[str, ...]:
         if m:
             counts.setdefault(m["path"], set()).add(int(m["index"]))
     if not counts:
-        raise ValueError("no '<path>.<index>.<name>' keys in the checkpoint: pass block_paths explicitly")
+        raise ValueError(
+            "no '<path>.<index>.<name>' keys in the checkpoint: name its block lists (plan --block-paths a,b; "
+            "Python: block_paths=)"
+        )
     best = max(len(v) for v in counts.values())
     # Keep every list at least a third as deep as the deepest (Flux: 19 double + 38 single blocks), but not
     # shallow stacks such as a 2-layer text encoder next to 4 blocks.

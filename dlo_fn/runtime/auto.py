@@ -1,9 +1,10 @@
-"""``offload(model, ctx=ctx, mode="auto", num_slots="auto", load_group="auto")`` for any model: the links probed
-on block 0's bytes, then with ``workload=`` (a Workload: block FLOPs at a measured matmul rate; a
-:class:`~dlo_fn.serve.probe.Probe`) the choice (:mod:`dlo_fn.cost.auto`; rank 0's on every rank) and one build with
-concrete options. Without, the **first call** is a synchronous layerwise pass (each block's tensors on the device
-only for its call, nothing to copy on CPU; timed around syncs): no resident copy, the plain model's output; its end
-chooses and builds. Every rank makes that first call (a broadcast, a collective build), as DP calls do.
+"""``offload(model, ctx=ctx, mode="auto", num_slots="auto", load_group="auto")`` for any model: :func:`resolve` runs
+first and returns concrete options, from which ``offload`` builds once. The links are probed on block 0's bytes,
+then with ``workload=`` (a Workload: block FLOPs at a measured matmul rate; a :class:`~dlo_fn.serve.probe.Probe`)
+the policy chooses (:mod:`dlo_fn.cost.auto`; rank 0's choice on every rank). Without one, ``example=`` (one call's
+inputs) is timed through a plain probe: a synchronous layerwise pass of the model (each block's tensors on the
+device only for its call, nothing to copy on CPU; timed around syncs), with no resident copy and no offloaded
+state, whose per-block times the policy reads. Every rank resolves (a broadcast), as DP calls do.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dlo_fn.plan.sizes import ModelSizes
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.probe import best_s, flat_block, probe_links
 
-__all__ = ["resolve", "decide"]
+__all__ = ["resolve", "decide", "time_one_call", "flop_per_s"]
 
 log = logging.getLogger(__name__)
 GROUPS = {"world": "mesh", "dp": "dp"}  # OffloadOptions.shard_group -> the policy's shard group
@@ -46,40 +47,56 @@ def decide(topology, model, workload, fields, options, ctx, *, sps=(1,), source=
     return choice
 
 
-def resolve(pending, paths, entries, fields, workload, mesh, build):
-    """``offload``'s ``auto`` fields (module docstring): the :class:`~dlo_fn.runtime.offload.Offloaded` of
-    ``build(model, paths, spec, ctx, options, mesh)`` at the chosen options, or ``pending``, built at the end of
-    the first call."""
-    model, ctx, options, spec = pending.model, pending.ctx, pending.options, pending.spec
+def resolve(model, entries, spec, ctx, options, fields, workload, mesh, example):
+    """``offload``'s ``auto`` fields (module docstring): ``(options, choice)``, the options with every ``auto`` field
+    concrete and the :class:`~dlo_fn.cost.auto.AutoChoice` (chosen and runner-up, logged on rank 0).
+    ``entries``: the (block list, index) of every block."""
     sp = (mesh.sp_size if mesh is not None else 1,)
 
-    def built(choice):
-        done = build(model, paths, spec, ctx, replace(options, **plan_auto.option_values(choice.chosen)), mesh)
-        done.auto = choice
-        return done
+    def concrete(choice):
+        return replace(options, **plan_auto.option_values(choice.chosen)), choice
 
     if hasattr(workload, "topology"):  # a start-up probe
-        return built(decide(workload.topology, workload.model, workload.workload, fields, options, ctx, sps=sp))
+        return concrete(decide(workload.topology, workload.model, workload.workload, fields, options, ctx, sps=sp))
+    if workload is not None and not isinstance(workload, Workload):
+        raise TypeError(
+            f"offload(workload=...) takes a dlo_fn.plan.workload.Workload or a serve.probe.Probe, got "
+            f"{type(workload).__name__}"
+        )
+    if workload is None and example is None:
+        raise ValueError(
+            "offload(mode/num_slots/load_group='auto') chooses from workload= (a dlo_fn.plan.workload.Workload) or "
+            "from one timed call: pass example= (that call's keyword arguments as a dict, or its positional ones as "
+            "a tuple)"
+        )
     first = entries[0][0][entries[0][1]]
     dtype = next(iter(first.state_dict().values())).dtype
     links = probe_links(flat_block(first), ctx, dtype=dtype)
     sizes = ModelSizes.from_spec(spec, source="the model's spec")
-    if isinstance(workload, Workload):
+    if workload is not None:
         pmodel = PolicyModel(sizes, plan_auto.hidden_dim(first), dtype.itemsize, source="the model's spec")
         topo = plan_auto.topology_from(
-            "probe and workload", ctx.world_size, links, BlockCompute(flop_per_s=_flop_per_s(ctx.platform, dtype))
+            "probe and workload", ctx.world_size, links, BlockCompute(flop_per_s=flop_per_s(ctx.platform, dtype))
         )
-        return built(decide(topo, pmodel, workload, fields, options, ctx, sps=sp, source="workload"))
-    if workload is not None:
-        raise TypeError(
-            f"offload(workload=...) takes a dlo_fn.plan.workload.Workload, a serve.probe.Probe or "
-            f"None (measured on the first call), got {type(workload).__name__}"
-        )
-    blocks = [lst[i] for lst, i in entries]
-    dev, sync = ctx.platform.device, ctx.platform.synchronize
+        return concrete(decide(topo, pmodel, workload, fields, options, ctx, sps=sp, source="workload"))
+    times, outside_s, peak = time_one_call(model, [lst[i] for lst, i in entries], ctx.platform, example)
+    act = max(peak - max(sizes.block_bytes), 0)  # activations: the peak beyond the one block on the device
+    topo, pmodel, wl = plan_auto.measured_inputs(
+        sizes, plan_auto.hidden_dim(first), dtype.itemsize, times, outside_s, act, links, ctx.world_size
+    )
+    return concrete(decide(topo, pmodel, wl, fields, options, ctx, sps=sp, source="example call"))
+
+
+@torch.no_grad()
+def time_one_call(model, blocks, platform, example) -> tuple[tuple[float, ...], float, int]:
+    """One call of ``model`` on ``example`` (a dict of keyword arguments or a tuple of positional ones) through the
+    plain probe of the module docstring: each block's compute seconds, the seconds outside the blocks and their
+    loads, and the allocator's peak above where the call started (0 on CPU). The blocks' tensors
+    go back where they were; the other tensors stay on the device, where ``offload`` puts them anyway."""
+    dev, sync, clock = platform.device, platform.synchronize, time.perf_counter
+    acc = platform if platform.is_accelerator else None
     _to_device(model, {id(m) for b in blocks for m in b.modules()}, dev)
-    times, hooks, clock, st = [0.0] * len(blocks), [], time.perf_counter, {"load_s": 0.0}
-    acc = ctx.platform if ctx.platform.is_accelerator else None
+    times, hooks, st = [0.0] * len(blocks), [], {"load_s": 0.0}
 
     def before(b, mod, args):  # the block's tensors onto the device (a no-op on CPU), timed apart from its call
         sync()
@@ -94,37 +111,25 @@ def resolve(pending, paths, entries, fields, workload, mesh, build):
         for table, key, tensor in st.pop(b):
             table[key] = tensor
 
-    def start(mod, args):
-        sync()
-        if acc is not None:
-            acc.reset_peak_memory_stats()
-        st.update(base=acc.memory_allocated() if acc else 0, t0=clock())
-
-    def end(mod, args, out):
-        sync()
-        wall = clock() - st["t0"]
-        for h in hooks:
-            h.remove()
-        act = max(acc.max_memory_allocated() - st["base"] - max(sizes.block_bytes), 0) if acc else 0
-        topo, pmodel, wl = plan_auto.measured_inputs(
-            sizes,
-            plan_auto.hidden_dim(first),
-            dtype.itemsize,
-            tuple(times),
-            wall - st["load_s"] - sum(times),
-            act,
-            links,
-            ctx.world_size,
-        )
-        vars(pending).update(vars(built(decide(topo, pmodel, wl, fields, options, ctx, sps=sp, source="first call"))))
-
     for b, block in enumerate(blocks):
         hooks += [
             block.register_forward_pre_hook(functools.partial(before, b)),
             block.register_forward_hook(functools.partial(after, b)),
         ]
-    hooks += [model.register_forward_pre_hook(start), model.register_forward_hook(end)]
-    return pending
+    args, kwargs = (example, {}) if isinstance(example, tuple) else ((), dict(example))
+    try:
+        sync()
+        if acc is not None:
+            acc.reset_peak_memory_stats()
+        base, t0 = (acc.memory_allocated() if acc else 0), clock()
+        model(*args, **kwargs)
+        sync()
+        wall = clock() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+    peak = acc.max_memory_allocated() - base if acc else 0
+    return tuple(times), wall - st["load_s"] - sum(times), peak
 
 
 def _to_device(module, skip: set, dev) -> list:
@@ -144,7 +149,7 @@ def _to_device(module, skip: set, dev) -> list:
     return saved
 
 
-def _flop_per_s(platform, dtype) -> float:
+def flop_per_s(platform, dtype) -> float:
     """A square matmul's rate on the device in the blocks' dtype (fp32 on CPU, where bf16 kernels are slow)."""
     n = 2048 if platform.is_accelerator else 256
     dt = dtype if platform.is_accelerator else torch.float32

@@ -1,17 +1,19 @@
-"""Blocks as stateless functions of their weights: state extraction, meta stripping, views, proxies, calls.
+"""Blocks as stateless functions of their weights: state extraction, stripping, views, proxies, calls.
 
-A block module keeps its code and loses its storage: every parameter and persistent buffer is replaced by a
-``meta`` tensor (ties kept), non-persistent buffers (recomputed tables) move to the device. The executor then
-runs the block as a function of ``views``, typed views into the slot the block was gathered into, built once
-per (slot, block layout) at start-up (by default ``"swap"``: the views are put in the block's parameter and
-buffer tables for the call, as ``torch.func.functional_call(block, views, args, kwargs)`` does, with the
-tables resolved once instead of per call; see :func:`make_caller`):
+A block module keeps its code and loses its storage: every parameter and persistent buffer becomes a
+:class:`StandIn` (ties kept; not ``meta``: peft places a LoRA on its base weight's device and dtype), and
+non-persistent buffers (recomputed tables) move to the device. The executor then runs the block as a function
+of ``views``, typed views into the slot the block was gathered into, built once per (slot, block layout) at
+start-up (by default ``"swap"``: the views are put in the block's parameter and buffer tables for the call, as
+``torch.func.functional_call(block, views, args, kwargs)`` does, with the tables resolved once instead of per
+call; see :func:`make_caller`):
 
     views[name] = slot[offset : offset + nbytes].view(dtype).view(shape)
 
 Each entry of the model's block list is replaced by a :class:`BlockProxy` whose ``forward`` hands its
-arguments to the executor.
-"""
+arguments to the executor. The proxy shares the block's submodules, so every path stays in the module tree
+(``transformer_blocks.0.attn.to_q``): peft and diffusers wrap the block's layers after offload, and ``"swap"``,
+holding each layer's own parameter table, feeds the views to a wrapped layer's ``base_layer`` unchanged."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dlo_fn.plan.layout import BlockLayout, ModelLayout
 
 __all__ = [
     "block_state",
+    "StandIn",
     "strip_block",
     "make_views",
     "BlockProxy",
@@ -55,21 +58,53 @@ def block_state(block: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tu
     return tensors, {k: tuple(v) for k, v in aliases.items()}
 
 
+class StandIn(nn.Parameter):
+    """A streamed block's parameter outside its calls: shape, dtype and device of the weight, no values (a
+    zero-stride view of one element). Reads work (diffusers reads ``.data`` for shapes); writing the base
+    weight in place (peft's ``merge``, behind ``fuse_lora``) raises, since the weight lives in host shards."""
+
+    def __new__(cls, like: torch.Tensor, one: torch.Tensor) -> "StandIn":
+        return super().__new__(cls, one.expand(like.shape), requires_grad=False)
+
+    def __deepcopy__(self, memo: dict) -> "StandIn":  # a copy of nothing: no full-size clone
+        return StandIn(self, torch.empty((), dtype=self.dtype, device=self.device))
+
+    def _refuse(self, *args: Any) -> Any:
+        raise ValueError(
+            f"cannot write a weight of an offloaded block (shape {tuple(self.shape)}): its values live in host "
+            "shards, streamed per call, so an adapter cannot be fused into it; run the adapter unfused (peft's "
+            "default; set_adapters/disable_lora/unload_lora_weights work), or fuse it before offload()"
+        )
+
+    data = property(lambda self: self, _refuse)
+    __iadd__ = __isub__ = __imul__ = copy_ = add_ = sub_ = mul_ = _refuse
+
+
+def _stand_in(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and not any(t.stride())
+
+
 def strip_block(block: nn.Module, device: torch.device) -> None:
-    """In place: parameters and persistent buffers -> meta (ties kept, ``requires_grad`` off, so the mmap
-    views or host copies they held are released); non-persistent buffers -> ``device``."""
+    """In place: parameters and persistent buffers -> stand-ins on ``device`` (ties kept, ``requires_grad``
+    off, so the mmap views or host copies they held are released); non-persistent buffers -> ``device``."""
     memo: dict[int, torch.Tensor] = {}
+    ones: dict[torch.dtype, torch.Tensor] = {}  # one element per dtype backs every stand-in of the block
+
+    def stand_in(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        one = ones.setdefault(t.dtype, torch.empty((), dtype=t.dtype, device=device))
+        return StandIn(t, one) if parameter else one.expand(t.shape)
+
     for mod in block.modules():
         for n, p in list(mod._parameters.items()):
             if p is not None:
                 if id(p) not in memo:
-                    memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                    memo[id(p)] = stand_in(p, True)
                 mod._parameters[n] = memo[id(p)]
         for n, b in list(mod._buffers.items()):
             if b is not None:
                 if id(b) not in memo:
                     persistent = n not in mod._non_persistent_buffers_set
-                    memo[id(b)] = torch.empty_like(b, device="meta") if persistent else b.to(device)
+                    memo[id(b)] = stand_in(b, False) if persistent else b.to(device)
                 mod._buffers[n] = memo[id(b)]
 
 
@@ -95,9 +130,9 @@ def make_views(slot: torch.Tensor, layout: BlockLayout, aliases: dict[str, tuple
 def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> Callable[[tuple, dict], Any]:
     """A function ``(args, kwargs) -> block output`` computing ``block`` with ``views`` as its weights.
 
-    ``"functional_call"``: :func:`torch.func.functional_call` (resolves every name per call, ~20-40 us for a
-    20-tensor block on a slow CPU). ``"swap"``: the same re-parametrisation with the (dict, key) pairs resolved
-    once here: assign the views, call, put the meta tensors back (~2 us). ``"compile"``: ``functional_call`` of
+    ``"functional_call"``: :func:`torch.func.functional_call` (resolves every name per call). ``"swap"``: the same
+    re-parametrisation with the (dict, key) pairs resolved once here: assign the views, call, put the meta tensors
+    back (what each costs the host: ``docs/performance.md``). ``"compile"``: ``functional_call`` of
     the block compiled with ``torch.compile`` (``nn.Module.compile``, once per block): the views are the
     compiled graph's weight inputs, so every block of one class and every slot share one compiled graph.
     """
@@ -109,7 +144,7 @@ def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> 
         from torch.func import functional_call
 
         def call(args: tuple, kwargs: dict) -> Any:
-            return functional_call(block, views, args, kwargs, tie_weights=False, strict=False)
+            return functional_call(block, _unwrapped(block, views), args, kwargs, tie_weights=False, strict=False)
 
         return call
     if kind != "swap":
@@ -133,6 +168,18 @@ def make_caller(kind: str, block: nn.Module, views: dict[str, torch.Tensor]) -> 
                 table[key] = value
 
     return call
+
+
+def _unwrapped(block: nn.Module, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``views`` renamed, per call, for layers wrapped since (peft: ``to_q.weight`` -> ``to_q.base_layer.weight``)."""
+    out = {}
+    for name, view in views.items():
+        path, _, attr = name.rpartition(".")
+        mod = block.get_submodule(path) if path else block
+        while attr not in mod._parameters and attr not in mod._buffers and "base_layer" in mod._modules:
+            mod, path = mod._modules["base_layer"], f"{path}.base_layer"
+        out[f"{path}.{attr}" if path else attr] = view
+    return out
 
 
 def build_callers(
@@ -166,13 +213,16 @@ def build_callers(
 
 class BlockProxy(nn.Module):
     """Stands in a block list for block ``block_index``; ``forward`` asks the executor to advance the
-    schedule to this block's compute and run it. The original (meta) block is kept unregistered, so moving
-    or saving the model never touches it; unknown attributes are read from it."""
+    schedule to this block's compute and run it. It shares the block's submodule table, so the block's layers
+    keep their paths in the model (peft and diffusers wrap them; ``state_dict`` lists their stand-ins, which hold
+    no values: save the checkpoint, not an offloaded model). ``to`` moves what was added since (adapter weights),
+    never the stand-ins. Unknown attributes are read from the block."""
 
     def __init__(self, compute: Callable[[int, tuple, dict], Any], block_index: int, block: nn.Module) -> None:
         super().__init__()
         self.__dict__["_dlo_compute"] = compute
         self.__dict__["_dlo_block"] = block
+        self.__dict__["_modules"] = block._modules
         self.block_index = block_index
 
     @property
@@ -187,6 +237,19 @@ class BlockProxy(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["_dlo_block"], name)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "BlockProxy":
+        for mod in self.block.modules():  # each module alone, its stand-ins (zero strides) held out as None
+            tables = (mod._parameters, mod._buffers)
+            held = [(table, k, t) for table in tables for k, t in table.items() if t is not None and _stand_in(t)]
+            for table, k, _ in held:
+                table[k] = None
+            try:
+                mod._apply(fn, recurse=False)
+            finally:
+                for table, k, t in held:
+                    table[k] = t
+        return self
 
     def extra_repr(self) -> str:
         return f"block_index={self.block_index}, offloaded {type(self.block).__name__}"

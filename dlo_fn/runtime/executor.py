@@ -40,7 +40,6 @@ from dlo_fn.runtime.issue import Issuer
 from dlo_fn.runtime.options import OffloadOptions
 from dlo_fn.runtime.platform import Platform
 from dlo_fn.runtime.program import ExecutorStats, Program, Programs, RunState, compile_schedule
-from dlo_fn.runtime.quant import TorchDequant
 from dlo_fn.runtime.recorder import RunRecorder
 from dlo_fn.runtime.slots import SlotBuffers
 
@@ -103,7 +102,11 @@ class Executor:
             )
         self.platform, self.layout, self.store, self.options = platform, layout, store, options
         self.mode, self.rank, self.plugin = mode, rank, plugin
-        self.dequantizer = dequantizer or TorchDequant()
+        if dequantizer is None and layout.quantized:
+            from dlo_fn.runtime.quant import TorchDequant  # the core's DQ op, loaded with quantised shards only
+
+            dequantizer = TorchDequant()
+        self.dequantizer = dequantizer
         # An all-gather over one rank is the identity: the plan lowers it to the rank-local ring, so the ring's
         # mode is the program's (what the timeline records) and ``mode`` the one asked for.
         self.ring = Ring.cold(
@@ -356,7 +359,7 @@ class Executor:
                 ("num_landing", str(ring.num_landing)),
                 ("world_size", str(self.layout.num_shards)),
                 ("plugin", plugin),
-                ("dequant", self.dequantizer.name),
+                ("dequant", getattr(self.dequantizer, "name", "none")),
                 *self.options.describe(),
                 *meta,
             )

@@ -11,48 +11,77 @@ the group's blocks concatenated (:mod:`dlo_fn.plan.layout`): a load group's H2D 
 all-gather one collective.
 
 **Exact-size pinning.** ``torch.empty(n, pin_memory=True)`` goes through the caching host allocator, which
-rounds every request up to a power of two (a 13.8 GB arena would pin 16 GB; per-block pinning of 1.2 GiB
-blocks costs 2 GiB each). On CUDA we allocate ``n`` pageable bytes and page-lock exactly those pages with
-``cudaHostRegister`` (``torch.cuda.cudart()``); pinned bytes = ``n`` rounded up to the page size. The
-registration is undone when the store is closed or collected. Measured on one H200 machine (torch 2.11,
-``bench step``'s ``pinning_overhead``): pinning 1.2 GiB with ``pin_memory()`` grew the resident set by 2.0 GiB,
-with ``cudaHostRegister`` by 1.2 GiB; the 13.5 GB arena of 24 blocks then feeds H2D at 55.3 GB/s. On NPU the driver's
-host allocator is used
-(``pin_memory=True`` on one arena); its pages are invisible to the cgroup (DESIGN.md, Figure 6). CPU has no
-pinned memory: the arena is plain (pageable) memory.
+rounds every request up to a power of two (an arena just over one pins nearly twice its size). On CUDA we allocate ``n``
+pageable bytes and page-lock exactly those pages with ``cudaHostRegister`` (``torch.cuda.cudart()``); pinned
+bytes = ``n`` rounded up to the page size. The registration is undone when the store is closed or collected
+(what the two cost in resident memory, measured: ``docs/measurements.md``, ``bench step``'s
+``pinning_overhead``). On NPU the driver's host allocator is used (``pin_memory=True`` on one arena); its pages are
+invisible to the cgroup (DESIGN.md, Figure 6). CPU has no pinned memory: the arena is plain (pageable) memory.
 
-**Filling at the host's speed**: :mod:`dlo_fn.runtime.host_fill`.
+**The fill.** The core registers the arena, zeroes its gaps and copies the pieces on one thread. ``fill=`` takes a
+plug-in with the same contract (:data:`Fill`); the CUDA start-up plug-in
+(:class:`dlo_fn.runtime.cuda.host_fill.ParallelFill`, chosen by ``OffloadOptions.host_fill``) fills in 2 MiB pages
+on several threads and registers range by range while it copies.
 
 **Rank-local mode** (``layout.num_shards == 1``): every rank streams whole blocks. Two sources:
 
 =============  ===========================================  ===============================================
 source         host memory per node (W ranks, model M)      H2D
 =============  ===========================================  ===============================================
-``"pinned"``   W x M private pinned (each rank its copy)    pinned: full PCIe rate (~55 GB/s on H200)
-``"mmap"``     M shared page cache (views kept, no copy)    pageable: ~5.5-7.6 GB/s on H200, one copy per
-                                                            tensor through a staging buffer
+``"pinned"``   W x M private pinned (each rank its copy)    pinned: the link's full rate
+``"mmap"``     M shared page cache (views kept, no copy)    pageable: a fraction of it (docs/performance.md),
+                                                            one copy per tensor through a staging buffer
 =============  ===========================================  ===============================================
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.runtime.platform import Platform
 
-__all__ = ["HostStore", "H2DSource", "alloc_host", "pin_in_place", "build_host_store", "tensor_bytes", "SOURCES"]
+__all__ = [
+    "HostStore",
+    "H2DSource",
+    "Filled",
+    "Fill",
+    "alloc_host",
+    "pin_in_place",
+    "register_cuda",
+    "build_host_store",
+    "plain_fill",
+    "tensor_bytes",
+    "SOURCES",
+]
 
 log = logging.getLogger(__name__)
 SOURCES = ("pinned", "mmap")
+FillTask = tuple[int, int, Any]  # (arena offset, bytes, key): copy read(key) (flat uint8) to arena[offset:]
+
+
+@dataclass(frozen=True, slots=True)
+class Filled:
+    """What a fill hands back: the arena, how it is pinned (:func:`alloc_host`'s ``how``), the finalizer that
+    unpins it, the source address ranges it read (``HostStore.copied_ranges``) and its phases' seconds
+    (``alloc_s``, ``copy_s``, ``zero_s``, ``pin_s``) and ``threads``."""
+
+    arena: torch.Tensor
+    how: str
+    finalizer: object | None
+    copied: tuple[tuple[int, int], ...]
+    timings: dict
+
+
+# fill(layout, k, nbytes, tasks, gaps, read, platform) -> Filled: an arena of ``nbytes`` holding blocks 0..k-1,
+# every ``[lo, hi)`` gap zeroed, every task's bytes copied; :func:`plain_fill` is the core's.
+Fill = Callable[[ModelLayout, int, int, Sequence[FillTask], Sequence[tuple[int, int]], Callable, Any], Filled]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +99,7 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _register_cuda(buf: torch.Tensor) -> int:
+def register_cuda(buf: torch.Tensor) -> int:
     cudart = torch.cuda.cudart()
     rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)  # torch's binding releases the GIL
     if rc != cudart.cudaError.success:
@@ -112,7 +141,7 @@ def pin_in_place(buf: torch.Tensor, ptrs: Sequence[int] | None = None) -> object
     """Page-lock the pages of the CUDA host buffer ``buf`` (``cudaHostRegister``); returns the finalizer that
     undoes it (run by ``close()`` or when ``buf`` is collected). ``ptrs``: ``buf`` is already registered, as the
     ranges starting at these addresses; only the finalizer is made."""
-    ptrs = (_register_cuda(buf),) if ptrs is None else tuple(ptrs)
+    ptrs = (register_cuda(buf),) if ptrs is None else tuple(ptrs)
     # The finalizer must not hold ``buf`` (weakref.finalize keeps its arguments alive): pass the addresses.
     return weakref.finalize(buf, _unregister_cuda, ptrs)
 
@@ -202,6 +231,34 @@ def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None
     return t.detach()
 
 
+def plain_fill(
+    layout: ModelLayout,
+    k: int,
+    nbytes: int,
+    tasks: Sequence[FillTask],
+    gaps: Sequence[tuple[int, int]],
+    read: Callable[[Any], torch.Tensor],
+    platform: Platform,
+) -> Filled:
+    """The core's fill (:data:`Fill`): an exact-size arena from :func:`alloc_host`, pinned before the copy, its
+    gaps zeroed and the pieces copied on this thread."""
+    t0 = time.perf_counter()
+    arena, how, fin = alloc_host(nbytes, platform, pin=True)
+    t1 = time.perf_counter()
+    for lo, hi in gaps:
+        arena[lo:hi].zero_()
+    t2 = time.perf_counter()
+    copied = []
+    for dst, n, key in tasks:
+        src = read(key)
+        arena[dst : dst + n].copy_(src)
+        if n:
+            copied.append((src.data_ptr(), src.data_ptr() + n))
+    t3 = time.perf_counter()
+    timings = dict(alloc_s=t1 - t0, copy_s=t3 - t2, zero_s=t2 - t1, pin_s=0.0, threads=1)
+    return Filled(arena, how, fin, tuple(copied), timings)
+
+
 def build_host_store(
     layout: ModelLayout,
     rank: int,
@@ -211,8 +268,7 @@ def build_host_store(
     source: str = "pinned",
     progress: bool = False,
     pinned_blocks: int | None = None,
-    threads: int | None = None,
-    local_ranks: int = 1,
+    fill: Fill | None = None,
 ) -> HostStore:
     """Fill this rank's store from the block tensors (typically zero-copy mmap views).
 
@@ -220,9 +276,8 @@ def build_host_store(
     ``source="mmap"`` is for rank-local layouts only: nothing is copied, the H2D ops read the views.
     ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.cost.host_budget`): only blocks ``0..k-1`` go into the
     arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
-    tensors (pageable), which must then stay alive (the store holds them). ``threads`` fill the arena (module
-    docstring; default :func:`fill_threads`: the CPUs this process may use, shared by ``local_ranks`` ranks filling
-    at once, at most 16); ``progress`` logs ``store.timings``."""
+    tensors (pageable), which must then stay alive (the store holds them). ``fill``: who allocates and fills the
+    arena (module docstring; default :func:`plain_fill`); ``progress`` logs ``store.timings``."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if len(block_tensors) != layout.num_blocks:
@@ -244,8 +299,6 @@ def build_host_store(
     k = layout.num_blocks if pinned_blocks is None else pinned_blocks
     if not 0 <= k <= layout.num_blocks:
         raise ValueError(f"pinned_blocks must be in [0, {layout.num_blocks}], got {pinned_blocks}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
 
     def piece_bytes(b: int, p) -> torch.Tensor:  # a grouped layout's piece may hold another block's bytes
         owner = b if p.block is None else p.block
@@ -253,63 +306,36 @@ def build_host_store(
             p.src_start : p.src_stop
         ]
 
-    from dlo_fn.runtime.host_fill import fill_arena, fill_threads, huge_page_buffer, pin_bounds
-
-    t0 = time.perf_counter()
     nbytes = layout.shard_offsets[k] if k < layout.num_blocks else layout.shard_bytes_per_rank
-    # CUDA: pageable now, locked once filled (the copies are the pages' first touch, on every thread).
-    late_pin = platform.kind == "cuda" and platform.supports_pinned and nbytes > 0
-    if not late_pin:
-        arena, how, fin = alloc_host(nbytes, platform, pin=True)
-    else:
-        arena, how, fin = huge_page_buffer(nbytes), "pageable", None
-    alloc_s = time.perf_counter() - t0
-    tasks, gaps, sources = [], [], []
+    tasks, gaps, streamed = [], [], {}
     for b, shard in enumerate(layout.shards):
         base, pieces = layout.shard_offsets[b], shard.pieces[shard_rank]
         if b >= k:  # streamed: the H2D reads the rank's pieces where they are
-            sources.append(tuple(H2DSource(piece_bytes(b, p), p.dst_start) for p in pieces))
+            streamed[b] = tuple(H2DSource(piece_bytes(b, p), p.dst_start) for p in pieces)
             continue
         tasks.extend((base + p.dst_start, p.nbytes, (b, p)) for p in pieces)
         gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
-        sources.append((H2DSource(arena[base : base + shard.shard_bytes], 0),))
-    threads = threads or fill_threads(nbytes, local_ranks)
-    bounds = pin_bounds(layout, k, nbytes) if late_pin else ()
-    pinned: list[concurrent.futures.Future] = []  # each range is locked while the next ones are copied
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo_fn-pin") as pinner:
-        on_full = (lambda lo, hi: pinned.append(pinner.submit(_register_cuda, arena[lo:hi]))) if late_pin else None
-        try:
-            copied, copy_s, zero_s = fill_arena(
-                arena, tasks, lambda key: piece_bytes(*key), gaps, threads, bounds, on_full
-            )
-        finally:  # what was locked is unlocked with the arena, also when the fill failed
-            t1 = time.perf_counter()
-            concurrent.futures.wait(pinned)
-            if late_pin:
-                how = "cudaHostRegister"
-                fin = pin_in_place(arena, [f.result() for f in pinned if f.exception() is None])
-    pin_s = time.perf_counter() - t1 if late_pin else 0.0
-    failed = next((f.exception() for f in pinned if f.exception() is not None), None)
-    if failed is not None:
-        fin()
-        raise failed
-    timings = dict(
-        alloc_s=alloc_s,
-        copy_s=copy_s,
-        zero_s=zero_s,
-        pin_s=pin_s,
-        threads=threads,
-        total_s=alloc_s + copy_s + zero_s + pin_s,
+    filled = (fill or plain_fill)(layout, k, nbytes, tasks, gaps, lambda key: piece_bytes(*key), platform)
+    arena, offsets = filled.arena, layout.shard_offsets
+    sources = tuple(
+        streamed[b] if b >= k else (H2DSource(arena[offsets[b] : offsets[b] + shard.shard_bytes], 0),)
+        for b, shard in enumerate(layout.shards)
     )
+    timings = {**filled.timings}
+    timings["total_s"] = sum(timings[key] for key in ("alloc_s", "copy_s", "zero_s", "pin_s"))
+    from dlo_fn.io.memstat import format_bytes
+
     (log.info if progress else log.debug)(
-        "host store: rank %d, %d bytes (%s), %d/%d blocks in the arena: %s",
+        "host store: rank %d, %s (%s), %d/%d blocks in the arena, filled in %.1f ms (allocate %.1f, copy %.1f, "
+        "zero %.1f, pin %.1f ms) on %d thread(s)",
         rank,
-        arena.numel(),
-        how,
+        format_bytes(arena.numel()),
+        filled.how,
         k,
         layout.num_blocks,
-        timings,
+        *(1e3 * timings[key] for key in ("total_s", "alloc_s", "copy_s", "zero_s", "pin_s")),
+        timings["threads"],
     )
-    store = HostStore(layout, rank, tuple(sources), arena, how, fin)
-    store.num_pinned_blocks, store.copied_ranges, store.timings = k, tuple(copied), timings
+    store = HostStore(layout, rank, sources, arena, filled.how, filled.finalizer)
+    store.num_pinned_blocks, store.copied_ranges, store.timings = k, filled.copied, timings
     return store

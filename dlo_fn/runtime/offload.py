@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -34,12 +35,10 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
-from dlo_fn.io.bind import with_address_residues
-from dlo_fn.io.quantized import drop_stored, stored_weights
+from dlo_fn.io.bind import drop_stored, stored_weights, with_address_residues
 from dlo_fn.io.release import ReleaseReport, release_copied_pages, release_mapped_tensors, viewed_files
 from dlo_fn.plan.layout import ModelLayout, grouped_layout_problem, layout_load_group, model_layout
 from dlo_fn.plan.modes import MODES
-from dlo_fn.plan.quant import quantized_tensors
 from dlo_fn.plan.schedule import Schedule
 from dlo_fn.plan.spec import ModelSpec, normalize_block_paths, spec_from_module
 from dlo_fn.runtime.blocks import BlockProxy, block_state, strip_block
@@ -48,7 +47,6 @@ from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import HostStore, build_host_store
 from dlo_fn.runtime.mesh import Mesh, ShardGroup, shard_group
 from dlo_fn.runtime.options import OffloadOptions
-from dlo_fn.runtime.quant import StoredBlock, fp32_modules, needed_ranges
 
 __all__ = ["MODES", "OffloadOptions", "Offloaded", "offload"]
 
@@ -68,8 +66,11 @@ class Offloaded:
     executor: Executor | None
     shards: ShardGroup | None = None  # the ranks that split the block weights (None when resident)
     release: ReleaseReport | None = None  # how the checkpoint mapping was let go (None: resident, or kept)
-    auto: Any = None  # the policy's choice (dlo_fn.cost.auto.AutoChoice) where options were "auto"
+    # Where options were "auto": the policy's choice (dlo_fn.cost.auto.AutoChoice: the chosen and runner-up rows with
+    # their predicted step times, the fields chosen and where the inputs came from); None when none was.
+    auto: Any = None
     timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
+    resident_blocks: tuple[int, ...] = ()  # blocks kept on the device under options.hbm_budget (plan.resident)
 
     @property
     def mode(self) -> str:
@@ -106,14 +107,49 @@ class Offloaded:
 
     @property
     def device_weight_bytes(self) -> int:
-        """Device bytes held for block weights: slots + landing buffers, or every block when resident."""
-        if self.executor is not None:
-            return self.executor.device_weight_bytes
-        return self.spec.total_block_bytes
+        """Device bytes held for weights (``hbm_budget`` bounds them): the ring's buffers, the non-block tensors,
+        the resident blocks; the whole model when resident."""
+        if self.executor is None:
+            return self.spec.total_bytes
+        kept = sum(self.spec.blocks[b].nbytes for b in self.resident_blocks)
+        return self.executor.device_weight_bytes + self.spec.resident_bytes + kept
 
     @property
     def pinned_host_bytes(self) -> int:
         return self.store.arena_bytes if self.store is not None and self.store.pinned else 0
+
+    def describe(self) -> str:
+        """What ``offload`` set up and, for ``auto`` fields, why (chosen and runner-up with their predicted step
+        times), in words: ``print(offloaded)`` shows it, no logging set-up needed."""
+        from dlo_fn.io.memstat import format_bytes
+
+        name = self.spec.name
+        if self.executor is None:
+            return (
+                f"{name}: resident, {self.spec.num_blocks} blocks ({format_bytes(self.spec.total_block_bytes)}) "
+                f"on {self.ctx.platform.device}"
+            )
+        ex = self.executor
+        if self.mode == "allgather":
+            where = f"each block split over {self.shards.size} rank(s) ({self.shards.name}) and all-gathered"
+            landing = f", {ex.num_landing} landing buffers" if ex.num_landing else ""
+        else:
+            where, landing = "whole blocks copied from this rank's host store", ""
+        text = (
+            f"{name}: {self.mode}, {self.spec.num_blocks} blocks, {where}; {ex.num_slots} device slots{landing}, "
+            f"load group {self.options.load_group}; host store {format_bytes(self.store.arena_bytes)} "
+            f"({self.store.how}), device weights {format_bytes(self.device_weight_bytes)} on "
+            f"{self.ctx.platform.device}"
+        )
+        text += f"; {len(self.resident_blocks)} blocks resident (hbm_budget)" if self.resident_blocks else ""
+        how = f"auto: {self.auto.why()}" if self.auto is not None else "set by the caller (no auto field)"
+        return f"{text}\n{how}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return f"Offloaded({self.describe()})"
 
 
 def _block_lists(model: nn.Module, paths: Sequence[str]) -> list[tuple[nn.Module, int]]:
@@ -133,6 +169,15 @@ def _plugins(options: OffloadOptions, platform: Any) -> dict[str, Any]:
     return {"plugin": plugins_for(options, platform), "dequantizer": dequantizer_for(options, platform)}
 
 
+def _filler(options: OffloadOptions, ctx: DistContext) -> Any:
+    """The host store's fill plug-in ``options.host_fill`` asks for on this platform, or None (the core's)."""
+    if options.host_fill == "plain" or (options.host_fill == "auto" and ctx.platform.kind != "cuda"):
+        return None
+    from dlo_fn.runtime.cuda.host_fill import ParallelFill
+
+    return ParallelFill(local_ranks=local_ranks(ctx))
+
+
 def offload(
     model: nn.Module,
     block_paths: str | Sequence[str] | None = None,
@@ -149,8 +194,10 @@ def offload(
     ``options`` fields may also be given as keyword arguments (``offload(m, "blocks", ctx, mode="rank-local")``).
     ``block_paths=None``: the model's own block lists (:func:`dlo_fn.io.diffusers_load.block_paths_for`:
     the common diffusers DiTs, or the one top-level list of identical blocks): ``offload(transformer, ctx=ctx)``.
-    ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them for ``workload=`` (a Workload),
-    or measured on the first call (:mod:`dlo_fn.runtime.auto`); ``Offloaded.auto`` holds the choice.
+    ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them first, for ``workload=`` (a
+    Workload) or from one call of the model on ``example=`` (a dict of keyword arguments or a tuple of positional
+    ones) timed through a plain probe (:func:`dlo_fn.runtime.auto.resolve`); ``offload`` then builds from the
+    concrete options, and ``Offloaded.auto`` holds the choice and the runner-up.
     """
     t0 = time.perf_counter()
     if ctx is None:
@@ -161,27 +208,27 @@ def offload(
         block_paths = block_paths_for(model)
     options = options or OffloadOptions()
     fields = [f for f in ("mode", "num_slots", "load_group") if overrides.get(f) == "auto"]
-    workload = overrides.pop("workload", None)
-    if workload is not None and not fields:
+    workload, example = overrides.pop("workload", None), overrides.pop("example", None)
+    if (workload is not None or example is not None) and not fields:
         raise ValueError(
-            "offload(workload=...) describes the requests for the policy: pass it with mode, "
+            "offload(workload=... / example=...) describe the requests for the policy: pass them with mode, "
             "num_slots or load_group = 'auto'"
         )
     if overrides:
-        import dataclasses
-
         options = dataclasses.replace(options, **{k: v for k, v in overrides.items() if k not in fields})
     _check_stored(model, options)
     paths = normalize_block_paths(block_paths)
     spec = spec_from_module(model, paths, name=type(model).__name__)
     if ctx.platform.device.type == "cpu":  # the resident model computes from these very tensors: keep their alignment
         spec = with_address_residues(spec, model)
-    if fields:  # the policy chooses them, then builds with concrete options (dlo_fn.runtime.auto)
+    choice = None
+    if fields:  # the policy chooses them first (dlo_fn.runtime.auto); the build sees concrete options only
         from dlo_fn.runtime.auto import resolve
 
-        pending = Offloaded(model, ctx, options, spec, None, None, None)  # built at the first call's end
-        return resolve(pending, paths, _block_lists(model, paths), fields, workload, mesh, _build)
-    return _build(model, paths, spec, ctx, options, mesh, started_s=t0)
+        options, choice = resolve(
+            model, _block_lists(model, paths), spec, ctx, options, fields, workload, mesh, example
+        )
+    return _build(model, paths, spec, ctx, options, mesh, started_s=t0, auto=choice)
 
 
 class _Laps:
@@ -206,18 +253,32 @@ def _check_stored(model: nn.Module, options: OffloadOptions) -> None:
     fmt = getattr(stored_weights(model), "format", None)
     if fmt is None:
         return
-    if options.quantization != fmt.quantization or options.mode == "resident":
+    q = options.quantization
+    if q is None or q.format != fmt.quantization or options.mode == "resident":
         raise ValueError(
             f"{type(model).__name__} comes from a quantised checkpoint (FP8 block weights, no "
             f"{fmt.torch_dtype} ones): offload it with quantization={fmt.quantization!r} (CLI: "
             f"--quantization {fmt.quantization}) in an offloaded mode, or dequantise it first "
             "(dlo_fn.runtime.quant.fake_quantize(model)) to run it resident"
         )
-    if options.quantize_exclude not in ((), fmt.exclude):
+    if q.exclude not in ((), fmt.exclude):
         raise ValueError(
-            f"quantize_exclude {list(options.quantize_exclude)}: the checkpoint was quantised with "
+            f"quantization exclude {list(q.exclude)}: the checkpoint was quantised with "
             f"exclude {list(fmt.exclude)}; pass that (or nothing), or quantize the source again"
         )
+
+
+def _stored(model: nn.Module, options: OffloadOptions, platform: Any) -> Any:
+    """What a quantised host store reads its blocks from, one interface either way: a quantised checkpoint's stored
+    weights (:class:`dlo_fn.io.quantized.StoredWeights`, checked against the options by :func:`_check_stored`), or
+    the model quantised as it is offloaded (:class:`dlo_fn.runtime.quant.QuantizeOnLoad`); None: not quantised."""
+    stored = stored_weights(model)
+    if stored is None and options.quantization is not None:
+        from dlo_fn.runtime.quant import QuantizeOnLoad
+
+        device = platform.device if platform.is_accelerator else None  # quantise where the rows go: the same bits
+        stored = QuantizeOnLoad(options.quantization.exclude, device)
+    return stored
 
 
 def _build(
@@ -228,17 +289,33 @@ def _build(
     options: OffloadOptions,
     mesh: Mesh | None,
     started_s: float | None = None,
+    auto: Any = None,
 ) -> Offloaded:
     platform = ctx.platform
     lap = _Laps(started_s)
-    stored = stored_weights(model)  # checked against the options by offload (the policy never picks resident)
     if options.mode == "resident":
         model.to(platform.device)
-        return Offloaded(model, ctx, options, spec, None, None, None)
+        return Offloaded(model, ctx, options, spec, None, None, None, auto=auto)
     shards = (
         shard_group(ctx, mesh, options.shard_group) if options.mode == "allgather" else ShardGroup("none", None, 1, 0)
     )
     num_shards = shards.size
+    stored, exclude = _stored(model, options, platform), ()
+    if stored is not None:  # the FP8 modules load only here
+        from dlo_fn.plan.quant import quantized_tensors
+        from dlo_fn.runtime.quant import fp32_modules
+
+        exclude = stored.exclude + fp32_modules(model)
+    full, resident = spec, ()
+    if options.hbm_budget is not None:  # the plan keeps what fits resident, the rest streams (runtime.budget)
+        from dlo_fn.runtime import budget
+
+        resident, streamed = budget.resident_blocks(model, spec, options, num_shards, exclude)
+        if streamed is None:  # the whole model fits: nothing streams, nothing is pinned
+            out = _build(model, paths, full, ctx, dataclasses.replace(options, mode="resident"), mesh, started_s, auto)
+            out.resident_blocks = budget.quantize_resident(model, full, resident, exclude, options)
+            return out
+        spec = streamed
     group = layout_load_group(spec.num_blocks, num_shards, options.load_group)
     if group != options.load_group and num_shards > 1 and ctx.is_main:
         log.info(
@@ -246,23 +323,17 @@ def _build(
             grouped_layout_problem(spec.num_blocks, options.load_group),
             options.load_group,
         )
-    exclude = (stored.format.exclude if stored is not None else options.quantize_exclude) + fp32_modules(model)
-    layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization, exclude)
     if stored is not None:
-        fp8 = set(quantized_tensors(spec, exclude))  # what the layout stores as FP8
-        if fp8 != set(stored.tensors):
-            raise ValueError(
-                f"the checkpoint's FP8 tensors are not those FP8 shards of block lists {list(paths)} "
-                f"store (e.g. {sorted(fp8 ^ set(stored.tensors))[0]!r}): offload the block lists it "
-                "was quantised for, or quantize the source again"
-            )
+        stored.check(set(quantized_tensors(spec, exclude)), paths)  # what the layout stores as FP8
+    # options.quantization is set exactly where stored is (a quantised checkpoint needs it: _check_stored)
+    layout = model_layout(spec, num_shards, options.alignment_bytes, group, options.quantization, exclude)
     lap("describe_s")
     what = f"shard layout digest ({options.mode}" + (f", shard group {shards.name})" if num_shards > 1 else ")")
     check_same_across_ranks(layout.digest, ctx.group, platform, what)
     lap("digest_s")
     # Before the blocks drop their views: which checkpoint files back this model.
     files = tuple(sorted(set(viewed_files(model)) | set(stored.files if stored is not None else ())))
-    entries = _block_lists(model, paths)
+    entries = [e for b, e in enumerate(_block_lists(model, paths)) if b not in resident]
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
     pinned = None
@@ -271,14 +342,9 @@ def _build(
 
         pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
     tensors = [t for t, _ in states]
-    if stored is not None:  # a quantised checkpoint: the pieces are read from its FP8 and scale views
-        tensors = [stored.block(sh.block.name, t) for t, sh in zip(tensors, layout.shards)]
-    elif layout.quantized:  # each rank quantises the rows its own pieces read (runtime.quant.StoredBlock)
-        where = platform.device if platform.is_accelerator else None
-        tensors = [
-            StoredBlock(t, sh.block, needed_ranges(sh.pieces[shards.rank if num_shards > 1 else 0]), where)
-            for t, sh in zip(tensors, layout.shards)
-        ]
+    if stored is not None:  # the pieces are read from the stored weights (FP8 and scales), this rank's only
+        rank = shards.rank if num_shards > 1 else 0
+        tensors = [stored.block(sh.block, t, sh.pieces[rank]) for t, sh in zip(tensors, layout.shards)]
     store = build_host_store(
         layout,
         shards.rank,
@@ -287,7 +353,7 @@ def _build(
         source=source,
         progress=options.progress and ctx.is_main,
         pinned_blocks=pinned,
-        local_ranks=local_ranks(ctx),
+        fill=_filler(options, ctx),
     )
     lap("store_s")
     aliases = [a for _, a in states]
@@ -313,6 +379,8 @@ def _build(
         lst[i] = BlockProxy(executor.compute, b, blocks[b])
     lap("executor_s")
     model.to(platform.device)
+    if resident:
+        budget.quantize_resident(model, full, resident, exclude, options)
     lap("to_device_s")
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
     streams = store.num_pinned_blocks < layout.num_blocks
@@ -324,16 +392,7 @@ def _build(
     timings = lap.done(warm_up_s=executor.warm_up_s)
     timings["executor_s"] -= executor.warm_up_s
     log.debug("offload phases: %s", timings)
-    log.info(
-        "offload %s: %d blocks, mode %s, W=%d (%s), host store %d bytes (%s), device weights %d bytes, %s",
-        spec.name,
-        layout.num_blocks,
-        options.mode,
-        num_shards,
-        shards.name,
-        store.arena_bytes,
-        store.how,
-        executor.device_weight_bytes,
-        ", ".join(f"{k} {v}" for k, v in options.describe()),
-    )
-    return Offloaded(model, ctx, options, spec, layout, store, executor, shards, release, timings=timings)
+    done = Offloaded(model, ctx, options, full, layout, store, executor, shards, release, auto, timings, resident)
+    extras = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in options.describe() if k != "load_group")
+    log.info("offload %s; %s; ready in %.2f s", done.describe().splitlines()[0], extras, timings["total_s"])
+    return done

@@ -2,9 +2,9 @@
 results that record it.
 
 Every execution choice is a field here, never an environment variable. The core runtime (``executor``,
-``program``, ``issue``) reads the fields it needs; the one plug-in, CUDA block graphs (``graph="block"``,
-:mod:`dlo_fn.runtime.cuda`), is chosen by :func:`dlo_fn.runtime.offload.offload` from ``graph`` and handed to the
-executor, which never imports it.
+``program``, ``issue``) reads the fields it needs; the plug-ins (:mod:`dlo_fn.runtime.cuda`: block graphs,
+``graph``; the FP8 dequantise kernel, ``dequant``; the start-up fill, ``host_fill``) are chosen by
+:func:`dlo_fn.runtime.offload.offload` from these fields and handed to the core, which never imports them.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.lowering import check_load_group
 from dlo_fn.plan.modes import check_mode
-from dlo_fn.plan.quant import check_quantization
+from dlo_fn.plan.quant import Quantization, as_quantization
 from dlo_fn.runtime.blocks import CALLS
 from dlo_fn.runtime.mesh import check_shard_group
 
-__all__ = ["GRAPHS", "OffloadOptions"]
+__all__ = ["GRAPHS", "HOST_FILLS", "OffloadOptions"]
 
 GRAPHS = (False, "block")  # False: eager; "block": each block's compute a CUDA graph (runtime.cuda)
+# "plain": the core's fill (runtime.host_store.plain_fill); "parallel": the start-up plug-in
+# (runtime.cuda.host_fill.ParallelFill); "auto": the plug-in on CUDA, where it measured faster, else plain.
+HOST_FILLS = ("auto", "parallel", "plain")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +34,7 @@ class OffloadOptions:
     num_slots: int = 2
     num_landing: int | None = None  # allgather default 2 (2G with load groups)
     rank_local_source: str = "pinned"  # "pinned": private pinned copy; "mmap": stream from the shared mmap
-    block_call: str = "swap"  # or "functional_call" (same bits, ~3x the host time; dlo_fn.runtime.blocks)
+    block_call: str = "swap"  # or "functional_call" (same bits, more host time; dlo_fn.runtime.blocks)
     async_collectives: bool = False  # CPU/gloo: overlap all-gathers with compute
     record_timeline: bool = False
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
@@ -54,15 +57,27 @@ class OffloadOptions:
     # stream the rest from the checkpoint mapping (pageable H2D); None pins every shard.
     pinned_budget_bytes: int | None = None
     # Quantised shards (dlo_fn.plan.quant): "fp8" stores and moves every >= 2-D floating block weight as FP8,
-    # dequantised on the device; ``quantize_exclude``: modules kept as they are, besides a diffusers model's fp32 ones.
-    quantization: str | None = None
-    quantize_exclude: tuple[str, ...] = ()
+    # dequantised on the device; Quantization("fp8", exclude=(...)) keeps the named modules as they are too. Held as
+    # a Quantization (or None).
+    quantization: str | Quantization | None = None
     # The dequantise op: "torch" (torch ops: a cast and a multiply per tensor), "kernel" (one Triton launch per
     # block, the CUDA plug-in dlo_fn.runtime.cuda.dequant), "auto" (the kernel where CUDA and Triton are there).
     dequant: str = "auto"
+    # How the host arena is filled at start-up (HOST_FILLS).
+    host_fill: str = "auto"
+    # HBM budget (dlo_fn.plan.resident): device weight bytes (int, or a size such as "16GB" / "12GiB") within which
+    # as many blocks as fit stay resident, spread through the forward, and the rest stream; None streams every block.
+    hbm_budget: int | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
+        if self.hbm_budget is not None:
+            from dlo_fn.plan.sizes import parse_bytes  # only with a budget: the README's API stays lean
+
+            try:
+                object.__setattr__(self, "hbm_budget", parse_bytes(self.hbm_budget))
+            except ValueError as e:
+                raise ValueError(f"hbm_budget: {e}") from None
         check_shard_group(self.shard_group)
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
@@ -77,7 +92,9 @@ class OffloadOptions:
             )
         if self.graph_shapes < 1:
             raise ValueError(f"graph_shapes must be >= 1, got {self.graph_shapes}")
-        check_quantization(self.quantization)
+        if self.host_fill not in HOST_FILLS:
+            raise ValueError(f"host_fill must be one of {', '.join(map(repr, HOST_FILLS))}; got {self.host_fill!r}")
+        object.__setattr__(self, "quantization", as_quantization(self.quantization))
         if self.dequant not in ("auto", "torch", "kernel"):
             raise ValueError(f"dequant must be 'auto', 'torch' or 'kernel'; got {self.dequant!r}")
         # The group's own rules and the slots it needs (the mode is checked by the ring: allgather over one rank

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Platform", "HostStream", "HostEvent", "detect_platform", "platform_for"]
+__all__ = ["Platform", "HostStream", "HostEvent", "detect_platform", "device_shortfall", "platform_for"]
 
 
 class HostEvent:
@@ -204,16 +204,37 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
+def device_shortfall(kind: str, local_rank: int, local_world_size: int, device_count: int) -> str | None:
+    """None when each of this host's ``local_world_size`` ranks (this one ``local_rank``) has a device of its
+    own among ``device_count``; else the one line that says so and what to do. Every rank of the host finds the
+    same shortfall (``local_world_size`` is the host's), so rank 0 can say it for all."""
+    ranks = max(local_world_size, local_rank + 1)
+    if ranks <= device_count:
+        return None
+    devices = f"{device_count} {kind.upper()} device" + ("" if device_count == 1 else "s")
+    return (
+        f"{ranks} ranks on this host but {devices}: each rank needs a device of its own; start at most "
+        f"{device_count} per host (torchrun --nproc-per-node {device_count}) or run the ranks on the CPU "
+        "(--platform cpu)"
+    )
+
+
 def platform_for(kind: str, local_rank: int = 0) -> Platform:
-    """The platform of ``kind`` for the process with this local rank (one device per process)."""
-    if kind == "cuda":
-        if not torch.cuda.is_available():
+    """The platform of ``kind`` for the process with this local rank (one device per process). ``ValueError``
+    when the host has fewer devices than ranks (``$LOCAL_WORLD_SIZE``, which torchrun sets)."""
+    if kind in ("cuda", "npu"):
+        if kind == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("platform 'cuda' asked for but torch.cuda.is_available() is False")
+        if kind == "npu" and not _npu_available():
+            raise RuntimeError("platform 'npu' asked for but torch_npu is missing or sees no NPU")
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        why = device_shortfall(kind, local_rank, local_world_size, getattr(torch, kind).device_count())
+        if why:
+            raise ValueError(why)
+    if kind == "cuda":
         torch.cuda.set_device(local_rank)
         return Platform("cuda", torch.device("cuda", local_rank), "nccl")
     if kind == "npu":
-        if not _npu_available():
-            raise RuntimeError("platform 'npu' asked for but torch_npu is missing or sees no NPU")
         torch.npu.set_device(local_rank)
         return Platform("npu", torch.device("npu", local_rank), "hccl")
     if kind == "cpu":

@@ -10,6 +10,7 @@ copy. :func:`dequantize_into` is the one dequantise kernel, called by the execut
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "quantize_rows",
     "dequantize_into",
     "StoredBlock",
+    "QuantizeOnLoad",
     "needed_ranges",
     "TorchDequant",
     "fake_quantize",
@@ -92,6 +94,24 @@ class StoredBlock(Mapping):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class QuantizeOnLoad:
+    """The stored weights of a model quantised as it is offloaded: the interface of a quantised checkpoint's
+    (:class:`dlo_fn.io.quantized.StoredWeights`), so ``offload`` fills the host store one way from either. A block's
+    FP8 rows and scales are computed as the store reads them (:class:`StoredBlock`, on ``device`` where given: the
+    same bits), and only those the rank's pieces read."""
+
+    exclude: tuple[str, ...]
+    device: torch.device | None = None
+    files: tuple[str, ...] = ()  # no checkpoint files of its own: the model's views are released as usual
+
+    def check(self, fp8: set[str], paths: tuple[str, ...]) -> None:
+        """Nothing to check: the FP8 tensors are the layout's by construction."""
+
+    def block(self, stored: BlockLayout, tensors: Mapping[str, torch.Tensor], pieces: Sequence) -> StoredBlock:
+        return StoredBlock(tensors, stored, needed_ranges(pieces), self.device)
+
+
 def needed_ranges(pieces: Sequence) -> dict[str, list[tuple[int, int]]]:
     """Per stored tensor, the source byte ranges ``pieces`` (one rank's, of one block) read."""
     out: dict[str, list[tuple[int, int]]] = {}
@@ -133,8 +153,8 @@ def fake_quantize(
     for bit. ``block_paths`` as ``offload`` takes them (None: the model's own); ``exclude`` adds to the model's fp32
     modules. A model loaded from a quantised checkpoint (:mod:`dlo_fn.io.quantized`) gets its stored weights
     dequantised, each into a new tensor of its module's dtype (the arguments are the checkpoint's then)."""
+    from dlo_fn.io.bind import drop_stored, stored_weights
     from dlo_fn.io.diffusers_load import block_paths_for
-    from dlo_fn.io.quantized import drop_stored, stored_weights
 
     stored = stored_weights(model)
     if stored is not None:

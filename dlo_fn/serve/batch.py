@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dlo_fn.models.lora import block_chooser
 from dlo_fn.models.request import Request
 from dlo_fn.models.sampler import finish, init_state, model_inputs, update
 
@@ -236,6 +237,7 @@ def run_batch(
             executor.begin_run(num_steps, len(requests))
             opened = True
         blocks = model.blocks
+        choose = block_chooser(model)  # each request's adapter (Request.lora) in a block before its call
         # The text states depend on the prompt only: encode them once per request, not at every step (the
         # same kernels on the same tokens, so the same bits). Re-encoding is work outside the blocks that the
         # ring must run ahead across at every step boundary.
@@ -245,6 +247,8 @@ def run_batch(
             xs = [e.x for e in embeds]
             for b, block in enumerate(blocks):
                 for r, e in enumerate(embeds):
+                    if choose is not None:
+                        choose(block, requests[r])
                     c0 = time.perf_counter()
                     xs[r] = block(xs[r], **e.block_kwargs)
                     if on_block is not None:

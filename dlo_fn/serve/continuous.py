@@ -3,11 +3,10 @@ queued one at the next step boundary (``EngineOptions(serving="continuous")``, t
 the waves).
 
 **When it wins.** Requests that arrive over time, or differ in shape or step count, never wait for a wave to
-fill or for its longest member: measured on 2 CPU gloo ranks (``figures/data/continuous_cpu.*``) 4.69 req/s,
-p50 0.39 s against strict's 4.15 req/s, 0.60 s. It loses on a burst of requests of very different cost, where
-every lockstep step waits for the replica with the largest request (planner: 128 s against strict's 72 s on
-such a trace, and ``admission="cost"`` does not fix it without overtaking): there strict's one-key waves keep
-like with like.
+fill or for its longest member (measured on CPU gloo ranks: ``figures/data/continuous_cpu.*``, notebook 10). It
+loses on a burst of requests of very different cost, where every lockstep step waits for the replica with the
+largest request (the planner says so for such a trace, and ``admission="cost"`` does not fix it without
+overtaking): there strict's one-key waves keep like with like.
 
 **Protocol** (lockstep allgather ranks, or one rank in any mode). Ring step ``k`` is one executor run of one
 denoising step on every rank (:mod:`dlo_fn.serve.continuous_rank` says why ranks holding different requests

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dlo_fn.models.lora import block_chooser
 from dlo_fn.models.sampler import finish, finished, init_state, model_inputs, update
 from dlo_fn.serve.batch import Fault, Outcome, WaveAborted, _drain, abort_run, collective_failure
 from dlo_fn.serve.requests import from_wire
@@ -133,8 +134,11 @@ class ContinuousRank:
             embeds = [self.model.embed(*model_inputs(s), self.texts[i], **sp_kwargs) for i, s in items]
             xs = [e.x for e in embeds]
             calls = len(self.model.blocks) * len(embeds)
+            choose = block_chooser(self.model)  # each request's adapter (Request.lora) before its block call
             while done < calls:  # block-major: call n is block n // R_r for held request n % R_r
                 b, r = divmod(done, len(embeds))
+                if choose is not None:
+                    choose(self.model.blocks[b], items[r][1].request)
                 c0 = time.perf_counter()
                 xs[r] = self.model.blocks[b](xs[r], **embeds[r].block_kwargs)
                 calls_s += time.perf_counter() - c0
@@ -147,9 +151,10 @@ class ContinuousRank:
                 opened = False
         except Exception as exc:  # noqa: BLE001 - every request held here gets this error, then keep serving
             text = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            log.error("%s (ring step %d)\n%s", text, k, traceback.format_exc())
             if opened and collective_failure(exc):  # a peer broke the step: no drain or shadow can finish it
+                log.debug("%s (ring step %d)\n%s", text, k, traceback.format_exc())  # the abort says it in one line
                 raise abort_run(executor, self.rank, exc) from exc
+            log.error("%s (ring step %d)\n%s", text, k, traceback.format_exc())
             if opened:  # on an sp replica a shadow run lets the partners finish their step; else drain
                 if not self._shadow(k, embeds, xs, done):
                     _drain(executor, self.rank, exc)

@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from torch import nn
 
 from dlo_fn.cost.waves import Pending, WavePlan, compat_key, form_waves, validate_wave
+from dlo_fn.models.lora import adapter_names
 from dlo_fn.models.request import Request
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.dist import DistContext
@@ -176,7 +177,7 @@ class Engine:
         valid: list[tuple[int, float]] = []
         memory = self.memory_admission()
         for i, sub in enumerate(subs):
-            reason = rejection(sub, self.config, memory)
+            reason = rejection(sub, self.config, memory, adapter_names(self.model))
             if reason is not None:
                 results[i] = RequestResult(i, sub.request_id, sub.request, False, error=reason)
                 self._publish(results[i])
@@ -211,6 +212,7 @@ class Engine:
             max_wait_s=opts.max_wait_s,
             on_result=self._publish,
             memory=self.memory_admission(),
+            adapters=adapter_names(self.model),
         )
         results: dict[int, RequestResult] = {}
         records: list[WaveRecord] = []
@@ -269,6 +271,8 @@ class Engine:
         for w in waves:
             for r in w:
                 r.validate(self.config)
+                if r.lora is not None and r.lora not in adapter_names(self.model):
+                    raise ValueError(f"lora={r.lora!r} is not loaded (loaded: {list(adapter_names(self.model))})")
             idx = tuple(range(start, start + len(w)))
             plans.append(WavePlan(self._next_wave, compat_key(w[0]), idx, width, self.options.requests_per_rank))
             self._next_wave += 1

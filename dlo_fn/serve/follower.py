@@ -53,6 +53,7 @@ class Follower:
         self.index, self.epoch, self.reload = rank, 0, reload
         self.degraded: str | None = None
         self.stepped = False  # a cstep came: rank 0 serves continuously and posts a plan after every failure
+        self.why_stopped: str | None = None  # set by _rejoin: rank 0 gone, or this rank left behind
 
     def follow(self) -> str | None:
         """Serve until ``stop`` (returns None) or a failure (returns the reason)."""
@@ -69,7 +70,7 @@ class Follower:
                 log.error("rank %d: lost rank 0 while waiting for work: %s", self.rank, exc)
                 if self._rejoin():
                     continue
-                return f"lost rank 0 while waiting for work: {exc}"
+                return self.why_stopped or f"lost rank 0 while waiting for work: {exc}"
             kind = msg.get("kind")
             if kind == "stop":
                 self.board.post("idle")
@@ -92,7 +93,7 @@ class Follower:
             else:
                 raise RuntimeError(f"rank {self.rank}: unknown message kind {kind!r} from rank 0")
             if not ok:
-                return f"rank {self.rank} stopped following after a failed exchange"
+                return self.why_stopped or f"rank {self.rank} stopped following after a failed exchange"
 
     def _rejoin(self) -> bool:
         """After a failed ring step: wait for rank 0's recovery plan; if this rank survives, become a
@@ -107,14 +108,18 @@ class Follower:
         bound_s = 2 * opts.timeout_s + opts.grace_s + 5.0  # rank 0's detection, its diagnosis, its rebuild
         self.epoch += 1
         plan = wait_plan(self.board, self.epoch, bound_s)
-        if plan is None or self.rank not in plan.survivors or self.reload is None:
-            log.error(
-                "rank %d: %s",
-                self.rank,
-                "no recovery plan from rank 0"
-                if plan is None
-                else f"not among the survivors {list(plan.survivors)}: {plan.reason}",
+        if plan is None:
+            self.why_stopped = (
+                f"lost rank 0 (no recovery plan from it within {bound_s:.0f} s): rank 0 died, or it went on and "
+                "ended without this rank, which stalled past --timeout"
             )
+        elif self.rank not in plan.survivors:
+            self.why_stopped = (
+                f"rank {self.rank} was left behind: the others went on without it ({plan.reason}; survivors "
+                f"{list(plan.survivors)})"
+            )
+        if plan is None or self.rank not in plan.survivors or self.reload is None:
+            log.debug("rank %d: not recovered: %s", self.rank, self.why_stopped)
             return False
         try:
             rank_local_replica(self.runner.offloaded, self.reload)

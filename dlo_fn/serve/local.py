@@ -68,9 +68,11 @@ def open_model(
     mesh: Any = None,
     shard_group: str = "world",
     quantization: str | None = None,
+    hbm_budget: int | str | None = None,
 ) -> tuple[Any, Any]:
     """``(model, offloaded)``: the reference DiT mapped zero-copy from ``checkpoint`` and wrapped for ``mode``
-    (its weights sharded over ``shard_group`` of ``mesh``; ``quantization="fp8"``: FP8 shards)."""
+    (its weights sharded over ``shard_group`` of ``mesh``; ``quantization="fp8"``: FP8 shards; ``hbm_budget``:
+    the blocks that fit stay resident)."""
     from dlo_fn.io.load import load_model
     from dlo_fn.models import BLOCK_PATHS, build_model, load_config
     from dlo_fn.runtime.offload import offload
@@ -88,6 +90,7 @@ def open_model(
         mesh=mesh,
         shard_group=shard_group,
         quantization=quantization,
+        hbm_budget=hbm_budget,
     )
     model.init_buffers(ctx.platform.device)
     return model, offloaded

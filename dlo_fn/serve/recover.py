@@ -9,8 +9,8 @@ whole blocks from the checkpoint mapping (the file is on every host; :mod:`dlo_f
 ``"mmap"`` source: no copy, one shared page cache per host, pageable H2D): each becomes an independent
 rank-local replica, whose step needs no collective at all, and a second failure costs only that rank's
 requests. Device memory is the same slots without the landing buffers, so the rebuilt executor fits where
-the old one was. What it costs: host H2D from pageable memory (on an H200 about 7 GB/s instead of 55), so a
-degraded replica runs slower where the loads were hidden behind compute only just.
+the old one was. What it costs: host H2D from pageable memory (a fraction of the pinned rate:
+``docs/performance.md``), so a degraded replica runs slower where the loads were hidden behind compute only just.
 
 **Agreement** (keys under the status board's prefix, in the process group's store: a FileStore, a TCPStore
 hosted by rank 0, or torchrun's agent store; all outlive a follower):
@@ -87,15 +87,20 @@ def post_plan(board: StatusBoard, plan: RecoveryPlan) -> None:
 
 
 def wait_plan(board: StatusBoard, epoch: int, bound_s: float) -> RecoveryPlan | None:
-    """Rank 0's plan for recovery ``epoch``, or None when none came within ``bound_s`` (rank 0 is gone)."""
+    """Rank 0's plan for recovery ``epoch``, or None when none came within ``bound_s`` or the store is gone (rank 0
+    is gone: under torchrun without an agent store, rank 0 hosts the store, and its death resets the connection)."""
     if board.store is None:
         return None
     key = f"{board.prefix}recover/{epoch}/plan"
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
-        if board.store.check([key]):
-            data = json.loads(board.store.get(key).decode())
-            return RecoveryPlan(data["epoch"], data["step"], tuple(data["survivors"]), data["reason"])
+        try:
+            if board.store.check([key]):
+                data = json.loads(board.store.get(key).decode())
+                return RecoveryPlan(data["epoch"], data["step"], tuple(data["survivors"]), data["reason"])
+        except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
+            log.debug("recovery %d: the store is gone: %s: %s", epoch, type(exc).__name__, exc)
+            return None
         time.sleep(POLL_S)
     return None
 

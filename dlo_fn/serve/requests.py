@@ -91,16 +91,22 @@ def as_submissions(items: Iterable[Request | Submission]) -> list[Submission]:
     return out
 
 
-def rejection(sub: "Submission", config: Any, memory: Any = None) -> str | None:
-    """Why ``sub`` cannot be dispatched (its own parse error, a field the model's ``config`` refuses, or more
-    memory than a rank has left: ``memory``, a :class:`~dlo_fn.serve.admission.MemoryAdmission`), or None:
-    checked on rank 0 before any rank does work for it."""
+def rejection(sub: "Submission", config: Any, memory: Any = None, adapters: tuple[str, ...] = ()) -> str | None:
+    """Why ``sub`` cannot be dispatched (its own parse error, a field the model's ``config`` refuses, an
+    adapter not among the model's ``adapters``, or more memory than a rank has left: ``memory``, a
+    :class:`~dlo_fn.serve.admission.MemoryAdmission`), or None: checked on rank 0 before any rank does work
+    for it."""
     if sub.error is not None:
         return sub.error
     try:
         sub.request.validate(config)
     except ValueError as exc:
         return f"rejected before dispatch: {exc}"
+    if sub.request.lora is not None and sub.request.lora not in adapters:
+        return (
+            f"rejected before dispatch: lora={sub.request.lora!r} is not loaded (loaded: {list(adapters)}): "
+            "name a loaded adapter or pass none"
+        )
     return memory.refusal(sub.request) if memory is not None else None
 
 
@@ -108,6 +114,10 @@ def read_prompts(path: str | pathlib.Path, defaults: Mapping[str, Any] | None = 
     """Parse a prompts file (see the module docstring). A bad line becomes a submission with an error that
     names the file and line, so it is reported in the results instead of stopping the others."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a directory: give the prompts file in it (JSON lines, one request per line)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompts file not found (JSON lines, one request per line)")
     defaults = dict(defaults or {})

@@ -37,8 +37,10 @@ class StreamIntake:
         max_wait_s: float,
         on_result: Callable[[RequestResult], None] | None = None,
         memory: Any = None,
+        adapters: tuple[str, ...] = (),
     ) -> None:
         self.source, self.config, self.on_result, self.memory = source, config, on_result, memory
+        self.adapters = adapters
         self.width, self.requests_per_rank, self.max_wait_s = width, requests_per_rank, max_wait_s
         self.submissions: list[Submission] = []
         self.rejected: dict[int, RequestResult] = {}
@@ -92,7 +94,7 @@ class StreamIntake:
         index = len(self.submissions)
         sub = self._submission(item, index)
         self.submissions.append(sub)
-        reason = rejection(sub, self.config, self.memory)
+        reason = rejection(sub, self.config, self.memory, self.adapters)
         if reason is not None or stopped is not None:
             self.rejected[index] = RequestResult(
                 index,

@@ -13,7 +13,8 @@ request that finished or failed in a wave or at a ring step):
 :meth:`ResultWriter.stop` gives every expected submission that has no line yet a line of its own, ``not
 completed: <why>`` (what the command does on SIGTERM or Ctrl-C: :func:`finish_on_sigterm`), so every request has
 exactly one line. :meth:`ResultWriter.finish`, after a serve, writes what the engine did not hand over (none,
-normally), rewrites the manifest in submission order (atomically) and writes ``waves.jsonl`` / ``steps.jsonl``.
+normally), rewrites the manifest in submission order (atomically) and writes ``waves.jsonl`` (strict serving)
+or ``steps.jsonl`` (continuous), whichever the run has lines for: never an empty file.
 The line format is :mod:`dlo_fn.serve.outputs`'s.
 
 **A reused output folder.** Earlier runs' files beside a fresh manifest would read as this run's, so a folder
@@ -170,10 +171,10 @@ class ResultWriter:
             self._close()
             rows = [self._rows[i] for i in sorted(self._rows)]
             replace_text(self.manifest, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-        replace_text(self.out / "waves.jsonl", wave_lines(report))
-        steps = step_lines(report)
-        if steps:
-            replace_text(self.out / "steps.jsonl", steps)
+        # Strict serving has waves, continuous serving ring steps: each writes its own file, never an empty one.
+        for name, text in (("waves.jsonl", wave_lines(report)), ("steps.jsonl", step_lines(report))):
+            if text:
+                replace_text(self.out / name, text)
         return self.manifest
 
     def _append(self, row: dict[str, Any]) -> None:

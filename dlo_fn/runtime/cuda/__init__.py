@@ -9,6 +9,8 @@ option                plug-in               what it does
                                             and records stay the executor's eager stream operations
 ``dequant="kernel"``  ``KernelDequant``     FP8 shards' dequantise op as one Triton launch per block
                                             (``"auto"``: where CUDA and Triton are there)
+``host_fill=``        ``ParallelFill``      the host arena filled in 2 MiB pages on several threads and
+``"parallel"``                              registered range by range during the copy (``"auto"``: on CUDA)
 ====================  ====================  ==============================================================
 """
 

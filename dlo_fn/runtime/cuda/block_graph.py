@@ -27,12 +27,12 @@ position, shape), block ``b`` writing the one of parity ``b % 2``; so block ``b`
 and never the buffer it writes. The outputs the block's own kernels allocate are graph temporaries like any
 other: they are dropped after the capture, and every graph shares one memory pool (they replay one after another
 on one stream, and nothing in the pool outlives a replay). Device memory is then ``2 x R`` activations plus the
-shared inputs and the largest block's temporaries, whatever the depth, for one copy of the outputs per block
-(~0.1 ms for a 200 MB video activation on an H200). A replay returns the chain buffers, which the block two
-further on overwrites: a model that keeps a block's output longer (a long skip connection, a list of hidden
-states) still holds a reference to the buffer, or a view of it, and a buffer held outside the graphs is never
-written: that call runs eager instead (correct, logged once). A block whose forward cannot be captured (a host
-sync, a non-tensor argument) runs eager, logged once.
+shared inputs and the largest block's temporaries, whatever the depth, for one device copy of the outputs per
+block (what it costs: ``docs/performance.md``, "The numbers behind the code's choices"). A replay returns the
+chain buffers, which the block two further on overwrites: a model that keeps a block's output longer (a long skip
+connection, a list of hidden states) still holds a reference to the buffer, or a view of it, and a buffer held
+outside the graphs is never written: that call runs eager instead (correct, logged once). A block whose forward
+cannot be captured (a host sync, a non-tensor argument) runs eager, logged once.
 
 A request's shape is that of its block-0 call; the graphs and buffers of at most ``graph_shapes`` shapes are kept
 (``OffloadOptions.graph_shapes``, default 4): a new shape beyond pushes out the least recently used one, whose

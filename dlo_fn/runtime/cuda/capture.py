@@ -113,7 +113,7 @@ def tensor_specs(flat: list[Any] | None, device_type: str | None = None) -> tupl
     """``(shape, stride, dtype, device)`` of each tensor of ``flat``, what a graph's key holds; None if ``flat`` is
     None or holds anything else (or a tensor on another device type than ``device_type``). Called per block
     call: the device type is checked through ``Tensor.is_cuda`` / ``is_cpu`` where torch has one
-    (``device.type`` builds a string per tensor, ~1 us on a slow host)."""
+    (``device.type`` builds a string per tensor)."""
     if flat is None:
         return None
     on = None

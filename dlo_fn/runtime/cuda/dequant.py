@@ -8,8 +8,7 @@ among the block's by counting the tensors' first rows at or below its own (one s
 (block, slot)), loads the row's scale once and walks the row in tiles that divide it, so no load or store is
 masked and each moves 16-byte vectors (rows that are no whole number of vectors take a masked loop). The
 unquantised tensors (norms, biases, excluded modules) are copied byte for byte by a second launch over fixed
-tiles. On the H200 this dequantises FLUX.1-dev's 23.7 GB of block weights in 9.5 ms, against 89 ms as torch ops
-(``figures/data/fp8_dequant_flux_nvidia-h200.json``).
+tiles. What it saves against torch ops: ``docs/performance.md`` (``figures/data/fp8_dequant_flux_nvidia-h200.json``).
 
 Bits: ``dtype(float32(q) * scale)`` with float32 arithmetic and one round-to-nearest-even into the slot's dtype,
 as :func:`~dlo_fn.runtime.quant.dequantize_into` computes it (``tests/test_quant.py`` compares the two on the GPU).

@@ -1,0 +1,168 @@
+"""Resident blocks under an HBM budget: the spread set (golden strings, properties), the budget's choice and its
+refusal, the shorter ring, and offloaded outputs bit-identical to resident (FP8: to ``fake_quantize``) with the
+device weight bytes as planned and within the budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlo_fn.plan.layout import model_layout
+from dlo_fn.plan.resident import (
+    BudgetError,
+    choose_resident,
+    device_weight_bytes,
+    frontier,
+    spread_resident,
+    with_resident,
+)
+from dlo_fn.plan.schedule import Ring
+from dlo_fn.plan.spec import spec_from_module
+from dlo_fn.runtime.offload import offload
+from dlo_fn.runtime.quant import fake_quantize
+from tests.test_executor import CTX, toy
+
+
+def _marks(block_bytes: tuple[int, ...], m: int, steps: int) -> str:
+    keep = spread_resident(block_bytes, m, steps)
+    return " ".join("R" if b in keep else "S" for b in range(len(block_bytes)))
+
+
+def test_spread_golden():
+    assert [_marks((5,) * 8, m, 8) for m in range(9)] == [
+        "R R R R R R R R",
+        "R R R R R R R S",
+        "R R R S R R R S",
+        "R R S R R S R S",
+        "R S R S R S R S",
+        "R S R S S R S S",
+        "R S S S R S S S",
+        "R S S S S S S S",
+        "S S S S S S S S",
+    ]
+    # unequal blocks: the large ones stay (their loads are the hardest to hide), the pass opens resident
+    assert _marks((2, 1, 1, 2, 1, 1), 1, 2) == "R S S R S S"
+    assert _marks((3, 1, 1, 1, 3, 1, 1, 1), 1, 2) == "R S S S R S S S"
+
+
+@settings(deadline=None, max_examples=80)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=64), st.data())
+def test_spread_properties(block_bytes, data):
+    steps = data.draw(st.integers(1, 4 * len(block_bytes)))
+    m = data.draw(st.integers(0, steps))
+    keep = spread_resident(tuple(block_bytes), m, steps)
+    assert list(keep) == sorted(set(keep)) and all(0 <= b < len(block_bytes) for b in keep)
+    streamed = [n for b, n in enumerate(block_bytes) if b not in keep]
+    # the streamed bytes never run ahead of the credit: every prefix streams at most f of its bytes
+    done = credit = 0
+    for b, n in enumerate(block_bytes):
+        credit += m * n
+        done += 0 if b in keep else steps * n
+        assert done <= credit
+    # and fall behind it by less than one block
+    assert m * sum(block_bytes) - steps * sum(streamed) < steps * max(block_bytes)
+    assert (m > 0 or len(keep) == len(block_bytes)) and (m < steps or keep == ())
+
+
+def _spec(num_blocks=6):
+    return spec_from_module(toy(num_blocks, d=32), "blocks")
+
+
+def _layout_of(spec):
+    return model_layout(spec, 1)
+
+
+def test_choice_fits_the_budget_and_keeps_the_most_blocks():
+    spec = _spec()
+    minimum = device_weight_bytes(spec, _layout_of(spec), 2, 0)
+    full = choose_resident(spec, spec.total_bytes, _layout_of, 2, 0)
+    assert full.resident == tuple(range(6)) and full.device_weight_bytes == spec.total_bytes
+    kept = []
+    for budget in range(minimum, spec.total_bytes, (spec.total_bytes - minimum) // 7):
+        choice = choose_resident(spec, budget, _layout_of, 2, 0)
+        assert choice.device_weight_bytes <= budget
+        kept.append(len(choice.resident))
+        # no spread set that streams less fits (the equal blocks' sets, by streamed fraction)
+        for m in range(1, 24):
+            more = spread_resident(spec.block_bytes, m, 24)
+            if len(choice.resident) < len(more) < 6:
+                bigger = with_resident(spec, more)
+                assert device_weight_bytes(bigger, _layout_of(bigger), 2, 0) > budget
+    assert kept == sorted(kept) and kept[0] == 0
+    assert kept[-1] == 3  # 3 resident + 2 slots of 6 equal blocks: the most below the whole model
+
+
+def test_budget_below_the_two_slot_minimum_is_refused_naming_it():
+    spec = _spec()
+    minimum = device_weight_bytes(spec, _layout_of(spec), 2, 0)
+    assert choose_resident(spec, minimum, _layout_of, 2, 0).resident == ()
+    with pytest.raises(BudgetError, match=f"pass at least {minimum}$"):
+        choose_resident(spec, minimum - 1, _layout_of, 2, 0)
+
+
+def test_the_ring_streams_only_the_streamed_blocks():
+    spec = with_resident(_spec(4), spread_resident(_spec(4).block_bytes, 1, 2))
+    assert [b.name for b in spec.blocks] == ["blocks.1", "blocks.3"]
+    assert spec.total_bytes == _spec(4).total_bytes
+    ring = Ring.cold(spec.num_blocks, mode="rank-local")
+    assert ring.next_schedule(1, prefetch_next=False).to_strs() == (
+        "H2D k0 b0>s0",
+        "H2D k1 b1>s1",
+        "C k0 b0@s0 r0",
+        "C k1 b1@s1 r0",
+    )
+
+
+def _budgets(ref, mode, quantization=None):
+    """The two-slot minimum, a budget between, and the whole model: what offload reports at each."""
+    spec = spec_from_module(ref, "blocks")
+    probe = offload(copy.deepcopy(ref), "blocks", CTX, mode=mode, quantization=quantization)
+    minimum = probe.device_weight_bytes
+    return [minimum, (minimum + spec.total_bytes) // 2, spec.total_bytes]
+
+
+@pytest.mark.parametrize("mode", ["rank-local", "allgather"])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@torch.no_grad()
+def test_offloaded_with_a_budget_equals_resident(mode, quantization):
+    ref = toy(6, d=32)
+    want = fake_quantize(copy.deepcopy(ref), "blocks") if quantization else ref
+    kept = []
+    for budget in _budgets(ref, mode, quantization):
+        o = offload(copy.deepcopy(ref), "blocks", CTX, mode=mode, quantization=quantization, hbm_budget=budget)
+        for seed in range(3):
+            x = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(o.model(x), want(x))
+        assert o.device_weight_bytes <= budget
+        kept.append(len(o.resident_blocks))
+        if o.executor is not None:
+            assert o.executor.device_weight_bytes == o.executor.planned_device_weight_bytes
+            assert o.executor.ring.num_blocks == 6 - len(o.resident_blocks)
+            assert o.layout.total_block_bytes < sum(o.spec.block_bytes) or not o.resident_blocks
+        else:
+            assert o.mode == "resident" and o.store is None
+    assert kept[0] == 0 and 0 < kept[1] < 6
+
+
+def test_budget_as_a_size_string_and_bad_budgets():
+    ref = toy(4, d=32)
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget="1GB")
+    assert o.options.hbm_budget == 10**9 and o.mode == "resident"
+    with pytest.raises(ValueError, match="^hbm_budget: cannot read 'lots'"):
+        offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget="lots")
+    with pytest.raises(BudgetError, match="hbm_budget = 100 bytes is below"):
+        offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget=100)
+
+
+def test_frontier_holds_more_and_streams_less_at_each_step():
+    spec = _spec(8)
+    plans = frontier(spec, _layout_of, 2, 0)
+    assert plans[0].resident == () and plans[-1].resident == tuple(range(8)) and plans[-1].h2d_bytes_per_pass == 0
+    for a, b in zip(plans, plans[1:]):
+        assert a.device_weight_bytes < b.device_weight_bytes and a.h2d_bytes_per_pass > b.h2d_bytes_per_pass
+    for p in plans:  # each is the plan its own budget buys
+        assert choose_resident(spec, p.device_weight_bytes, _layout_of, 2, 0) == p
