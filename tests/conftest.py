@@ -8,6 +8,16 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_from_the_start():
+    """One thread before any module or session fixture runs too (pytest sets those up before a test's own
+    fixtures): a bench run in a module fixture spent most of its time in OpenMP spinning on two threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     """A test marked ``cuda`` runs CUDA code (``make test-gpu`` selects them); without CUDA it is skipped, unless
     it is marked ``cuda(cpu=True)``: it runs on the CPU too, its CUDA part only where CUDA is present."""
@@ -186,6 +196,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "context_parallel": ("test_context_parallel", "_rank", ()),
         "quant": ("test_quant", "quant_rank", (FixtureArg("tiny_checkpoint"),)),
         "quantize": ("test_quantize", "quantize_rank", (FixtureArg("quantized_tiny"),)),
+        "offload_ready": ("test_offload_ready", "_rank", (FixtureArg("tiny_checkpoint"),)),
         "lora": ("test_lora", "lora_rank", ()),
         "models_lora": ("test_models_lora", "lora_rank", (FixtureArg("tiny_checkpoint"),)),
         "serve_lora": ("test_serve_lora", "serve_rank", (FixtureArg("tiny_checkpoint"),)),

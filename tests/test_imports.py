@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # The README's API in lines of dlo_fn source (physical lines in the formatter's layout): the issue's 5,000 lines were
 # counted before `ruff format`, which grew the same files by 20% (29,398 -> 35,348 lines), so 6,000 here. The FP8
 # modules, the start-up plug-ins, the memory models and the Timeline machinery load on demand.
@@ -24,13 +26,15 @@ print(json.dumps({m: len(open(f).read().splitlines()) for m, f in files.items()}
 """
 
 
-def _loaded() -> dict[str, int]:
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, int]:
+    """Module -> its lines, for what the probe loaded: one fresh interpreter for both tests."""
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, timeout=120)
     return json.loads(out.stdout)
 
 
-def test_the_readme_api_loads_the_core_only():
-    mods = _loaded()
+def test_the_readme_api_loads_the_core_only(loaded):
+    mods = loaded
     unwanted = [
         m
         for m in mods
@@ -49,7 +53,7 @@ def test_the_readme_api_loads_the_core_only():
     assert not unwanted, f"the README's API loads {sorted(unwanted)}"
 
 
-def test_the_readme_api_loads_at_most_its_line_budget():
-    mods = _loaded()
+def test_the_readme_api_loads_at_most_its_line_budget(loaded):
+    mods = loaded
     total = sum(mods.values())
     assert total <= API_LINE_BUDGET, "\n".join(f"{n:6d} {m}" for m, n in sorted(mods.items(), key=lambda x: -x[1]))

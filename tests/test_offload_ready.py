@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from conftest import scenario
 
 from dlo_fn.runtime.cuda.host_fill import ParallelFill, fill_threads
 from dlo_fn.runtime.dist import DistContext
@@ -51,10 +52,8 @@ def _check_timings(t: dict) -> None:
     assert sum(t[k] for k in PHASES) == pytest.approx(t["total_s"], abs=1e-6)
 
 
-def test_two_ranks_phases_and_exact(tiny_checkpoint):
-    from dlo_fn.serve.ranks import run_ranks
-
-    for r in run_ranks(_rank, 2, tiny_checkpoint, timeout_s=120):
+def test_two_ranks_phases_and_exact(request):
+    for r in scenario(request, 2, "offload_ready"):  # the shared spawn of 2 ranks (conftest.SCENARIOS)
         assert r["equal"]
         _check_timings(r["timings"])
         assert r["timings"]["warm_up_s"] == r["warm_up_s"] > 0

@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from benchmarks.repro.variants import REAL
+
 __all__ = ["CLIP_L", "T5_XXL", "FLUX_VAE", "FLUX_SCHEDULER", "TRANSFORMERS", "build_pipeline_parts", "run_pipeline"]
 
 CLIP_L = dict(
@@ -95,12 +97,8 @@ QUICK_T5 = dict(T5_XXL, vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=
 QUICK_VAE = dict(FLUX_VAE, block_out_channels=[8, 8, 8, 8], latent_channels=4, layers_per_block=1, norm_num_groups=4)
 QUICK_REQUEST = dict(height=64, width=64, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=8)
 PROMPT = "a photo of a red fox in the snow at night"
-# The transformer of each request: None resident, else offload() keyword arguments (as bench real's OURS).
-TRANSFORMERS = {
-    "resident": None,
-    "ours-rank-local": dict(mode="rank-local"),
-    "ours-fp8": dict(mode="rank-local", quantization="fp8"),
-}
+# The transformer of each request: None resident, else offload() keyword arguments (bench real's variants).
+TRANSFORMERS = {v.name: v.options for v in REAL if v.name in ("resident", "ours-rank-local", "ours-fp8")}
 
 
 def _word_tokenizer(vocab_size: int, specials: dict[str, int], template: str, max_length: int, **names):

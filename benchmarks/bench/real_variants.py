@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.repro.variants import REAL
 from dlo_fn.io.memstat import process_memory
 
 __all__ = [
@@ -51,47 +52,15 @@ __all__ = [
     "options_missing",
 ]
 
-# Our variants: name -> offload() keyword arguments. One line adds one.
-OURS = {
-    "ours-rank-local": dict(mode="rank-local"),
-    "ours-fp8": dict(mode="rank-local", quantization="fp8"),
-    "ours-allgather": dict(mode="allgather"),  # W = 1: the plan lowers it to the rank-local program
-    "ours-bgraph": dict(mode="rank-local", graph="block"),
-    "ours-3-slots": dict(mode="rank-local", num_slots=3),
-    "ours-auto": dict(mode="auto", num_slots="auto"),  # the policy's choice (one example call measures the blocks)
-    "ours-fp8-auto": dict(mode="auto", num_slots="auto", quantization="fp8"),
-    "ours-fp8-prequantized": dict(mode="rank-local", quantization="fp8"),  # from `quantize`'s folder (PREQUANTIZED)
-    "ours-lora": dict(mode="rank-local"),  # + adapters loaded after offload (benchmarks.bench.real_lora)
-    "ours-lora-fp8": dict(mode="rank-local", quantization="fp8"),
-    # HBM budgets that emulate 12 to 24 GB cards (device weight bytes; plan.resident), BF16 and FP8
-    **{f"ours-hbm-{n}GB": dict(mode="rank-local", hbm_budget=f"{n}GB") for n in (12, 16, 18, 20, 24)},
-    "ours-hbm-16GB-3-slots": dict(mode="rank-local", hbm_budget="16GB", num_slots=3),
-    **{f"ours-fp8-hbm-{n}GB": dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB") for n in (6, 8, 10, 12)},
-}
+# Our variants: name -> offload() keyword arguments, from the one table of variants (a row there adds one).
+OURS = {v.name: v.options for v in REAL if v.options is not None}
 # accelerate's device map at a device budget (the peer users reach for): name -> max_memory of device 0.
-ACCELERATE = {f"accelerate-{n}GiB": f"{n}GiB" for n in (12, 16)}
+ACCELERATE = {v.name: v.name.removeprefix("accelerate-") for v in REAL if v.name.startswith("accelerate-")}
 # Variants that load the checkpoint `python -m dlo_fn quantize` wrote from the model's (once per run, timed as the
 # entry's "quantized_checkpoint"), so their ready time is the FP8 bytes' and no rank quantises anything.
 PREQUANTIZED = ("ours-fp8-prequantized",)
 QUANTIZED_SUFFIX = "-fp8"
-# Run order (most important first, so a run cut short keeps what matters); "resident" always runs first. An OURS
-# entry not named here runs after the other variants of ours.
-_ORDER = (
-    "resident",
-    "ours-rank-local",
-    "ours-fp8",
-    "diffusers-block",
-    "ours-allgather",
-    "ours-bgraph",
-    "ours-3-slots",
-    "ranks-2",
-    "ranks-4",
-    "diffusers-leaf",
-    "ours-cold",
-    "model-offload",
-    "pipeline",
-)
-VARIANTS = _ORDER[:7] + tuple(k for k in OURS if k not in _ORDER) + tuple(ACCELERATE) + _ORDER[7:]
+VARIANTS = tuple(v.name for v in REAL)  # run order (benchmarks.repro.variants)
 GRAPH_WARMUP = 4  # block graphs: cold, warm, captured, replayed
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from benchmarks.repro.variants import STEP
 from dlo_fn.plan.layout import ModelLayout
 from dlo_fn.runtime.blocks import BlockProxy, block_state, make_caller, make_views
 from dlo_fn.runtime.cuda import plugins_for
@@ -59,26 +60,7 @@ __all__ = [
     "pinning_overhead",
 ]
 
-VARIANTS = (
-    "resident",
-    "dlo-rank-local",
-    "dlo-allgather",
-    "dlo-rank-local-swap",
-    "dlo-rank-local-bgraph",
-    "dlo-allgather-bgraph",
-    "diffusers",
-    "diffusers-record-stream",
-    "naive-sync",
-    "resident-compile",
-    "dlo-rank-local-compile",
-    "resident-graph",
-    "dlo-rank-local-swap-g2",
-    "dlo-rank-local-swap-g4",
-    "dlo-rank-local-g2",
-    "resident-fp8",
-    "dlo-rank-local-swap-fp8",
-    "dlo-allgather-swap-fp8",
-)
+VARIANTS = tuple(v.name for v in STEP if v.runs)  # benchmarks.repro.variants
 # compiling takes minutes on a CPU; resident-graph is a diagnostic (CUDA only)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if not v.endswith(("-compile", "resident-graph")))
 GRAPH_WARMUP = 4  # passes before timing a graph variant: cold, warm (recorded), captured, replayed

@@ -12,6 +12,7 @@ import textwrap
 
 from benchmarks.figures.style import COLORS, figure_style, save_png, write_csv
 from benchmarks.repro.data import DATA_DIR
+from benchmarks.repro.variants import STEP, short_labels
 
 __all__ = ["FIGURES", "fig_bench_step", "fig_bench_small40", "plot_bench_step", "bench_rows", "find_bench_json"]
 
@@ -29,24 +30,7 @@ FIELDS = (
     "peak_device_GB",
     "weight_device_GB_planned",
 )
-LABELS = {
-    "resident": "resident (no offload)",
-    "dlo-rank-local": "ours: H2D into 2 slots",
-    "dlo-allgather": "ours: allgather W=1 (= H2D into slots)",
-    "dlo-rank-local-swap": "ours: swap call",
-    "dlo-rank-local-graph": "ours: 2 slots, CUDA graph",
-    "dlo-allgather-graph": "ours: allgather W=1, CUDA graph",
-    "dlo-rank-local-bgraph": "ours: 2 slots, block graphs",
-    "dlo-allgather-bgraph": "ours: allgather W=1, block graphs",
-    "resident-compile": "resident, torch.compile",
-    "dlo-rank-local-compile": "ours: 2 slots, torch.compile",
-    "dlo-rank-local-swap-g2": "ours: load groups of 2 (4 slots)",
-    "dlo-rank-local-swap-g4": "ours: load groups of 4 (8 slots)",
-    "dlo-rank-local-g2": "ours: functional_call, groups of 2",
-    "diffusers": "diffusers group offload",
-    "diffusers-record-stream": "diffusers, record_stream",
-    "naive-sync": "naive sync per block",
-}
+LABELS = short_labels(STEP)
 COLOR = {
     "resident": COLORS["other"],
     "diffusers": COLORS["published"],

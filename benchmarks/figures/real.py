@@ -12,20 +12,11 @@ import pathlib
 
 from benchmarks.figures.style import COLORS, figure_style, save_png, write_csv
 from benchmarks.repro.headline import find_real_reports, panel_title, timed
+from benchmarks.repro.variants import REAL, short_labels
 
 __all__ = ["FIGURES", "find_real_reports", "real_rows", "plot_bench_real", "fig_bench_real"]
 
-LABELS = {
-    "resident": "resident (all on the GPU)",
-    "ours-rank-local": "ours: 2 slots",
-    "ours-allgather": "ours: allgather, W=1",
-    "ours-bgraph": "ours: block graphs",
-    "ours-3-slots": "ours: 3 slots",
-    "ours-auto": "ours: policy's choice",
-    "diffusers-block": "diffusers group offload, block",
-    "diffusers-leaf": "diffusers group offload, leaf",
-    "model-offload": "whole-model offload",
-}
+LABELS = short_labels(REAL)
 FIELDS = (
     "model",
     "variant",

@@ -27,6 +27,7 @@ from benchmarks.repro import (
     waves_tables,
 )
 from benchmarks.repro.data import DATA_DIR
+from benchmarks.repro.variants import STEP, labels
 
 __all__ = ["TABLES", "DOC_FILES", "markdown_table", "refresh", "render", "stale"]
 
@@ -34,24 +35,7 @@ ROOT = DATA_DIR.parents[1]
 DOC_FILES = ("README.md", "docs/measurements.md", "docs/performance.md", "docs/serving.md")
 _BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
-# Variant names of ``bench step`` (benchmarks.bench.step_variants) as the docs call them.
-LABELS = {
-    "resident": "resident (every weight on the GPU)",
-    "dlo-rank-local-swap": "ours, eager (2 slots)",
-    "dlo-rank-local": "ours, eager, `functional_call` block call",
-    "dlo-allgather": "ours, allgather (W = 1)",
-    "dlo-rank-local-bgraph": "ours, block graphs",
-    "dlo-rank-local-swap-g2": "ours, load groups of 2 (4 slots)",
-    "dlo-rank-local-swap-g4": "ours, load groups of 4 (8 slots)",
-    "dlo-rank-local-g2": "ours, `functional_call`, load groups of 2",
-    "dlo-rank-local-compile": "ours, compiled blocks",
-    "resident-compile": "resident, compiled blocks",
-    "diffusers": "diffusers group offloading (block_level, stream)",
-    "diffusers-record-stream": "diffusers group offloading, record_stream",
-    "naive-sync": "synchronous copy per block",
-    "dlo-rank-local-graph": "step graph (not in the runtime)",
-    "dlo-allgather-graph": "step graph, allgather (not in the runtime)",
-}
+LABELS = labels(STEP)  # bench step's variants as the docs call them
 CURRENT = (
     "resident",
     "dlo-rank-local-swap",

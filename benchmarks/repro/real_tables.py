@@ -18,6 +18,7 @@ import statistics
 from typing import Any
 
 from benchmarks.repro.data import DATA_DIR
+from benchmarks.repro.variants import REAL, labels
 
 __all__ = [
     "REAL_FILE",
@@ -51,21 +52,7 @@ MODEL_OFFLOAD_FILE = "bench_real_{model}_model_offload_nvidia-h200.json"  # whol
 READY_FILE = "ready_bench_real_flux_nvidia-h200.json"  # FLUX.1-dev's time to ready: 2 MiB pages, locked while filled
 READY_AFTER_FILE = "ready_locked_after_bench_real_flux_nvidia-h200.json"  # the same run's 2 MiB pages, locked after
 CORE_FILE = "core_before_after_nvidia-h200.json"
-LABELS = {
-    "resident": "resident",
-    "ours-rank-local": "ours, 2 slots",
-    "ours-fp8": "ours, FP8 shards (2 slots)",
-    "ours-allgather": "ours, allgather (W = 1)",
-    "ours-bgraph": "ours, block graphs",
-    "ours-3-slots": "ours, 3 slots",
-    "ours-auto": "ours, the policy's choice",
-    "ours-fp8-auto": "ours, FP8 shards, the policy's choice",
-    "ours-fp8-prequantized": "ours, FP8 shards from a pre-quantised checkpoint (2 slots)",
-    "diffusers-block": "diffusers group offloading, block_level + stream",
-    "diffusers-leaf": "diffusers group offloading, leaf_level + stream",
-    "ours-cold": "ours, cold page cache",
-    "model-offload": "whole-model offload (enable_model_cpu_offload's hook)",
-}
+LABELS = labels(REAL)
 
 
 def load(name: str) -> dict[str, Any]:
@@ -157,11 +144,7 @@ def pipeline_rows(name: str = FP8_FILE) -> list[dict[str, str]]:
     base = p["resident"]["request_s"]
     return [
         {
-            "transformer": {
-                "resident": "resident",
-                "ours-rank-local": "ours, offloaded (BF16, 2 slots)",
-                "ours-fp8": "ours, FP8 shards (2 slots)",
-            }[k],
+            "transformer": LABELS[k],
             "request s": f"{p[k]['request_s']:.2f}",
             "/ resident": f"{p[k]['request_s'] / base:.3f}",
             "images equal to resident": "-" if k == "resident" else str(p[k]["equal_to_resident"]),

@@ -212,11 +212,30 @@ def _sizes(args: argparse.Namespace, parse_bytes):
     return ModelSizes(name, (total - resident,), resident, "no block size given"), False
 
 
-def _dims(args: argparse.Namespace):
+def block_dims(name: str):
+    """Block widths of a named config (None for a checkpoint: the SP terms are then left out)."""
     from dlo_fn.cost.sp_memory import BlockDims
     from dlo_fn.models import CONFIGS
 
-    return BlockDims.from_config(CONFIGS[args.model]) if args.model in CONFIGS else None
+    return BlockDims.from_config(CONFIGS[name]) if name in CONFIGS else None
+
+
+def mesh_rows(args: argparse.Namespace, sizes, mesh, dims, context_bytes: int = 0) -> tuple:
+    """The mesh rows (:func:`dlo_fn.cost.mesh_memory.mesh_memory_rows`) for the flags ``memory`` and ``plan``
+    share (``--tokens``, ``--batch``, ``--slots``, ``--landing``, ``--alignment``)."""
+    from dlo_fn.cost.mesh_memory import mesh_memory_rows
+
+    return mesh_memory_rows(
+        sizes,
+        mesh,
+        dims,
+        args.tokens if dims else None,
+        batch=args.batch,
+        num_slots=args.slots,
+        num_landing=args.landing,
+        context_bytes=context_bytes,
+        alignment_bytes=args.alignment,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,7 +243,6 @@ def run(args: argparse.Namespace) -> int:
     from dlo_fn.cost.accounting import memory_accounting
     from dlo_fn.cost.memory import parse_bytes as parse
     from dlo_fn.cost.mesh import MeshPlan
-    from dlo_fn.cost.mesh_memory import mesh_memory_rows
 
     def parse_bytes(text):  # a size the user wrote: an unreadable one names its flag
         try:
@@ -257,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         mesh = MeshPlan(args.dp, args.sp, args.shard_group)
         sizes, with_hbm = _sizes(args, parse_bytes)
-        dims = _dims(args)
+        dims = block_dims(args.model)
         # The two deployment constants: what the user measured, else the published deployment's calibration.
         framework = (
             calibration.FRAMEWORK_HOST_BYTES_PER_RANK
@@ -287,17 +305,7 @@ def run(args: argparse.Namespace) -> int:
             with_hbm=with_hbm,
         )
         if with_hbm and (mesh.sp > 1 or mesh.shard_group != DEFAULT_SHARD_GROUP or args.tokens):
-            rows += mesh_memory_rows(
-                sizes,
-                mesh,
-                dims,
-                args.tokens if dims else None,
-                batch=args.batch,
-                num_slots=args.slots,
-                num_landing=args.landing,
-                context_bytes=context,
-                alignment_bytes=args.alignment,
-            )
+            rows += mesh_rows(args, sizes, mesh, dims, context)
     except UsageError:
         raise
     except ValueError as exc:

@@ -210,32 +210,15 @@ def _mesh(args: argparse.Namespace):
     return mesh
 
 
-def _dims(name: str):
-    """Block widths of a named config (None for a checkpoint: the SP terms are then left out)."""
-    from dlo_fn.cost.sp_memory import BlockDims
-    from dlo_fn.models import CONFIGS
-
-    return BlockDims.from_config(CONFIGS[name]) if name in CONFIGS else None
-
-
 def _mesh_doc(args, spec, mesh) -> tuple[dict, list[str]]:
-    from dlo_fn.cost.mesh_memory import mesh_memory_rows
+    from dlo_fn.cli.memory import block_dims, mesh_rows
     from dlo_fn.models import CONFIGS
     from dlo_fn.plan.sizes import ModelSizes
 
     sizes = ModelSizes.from_spec(spec, args.alignment)
-    dims = _dims(args.model)
+    dims = block_dims(args.model)
     try:
-        rows = mesh_memory_rows(
-            sizes,
-            mesh,
-            dims,
-            args.tokens if dims else None,
-            batch=args.batch,
-            num_slots=args.slots,
-            num_landing=args.landing,
-            alignment_bytes=args.alignment,
-        )
+        rows = mesh_rows(args, sizes, mesh, dims)
         heads = CONFIGS[args.model].num_heads if dims else None
         ranks = mesh.rank_table(sizes, args.tokens, heads, args.alignment) if heads else ()
     except ValueError as exc:

@@ -62,8 +62,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from dlo_fn.cost import dispatch_types
+from dlo_fn.cost.dispatch_types import *  # noqa: F403  (the data types: re-exported by __all__)
 from dlo_fn.cost.dispatch_types import (
-    POLICIES,
     DispatchPlan,
     PassCosts,
     PlanStep,
@@ -71,26 +72,17 @@ from dlo_fn.cost.dispatch_types import (
     Replicas,
     ReplicaUsage,
     RequestRecord,
-    nearest_rank,
 )
 from dlo_fn.cost.waves import CompatKey, Pending, form_waves
 
 __all__ = [
-    "POLICIES",
-    "QueuedRequest",
-    "Replicas",
-    "PassCosts",
-    "PlanStep",
-    "RequestRecord",
-    "ReplicaUsage",
-    "DispatchPlan",
+    *dispatch_types.__all__,
     "ADMISSIONS",
     "admit_continuous",
     "admit_cost_aware",
     "plan_continuous",
     "plan_strict",
     "compare_policies",
-    "nearest_rank",
 ]
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
+from dlo_fn.plan.modes import check_mode
 from dlo_fn.plan.sizes import GB, GIB, ModelSizes, _check_positive, parse_bytes  # re-exported: one entry point
 
 __all__ = [
@@ -61,11 +62,6 @@ HOST_MODES = ("allgather", "rank-local", "rank-local-mmap")
 PLATFORMS = ("cuda", "ascend")
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
 def pinned_host_bytes_per_rank(
     sizes: ModelSizes,
     num_shards: int,
@@ -76,7 +72,7 @@ def pinned_host_bytes_per_rank(
     """Host bytes of one rank's weight arena (see the module docstring); ``load_group``: the ring's, whose
     grouped shard layout (``W > 1``, :func:`~dlo_fn.plan.layout.layout_load_group`) pads a group's shards to
     its largest."""
-    _check_choice("mode", mode, HOST_MODES)
+    check_mode(mode, HOST_MODES, "mode")
     if mode == "allgather":
         return sizes.shard_bytes_per_rank(num_shards, alignment_bytes, load_group)
     if mode == "rank-local":
@@ -129,8 +125,8 @@ def cold_start(
     ``framework_bytes_per_rank`` is ``c``, a property of the deployment: pass a measured value (the published
     deployment's is ``dlo_fn.cost.calibration.FRAMEWORK_HOST_BYTES_PER_RANK``)."""
     _check_positive("num_ranks", num_ranks)
-    _check_choice("loading", loading, LOADINGS)
-    _check_choice("mode", mode, HOST_MODES)
+    check_mode(loading, LOADINGS, "loading")
+    check_mode(mode, HOST_MODES, "mode")
     m = sizes.total_bytes
     if loading == "private-copy" or mode != "allgather":
         touched = m
@@ -203,7 +199,7 @@ def host_steady_state(
     kernel reclaims it (the published cgroup numbers still show it); pass False for a host under pressure.
     """
     _check_positive("num_ranks", num_ranks)
-    _check_choice("platform", platform, PLATFORMS)
+    check_mode(platform, PLATFORMS, "platform")
     w = num_ranks if num_shards is None else num_shards
     cached = sizes.total_bytes if page_cache_retained or mode == "rank-local-mmap" else 0
     return HostSteadyState(

@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
+from dlo_fn.plan.modes import check_mode
 from dlo_fn.plan.sizes import ModelSizes, _check_positive
 
 __all__ = [
@@ -144,11 +145,6 @@ def gloo_cuda_staging_bytes(sizes: ModelSizes, num_shards: int, alignment_bytes:
     )
 
 
-def _check(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
 def rank_terms(
     sizes: ModelSizes,
     num_ranks: int,
@@ -168,8 +164,8 @@ def rank_terms(
     (a single process runs without a group unless launched by torchrun or ``run_ranks``). ``load_group``: the
     ring's, whose grouped shard layout pads a group's shards to its largest (:mod:`dlo_fn.plan.layout`)."""
     _check_positive("num_ranks", num_ranks)
-    _check("mode", mode, RANK_MODES)
-    _check("device", device, DEVICES)
+    check_mode(mode, RANK_MODES, "mode")
+    check_mode(device, DEVICES, "device")
     gather = mode == "allgather"
     w = num_ranks if gather else 1
     blocks = sizes.total_block_bytes

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dlo_fn.cost.sp_memory import FP32_BYTES, BlockDims, sp_activations
+from dlo_fn.plan.sizes import _check_positive
 
 __all__ = ["RequestShape", "RequestMemory", "request_memory", "largest_fitting"]
 
@@ -53,9 +54,7 @@ class RequestShape:
 
     def __post_init__(self) -> None:
         for name in ("tokens", "outputs", "rows", "latent_elements", "video_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"RequestShape.{name} must be a positive int, got {value!r}")
+            _check_positive(f"RequestShape.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True, slots=True)

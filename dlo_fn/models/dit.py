@@ -233,17 +233,10 @@ class VideoDiT(nn.Module):
     def encode_text(self, text_tokens: torch.Tensor) -> torch.Tensor:
         return self.text_encoder(text_tokens)
 
-    def embed(
-        self,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        text_tokens: torch.Tensor,
-        text_states: torch.Tensor | None = None,
-        *,
-        sp: SPContext | None = None,
-    ) -> EmbedState:
-        """Everything before the blocks. ``text_states`` (from :meth:`encode_text`) skips re-encoding. With
-        ``sp`` (size > 1) the tokens and rotary rows are cut to this rank's share before the patch embedding."""
+    def embed(self, latents, timestep, text_tokens, text_states=None, *, sp: SPContext | None = None) -> EmbedState:
+        """Everything before the blocks (the arguments of :meth:`forward`). ``text_states`` (from
+        :meth:`encode_text`) skips re-encoding. With ``sp`` (size > 1) the tokens and rotary rows are cut to this
+        rank's share before the patch embedding."""
         if self.rope_inv_freq.is_meta and not latents.is_meta:
             raise RuntimeError(
                 "VideoDiT.rope_inv_freq is a non-persistent buffer still on the meta device: call "

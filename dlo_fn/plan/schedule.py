@@ -85,18 +85,10 @@ class ScheduleError(ValueError, RuntimeError):
     callers that catch either keep working."""
 
 
-def _check_ring_fields(
-    owner: str,
-    num_blocks: int,
-    num_slots: int,
-    num_landing: int,
-    mode: str,
-    slot_offset: int,
-    landing_offset: int,
-    load_group: int = 1,
-    quantized: bool = False,
-) -> None:
+def _check_ring_fields(owner: str, ring: Ring | Schedule) -> None:
     """The invariants a :class:`Ring` and a :class:`Schedule` share (``owner`` prefixes the field names)."""
+    num_blocks, num_slots, num_landing, mode = ring.num_blocks, ring.num_slots, ring.num_landing, ring.mode
+    slot_offset, landing_offset, load_group = ring.slot_offset, ring.landing_offset, ring.load_group
     check_mode(mode, OFFLOAD_MODES, f"{owner}mode")
     if not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"{owner}num_blocks must be an int >= 1, got {num_blocks!r}")
@@ -110,7 +102,7 @@ def _check_ring_fields(
         raise ValueError(f"{owner}slot_offset must be in [0, {num_slots}), got {slot_offset}")
     if not 0 <= landing_offset < max(num_landing, 1):
         raise ValueError(f"{owner}landing_offset must be in [0, {num_landing}), got {landing_offset}")
-    check_load_group(load_group, num_slots, mode, owner, num_landing, quantized)
+    check_load_group(load_group, num_slots, mode, owner, num_landing, ring.quantized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,17 +132,7 @@ class Schedule:
     quantized: bool = False  # loads land in staging buffers and a DQ op writes the slot ("Quantised loads")
 
     def __post_init__(self) -> None:
-        _check_ring_fields(
-            "Schedule.",
-            self.num_blocks,
-            self.num_slots,
-            self.num_landing,
-            self.mode,
-            self.slot_offset,
-            self.landing_offset,
-            self.load_group,
-            self.quantized,
-        )
+        _check_ring_fields("Schedule.", self)
         for name in ("num_steps", "requests_per_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Schedule.{name} must be >= 1, got {getattr(self, name)}")
@@ -237,17 +219,7 @@ class Ring:
     quantized: bool = False
 
     def __post_init__(self) -> None:
-        _check_ring_fields(
-            "",
-            self.num_blocks,
-            self.num_slots,
-            self.num_landing,
-            self.mode,
-            self.slot_offset,
-            self.landing_offset,
-            self.load_group,
-            self.quantized,
-        )
+        _check_ring_fields("", self)
 
     @classmethod
     def cold(

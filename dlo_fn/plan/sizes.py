@@ -64,7 +64,7 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 

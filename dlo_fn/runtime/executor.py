@@ -234,17 +234,10 @@ class Executor:
         self._run = None
 
     @contextlib.contextmanager
-    def run(
-        self,
-        num_steps: int | None = None,
-        requests_per_load: int | None = None,
-        *,
-        schedule: Schedule | None = None,
-        compute: bool = True,
-    ) -> Iterator[Schedule]:
-        """``with executor.run(T, R): ...`` (or ``run(schedule=s)``) around the model calls of one run (see
-        :meth:`begin_run`)."""
-        schedule = self.begin_run(num_steps, requests_per_load, schedule=schedule, compute=compute)
+    def run(self, *args, **kwargs) -> Iterator[Schedule]:
+        """``with executor.run(T, R): ...`` (or ``run(schedule=s)``) around the model calls of one run; the
+        arguments are :meth:`begin_run`'s."""
+        schedule = self.begin_run(*args, **kwargs)
         try:
             yield schedule
         except BaseException:

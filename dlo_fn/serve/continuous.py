@@ -85,6 +85,7 @@ from dlo_fn.serve.requests import (
     not_dispatched,
     to_wire,
 )
+from dlo_fn.serve.wave_results import outcome_result
 from dlo_fn.serve.wire import StatusBoard, diagnosis_wait_s
 
 __all__ = ["ContinuousDriver", "ContinuousRank", "Served", "admission_key", "admission_cost", "follow_step"]
@@ -142,18 +143,10 @@ class ContinuousDriver:
         ``(index, arrival time.monotonic)``; ``wait(until_s)``: block for input until then (monotonic);
         ``publish(result)``: each result as it ends. A bar shows the progress (:mod:`dlo_fn.serve.progress`)."""
         with ring_progress(self.options.progress) as bar:
-            return self._serve(subs, arrived, closed, wait, t0, publish, bar)
+            return self._serve(bar, subs, arrived, closed, wait, t0, publish)
 
-    def _serve(
-        self,
-        subs: Sequence[Submission],
-        arrived: Callable[[], Sequence[tuple[int, float]]],
-        closed: Callable[[], bool],
-        wait: Callable[[float], None],
-        t0: float,
-        publish: Callable[[RequestResult], None] | None,
-        bar: RingProgress,
-    ) -> Served:
+    def _serve(self, bar: RingProgress, subs, arrived, closed, wait, t0, publish) -> Served:
+        """:meth:`serve` (its arguments are typed there) with the progress ``bar`` open."""
         W, R = self.world_size, self.options.requests_per_rank
         keepalive_s = self.options.timeout_s / 3
         out = Served(publish, self.options.keep_videos)
@@ -356,22 +349,7 @@ class ContinuousDriver:
             "first_step": float(first),
             "last_step": float(self.next_step - 1),
         }
-        sub = subs[i]
-        if o is None or error is not None:
-            return RequestResult(
-                i,
-                sub.request_id,
-                sub.request,
-                False,
-                error=error or "no outcome returned",
-                rank=rank,
-                timings=timings,
-                degraded=degraded,
-            )
-        timings["compute_s"] = o.compute_s
-        return RequestResult(
-            i, sub.request_id, sub.request, o.ok, o.video, o.sha256, o.error, rank, None, None, timings, degraded
-        )
+        return outcome_result(i, subs[i], o, error, rank, timings, degraded=degraded)
 
     def _fail(self, k: int, where: str, exc: BaseException) -> tuple[str, set[int]]:
         """The reason ring step ``k`` failed closed and the culprit ranks the status board names."""

@@ -20,8 +20,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from dlo_fn.cost.waves import WavePlan
 from dlo_fn.serve.batch import Outcome, WaveAborted
-from dlo_fn.serve.requests import EngineOptions, RequestResult, ResultBook, Submission, WaveRecord
-from dlo_fn.serve.share import ShareRunner, TraceSpan
+from dlo_fn.serve.requests import RequestResult, ResultBook, Submission, WaveRecord
+from dlo_fn.serve.share import ProtocolEnd, TraceSpan
 from dlo_fn.serve.wave_results import (
     fail_wave,
     fill_wave,
@@ -31,13 +31,11 @@ from dlo_fn.serve.wave_results import (
     wave_shares,
     wave_steps,
 )
-from dlo_fn.serve.wire import Channel, StatusBoard, culprits, diagnosis_wait_s
+from dlo_fn.serve.wire import POLL_S, culprits, diagnosis_wait_s
 
 __all__ = ["Driver", "Dispatched", "request_result"]
 
 log = logging.getLogger(__name__)
-
-_POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,21 +49,18 @@ class Dispatched:
 
 
 class Driver:
-    """Rank 0's half of the protocol over ``channel``; ``runner`` runs rank 0's own shares."""
+    """Rank 0's half of the protocol over ``end.channel``; ``end.runner`` runs rank 0's own shares."""
 
     def __init__(
         self,
-        channel: Channel,
-        board: StatusBoard,
-        runner: ShareRunner,
-        options: EngineOptions,
+        end: ProtocolEnd,
         *,
         mode: str,
         world_size: int,
         lockstep: bool,
         replicas: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        self.channel, self.board, self.runner, self.options = channel, board, runner, options
+        self.channel, self.board, self.runner, self.options = end
         self.mode, self.world_size, self.lockstep = mode, world_size, lockstep
         self.replicas = tuple(tuple(r) for r in replicas) if replicas else tuple((r,) for r in range(world_size))
         self.leaders = tuple(r[0] for r in self.replicas)
@@ -370,4 +365,4 @@ class Driver:
             if time.monotonic() - last_beat >= 1.0:
                 board.post("collecting", round=round_id)  # keep rank 0 visibly alive for the waiting followers
                 last_beat = time.monotonic()
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)

@@ -30,7 +30,7 @@ from dlo_fn.serve.follower import Follower
 from dlo_fn.serve.memory_room import Room, gather_rooms, measure_room, post_room, rank_shares
 from dlo_fn.serve.recover import Reload, reloader
 from dlo_fn.serve.requests import EngineOptions
-from dlo_fn.serve.share import ShareRunner
+from dlo_fn.serve.share import ProtocolEnd, ShareRunner
 from dlo_fn.serve.wire import Channel, StatusBoard, default_store
 
 __all__ = ["EngineParts", "build_parts", "replicas_of", "memory_admission", "executor_stats"]
@@ -80,12 +80,9 @@ def build_parts(
     channel = Channel(ctx.group, ctx.platform.backend, options.timeout_s)
     board = StatusBoard(default_store(), rank, world_size, session)
     runner = ShareRunner(model, offloaded, rank, board, options.fault, sp=sp_of(mesh) if mesh is not None else None)
-    driver = Driver(
-        channel, board, runner, options, mode=mode, world_size=world_size, lockstep=lockstep, replicas=replicas
-    )
-    follower = Follower(
-        channel, board, runner, options, rank=rank, replica=replica, leader=rank == replicas[replica][0]
-    )
+    end = ProtocolEnd(channel, board, runner, options)
+    driver = Driver(end, mode=mode, world_size=world_size, lockstep=lockstep, replicas=replicas)
+    follower = Follower(end, rank=rank, replica=replica, leader=rank == replicas[replica][0])
     # Continuous serving (dlo_fn.serve.continuous): lockstep ranks (replicas of sp ranks on a mesh), or one
     # rank in any mode. No recovery on an sp mesh (a lost rank breaks its replica's SP group).
     continuous = options.serving == "continuous" and (lockstep or world_size == 1)

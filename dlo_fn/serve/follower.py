@@ -20,37 +20,32 @@ import time
 from dlo_fn.serve.batch import Outcome, WaveAborted
 from dlo_fn.serve.continuous import ContinuousRank, follow_step
 from dlo_fn.serve.recover import Reload, rank_local_replica, rejoin, wait_plan
-from dlo_fn.serve.requests import EngineOptions
-from dlo_fn.serve.share import ShareRunner, TraceSpan, own_timeline
-from dlo_fn.serve.wire import Channel, StatusBoard
+from dlo_fn.serve.share import ProtocolEnd, TraceSpan, own_timeline
+from dlo_fn.serve.wire import POLL_S
 
 __all__ = ["Follower"]
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.02
-
 
 class Follower:
-    """Rank ``rank``'s side of the protocol over ``channel``; ``runner`` runs its shares."""
+    """Rank ``rank``'s side of the protocol over ``end.channel``; ``end.runner`` runs its shares."""
 
     def __init__(
         self,
-        channel: Channel,
-        board: StatusBoard,
-        runner: ShareRunner,
-        options: EngineOptions,
+        end: ProtocolEnd,
         *,
         rank: int,
         replica: int | None = None,
         leader: bool = True,
         reload: Reload | None = None,
     ) -> None:
-        self.channel, self.board, self.runner, self.options, self.rank = channel, board, runner, options, rank
+        self.channel, self.board, self.runner, self.options = end
+        self.rank = rank
         self.replica = rank if replica is None else replica
         self.leader = leader
         self.continuous = ContinuousRank(
-            runner.model, runner.offloaded, rank, options.fault, runner.sp
+            self.runner.model, self.runner.offloaded, rank, self.options.fault, self.runner.sp
         )  # "cstep" messages
         # Recovery of continuous serving (dlo_fn.serve.recover): this rank's place among the ranks serving,
         # the recoveries so far, and where a rank-local replica reads its blocks (None: no recovery; only
@@ -194,7 +189,7 @@ class Follower:
                     round_id,
                 )
                 return False
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         if not self.leader:
             return True
         try:

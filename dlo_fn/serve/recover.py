@@ -45,7 +45,7 @@ from dlo_fn.runtime.executor import Executor
 from dlo_fn.runtime.host_store import build_host_store
 from dlo_fn.runtime.mesh import ShardGroup
 from dlo_fn.runtime.offload import Offloaded
-from dlo_fn.serve.wire import GroupChannel, StatusBoard
+from dlo_fn.serve.wire import POLL_S, GroupChannel, StatusBoard
 
 __all__ = ["RecoveryPlan", "Reload", "reloader", "post_plan", "wait_plan", "rank_local_replica", "rejoin"]
 
@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 
 Reload = Callable[[], nn.Module]
 """A zero-argument callable returning the model freshly loaded (meta + mmap) from the checkpoint."""
-
-_POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +101,7 @@ def wait_plan(board: StatusBoard, epoch: int, bound_s: float) -> RecoveryPlan | 
         except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError
             log.debug("recovery %d: the store is gone: %s: %s", epoch, type(exc).__name__, exc)
             return None
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return None
 
 
@@ -118,7 +116,7 @@ def rejoin(board: StatusBoard, plan: RecoveryPlan, rank: int, timeout_s: float, 
         if time.monotonic() > deadline:
             missing = [r for r, k in zip(plan.survivors, keys) if not board.store.check([k])]
             raise TimeoutError(f"recovery {plan.epoch}: ranks {missing} did not rejoin within {bound_s:.0f} s")
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return GroupChannel.build(board.store, f"{prefix}pg/", plan.survivors.index(rank), len(plan.survivors), timeout_s)
 
 

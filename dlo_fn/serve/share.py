@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from torch import nn
 
@@ -25,10 +25,10 @@ from dlo_fn.models.sp import SPContext
 from dlo_fn.plan.timeline import Timeline
 from dlo_fn.runtime.offload import Offloaded
 from dlo_fn.serve.batch import Fault, Outcome, run_batch
-from dlo_fn.serve.requests import from_wire
+from dlo_fn.serve.requests import EngineOptions, from_wire
 from dlo_fn.serve.wire import Channel, StatusBoard
 
-__all__ = ["ShareRun", "ShareRunner", "TraceSpan", "gather_timelines", "own_timeline"]
+__all__ = ["ProtocolEnd", "ShareRun", "ShareRunner", "TraceSpan", "gather_timelines", "own_timeline"]
 
 TraceSpan = tuple[int, str, str, float, float]
 """``(rank, lane, label, start_s, end_s)``: one measured span of a wave trace."""
@@ -128,6 +128,16 @@ class ShareRunner:
                 label = f"p{positions[r]} s{k // num_blocks} b{b}"
             out.append((self.rank, sp.stream, label, base + sp.start_s, base + sp.end_s))
         return out
+
+
+class ProtocolEnd(NamedTuple):
+    """One rank's end of the engine's protocol, what the driver (rank 0) and a follower both hold: the channel
+    and status board it talks over, the runner of its shares, and the engine options."""
+
+    channel: Channel
+    board: StatusBoard
+    runner: ShareRunner
+    options: EngineOptions
 
 
 def own_timeline(offloaded: Offloaded, meta: Sequence[tuple[str, str]] = ()) -> Timeline | None:

@@ -17,7 +17,16 @@ from dlo_fn.serve.batch import Outcome
 from dlo_fn.serve.requests import RequestResult, Submission, to_wire
 from dlo_fn.serve.share import TraceSpan
 
-__all__ = ["request_result", "wave_steps", "wave_shares", "relative_spans", "spread", "fill_wave", "fail_wave"]
+__all__ = [
+    "request_result",
+    "outcome_result",
+    "wave_steps",
+    "wave_shares",
+    "relative_spans",
+    "spread",
+    "fill_wave",
+    "fail_wave",
+]
 
 
 def request_result(
@@ -34,6 +43,21 @@ def request_result(
 ) -> RequestResult:
     """A result from a rank's outcome (or an error when there is none)."""
     timings = {"queued_s": queued_s, "wave_s": wave_s}
+    return outcome_result(index, sub, outcome, error, rank, timings, wave_id=wave_id, position=position)
+
+
+def outcome_result(
+    index: int,
+    sub: Submission,
+    outcome: Outcome | None,
+    error: str | None,
+    rank: int,
+    timings: dict[str, float],
+    **where,
+) -> RequestResult:
+    """The result of submission ``index`` from ``outcome`` (its compute time joins ``timings``), or a failure
+    with ``error`` when there is one or no outcome came; ``where``: the wave fields (``wave_id``, ``position``)
+    or ``degraded``."""
     if outcome is None or error is not None:
         return RequestResult(
             index,
@@ -42,9 +66,8 @@ def request_result(
             False,
             error=error or "no outcome returned",
             rank=rank,
-            wave_id=wave_id,
-            position=position,
             timings=timings,
+            **where,
         )
     timings["compute_s"] = outcome.compute_s
     return RequestResult(
@@ -56,9 +79,8 @@ def request_result(
         outcome.sha256,
         outcome.error,
         rank,
-        wave_id,
-        position,
-        timings,
+        timings=timings,
+        **where,
     )
 
 

@@ -33,11 +33,22 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "GroupChannel", "StatusBoard", "RankStatus", "default_store", "culprits", "diagnosis_wait_s"]
+__all__ = [
+    "Channel",
+    "GroupChannel",
+    "StatusBoard",
+    "RankStatus",
+    "default_store",
+    "culprits",
+    "diagnosis_wait_s",
+    "POLL_S",
+]
 
 log = logging.getLogger(__name__)
 
 TERMINAL = ("done", "error", "collective-failed")
+
+POLL_S = 0.02  # how often a rank waiting on the channel or the status board looks again
 
 
 def default_store() -> Any:
