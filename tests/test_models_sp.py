@@ -154,7 +154,6 @@ def test_layers_are_row_count_independent(dtype):
     for start, stop in ((0, 67), (64, 67), (3, 38), (90, 96), (0, 1), (48, 96)):
         assert torch.equal(linear(x[start:stop], w, b), full_linear[start:stop]), (start, stop)
         assert torch.equal(attention(q[:, start:stop], k, v), full_attention[:, start:stop]), (start, stop)
-    if dtype == torch.float32:
-        raw = torch.nn.functional.scaled_dot_product_attention
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        assert not torch.equal(raw(qt[:, :, :67], kt, vt)[:, :, 64:], raw(qt, kt, vt)[:, :, 64:67])
+    # Why the layers exist: on the CPUs CI runs on, raw fp32 SDPA gives other bits for a slice of the rows than for
+    # the same rows inside the whole; whether it does depends on the CPU's kernels (on the H200 host's it did not),
+    # so that is not asserted here, only that ours never depend on the row count.

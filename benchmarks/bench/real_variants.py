@@ -318,7 +318,8 @@ def device_map_setup(platform, folder: str, cls_name: str, max_memory: str, inpu
     def setup():
         t0 = time.perf_counter()
         index = platform.device.index or 0 if platform.kind == "cuda" else "cpu"
-        budget = {index: max_memory, "cpu": "400GiB"} if platform.kind == "cuda" else None
+        # Off CUDA, the host only: "auto" would otherwise place layers on a GPU the machine happens to have.
+        budget = {index: max_memory, "cpu": "400GiB"} if platform.kind == "cuda" else {"cpu": "400GiB"}
         model = getattr(diffusers, cls_name).from_pretrained(
             folder, torch_dtype=torch.bfloat16, device_map="auto", max_memory=budget
         )
