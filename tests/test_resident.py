@@ -249,6 +249,19 @@ def test_budget_as_a_size_string_and_bad_budgets():
         offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget=100)
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_searchs_cut_layout_is_the_streamed_specs_layout(quantization):
+    from dlo_fn.plan.resident import _Pricer, layout_for
+
+    spec = _flux_like()
+    layout_of = lambda s: layout_for(s, 2, quantization=quantization)  # noqa: E731
+    price = _Pricer(spec, layout_of, 2, (1e-3,) * 12, 1e6)
+    for resident in ((), (0,), (1, 4, 5), (0, 1, 2, 3), tuple(range(11))):
+        for slots in (2, 3):
+            assert price(resident, slots) == price(resident, slots, exact=True)
+        assert price._layout(resident, False)[0].digest == layout_of(with_resident(spec, resident)).digest
+
+
 def test_frontier_holds_more_and_streams_less_at_each_step():
     spec = _spec(8)
     plans = frontier(spec, _layout_of, 2, 0)
