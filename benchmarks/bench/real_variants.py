@@ -286,7 +286,11 @@ def budget_facts(o) -> dict:
     if o.options.hbm_budget is None:
         return {}
     placed = o.placement
-    facts = {"placed_by": placed.source if placed else "bytes", "plan_num_slots": o.budget.num_slots}
+    facts = {
+        "placed_by": placed.source if placed else "bytes",
+        "plan_num_slots": o.budget.num_slots,
+        "resident_block_ids": list(o.budget.resident),
+    }
     if placed is not None:
         facts.update(
             predicted_pass_s=o.budget.pass_s,

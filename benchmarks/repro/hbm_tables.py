@@ -45,16 +45,17 @@ def _calibrated(run: dict, compute: list[float]) -> tuple[float, ...]:
 
 
 def frontier_rows(spec, quantization: str | None = None, every: int = 4) -> list[dict]:
-    """Every ``every``-th plan of the frontier (and the last), rank-local on one device, 2 to 4 slots, priced with
-    the run's calibrated compute: the predicted forward over the resident one."""
-    from dlo_fn.plan.resident import frontier
+    """Every ``every``-th plan of the frontier, its fastest point and the last, rank-local on one device, 2 to 4
+    slots, priced with the run's calibrated compute: the predicted forward over the resident one."""
+    from dlo_fn.plan.resident import at_speed, frontier
 
     run = load()
     compute = _calibrated(run, _placed(run, quantization is not None)["block_compute_s"])
     plans = frontier(
         spec, _layout_of(quantization), "auto", 0, compute=compute, link=run["pinned_h2d_peak_bytes_per_s"]
     )
-    picked = plans[::every] + (plans[-1:] if (len(plans) - 1) % every else ())
+    fastest = at_speed(plans)  # the least device bytes within 1% of resident
+    picked = sorted(set(plans[::every]) | {fastest, plans[-1]}, key=lambda p: p.device_weight_bytes)
     return [
         {
             "device GB": f"{p.device_weight_bytes / 1e9:.2f}",
