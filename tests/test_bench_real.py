@@ -309,6 +309,10 @@ def test_adapter_rows(tmp_path):
         assert v["status"] == "ok" and v["equal_to_resident"] is True and v["adapter_rank"] == 4, v
         assert len(v["adapter_load_s_all"]) == 2 and len(v["adapter_switch_s_all"]) == 4 and v["adapter_unload_s"] > 0
         assert v["pinned_bytes_after_adapters"] == v["pinned_bytes_before_adapters"] and v["ratio_to_bound"] > 0
+        assert len(v["forward_s_all_without_adapter"]) == 2 and v["profile"] == {  # the profile is CUDA's
+            "without_adapter": None,
+            "with_adapter": None,
+        }
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ import tempfile
 import pytest
 import torch
 from conftest import scenario
+from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlo_fn.models import Request, generate
 from dlo_fn.models.lora import adapter_names, load_adapter, use_adapter, write_adapter
@@ -80,6 +82,37 @@ def test_bad_adapter_input_gets_one_line(tiny_checkpoint, files, tmp_path):
         load_adapter(model, files[1], "a")
     with pytest.raises(ValueError, match=r"^lora='c' is not loaded \(loaded: \['a'\]\)"):
         use_adapter(model, "c")
+
+
+class RandomInits(TorchDispatchMode):
+    """Counts random initialisations of real (not ``meta``) tensors run inside it: what peft's default adapter
+    load does to every new layer, and its ``low_cpu_mem_usage`` path (layers on meta, the file's tensors assigned)
+    never does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket in (torch.ops.aten.uniform_, torch.ops.aten.normal_) and args[0].device.type != "meta":
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_load_adapter_builds_no_layer_on_the_host(tiny_checkpoint, files):
+    model, _ = open_model(tiny_checkpoint, CTX, "rank-local")
+    with RandomInits() as inits:
+        load_adapter(model, files[0], "a")
+    assert inits.count == 0 and adapter_names(model) == ("a",)
+
+
+def test_an_adapter_for_another_model_gets_one_line_and_changes_nothing(tiny_checkpoint, tmp_path):
+    model, _ = open_model(tiny_checkpoint, CTX, "rank-local")
+    bad = tmp_path / "bad.safetensors"
+    save_file({"blocks.0.mlp.fc1.lora_A.weight": torch.zeros(4, 3)}, str(bad), metadata={"rank": "4"})
+    with pytest.raises(ValueError, match=r"^adapter file '.*bad.safetensors' does not fit this model \('blocks"):
+        load_adapter(model, bad, "a")
+    assert adapter_names(model) == ()
 
 
 def lora_rank(ctx, checkpoint: str) -> list[bool]:
