@@ -19,6 +19,7 @@ model's dtype, written once per run beside the checkpoint.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import pathlib
@@ -62,10 +63,10 @@ def load(model, path: str, name: str) -> None:
     model.load_lora_adapter(path, adapter_name=name, prefix=None, low_cpu_mem_usage=True)
 
 
-def adapter_work(o, files: tuple[str, str], platform, forward, warmup: int, repeats: int, label: str) -> dict:
-    """On a ready offloaded model: its forward timed (and profiled) without an adapter; both adapters loaded,
-    ``b`` switched to and back, ``b`` deleted, each timed; one forward with ``a`` profiled."""
-    from benchmarks.bench.real_variants import time_forwards
+def adapter_work(o, files: tuple[str, str], platform, forward, time_forwards, label: str) -> dict:
+    """On a ready offloaded model: its forward timed (``time_forwards()``: the seconds of each) and profiled
+    without an adapter; both adapters loaded, ``b`` switched to and back, ``b`` deleted, each timed; one forward
+    with ``a`` profiled."""
 
     def timed(fn) -> float:
         platform.synchronize()
@@ -74,7 +75,7 @@ def adapter_work(o, files: tuple[str, str], platform, forward, warmup: int, repe
         platform.synchronize()
         return time.perf_counter() - t
 
-    without, _ = time_forwards(platform, forward, warmup, repeats)
+    without = time_forwards()
     profiles = {"without_adapter": profile_forward(platform, forward, f"{label}-without")}
     pinned, device = o.pinned_host_bytes, platform.memory_allocated()
     a, b = NAMES
@@ -126,15 +127,24 @@ def profile_forward(platform, forward, label: str) -> dict | None:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"trace_{label}.json"
     prof.export_chrome_trace(str(path))
-    events = [
-        e
-        for e in json.loads(path.read_text()).get("traceEvents", [])
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
-    ]
-    if not keep:
-        path.unlink()
     del prof
     torch.cuda.synchronize()
+    try:
+        return summarize_trace(path)
+    finally:
+        if not keep:
+            path.unlink()
+
+
+def summarize_trace(path: pathlib.Path) -> dict:
+    """A Chrome trace of one forward (:func:`profile_forward`) summarised: the span, each stream's busy time, the
+    compute stream's idle time split by what else ran, and per block (in forward order, the block marked by its
+    attention kernel) the compute stream's kernel time and each H2D copy's time."""
+    events = [
+        e
+        for e in json.loads(pathlib.Path(path).read_text()).get("traceEvents", [])
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    ]
     if not events:
         return {"span_s": 0.0, "streams": {}}
     t0 = min(e["ts"] for e in events)
@@ -178,6 +188,14 @@ def profile_forward(platform, forward, label: str) -> dict | None:
         for e in evs
     )
     idle, exposed = timeline.compute_idle_s(), timeline.exposed_transfer_s()
+    # per block: compute-stream kernel time from one attention kernel's start to the next's
+    marks = sorted(e["ts"] for e in streams[compute] if any(k in e["name"] for k in ("sdpa", "flash", "attention")))
+    per_block = [0.0] * len(marks)
+    for e in streams[compute]:
+        i = bisect.bisect_right(marks, e["ts"]) - 1
+        if i >= 0:
+            per_block[i] += e["dur"] / 1e6
+    loads = [e["dur"] / 1e6 for e in sorted(events, key=lambda e: e["ts"]) if e["cat"] == "gpu_memcpy"]
     return {
         "span_s": (t1 - t0) / 1e6,
         "compute_busy_s": timeline.busy_s("compute"),
@@ -185,4 +203,12 @@ def profile_forward(platform, forward, label: str) -> dict | None:
         "compute_idle_transfer_busy_s": exposed,  # waiting on a copy or a dequantise
         "compute_idle_nothing_busy_s": idle - exposed,  # no stream ran: the host was late
         "streams": out,
+        "block_compute_s": per_block,
+        "h2d_s": loads,  # in issue order: the first is the load ahead of the forward's first block
     }
+
+
+if __name__ == "__main__":  # summaries of kept traces (BENCH_LORA_TRACE_DIR): python -m benchmarks.bench.real_lora T..
+    import sys
+
+    print(json.dumps({pathlib.Path(t).name: summarize_trace(pathlib.Path(t)) for t in sys.argv[1:]}, indent=1))
