@@ -1,10 +1,12 @@
 """LoRA on the reference DiT (dlo_fn.models.lora, peft): a random adapter file written for the tiny checkpoint,
 loaded after offload and chosen per request (name and scale), each generation equal to the resident model's with
-the same adapter; rank-local, allgather, FP8 shards (against fake_quantize plus the adapter), and 2 gloo ranks."""
+the same adapter; rank-local, allgather, FP8 shards (against fake_quantize plus the adapter), and 2 gloo ranks.
+The command line: ``make-checkpoint --lora`` writes an adapter beside the checkpoint, ``generate --lora`` runs it."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import tempfile
 
@@ -131,3 +133,36 @@ def lora_rank(ctx, checkpoint: str) -> list[bool]:
 def test_adapters_on_two_gloo_ranks(request):
     for rank, res in enumerate(scenario(request, 2, "models_lora")):
         assert res == [True] * len(CHOICES), f"rank {rank}: {res}"
+
+
+def test_make_checkpoint_writes_an_adapter_and_generate_runs_it(tmp_path, capsys):
+    """In this process (one rank): the adapter ``make-checkpoint --lora`` writes, run by ``generate --lora`` at a
+    scale for every request but the prompts line that asks for none, each equal to the resident model's run."""
+    from dlo_fn.cli import main
+
+    ckpt, lora = tmp_path / "tiny", tmp_path / "style.safetensors"
+    make = ["make-checkpoint", "--model", "tiny", "--out", str(ckpt), "--no-progress"]
+    assert main([*make, "--lora", str(lora), "--lora-rank", "8"]) == 0
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a fox"}\n{"prompt": "an owl", "lora": null}\n')
+    shape = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--seed", "3"]
+    run = ["generate", "--checkpoint", str(ckpt), "--prompts", str(prompts), *shape, "--out", str(tmp_path / "out")]
+    assert main([*run, "--lora", str(lora), "--lora-scale", "0.5"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
+    model, _ = open_model(str(ckpt), CTX, "resident")
+    load_adapter(model, lora, "style")
+    base = dataclasses.replace(REQUEST, seed=3, num_inference_steps=2)
+    want = [
+        generate(model, dataclasses.replace(base, prompt="a fox", lora="style", lora_scale=0.5)).sha256,
+        generate(model, dataclasses.replace(base, prompt="an owl")).sha256,
+    ]
+    assert [r["sha256"] for r in rows] == want and [r["settings"]["lora"] for r in rows] == ["style", None]
+    capsys.readouterr()
+    assert main([*make, "--overwrite", "--lora", str(tmp_path / "x.safetensors"), "--lora-targets", "nope"]) == 2
+    assert main([*run, "--out-exists", "clean", "--lora", str(tmp_path / "none.safetensors")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dlo_fn make-checkpoint: error: --lora-targets 'nope': matches none of the model's linears (e.g. "
+        "'text_encoder.layers.0.qkv')",
+        f"dlo_fn generate: error: --lora {tmp_path}/none.safetensors: no such file: write one with make-checkpoint "
+        f"--lora {tmp_path}/none.safetensors",
+    ]
