@@ -2,9 +2,9 @@
 first and returns concrete options, from which ``offload`` builds once. The links are probed on block 0's bytes,
 then with ``workload=`` (a Workload: block FLOPs at a measured matmul rate; a :class:`~dlo_fn.serve.probe.Probe`)
 the policy chooses (:mod:`dlo_fn.cost.auto`; rank 0's choice on every rank). Without one, ``example=`` (one call's
-inputs) is timed through a plain probe: a synchronous layerwise pass of the model (each block's tensors on the
-device only for its call, nothing to copy on CPU; timed around syncs), with no resident copy and no offloaded
-state, whose per-block times the policy reads. Every rank resolves (a broadcast), as DP calls do.
+inputs) is timed through a plain probe (:func:`time_one_call`): a layerwise pass of the model (each block's tensors
+on the device only for its call, nothing to copy on CPU), with no resident copy and no offloaded state, whose
+per-block times the policy (and the HBM budget's placement) reads. Every rank resolves (a broadcast), as DP calls do.
 """
 
 from __future__ import annotations
@@ -87,33 +87,62 @@ def resolve(model, entries, spec, ctx, options, fields, workload, mesh, example)
     return concrete(decide(topo, pmodel, wl, fields, options, ctx, sps=sp, source="example call"))
 
 
+# The spin kernel's length over the block's measured enqueue time: the host's second enqueue of a block varies (the
+# allocator, Python), and a delay that ends early lets the device idle inside the timed block.
+DELAY_FACTOR, DELAY_MARGIN_S = 2.0, 1e-3
+
+
 @torch.no_grad()
 def time_one_call(model, blocks, platform, example) -> tuple[tuple[float, ...], float, int]:
     """One call of ``model`` on ``example`` (a dict of keyword arguments or a tuple of positional ones) through the
-    plain probe of the module docstring: each block's compute seconds, the seconds outside the blocks and their
-    loads, and the allocator's peak above where the call started (0 on CPU). The blocks' tensors
-    go back where they were; the other tensors stay on the device, where ``offload`` puts them anyway."""
+    plain probe of the module docstring: each block's compute seconds, the seconds outside the blocks, their loads
+    and the probe's own work, and the allocator's peak above where the call started (0 on CPU). The blocks' tensors
+    go back where they were; the other tensors stay on the device, where ``offload`` puts them anyway.
+
+    A block's compute is what the forward spends on it. In a forward the host enqueues ahead of a busy device, so
+    on CUDA, once the block's weights are in, the block runs once untimed (its host enqueue time measured, first-call
+    set-up out of the way), then a spin kernel keeps the device busy for longer than that enqueue while the host
+    enqueues the block again behind it; the compute is the device time between events around that second run.
+    Timed on the host around syncs instead, each block would start from an empty queue and also pay the host's
+    launches. On CPU (no queue) and NPU (no spin kernel used here) the host clock around syncs times the one run."""
     dev, sync, clock = platform.device, platform.synchronize, time.perf_counter
     acc = platform if platform.is_accelerator else None
+    delay = _device_delay(platform)
     _to_device(model, {id(m) for b in blocks for m in b.modules()}, dev)
-    times, hooks, st = [0.0] * len(blocks), [], {"load_s": 0.0}
+    times, hooks, st = [0.0] * len(blocks), [], {"inside_s": 0.0}
 
-    def before(b, mod, args):  # the block's tensors onto the device (a no-op on CPU), timed apart from its call
-        sync()
-        t0 = clock()
+    def before(b, mod, args, kwargs):  # the block's tensors onto the device (a no-op on CPU), then the clock starts
+        sync()  # what ran before the block is outside it
+        st["in"] = clock()
         st[b] = _to_device(mod, set(), dev)
         sync()
-        st["load_s"], st["t"] = st["load_s"] + clock() - t0, clock()
+        if delay is None:
+            st["t"] = clock()
+            return
+        t0 = clock()
+        mod.forward(*args, **kwargs)  # untimed, past the hooks; its output is dropped before the timed run
+        enqueue_s = clock() - t0
+        sync()
+        delay(DELAY_FACTOR * enqueue_s + DELAY_MARGIN_S)
+        st["start"] = platform.new_event(timing=True)
+        st["start"].record()
 
     def after(b, mod, args, out):
-        sync()
-        times[b] += clock() - st["t"]
+        if delay is None:
+            sync()
+            times[b] += clock() - st["t"]
+        else:
+            end = platform.new_event(timing=True)
+            end.record()
+            sync()
+            times[b] += st["start"].elapsed_time(end) / 1e3
         for table, key, tensor in st.pop(b):
             table[key] = tensor
+        st["inside_s"] += clock() - st["in"]
 
     for b, block in enumerate(blocks):
         hooks += [
-            block.register_forward_pre_hook(functools.partial(before, b)),
+            block.register_forward_pre_hook(functools.partial(before, b), with_kwargs=True),
             block.register_forward_hook(functools.partial(after, b)),
         ]
     args, kwargs = (example, {}) if isinstance(example, tuple) else ((), dict(example))
@@ -129,7 +158,24 @@ def time_one_call(model, blocks, platform, example) -> tuple[tuple[float, ...], 
         for h in hooks:
             h.remove()
     peak = acc.max_memory_allocated() - base if acc else 0
-    return tuple(times), wall - st["load_s"] - sum(times), peak
+    return tuple(times), wall - st["inside_s"], peak
+
+
+def _device_delay(platform):
+    """CUDA: a function that keeps the current stream busy for about ``s`` seconds (PyTorch's spin kernel, which
+    counts clock cycles; their rate measured here once). None elsewhere."""
+    sleep = getattr(torch.cuda, "_sleep", None) if platform.kind == "cuda" else None
+    if sleep is None:
+        return None
+    cycles = 10**7  # a few ms: long enough for the events' resolution
+    start, end = platform.new_event(timing=True), platform.new_event(timing=True)
+    sleep(cycles)  # the kernel's first launch loads it
+    start.record()
+    sleep(cycles)
+    end.record()
+    end.synchronize()
+    per_s = cycles / (start.elapsed_time(end) / 1e3)
+    return lambda s: sleep(max(int(s * per_s), 1))
 
 
 def _to_device(module, skip: set, dev) -> list:
