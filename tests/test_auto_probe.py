@@ -62,7 +62,7 @@ def test_block_times_add_up_to_the_resident_forward():
     blocks' span in a plain resident forward (device events at the first block's start and the last one's end),
     and stay below the whole forward (which also embeds the inputs and projects the output)."""
     probe_s, span_s, forward_s = probe_vs_forward()
-    assert abs(probe_s / span_s - 1) <= 0.03 and probe_s < forward_s, (probe_s, span_s, forward_s)
+    assert abs(probe_s / span_s - 1) <= 0.05 and probe_s < forward_s, (probe_s, span_s, forward_s)
 
 
 @torch.no_grad()
