@@ -207,9 +207,9 @@ def test_diffusers_dits_fp8_equal_fake_quantised(name, mode):
 def quant_rank(ctx, ckpt: str) -> dict:
     """On W gloo ranks: the reference DiT and a diffusers Flux offloaded with FP8 shards, allgather and
     rank-local, against the fake-quantised resident model; each rank's arena is its share of the stored bytes."""
-    from dlo_fn.io.load import load_model
     from test_hbm_budget_cost import runtime_matches_cost
 
+    from dlo_fn.io.load import load_model
     from dlo_fn.models import BLOCK_PATHS, Request, generate
     from dlo_fn.plan.spec import spec_from_module
     from tests.test_third_party import CASES
