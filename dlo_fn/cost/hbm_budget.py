@@ -36,7 +36,15 @@ from dlo_fn.plan.resident import ResidentChoice, choose_resident, frontier, layo
 from dlo_fn.plan.sizes import ModelSizes
 from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec
 
-__all__ = ["ResidentPlan", "sizes_spec", "sizes_layout", "streamed_sizes", "resident_plan"]
+__all__ = ["ResidentPlan", "sizes_spec", "sizes_layout", "streamed_sizes", "resident_plan", "format_size"]
+
+
+def format_size(nbytes: int) -> str:
+    """``15.87 GB``, ``648.03 kB`` (decimal units): budgets from a test model's to a card's in one form."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dlo_fn.cost.hbm import hbm_per_card
-from dlo_fn.cost.hbm_budget import ResidentPlan, resident_plan
+from dlo_fn.cost.hbm_budget import ResidentPlan, format_size, resident_plan
 from dlo_fn.cost.host_cost import host_scale
 from dlo_fn.cost.links import link_busy_s
 from dlo_fn.cost.memory import pinned_host_bytes_per_rank
@@ -484,10 +484,10 @@ class PolicyResult:
         if self.hbm_budget is None or not self.rows:
             return ""
         c = self.chosen
-        buys = ", ".join(f"{n / 1e9:.2f} GB -> step {1e3 * t:.1f} ms" for n, t in self.larger_budgets)
+        buys = ", ".join(f"{format_size(n)} -> step {1e3 * t:.1f} ms" for n, t in self.larger_budgets)
         return (
-            f"; hbm budget {self.hbm_budget / 1e9:.2f} GB: {len(c.resident)} blocks resident, device weights "
-            f"{c.hbm_bytes / 1e9:.2f} GB" + (f"; a larger budget buys {buys}" if buys else "")
+            f"; hbm budget {format_size(self.hbm_budget)}: {len(c.resident)} blocks resident, device weights "
+            f"{format_size(c.hbm_bytes)}" + (f"; a larger budget buys {buys}" if buys else "")
         )
 
     def table_rows(self, limit: int | None = None) -> list[dict]:
