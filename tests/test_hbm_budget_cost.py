@@ -123,3 +123,12 @@ def test_cli_budget_mistakes_are_one_line(capsys):
     assert main(["policy", "--model", "minimax-h3", "--quantization", "fp8"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "pass at least" in err[0] and "Traceback" not in "".join(err)
+
+
+def test_resident_compute_joins_the_streamed_block_before_it():
+    """Golden: blocks 0 and 2 resident of 5; block 0 (before the first streamed block) joins the last, where the
+    ring wraps; the pass's compute is kept."""
+    from dlo_fn.cost.policy import _fold
+
+    assert _fold((1.0, 2.0, 4.0, 8.0, 16.0), (0, 2)) == (6.0, 8.0, 17.0)
+    assert _fold((1.0, 2.0, 4.0), ()) == (1.0, 2.0, 4.0)

@@ -253,13 +253,15 @@ def _fold(values: tuple[float, ...], resident: tuple[int, ...]) -> tuple[float, 
     blocks to the last, where the ring wraps): ``C'_j`` of the module docstring."""
     if not resident:
         return values
-    keep, out = set(resident), []
-    for b, v in enumerate(values):
-        if b in keep and out:
-            out[-1] += v
-        elif b not in keep:
-            out.append(v)
-    out[-1] += sum(values[b] for b in range(min(set(range(len(values))) - keep)))
+    keep = set(resident)
+    first = next(b for b in range(len(values)) if b not in keep)
+    out = []
+    for b in range(first, len(values)):
+        if b in keep:
+            out[-1] += values[b]
+        else:
+            out.append(values[b])
+    out[-1] += sum(values[:first])
     return tuple(out)
 
 
