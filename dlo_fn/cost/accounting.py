@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from dlo_fn.cost.hbm import HbmPerCard, hbm_per_card
-from dlo_fn.cost.hbm_budget import ResidentPlan
+from dlo_fn.cost.hbm_budget import ResidentPlan, format_size
 from dlo_fn.cost.memory import ModelSizes, cold_start, host_steady_state, pinned_host_bytes_per_rank
 from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES
 from dlo_fn.plan.schedule import DEFAULT_NUM_LANDING
@@ -148,7 +148,7 @@ def memory_accounting(
             AccountingRow(
                 hs,
                 "device weights",
-                f"slots + landing + resident, <= budget {budget.budget_bytes / 1e9:g} GB",
+                f"slots + landing + resident, <= budget {format_size(budget.budget_bytes)}",
                 h.weight_bytes + h.resident_bytes,
             ),
         ]
