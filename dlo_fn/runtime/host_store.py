@@ -52,6 +52,7 @@ __all__ = [
     "H2DSource",
     "Filled",
     "Fill",
+    "FillJob",
     "alloc_host",
     "pin_in_place",
     "register_cuda",
@@ -79,9 +80,22 @@ class Filled:
     timings: dict
 
 
-# fill(layout, k, nbytes, tasks, gaps, read, platform) -> Filled: an arena of ``nbytes`` holding blocks 0..k-1,
-# every ``[lo, hi)`` gap zeroed, every task's bytes copied; :func:`plain_fill` is the core's.
-Fill = Callable[[ModelLayout, int, int, Sequence[FillTask], Sequence[tuple[int, int]], Callable, Any], Filled]
+@dataclass(frozen=True, slots=True)
+class FillJob:
+    """What a fill is asked for: an arena of ``nbytes`` holding blocks ``0..k-1`` of ``layout``, every ``[lo, hi)``
+    of ``gaps`` zeroed, every task's bytes (``read(key)``, flat uint8) copied to its offset, on ``platform``."""
+
+    layout: ModelLayout
+    k: int
+    nbytes: int
+    tasks: Sequence[FillTask]
+    gaps: Sequence[tuple[int, int]]
+    read: Callable[[Any], torch.Tensor]
+    platform: Platform
+
+
+# fill(job) -> Filled; :func:`plain_fill` is the core's.
+Fill = Callable[[FillJob], Filled]
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,26 +245,18 @@ def _check_tensor(layout: ModelLayout, b: int, name: str, t: torch.Tensor | None
     return t.detach()
 
 
-def plain_fill(
-    layout: ModelLayout,
-    k: int,
-    nbytes: int,
-    tasks: Sequence[FillTask],
-    gaps: Sequence[tuple[int, int]],
-    read: Callable[[Any], torch.Tensor],
-    platform: Platform,
-) -> Filled:
+def plain_fill(job: FillJob) -> Filled:
     """The core's fill (:data:`Fill`): an exact-size arena from :func:`alloc_host`, pinned before the copy, its
     gaps zeroed and the pieces copied on this thread."""
     t0 = time.perf_counter()
-    arena, how, fin = alloc_host(nbytes, platform, pin=True)
+    arena, how, fin = alloc_host(job.nbytes, job.platform, pin=True)
     t1 = time.perf_counter()
-    for lo, hi in gaps:
+    for lo, hi in job.gaps:
         arena[lo:hi].zero_()
     t2 = time.perf_counter()
     copied = []
-    for dst, n, key in tasks:
-        src = read(key)
+    for dst, n, key in job.tasks:
+        src = job.read(key)
         arena[dst : dst + n].copy_(src)
         if n:
             copied.append((src.data_ptr(), src.data_ptr() + n))
@@ -315,7 +321,7 @@ def build_host_store(
             continue
         tasks.extend((base + p.dst_start, p.nbytes, (b, p)) for p in pieces)
         gaps.extend((base + lo, base + hi) for lo, hi in _gaps(pieces, shard.shard_bytes))
-    filled = (fill or plain_fill)(layout, k, nbytes, tasks, gaps, lambda key: piece_bytes(*key), platform)
+    filled = (fill or plain_fill)(FillJob(layout, k, nbytes, tasks, gaps, lambda key: piece_bytes(*key), platform))
     arena, offsets = filled.arena, layout.shard_offsets
     sources = tuple(
         streamed[b] if b >= k else (H2DSource(arena[offsets[b] : offsets[b] + shard.shard_bytes], 0),)

@@ -33,8 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dlo_fn.plan.layout import ModelLayout
-from dlo_fn.runtime.host_store import Filled, FillTask, alloc_host, pin_in_place, register_cuda
-from dlo_fn.runtime.platform import Platform
+from dlo_fn.runtime.host_store import Filled, FillJob, alloc_host, pin_in_place, register_cuda
 
 __all__ = ["ParallelFill", "huge_page_buffer", "fill_threads", "fill_arena", "pin_bounds", "PIN_RANGE_BYTES"]
 
@@ -143,26 +142,17 @@ class ParallelFill:
         if self.local_ranks < 1:
             raise ValueError(f"local_ranks must be >= 1, got {self.local_ranks}")
 
-    def __call__(
-        self,
-        layout: ModelLayout,
-        k: int,
-        nbytes: int,
-        tasks: Sequence[FillTask],
-        gaps: Sequence[tuple[int, int]],
-        read: Callable[[Any], torch.Tensor],
-        platform: Platform,
-    ) -> Filled:
+    def __call__(self, job: FillJob) -> Filled:
         t0 = time.perf_counter()
         # CUDA: pageable now, locked once filled (the copies are the pages' first touch, on every thread).
-        late_pin = platform.kind == "cuda" and platform.supports_pinned and nbytes > 0
+        late_pin = job.platform.kind == "cuda" and job.platform.supports_pinned and job.nbytes > 0
         if late_pin:
-            arena, how, fin = huge_page_buffer(nbytes), "cudaHostRegister", None
+            arena, how, fin = huge_page_buffer(job.nbytes), "cudaHostRegister", None
         else:
-            arena, how, fin = alloc_host(nbytes, platform, pin=True)
+            arena, how, fin = alloc_host(job.nbytes, job.platform, pin=True)
         alloc_s = time.perf_counter() - t0
-        threads = self.threads or fill_threads(nbytes, self.local_ranks)
-        bounds = pin_bounds(layout, k, nbytes) if late_pin else ()
+        threads = self.threads or fill_threads(job.nbytes, self.local_ranks)
+        bounds = pin_bounds(job.layout, job.k, job.nbytes) if late_pin else ()
         pinned: list[Future] = []  # each range is locked while the next ones are copied
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo_fn-pin") as pinner:
 
@@ -171,7 +161,7 @@ class ParallelFill:
 
             try:
                 copied, copy_s, zero_s = fill_arena(
-                    arena, tasks, read, gaps, threads, bounds, lock if late_pin else None
+                    arena, job.tasks, job.read, job.gaps, threads, bounds, lock if late_pin else None
                 )
             finally:  # what was locked is unlocked with the arena, also when the fill failed
                 t1 = time.perf_counter()
