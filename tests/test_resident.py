@@ -14,22 +14,29 @@ from hypothesis import strategies as st
 from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.resident import (
     BudgetError,
+    at_speed,
     choose_resident,
     device_weight_bytes,
     frontier,
+    pass_ends,
+    pass_seconds,
     spread_resident,
     with_resident,
 )
-from dlo_fn.plan.schedule import Ring
-from dlo_fn.plan.spec import spec_from_module
+from dlo_fn.plan.schedule import Ring, build_schedule
+from dlo_fn.plan.spec import BlockSpec, ModelSpec, TensorSpec, spec_from_module
+from dlo_fn.plan.timeline import bandwidth_durations, simulate
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.quant import fake_quantize
 from tests.test_executor import CTX, toy
 
 
-def _marks(block_bytes: tuple[int, ...], m: int, steps: int) -> str:
-    keep = spread_resident(block_bytes, m, steps)
-    return " ".join("R" if b in keep else "S" for b in range(len(block_bytes)))
+def _marks(block_bytes: tuple[int, ...], m: int, steps: int, weights=None) -> str:
+    return _string(spread_resident(block_bytes, m, steps, weights), len(block_bytes))
+
+
+def _string(keep: tuple[int, ...], num_blocks: int) -> str:
+    return " ".join("R" if b in keep else "S" for b in range(num_blocks))
 
 
 def test_spread_golden():
@@ -66,6 +73,90 @@ def test_spread_properties(block_bytes, data):
     # and fall behind it by less than one block
     assert m * sum(block_bytes) - steps * sum(streamed) < steps * max(block_bytes)
     assert (m > 0 or len(keep) == len(block_bytes)) and (m < steps or keep == ())
+
+
+def test_spread_by_compute_golden():
+    # FLUX-like: large blocks of little compute, then small ones of much; the small ones stream first
+    assert _marks((3, 3, 1, 1, 1, 1), 4, 8, weights=(1, 1, 2, 2, 2, 2)) == "R R S S S S"
+    assert _marks((3, 3, 1, 1, 1, 1), 4, 8) == "R S R S R S"  # by bytes: a large block streams after one
+    assert _marks((3, 3, 3, 1, 1, 1, 1, 1, 1), 1, 2, weights=(1,) * 9) == "R R R S S S S S S"
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=40), st.integers(1, 5), st.data())
+def test_compute_weights_equal_to_bytes_reproduce_the_spread_by_bytes(block_bytes, scale, data):
+    steps = data.draw(st.integers(1, 4 * len(block_bytes)))
+    m = data.draw(st.integers(0, steps))
+    weights = tuple(scale * n for n in block_bytes)
+    assert spread_resident(tuple(block_bytes), m, steps, weights) == spread_resident(tuple(block_bytes), m, steps)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=12),
+    st.integers(1, 4),
+    st.integers(1, 4),
+)
+def test_pass_model_is_the_simulated_schedule_with_nothing_resident(blocks, num_slots, passes):
+    h2d = tuple(n for n, _ in blocks)
+    compute = tuple(c / 4 for _, c in blocks)
+    ends = pass_ends(compute, h2d, num_slots, 2.0, passes)
+    schedule = build_schedule(len(blocks), passes, num_slots=num_slots, mode="rank-local")
+    durations = bandwidth_durations(
+        len(blocks), h2d_bytes=h2d, allgather_bytes=0, compute_s=compute, h2d_bytes_per_s=2.0, allgather_bytes_per_s=1
+    )
+    spans = simulate(schedule, durations).spans_of("compute")
+    want = [max(s.end_s for s in spans if s.op.startswith(f"C k{(p + 1) * len(blocks) - 1} ")) for p in range(passes)]
+    assert ends == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def _flux_like(num_large=4, num_small=8):
+    """Large blocks (3 units) then small ones (1 unit), each of the same compute: FLUX's double then single blocks."""
+    blocks = tuple(
+        BlockSpec(f"blocks.{b}", (TensorSpec("w", (3000 if b < num_large else 1000,), torch.float32, "param"),))
+        for b in range(num_large + num_small)
+    )
+    return ModelSpec("flux-like", blocks, (TensorSpec("x", (100,), torch.float32, "param"),))
+
+
+def test_flux_like_placement_by_compute_golden():
+    spec = _flux_like()
+    compute, link = (1e-3,) * 12, 4e6  # one block's compute moves one small block (4000 bytes), a third of a large
+    budget = 58_000  # of 80_400
+    by_bytes = choose_resident(spec, budget, _layout_of, 2, 0)
+    by_compute = choose_resident(spec, budget, _layout_of, 2, 0, compute=compute, link=link)
+    assert _string(by_bytes.resident, 12) == "R S R S S S S S R S S R"
+    # the large blocks stay (and the slots shrink to a small block): the small ones stream under the whole pass
+    assert _string(by_compute.resident, 12) == "R R R R S S S S S S S S"
+    assert by_compute.device_weight_bytes <= budget and by_bytes.pass_s is None
+    h2d = tuple(0 if b in by_bytes.resident else n for b, n in enumerate(spec.block_bytes))
+    assert by_compute.pass_s < pass_seconds(compute, h2d, 2, link) - 0.5e-3
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    st.lists(st.tuples(st.integers(1, 4), st.integers(0, 6)), min_size=2, max_size=10),
+    st.sampled_from([2, 3, "auto"]),
+    st.floats(0.0, 1.0),
+)
+def test_priced_plans_fit_and_never_beat_the_bound(blocks, num_slots, where):
+    spec = ModelSpec(
+        "m",
+        tuple(
+            BlockSpec(f"blocks.{b}", (TensorSpec("w", (250 * n,), torch.float32, "param"),))
+            for b, (n, _) in enumerate(blocks)
+        ),
+        (),
+    )
+    compute, link = tuple(c * 1e-3 for _, c in blocks), 1e6
+    plans = frontier(spec, _layout_of, num_slots, 0, compute=compute, link=link)
+    for p in plans:
+        assert p.pass_s >= max(sum(compute), p.h2d_bytes_per_pass / link) * (1 - 1e-9)
+    assert plans[-1].h2d_bytes_per_pass == 0 and at_speed(plans) in plans
+    budget = round(plans[0].device_weight_bytes + where * (spec.total_bytes - plans[0].device_weight_bytes))
+    choice = choose_resident(spec, budget, _layout_of, num_slots, 0, compute=compute, link=link)
+    assert choice.device_weight_bytes <= budget
+    assert choice.pass_s == min(p.pass_s for p in plans if p.device_weight_bytes <= budget)
 
 
 def _spec(num_blocks=6):

@@ -8,20 +8,38 @@ through the ring, a pass takes at least
 
 so a budget buys resident speed once the streamed bytes hide under the compute.
 
-**Where the resident blocks go.** A streamed load into a ring of ``S = 2`` slots starts when the slot's previous
-block has computed and must end before its own block computes, so it hides under the compute of the blocks
-between two streamed blocks; the ring cannot bank the slack of one gap for the next. So every streamed block
-needs, before it, compute in proportion to its bytes. Taking a block's bytes as the measure of its compute (the
-plan knows no more), a streamed fraction ``f`` of the bytes is spread by credit: walking the blocks in forward
-order, each adds ``f n_b`` to the credit, and block ``b`` streams where the credit covers its ``n_b`` bytes (which
-it then spends), else stays resident. A streamed block so follows about ``n_b / f`` bytes of forward since the
-last one, and the pass opens with resident blocks. Examples (``f = m / 8``; blocks of bytes ``2 1 1 2 1 1`` at
-``f = 1/2``: the large blocks stay resident, their loads would be the hardest to hide)::
+**Where the resident blocks go.** A streamed load into a ring of ``S`` slots starts when the slot's previous
+block has computed and must end before its own block computes (loads share one H2D stream), so with ``S = 2`` it
+hides under the compute of the blocks between two streamed blocks; the ring cannot bank the slack of one gap for
+the next. So every streamed block needs, before it, compute that covers its bytes. Each block ``b`` has a weight
+``w_b``: its compute seconds times the link (the bytes its window could move), or, where no compute is known, its
+bytes ``n_b`` (compute taken to follow bytes). A streamed fraction ``f`` of the bytes is spread by credit: walking
+the blocks in forward order, each adds ``f w_b N / W`` to the credit (``N``, ``W``: the sums of bytes and weights,
+so a pass accrues ``f N``), and block ``b`` streams where the credit covers its ``n_b`` bytes (which it then
+spends), else stays resident. A streamed block so follows about ``n_b / f`` bytes' worth of weight since the last
+one, and the pass opens with resident blocks; weights proportional to bytes give the spread by bytes. Examples
+(``f = m / 8``; blocks of bytes ``2 1 1 2 1 1`` at ``f = 1/2``: the large blocks stay resident, their loads would
+be the hardest to hide)::
 
     equal blocks, m = 2   R R R S R R R S
     equal blocks, m = 4   R S R S R S R S
     equal blocks, m = 6   R S S S R S S S
     2 1 1 2 1 1, m = 4    R S S R S S
+
+With compute, FLUX-like blocks (two large blocks of little compute, then small ones of much) stream the small
+ones first: bytes ``3 3 1 1 1 1``, compute ``1 1 2 2 2 2``, ``m = 4`` gives ``R R S S S S``.
+
+**Pass time** (:func:`pass_seconds`; what the executor does, host issue time not modelled). Per pass, blocks in
+forward order with compute ``c_b``; the streamed ones numbered ``j`` in the ring's order across consecutive passes,
+each moving ``h_j`` bytes to this rank at ``link`` bytes/s (allgather: its local shard; the all-gather and FP8's
+dequantise are taken to hide behind the H2D stream)::
+
+    load_j    = max(load_{j-1} + h_{j-1} / link, done_{j-S})      start of the H2D (slot free, stream free)
+    start_b   = max(done of the block before b, load_j + h_j / link if b is streamed load j)
+    done_b    = start_b + c_b
+
+The pass time is the steady state, the mean period over consecutive passes (the ring wraps from the last block to
+the first of the next pass); at least ``max(sum c_b, sum h_j / link)``.
 
 **The plan.** :func:`with_resident` moves the resident blocks' tensors into the spec's resident tensors (named
 ``<block>.<tensor>``), so the layout, the ring, the schedule and the timeline are those of the streamed blocks
@@ -32,8 +50,10 @@ only (the ring is shorter; lowering never sees a resident block's load), and ``t
     S x slot + N x landing + S_q x staging  +  resident bytes (non-block tensors + resident blocks)
 
 with ``S_q = S`` for quantised shards (else 0); every block resident is ``total_bytes`` and no ring at all.
-:func:`frontier` lists every such plan, device bytes against streamed bytes; :func:`choose_resident` takes the one
-that streams the least within the budget; the two-slot minimum (nothing resident) is the least a budget may be.
+:func:`frontier` lists the plans worth having, device bytes against streamed bytes (with ``compute=`` and ``link=``:
+against predicted pass seconds, spread by compute and by bytes, for one or several ``S``); :func:`choose_resident`
+takes the one that streams the least (predicted fastest; ties: fewer device bytes) within the budget; the ring
+alone with nothing resident is the least a budget may be.
 """
 
 from __future__ import annotations
@@ -47,6 +67,10 @@ from dlo_fn.plan.spec import ModelSpec, TensorSpec
 
 __all__ = [
     "spread_resident",
+    "compute_weights",
+    "pass_ends",
+    "pass_seconds",
+    "at_speed",
     "with_resident",
     "buffer_bytes",
     "device_weight_bytes",
@@ -63,21 +87,71 @@ class BudgetError(ValueError):
     """An HBM budget below the least a plan can hold (the message names the minimum)."""
 
 
-def spread_resident(block_bytes: tuple[int, ...], streamed: int, steps: int) -> tuple[int, ...]:
+def spread_resident(
+    block_bytes: tuple[int, ...], streamed: int, steps: int, weights: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
     """The blocks kept on the device when a fraction ``f = streamed / steps`` of the bytes streams, by credit
-    (module docstring; integers, so a plan is the same on every rank)."""
+    (module docstring). ``weights``: each block's compute times the link, in bytes (:func:`compute_weights`); None:
+    its bytes. Integers, so a plan is the same on every rank."""
     if not block_bytes or any(n < 1 for n in block_bytes):
         raise ValueError(f"block_bytes must be positive sizes, one per block, got {block_bytes!r}")
     if not isinstance(steps, int) or steps < 1 or not isinstance(streamed, int) or not 0 <= streamed <= steps:
         raise ValueError(f"the streamed fraction must be m / steps with 0 <= m <= steps, got {streamed!r}/{steps!r}")
+    if weights is None:
+        weights = block_bytes
+    if len(weights) != len(block_bytes) or any(w < 0 for w in weights) or not sum(weights):
+        raise ValueError(f"weights must be one int >= 0 per block (not all 0), got {weights!r}")
+    total, weight = sum(block_bytes), sum(weights)
     credit, keep = 0, []
-    for b, n in enumerate(block_bytes):
-        credit += streamed * n  # in units of 1 / steps bytes
-        if credit >= steps * n:
-            credit -= steps * n
+    for b, (n, w) in enumerate(zip(block_bytes, weights)):
+        credit += streamed * w * total  # in units of 1 / (steps * weight) bytes
+        if credit >= steps * n * weight:
+            credit -= steps * n * weight
         else:
             keep.append(b)
     return tuple(keep)
+
+
+def compute_weights(compute_s: tuple[float, ...], link_bytes_per_s: float) -> tuple[int, ...]:
+    """Each block's compute seconds times the link, in whole bytes: the credit weights of :func:`spread_resident`."""
+    return tuple(round(c * link_bytes_per_s) for c in compute_s)
+
+
+PASSES = 6  # consecutive passes the pass time is averaged over (the first, from cold slots, excluded)
+
+
+def pass_ends(
+    compute_s: tuple[float, ...], h2d_bytes: tuple[int, ...], num_slots: int, link_bytes_per_s: float, passes: int
+) -> tuple[float, ...]:
+    """When each of ``passes`` consecutive passes ends (its last compute), from idle streams and empty slots at 0,
+    by the recurrence of the module docstring. ``h2d_bytes[b]``: the bytes block ``b``'s load moves to this rank,
+    0 for a resident block."""
+    if len(compute_s) != len(h2d_bytes) or num_slots < 1 or link_bytes_per_s <= 0:
+        raise ValueError("pass_ends needs one compute and one h2d entry per block, num_slots >= 1 and link > 0")
+    done: list[float] = []  # the compute end of each streamed load so far
+    h2d_free = t = 0.0
+    ends = []
+    for _ in range(passes):
+        for c, h in zip(compute_s, h2d_bytes):
+            if h:
+                j = len(done)
+                start = max(h2d_free, done[j - num_slots] if j >= num_slots else 0.0)
+                h2d_free = start + h / link_bytes_per_s
+                t = max(t, h2d_free)
+            t += c
+            if h:
+                done.append(t)
+        ends.append(t)
+    return tuple(ends)
+
+
+def pass_seconds(
+    compute_s: tuple[float, ...], h2d_bytes: tuple[int, ...], num_slots: int, link_bytes_per_s: float
+) -> float:
+    """The steady-state seconds of one pass (module docstring): the mean period of :data:`PASSES` consecutive
+    passes after the first."""
+    ends = pass_ends(compute_s, h2d_bytes, num_slots, link_bytes_per_s, PASSES)
+    return (ends[-1] - ends[0]) / (PASSES - 1)
 
 
 def with_resident(spec: ModelSpec, resident: tuple[int, ...]) -> ModelSpec:
@@ -134,12 +208,15 @@ def ring_num_landing(mode: str, num_shards: int, num_landing: int | None, load_g
 
 @dataclass(frozen=True, slots=True)
 class ResidentChoice:
-    """The blocks kept resident for a budget, the device weight bytes of that plan, and the bytes one pass moves
-    to each rank (its streamed shards; FP8: as stored)."""
+    """The blocks kept resident for a budget, the device weight bytes of that plan, the bytes one pass moves to
+    each rank (its streamed shards; FP8: as stored), the ring's slots, and the predicted pass seconds (None: no
+    compute given)."""
 
     resident: tuple[int, ...]
     device_weight_bytes: int
     h2d_bytes_per_pass: int
+    num_slots: int = 2
+    pass_s: float | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -147,30 +224,97 @@ class ResidentChoice:
             "num_resident": len(self.resident),
             "device_weight_bytes": self.device_weight_bytes,
             "h2d_bytes_per_pass": self.h2d_bytes_per_pass,
+            "num_slots": self.num_slots,
+            "predicted_pass_s": self.pass_s,
         }
 
 
-def frontier(
-    spec: ModelSpec, layout_of: Callable[[ModelSpec], ModelLayout], num_slots: int, num_landing: int
-) -> tuple[ResidentChoice, ...]:
-    """Every plan :func:`choose_resident` can pick, from the most streamed (the ring alone) to the whole model
-    resident: device weight bytes against the bytes a pass streams, each plan holding more and streaming less than
-    the one before (with the link and the compute, the time/HBM frontier: ``max(compute, h2d_bytes_per_pass /
-    link)``)."""
+def _priced(
+    spec: ModelSpec,
+    resident: tuple[int, ...],
+    layout_of: Callable[[ModelSpec], ModelLayout],
+    num_slots: int,
+    num_landing: int,
+    compute: tuple[float, ...] | None,
+    link: float | None,
+) -> ResidentChoice:
+    """``resident`` as a plan: its device bytes, the bytes it streams, and with ``compute`` its pass time."""
+    if len(resident) == spec.num_blocks:
+        return ResidentChoice(resident, spec.total_bytes, 0, num_slots, None if compute is None else sum(compute))
+    streamed = with_resident(spec, resident)
+    layout = layout_of(streamed)
+    pass_s = None
+    if compute is not None:
+        shard = iter(s.shard_bytes for s in layout.shards)
+        h2d = tuple(0 if b in resident else next(shard) for b in range(spec.num_blocks))
+        pass_s = pass_seconds(compute, h2d, num_slots, link)
+    dev = device_weight_bytes(streamed, layout, num_slots, num_landing)
+    return ResidentChoice(resident, dev, layout.shard_bytes_per_rank, num_slots, pass_s)
+
+
+def _spread_sets(spec: ModelSpec, weights: tuple[int, ...] | None) -> list[tuple[int, ...]]:
+    """The distinct resident sets of the spread, from every block streamed to one block streamed."""
     steps, seen, out = 4 * spec.num_blocks, set(), []
     for m in range(steps, 0, -1):
-        resident = spread_resident(spec.block_bytes, m, steps)
-        if len(resident) == spec.num_blocks or resident in seen:
-            continue
-        seen.add(resident)
-        streamed = with_resident(spec, resident)
-        layout = layout_of(streamed)
-        choice = ResidentChoice(
-            resident, device_weight_bytes(streamed, layout, num_slots, num_landing), layout.shard_bytes_per_rank
+        resident = spread_resident(spec.block_bytes, m, steps, weights)
+        if len(resident) < spec.num_blocks and resident not in seen:
+            seen.add(resident)
+            out.append(resident)
+    return out
+
+
+def _check_compute(spec: ModelSpec, compute, link, num_slots) -> None:
+    if (compute is None) != (link is None):
+        raise ValueError("compute= and link= come together (seconds per block, in block order; bytes/s)")
+    if compute is not None and (len(compute) != spec.num_blocks or any(c < 0 for c in compute) or link <= 0):
+        raise ValueError(
+            f"compute= needs {spec.num_blocks} block seconds >= 0 (in block order) and link= bytes/s > 0, got "
+            f"{len(compute)} and {link!r}"
         )
+    if num_slots == "auto" and compute is None:
+        raise ValueError("num_slots='auto' with a budget compares predicted passes: pass compute= and link=")
+
+
+def frontier(
+    spec: ModelSpec,
+    layout_of: Callable[[ModelSpec], ModelLayout],
+    num_slots: int | str,
+    num_landing: int,
+    *,
+    compute: tuple[float, ...] | None = None,
+    link: float | None = None,
+) -> tuple[ResidentChoice, ...]:
+    """Every plan :func:`choose_resident` can pick, from the ring alone to the whole model resident, each holding
+    more than the one before. Without ``compute``: spread by bytes, each streaming less than the one before (with
+    a link, the bound ``max(compute, h2d_bytes_per_pass / link)``). With ``compute`` (seconds per block, in block
+    order) and ``link`` (bytes/s): the sets spread by compute and by bytes, priced by :func:`pass_seconds`, each
+    predicted faster than the one before; ``num_slots="auto"``: for S in 2..4."""
+    _check_compute(spec, compute, link, num_slots)
+    if compute is None:
+        return _frontier_by_bytes(spec, layout_of, num_slots, num_landing)
+    weights = compute_weights(compute, link)
+    sets = [()] + (_spread_sets(spec, weights) if sum(weights) else []) + _spread_sets(spec, None)
+    slots = (2, 3, 4) if num_slots == "auto" else (num_slots,)
+    plans = {
+        (p.resident, p.num_slots): p
+        for s in slots
+        for p in (_priced(spec, r, layout_of, s, num_landing, compute, link) for r in set(sets))
+    }
+    full = _priced(spec, tuple(range(spec.num_blocks)), layout_of, slots[0], num_landing, compute, link)
+    kept: list[ResidentChoice] = []
+    for p in sorted(plans.values(), key=lambda p: (p.device_weight_bytes, p.pass_s, p.num_slots, p.resident)):
+        if not kept or p.pass_s < kept[-1].pass_s:
+            kept.append(p)
+    return tuple(p for p in kept if p.device_weight_bytes < full.device_weight_bytes) + (full,)
+
+
+def _frontier_by_bytes(spec, layout_of, num_slots, num_landing) -> tuple[ResidentChoice, ...]:
+    out: list[ResidentChoice] = []
+    for resident in [()] + _spread_sets(spec, None):
+        choice = _priced(spec, resident, layout_of, num_slots, num_landing, None, None)
         if not out or choice.h2d_bytes_per_pass < out[-1].h2d_bytes_per_pass:
             out.append(choice)
-    kept = [ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0)]
+    kept = [ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0, num_slots)]
     for choice in reversed(out):  # a plan that holds as much as one streaming less is no choice
         if choice.device_weight_bytes < kept[-1].device_weight_bytes:
             kept.append(choice)
@@ -181,21 +325,37 @@ def choose_resident(
     spec: ModelSpec,
     budget_bytes: int,
     layout_of: Callable[[ModelSpec], ModelLayout],
-    num_slots: int,
+    num_slots: int | str,
     num_landing: int,
     owner: str = "hbm_budget",
+    *,
+    compute: tuple[float, ...] | None = None,
+    link: float | None = None,
 ) -> ResidentChoice:
-    """The plan of the :func:`frontier` that streams the least within ``budget_bytes`` of device weight bytes
-    (``layout_of`` lays out a streamed spec as the runtime will): everything resident where the whole model fits;
-    :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
+    """The plan of the :func:`frontier` within ``budget_bytes`` of device weight bytes (``layout_of`` lays out a
+    streamed spec as the runtime will) that streams the least, or with ``compute`` and ``link`` is predicted
+    fastest (ties: fewer device bytes): everything resident where the whole model fits; :class:`BudgetError`
+    naming the minimum (nothing resident, the ring alone) below it."""
+    _check_compute(spec, compute, link, num_slots)
+    slots = 2 if num_slots == "auto" else num_slots
     if budget_bytes >= spec.total_bytes:
-        return ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0)
-    plans = frontier(spec, layout_of, num_slots, num_landing)
+        return _priced(spec, tuple(range(spec.num_blocks)), layout_of, slots, num_landing, compute, link)
+    plans = frontier(spec, layout_of, num_slots, num_landing, compute=compute, link=link)
     fits = [p for p in plans if p.device_weight_bytes <= budget_bytes]
     if not fits:
-        need = plans[0].device_weight_bytes
+        need = min(p.device_weight_bytes for p in plans)
         raise BudgetError(
-            f"{owner} = {budget_bytes} bytes is below the {need} bytes of device weights the ring of {num_slots} "
+            f"{owner} = {budget_bytes} bytes is below the {need} bytes of device weights the ring of {slots} "
             f"slots needs with every block streamed (and the non-block weights resident): pass at least {need}"
         )
-    return min(fits, key=lambda p: p.h2d_bytes_per_pass)
+    if compute is None:
+        return min(fits, key=lambda p: p.h2d_bytes_per_pass)
+    return min(fits, key=lambda p: (p.pass_s, p.device_weight_bytes))
+
+
+def at_speed(plans: tuple[ResidentChoice, ...], within: float = 0.01) -> ResidentChoice:
+    """The plan of a priced :func:`frontier` with the least device bytes whose predicted pass is within
+    ``within`` of the compute (the whole model resident, the frontier's last plan): the model's fastest point."""
+    if plans[-1].pass_s is None:
+        raise ValueError("at_speed needs a frontier priced with compute= and link=")
+    return next(p for p in plans if p.pass_s <= (1 + within) * plans[-1].pass_s)
