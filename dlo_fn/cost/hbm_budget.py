@@ -139,11 +139,15 @@ def resident_plan(
     tensor_block_bytes: tuple[int, ...] = (),
     owner: str = "hbm_budget",
     larger: bool = True,
+    compute: tuple[float, ...] | None = None,
+    link: float | None = None,
 ) -> ResidentPlan:
     """What ``offload(..., hbm_budget=budget_bytes)`` keeps resident for a model of these sizes on a shard group of
     ``num_shards`` ranks in ``mode`` with ``num_slots`` slots (``num_landing`` None: the ring's default), and
-    (``larger``) the plans a larger budget buys. :class:`~dlo_fn.plan.resident.BudgetError` (one line naming the
-    minimum) below the ring of every block streamed. Cached: a policy asks for the same plan for many rows."""
+    (``larger``) the plans a larger budget buys. ``compute`` (seconds per block, in block order) and ``link``
+    (bytes/s of a load): placed by compute, the predicted fastest plan (:func:`~dlo_fn.plan.resident.frontier`);
+    without them, by bytes. :class:`~dlo_fn.plan.resident.BudgetError` (one line naming the minimum) below the ring
+    of every block streamed. Cached: a policy asks for the same plan for many rows."""
     return _resident_plan(
         sizes,
         budget_bytes,
@@ -156,6 +160,8 @@ def resident_plan(
         tuple(tensor_block_bytes),
         owner,
         larger,
+        None if compute is None else tuple(compute),
+        link,
     )
 
 
@@ -172,6 +178,8 @@ def _resident_plan(
     tensor_block_bytes,
     owner,
     larger,
+    compute,
+    link,
 ) -> ResidentPlan:
     spec = sizes_spec(sizes, tensor_block_bytes)
     index = {b.name: int(b.name) for b in spec.blocks}
@@ -186,10 +194,13 @@ def _resident_plan(
         left = {index[b.name] for b in streamed.blocks}
         return layout(tuple(b for b in range(sizes.num_blocks) if b not in left))
 
-    choice = choose_resident(spec, budget_bytes, layout_of, *ring, owner=owner)
+    by = {"compute": compute, "link": link}
+    choice = choose_resident(spec, budget_bytes, layout_of, *ring, owner=owner, **by)
     more = ()
-    if larger and choice.h2d_bytes_per_pass:
-        more = tuple(p for p in frontier(spec, layout_of, *ring) if p.h2d_bytes_per_pass < choice.h2d_bytes_per_pass)
+    if larger and choice.h2d_bytes_per_pass:  # the frontier holds more at each plan, and streams less or runs faster
+        more = tuple(
+            p for p in frontier(spec, layout_of, *ring, **by) if p.device_weight_bytes > choice.device_weight_bytes
+        )
     held = tensor_block_bytes or sizes.block_bytes
     return ResidentPlan(
         budget_bytes,

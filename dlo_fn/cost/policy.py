@@ -48,9 +48,10 @@ run ahead across the per-step work (a deeper ring, more slots, hides it).
 limiting memory is the one nearer its capacity.
 
 **Under an HBM budget** (``hbm_budget``: device weight bytes per rank) the budget replaces the HBM capacity for
-the weights (activations are the caller's). Each candidate keeps the resident blocks the runtime keeps for its
-ring (:func:`~dlo_fn.cost.hbm_budget.resident_plan`, which is :func:`~dlo_fn.plan.resident.choose_resident`),
-whole on every rank; the ring, its loads, the all-gathers and the pinned host bytes are the streamed blocks' only.
+the weights (activations are the caller's). Each candidate keeps the resident blocks of its ring
+(:func:`~dlo_fn.cost.hbm_budget.resident_plan`, which is :func:`~dlo_fn.plan.resident.choose_resident` placing by
+its blocks' compute ``R c_b`` against the H2D link: the predicted fastest plan within the budget), whole on every
+rank; the ring, its loads, the all-gathers and the pinned host bytes are the streamed blocks' only.
 A resident block's compute stays: it is added to the ring op of the streamed block it follows (the pass's leading
 resident blocks to the last streamed block, where the ring wraps), since the next load waits on that slot only::
 
@@ -142,6 +143,8 @@ class PlanRow:
     hbm_capacity_bytes: int  # under an HBM budget: the budget (and hbm_bytes the device weight bytes)
     host_capacity_bytes: int
     resident: tuple[int, ...] = ()  # blocks kept on the device under an HBM budget
+    # what they were placed by: (R c_b per block, H2D bytes/s), for offload to keep the same ones (runtime.budget)
+    placed_by: tuple[tuple[float, ...], float] | None = None
     note: str = ""  # why a row does not fit, where the memory alone does not say it
 
     @property
@@ -342,9 +345,17 @@ def _memory(
     return (hbm.weight_bytes + hbm.resident_bytes if budgeted else hbm.peak_bytes), host
 
 
-def _kept(model: PolicyModel, cand: Candidate, hbm_budget: int, larger: bool = False) -> ResidentPlan:
-    """The resident blocks the runtime keeps for this candidate within ``hbm_budget``
-    (:class:`~dlo_fn.plan.resident.BudgetError` where its ring does not fit with every block streamed)."""
+def _kept(
+    model: PolicyModel,
+    topology: Topology,
+    workload: Workload,
+    cand: Candidate,
+    hbm_budget: int,
+    larger: bool = False,
+) -> ResidentPlan:
+    """The resident blocks of this candidate within ``hbm_budget``, placed by its blocks' compute (``R c_b``: the
+    requests through each load) against the H2D link (:class:`~dlo_fn.plan.resident.BudgetError` where its ring
+    does not fit with every block streamed)."""
     return resident_plan(
         model.sizes,
         hbm_budget,
@@ -355,7 +366,14 @@ def _kept(model: PolicyModel, cand: Candidate, hbm_budget: int, larger: bool = F
         load_group=cand.load_group,
         tensor_block_bytes=model.tensor_block_bytes,
         larger=larger,
+        compute=_placement(model, topology, workload, cand),
+        link=topology.h2d_bytes_per_s,
     )
+
+
+def _placement(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[float, ...]:
+    """The compute a candidate places its resident blocks by: ``R c_b``, the requests through each loaded block."""
+    return tuple(cand.requests_per_rank * c for c in _device_s(model, topology, workload, cand))
 
 
 def predict(
@@ -375,10 +393,11 @@ def predict(
     overhead = (
         topology.step_overhead_s(workload.tokens, workload.cfg_branches) if step_overhead_s is None else step_overhead_s
     )
-    sizes, resident, note = model.sizes, (), ""
+    sizes, resident, note, placed_by = model.sizes, (), "", None
     if hbm_budget is not None:
+        placed_by = (_placement(model, topology, workload, cand), topology.h2d_bytes_per_s)
         try:
-            kept = _kept(model, cand, hbm_budget)
+            kept = _kept(model, topology, workload, cand, hbm_budget)
             sizes, resident = kept.streamed, kept.resident
         except BudgetError as exc:  # priced with every block streamed, and dropped: its memory exceeds the budget
             note = str(exc)
@@ -389,7 +408,7 @@ def predict(
         step = r * sum(_device_s(model, topology, workload, cand)) + r * overhead
         wave = workload.num_steps * step + r * topology.request_overhead_s(workload.tokens)
         row = (step, wave, cand.dp * r, "compute", 0.0, hbm, host_bytes, capacity, topology.host_bytes_per_rank)
-        return PlanRow(cand, *row, resident=resident)
+        return PlanRow(cand, *row, resident=resident, placed_by=placed_by)
     duration, h2d_s, ag, device, host, comp = _durations(model, topology, workload, cand, overhead, sizes, resident)
     b, mode = sizes.num_blocks, op_mode(cand)
     steps = min(workload.num_steps, 3)
@@ -436,8 +455,9 @@ def predict(
         host_bytes,
         capacity,
         topology.host_bytes_per_rank,
-        resident,
-        note,
+        resident=resident,
+        placed_by=placed_by,
+        note=note,
     )
 
 
@@ -559,7 +579,7 @@ def plan(
     larger = ()
     if hbm_budget is not None and ordered:
         c = ordered[0].candidate
-        plans = _kept(model, c, hbm_budget, larger=True).larger
+        plans = _kept(model, topology, workload, c, hbm_budget, larger=True).larger
         picks = plans[:3] + plans[-1:] if len(plans) > 4 else plans  # the next plans, and the whole model
         larger = tuple(
             (p.device_weight_bytes, predict(model, topology, workload, c, hbm_budget=p.device_weight_bytes).step_s)

@@ -23,10 +23,17 @@ __all__ = ["resident_blocks", "quantize_resident"]
 
 
 def resident_blocks(
-    model: nn.Module, spec: ModelSpec, options: OffloadOptions, num_shards: int, exclude: tuple[str, ...]
+    model: nn.Module,
+    spec: ModelSpec,
+    options: OffloadOptions,
+    num_shards: int,
+    exclude: tuple[str, ...],
+    placed_by: tuple[tuple[float, ...], float] | None = None,
 ) -> tuple[tuple[int, ...], ModelSpec | None]:
     """The blocks kept resident within ``options.hbm_budget`` (:func:`dlo_fn.plan.resident.choose_resident`, priced
-    with the layout and the ring ``offload`` builds) and the spec of the streamed ones (None: every block fits)."""
+    with the layout and the ring ``offload`` builds) and the spec of the streamed ones (None: every block fits).
+    ``placed_by``: ``(compute seconds per block, link bytes/s)`` to place by, the policy's where ``mode="auto"``
+    chose under the budget (``PlanRow.placed_by``: the same call, so the chosen row's resident set); None: by bytes."""
     if stored_weights(model) is not None:
         raise ValueError(
             f"hbm_budget with {type(model).__name__} from a quantised checkpoint: resident blocks need their "
@@ -39,6 +46,7 @@ def resident_blocks(
         lambda s: layout_for(s, num_shards, o.alignment_bytes, o.load_group, o.quantization, exclude),
         o.num_slots,
         ring_num_landing(o.mode, num_shards, o.num_landing, o.load_group),
+        **({} if placed_by is None else {"compute": placed_by[0], "link": placed_by[1]}),
     )
     if len(choice.resident) == spec.num_blocks:
         return choice.resident, None

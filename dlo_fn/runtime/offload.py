@@ -310,7 +310,8 @@ def _build(
     if options.hbm_budget is not None:  # the plan keeps what fits resident, the rest streams (runtime.budget)
         from dlo_fn.runtime import budget
 
-        resident, streamed = budget.resident_blocks(model, spec, options, num_shards, exclude)
+        placed = getattr(getattr(auto, "chosen", None), "placed_by", None)  # the policy's, where auto chose
+        resident, streamed = budget.resident_blocks(model, spec, options, num_shards, exclude, placed)
         if streamed is None:  # the whole model fits: nothing streams, nothing is pinned
             out = _build(model, paths, full, ctx, dataclasses.replace(options, mode="resident"), mesh, started_s, auto)
             out.resident_blocks = budget.quantize_resident(model, full, resident, exclude, options)
