@@ -211,6 +211,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "mesh": ("test_mesh", "_rank", ()),
         "engine_mesh": ("test_engine_mesh", "_rank", (FixtureArg("six_heads"),)),
         "engine_mesh_fp8": ("test_engine_mesh", "_fp8_rank", (FixtureArg("six_heads"),)),
+        "engine_mesh_lora": ("test_engine_mesh", "_lora_rank", (FixtureArg("six_heads"),)),
         "executor_dist": ("test_executor_dist", "check_rank", (FixtureArg("tiny_checkpoint"), False)),
     },
 }

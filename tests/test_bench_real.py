@@ -309,6 +309,10 @@ def test_adapter_rows(tmp_path):
         assert v["status"] == "ok" and v["equal_to_resident"] is True and v["adapter_rank"] == 4, v
         assert len(v["adapter_load_s_all"]) == 2 and len(v["adapter_switch_s_all"]) == 4 and v["adapter_unload_s"] > 0
         assert v["pinned_bytes_after_adapters"] == v["pinned_bytes_before_adapters"] and v["ratio_to_bound"] > 0
+        assert len(v["forward_s_all_without_adapter"]) == 2 and v["profile"] == {  # the profile is CUDA's
+            "without_adapter": None,
+            "with_adapter": None,
+        }
 
 
 @pytest.mark.slow
@@ -326,3 +330,32 @@ def test_budget_variants_equal_resident(tmp_path):
         assert row["resident_blocks"] == row["num_blocks"] == 5 and row["pinned_bytes"] == 0 and row["num_slots"] == 0
     assert rows["ours-hbm-12GB"]["sha256"] == rows["resident"]["sha256"] != rows["ours-fp8-hbm-6GB"]["sha256"]
     assert rows["accelerate-16GiB"]["weight_device_bytes"] > 0
+
+
+def test_a_profiled_forward_is_summarised_per_stream_and_block(tmp_path):
+    """benchmarks.bench.real_lora.summarize_trace on a Chrome trace as torch.profiler writes it: two blocks on the
+    compute stream (each from its attention kernel), two H2D copies on a copy stream, one dequantise kernel."""
+    from benchmarks.bench.real_lora import summarize_trace
+
+    def ev(cat, name, stream, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    trace = tmp_path / "trace.json"
+    events = [
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 0, 400),  # the load of block 0 ...
+        ev("kernel", "dequant_rows", 21, 400, 50),
+        ev("kernel", "flash_fprop", 7, 450, 100),  # block 0: attention, then a matmul
+        ev("kernel", "gemm", 7, 550, 200),
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 400, 600),  # ... of block 1, longer than compute
+        ev("kernel", "flash_fprop", 7, 1000, 100),  # block 1 waited 250 us on its load
+        ev("kernel", "gemm", 7, 1100, 100),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host ops are not device time
+    ]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    s = summarize_trace(trace)
+    roles = {k: v["role"] for k, v in s["streams"].items()}
+    assert roles == {"20": "h2d", "21": "allgather", "7": "compute"}
+    assert s["span_s"] == pytest.approx(1200e-6) and s["compute_busy_s"] == pytest.approx(500e-6)
+    # compute idle: 0-450 (the first load, then the dequantise) and 750-1000 (the second load)
+    assert s["compute_idle_s"] == pytest.approx(700e-6) and s["compute_idle_transfer_busy_s"] == pytest.approx(700e-6)
+    assert s["block_compute_s"] == pytest.approx([300e-6, 200e-6]) and s["h2d_s"] == pytest.approx([400e-6, 600e-6])

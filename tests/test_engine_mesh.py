@@ -4,14 +4,18 @@
 mesh), rank-local}: on every rank the offloaded model's latents for its replica's request are ``torch.equal``
 to the single-process resident model's, each rank holds the shard its group gives it, and the engine's
 waves (one request per replica, the sp ranks of a replica sharing it, an idle replica in the partial wave)
-give every request the resident SHA-256. One spawn per world size runs all of its cases in sequence. Then a
-rank that raises or stalls between all-to-alls fails its wave closed within the timeouts, naming it. (The
-checkpoint, ``six_heads``, is a session fixture of conftest; the spawns are shared, conftest.SCENARIOS.)"""
+give every request the resident SHA-256. On the 2 x 2 mesh, LoRA adapters loaded after offload: each replica
+runs its own adapter, and continuous serving mixes adapters, every output the resident model's with the same
+adapter. One spawn per world size runs all of its cases in sequence. Then a rank that raises or stalls between
+all-to-alls fails its wave closed within the timeouts, naming it. (The checkpoint, ``six_heads``, is a session
+fixture of conftest; the spawns are shared, conftest.SCENARIOS.)"""
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import pickle
+import tempfile
 import time
 
 import pytest
@@ -19,6 +23,7 @@ import torch
 from conftest import scenario
 
 from dlo_fn.models import CONFIGS, Request, generate
+from dlo_fn.models.lora import load_adapter, write_adapter
 from dlo_fn.models.sp import sp_of
 from dlo_fn.runtime.dist import DistContext, init_distributed
 from dlo_fn.runtime.platform import platform_for
@@ -127,6 +132,52 @@ def test_fp8_shards_on_a_mesh_and_both_servings_equal_fake_quantised(request, si
             assert got["arena_bytes"] == got["planned_bytes"]
         for serving, report in results[0][(mode, group)]["reports"].items():
             assert [r.sha256 for r in report.results] == [w.sha256 for w in want], (mode, group, serving)
+
+
+# Adapters on the 2 x 2 mesh: replica 0 runs adapter a, replica 1 adapter b at 0.5; served: a, b at 0.5 and none.
+LORA_REQUESTS = tuple(
+    dataclasses.replace(r, lora=n, lora_scale=s) for r, (n, s) in zip(REQUESTS, (("a", 1.0), ("b", 0.5), (None, 1.0)))
+)
+
+
+def _adapters(model, root: pathlib.Path) -> None:
+    """Adapters ``a`` and ``b`` written for ``model``'s config (the same bytes on every rank: seeded) and loaded."""
+    for i, name in enumerate("ab"):
+        path = root / f"{name}.safetensors"
+        if not path.exists():
+            write_adapter(model, path, rank=4, seed=i)
+        load_adapter(model, path, name)
+
+
+@torch.no_grad()
+def _lora_rank(ctx: DistContext, checkpoint: str) -> bytes:
+    """On the 2 x 2 mesh (Ulysses sp 2), allgather over the world: adapters loaded after offload, one request per
+    replica in lockstep, each replica with its own adapter; then continuous serving of requests with different
+    adapters and none."""
+    from dlo_fn.runtime.mesh import build_mesh
+    from dlo_fn.serve.engine import Engine
+
+    mesh = build_mesh(ctx, sp=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, off = open_model(checkpoint, ctx, "allgather", mesh=mesh, shard_group="world")
+        _adapters(model, pathlib.Path(tmp))
+        got = generate(model, LORA_REQUESTS[mesh.dp_rank], sp=sp_of(mesh))
+        options = EngineOptions(timeout_s=60.0, progress=False, serving="continuous")
+        engine = Engine(model, off, ctx, options, session="lora", mesh=mesh)
+        report = engine.run(tuple(as_submissions(LORA_REQUESTS)))
+    return pickle.dumps({"latents": got.latents, "report": report})
+
+
+@pytest.mark.timeout(600)
+def test_adapters_after_offload_on_a_mesh_equal_resident(request, six_heads, tmp_path):
+    model, _ = open_model(six_heads, init_distributed(platform_for("cpu")), "resident")
+    _adapters(model, tmp_path)
+    want = [generate(model, r) for r in LORA_REQUESTS]
+    assert len({w.sha256 for w in want}) == 3  # the adapters change the output
+    results = [pickle.loads(r) for r in scenario(request, 4, "engine_mesh_lora")]
+    for rank, res in enumerate(results):
+        assert torch.equal(res["latents"], want[rank // 2].latents), rank
+    assert [r.sha256 for r in results[0]["report"].results] == [w.sha256 for w in want]
 
 
 @pytest.fixture(params=[2, 3, 4], ids=["world2", "world3", "world4"])

@@ -75,9 +75,9 @@ def _steps(name: str, model, files) -> list[tuple[str, torch.Tensor]]:
             out.append((what, model(**inputs(1))[0]))
 
     run("none")
-    model.load_lora_adapter(str(files[0]), adapter_name="a")
+    model.load_lora_adapter(str(files[0]), adapter_name="a", low_cpu_mem_usage=True)  # the documented call
     run("a loaded")
-    model.load_lora_adapter(str(files[1]), adapter_name="b", low_cpu_mem_usage=True)  # peft's meta-init path
+    model.load_lora_adapter(str(files[1]), adapter_name="b")  # peft's default: layers built on the host first
     model.set_adapters(["a", "b"], weights=[0.7, -0.4])
     run("a*0.7 + b*-0.4")
     model.set_adapters("b")
@@ -135,6 +135,21 @@ def test_adapter_weights_live_on_the_device_in_the_block_dtype(lora_files):
     assert torch.equal(o.model.state_dict()["transformer_blocks.0.attn.to_q.lora_A.a.weight"], a)
 
 
+def test_the_documented_load_builds_no_layer_on_the_host(lora_files):
+    """README and design.md load with ``low_cpu_mem_usage=True``: peft builds the layers on meta and assigns the
+    file's tensors, where its default initialises every new layer on the host first (the slow path on a GPU)."""
+    from test_models_lora import RandomInits
+
+    build, _, paths = _cases()["flux"]
+    counts = []
+    for fast in (True, False):
+        o = offload(build(), paths, CTX)
+        with RandomInits() as inits:
+            o.model.load_lora_adapter(str(lora_files["flux"][0]), adapter_name="a", low_cpu_mem_usage=fast)
+        counts.append(inits.count)
+    assert counts[0] == 0 < counts[1]
+
+
 def test_fuse_is_refused_in_one_line_and_the_model_still_runs(lora_files):
     build, inputs, paths = _cases()["flux"]
     ref = build()
@@ -159,7 +174,7 @@ def test_pipeline_load_lora_weights_after_offload(lora_files):
         base = ref(**inputs(1))[0]
     outs = []
     for pipe in pipes:
-        pipe.load_lora_weights(str(lora_files["flux"][0]), adapter_name="a")
+        pipe.load_lora_weights(str(lora_files["flux"][0]), adapter_name="a", low_cpu_mem_usage=True)
         pipe.load_lora_weights(str(lora_files["flux"][1]), adapter_name="b")
         pipe.set_adapters(["a", "b"], adapter_weights=[0.5, 1.0])
         with torch.no_grad():

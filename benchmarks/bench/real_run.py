@@ -121,7 +121,7 @@ class ModelRun:
         self._add("resident", row)
         if any(v in rl.VARIANTS for v in variants):
             self.adapters = rl.write_adapters(model, self.folder, case.family, args.quick)
-            rl.load(model, self.adapters[0], "a")
+            rl.load(model, self.adapters[0], rl.NAMES[0])
             row = rv.measure(
                 self.platform,
                 lambda: ((lambda: model(**self.inputs)[0]), {}, lambda: None),  # noqa: F821 (as above)
@@ -138,8 +138,8 @@ class ModelRun:
 
             fake_quantize(model)  # in place: the resident model is done with
             self.want_fp8 = model(**self.inputs)[0].clone()
-            if "ours-lora-fp8" in variants:
-                rl.load(model, self.adapters[0], "a")
+            if any(v in rl.VARIANTS and rv.OURS[v].get("quantization") for v in variants):
+                rl.load(model, self.adapters[0], rl.NAMES[0])
                 self.want_fp8_lora = model(**self.inputs)[0].clone()
         if any(v.startswith("ranks-") for v in variants):
             cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.inputs.items()}
@@ -242,6 +242,7 @@ class ModelRun:
                     self.inputs,
                     probe_peak=first,
                     adapters=self.adapters if variant in rl.VARIANTS else (),
+                    adapter_counts=(warmup, args.repeats, variant),
                 ),
                 want=want,
                 warmup=warmup,

@@ -187,9 +187,18 @@ def measure(
     return row
 
 
-def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = False, adapters: tuple = ()):
+def ours_setup(
+    ctx,
+    folder: str,
+    kwargs: dict,
+    inputs: dict,
+    probe_peak: bool = False,
+    adapters: tuple = (),
+    adapter_counts: tuple[int, int, str] = (1, 3, "ours-lora"),
+):
     """``load_model`` + ``offload``: the public API, timed in parts; ``probe_peak``: the pinned H2D peak from the
-    arena, once ready; ``adapters``: LoRA files loaded, switched and one removed once ready
+    arena, once ready; ``adapters``: once ready, the forward timed without one (``adapter_counts``: warm-up,
+    repeats, the row's name), then LoRA files loaded, switched and one removed
     (:func:`benchmarks.bench.real_lora.adapter_work`), the forwards then run with the first."""
     from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
@@ -232,10 +241,16 @@ def ours_setup(ctx, folder: str, kwargs: dict, inputs: dict, probe_peak: bool = 
             from benchmarks.bench.real_lora import adapter_work
 
             peak = facts.pop("after_ready", dict)
-            facts["after_ready"] = lambda: {**peak(), **adapter_work(o, adapters, ctx.platform)}
+            facts["after_ready"] = lambda: {
+                **peak(),
+                **adapter_work(o, adapters, ctx.platform, forward, time_without, adapter_counts[2]),
+            }
 
         def forward():
             return o.model(**inputs)[0]
+
+        def time_without() -> list[float]:
+            return time_forwards(ctx.platform, forward, *adapter_counts[:2])[0]
 
         def teardown():
             o.synchronize()

@@ -21,6 +21,7 @@ from benchmarks.repro import (
     fp8_tables,
     headline,
     host_cost_tables,
+    lora_tables,
     pcie_tables,
     policy_tables,
     real_tables,
@@ -363,6 +364,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "headline": lambda: headline.headline(headline.find_real_reports()),  # README's figure, alt text and caption
     "results": results_table,
     "hbm-budget": hbm_budget_table,
+    "lora": lambda: _rows(lora_tables.lora_rows(), [lora_tables.LORA_FILE]),
+    "lora-blocks": lambda: _rows(lora_tables.lora_block_rows(), [lora_tables.LORA_BLOCKS_FILE]),
     # the FP8 and gloo-rank rows of the Flux comparison are an earlier kernel's and set-up's: their own runs below
     "real-flux": lambda: _real(
         real_tables.REAL_FILE, real_tables.MODEL_OFFLOAD_FILE.format(model="flux"), skip=("ours-fp8", "ranks-")

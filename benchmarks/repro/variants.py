@@ -50,6 +50,7 @@ REAL = (
     ),
     Variant("ours-lora", options=dict(mode="rank-local")),  # + adapters loaded after offload (bench real_lora)
     Variant("ours-lora-fp8", options=dict(mode="rank-local", quantization="fp8")),
+    Variant("ours-lora-fp8-3-slots", options=dict(mode="rank-local", quantization="fp8", num_slots=3)),
     # HBM budgets that emulate 12 to 24 GB cards (device weight bytes; plan.resident), BF16 and FP8
     *(Variant(f"ours-hbm-{n}GB", options=dict(mode="rank-local", hbm_budget=f"{n}GB")) for n in (12, 16, 18, 20, 24)),
     Variant("ours-hbm-16GB-3-slots", options=dict(mode="rank-local", hbm_budget="16GB", num_slots=3)),

@@ -38,6 +38,8 @@ FLAG_OF_FIELD = {
     "num_frames": "--frames",
     "guidance_scale": "--guidance",
     "shift": "--shift",
+    "lora": "--lora",
+    "lora_scale": "--lora-scale",
 }
 _FIELD = re.compile(r"^(\w+)\b")
 

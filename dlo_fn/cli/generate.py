@@ -74,6 +74,7 @@ __all__ = [
     "check_sp_args",
     "choose_auto",
     "is_auto",
+    "load_loras",
     "load_offloaded",
     "log_predicted_vs_measured",
     "mesh_from_args",
@@ -165,6 +166,22 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
     return offload(model, ctx=ctx, options=options, mesh=mesh), mesh
 
 
+def load_loras(model, args: argparse.Namespace) -> None:
+    """Each ``--lora`` file loaded into the offloaded model under its stem (:func:`dlo_fn.models.lora.load_adapter`:
+    the adapter weights on the device, the base weights untouched in the shards)."""
+    from dlo_fn.cli.generate_args import lora_names
+
+    if not args.lora:
+        return
+    from dlo_fn.models.lora import load_adapter
+
+    for file, name in zip(args.lora, lora_names(args)):
+        try:
+            load_adapter(model, file, name)
+        except ValueError as exc:  # e.g. written for another model's config
+            raise UsageError(f"generate: --lora {file}: {exc}") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -244,6 +261,7 @@ def _serve(args: argparse.Namespace, ctx, options, submissions, writer, built: d
     auto = (lambda m: picked.append(choose_auto(args, m, ctx)) or picked[-1]) if is_auto(args) else None
     mesh = mesh_from_args(args, ctx)
     offloaded, mesh = load_offloaded(args.checkpoint, ctx, options, auto, mesh, sp_auto=args.sp == "auto")
+    load_loras(offloaded.model, args)
     engine = Engine(
         offloaded.model,
         offloaded,

@@ -167,6 +167,16 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=None, help="pixel frames, 1 + 4k (1 = image)")
     parser.add_argument("--guidance", type=float, default=None, help="CFG scale (1 = off)")
     parser.add_argument("--shift", type=float, default=None, help="timestep shift")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a LoRA adapter (make-checkpoint --lora writes one) loaded after offload, named by its file stem "
+        '(repeat for several); every request runs the first unless its prompts line names another ("lora": '
+        '"NAME") or none ("lora": null)',
+    )
+    parser.add_argument("--lora-scale", type=float, default=None, help="the adapter's scale (default 1)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,8 +272,45 @@ def _defaults(args: argparse.Namespace) -> dict:
         "guidance_scale": args.guidance,
         "shift": args.shift,
         "seed": args.seed,
+        "lora": lora_names(args)[0] if args.lora else None,
+        "lora_scale": args.lora_scale,
     }
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def lora_names(args: argparse.Namespace) -> list[str]:
+    """The adapter name of each ``--lora`` file: its stem."""
+    import pathlib
+
+    return [pathlib.Path(f).stem for f in args.lora or ()]
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """Each ``--lora`` an adapter file (a rank in its header) with a name of its own; whether it fits the model
+    is checked once it is loaded (:func:`dlo_fn.models.lora.load_adapter`)."""
+    import pathlib
+
+    if args.lora_scale is not None and not args.lora:
+        raise UsageError("generate: --lora-scale scales an adapter: give --lora FILE too")
+    names = lora_names(args)
+    for file, name in zip(args.lora or (), names):
+        path = pathlib.Path(file)
+        if not path.is_file():
+            raise UsageError(f"generate: --lora {file}: no such file: write one with make-checkpoint --lora {file}")
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                rank = (f.metadata() or {}).get("rank")
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one line
+            raise UsageError(f"generate: --lora {file}: not a safetensors file ({exc})") from None
+        if rank is None:
+            raise UsageError(
+                f"generate: --lora {file}: no 'rank' in its metadata: write it with make-checkpoint --lora or "
+                "dlo_fn.models.lora.write_adapter"
+            )
+        if names.count(name) > 1:
+            raise UsageError(f"generate: --lora {file}: another --lora has the name {name!r}: rename one file")
 
 
 def submissions_from_args(args: argparse.Namespace, config=None) -> list:
@@ -324,6 +371,7 @@ def check_generate_args(args: argparse.Namespace) -> tuple:
         raise UsageError("generate: give --prompt (one or more) or --prompts FILE.jsonl, not both")
     check_layout_args(args, "generate")
     check_engine_args(args)
+    check_lora_args(args)
     try:
         options = options_from_args(args)
     except ValueError as exc:

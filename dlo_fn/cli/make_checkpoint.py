@@ -1,4 +1,5 @@
-"""`python -m dlo_fn make-checkpoint`: write a random-initialised reference-DiT checkpoint (safetensors)."""
+"""`python -m dlo_fn make-checkpoint`: write a random-initialised reference-DiT checkpoint (safetensors), and with
+``--lora FILE`` a random LoRA adapter for it (:func:`dlo_fn.models.lora.write_adapter`; ``generate --lora`` runs it)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,20 @@ def register(subparsers) -> None:
         "--max-shard-size", default="2GB", help="largest shard, e.g. 2GB (1e9 bytes), 500MB, 1GiB, 100KB"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="FILE",
+        help="also write a random LoRA adapter for this model to FILE (.safetensors; generate --lora loads it)",
+    )
+    parser.add_argument("--lora-rank", type=int, default=4, help="the adapter's rank")
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="REGEX",
+        help="the linears it adapts, a regex full-matching their names (default: every attention and MLP linear "
+        "of the blocks, dlo_fn.models.lora.TARGETS)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -80,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--max-shard-size {args.max_shard_size}: {exc}") from None
     config = _config(args.model)
+    lora = _check_lora(args, config)
     try:
         out = write_checkpoint(
             config,
@@ -103,4 +119,48 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.model} ({args.dtype}, seed {args.seed}) to {out}: {len(files)} file(s), {total:,} bytes of "
         f"tensors (random weights: generate makes noise from them)"
     )
+    if lora is not None:
+        _write_lora(model, lora, args)
     return 0
+
+
+def _check_lora(args: argparse.Namespace, config):
+    """``--lora`` as a path (None without it); its flags checked before the checkpoint is written."""
+    import pathlib
+    import re
+
+    from torch import nn
+
+    from dlo_fn.models.dit import build_model
+    from dlo_fn.models.lora import TARGETS
+
+    if args.lora is None:
+        return None
+    if args.lora_rank < 1:
+        raise UsageError(f"--lora-rank {args.lora_rank}: give a rank >= 1")
+    try:
+        targets = re.compile(args.lora_targets or TARGETS)
+    except re.error as exc:
+        raise UsageError(f"--lora-targets {args.lora_targets!r}: not a regex ({exc})") from None
+    names = [n for n, m in build_model(config, device="meta").named_modules() if isinstance(m, nn.Linear)]
+    if not any(targets.fullmatch(n) for n in names):
+        raise UsageError(
+            f"--lora-targets {args.lora_targets!r}: matches none of the model's linears (e.g. {names[0]!r})"
+        )
+    path = pathlib.Path(args.lora)
+    if path.suffix != ".safetensors" or path.is_dir():
+        raise UsageError(f"--lora {args.lora}: give a file name ending in .safetensors")
+    if path.exists() and not args.overwrite:
+        raise UsageError(f"--lora {args.lora}: already exists: pass --overwrite to replace it, or choose another")
+    return path
+
+
+def _write_lora(model, path, args: argparse.Namespace) -> None:
+    from dlo_fn.models.lora import TARGETS, write_adapter
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_adapter(model, path, rank=args.lora_rank, seed=args.seed, targets=args.lora_targets or TARGETS)
+    except OSError as exc:
+        raise UsageError(f"--lora {args.lora}: cannot write there ({exc.strerror or exc}): choose a writable path")
+    print(f"wrote a random rank-{args.lora_rank} LoRA adapter to {path} (generate --lora {path} uses it)")

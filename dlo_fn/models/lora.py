@@ -24,10 +24,12 @@ __all__ = ["TARGETS", "write_adapter", "load_adapter", "use_adapter", "adapter_n
 TARGETS = r"blocks\.\d+\.(self_attn\.(qkv|out)|cross_attn\.(q|kv|out)|mlp\.(fc1|fc2))"
 
 
-def _config(rank: int):  # alpha = rank: the update is B A x, times the request's scale
+def _config(rank: int, layers: list[str]):  # alpha = rank: the update is B A x, times the request's scale
     import peft
 
-    return peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False)
+    # exactly the layers the file holds (peft full-matches a string against each module's name)
+    targets = "|".join(re.escape(n) for n in layers)
+    return peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
 
 
 def write_adapter(
@@ -66,20 +68,28 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, name: str) -> None:
         raise ValueError(f"adapter file {str(path)!r} does not exist: write one with dlo_fn.models.lora.write_adapter")
     with safe_open(str(path), "pt") as f:
         rank = int((f.metadata() or {}).get("rank", 0))
-        state = {k: f.get_tensor(k) for k in f.keys()}
+        state = {k: f.get_tensor(k).clone() for k in f.keys()}  # peft keeps these tensors: not views of the file
     if rank <= 0:
         raise ValueError(f"adapter file {str(path)!r} has no 'rank' in its metadata: write it with write_adapter")
     if name in adapter_names(model):
         raise ValueError(f"adapter name {name!r} is already loaded: pick another name")
+    layers = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    linears = {n.replace(".base_layer", ""): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for key, t in state.items():  # checked before peft touches the model: a misfit leaves it as it was
+        layer, _, which = key.rpartition(".lora_")
+        mod = linears.get(layer)
+        want = None if mod is None else (rank, mod.in_features) if which == "A.weight" else (mod.out_features, rank)
+        if tuple(t.shape) != want:
+            raise ValueError(
+                f"adapter file {str(path)!r} does not fit this model ({key!r}: {tuple(t.shape)}, layer wants "
+                f"{want}): write it for this model's config"
+            )
     with warnings.catch_warnings():  # "Already found a peft_config": several adapters are what this is for
         warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
-        peft.inject_adapter_in_model(_config(rank), model, adapter_name=name)
-    result = peft.set_peft_model_state_dict(model, state, adapter_name=name)
-    if result.unexpected_keys:
-        raise ValueError(
-            f"adapter file {str(path)!r} does not fit this model (e.g. {result.unexpected_keys[0]!r}): write it "
-            "for this model's config"
-        )
+        # low_cpu_mem_usage: the layers are built on meta and take the file's tensors (then move to their base
+        # layer's device and dtype); peft's default builds and initialises them on the host first, then copies.
+        peft.inject_adapter_in_model(_config(rank, layers), model, adapter_name=name, low_cpu_mem_usage=True)
+    peft.set_peft_model_state_dict(model, state, adapter_name=name, low_cpu_mem_usage=True)
     for layer in _layers(model):  # peft's injection may have changed what is active: choose afresh
         layer.__dict__.pop("_dlo_choice", None)
     use_adapter(model, None)
@@ -95,8 +105,7 @@ def adapter_names(model: nn.Module) -> tuple[str, ...]:
     """The adapters loaded into ``model``, in load order (none without peft imported: nothing loaded one)."""
     if "peft" not in sys.modules:
         return ()
-    layers = _layers(model)
-    return tuple(layers[0].lora_A) if layers else ()
+    return tuple(dict.fromkeys(n for layer in _layers(model) for n in layer.lora_A))
 
 
 def use_adapter(model: nn.Module, name: str | None, scale: float = 1.0) -> None:
