@@ -319,7 +319,7 @@ def test_adapter_rows(tmp_path):
 def test_budget_variants_equal_resident(tmp_path):
     """The HBM-budget rows (BF16 and FP8) and accelerate's device map: on the quick configs every budget holds
     the whole model, so ours runs resident (nothing pinned) and equals resident (FP8: the fake-quantised one)."""
-    names = "ours-hbm-12GB,ours-fp8-hbm-6GB,accelerate-16GiB"
+    names = "ours-hbm-12GB,ours-fp8-hbm-6GB,ours-hbm-fastest,ours-fp8-hbm-fastest,accelerate-16GiB"
     args = _args(tmp_path, "--models", "flux", "--variants", names)
     assert args.func(args) == 0
     rows = {v["variant"]: v for v in json.loads((tmp_path / "real_flux.json").read_text())["model"]["variants"]}
@@ -328,6 +328,12 @@ def test_budget_variants_equal_resident(tmp_path):
     for name in ("ours-hbm-12GB", "ours-fp8-hbm-6GB"):
         row = rows[name]
         assert row["resident_blocks"] == row["num_blocks"] == 5 and row["pinned_bytes"] == 0 and row["num_slots"] == 0
+    for name in ("ours-hbm-12GB", "ours-fp8-hbm-6GB", "ours-hbm-fastest", "ours-fp8-hbm-fastest"):
+        row = rows[name]  # placed by the measured compute, with the plan's predicted pass beside the measured one
+        assert row["placed_by"].startswith("measured compute") and len(row["block_compute_s"]) == 5, row
+        assert row["predicted_pass_s"] >= row["blocks_compute_s"] > 0 and row["predicted_to_compute"] >= 1
+    for name in ("ours-hbm-fastest", "ours-fp8-hbm-fastest"):  # the fastest point's plan is predicted at speed
+        assert rows[name]["predicted_to_compute"] <= 1.01 and rows[name]["plan_num_slots"] in (2, 3, 4)
     assert rows["ours-hbm-12GB"]["sha256"] == rows["resident"]["sha256"] != rows["ours-fp8-hbm-6GB"]["sha256"]
     assert rows["accelerate-16GiB"]["weight_device_bytes"] > 0
 

@@ -142,10 +142,10 @@ def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
 
     from dlo_fn.models import BLOCK_PATHS, generate
 
-    out = {}
+    out, budgets = {}, {}
     for mode, opts in (("allgather", {"num_landing": 1}), ("rank-local", {})):
         minimum = offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode=mode, **opts).device_weight_bytes
-        budget = minimum + max(spec_from_module(load_reference(ckpt), BLOCK_PATHS).block_bytes)
+        budget = budgets[mode] = minimum + max(spec_from_module(load_reference(ckpt), BLOCK_PATHS).block_bytes)
         o = offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode=mode, hbm_budget=budget, **opts)
         got = [generate(o.model, r) for r in reqs]
         out[f"budget_exact[{mode}]"] = all(torch.equal(g.latents, e.latents) for g, e in zip(got, expected))
@@ -155,6 +155,18 @@ def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
         out[f"budget_store_streamed_only[{mode}]"] = o.store.arena_bytes == o.layout.shard_bytes_per_rank
         for k, v in runtime_matches_cost(o, budget, None, o.shards.size).items():
             out[f"budget_cost_{k}[{mode}]"] = v
+    # Placed by compute: every rank times the example call, and plans with rank 0's times (the same plan everywhere).
+    from dlo_fn.models.sampler import init_state, model_inputs
+
+    model = load_reference(ckpt)
+    state = init_state(model, reqs[0])
+    example = (*model_inputs(state), model.encode_text(state.text_tokens))
+    budget = budgets["allgather"]
+    o = offload(model, BLOCK_PATHS, ctx, mode="allgather", num_landing=1, hbm_budget=budget, example=example)
+    got = [generate(o.model, r) for r in reqs]
+    out["budget_by_compute_exact"] = all(torch.equal(g.latents, e.latents) for g, e in zip(got, expected))
+    out["budget_by_compute_within"] = o.device_weight_bytes <= budget and o.budget.pass_s is not None
+    out["budget_by_compute_placement"] = (o.placement.compute_s, o.budget.resident)
     return out
 
 
@@ -224,6 +236,7 @@ def _assert_all(results: list[dict], world: int) -> None:
             )
     if world > 1:
         assert "partial_wave_exact" in results[0] and "partial_wave_exact" not in results[1]
+        assert len({r["budget_by_compute_placement"] for r in results}) == 1  # rank 0's compute, one plan
         for res in results:  # W > 1: one collective per block, or per group of 2
             assert res["blocks_per_collective[G=1]"] == [1] and res["blocks_per_collective[G=2]"][-1] == 2, res
             # per block: H2D wait, copy, record; AG wait (x2: landing, slot), record; compute wait, record = 8

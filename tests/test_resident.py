@@ -208,10 +208,10 @@ def test_the_ring_streams_only_the_streamed_blocks():
     )
 
 
-def _budgets(ref, mode, quantization=None):
+def _budgets(ref, mode, quantization=None, paths="blocks"):
     """The two-slot minimum, a budget between, and the whole model: what offload reports at each."""
-    spec = spec_from_module(ref, "blocks")
-    probe = offload(copy.deepcopy(ref), "blocks", CTX, mode=mode, quantization=quantization)
+    spec = spec_from_module(ref, paths)
+    probe = offload(copy.deepcopy(ref), paths, CTX, mode=mode, quantization=quantization)
     minimum = probe.device_weight_bytes
     return [minimum, (minimum + spec.total_bytes) // 2, spec.total_bytes]
 
@@ -249,6 +249,19 @@ def test_budget_as_a_size_string_and_bad_budgets():
         offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget=100)
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_searchs_cut_layout_is_the_streamed_specs_layout(quantization):
+    from dlo_fn.plan.resident import _Pricer, layout_for
+
+    spec = _flux_like()
+    layout_of = lambda s: layout_for(s, 2, quantization=quantization)  # noqa: E731
+    price = _Pricer(spec, layout_of, 2, (1e-3,) * 12, 1e6)
+    for resident in ((), (0,), (1, 4, 5), (0, 1, 2, 3), tuple(range(11))):
+        for slots in (2, 3):
+            assert price(resident, slots) == price(resident, slots, exact=True)
+        assert price._layout(resident, False)[0].digest == layout_of(with_resident(spec, resident)).digest
+
+
 def test_frontier_holds_more_and_streams_less_at_each_step():
     spec = _spec(8)
     plans = frontier(spec, _layout_of, 2, 0)
@@ -257,3 +270,51 @@ def test_frontier_holds_more_and_streams_less_at_each_step():
         assert a.device_weight_bytes < b.device_weight_bytes and a.h2d_bytes_per_pass > b.h2d_bytes_per_pass
     for p in plans:  # each is the plan its own budget buys
         assert choose_resident(spec, p.device_weight_bytes, _layout_of, 2, 0) == p
+
+
+def _placed_as_planned(o, mode):
+    """The resident set ``offload`` kept is the pure plan's for the compute it measured."""
+    from dlo_fn.plan.resident import layout_for, ring_num_landing
+
+    assert o.placement is not None and o.placement.source.startswith("measured compute")
+    want = choose_resident(
+        o.spec,  # as offload read it (on CPU with the tensors' address residues)
+        o.options.hbm_budget,
+        lambda s: layout_for(s, 1),
+        o.options.num_slots,
+        ring_num_landing(mode, 1, None),
+        compute=o.placement.compute_s,
+        link=o.placement.link_bytes_per_s,
+    )
+    assert o.budget == want and o.resident_blocks == want.resident and o.device_weight_bytes <= o.options.hbm_budget
+    assert f"predicted pass {want.pass_s:.4g} s" in o.describe()
+
+
+@pytest.mark.parametrize("mode", ["rank-local", "allgather"])
+@torch.no_grad()
+def test_placed_by_measured_compute_equals_resident(mode, caplog):
+    from tests.test_third_party import FLUX_BLOCKS, flux, flux_inputs
+
+    ref = flux()
+    want = [ref(**flux_inputs(s))[0] for s in range(2)]
+    budget = _budgets(ref, mode, paths=FLUX_BLOCKS)[1]
+    with caplog.at_level("INFO", logger="dlo_fn.runtime.budget"):
+        o = offload(copy.deepcopy(ref), FLUX_BLOCKS, CTX, mode=mode, hbm_budget=budget, example=flux_inputs(0))
+    assert "placed by measured compute (example call), predicted pass" in caplog.text
+    for s in range(2):
+        assert torch.equal(o.model(**flux_inputs(s))[0], want[s])
+    _placed_as_planned(o, mode)
+
+
+@torch.no_grad()
+def test_budget_chooses_the_slots_and_says_how_to_place_by_compute(caplog):
+    ref = toy(6, d=32)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    budget = _budgets(ref, "rank-local")[1]
+    with caplog.at_level("INFO", logger="dlo_fn.runtime.budget"):
+        by_bytes = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", hbm_budget=budget)
+    assert "placed by bytes (pass example= or workload= to place by compute" in caplog.text
+    assert by_bytes.placement is None and by_bytes.budget.pass_s is None
+    o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", num_slots="auto", hbm_budget=budget, example=(x,))
+    assert torch.equal(o.model(x), ref(x)) and o.executor.num_slots == o.budget.num_slots in (2, 3, 4)
+    _placed_as_planned(o, "rank-local")

@@ -6,8 +6,11 @@
 ``diffusers-block``    ``from_pretrained`` + ``enable_group_offload("block_level", num_blocks_per_group=1,
                        use_stream=True)`` (diffusers 0.42.1; ``use_stream`` only where the device has streams)
 ``diffusers-leaf``     the same, ``offload_type="leaf_level"``
-``ours-hbm-<N>GB``     ``offload(..., hbm_budget="<N>GB")``: the blocks that fit <N> GB of device weights resident,
-                       spread through the forward, the rest streamed (``ours-fp8-hbm-*``: with FP8 shards)
+``ours-hbm-<N>GB``     ``offload(..., hbm_budget="<N>GB", example=inputs)``: the blocks that fit <N> GB of device
+                       weights resident, placed by the blocks' measured compute, the rest streamed
+                       (``ours-fp8-hbm-*``: with FP8 shards); the row records the plan's predicted pass
+``ours-hbm-fastest``   the same at the model's fastest point: the least device bytes whose predicted pass is
+                       within 1% of the blocks' compute (:func:`dlo_fn.plan.resident.at_speed`), slots chosen
 ``accelerate-<N>GiB``  ``from_pretrained(..., device_map="auto", max_memory={0: "<N>GiB", "cpu": ...})``: accelerate
                        fills the device with the first modules and moves the rest at each forward
 ``model-offload``      ``from_pretrained`` + accelerate's ``cpu_offload_with_hook`` (what ``enable_model_cpu_offload``
@@ -45,6 +48,8 @@ __all__ = [
     "time_forwards",
     "measure",
     "ours_setup",
+    "fastest_budget",
+    "budget_facts",
     "diffusers_setup",
     "model_offload_setup",
     "device_map_setup",
@@ -203,13 +208,16 @@ def ours_setup(
     from dlo_fn.io.load import load_model
     from dlo_fn.runtime.offload import offload
 
+    fastest = kwargs.get("hbm_budget") == "fastest"
+
     def setup():
         t0 = time.perf_counter()
         model = load_model(folder, progress=False)
         t1 = time.perf_counter()
-        # mode="auto": one call on the inputs, timed through the plain probe, chooses; then offload builds
-        auto = any(v == "auto" for v in kwargs.values())
-        o = offload(model, ctx=ctx, **kwargs, **({"example": inputs} if auto else {}))
+        # mode="auto" or a budget: one call on the inputs, timed through the plain probe, chooses or places
+        auto = any(v == "auto" for v in kwargs.values()) or "hbm_budget" in kwargs
+        options = dict(kwargs, hbm_budget=fastest_budget(model, ctx, kwargs, inputs)) if fastest else kwargs
+        o = offload(model, ctx=ctx, **options, **({"example": inputs} if auto else {}))
         ctx.platform.synchronize()
         t2 = time.perf_counter()
         store = o.store
@@ -230,6 +238,7 @@ def ours_setup(
             "num_blocks": len(o.spec.blocks),
             "options": {k: str(v) for k, v in kwargs.items()},
             "chosen": str(getattr(o, "auto", None)) if kwargs.get("mode") == "auto" else None,
+            **budget_facts(o),
         }
         if probe_peak and ctx.platform.kind == "cuda" and store and store.pinned:
             from benchmarks.bench.step_variants import pinned_peak_bytes_per_s
@@ -260,6 +269,52 @@ def ours_setup(
         return forward, facts, teardown
 
     return setup
+
+
+def fastest_budget(model, ctx, kwargs: dict, inputs: dict) -> int:
+    """The device weight bytes of the model's fastest point (:func:`dlo_fn.plan.resident.at_speed` on the frontier
+    priced with one timed call's block compute), rank-local on one device."""
+    from dlo_fn.io.diffusers_load import block_paths_for
+    from dlo_fn.plan.resident import at_speed, frontier, layout_for
+    from dlo_fn.plan.spec import normalize_block_paths, spec_from_module
+    from dlo_fn.runtime.budget import block_compute
+
+    paths = normalize_block_paths(block_paths_for(model))
+    spec = spec_from_module(model, paths)
+    blocks = [b for path in paths for b in model.get_submodule(path)]
+    placed = block_compute(model, blocks, spec, ctx, None, inputs)
+    q = kwargs.get("quantization")
+    plans = frontier(
+        spec,
+        lambda s: layout_for(s, 1, quantization=q),
+        kwargs.get("num_slots", 2),
+        0,
+        compute=placed.compute_s,
+        link=placed.link_bytes_per_s,
+    )
+    return at_speed(plans).device_weight_bytes
+
+
+def budget_facts(o) -> dict:
+    """A budget row's plan: how it was placed, its slots, its predicted pass over the blocks' compute, and the
+    compute and link it was placed by (the notebook's frontier reads them)."""
+    if o.options.hbm_budget is None:
+        return {}
+    placed = o.placement
+    facts = {
+        "placed_by": placed.source if placed else "bytes",
+        "plan_num_slots": o.budget.num_slots,
+        "resident_block_ids": list(o.budget.resident),
+    }
+    if placed is not None:
+        facts.update(
+            predicted_pass_s=o.budget.pass_s,
+            blocks_compute_s=sum(placed.compute_s),
+            predicted_to_compute=o.budget.pass_s / sum(placed.compute_s),
+            block_compute_s=list(placed.compute_s),
+            placement_link_bytes_per_s=placed.link_bytes_per_s,
+        )
+    return facts
 
 
 def diffusers_setup(platform, folder: str, cls_name: str, offload_type: str, inputs: dict):

@@ -257,11 +257,14 @@ def results_table() -> str:
             "measurements.md#fp8-shards",
         ),
         (
-            "FLUX.1-dev forward / resident under an HBM budget (device weights): ours at 18 GB / 16 GB / every block "
-            "streamed; accelerate's device map at 16 GiB",
+            "FLUX.1-dev forward / resident under an HBM budget, placed by measured compute: ours at 20 / 16 GB (device "
+            "weights) / every block streamed; FP8 at 8 GB; accelerate's device map at 16 GiB",
             " / ".join(
-                f"{hbm[v]['ratio_to_resident']:.3f}x" for v in ("ours-hbm-18GB", "ours-hbm-16GB", "ours-rank-local")
+                f"{hbm[v]['ratio_to_resident']:.3f}x ({hbm[v]['weight_device_bytes'] / 1e9:.1f} GB)"
+                for v in ("ours-hbm-20GB", "ours-hbm-16GB", "ours-rank-local")
             )
+            + f"; {hbm['ours-fp8-hbm-8GB']['ratio_to_resident']:.3f}x "
+            f"({hbm['ours-fp8-hbm-8GB']['weight_device_bytes'] / 1e9:.1f} GB)"
             + f"; {hbm['accelerate-16GiB']['ratio_to_resident']:.2f}x",
             "measurements.md#resident-blocks-under-an-hbm-budget",
         ),
@@ -315,49 +318,57 @@ HBM_ORDER = (
     "resident",
     "ours-rank-local",
     "ours-hbm-12GB",
+    "ours-hbm-fastest",
     "ours-hbm-16GB",
-    "ours-hbm-16GB-3-slots",
-    "ours-hbm-18GB",
     "ours-hbm-20GB",
     "ours-hbm-24GB",
     "ours-fp8",
+    "ours-fp8-hbm-fastest",
     "ours-fp8-hbm-8GB",
     "ours-fp8-hbm-10GB",
-    "ours-fp8-hbm-12GB",
     "accelerate-12GiB",
     "accelerate-16GiB",
 )
+HBM_WAN_FILE = "hbm_bench_real_wan480_nvidia-h200.json"
 
 
 def hbm_budget_table() -> str:
-    """FLUX.1-dev under HBM budgets: device weights, resident blocks, bytes streamed, time against resident and the
-    row's own bound, byte-identical or not (measurements.md, "Resident blocks under an HBM budget")."""
-    report = _json(HBM_FILE)
-    rows = {v["variant"]: v for v in report["model"]["variants"]}
-    blocks = report["model"]["num_blocks"]
+    """FLUX.1-dev and Wan2.1-14B under HBM budgets: device weights, resident blocks and slots, bytes streamed, the
+    plan's predicted pass over the blocks' compute, time against resident and the row's own bound, byte-identical or
+    not (measurements.md, "Resident blocks under an HBM budget")."""
 
     def cell(v: dict, key: str, fmt: str) -> str:
         return "-" if v.get(key) is None else format(v[key], fmt)
 
     out = []
-    for name in (n for n in HBM_ORDER if n in rows):
-        v = rows[name]
-        kept = blocks if name == "resident" else v.get("resident_blocks")
-        out.append(
-            {
-                "variant": f"`{name}`",
-                "device weights GB": f"{v['weight_device_bytes'] / 1e9:.2f}",
-                "resident blocks": "-" if kept is None else f"{kept} of {blocks}",
-                "H2D GB per forward": "-"
-                if v.get("h2d_bytes_per_forward") is None
-                else f"{v['h2d_bytes_per_forward'] / 1e9:.2f}",
-                "forward ms": f"{v['forward_s'] * 1e3:.1f}",
-                "/ resident": cell(v, "ratio_to_resident", ".3f"),
-                "/ own bound": cell(v, "ratio_to_own_bound", ".3f"),
-                "equal": "-" if v.get("equal_to_resident") is None else str(v["equal_to_resident"]),
-            }
-        )
-    return _rows(out, [HBM_FILE])
+    for model, file, order in (
+        ("FLUX.1-dev 1024²", HBM_FILE, HBM_ORDER),
+        ("Wan2.1-14B 480p", HBM_WAN_FILE, ("resident", "ours-rank-local", "ours-hbm-16GB", "ours-hbm-24GB")),
+    ):
+        report = _json(file)
+        rows = {v["variant"]: v for v in report["model"]["variants"]}
+        blocks = report["model"]["num_blocks"]
+        for name in (n for n in order if n in rows):
+            v = rows[name]
+            kept = blocks if name == "resident" else v.get("resident_blocks")
+            out.append(
+                {
+                    "model": model,
+                    "variant": f"`{name}`",
+                    "device weights GB": f"{v['weight_device_bytes'] / 1e9:.2f}",
+                    "resident blocks": "-" if kept is None else f"{kept} of {blocks}",
+                    "slots": "-" if kept == blocks else cell(v, "plan_num_slots", "d"),
+                    "H2D GB per forward": "-"
+                    if v.get("h2d_bytes_per_forward") is None
+                    else f"{v['h2d_bytes_per_forward'] / 1e9:.2f}",
+                    "predicted / compute": cell(v, "predicted_to_compute", ".3f"),
+                    "forward ms": f"{v['forward_s'] * 1e3:.1f}",
+                    "/ resident": cell(v, "ratio_to_resident", ".3f"),
+                    "/ own bound": cell(v, "ratio_to_own_bound", ".3f"),
+                    "equal": "-" if v.get("equal_to_resident") is None else str(v["equal_to_resident"]),
+                }
+            )
+    return _rows(out, [HBM_FILE, HBM_WAN_FILE])
 
 
 TABLES: dict[str, Callable[[], str]] = {

@@ -54,6 +54,12 @@ REAL = (
     # HBM budgets that emulate 12 to 24 GB cards (device weight bytes; plan.resident), BF16 and FP8
     *(Variant(f"ours-hbm-{n}GB", options=dict(mode="rank-local", hbm_budget=f"{n}GB")) for n in (12, 16, 18, 20, 24)),
     Variant("ours-hbm-16GB-3-slots", options=dict(mode="rank-local", hbm_budget="16GB", num_slots=3)),
+    # the model's fastest point: the least device bytes predicted within 1% of its compute (plan.resident.at_speed)
+    Variant("ours-hbm-fastest", options=dict(mode="rank-local", hbm_budget="fastest", num_slots="auto")),
+    Variant(
+        "ours-fp8-hbm-fastest",
+        options=dict(mode="rank-local", quantization="fp8", hbm_budget="fastest", num_slots="auto"),
+    ),
     *(
         Variant(f"ours-fp8-hbm-{n}GB", options=dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB"))
         for n in (6, 8, 10, 12)

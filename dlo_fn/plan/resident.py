@@ -229,34 +229,64 @@ class ResidentChoice:
         }
 
 
-def _priced(
-    spec: ModelSpec,
-    resident: tuple[int, ...],
-    layout_of: Callable[[ModelSpec], ModelLayout],
-    num_slots: int,
-    num_landing: int,
-    compute: tuple[float, ...] | None,
-    link: float | None,
-) -> ResidentChoice:
-    """``resident`` as a plan: its device bytes, the bytes it streams, and with ``compute`` its pass time."""
-    if len(resident) == spec.num_blocks:
-        return ResidentChoice(resident, spec.total_bytes, 0, num_slots, None if compute is None else sum(compute))
-    streamed = with_resident(spec, resident)
-    layout = layout_of(streamed)
-    pass_s = None
-    if compute is not None:
-        shard = iter(s.shard_bytes for s in layout.shards)
-        h2d = tuple(0 if b in resident else next(shard) for b in range(spec.num_blocks))
-        pass_s = pass_seconds(compute, h2d, num_slots, link)
-    dev = device_weight_bytes(streamed, layout, num_slots, num_landing)
-    return ResidentChoice(resident, dev, layout.shard_bytes_per_rank, num_slots, pass_s)
+class _Pricer:
+    """Prices resident sets as plans (device bytes, streamed bytes, pass time). ``layout_of`` of every streamed spec
+    is the exact price; searching hundreds of sets uses the layout of every block cut to the streamed ones, which is
+    the same wherever blocks are laid out one by one (load group 1), and the plans kept are priced again exactly."""
+
+    def __init__(self, spec, layout_of, num_landing, compute, link) -> None:
+        self.spec, self.layout_of, self.num_landing, self.compute, self.link = (
+            spec,
+            layout_of,
+            num_landing,
+            compute,
+            link,
+        )
+        self.whole = layout_of(spec)
+        self.block_bytes = spec.block_bytes
+        self.layouts: dict[tuple[tuple[int, ...], bool], tuple[ModelLayout, int]] = {}
+
+    def _layout(self, resident: tuple[int, ...], exact: bool) -> tuple[ModelLayout, int]:
+        """The streamed blocks' layout and the resident bytes beside it."""
+        exact = exact or self.whole.load_group != 1
+        if (resident, exact) not in self.layouts:
+            if exact:
+                streamed = with_resident(self.spec, resident)
+                self.layouts[resident, exact] = self.layout_of(streamed), streamed.resident_bytes
+            else:
+                keep = [b for b in range(self.spec.num_blocks) if b not in set(resident)]
+                w = self.whole
+                cut = replace(
+                    w,
+                    shards=tuple(w.shards[b] for b in keep),
+                    compute=tuple(w.compute[b] for b in keep) if w.compute else (),
+                )
+                kept = sum(self.block_bytes[b] for b in resident)
+                self.layouts[resident, exact] = cut, self.spec.resident_bytes + kept
+        return self.layouts[resident, exact]
+
+    def __call__(self, resident: tuple[int, ...], num_slots: int, exact: bool = False) -> ResidentChoice:
+        spec, compute = self.spec, self.compute
+        if len(resident) == spec.num_blocks:
+            return ResidentChoice(resident, spec.total_bytes, 0, num_slots, None if compute is None else sum(compute))
+        layout, resident_bytes = self._layout(resident, exact)
+        pass_s = None
+        if compute is not None:
+            shard = iter(s.shard_bytes for s in layout.shards)
+            h2d = tuple(0 if b in resident else next(shard) for b in range(spec.num_blocks))
+            pass_s = pass_seconds(compute, h2d, num_slots, self.link)
+        dev = buffer_bytes(layout, num_slots, self.num_landing) + resident_bytes
+        return ResidentChoice(resident, dev, layout.shard_bytes_per_rank, num_slots, pass_s)
+
+    def exactly(self, plans: list[ResidentChoice]) -> list[ResidentChoice]:
+        return [self(p.resident, p.num_slots, exact=True) for p in plans]
 
 
 def _spread_sets(spec: ModelSpec, weights: tuple[int, ...] | None) -> list[tuple[int, ...]]:
     """The distinct resident sets of the spread, from every block streamed to one block streamed."""
-    steps, seen, out = 4 * spec.num_blocks, set(), []
+    steps, seen, out, block_bytes = 4 * spec.num_blocks, set(), [], spec.block_bytes
     for m in range(steps, 0, -1):
-        resident = spread_resident(spec.block_bytes, m, steps, weights)
+        resident = spread_resident(block_bytes, m, steps, weights)
         if len(resident) < spec.num_blocks and resident not in seen:
             seen.add(resident)
             out.append(resident)
@@ -295,30 +325,40 @@ def frontier(
     weights = compute_weights(compute, link)
     sets = [()] + (_spread_sets(spec, weights) if sum(weights) else []) + _spread_sets(spec, None)
     slots = (2, 3, 4) if num_slots == "auto" else (num_slots,)
-    plans = {
-        (p.resident, p.num_slots): p
-        for s in slots
-        for p in (_priced(spec, r, layout_of, s, num_landing, compute, link) for r in set(sets))
-    }
-    full = _priced(spec, tuple(range(spec.num_blocks)), layout_of, slots[0], num_landing, compute, link)
+    price = _Pricer(spec, layout_of, num_landing, compute, link)
+    plans = [price(r, s) for s in slots for r in dict.fromkeys(sets)]
+    full = price(tuple(range(spec.num_blocks)), slots[0])
+    return tuple(_fastest_for_bytes(price.exactly(_fastest_for_bytes(plans, full)), full)) + (full,)
+
+
+def _fastest_for_bytes(plans: list[ResidentChoice], full: ResidentChoice) -> list[ResidentChoice]:
+    """The plans below the whole model each predicted faster than every plan holding less."""
     kept: list[ResidentChoice] = []
-    for p in sorted(plans.values(), key=lambda p: (p.device_weight_bytes, p.pass_s, p.num_slots, p.resident)):
-        if not kept or p.pass_s < kept[-1].pass_s:
+    for p in sorted(plans, key=lambda p: (p.device_weight_bytes, p.pass_s, p.num_slots, p.resident)):
+        if p.device_weight_bytes < full.device_weight_bytes and (not kept or p.pass_s < kept[-1].pass_s):
             kept.append(p)
-    return tuple(p for p in kept if p.device_weight_bytes < full.device_weight_bytes) + (full,)
+    return kept
 
 
 def _frontier_by_bytes(spec, layout_of, num_slots, num_landing) -> tuple[ResidentChoice, ...]:
+    price = _Pricer(spec, layout_of, num_landing, None, None)
+    full = ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0, num_slots)
+    plans = [price(r, num_slots) for r in [()] + _spread_sets(spec, None)]
+    return tuple(_least_streamed_for_bytes(price.exactly(_least_streamed_for_bytes(plans, full)), full)) + (full,)
+
+
+def _least_streamed_for_bytes(plans: list[ResidentChoice], full: ResidentChoice) -> list[ResidentChoice]:
+    """In spread order, the plans each streaming less than the one before, then those below the whole model each
+    holding more than the one before (a plan that holds as much as one streaming less is no choice)."""
     out: list[ResidentChoice] = []
-    for resident in [()] + _spread_sets(spec, None):
-        choice = _priced(spec, resident, layout_of, num_slots, num_landing, None, None)
+    for choice in plans:
         if not out or choice.h2d_bytes_per_pass < out[-1].h2d_bytes_per_pass:
             out.append(choice)
-    kept = [ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0, num_slots)]
-    for choice in reversed(out):  # a plan that holds as much as one streaming less is no choice
+    kept = [full]
+    for choice in reversed(out):
         if choice.device_weight_bytes < kept[-1].device_weight_bytes:
             kept.append(choice)
-    return tuple(reversed(kept))
+    return list(reversed(kept[1:]))
 
 
 def choose_resident(
@@ -339,7 +379,9 @@ def choose_resident(
     _check_compute(spec, compute, link, num_slots)
     slots = 2 if num_slots == "auto" else num_slots
     if budget_bytes >= spec.total_bytes:
-        return _priced(spec, tuple(range(spec.num_blocks)), layout_of, slots, num_landing, compute, link)
+        return ResidentChoice(
+            tuple(range(spec.num_blocks)), spec.total_bytes, 0, slots, None if compute is None else sum(compute)
+        )
     plans = frontier(spec, layout_of, num_slots, num_landing, compute=compute, link=link)
     fits = [p for p in plans if p.device_weight_bytes <= budget_bytes]
     if not fits:

@@ -71,6 +71,10 @@ class Offloaded:
     auto: Any = None
     timings: dict | None = None  # seconds of each phase of offload (module docstring); None when resident
     resident_blocks: tuple[int, ...] = ()  # blocks kept on the device under options.hbm_budget (plan.resident)
+    # Under options.hbm_budget: the plan (plan.resident.ResidentChoice; its predicted pass where placed by compute)
+    # and what it was placed by (runtime.budget.Placement; None: by bytes).
+    budget: Any = None
+    placement: Any = None
 
     @property
     def mode(self) -> str:
@@ -142,6 +146,7 @@ class Offloaded:
             f"{self.ctx.platform.device}"
         )
         text += f"; {len(self.resident_blocks)} blocks resident (hbm_budget)" if self.resident_blocks else ""
+        text += f", predicted pass {self.budget.pass_s:.4g} s" if getattr(self.budget, "pass_s", None) else ""
         how = f"auto: {self.auto.why()}" if self.auto is not None else "set by the caller (no auto field)"
         return f"{text}\n{how}"
 
@@ -197,7 +202,9 @@ def offload(
     ``mode`` / ``num_slots`` / ``load_group`` = ``"auto"``: the policy chooses them first, for ``workload=`` (a
     Workload) or from one call of the model on ``example=`` (a dict of keyword arguments or a tuple of positional
     ones) timed through a plain probe (:func:`dlo_fn.runtime.auto.resolve`); ``offload`` then builds from the
-    concrete options, and ``Offloaded.auto`` holds the choice and the runner-up.
+    concrete options, and ``Offloaded.auto`` holds the choice and the runner-up. With ``hbm_budget=``, ``example=``
+    or ``workload=`` give the plan each block's compute: it places the resident blocks by compute and predicts the
+    pass (``Offloaded.budget``), and ``num_slots="auto"`` lets it choose the slots (:mod:`dlo_fn.runtime.budget`).
     """
     t0 = time.perf_counter()
     if ctx is None:
@@ -209,13 +216,18 @@ def offload(
     options = options or OffloadOptions()
     fields = [f for f in ("mode", "num_slots", "load_group") if overrides.get(f) == "auto"]
     workload, example = overrides.pop("workload", None), overrides.pop("example", None)
-    if (workload is not None or example is not None) and not fields:
-        raise ValueError(
-            "offload(workload=... / example=...) describe the requests for the policy: pass them with mode, "
-            "num_slots or load_group = 'auto'"
-        )
     if overrides:
         options = dataclasses.replace(options, **{k: v for k, v in overrides.items() if k not in fields})
+    told = workload is not None or example is not None
+    slots = None
+    if options.hbm_budget is not None and told and fields == ["num_slots"]:  # the budget's plan chooses the slots
+        fields.remove("num_slots")
+        slots = "auto"
+    if told and not fields and options.hbm_budget is None:
+        raise ValueError(
+            "offload(workload=... / example=...) describe the requests for the policy: pass them with mode, "
+            "num_slots or load_group = 'auto', or with hbm_budget= (to place the resident blocks by compute)"
+        )
     _check_stored(model, options)
     paths = normalize_block_paths(block_paths)
     spec = spec_from_module(model, paths, name=type(model).__name__)
@@ -228,7 +240,18 @@ def offload(
         options, choice = resolve(
             model, _block_lists(model, paths), spec, ctx, options, fields, workload, mesh, example
         )
-    return _build(model, paths, spec, ctx, options, mesh, started_s=t0, auto=choice)
+    placement = None
+    placed = getattr(getattr(choice, "chosen", None), "placed_by", None)
+    if placed is not None:  # the policy chose under the budget: its compute places the blocks, its row's set
+        from dlo_fn.runtime.budget import Placement
+
+        placement = Placement(*placed, "the policy's compute (auto)")
+    elif options.hbm_budget is not None and told:  # each block's compute, for the budget's plan (runtime.budget)
+        from dlo_fn.runtime.budget import block_compute
+
+        blocks = [lst[i] for lst, i in _block_lists(model, paths)]
+        placement = block_compute(model, blocks, spec, ctx, workload, example)
+    return _build(model, paths, spec, ctx, options, mesh, t0, choice, placement, slots)
 
 
 class _Laps:
@@ -290,6 +313,8 @@ def _build(
     mesh: Mesh | None,
     started_s: float | None = None,
     auto: Any = None,
+    placement: Any = None,
+    slots: str | None = None,
 ) -> Offloaded:
     platform = ctx.platform
     lap = _Laps(started_s)
@@ -306,15 +331,18 @@ def _build(
         from dlo_fn.runtime.quant import fp32_modules
 
         exclude = stored.exclude + fp32_modules(model)
-    full, resident = spec, ()
+    full, resident, chosen = spec, (), None
     if options.hbm_budget is not None:  # the plan keeps what fits resident, the rest streams (runtime.budget)
         from dlo_fn.runtime import budget
 
-        placed = getattr(getattr(auto, "chosen", None), "placed_by", None)  # the policy's, where auto chose
-        resident, streamed = budget.resident_blocks(model, spec, options, num_shards, exclude, placed)
+        chosen, streamed = budget.resident_blocks(
+            model, spec, options, num_shards, exclude, placement, ctx.is_main, slots
+        )
+        resident, options = chosen.resident, dataclasses.replace(options, num_slots=chosen.num_slots)
         if streamed is None:  # the whole model fits: nothing streams, nothing is pinned
             out = _build(model, paths, full, ctx, dataclasses.replace(options, mode="resident"), mesh, started_s, auto)
             out.resident_blocks = budget.quantize_resident(model, full, resident, exclude, options)
+            out.budget, out.placement = chosen, placement
             return out
         spec = streamed
     group = layout_load_group(spec.num_blocks, num_shards, options.load_group)
@@ -393,7 +421,9 @@ def _build(
     timings = lap.done(warm_up_s=executor.warm_up_s)
     timings["executor_s"] -= executor.warm_up_s
     log.debug("offload phases: %s", timings)
-    done = Offloaded(model, ctx, options, full, layout, store, executor, shards, release, auto, timings, resident)
+    done = Offloaded(
+        model, ctx, options, full, layout, store, executor, shards, release, auto, timings, resident, chosen, placement
+    )
     extras = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in options.describe() if k != "load_group")
     log.info("offload %s; %s; ready in %.2f s", done.describe().splitlines()[0], extras, timings["total_s"])
     return done
