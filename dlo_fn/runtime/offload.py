@@ -220,7 +220,7 @@ def offload(
         options = dataclasses.replace(options, **{k: v for k, v in overrides.items() if k not in fields})
     told = workload is not None or example is not None
     slots = None
-    if options.hbm_budget is not None and told and "num_slots" in fields:  # the budget's plan chooses the slots
+    if options.hbm_budget is not None and told and fields == ["num_slots"]:  # the budget's plan chooses the slots
         fields.remove("num_slots")
         slots = "auto"
     if told and not fields and options.hbm_budget is None:
@@ -241,7 +241,12 @@ def offload(
             model, _block_lists(model, paths), spec, ctx, options, fields, workload, mesh, example
         )
     placement = None
-    if options.hbm_budget is not None and told:  # each block's compute, for the budget's plan (runtime.budget)
+    placed = getattr(getattr(choice, "chosen", None), "placed_by", None)
+    if placed is not None:  # the policy chose under the budget: its compute places the blocks, its row's set
+        from dlo_fn.runtime.budget import Placement
+
+        placement = Placement(*placed, "the policy's compute (auto)")
+    elif options.hbm_budget is not None and told:  # each block's compute, for the budget's plan (runtime.budget)
         from dlo_fn.runtime.budget import block_compute
 
         blocks = [lst[i] for lst, i in _block_lists(model, paths)]
