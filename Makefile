@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	$(PY) -m ipykernel install --prefix $(VENV) --name python3 >/dev/null
 	@touch $@
 
+# The tests and the notebooks in one run over $(WORKERS) processes (pytest-xdist): a file's tests stay together,
+# so its module fixtures are shared; each worker starts the multi-rank spawns of its own files.
+WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest tests
-	$(PY) -m pytest --nbval --nbval-sanitize-with $(NB_SANITIZE) -p no:cacheprovider notebooks
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile -p no:cacheprovider --nbval --nbval-sanitize-with $(NB_SANITIZE) tests notebooks
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -248,7 +248,8 @@ def shared_spawns(request):
 
     from dlo_fn.serve.ranks import run_ranks
 
-    selected = {getattr(item.module, "__name__", None) for item in request.session.items}
+    # (notebook cells, collected in the same run by nbval, have no module)
+    selected = {getattr(getattr(item, "module", None), "__name__", None) for item in request.session.items}
     jobs = {
         world: {
             name: (

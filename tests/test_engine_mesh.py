@@ -73,6 +73,20 @@ def _rank(ctx: DistContext, checkpoint: str) -> dict:
                 "arena_bytes": off.store.arena_bytes,
                 "report": report,
             }
+            if (dp, sp, mode, group) == (2, 2, "allgather", "world"):  # the ring's minimum, for the budget below
+                minimum, largest = off.device_weight_bytes, max(off.spec.block_bytes)
+    if ctx.world_size == 4:  # an HBM budget on the 2 x 2 mesh: one block resident on every rank, the rest sharded
+        budget = minimum + largest
+        model, off = open_model(checkpoint, ctx, "allgather", mesh=mesh, hbm_budget=budget)
+        got = generate(model, REQUESTS[mesh.dp_rank], sp=sp_of(mesh))
+        engine = Engine(model, off, ctx, options, session="2x2-budget", mesh=mesh)
+        out["budget"] = {
+            "latents": got.latents,
+            "report": engine.run(SUBS[:3]),
+            "resident": off.resident_blocks,
+            "within": minimum < off.device_weight_bytes <= budget,
+            "arena_is_planned": off.store.arena_bytes == off.layout.shard_bytes_per_rank,
+        }
     return pickle.dumps(out)  # plain bytes: a tensor through the queue would live in shared memory the rank frees
 
 
@@ -225,6 +239,19 @@ def test_engine_waves_over_replicas_give_resident_hashes(ranks, expected):
             else:
                 assert [w.rank_indices for w in report.waves] == [((0,),), ((1,),)]
                 assert [r.rank for r in report.results] == [0, 0]
+
+
+@pytest.mark.timeout(600)
+def test_a_budget_on_the_mesh_equals_resident(request, expected):
+    """(2, 2), weights sharded over the world, an HBM budget of the ring's minimum plus one block: block 0 stays
+    whole on every rank; each rank's latents and the engine's waves equal the resident model's."""
+    results = [pickle.loads(r) for r in scenario(request, 4, "engine_mesh")]
+    for rank, res in enumerate(results):
+        got = res["budget"]
+        assert got["resident"] == (0,) and got["within"] and got["arena_is_planned"], (rank, got)
+        assert torch.equal(got["latents"], expected[rank // 2].latents), rank
+    report = results[0]["budget"]["report"]
+    assert [r.sha256 for r in report.results] == [e.sha256 for e in expected]
 
 
 @pytest.mark.parametrize("kind", ["raise", "stall"])

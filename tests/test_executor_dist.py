@@ -135,8 +135,11 @@ def check_rank(ctx: DistContext, ckpt: str, full: bool) -> dict:
 
 def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
     """An HBM budget of the ring's minimum plus one block: one block resident (whole on every rank), the others
-    streamed; outputs bit-identical, the device weight bytes as planned and within the budget. (One landing
-    buffer: with two, the tiny model's 4 blocks leave no budget between the ring and the whole model at W = 2.)"""
+    streamed; outputs bit-identical, the device weight bytes as planned and within the budget, and as `memory` and
+    the policy price them (test_hbm_budget_cost). (One landing buffer: with two, the tiny model's 4 blocks leave no
+    budget between the ring and the whole model at W = 2.)"""
+    from test_hbm_budget_cost import runtime_matches_cost
+
     from dlo_fn.models import BLOCK_PATHS, generate
 
     out, budgets = {}, {}
@@ -150,6 +153,8 @@ def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
         out[f"budget_within[{mode}]"] = minimum < o.device_weight_bytes <= budget
         out[f"budget_whole_on_device[{mode}]"] = not any(t.is_meta for t in o.model.blocks[0].parameters())
         out[f"budget_store_streamed_only[{mode}]"] = o.store.arena_bytes == o.layout.shard_bytes_per_rank
+        for k, v in runtime_matches_cost(o, budget, None, o.shards.size).items():
+            out[f"budget_cost_{k}[{mode}]"] = v
     # Placed by compute: every rank times the example call, and plans with rank 0's times (the same plan everywhere).
     from dlo_fn.models.sampler import init_state, model_inputs
 

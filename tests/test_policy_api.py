@@ -101,6 +101,39 @@ def test_fixed_fields_stay_and_bad_workloads_are_one_line():
         offload(CASES["wan"][0](), ctx=ctx, **AUTO)
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@torch.no_grad()
+def test_auto_keeps_the_resident_set_of_its_choice_within_a_budget(tiny_checkpoint, quantization):
+    """``offload(mode="auto", hbm_budget=...)``: each plan the policy ranks keeps the blocks its compute buys within
+    the budget; the built model keeps the chosen row's (placed by the same compute), holds its device weight bytes,
+    within the budget, and equals the plain (FP8: fake-quantised) model; the choice says what a larger budget
+    buys."""
+    from test_executor_dist import load_reference
+
+    from dlo_fn.cost.hbm_budget import format_size
+    from dlo_fn.models import BLOCK_PATHS, Request, generate
+    from dlo_fn.runtime.quant import fake_quantize
+
+    ctx = DistContext(0, 1, 0, platform_for("cpu"), None)
+    ref = load_reference(tiny_checkpoint)
+    request = Request("a fox", seed=0, height=32, width=32, num_frames=5, num_inference_steps=2)
+    want = generate(fake_quantize(ref, BLOCK_PATHS) if quantization else ref, request).sha256
+    kw = dict(workload=WORKLOAD, quantization=quantization, **AUTO)
+    streamed = offload(load_reference(tiny_checkpoint), BLOCK_PATHS, ctx, mode="rank-local", quantization=quantization)
+    kept = []
+    for budget in (streamed.device_weight_bytes, 640_000, streamed.spec.total_bytes):
+        o = offload(load_reference(tiny_checkpoint), BLOCK_PATHS, ctx, hbm_budget=budget, **kw)
+        row = o.auto.chosen
+        assert o.resident_blocks == row.resident and o.device_weight_bytes == row.hbm_bytes <= budget
+        assert generate(o.model, request).sha256 == want
+        assert f"hbm budget {format_size(budget)}: {len(row.resident)} blocks resident" in o.auto.why()
+        assert all(t <= row.step_s * (1 + 1e-9) for _, t in o.auto.result.larger_budgets)  # more never slows
+        kept.append(len(row.resident))
+    assert kept[0] == 0 and kept[2] == 4  # between: what the predicted step buys (each offload probes anew)
+    with pytest.raises(ValueError, match="pass at least"):
+        offload(load_reference(tiny_checkpoint), BLOCK_PATHS, ctx, hbm_budget=100_000, **kw)
+
+
 def _rank(ctx) -> dict:
     seeds = tuple(10 * ctx.rank + s for s in range(3))  # each rank its own requests (DP)
     out = {

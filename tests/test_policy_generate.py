@@ -35,11 +35,20 @@ def test_auto_arguments_parse():
 
 @pytest.mark.slow
 def test_auto_on_two_gloo_ranks_gives_the_resident_bytes(checkpoint, resident_rows, tmp_path):
-    auto = _generate(checkpoint, tmp_path / "auto", "--mode", "auto", "--slots", "auto", log=tmp_path / "log.txt")
+    """... within an HBM budget below the tiny model's 0.65 MB: the policy keeps each plan's resident blocks."""
+    auto = _generate(
+        checkpoint,
+        tmp_path / "auto",
+        *("--mode", "auto", "--slots", "auto", "--hbm-budget", "0.6MB"),
+        log=tmp_path / "log.txt",
+    )
     assert [r["sha256"] for r in auto] == [r["sha256"] for r in resident_rows]
     log = (tmp_path / "log.txt").read_text()
     assert "dlo_fn.serve.probe: probe (" in log
     assert "auto: DP2xSP1 " in log and "runner-up" in log and "predicted step" in log
+    planned = re.search(r"hbm budget 600.00 kB: (\d) blocks resident, device weights", log)
+    built = re.search(r"hbm_budget: (\d) of \d+ blocks resident, .* placed by the policy's compute \(auto\)", log)
+    assert planned and built and planned[1] == built[1], log[-3000:]  # offload built the chosen row's set
     # Waves (strict, or rank-local replicas) or ring steps (continuous, the default in allgather mode).
     assert re.search(r"auto: (wave|ring step) \d+: measured [\d.]+ ms per step, predicted", log), log[-3000:]
 

@@ -207,8 +207,11 @@ def test_diffusers_dits_fp8_equal_fake_quantised(name, mode):
 def quant_rank(ctx, ckpt: str) -> dict:
     """On W gloo ranks: the reference DiT and a diffusers Flux offloaded with FP8 shards, allgather and
     rank-local, against the fake-quantised resident model; each rank's arena is its share of the stored bytes."""
+    from test_hbm_budget_cost import runtime_matches_cost
+
     from dlo_fn.io.load import load_model
     from dlo_fn.models import BLOCK_PATHS, Request, generate
+    from dlo_fn.plan.spec import spec_from_module
     from tests.test_third_party import CASES
 
     out = {}
@@ -221,6 +224,15 @@ def quant_rank(ctx, ckpt: str) -> dict:
         out[f"dit_exact[{mode}]"] = generate(o.model, request).sha256 == want
         out[f"arena_is_planned[{mode}]"] = o.store.arena_bytes == o.layout.shard_bytes_per_rank
         out[f"shards[{mode}]"] = o.layout.num_shards
+    # An HBM budget over the ranks: one slot (FP8's staging leaves two no room below the whole model), the ring's
+    # minimum plus one block: block 0 resident (dequantised once), the rest streamed as FP8
+    minimum = offload(load_model(ckpt), BLOCK_PATHS, ctx, quantization="fp8", num_slots=1).device_weight_bytes
+    budget = minimum + max(spec_from_module(load_model(ckpt), BLOCK_PATHS).block_bytes)
+    o = offload(load_model(ckpt), BLOCK_PATHS, ctx, quantization="fp8", num_slots=1, hbm_budget=budget)
+    out["budget_exact"] = generate(o.model, request).sha256 == want
+    out["budget_one_resident"] = o.resident_blocks == (0,)
+    for k, v in runtime_matches_cost(o, budget, "fp8", o.shards.size).items():
+        out[f"budget_cost_{k}"] = v
     build, inputs, paths = CASES["flux"]
     fq = fake_quantize(build(), paths)
     o = offload(build(), paths, ctx, mode="allgather", quantization="fp8")

@@ -150,10 +150,16 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
     from dlo_fn.runtime.offload import offload
 
     model = load_model(checkpoint, progress=False)
+    kw = {}
     if auto is not None:
         import dataclasses
 
-        chosen = auto(model).candidate
+        row = auto(model)
+        if row.placed_by is not None:  # under --hbm-budget: the resident set of the row the policy chose
+            from dlo_fn.runtime.budget import Placement
+
+            kw["placement"] = Placement(*row.placed_by, "the policy's compute (auto)")
+        chosen = row.candidate
         options = dataclasses.replace(
             options, mode=chosen.mode, num_slots=chosen.num_slots, load_group=chosen.load_group
         )
@@ -163,7 +169,7 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
             group = "dp" if chosen.shard_group == "dp" else "world"
             options = dataclasses.replace(options, shard_group=group)
             mesh = build_mesh(ctx, sp=chosen.sp) if chosen.sp > 1 or group != "world" else None
-    return offload(model, ctx=ctx, options=options, mesh=mesh), mesh
+    return offload(model, ctx=ctx, options=options, mesh=mesh, **kw), mesh
 
 
 def load_loras(model, args: argparse.Namespace) -> None:

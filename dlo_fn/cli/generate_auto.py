@@ -42,6 +42,7 @@ def choose_auto(args: argparse.Namespace, model, ctx):
     with the runner-up and the predicted step; returns the chosen :class:`~dlo_fn.cost.policy.PlanRow`."""
     import types
 
+    from dlo_fn.plan.sizes import parse_bytes
     from dlo_fn.runtime.auto import decide
     from dlo_fn.serve.probe import probe
 
@@ -57,6 +58,7 @@ def choose_auto(args: argparse.Namespace, model, ctx):
         num_slots=slots_from_args(args, None),
         load_group=args.load_group,
         shard_group="world",
+        hbm_budget=parse_bytes(args.hbm_budget) if getattr(args, "hbm_budget", None) else None,  # checked by then
     )
     sps = auto_sps(args, ctx.world_size, getattr(model.config, "num_heads", None))
     choice = decide(

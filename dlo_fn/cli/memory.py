@@ -30,6 +30,10 @@ A = --alignment):
     slots                S x the largest block padded to W equal shards (independent of depth)
     landing buffers      L x the largest shard (allgather only)
     resident tensors     --resident-bytes: tensors outside the block lists, kept on every card
+    resident blocks      --hbm-budget: the blocks offload keeps resident within the budget, whole on every
+                         card in the compute dtype (allgather mode too); slots, landing buffers and the pinned
+                         host shards are then the streamed blocks' only (dlo_fn.cost.hbm_budget)
+    device weights       slots + landing + resident tensors + resident blocks (Offloaded.device_weight_bytes)
     device context       runtime context + comm buffers + other modules (calibrated: Nano DP4 idle HBM)
     idle / peak          idle = slots + landing + resident + context; peak adds --activation-bytes and
                          --communication-bytes, which depend on the workload: measure them once
@@ -46,6 +50,7 @@ examples:
   python -m dlo_fn memory --model-bytes 124GB --dp 4 --num-blocks 128 --platform ascend
   python -m dlo_fn memory --model cosmos3-nano --dp 2 --activation-bytes 11.6GB --json
   python -m dlo_fn memory --model cosmos3-super --dp 1 --sp 4 --tokens 75600
+  python -m dlo_fn memory --model bench --dp 1 --mode rank-local --hbm-budget 8GB --quantization fp8
 """
 
 
@@ -148,6 +153,19 @@ def register(subparsers) -> None:
         "(dlo_fn.cost.host_budget), or the bytes needed and the largest dp that fits",
     )
     p.add_argument("--hbm-bytes", default=None, metavar="SIZE", help="say whether the HBM peak fits")
+    p.add_argument(
+        "--hbm-budget",
+        default=None,
+        metavar="SIZE",
+        help="device weight bytes per card (e.g. 16GB): the blocks kept resident within it, the rest streamed; "
+        "what a larger budget buys",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="FP8 shards (with --model): stored bytes pinned and streamed, staging buffers on the card",
+    )
     p.add_argument("--alignment", type=int, default=256, help="per-tensor alignment in bytes (power of two)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -188,7 +206,10 @@ def _sizes(args: argparse.Namespace, parse_bytes):
             spec = spec_for(args.model)
         except (ValueError, OSError) as exc:
             raise UsageError(f"--model {args.model}: {exc}") from None
-        return ModelSizes.from_spec(spec, args.alignment), True
+        args.tensor_block_bytes = spec.block_bytes  # what a resident block holds (unpacked)
+        return ModelSizes.from_spec(spec, args.alignment, quantization=args.quantization), True
+    if args.quantization:
+        raise UsageError("--quantization fp8 prices the stored tensors: give the model as --model NAME_OR_CHECKPOINT")
     total, resident = parse_bytes(args.model_bytes), parse_bytes(args.resident_bytes)
     name = f"{args.model_bytes} model"
     if resident >= total:
@@ -238,6 +259,43 @@ def mesh_rows(args: argparse.Namespace, sizes, mesh, dims, context_bytes: int = 
     )
 
 
+def _budget(args: argparse.Namespace, sizes, num_shards: int, with_hbm: bool, parse_bytes):
+    """The resident blocks for ``--hbm-budget`` (None without it), as ``offload(hbm_budget=...)`` keeps them."""
+    if args.hbm_budget is None:
+        return None
+    if not with_hbm:
+        raise UsageError("--hbm-budget keeps whole blocks resident: give the block sizes (--num-blocks, ...)")
+    from dlo_fn.cost.hbm_budget import resident_plan
+
+    return resident_plan(
+        sizes,
+        parse_bytes(args.hbm_budget),
+        num_shards=num_shards,
+        mode="allgather" if args.mode == "allgather" else "rank-local",
+        num_slots=args.slots,
+        num_landing=args.landing,
+        alignment_bytes=args.alignment,
+        tensor_block_bytes=getattr(args, "tensor_block_bytes", ()),
+        owner="--hbm-budget",
+    )
+
+
+def print_budget(budget, unit: str, scale: float) -> None:
+    """The resident set of ``--hbm-budget`` and what the next larger budgets buy (bytes streamed per pass)."""
+    c = budget.choice
+    print(
+        f"\nhbm budget {budget.budget_bytes / scale:.3f} {unit}: {len(c.resident)} of {budget.num_blocks} blocks "
+        f"resident {list(c.resident)}, whole on every card in the compute dtype; device weights "
+        f"{c.device_weight_bytes / scale:.3f} {unit}, {c.h2d_bytes_per_pass / scale:.3f} {unit} streamed per pass"
+    )
+    picks = budget.larger[:3] + budget.larger[-1:] if len(budget.larger) > 4 else budget.larger
+    for p in picks:
+        print(
+            f"  a budget of {p.device_weight_bytes / scale:.3f} {unit} keeps {len(p.resident)} resident, streams "
+            f"{p.h2d_bytes_per_pass / scale:.3f} {unit} per pass"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from dlo_fn.cost import calibration
     from dlo_fn.cost.accounting import memory_accounting
@@ -268,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
         "device_context_bytes",
         "host_ram_bytes",
         "hbm_bytes",
+        "hbm_budget",
     ):
         text = getattr(args, flag)
         if text is not None and str(text).strip().startswith("-"):
@@ -275,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         mesh = MeshPlan(args.dp, args.sp, args.shard_group)
         sizes, with_hbm = _sizes(args, parse_bytes)
+        budget = _budget(args, sizes, mesh.num_shards, with_hbm, parse_bytes)
         dims = block_dims(args.model)
         # The two deployment constants: what the user measured, else the published deployment's calibration.
         framework = (
@@ -303,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
             framework_bytes_per_rank=framework,
             context_bytes=context,
             with_hbm=with_hbm,
+            budget=budget,
         )
         if with_hbm and (mesh.sp > 1 or mesh.shard_group != DEFAULT_SHARD_GROUP or args.tokens):
             rows += mesh_rows(args, sizes, mesh, dims, context)
@@ -321,13 +382,15 @@ def run(args: argparse.Namespace) -> int:
         notes.append("--tokens: the SP terms need the block widths of a named config (--model NAME)")
     from dlo_fn.cli.rank_rows import print_rank_memory, rank_memory_doc
 
-    budget = None
+    host_plan = None
     device = DEVICE_OF_PLATFORM[args.platform]
+    # The host holds the streamed blocks only (every block resident: the per-rank rows of the whole model).
+    held = sizes if budget is None or budget.streamed is None else budget.streamed
     if args.host_budget and args.mode != "rank-local-mmap":
         from dlo_fn.cost.host_budget import host_budget
 
-        budget = host_budget(
-            sizes,
+        host_plan = host_budget(
+            held,
             args.dp,
             parse_bytes(args.host_budget),
             args.mode,
@@ -337,9 +400,9 @@ def run(args: argparse.Namespace) -> int:
             num_landing=args.landing,
             alignment_bytes=args.alignment,
         )
-        verdicts["host_budget"] = budget.status
+        verdicts["host_budget"] = host_plan.status
     per_rank = rank_memory_doc(
-        sizes,
+        held,
         args.dp,
         args.mode,
         device,
@@ -364,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
             "constants": {"framework_bytes_per_rank": framework, "device_context_bytes": context},
             "rows": [r.to_dict() for r in rows],
             "rank_memory": per_rank,
+            **({"hbm_budget": budget.to_dict()} if budget is not None else {}),
             **verdicts,
             "notes": notes,
         }
@@ -387,9 +451,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r.item:26s} {r.formula:58s} {r.value_bytes / scale:9.3f} {unit}")
     print_rank_memory(per_rank)
     if budget is not None:
+        print_budget(budget, unit, scale)
+    if host_plan is not None:
         from dlo_fn.cli.budget import step_cost_note
 
-        print(f"\n{budget.message()}{step_cost_note(budget)}")
+        print(f"\n{host_plan.message()}{step_cost_note(host_plan)}")
     if verdicts or notes:
         print()
     for k, v in verdicts.items():

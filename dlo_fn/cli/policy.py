@@ -5,7 +5,9 @@ its source) or a JSON file with the same fields
 (:func:`dlo_fn.cost.topology_file.topology_from_dict`), or the ``auto_policy.json`` that ``generate`` writes under
 ``--out`` with ``--mode/--slots/--sp auto`` (the measured topology with its model, workload and sp sizes). Prints
 the ranked table (the chosen plan first), the sources
-of the topology's fields, and one line saying why the choice won and what came second.
+of the topology's fields, and one line saying why the choice won and what came second. ``--hbm-budget`` keeps
+in each plan the blocks ``offload`` keeps resident within that many device weight bytes per rank, in place of the
+device memory for the weights, and says what a larger budget buys; ``--quantization fp8`` prices FP8 shards.
 """
 
 from __future__ import annotations
@@ -97,6 +99,19 @@ def register(subparsers) -> None:
         "load; slots a multiple of G and >= 2G, at W > 1 on 2G landing buffers; e.g. 1,2,4 with "
         "--slots 2,4,8)",
     )
+    p.add_argument(
+        "--hbm-budget",
+        default=None,
+        metavar="SIZE",
+        help="device weight bytes per rank (e.g. 16GB): each plan keeps the blocks that fit resident, the rest "
+        "streamed; the chosen plan's next larger budgets and their predicted steps",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="FP8 shards (a named config's tensors): stored bytes pinned, moved and gathered, dequantised per block",
+    )
     p.add_argument("--limit", type=int, default=20, help="rows to print")
     p.set_defaults(func=run)
 
@@ -119,9 +134,10 @@ def _ints(flag: str, text: str) -> tuple[int, ...]:
     return values
 
 
-def _model(name: str):
+def _model(name: str, quantization: str | None = None):
     """A named policy model (calibrated), or any named config ``plan`` and ``make-checkpoint`` know, from its
-    spec's exact sizes (activations left out of the HBM check)."""
+    spec's exact sizes (activations left out of the HBM check). A config's tensors also give what a resident
+    block holds (an HBM budget's unpacked bytes) and, with ``quantization``, the stored sizes."""
     from dlo_fn.cost import topology_file as topologies
     from dlo_fn.cost.topology import PolicyModel
     from dlo_fn.models import CONFIGS
@@ -130,11 +146,24 @@ def _model(name: str):
 
     if name in topologies.model_names() or name not in CONFIGS:
         try:
-            return topologies.model(name)
+            model = topologies.model(name)
         except ValueError as exc:
             raise ValueError(f"{exc}; or a named config: {', '.join(CONFIGS)}") from None
-    spec = ModelSizes.from_spec(config_spec(name))
-    return PolicyModel(spec, CONFIGS[name].hidden_dim, source=f"dlo_fn.models.specs.config_spec({name!r})")
+    else:
+        model = PolicyModel(
+            ModelSizes.from_spec(config_spec(name)),
+            CONFIGS[name].hidden_dim,
+            source=f"dlo_fn.models.specs.config_spec({name!r})",
+        )
+    if name not in CONFIGS:
+        if quantization:
+            raise ValueError(f"--quantization {quantization} prices a named config's tensors ({', '.join(CONFIGS)})")
+        return model
+    spec = config_spec(name)
+    sizes = ModelSizes.from_spec(spec, quantization=quantization)
+    if sizes.block_bytes != model.sizes.block_bytes and not quantization:  # calibrated sizes of its own: kept
+        return model
+    return dataclasses.replace(model, sizes=sizes, tensor_block_bytes=spec.block_bytes)
 
 
 def _topology(text: str):
@@ -180,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             model, workload, sps = probe
         else:
             sps = None
-            model = _model(args.model)
+            model = _model(args.model, args.quantization)
             workload = topologies.workload(
                 args.workload or DEFAULT_WORKLOAD.get(topology.name, "image 1024^2 CFG, 24 steps")
             )
@@ -188,6 +217,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"policy: {exc}") from None
     if sps is not None:  # --world may have changed the ranks the probe's sp sizes divided
         sps = tuple(sp for sp in sps if topology.num_ranks % sp == 0) or None
+    budget = None
+    if args.hbm_budget is not None:
+        from dlo_fn.plan.sizes import parse_bytes
+
+        try:
+            budget = parse_bytes(args.hbm_budget)
+        except ValueError as exc:
+            raise SystemExit(f"policy: --hbm-budget: {exc}") from None
     result = plan(
         model,
         topology,
@@ -198,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         num_landing=args.landing,
         sps=sps,
         load_groups=_ints("--load-groups", args.load_groups),
+        hbm_budget=budget,
     )
     print(
         f"{model.name} on {topology.name} ({topology.num_ranks} ranks), {workload.name}: {workload.tokens} "
@@ -214,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         "hbm_gb",
         "host_gb",
         "limiting_memory",
+        *(("resident",) if budget is not None else ()),
     )
     rows = [
         {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k in keep}
@@ -221,9 +260,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     print(text_table(rows) if rows else "(no plan fits)")
     if result.dropped:
+        d = result.dropped[0]
         print(
-            f"dropped {len(result.dropped)} plan(s) that do not fit, e.g. {result.dropped[0].candidate.label}: "
-            f"{result.dropped[0].limiting_memory}"
+            f"dropped {len(result.dropped)} plan(s) that do not fit, e.g. {d.candidate.label}: {d.limiting_memory}"
+            + (f" ({d.note})" if d.note else "")
         )
     for field, source in topology.sources:
         print(f"  {field}: {source}")

@@ -12,7 +12,9 @@ compute             a :class:`~dlo_fn.plan.workload.Workload` given: the block F
                     compute time measured on the first call (:func:`measured_inputs`)
 outside the blocks  measured on the first call (the forward's time minus its loads and blocks); 0 with a workload
 memory              the device's memory; the host's RAM over the local ranks; activations from the allocator's peak
-                    on the first call (accelerators)
+                    on the first call (accelerators); under ``hbm_budget`` the budget, in place of the device's memory
+                    for the weights: each candidate keeps the blocks ``offload`` keeps resident
+                    (:mod:`dlo_fn.cost.hbm_budget`), and the choice says what a larger budget buys
 ==================  ===================================================================================================
 
 Measured on the first call, the workload is one forward of one request (``tokens = 1`` stands for whatever
@@ -86,7 +88,7 @@ class AutoChoice:
                 f"; runner-up {self.runner_up.candidate.label}: {1e3 * self.runner_up.step_s:.2f} ms "
                 f"({self.runner_up.bound})"
             )
-        return f"{text}; chose {', '.join(self.fields)} from the {self.source}"
+        return f"{text}; chose {', '.join(self.fields)} from the {self.source}{self.result.budget_note()}"
 
 
 def auto_slots(load_groups: tuple[int, ...]) -> tuple[int, ...]:
@@ -112,9 +114,11 @@ def choose(
     requests_per_rank: int = 1,
     objective: str = "throughput",
     sps: tuple[int, ...] = (1,),
+    hbm_budget: int | None = None,
 ) -> PolicyResult:
     """The planner with ``mode`` / ``num_slots`` / ``load_group`` fixed, or (None) chosen: slots from
-    :func:`auto_slots`, load groups from ``AUTO_LOAD_GROUPS``; ``sps`` the sp sizes to consider."""
+    :func:`auto_slots`, load groups from ``AUTO_LOAD_GROUPS``; ``sps`` the sp sizes to consider; ``hbm_budget``
+    the device weight bytes per rank (the resident blocks of each candidate within it)."""
     groups = AUTO_LOAD_GROUPS if load_group is None else (load_group,)
     return plan(
         model,
@@ -126,6 +130,7 @@ def choose(
         modes=OFFLOAD_MODES if mode is None else (mode,),
         sps=tuple(sps),
         load_groups=groups,
+        hbm_budget=hbm_budget,
     )
 
 
@@ -196,6 +201,7 @@ def measured_inputs(
     activation_bytes: int,
     links: LinkRates,
     num_ranks: int,
+    tensor_block_bytes: tuple[int, ...] = (),
 ) -> tuple[Topology, PolicyModel, Workload]:
     """The policy's inputs from a first call: every block's compute ``block_s``, the time outside the blocks and
     the allocator's activation peak. The mean block compute is ``median_b(t_b / f_b)`` with ``f_b`` the block's
@@ -209,6 +215,7 @@ def measured_inputs(
         activation_bytes,
         0,
         source="the model's spec; activations from the first call's allocator peak",
+        tensor_block_bytes=tensor_block_bytes,
     )
     workload = Workload("measured on the first call", 1, MEASURED_STEPS, 1)
     shape = compute_shape(model, 1, 1)

@@ -47,6 +47,20 @@ run ahead across the per-step work (a deeper ring, more slots, hides it).
 :func:`~dlo_fn.cost.memory.pinned_host_bytes_per_rank` plus the framework bytes. A row fits when both do; the
 limiting memory is the one nearer its capacity.
 
+**Under an HBM budget** (``hbm_budget``: device weight bytes per rank) the budget replaces the HBM capacity for
+the weights (activations are the caller's). Each candidate keeps the resident blocks of its ring
+(:func:`~dlo_fn.cost.hbm_budget.resident_plan`, which is :func:`~dlo_fn.plan.resident.choose_resident` placing by
+its blocks' compute ``R c_b`` against the H2D link: the predicted fastest plan within the budget), whole on every
+rank; the ring, its loads, the all-gathers and the pinned host bytes are the streamed blocks' only.
+A resident block's compute stays: it is added to the ring op of the streamed block it follows (the pass's leading
+resident blocks to the last streamed block, where the ring wraps), since the next load waits on that slot only::
+
+    C'_j = C_{s_j} + sum_{s_j < b < s_{j+1}, b resident} c_b        s_0 < s_1 < ...  the streamed blocks
+
+A candidate whose ring does not fit the budget with every block streamed is priced that way and dropped (its
+``note`` says the minimum); a budget that holds the model runs it resident (compute only). The result lists
+what the next larger budgets buy: each frontier plan's device bytes and the chosen candidate's predicted step.
+
 **Choice.** ``objective="throughput"`` scores ``outputs_per_s``, ``"latency"`` scores ``1 / wave``. Among the
 fitting rows within ``min_gain`` (relative) of the best score, the cheapest is chosen: smallest R (latency), then
 least HBM (slots and landing buffers), then least host work per block, then fewest slots (and one load per
@@ -60,6 +74,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dlo_fn.cost.hbm import hbm_per_card
+from dlo_fn.cost.hbm_budget import ResidentPlan, format_size, resident_plan
 from dlo_fn.cost.host_cost import host_scale
 from dlo_fn.cost.links import link_busy_s
 from dlo_fn.cost.memory import pinned_host_bytes_per_rank
@@ -67,7 +82,9 @@ from dlo_fn.cost.topology import PolicyModel, Topology, compute_shape
 from dlo_fn.plan.lowering import default_num_landing, load_group_problem, lowered_mode
 from dlo_fn.plan.ops import Op
 from dlo_fn.plan.quant import dequant_seconds
+from dlo_fn.plan.resident import BudgetError
 from dlo_fn.plan.schedule import AG, DEFAULT_NUM_LANDING, DQ, H2D, build_schedule
+from dlo_fn.plan.sizes import ModelSizes
 from dlo_fn.plan.timeline import simulate
 from dlo_fn.plan.workload import Workload
 
@@ -123,8 +140,12 @@ class PlanRow:
     exposed_s_per_step: float  # step minus the compute stream's busy time
     hbm_bytes: int
     host_bytes: int
-    hbm_capacity_bytes: int
+    hbm_capacity_bytes: int  # under an HBM budget: the budget (and hbm_bytes the device weight bytes)
     host_capacity_bytes: int
+    resident: tuple[int, ...] = ()  # blocks kept on the device under an HBM budget
+    # what they were placed by: (R c_b per block, H2D bytes/s), for offload to keep the same ones (runtime.budget)
+    placed_by: tuple[tuple[float, ...], float] | None = None
+    note: str = ""  # why a row does not fit, where the memory alone does not say it
 
     @property
     def outputs_per_s(self) -> float:
@@ -170,6 +191,7 @@ class PlanRow:
             "host_gb": self.host_bytes / 1e9,
             "limiting_memory": self.limiting_memory,
             "fits": self.fits,
+            "resident": len(self.resident),
         }
 
 
@@ -229,9 +251,41 @@ def all_to_all_s(model: PolicyModel, topology: Topology, workload: Workload, sp:
     return model.num_all_to_all_per_block * workload.cfg_branches * sent / topology.all_to_all_bytes_per_s
 
 
-def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate, step_overhead_s: float):
+def _fold(values: tuple[float, ...], resident: tuple[int, ...]) -> tuple[float, ...]:
+    """Per streamed block, its value plus the resident blocks' up to the next streamed one (the leading resident
+    blocks to the last, where the ring wraps): ``C'_j`` of the module docstring."""
+    if not resident:
+        return values
+    keep = set(resident)
+    first = next(b for b in range(len(values)) if b not in keep)
+    out = []
+    for b in range(first, len(values)):
+        if b in keep:
+            out[-1] += values[b]
+        else:
+            out.append(values[b])
+    out[-1] += sum(values[:first])
+    return tuple(out)
+
+
+def _device_s(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[float, ...]:
+    """Each block's device compute of one request: ``c_b + u``."""
+    a2a = all_to_all_s(model, topology, workload, cand.sp)
+    c = topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
+    return tuple(c * f + a2a for f in compute_shape(model, workload.tokens, workload.cfg_branches))
+
+
+def _durations(
+    model: PolicyModel,
+    topology: Topology,
+    workload: Workload,
+    cand: Candidate,
+    step_overhead_s: float,
+    sizes: ModelSizes,
+    resident: tuple[int, ...] = (),
+):
+    """Per-op durations of the ring over ``sizes`` (the streamed blocks), ``resident`` folded into the computes."""
     w = cand.num_shards
-    sizes = model.sizes
     mode = op_mode(cand)
     if mode == "rank-local":
         h2d = sizes.shard_bytes(1)
@@ -240,9 +294,7 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
         h2d = sizes.shard_bytes(w)
         ag = tuple((w - 1) * s / topology.allgather_bus_bytes_per_s for s in h2d)
     h2d_s = tuple(n / topology.h2d_bytes_per_s for n in h2d)
-    a2a = all_to_all_s(model, topology, workload, cand.sp)
-    c = topology.compute.seconds(model, workload.tokens, workload.cfg_branches, cand.sp)
-    device = tuple(c * f + a2a for f in compute_shape(model, workload.tokens, workload.cfg_branches))
+    device = _fold(_device_s(model, topology, workload, cand), resident)
     host = topology.host_s(mode) * host_scale(sizes.num_blocks, cand.num_slots, cand.load_group, mode)
     comp = tuple(d + host if topology.host_serial else max(d, host) for d in device)
 
@@ -260,11 +312,24 @@ def _durations(model: PolicyModel, topology: Topology, workload: Workload, cand:
     return duration, h2d_s, ag, max(device), host, comp
 
 
-def _memory(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[int, int]:
+def _memory(
+    model: PolicyModel,
+    topology: Topology,
+    workload: Workload,
+    cand: Candidate,
+    sizes: ModelSizes | None,
+    budgeted: bool = False,
+) -> tuple[int, int]:
+    """HBM and host bytes per rank of the ring over ``sizes`` (None: every block resident, nothing pinned): the
+    peak of :func:`~dlo_fn.cost.hbm.hbm_per_card` (``budgeted``: the device weight bytes only) and the pinned
+    shards plus the framework."""
+    if sizes is None:
+        held = sum(model.tensor_block_bytes or model.sizes.block_bytes) + model.sizes.resident_bytes
+        return held, topology.framework_host_bytes
     local_tokens = math.ceil(workload.tokens / cand.sp) * workload.cfg_branches * cand.requests_per_rank
     comm = 2 * local_tokens * model.hidden_dim * model.dtype_bytes if cand.sp > 1 else 0
     hbm = hbm_per_card(
-        model.sizes,
+        sizes,
         cand.num_shards,
         op_mode(cand),
         num_slots=cand.num_slots,
@@ -274,24 +339,78 @@ def _memory(model: PolicyModel, topology: Topology, workload: Workload, cand: Ca
         context_bytes=topology.context_bytes,
     )
     host = (
-        pinned_host_bytes_per_rank(model.sizes, cand.num_shards, op_mode(cand), load_group=cand.load_group)
+        pinned_host_bytes_per_rank(sizes, cand.num_shards, op_mode(cand), load_group=cand.load_group)
         + topology.framework_host_bytes
     )
-    return hbm.peak_bytes, host
+    return (hbm.weight_bytes + hbm.resident_bytes if budgeted else hbm.peak_bytes), host
+
+
+def _kept(
+    model: PolicyModel,
+    topology: Topology,
+    workload: Workload,
+    cand: Candidate,
+    hbm_budget: int,
+    larger: bool = False,
+) -> ResidentPlan:
+    """The resident blocks of this candidate within ``hbm_budget``, placed by its blocks' compute (``R c_b``: the
+    requests through each load) against the H2D link (:class:`~dlo_fn.plan.resident.BudgetError` where its ring
+    does not fit with every block streamed)."""
+    return resident_plan(
+        model.sizes,
+        hbm_budget,
+        num_shards=cand.num_shards,
+        mode=op_mode(cand),
+        num_slots=cand.num_slots,
+        num_landing=cand.num_landing or None,
+        load_group=cand.load_group,
+        tensor_block_bytes=model.tensor_block_bytes,
+        larger=larger,
+        compute=_placement(model, topology, workload, cand),
+        link=topology.h2d_bytes_per_s,
+    )
+
+
+def _placement(model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate) -> tuple[float, ...]:
+    """The compute a candidate places its resident blocks by: ``R c_b``, the requests through each loaded block."""
+    return tuple(cand.requests_per_rank * c for c in _device_s(model, topology, workload, cand))
 
 
 def predict(
-    model: PolicyModel, topology: Topology, workload: Workload, cand: Candidate, *, step_overhead_s: float | None = None
+    model: PolicyModel,
+    topology: Topology,
+    workload: Workload,
+    cand: Candidate,
+    *,
+    step_overhead_s: float | None = None,
+    hbm_budget: int | None = None,
 ) -> PlanRow:
     """One candidate's row (module docstring). ``step_overhead_s`` defaults to the topology's
-    :meth:`~dlo_fn.cost.topology.Topology.step_overhead_s` for the workload."""
+    :meth:`~dlo_fn.cost.topology.Topology.step_overhead_s` for the workload; ``hbm_budget``: device weight bytes
+    per rank, the blocks it holds kept resident."""
     if cand.dp * cand.sp != topology.num_ranks:
         raise ValueError(f"{cand.label}: dp x sp must equal the topology's {topology.num_ranks} ranks")
     overhead = (
         topology.step_overhead_s(workload.tokens, workload.cfg_branches) if step_overhead_s is None else step_overhead_s
     )
-    duration, h2d_s, ag, device, host, comp = _durations(model, topology, workload, cand, overhead)
-    b, r, mode = model.sizes.num_blocks, cand.requests_per_rank, op_mode(cand)
+    sizes, resident, note, placed_by = model.sizes, (), "", None
+    if hbm_budget is not None:
+        placed_by = (_placement(model, topology, workload, cand), topology.h2d_bytes_per_s)
+        try:
+            kept = _kept(model, topology, workload, cand, hbm_budget)
+            sizes, resident = kept.streamed, kept.resident
+        except BudgetError as exc:  # priced with every block streamed, and dropped: its memory exceeds the budget
+            note = str(exc)
+    r = cand.requests_per_rank
+    hbm, host_bytes = _memory(model, topology, workload, cand, sizes, hbm_budget is not None)
+    capacity = topology.hbm_bytes_per_rank if hbm_budget is None else hbm_budget
+    if sizes is None:  # the budget holds the model: it runs resident, compute only
+        step = r * sum(_device_s(model, topology, workload, cand)) + r * overhead
+        wave = workload.num_steps * step + r * topology.request_overhead_s(workload.tokens)
+        row = (step, wave, cand.dp * r, "compute", 0.0, hbm, host_bytes, capacity, topology.host_bytes_per_rank)
+        return PlanRow(cand, *row, resident=resident, placed_by=placed_by)
+    duration, h2d_s, ag, device, host, comp = _durations(model, topology, workload, cand, overhead, sizes, resident)
+    b, mode = sizes.num_blocks, op_mode(cand)
     steps = min(workload.num_steps, 3)
     schedule = build_schedule(
         b,
@@ -301,7 +420,7 @@ def predict(
         num_landing=cand.num_landing if mode == "allgather" else None,
         mode=mode,
         load_group=cand.load_group,
-        quantized=model.sizes.quantized,
+        quantized=sizes.quantized,
     )
     ends = sorted(s.end_s for s in simulate(schedule, duration).spans if s.stream == "compute")
     first = ends[b * r - 1]
@@ -309,7 +428,7 @@ def predict(
         step = first
     else:
         step = (ends[-1] - first) / (steps - 1)
-    links = link_busy_s(model.sizes, topology, mode, cand.num_shards)  # shared links: at least their busy time
+    links = link_busy_s(sizes, topology, mode, cand.num_shards)  # shared links: at least their busy time
     link, link_s = links[0] if links else ("", 0.0)
     step, first = max(step, link_s), max(first, link_s)
     wave = first + (workload.num_steps - 1) * step + r * topology.request_overhead_s(workload.tokens)
@@ -325,7 +444,6 @@ def predict(
         bound = "host" if (host > device and not topology.host_serial) else "compute"
     else:
         bound = "exposed"
-    hbm, host_bytes = _memory(model, topology, workload, cand)
     return PlanRow(
         cand,
         step,
@@ -335,8 +453,11 @@ def predict(
         max(0.0, step - busy["compute"]),
         hbm,
         host_bytes,
-        topology.hbm_bytes_per_rank,
+        capacity,
         topology.host_bytes_per_rank,
+        resident=resident,
+        placed_by=placed_by,
+        note=note,
     )
 
 
@@ -349,13 +470,17 @@ class PolicyResult:
     rows: tuple[PlanRow, ...]  # fitting rows, chosen first, then by score
     dropped: tuple[PlanRow, ...]  # rows that do not fit
     min_gain: float
+    hbm_budget: int | None = None
+    # what a larger budget buys the chosen candidate: (device weight bytes, predicted step s) of the next plans
+    larger_budgets: tuple[tuple[int, float], ...] = ()
 
     @property
     def chosen(self) -> PlanRow:
         if not self.rows:
+            d = self.dropped[0]
             raise ValueError(
                 f"no plan of {self.model} fits {self.topology}: {len(self.dropped)} dropped, e.g. "
-                f"{self.dropped[0].candidate.label} needs {self.dropped[0].limiting_memory}"
+                f"{d.candidate.label} needs {d.limiting_memory}" + (f" ({d.note})" if d.note else "")
             )
         return self.rows[0]
 
@@ -374,7 +499,18 @@ class PolicyResult:
                 f"; runner-up {n.candidate.label}: {n.outputs_per_s * 3600:.1f} outputs/h, wave "
                 f"{n.wave_latency_s:.2f} s, bound by {n.bound}"
             )
-        return text
+        return text + self.budget_note()
+
+    def budget_note(self) -> str:
+        """Under an HBM budget: the chosen plan's resident blocks and what the next larger budgets buy."""
+        if self.hbm_budget is None or not self.rows:
+            return ""
+        c = self.chosen
+        buys = ", ".join(f"{format_size(n)} -> step {1e3 * t:.1f} ms" for n, t in self.larger_budgets)
+        return (
+            f"; hbm budget {format_size(self.hbm_budget)}: {len(c.resident)} blocks resident, device weights "
+            f"{format_size(c.hbm_bytes)}" + (f"; a larger budget buys {buys}" if buys else "")
+        )
 
     def table_rows(self, limit: int | None = None) -> list[dict]:
         return [dict(rank=i + 1, **row.as_dict()) for i, row in enumerate(self.rows[:limit])]
@@ -397,8 +533,10 @@ def plan(
     num_landing: int = DEFAULT_NUM_LANDING,
     min_gain: float = 0.005,
     load_groups: tuple[int, ...] = (1,),
+    hbm_budget: int | None = None,
 ) -> PolicyResult:
-    """Rank every candidate (module docstring); the chosen plan is ``result.rows[0]``."""
+    """Rank every candidate (module docstring); the chosen plan is ``result.rows[0]``. ``hbm_budget``: device
+    weight bytes per rank, in place of the HBM capacity for the weights (module docstring)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
     if not 0 <= min_gain < 1:
@@ -406,7 +544,7 @@ def plan(
     if model.sizes.quantized:  # quantised loads move one block each (plan.lowering)
         load_groups = (1,)
     rows = [
-        predict(model, topology, workload, c)
+        predict(model, topology, workload, c, hbm_budget=hbm_budget)
         for c in candidates(
             topology.num_ranks,
             slots=slots,
@@ -438,7 +576,18 @@ def plan(
         chosen = min(near, key=cheap)
         ordered.remove(chosen)
         ordered.insert(0, chosen)
-    return PolicyResult(objective, model.name, topology.name, workload, tuple(ordered), dropped, min_gain)
+    larger = ()
+    if hbm_budget is not None and ordered:
+        c = ordered[0].candidate
+        plans = _kept(model, topology, workload, c, hbm_budget, larger=True).larger
+        picks = plans[:3] + plans[-1:] if len(plans) > 4 else plans  # the next plans, and the whole model
+        larger = tuple(
+            (p.device_weight_bytes, predict(model, topology, workload, c, hbm_budget=p.device_weight_bytes).step_s)
+            for p in picks
+        )
+    return PolicyResult(
+        objective, model.name, topology.name, workload, tuple(ordered), dropped, min_gain, hbm_budget, larger
+    )
 
 
 def with_bandwidth(topology: Topology, factor: float) -> Topology:

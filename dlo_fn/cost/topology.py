@@ -81,11 +81,16 @@ class PolicyModel:
     activation_bytes_per_token: int = 0
     num_all_to_all_per_block: int = 4
     source: str = ""
+    # Each block's tensor bytes unpacked (ModelSpec.block_bytes): what a block kept resident under an HBM budget
+    # holds on the device (dlo_fn.cost.hbm_budget); empty: its packed bytes.
+    tensor_block_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_dim", "dtype_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"PolicyModel.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.tensor_block_bytes and len(self.tensor_block_bytes) != self.sizes.num_blocks:
+            raise ValueError("PolicyModel.tensor_block_bytes needs one entry per block (or none)")
         if self.activation_bytes_per_token < 0 or self.num_all_to_all_per_block < 0:
             raise ValueError("PolicyModel.activation_bytes_per_token and num_all_to_all_per_block must be >= 0")
 

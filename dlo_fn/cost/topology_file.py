@@ -137,6 +137,7 @@ def model_to_dict(m: PolicyModel) -> dict:
         "activation_bytes_per_token": m.activation_bytes_per_token,
         "num_all_to_all_per_block": m.num_all_to_all_per_block,
         "source": m.source,
+        **({"tensor_block_bytes": list(m.tensor_block_bytes)} if m.tensor_block_bytes else {}),
     }
 
 
@@ -149,6 +150,7 @@ def model_from_dict(data: dict) -> PolicyModel:
         str(m.pop("sizes_source", "")),
         stored_block_bytes=tuple(int(b) for b in m.pop("stored_block_bytes", ())),
     )
+    m["tensor_block_bytes"] = tuple(int(b) for b in m.get("tensor_block_bytes", ()))
     return PolicyModel(sizes, **m)
 
 

@@ -21,6 +21,7 @@ from dlo_fn.cost.topology import BlockCompute, PolicyModel
 from dlo_fn.plan.sizes import ModelSizes
 from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.probe import best_s, flat_block, probe_links
+from dlo_fn.runtime.quant import fp32_modules
 
 __all__ = ["resolve", "decide", "time_one_call", "flop_per_s"]
 
@@ -32,7 +33,7 @@ def decide(topology, model, workload, fields, options, ctx, *, sps=(1,), source=
     """Rank 0's :class:`~dlo_fn.cost.auto.AutoChoice` for the ``auto`` ``fields`` (the others as ``options`` has
     them; one sp > 1: its shard group), on every rank; logged with the runner-up."""
     fixed = {f: None if f in fields else getattr(options, f) for f in plan_auto.AUTO_FIELDS}
-    result = plan_auto.choose(topology, model, workload, sps=tuple(sps), **fixed, **kw)
+    result = plan_auto.choose(topology, model, workload, sps=tuple(sps), hbm_budget=options.hbm_budget, **fixed, **kw)
     rows = [
         r
         for r in result.rows
@@ -72,9 +73,17 @@ def resolve(model, entries, spec, ctx, options, fields, workload, mesh, example)
     first = entries[0][0][entries[0][1]]
     dtype = next(iter(first.state_dict().values())).dtype
     links = probe_links(flat_block(first), ctx, dtype=dtype)
-    sizes = ModelSizes.from_spec(spec, source="the model's spec")
+    q = options.quantization  # priced as offload lays it out: stored FP8 blocks, the model's fp32 modules kept
+    exclude = (q.exclude + fp32_modules(model)) if q is not None else ()
+    sizes = ModelSizes.from_spec(spec, options.alignment_bytes, "the model's spec", q, exclude)
     if workload is not None:
-        pmodel = PolicyModel(sizes, plan_auto.hidden_dim(first), dtype.itemsize, source="the model's spec")
+        pmodel = PolicyModel(
+            sizes,
+            plan_auto.hidden_dim(first),
+            dtype.itemsize,
+            source="the model's spec",
+            tensor_block_bytes=spec.block_bytes,
+        )
         topo = plan_auto.topology_from(
             "probe and workload", ctx.world_size, links, BlockCompute(flop_per_s=flop_per_s(ctx.platform, dtype))
         )
@@ -82,7 +91,15 @@ def resolve(model, entries, spec, ctx, options, fields, workload, mesh, example)
     times, outside_s, peak = time_one_call(model, [lst[i] for lst, i in entries], ctx.platform, example)
     act = max(peak - max(sizes.block_bytes), 0)  # activations: the peak beyond the one block on the device
     topo, pmodel, wl = plan_auto.measured_inputs(
-        sizes, plan_auto.hidden_dim(first), dtype.itemsize, times, outside_s, act, links, ctx.world_size
+        sizes,
+        plan_auto.hidden_dim(first),
+        dtype.itemsize,
+        times,
+        outside_s,
+        act,
+        links,
+        ctx.world_size,
+        spec.block_bytes,
     )
     return concrete(decide(topo, pmodel, wl, fields, options, ctx, sps=sp, source="example call"))
 

@@ -204,7 +204,9 @@ def offload(
     ones) timed through a plain probe (:func:`dlo_fn.runtime.auto.resolve`); ``offload`` then builds from the
     concrete options, and ``Offloaded.auto`` holds the choice and the runner-up. With ``hbm_budget=``, ``example=``
     or ``workload=`` give the plan each block's compute: it places the resident blocks by compute and predicts the
-    pass (``Offloaded.budget``), and ``num_slots="auto"`` lets it choose the slots (:mod:`dlo_fn.runtime.budget`).
+    pass (``Offloaded.budget``), and ``num_slots="auto"`` lets it choose the slots (:mod:`dlo_fn.runtime.budget`);
+    ``placement=`` (a :class:`~dlo_fn.runtime.budget.Placement`) gives that compute directly, as ``generate --mode
+    auto`` does with the policy's row.
     """
     t0 = time.perf_counter()
     if ctx is None:
@@ -216,11 +218,12 @@ def offload(
     options = options or OffloadOptions()
     fields = [f for f in ("mode", "num_slots", "load_group") if overrides.get(f) == "auto"]
     workload, example = overrides.pop("workload", None), overrides.pop("example", None)
+    given = overrides.pop("placement", None)  # a runtime.budget.Placement the caller's policy placed by
     if overrides:
         options = dataclasses.replace(options, **{k: v for k, v in overrides.items() if k not in fields})
     told = workload is not None or example is not None
     slots = None
-    if options.hbm_budget is not None and told and "num_slots" in fields:  # the budget's plan chooses the slots
+    if options.hbm_budget is not None and told and fields == ["num_slots"]:  # the budget's plan chooses the slots
         fields.remove("num_slots")
         slots = "auto"
     if told and not fields and options.hbm_budget is None:
@@ -240,8 +243,15 @@ def offload(
         options, choice = resolve(
             model, _block_lists(model, paths), spec, ctx, options, fields, workload, mesh, example
         )
-    placement = None
-    if options.hbm_budget is not None and told:  # each block's compute, for the budget's plan (runtime.budget)
+    placement = given
+    placed = getattr(getattr(choice, "chosen", None), "placed_by", None)
+    if placement is not None:
+        pass
+    elif placed is not None:  # the policy chose under the budget: its compute places the blocks, its row's set
+        from dlo_fn.runtime.budget import Placement
+
+        placement = Placement(*placed, "the policy's compute (auto)")
+    elif options.hbm_budget is not None and told:  # each block's compute, for the budget's plan (runtime.budget)
         from dlo_fn.runtime.budget import block_compute
 
         blocks = [lst[i] for lst, i in _block_lists(model, paths)]

@@ -53,9 +53,8 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
     ``request`` it will serve. Moves the non-block modules to the device (offloading does that anyway)."""
     started = time.perf_counter()
     platform, dev = ctx.platform, ctx.platform.device
-    sizes = ModelSizes.from_spec(
-        spec_from_module(model, (block_path,), name=type(model).__name__), source="probe: the model's spec"
-    )
+    spec = spec_from_module(model, (block_path,), name=type(model).__name__)
+    sizes = ModelSizes.from_spec(spec, source="probe: the model's spec")
     for name, child in model.named_children():
         if name != block_path:
             child.to(dev)
@@ -110,6 +109,7 @@ def probe(model, ctx: DistContext, request, *, reps: int = 3, block_path: str = 
         dtype.itemsize,
         int(act),
         source="probe: the model's spec; activations from the allocator's peak",
+        tensor_block_bytes=spec.block_bytes,  # what a block kept resident under an HBM budget holds
     )
     seconds = time.perf_counter() - started
     log.info(
