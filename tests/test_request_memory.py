@@ -89,7 +89,7 @@ SCRATCH_BYTES = 32_000_000  # kernel scratch and heap granularity: in admission'
 @pytest.mark.parametrize(
     "mode, fields",
     [
-        ("resident", dict(height=512, width=512, num_frames=17, num_inference_steps=1)),
+        ("resident", dict(height=640, width=640, num_frames=17, num_inference_steps=1)),
         ("resident", dict(height=640, width=1024, num_frames=9, num_inference_steps=1, guidance_scale=1.0)),
         ("allgather", dict(height=384, width=384, num_frames=33, num_inference_steps=1, outputs_per_prompt=2)),
     ],
