@@ -147,6 +147,7 @@ def test_make_checkpoint_writes_an_adapter_and_generate_runs_it(tmp_path, capsys
     prompts.write_text('{"prompt": "a fox"}\n{"prompt": "an owl", "lora": null}\n')
     shape = ["--height", "32", "--width", "32", "--frames", "5", "--steps", "2", "--seed", "3"]
     run = ["generate", "--checkpoint", str(ckpt), "--prompts", str(prompts), *shape, "--out", str(tmp_path / "out")]
+    run += ["--platform", "cpu"]  # where the resident reference runs (CTX), also on a CUDA machine
     assert main([*run, "--lora", str(lora), "--lora-scale", "0.5"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
     model, _ = open_model(str(ckpt), CTX, "resident")
