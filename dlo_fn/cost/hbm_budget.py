@@ -126,6 +126,7 @@ def streamed_sizes(
     )
 
 
+@functools.lru_cache(maxsize=256)
 def resident_plan(
     sizes: ModelSizes,
     budget_bytes: int,
@@ -147,40 +148,7 @@ def resident_plan(
     (``larger``) the plans a larger budget buys. ``compute`` (seconds per block, in block order) and ``link``
     (bytes/s of a load): placed by compute, the predicted fastest plan (:func:`~dlo_fn.plan.resident.frontier`);
     without them, by bytes. :class:`~dlo_fn.plan.resident.BudgetError` (one line naming the minimum) below the ring
-    of every block streamed. Cached: a policy asks for the same plan for many rows."""
-    return _resident_plan(
-        sizes,
-        budget_bytes,
-        num_shards,
-        mode,
-        num_slots,
-        num_landing,
-        load_group,
-        alignment_bytes,
-        tuple(tensor_block_bytes),
-        owner,
-        larger,
-        None if compute is None else tuple(compute),
-        link,
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _resident_plan(
-    sizes,
-    budget_bytes,
-    num_shards,
-    mode,
-    num_slots,
-    num_landing,
-    load_group,
-    alignment_bytes,
-    tensor_block_bytes,
-    owner,
-    larger,
-    compute,
-    link,
-) -> ResidentPlan:
+    of every block streamed. Cached (sequences as tuples): a policy asks for the same plan for many rows."""
     spec = sizes_spec(sizes, tensor_block_bytes)
     index = {b.name: int(b.name) for b in spec.blocks}
     ring = (num_slots, ring_num_landing(mode, num_shards, num_landing, load_group))
