@@ -90,6 +90,8 @@ __all__ = [
     "ResidentChoice",
     "frontier",
     "choose_resident",
+    "price_plan",
+    "DeviceLoads",
     "BudgetError",
 ]
 
@@ -536,6 +538,23 @@ def choose_resident(
     if compute is None:
         return min(fits, key=lambda p: p.h2d_bytes_per_pass)
     return min(fits, key=_fastest)
+
+
+def price_plan(
+    spec: ModelSpec,
+    plan: ResidentChoice,
+    layout_of: Callable[[ModelSpec], ModelLayout],
+    num_landing: int,
+    *,
+    compute: tuple[float, ...],
+    link: float,
+    device_link: float | None = None,
+) -> ResidentChoice:
+    """``plan`` (its resident set, slots and device-stored blocks) priced again with ``compute``, ``link`` and
+    ``device_link``: what another measurement of the same model predicts for it."""
+    _check_compute(spec, compute, link, plan.num_slots, device_link)
+    price = _Pricer(spec, layout_of, num_landing, compute, link, device_link)
+    return price(plan.resident, plan.num_slots, exact=True, stored=plan.device_stored)
 
 
 def at_speed(plans: tuple[ResidentChoice, ...], within: float = 0.01) -> ResidentChoice:

@@ -411,6 +411,7 @@ def with_device_blocks(
             src = tensor_bytes(_check_tensor(cut, j, p.tensor, block_tensors[b].get(p.tensor)))
             arena[base + p.dst_start : base + p.dst_stop].copy_(src[p.src_start : p.src_stop])
         sources[b] = (H2DSource(arena[base : base + cut.shards[j].shard_bytes], 0),)
+    platform.synchronize()  # the loads read the buffer from the executor's streams
     if store is not None:
         sources.update(zip(on_host, store.sources))
     merged = HostStore(
