@@ -369,29 +369,39 @@ def test_pass_model_loads_device_stored_blocks_at_the_device_rate_and_adds_dequa
     assert pass_ends(compute, (0, 0, 0), 2, 1.0, 1, device=resident) == (3.0,)
 
 
+def _platforms():
+    return ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("platform", _platforms())
 @pytest.mark.parametrize("mode", ["rank-local", "allgather"])
 @torch.no_grad()
-def test_device_stored_fp8_shards_equal_fake_quantize(mode):
+def test_device_stored_fp8_shards_equal_fake_quantize(mode, platform):
     from dlo_fn.runtime.budget import Placement
+    from dlo_fn.runtime.dist import DistContext
+    from dlo_fn.runtime.platform import platform_for
 
+    ctx = CTX if platform == "cpu" else DistContext(0, 1, 0, platform_for(platform), None)
+    dev = ctx.platform.device
     ref = toy(6, d=32)
-    want = fake_quantize(copy.deepcopy(ref), "blocks")
+    want = fake_quantize(copy.deepcopy(ref).to(dev), "blocks")
     minimum = _budgets(ref, mode, "fp8")[0]
     placement = Placement((1e-3,) * 6, 1e6, "given", 1e9)  # a slow link: every shard the budget holds helps
     o = offload(
         copy.deepcopy(ref),
         "blocks",
-        CTX,
+        ctx,
         mode=mode,
         quantization="fp8",
         hbm_budget=minimum + 15_000,
         placement=placement,
     )
     for seed in range(3):
-        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed)).to(dev)
         assert torch.equal(o.model(x), want(x))
     stored = o.budget.device_stored
     assert stored and o.store.device_blocks == frozenset(stored) and o.resident_blocks == ()
+    assert o.store.device_arena.device.type == dev.type
     assert o.store.device_bytes == sum(o.layout.shards[b].shard_bytes for b in stored)
     assert o.store.arena_bytes + o.store.device_bytes == o.layout.shard_bytes_per_rank  # each shard held once
     assert o.device_weight_bytes == o.budget.device_weight_bytes <= o.options.hbm_budget
