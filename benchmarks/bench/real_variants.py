@@ -9,6 +9,8 @@
 ``ours-hbm-<N>GB``     ``offload(..., hbm_budget="<N>GB", example=inputs)``: the blocks that fit <N> GB of device
                        weights resident, placed by the blocks' measured compute, the rest streamed
                        (``ours-fp8-hbm-*``: with FP8 shards); the row records the plan's predicted pass
+``ours-fp8-hbm-<N>GB-host-only``  the same budget placed without the device's copy rate: no device-stored
+                       shards, dequantising not priced (what the plan picks without the third tier)
 ``ours-hbm-fastest``   the same at the model's fastest point: the least device bytes whose predicted pass is
                        within 1% of the blocks' compute (:func:`dlo_fn.plan.resident.at_speed`), slots chosen
 ``accelerate-<N>GiB``  ``from_pretrained(..., device_map="auto", max_memory={0: "<N>GiB", "cpu": ...})``: accelerate
@@ -209,6 +211,8 @@ def ours_setup(
     from dlo_fn.runtime.offload import offload
 
     fastest = kwargs.get("hbm_budget") == "fastest"
+    host_only = kwargs.get("device_tier") is False
+    kwargs = {k: v for k, v in kwargs.items() if k != "device_tier"}
 
     def setup():
         t0 = time.perf_counter()
@@ -217,7 +221,10 @@ def ours_setup(
         # mode="auto" or a budget: one call on the inputs, timed through the plain probe, chooses or places
         auto = any(v == "auto" for v in kwargs.values()) or "hbm_budget" in kwargs
         options = dict(kwargs, hbm_budget=fastest_budget(model, ctx, kwargs, inputs)) if fastest else kwargs
-        o = offload(model, ctx=ctx, **options, **({"example": inputs} if auto else {}))
+        placed = {"example": inputs} if auto else {}
+        if host_only:  # the same measured placement without the device's rate: no device-stored tier
+            placed = {"placement": dataclasses.replace(_placement(model, ctx, inputs), device_bytes_per_s=None)}
+        o = offload(model, ctx=ctx, **options, **placed)
         ctx.platform.synchronize()
         t2 = time.perf_counter()
         store = o.store
@@ -271,18 +278,27 @@ def ours_setup(
     return setup
 
 
+def _placement(model, ctx, inputs: dict):
+    """What ``offload(..., example=inputs)`` places a budget's blocks by
+    (:func:`dlo_fn.runtime.budget.block_compute`)."""
+    from dlo_fn.io.diffusers_load import block_paths_for
+    from dlo_fn.plan.spec import normalize_block_paths, spec_from_module
+    from dlo_fn.runtime.budget import block_compute
+
+    paths = normalize_block_paths(block_paths_for(model))
+    blocks = [b for path in paths for b in model.get_submodule(path)]
+    return block_compute(model, blocks, spec_from_module(model, paths), ctx, None, inputs)
+
+
 def fastest_budget(model, ctx, kwargs: dict, inputs: dict) -> int:
     """The device weight bytes of the model's fastest point (:func:`dlo_fn.plan.resident.at_speed` on the frontier
     priced with one timed call's block compute), rank-local on one device."""
     from dlo_fn.io.diffusers_load import block_paths_for
     from dlo_fn.plan.resident import at_speed, frontier, layout_for
     from dlo_fn.plan.spec import normalize_block_paths, spec_from_module
-    from dlo_fn.runtime.budget import block_compute
 
-    paths = normalize_block_paths(block_paths_for(model))
-    spec = spec_from_module(model, paths)
-    blocks = [b for path in paths for b in model.get_submodule(path)]
-    placed = block_compute(model, blocks, spec, ctx, None, inputs)
+    spec = spec_from_module(model, normalize_block_paths(block_paths_for(model)))
+    placed = _placement(model, ctx, inputs)
     q = kwargs.get("quantization")
     plans = frontier(
         spec,

@@ -64,6 +64,13 @@ REAL = (
         Variant(f"ours-fp8-hbm-{n}GB", options=dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB"))
         for n in (6, 8, 10, 12)
     ),
+    *(  # the same budgets without the device-stored tier (the placement without the device's copy rate)
+        Variant(
+            f"ours-fp8-hbm-{n}GB-host-only",
+            options=dict(mode="rank-local", quantization="fp8", hbm_budget=f"{n}GB", device_tier=False),
+        )
+        for n in (6, 8)
+    ),
     # accelerate's device map at a device budget (the peer users reach for): max_memory of device 0 in the name
     Variant("accelerate-12GiB"),
     Variant("accelerate-16GiB"),

@@ -42,7 +42,9 @@ The pass time is the steady state, the mean period over consecutive passes (the 
 the first of the next pass); at least ``max(sum c_b, sum h_j / link)``. With :class:`DeviceLoads` (the device's
 copy rate, priced where ``device_link`` is given): a device-stored block's load runs at that rate instead, and each
 ring block's dequantise (FP8 shards: it reads the stored block and writes the slot, ``(stored + slot) / (2 x
-device copy rate)``) adds to its compute.
+device copy rate)`` alone, :data:`DEQUANT_BESIDE_COMPUTE` times that beside a compute) is done in the ring: a load
+lands in one of ``S`` staging buffers (the next load into it waits for the dequantise that read it), the dequantise
+waits for its slot, and beside a running compute it delays that compute by its time.
 
 **Device-stored shards** (a third tier, beside resident and streamed from the host). Where a streamed block's
 stored shard holds less than the block resident (FP8 shards; a ``1/W`` shard in allgather mode) and blocks are
@@ -130,6 +132,9 @@ def compute_weights(compute_s: tuple[float, ...], link_bytes_per_s: float) -> tu
     return tuple(round(c * link_bytes_per_s) for c in compute_s)
 
 
+# A dequantise beside a block's compute takes about this many times its time alone (its bytes at the device's copy
+# rate): fitted to the FP8 budget rows measured on the H200 (docs/measurements.md, figures/data).
+DEQUANT_BESIDE_COMPUTE = 2.5
 PASSES = 6  # consecutive passes the pass time is averaged over (the first, from cold slots, excluded)
 
 
@@ -352,7 +357,7 @@ class _Pricer:
                 if layout.quantized:  # reads the stored block, writes the slot's: both through device memory
                     for j, b in enumerate(streamed):
                         moved = layout.shards[j].padded_bytes + layout.compute_block(j).nbytes
-                        dq[b] = moved / (2 * self.device_link)
+                        dq[b] = DEQUANT_BESIDE_COMPUTE * moved / (2 * self.device_link)
                 device = DeviceLoads(self.device_link, frozenset(stored), tuple(dq), layout.quantized)
             pass_s = pass_seconds(compute, h2d, num_slots, self.link, device=device)
         dev = buffer_bytes(layout, num_slots, self.num_landing) + resident_bytes + on_device
