@@ -223,9 +223,11 @@ def run_scenarios(ctx, scenarios: dict) -> dict:
     scenario left behind (its models, the mappings they hold) is collected before the next one starts."""
     import gc
     import importlib
+    import os
     import pickle
     import traceback
 
+    os.nice(19)  # yield to the tests' own processes (a forked rank has its fork server's niceness)
     out = {}
     for name, (module, function, args) in scenarios.items():
         try:
@@ -245,7 +247,10 @@ class SharedSpawns:
 
     def __init__(self, request, tmp_path_factory) -> None:
         import concurrent.futures
+        import multiprocessing.forkserver
         import os
+
+        from dlo_fn.serve.ranks import rank_context
 
         worker = os.environ.get("PYTEST_XDIST_WORKER")
         # Every worker's base folder lies in the run's own folder, made fresh for each run.
@@ -258,6 +263,10 @@ class SharedSpawns:
         }
         worlds = sorted(w for w, jobs in self.scenarios.items() if jobs)
         index, count = (int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])) if worker else (0, 1)
+        # The ranks are forked from a fork server (they skip importing torch), started here in pytest's thread
+        # so that it, and the ranks of the tests that use it too, are not niced (run_scenarios nices its own).
+        rank_context("forkserver")
+        multiprocessing.forkserver.ensure_running()
         self.pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
         self.owned = {}
         for world in worlds[index::count]:
@@ -291,7 +300,8 @@ class SharedSpawns:
         from dlo_fn.serve.ranks import run_ranks
 
         try:
-            answer = (True, run_ranks(run_scenarios, world, jobs, timeout_s=SHARED_TIMEOUT_S))
+            ranks = run_ranks(run_scenarios, world, jobs, timeout_s=SHARED_TIMEOUT_S, start_method="forkserver")
+            answer = (True, ranks)
         except BaseException as exc:  # noqa: BLE001 - every test of this world reports it
             answer = (False, f"the shared spawn of {world} ranks failed: {type(exc).__name__}: {exc}")
         part = self._path(world, "part")
@@ -329,9 +339,9 @@ class SharedSpawns:
 @pytest.fixture(scope="session", autouse=True)
 def shared_spawns(request, tmp_path_factory):
     """The :class:`SharedSpawns` of this process. Its spawns start with the session, one after the other in a
-    thread of their own that is niced (Linux: per thread, inherited by the ranks it starts), so they use the
-    core that the single-process tests leave idle and yield to everything else; a test that needs one waits for
-    it."""
+    thread of their own, on niced ranks, so they use the core that the single-process tests leave idle and
+    yield to everything else; a test that needs one waits for it."""
+    import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
     # The semaphore tracker that every spawn shares starts here, under pytest's capture as it did when the
@@ -341,6 +351,9 @@ def shared_spawns(request, tmp_path_factory):
     spawns = SharedSpawns(request, tmp_path_factory)
     yield spawns
     spawns.close()
+    # The fork server (and with it the CPU time of the ranks it forked) is reaped here rather than left to exit
+    # on its own after this process: the time it took is then counted for whoever waits on pytest.
+    multiprocessing.forkserver._forkserver._stop()
 
 
 def scenario(request, world: int, name: str) -> list:

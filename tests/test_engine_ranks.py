@@ -77,7 +77,7 @@ def whole(checkpoint):
         Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="raise", step=1))),
     ]
     return serve_local(
-        checkpoint, phases, 2, join_timeout_s=200, grace_s=30
+        checkpoint, phases, 2, start_method="forkserver", join_timeout_s=200, grace_s=30
     )  # a clean exit may take long on a loaded 2-core machine
 
 
@@ -126,7 +126,7 @@ def _serve_with_fault(checkpoint, mode, fault):
     # grace_s: how long a rank still running after rank 0's answer may take to leave; only a stalled rank is
     # still there (the dead one is gone, rank 0's exit code is not checked), and it is to be killed anyway.
     phases = [Phase(mode, SUBS, _options(fault=fault))]
-    return serve_local(checkpoint, phases, 2, join_timeout_s=90, grace_s=1)
+    return serve_local(checkpoint, phases, 2, start_method="forkserver", join_timeout_s=90, grace_s=1)
 
 
 @pytest.mark.timeout(240)

@@ -173,7 +173,7 @@ def _disagreeing_inputs(ctx) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_auto_on_two_gloo_ranks_agrees_and_is_bit_exact():
-    ranks = run_ranks(_rank, 2, timeout_s=600)
+    ranks = run_ranks(_rank, 2, timeout_s=600, start_method="forkserver")
     for key in ranks[0]:
         if key == "agree":
             continue
