@@ -200,6 +200,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "lora": ("test_lora", "lora_rank", ()),
         "models_lora": ("test_models_lora", "lora_rank", (FixtureArg("tiny_checkpoint"),)),
         "serve_lora": ("test_serve_lora", "serve_rank", (FixtureArg("tiny_checkpoint"),)),
+        "policy_api": ("test_policy_api", "_rank", ()),
     },
     3: {
         "models_sp": ("test_models_sp", "_rank", ()),
