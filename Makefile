@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	@touch $@
 
 # The tests and the notebooks in one run over $(WORKERS) processes (pytest-xdist): a file's tests stay together,
-# so its module fixtures are shared; each worker starts the multi-rank spawns of its own files.
+# so its module fixtures are shared; each multi-rank spawn that files share runs once, on one worker
+# (tests/conftest.py), and the others read its results.
 WORKERS ?= 2
 test: $(STAMP) lint
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile -p no:cacheprovider --nbval --nbval-sanitize-with $(NB_SANITIZE) tests notebooks

@@ -180,3 +180,12 @@ def test_stream_keeps_idle_followers_alive_past_the_timeout(whole, expected):
     assert run.exitcodes == (0, 0)
     assert [w.rank_indices for w in report.waves] == [((0,), ()), ((1,), (2,))]
     assert all(r.ok and r.sha256 == expected[r.request_id].sha256 for r in report.results)
+
+
+def test_an_unknown_start_method_is_one_line(checkpoint):
+    from dlo_fn.serve.ranks import run_ranks
+
+    with pytest.raises(ValueError, match="start_method='fork': must be one of spawn, forkserver"):
+        serve_local(checkpoint, [], 1, start_method="fork")
+    with pytest.raises(ValueError, match="start_method='fork': must be one of spawn, forkserver"):
+        run_ranks(print, 2, start_method="fork")
