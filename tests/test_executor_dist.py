@@ -167,6 +167,27 @@ def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
     out["budget_by_compute_exact"] = all(torch.equal(g.latents, e.latents) for g, e in zip(got, expected))
     out["budget_by_compute_within"] = o.device_weight_bytes <= budget and o.budget.pass_s is not None
     out["budget_by_compute_placement"] = (o.placement.compute_s, o.budget.resident)
+    if ctx.world_size > 1:  # a 1/W shard holds less than its block: with a slow link, room for two shards (one
+        # block) keeps shards on the device (loaded from there, all-gathered as every block is)
+        from dlo_fn.runtime.budget import Placement
+
+        ring = offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather", num_landing=1)
+        budget = ring.device_weight_bytes + 2 * ring.layout.max_shard_bytes
+        placement = Placement((1e-3,) * ring.spec.num_blocks, 1e3, "given", 1e9)
+        o = offload(
+            load_reference(ckpt),
+            BLOCK_PATHS,
+            ctx,
+            mode="allgather",
+            num_landing=1,
+            hbm_budget=budget,
+            placement=placement,
+        )
+        got = [generate(o.model, r) for r in reqs]
+        out["device_stored_exact"] = all(torch.equal(g.latents, e.latents) for g, e in zip(got, expected))
+        out["device_stored_kept"] = o.store is not None and len(o.store.device_blocks) == 2 and o.resident_blocks == ()
+        out["device_stored_once"] = o.store.arena_bytes + o.store.device_bytes == o.layout.shard_bytes_per_rank
+        out["device_stored_within"] = o.device_weight_bytes == o.budget.device_weight_bytes <= budget
     return out
 
 
@@ -237,6 +258,7 @@ def _assert_all(results: list[dict], world: int) -> None:
     if world > 1:
         assert "partial_wave_exact" in results[0] and "partial_wave_exact" not in results[1]
         assert len({r["budget_by_compute_placement"] for r in results}) == 1  # rank 0's compute, one plan
+        assert all(r["device_stored_kept"] and r["device_stored_exact"] for r in results)
         for res in results:  # W > 1: one collective per block, or per group of 2
             assert res["blocks_per_collective[G=1]"] == [1] and res["blocks_per_collective[G=2]"][-1] == 2, res
             # per block: H2D wait, copy, record; AG wait (x2: landing, slot), record; compute wait, record = 8

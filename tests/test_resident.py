@@ -110,10 +110,18 @@ def test_pass_model_is_the_simulated_schedule_with_nothing_resident(blocks, num_
     assert ends == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
-def _flux_like(num_large=4, num_small=8):
-    """Large blocks (3 units) then small ones (1 unit), each of the same compute: FLUX's double then single blocks."""
+def _flux_like(num_large=4, num_small=8, bf16=False):
+    """Large blocks (3 units) then small ones (1 unit), each of the same compute: FLUX's double then single blocks
+    (``bf16``: matrices of 2-byte elements, which FP8 shards store in half the bytes)."""
     blocks = tuple(
-        BlockSpec(f"blocks.{b}", (TensorSpec("w", (3000 if b < num_large else 1000,), torch.float32, "param"),))
+        BlockSpec(
+            f"blocks.{b}",
+            (
+                TensorSpec("w", (30 if b < num_large else 10, 100), torch.bfloat16, "param")
+                if bf16
+                else TensorSpec("w", (3000 if b < num_large else 1000,), torch.float32, "param"),
+            ),
+        )
         for b in range(num_large + num_small)
     )
     return ModelSpec("flux-like", blocks, (TensorSpec("x", (100,), torch.float32, "param"),))
@@ -283,8 +291,7 @@ def _placed_as_planned(o, mode):
         lambda s: layout_for(s, 1),
         o.options.num_slots,
         ring_num_landing(mode, 1, None),
-        compute=o.placement.compute_s,
-        link=o.placement.link_bytes_per_s,
+        **o.placement.plan_inputs(),
     )
     assert o.budget == want and o.resident_blocks == want.resident and o.device_weight_bytes <= o.options.hbm_budget
     assert f"predicted pass {want.pass_s:.4g} s" in o.describe()
@@ -318,3 +325,84 @@ def test_budget_chooses_the_slots_and_says_how_to_place_by_compute(caplog):
     o = offload(copy.deepcopy(ref), "blocks", CTX, mode="rank-local", num_slots="auto", hbm_budget=budget, example=(x,))
     assert torch.equal(o.model(x), ref(x)) and o.executor.num_slots == o.budget.num_slots in (2, 3, 4)
     _placed_as_planned(o, "rank-local")
+
+
+def test_device_tier_keeps_stored_shards_where_they_hold_less_than_the_block():
+    """FP8 shards hold half a block: the budget a plan leaves buys device-stored shards (loaded at the device's
+    copy rate, dequantised each pass), never where the shard is the block (BF16 on one rank)."""
+    from dlo_fn.plan.resident import layout_for
+
+    spec = _flux_like(bf16=True)
+    fp8 = lambda s: layout_for(s, 1, quantization="fp8")  # noqa: E731
+    compute, link, device = (1e-3,) * 12, 1e6, 4e9  # link-bound: a small block's load is two computes
+    ring = choose_resident(spec, 10**9, fp8, 2, 0, compute=compute, link=link)  # the whole model
+    minimum = frontier(spec, fp8, 2, 0, compute=compute, link=link)[0].device_weight_bytes
+    budget = minimum + 4_000
+    plain = choose_resident(spec, budget, fp8, 2, 0, compute=compute, link=link)
+    tiered = choose_resident(spec, budget, fp8, 2, 0, compute=compute, link=link, device_link=device)
+    assert ring.resident == tuple(range(12)) and plain.device_stored == ()
+    assert tiered.device_stored and not set(tiered.device_stored) & set(tiered.resident)
+    layout = fp8(with_resident(spec, tiered.resident))
+    shard = dict(zip((b for b in range(12) if b not in tiered.resident), (s.shard_bytes for s in layout.shards)))
+    stored = sum(shard[b] for b in tiered.device_stored)
+    assert (
+        tiered.device_weight_bytes == device_weight_bytes(with_resident(spec, tiered.resident), layout, 2, 0) + stored
+    )
+    assert tiered.device_weight_bytes <= budget and tiered.h2d_bytes_per_pass == sum(shard.values()) - stored
+    assert tiered.h2d_bytes_per_pass < plain.h2d_bytes_per_pass and tiered.pass_s < plain.pass_s
+    bf16 = choose_resident(spec, budget, _layout_of, 2, 0, compute=compute, link=link, device_link=device)
+    assert bf16.device_stored == ()
+    tiers = frontier(spec, fp8, 2, 0, compute=compute, link=link, device_link=device)
+    assert any(p.device_stored for p in tiers)
+    for a, b in zip(tiers, tiers[1:]):
+        assert a.device_weight_bytes < b.device_weight_bytes and a.pass_s > b.pass_s
+
+
+def test_pass_model_loads_device_stored_blocks_at_the_device_rate_and_adds_dequantising():
+    from dlo_fn.plan.resident import DeviceLoads
+
+    compute, h2d = (1.0, 1.0, 1.0), (4, 4, 4)
+    assert pass_ends(compute, h2d, 2, 1.0, 1) == (4.0 + 1 + 3 + 1 + 3 + 1,)  # each 4 s load after the last
+    fast = DeviceLoads(4.0, frozenset({0, 1, 2}), (0.5, 0.0, 0.25))
+    assert pass_ends(compute, h2d, 2, 1.0, 1, device=fast) == (1.0 + 1.5 + 1.0 + 1.25,)
+    resident = DeviceLoads(4.0, frozenset(), (0.5, 0.5, 0.5))  # a resident block (no load) is not dequantised
+    assert pass_ends(compute, (0, 0, 0), 2, 1.0, 1, device=resident) == (3.0,)
+
+
+def _platforms():
+    return ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("platform", _platforms())
+@pytest.mark.parametrize("mode", ["rank-local", "allgather"])
+@torch.no_grad()
+def test_device_stored_fp8_shards_equal_fake_quantize(mode, platform):
+    from dlo_fn.runtime.budget import Placement
+    from dlo_fn.runtime.dist import DistContext
+    from dlo_fn.runtime.platform import platform_for
+
+    ctx = CTX if platform == "cpu" else DistContext(0, 1, 0, platform_for(platform), None)
+    dev = ctx.platform.device
+    ref = toy(6, d=32)
+    want = fake_quantize(copy.deepcopy(ref).to(dev), "blocks")
+    minimum = _budgets(ref, mode, "fp8")[0]
+    placement = Placement((1e-3,) * 6, 1e6, "given", 1e9)  # a slow link: every shard the budget holds helps
+    o = offload(
+        copy.deepcopy(ref),
+        "blocks",
+        ctx,
+        mode=mode,
+        quantization="fp8",
+        hbm_budget=minimum + 15_000,
+        placement=placement,
+    )
+    for seed in range(3):
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed)).to(dev)
+        assert torch.equal(o.model(x), want(x))
+    stored = o.budget.device_stored
+    assert stored and o.store.device_blocks == frozenset(stored) and o.resident_blocks == ()
+    assert o.store.device_arena.device.type == dev.type
+    assert o.store.device_bytes == sum(o.layout.shards[b].shard_bytes for b in stored)
+    assert o.store.arena_bytes + o.store.device_bytes == o.layout.shard_bytes_per_rank  # each shard held once
+    assert o.device_weight_bytes == o.budget.device_weight_bytes <= o.options.hbm_budget
+    assert f"{len(stored)} blocks' stored shards on the device" in o.describe()

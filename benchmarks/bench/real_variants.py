@@ -289,8 +289,7 @@ def fastest_budget(model, ctx, kwargs: dict, inputs: dict) -> int:
         lambda s: layout_for(s, 1, quantization=q),
         kwargs.get("num_slots", 2),
         0,
-        compute=placed.compute_s,
-        link=placed.link_bytes_per_s,
+        **placed.plan_inputs(),
     )
     return at_speed(plans).device_weight_bytes
 
@@ -305,6 +304,7 @@ def budget_facts(o) -> dict:
         "placed_by": placed.source if placed else "bytes",
         "plan_num_slots": o.budget.num_slots,
         "resident_block_ids": list(o.budget.resident),
+        "device_stored_block_ids": list(o.budget.device_stored),
     }
     if placed is not None:
         facts.update(
@@ -313,6 +313,7 @@ def budget_facts(o) -> dict:
             predicted_to_compute=o.budget.pass_s / sum(placed.compute_s),
             block_compute_s=list(placed.compute_s),
             placement_link_bytes_per_s=placed.link_bytes_per_s,
+            placement_device_bytes_per_s=placed.device_bytes_per_s,
         )
     return facts
 

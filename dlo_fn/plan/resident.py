@@ -31,15 +31,25 @@ ones first: bytes ``3 3 1 1 1 1``, compute ``1 1 2 2 2 2``, ``m = 4`` gives ``R 
 
 **Pass time** (:func:`pass_seconds`; what the executor does, host issue time not modelled). Per pass, blocks in
 forward order with compute ``c_b``; the streamed ones numbered ``j`` in the ring's order across consecutive passes,
-each moving ``h_j`` bytes to this rank at ``link`` bytes/s (allgather: its local shard; the all-gather and FP8's
-dequantise are taken to hide behind the H2D stream)::
+each moving ``h_j`` bytes to this rank at ``link`` bytes/s (allgather: its local shard; the all-gather is taken to
+hide behind the H2D stream)::
 
     load_j    = max(load_{j-1} + h_{j-1} / link, done_{j-S})      start of the H2D (slot free, stream free)
     start_b   = max(done of the block before b, load_j + h_j / link if b is streamed load j)
     done_b    = start_b + c_b
 
 The pass time is the steady state, the mean period over consecutive passes (the ring wraps from the last block to
-the first of the next pass); at least ``max(sum c_b, sum h_j / link)``.
+the first of the next pass); at least ``max(sum c_b, sum h_j / link)``. With :class:`DeviceLoads` (the device's
+copy rate, priced where ``device_link`` is given): a device-stored block's load runs at that rate instead, and each
+ring block's dequantise (FP8 shards: it reads the stored block and writes the slot, ``(stored + slot) / (2 x
+device copy rate)``) adds to its compute.
+
+**Device-stored shards** (a third tier, beside resident and streamed from the host). Where a streamed block's
+stored shard holds less than the block resident (FP8 shards; a ``1/W`` shard in allgather mode) and blocks are
+laid out one by one, :func:`choose_resident` with ``device_link`` spends what a plan leaves of the budget on
+keeping streamed blocks' shards on the device: they stay in the ring (slot, all-gather, dequantise) and their loads
+copy from device memory. :meth:`_Pricer.filled` picks them (the fastest of the spread's kept sets and the blocks
+whose loads most outlast their compute), only where the pass is predicted faster.
 
 **The plan.** :func:`with_resident` moves the resident blocks' tensors into the spec's resident tensors (named
 ``<block>.<tensor>``), so the layout, the ring, the schedule and the timeline are those of the streamed blocks
@@ -48,6 +58,7 @@ only (the ring is shorter; lowering never sees a resident block's load), and ``t
 **Device weight bytes** of a plan (what ``Offloaded.device_weight_bytes`` reports; :func:`device_weight_bytes`)::
 
     S x slot + N x landing + S_q x staging  +  resident bytes (non-block tensors + resident blocks)
+                                             +  device-stored shards
 
 with ``S_q = S`` for quantised shards (else 0); every block resident is ``total_bytes`` and no ring at all.
 :func:`frontier` lists the plans worth having, device bytes against streamed bytes (with ``compute=`` and ``link=``:
@@ -79,6 +90,8 @@ __all__ = [
     "ResidentChoice",
     "frontier",
     "choose_resident",
+    "price_plan",
+    "DeviceLoads",
     "BudgetError",
 ]
 
@@ -121,22 +134,32 @@ PASSES = 6  # consecutive passes the pass time is averaged over (the first, from
 
 
 def pass_ends(
-    compute_s: tuple[float, ...], h2d_bytes: tuple[int, ...], num_slots: int, link_bytes_per_s: float, passes: int
+    compute_s: tuple[float, ...],
+    h2d_bytes: tuple[int, ...],
+    num_slots: int,
+    link_bytes_per_s: float,
+    passes: int,
+    *,
+    device: "DeviceLoads | None" = None,
 ) -> tuple[float, ...]:
     """When each of ``passes`` consecutive passes ends (its last compute), from idle streams and empty slots at 0,
     by the recurrence of the module docstring. ``h2d_bytes[b]``: the bytes block ``b``'s load moves to this rank,
-    0 for a resident block."""
+    0 for a resident block. ``device``: the blocks loaded from device memory and each block's dequantise."""
     if len(compute_s) != len(h2d_bytes) or num_slots < 1 or link_bytes_per_s <= 0:
         raise ValueError("pass_ends needs one compute and one h2d entry per block, num_slots >= 1 and link > 0")
+    rate = (link_bytes_per_s,) * len(h2d_bytes)
+    if device is not None:
+        rate = tuple(device.bytes_per_s if b in device.stored else link_bytes_per_s for b in range(len(h2d_bytes)))
+        compute_s = tuple(c + (d if h else 0.0) for c, d, h in zip(compute_s, device.dequant_s, h2d_bytes))
     done: list[float] = []  # the compute end of each streamed load so far
     h2d_free = t = 0.0
     ends = []
     for _ in range(passes):
-        for c, h in zip(compute_s, h2d_bytes):
+        for c, h, r in zip(compute_s, h2d_bytes, rate):
             if h:
                 j = len(done)
                 start = max(h2d_free, done[j - num_slots] if j >= num_slots else 0.0)
-                h2d_free = start + h / link_bytes_per_s
+                h2d_free = start + h / r
                 t = max(t, h2d_free)
             t += c
             if h:
@@ -146,12 +169,28 @@ def pass_ends(
 
 
 def pass_seconds(
-    compute_s: tuple[float, ...], h2d_bytes: tuple[int, ...], num_slots: int, link_bytes_per_s: float
+    compute_s: tuple[float, ...],
+    h2d_bytes: tuple[int, ...],
+    num_slots: int,
+    link_bytes_per_s: float,
+    *,
+    device: "DeviceLoads | None" = None,
 ) -> float:
     """The steady-state seconds of one pass (module docstring): the mean period of :data:`PASSES` consecutive
     passes after the first."""
-    ends = pass_ends(compute_s, h2d_bytes, num_slots, link_bytes_per_s, PASSES)
+    ends = pass_ends(compute_s, h2d_bytes, num_slots, link_bytes_per_s, PASSES, device=device)
     return (ends[-1] - ends[0]) / (PASSES - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLoads:
+    """What the pass model needs beyond the H2D link: the device's copy rate (bytes/s), the blocks whose stored
+    shards are on the device (their loads copy at that rate), and each block's dequantise seconds (0 unless the
+    shards are quantised), added to a ring block's compute."""
+
+    bytes_per_s: float
+    stored: frozenset[int]
+    dequant_s: tuple[float, ...]
 
 
 def with_resident(spec: ModelSpec, resident: tuple[int, ...]) -> ModelSpec:
@@ -209,19 +248,22 @@ def ring_num_landing(mode: str, num_shards: int, num_landing: int | None, load_g
 @dataclass(frozen=True, slots=True)
 class ResidentChoice:
     """The blocks kept resident for a budget, the device weight bytes of that plan, the bytes one pass moves to
-    each rank (its streamed shards; FP8: as stored), the ring's slots, and the predicted pass seconds (None: no
-    compute given)."""
+    each rank over the H2D link (its streamed shards; FP8: as stored), the ring's slots, the predicted pass seconds
+    (None: no compute given), and the streamed blocks whose stored shards this rank keeps on the device (loaded
+    from there; empty without a device tier)."""
 
     resident: tuple[int, ...]
     device_weight_bytes: int
     h2d_bytes_per_pass: int
     num_slots: int = 2
     pass_s: float | None = None
+    device_stored: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         return {
             "resident_blocks": list(self.resident),
             "num_resident": len(self.resident),
+            "device_stored_blocks": list(self.device_stored),
             "device_weight_bytes": self.device_weight_bytes,
             "h2d_bytes_per_pass": self.h2d_bytes_per_pass,
             "num_slots": self.num_slots,
@@ -230,11 +272,13 @@ class ResidentChoice:
 
 
 class _Pricer:
-    """Prices resident sets as plans (device bytes, streamed bytes, pass time). ``layout_of`` of every streamed spec
-    is the exact price; searching hundreds of sets uses the layout of every block cut to the streamed ones, which is
-    the same wherever blocks are laid out one by one (load group 1), and the plans kept are priced again exactly."""
+    """Prices plans (device bytes, streamed bytes, pass time). ``layout_of`` of every streamed spec is the exact
+    price; searching hundreds of sets uses the layout of every block cut to the streamed ones, which is the same
+    wherever blocks are laid out one by one (load group 1), and the plans kept are priced again exactly.
+    ``device_link`` (bytes/s of a device copy) prices dequantising and, where the layout allows it
+    (:meth:`tiered`), the device-stored tier."""
 
-    def __init__(self, spec, layout_of, num_landing, compute, link) -> None:
+    def __init__(self, spec, layout_of, num_landing, compute, link, device_link=None) -> None:
         self.spec, self.layout_of, self.num_landing, self.compute, self.link = (
             spec,
             layout_of,
@@ -242,9 +286,18 @@ class _Pricer:
             compute,
             link,
         )
+        self.device_link = device_link
         self.whole = layout_of(spec)
         self.block_bytes = spec.block_bytes
         self.layouts: dict[tuple[tuple[int, ...], bool], tuple[ModelLayout, int]] = {}
+        self.priced: dict[tuple, ResidentChoice] = {}
+
+    @property
+    def tiered(self) -> bool:
+        """Whether a streamed block's stored shard is worth keeping on the device: it holds less than the block
+        resident (quantised, or a 1/W shard) and the layout loads block by block."""
+        w = self.whole
+        return self.device_link is not None and (w.quantized or w.num_shards > 1) and w.load_group == 1
 
     def _layout(self, resident: tuple[int, ...], exact: bool) -> tuple[ModelLayout, int]:
         """The streamed blocks' layout and the resident bytes beside it."""
@@ -265,21 +318,73 @@ class _Pricer:
                 self.layouts[resident, exact] = cut, self.spec.resident_bytes + kept
         return self.layouts[resident, exact]
 
-    def __call__(self, resident: tuple[int, ...], num_slots: int, exact: bool = False) -> ResidentChoice:
+    def __call__(
+        self, resident: tuple[int, ...], num_slots: int, exact: bool = False, stored: tuple[int, ...] = ()
+    ) -> ResidentChoice:
+        key = (resident, num_slots, exact or self.whole.load_group != 1, stored)
+        if key not in self.priced:
+            self.priced[key] = self._price(resident, num_slots, exact, stored)
+        return self.priced[key]
+
+    def _price(self, resident: tuple[int, ...], num_slots: int, exact: bool, stored: tuple[int, ...]) -> ResidentChoice:
         spec, compute = self.spec, self.compute
         if len(resident) == spec.num_blocks:
             return ResidentChoice(resident, spec.total_bytes, 0, num_slots, None if compute is None else sum(compute))
         layout, resident_bytes = self._layout(resident, exact)
+        streamed = [b for b in range(spec.num_blocks) if b not in set(resident)]
+        shard = dict(zip(streamed, (s.shard_bytes for s in layout.shards)))
+        on_device = sum(shard[b] for b in stored)
         pass_s = None
         if compute is not None:
-            shard = iter(s.shard_bytes for s in layout.shards)
-            h2d = tuple(0 if b in resident else next(shard) for b in range(spec.num_blocks))
-            pass_s = pass_seconds(compute, h2d, num_slots, self.link)
-        dev = buffer_bytes(layout, num_slots, self.num_landing) + resident_bytes
-        return ResidentChoice(resident, dev, layout.shard_bytes_per_rank, num_slots, pass_s)
+            h2d = tuple(shard.get(b, 0) for b in range(spec.num_blocks))
+            device = None
+            if self.device_link is not None:
+                dq = [0.0] * spec.num_blocks
+                if layout.quantized:  # reads the stored block, writes the slot's: both through device memory
+                    for j, b in enumerate(streamed):
+                        moved = layout.shards[j].padded_bytes + layout.compute_block(j).nbytes
+                        dq[b] = moved / (2 * self.device_link)
+                device = DeviceLoads(self.device_link, frozenset(stored), tuple(dq))
+            pass_s = pass_seconds(compute, h2d, num_slots, self.link, device=device)
+        dev = buffer_bytes(layout, num_slots, self.num_landing) + resident_bytes + on_device
+        return ResidentChoice(resident, dev, layout.shard_bytes_per_rank - on_device, num_slots, pass_s, stored)
 
     def exactly(self, plans: list[ResidentChoice]) -> list[ResidentChoice]:
-        return [self(p.resident, p.num_slots, exact=True) for p in plans]
+        return [self(p.resident, p.num_slots, exact=True, stored=p.device_stored) for p in plans]
+
+    def filled(self, plan: ResidentChoice, budget_bytes: int) -> ResidentChoice:
+        """``plan`` with the budget it leaves spent on device-stored shards, as many of its streamed blocks as fit,
+        where that is predicted faster: the fastest of the sets the spread keeps (by compute: the loads hardest to
+        hide; by bytes) and the blocks taken greedily by how far their load outlasts their compute."""
+        left = budget_bytes - plan.device_weight_bytes
+        layout, _ = self._layout(plan.resident, False)
+        shard = tuple(s.shard_bytes for s in layout.shards)
+        if not shard or left < min(shard):
+            return plan
+        streamed = [b for b in range(self.spec.num_blocks) if b not in set(plan.resident)]
+        steps = 4 * len(streamed)
+
+        def spread(weights) -> tuple[int, ...]:  # the least streamed fraction whose kept shards fit (bisection)
+            lo, hi = 0, steps
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if sum(shard[i] for i in spread_resident(shard, mid, steps, weights)) <= left:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            kept = spread_resident(shard, lo, steps, weights)
+            return kept if sum(shard[i] for i in kept) <= left else ()
+
+        compute = tuple(self.compute[b] for b in streamed)
+        weights = compute_weights(compute, self.link)
+        greedy, room = [], left
+        for i in sorted(range(len(shard)), key=lambda i: compute[i] - shard[i] / self.link):
+            if shard[i] <= room:
+                greedy.append(i)
+                room -= shard[i]
+        sets = {spread(weights if sum(weights) else None), spread(None), tuple(sorted(greedy))} - {()}
+        plans = [self(plan.resident, plan.num_slots, exact=True, stored=tuple(streamed[i] for i in k)) for k in sets]
+        return min([plan, *plans], key=_fastest)  # kept only where it is predicted faster
 
 
 def _spread_sets(spec: ModelSpec, weights: tuple[int, ...] | None) -> list[tuple[int, ...]]:
@@ -293,7 +398,7 @@ def _spread_sets(spec: ModelSpec, weights: tuple[int, ...] | None) -> list[tuple
     return out
 
 
-def _check_compute(spec: ModelSpec, compute, link, num_slots) -> None:
+def _check_compute(spec: ModelSpec, compute, link, num_slots, device_link=None) -> None:
     if (compute is None) != (link is None):
         raise ValueError("compute= and link= come together (seconds per block, in block order; bytes/s)")
     if compute is not None and (len(compute) != spec.num_blocks or any(c < 0 for c in compute) or link <= 0):
@@ -303,6 +408,38 @@ def _check_compute(spec: ModelSpec, compute, link, num_slots) -> None:
         )
     if num_slots == "auto" and compute is None:
         raise ValueError("num_slots='auto' with a budget compares predicted passes: pass compute= and link=")
+    if device_link is not None and (compute is None or device_link <= 0):
+        raise ValueError("device_link= (bytes/s of a device copy, > 0) prices passes: pass it with compute= and link=")
+
+
+def _priced(spec, layout_of, num_slots, num_landing, compute, link, device_link):
+    """The frontier's plans without a device tier, and the pricer that priced them."""
+    _check_compute(spec, compute, link, num_slots, device_link)
+    if compute is None:
+        return _frontier_by_bytes(spec, layout_of, num_slots, num_landing), None
+    weights = compute_weights(compute, link)
+    sets = [()] + (_spread_sets(spec, weights) if sum(weights) else []) + _spread_sets(spec, None)
+    price = _Pricer(spec, layout_of, num_landing, compute, link, device_link)
+    plans = [price(r, s) for s in _slot_counts(num_slots) for r in dict.fromkeys(sets)]
+    full = price(tuple(range(spec.num_blocks)), _slot_counts(num_slots)[0])
+    return tuple(_fastest_for_bytes(price.exactly(_fastest_for_bytes(plans, full)), full)) + (full,), price
+
+
+def _slot_counts(num_slots: int | str) -> tuple[int, ...]:
+    return (2, 3, 4) if num_slots == "auto" else (num_slots,)
+
+
+def _within(plans, price, budget_bytes: int, num_slots) -> list[ResidentChoice]:
+    """The plans that fit ``budget_bytes``; with a device tier, each with what the budget leaves spent on it."""
+    fits = [p for p in plans if p.device_weight_bytes <= budget_bytes]
+    if price is None or not price.tiered:
+        return fits
+    rings = [price((), s) for s in _slot_counts(num_slots)]  # the ring alone leaves the most to the tier
+    fits += [r for r in rings if r.device_weight_bytes <= budget_bytes and r not in fits]
+    return [price.filled(p, budget_bytes) for p in fits]
+
+
+TIER_POINTS = 48  # budgets between the ring alone and the whole model the tiered frontier is priced at
 
 
 def frontier(
@@ -313,22 +450,28 @@ def frontier(
     *,
     compute: tuple[float, ...] | None = None,
     link: float | None = None,
+    device_link: float | None = None,
 ) -> tuple[ResidentChoice, ...]:
     """Every plan :func:`choose_resident` can pick, from the ring alone to the whole model resident, each holding
     more than the one before. Without ``compute``: spread by bytes, each streaming less than the one before (with
     a link, the bound ``max(compute, h2d_bytes_per_pass / link)``). With ``compute`` (seconds per block, in block
     order) and ``link`` (bytes/s): the sets spread by compute and by bytes, priced by :func:`pass_seconds`, each
-    predicted faster than the one before; ``num_slots="auto"``: for S in 2..4."""
-    _check_compute(spec, compute, link, num_slots)
-    if compute is None:
-        return _frontier_by_bytes(spec, layout_of, num_slots, num_landing)
-    weights = compute_weights(compute, link)
-    sets = [()] + (_spread_sets(spec, weights) if sum(weights) else []) + _spread_sets(spec, None)
-    slots = (2, 3, 4) if num_slots == "auto" else (num_slots,)
-    price = _Pricer(spec, layout_of, num_landing, compute, link)
-    plans = [price(r, s) for s in slots for r in dict.fromkeys(sets)]
-    full = price(tuple(range(spec.num_blocks)), slots[0])
-    return tuple(_fastest_for_bytes(price.exactly(_fastest_for_bytes(plans, full)), full)) + (full,)
+    predicted faster than the one before; ``num_slots="auto"``: for S in 2..4. With ``device_link`` (bytes/s of a
+    device copy): dequantising priced, and where stored shards are smaller than resident blocks, the device-stored
+    tier's plans at :data:`TIER_POINTS` budgets."""
+    plans, price = _priced(spec, layout_of, num_slots, num_landing, compute, link, device_link)
+    if price is None or not price.tiered:
+        return plans
+    lo, hi = plans[0].device_weight_bytes, plans[-1].device_weight_bytes
+    budgets = sorted(
+        {p.device_weight_bytes for p in plans} | {lo + (hi - lo) * i // TIER_POINTS for i in range(TIER_POINTS)}
+    )
+    best = [min(_within(plans, price, b, num_slots), key=_fastest) for b in budgets]
+    return tuple(_fastest_for_bytes(list(dict.fromkeys(best)), plans[-1])) + (plans[-1],)
+
+
+def _fastest(p: ResidentChoice) -> tuple:
+    return (p.pass_s, p.device_weight_bytes)
 
 
 def _fastest_for_bytes(plans: list[ResidentChoice], full: ResidentChoice) -> list[ResidentChoice]:
@@ -371,19 +514,21 @@ def choose_resident(
     *,
     compute: tuple[float, ...] | None = None,
     link: float | None = None,
+    device_link: float | None = None,
 ) -> ResidentChoice:
     """The plan of the :func:`frontier` within ``budget_bytes`` of device weight bytes (``layout_of`` lays out a
     streamed spec as the runtime will) that streams the least, or with ``compute`` and ``link`` is predicted
-    fastest (ties: fewer device bytes): everything resident where the whole model fits; :class:`BudgetError`
-    naming the minimum (nothing resident, the ring alone) below it."""
-    _check_compute(spec, compute, link, num_slots)
+    fastest (ties: fewer device bytes); with ``device_link``, the budget a plan leaves goes to device-stored shards
+    where they are smaller than resident blocks. Everything resident where the whole model fits;
+    :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
+    _check_compute(spec, compute, link, num_slots, device_link)
     slots = 2 if num_slots == "auto" else num_slots
     if budget_bytes >= spec.total_bytes:
         return ResidentChoice(
             tuple(range(spec.num_blocks)), spec.total_bytes, 0, slots, None if compute is None else sum(compute)
         )
-    plans = frontier(spec, layout_of, num_slots, num_landing, compute=compute, link=link)
-    fits = [p for p in plans if p.device_weight_bytes <= budget_bytes]
+    plans, price = _priced(spec, layout_of, num_slots, num_landing, compute, link, device_link)
+    fits = _within(plans, price, budget_bytes, num_slots)
     if not fits:
         need = min(p.device_weight_bytes for p in plans)
         raise BudgetError(
@@ -392,7 +537,24 @@ def choose_resident(
         )
     if compute is None:
         return min(fits, key=lambda p: p.h2d_bytes_per_pass)
-    return min(fits, key=lambda p: (p.pass_s, p.device_weight_bytes))
+    return min(fits, key=_fastest)
+
+
+def price_plan(
+    spec: ModelSpec,
+    plan: ResidentChoice,
+    layout_of: Callable[[ModelSpec], ModelLayout],
+    num_landing: int,
+    *,
+    compute: tuple[float, ...],
+    link: float,
+    device_link: float | None = None,
+) -> ResidentChoice:
+    """``plan`` (its resident set, slots and device-stored blocks) priced again with ``compute``, ``link`` and
+    ``device_link``: what another measurement of the same model predicts for it."""
+    _check_compute(spec, compute, link, plan.num_slots, device_link)
+    price = _Pricer(spec, layout_of, num_landing, compute, link, device_link)
+    return price(plan.resident, plan.num_slots, exact=True, stored=plan.device_stored)
 
 
 def at_speed(plans: tuple[ResidentChoice, ...], within: float = 0.01) -> ResidentChoice:

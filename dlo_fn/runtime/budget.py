@@ -8,9 +8,16 @@ the host store see the streamed blocks only.
 
 **Placed by compute.** With ``example=`` (one call's inputs, timed through the plain probe of
 :func:`dlo_fn.runtime.auto.time_one_call`) or ``workload=`` (a :class:`~dlo_fn.plan.workload.Workload`: the policy's
-FLOP model of each block at a measured matmul rate), :func:`block_compute` gives the plan each block's compute and
-the H2D link (block 0's pinned copy), rank 0's on every rank, and the plan places by compute, predicts the pass and,
-with ``num_slots="auto"``, chooses the slots. Without either: placed by bytes.
+FLOP model of each block at a measured matmul rate), :func:`block_compute` gives the plan each block's compute, the
+H2D link (block 0's pinned copy beside compute: :func:`~dlo_fn.runtime.probe.busy_h2d_rate`) and the device's copy
+rate, rank 0's on every rank, and the plan places by compute, predicts the pass (dequantising included) and, with
+``num_slots="auto"``, chooses the slots. Without either: placed by bytes.
+
+**Device-stored shards.** Where a streamed block's stored shard holds less than the block resident (FP8 shards; a
+``1/W`` shard in allgather mode), the budget a plan leaves may keep shards on the device: the host store puts
+them in one device buffer (:func:`~dlo_fn.runtime.host_store.with_device_blocks`), their loads copy from there at
+the device's rate, through the same ring (the slot, the all-gather, the dequantise), and nothing else changes. The
+plan keeps them only where it predicts a faster pass, so placed by bytes there are none.
 """
 
 from __future__ import annotations
@@ -35,19 +42,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """What the plan places resident blocks by: each block's compute seconds (block order), the H2D link and where
-    the seconds came from."""
+    """What the plan places resident blocks by: each block's compute seconds (block order), the H2D link, where
+    the seconds came from, and the device's copy rate (prices dequantising and the device-stored tier; None: not
+    priced)."""
 
     compute_s: tuple[float, ...]
     link_bytes_per_s: float
     source: str
+    device_bytes_per_s: float | None = None
+
+    def plan_inputs(self) -> dict:
+        """The keywords :func:`~dlo_fn.plan.resident.choose_resident` takes from it."""
+        by = {"compute": self.compute_s, "link": self.link_bytes_per_s}
+        return by | ({"device_link": self.device_bytes_per_s} if self.device_bytes_per_s else {})
 
 
 def block_compute(model: nn.Module, blocks: list, spec: ModelSpec, ctx, workload, example) -> Placement:
     """Each block's compute seconds and the H2D link for the plan (module docstring), rank 0's on every rank."""
     from dlo_fn.plan.workload import Workload
     from dlo_fn.runtime.auto import flop_per_s, time_one_call
-    from dlo_fn.runtime.probe import flat_block, probe_links
+    from dlo_fn.runtime.probe import busy_h2d_rate, device_copy_rate, flat_block
 
     workload = getattr(workload, "workload", workload)  # a start-up probe's workload
     if workload is not None and not isinstance(workload, Workload):
@@ -56,7 +70,8 @@ def block_compute(model: nn.Module, blocks: list, spec: ModelSpec, ctx, workload
             f"{type(workload).__name__}"
         )
     dtype = next(iter(blocks[0].state_dict().values())).dtype
-    link = probe_links(flat_block(blocks[0]), ctx, dtype=dtype).h2d_bytes_per_s
+    flat = flat_block(blocks[0])
+    link, device = busy_h2d_rate(flat, ctx.platform), device_copy_rate(flat, ctx.platform)
     if workload is not None:
         from dlo_fn.cost.auto import hidden_dim
         from dlo_fn.cost.topology import PolicyModel, block_flops
@@ -68,12 +83,17 @@ def block_compute(model: nn.Module, blocks: list, spec: ModelSpec, ctx, workload
         flops = (
             block_flops(pmodel, workload.tokens, workload.cfg_branches, n / dtype.itemsize) for n in spec.block_bytes
         )
-        picked = [tuple(f / rate for f in flops), link, "the workload's FLOPs"]
+        picked = [tuple(f / rate for f in flops), link, "the workload's FLOPs", device]
     else:
-        picked = [time_one_call(model, blocks, ctx.platform, example)[0], link, "measured compute (example call)"]
+        picked = [
+            time_one_call(model, blocks, ctx.platform, example)[0],
+            link,
+            "measured compute (example call)",
+            device,
+        ]
     if ctx.group is not None and ctx.world_size > 1:
         torch.distributed.broadcast_object_list(picked, src=0, group=ctx.group)
-    return Placement(tuple(picked[0]), picked[1], picked[2])
+    return Placement(tuple(picked[0]), *picked[1:])
 
 
 def resident_blocks(
@@ -96,7 +116,7 @@ def resident_blocks(
             "compute-dtype weights; load the source checkpoint with quantization='fp8' instead"
         )
     o = options
-    by = {} if placement is None else {"compute": placement.compute_s, "link": placement.link_bytes_per_s}
+    by = {} if placement is None else placement.plan_inputs()
     choice = choose_resident(
         spec,
         o.hbm_budget,
@@ -118,6 +138,8 @@ def describe_choice(choice: ResidentChoice, spec: ModelSpec, placement: Placemen
         f"{len(choice.resident)} of {spec.num_blocks} blocks resident, {choice.device_weight_bytes} bytes of device "
         f"weights, {choice.num_slots} slots"
     )
+    if choice.device_stored:
+        text += f", {len(choice.device_stored)} streamed blocks' stored shards kept on the device"
     if placement is None:
         return text + "; placed by bytes (pass example= or workload= to place by compute and predict the pass)"
     return (

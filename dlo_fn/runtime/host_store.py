@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -57,6 +57,8 @@ __all__ = [
     "pin_in_place",
     "register_cuda",
     "build_host_store",
+    "with_device_blocks",
+    "cut_layout",
     "plain_fill",
     "tensor_bytes",
     "SOURCES",
@@ -180,6 +182,10 @@ class HostStore:
         self.layout, self.rank, self.sources, self.arena, self.how = layout, rank, sources, arena, how
         self._finalizer = finalizer
         self.num_pinned_blocks = layout.num_blocks if arena is not None else 0
+        self.pageable: tuple[int, ...] = () if arena is not None else tuple(range(layout.num_blocks))
+        # Device-stored blocks (an HBM budget's tier): their shards in one device buffer, loaded from there.
+        self.device_arena: torch.Tensor | None = None
+        self.device_blocks: frozenset[int] = frozenset()
         self.copied_ranges: tuple[tuple[int, int], ...] = ()  # source bytes copied into the arena
         # Seconds of the fill's phases (copy_s includes the first touch of pageable pages and runs beside the
         # registration of the ranges already filled; pin_s the registration left after it), its threads and the
@@ -189,7 +195,7 @@ class HostStore:
     @property
     def streamed_bytes(self) -> int:
         """Bytes per pass this rank's H2D reads from outside its arena (pageable: the mapping)."""
-        return sum(s.src.numel() for srcs in self.sources[self.num_pinned_blocks :] for s in srcs)
+        return sum(s.src.numel() for b in self.pageable for s in self.sources[b])
 
     @property
     def pinned(self) -> bool:
@@ -197,23 +203,25 @@ class HostStore:
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes this rank allocated for weights (0 for the shared-mmap source)."""
+        """Host bytes this rank allocated for weights (0 for the shared-mmap source)."""
         return 0 if self.arena is None else self.arena.numel()
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of the device-stored blocks' shards."""
+        return 0 if self.device_arena is None else self.device_arena.numel()
 
     def shard(self, block: int) -> torch.Tensor:
         """Rank-local shard of ``block`` in the arena (a view)."""
-        if self.arena is None:
-            raise ValueError("the mmap source has no arena; use .sources")
-        if block >= self.num_pinned_blocks:
-            raise ValueError(f"block {block} is streamed (a host budget pinned {self.num_pinned_blocks}); use .sources")
-        start = self.layout.shard_offsets[block]
-        return self.arena[start : start + self.layout.shards[block].shard_bytes]
+        if block in self.pageable:
+            raise ValueError(f"block {block} is read from the mapping (mmap source or a host budget); use .sources")
+        return self.sources[block][0].src  # one view of its arena (host or device)
 
     def close(self) -> None:
         """Unpin and drop the arena (views taken from it stay valid as pageable memory)."""
         if self._finalizer is not None:
             self._finalizer()  # type: ignore[operator]
-        self.arena = None
+        self.arena = self.device_arena = None
         self.sources = tuple(() for _ in self.sources)
 
 
@@ -275,6 +283,7 @@ def build_host_store(
     progress: bool = False,
     pinned_blocks: int | None = None,
     fill: Fill | None = None,
+    device_blocks: frozenset[int] = frozenset(),
 ) -> HostStore:
     """Fill this rank's store from the block tensors (typically zero-copy mmap views).
 
@@ -283,7 +292,20 @@ def build_host_store(
     ``pinned_blocks=k`` (a host budget, :mod:`dlo_fn.cost.host_budget`): only blocks ``0..k-1`` go into the
     arena (exact size: their shards); the H2D of every later block reads this rank's pieces straight from the
     tensors (pageable), which must then stay alive (the store holds them). ``fill``: who allocates and fills the
-    arena (module docstring; default :func:`plain_fill`); ``progress`` logs ``store.timings``."""
+    arena (module docstring; default :func:`plain_fill`); ``progress`` logs ``store.timings``. ``device_blocks``:
+    blocks whose shards go to one buffer on the platform's device instead (:func:`with_device_blocks`)."""
+    if device_blocks:
+        return with_device_blocks(
+            layout,
+            rank,
+            block_tensors,
+            platform,
+            device_blocks,
+            source=source,
+            progress=progress,
+            pinned_blocks=pinned_blocks,
+            fill=fill,
+        )
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if len(block_tensors) != layout.num_blocks:
@@ -344,4 +366,69 @@ def build_host_store(
     )
     store = HostStore(layout, rank, sources, arena, filled.how, filled.finalizer)
     store.num_pinned_blocks, store.copied_ranges, store.timings = k, filled.copied, timings
+    store.pageable = tuple(range(k, layout.num_blocks))
     return store
+
+
+def cut_layout(layout: ModelLayout, keep: Sequence[int]) -> ModelLayout:
+    """The layout of blocks ``keep`` alone (blocks laid out one by one: load group 1)."""
+    return replace(
+        layout,
+        shards=tuple(layout.shards[b] for b in keep),
+        compute=tuple(layout.compute[b] for b in keep) if layout.compute else (),
+    )
+
+
+def with_device_blocks(
+    layout: ModelLayout,
+    rank: int,
+    block_tensors: Sequence[Mapping[str, torch.Tensor]],
+    platform: Platform,
+    device_blocks: frozenset[int],
+    **host: Any,
+) -> HostStore:
+    """The store of :func:`build_host_store` (``host``: its keywords) with blocks ``device_blocks`` kept on the
+    device: their shards (this rank's pieces, gaps zeroed, as the arena would hold them) in one device buffer, which
+    their H2D ops then copy from; the other blocks' store as usual, sized for them alone."""
+    if layout.load_group != 1 or not set(device_blocks) <= set(range(layout.num_blocks)):
+        raise ValueError(
+            f"device-stored blocks {sorted(device_blocks)} need blocks of the layout (0..{layout.num_blocks - 1}), "
+            f"laid out one by one (load group 1, not {layout.load_group})"
+        )
+    on_host = [b for b in range(layout.num_blocks) if b not in device_blocks]
+    on_device = sorted(device_blocks)
+    store = None
+    if on_host:
+        store = build_host_store(
+            cut_layout(layout, on_host), rank, [block_tensors[b] for b in on_host], platform, **host
+        )
+    cut = cut_layout(layout, on_device)
+    shard_rank = rank if layout.num_shards > 1 else 0
+    arena = torch.zeros(cut.shard_bytes_per_rank, dtype=torch.uint8, device=platform.device)
+    sources: dict[int, tuple[H2DSource, ...]] = {}
+    for j, (b, base) in enumerate(zip(on_device, cut.shard_offsets)):
+        for p in cut.shards[j].pieces[shard_rank]:
+            src = tensor_bytes(_check_tensor(cut, j, p.tensor, block_tensors[b].get(p.tensor)))
+            arena[base + p.dst_start : base + p.dst_stop].copy_(src[p.src_start : p.src_stop])
+        sources[b] = (H2DSource(arena[base : base + cut.shards[j].shard_bytes], 0),)
+    platform.synchronize()  # the loads read the buffer from the executor's streams
+    if store is not None:
+        sources.update(zip(on_host, store.sources))
+    merged = HostStore(
+        layout,
+        rank,
+        tuple(sources[b] for b in range(layout.num_blocks)),
+        None if store is None else store.arena,
+        "none" if store is None else store.how,
+        None if store is None else store._finalizer,
+    )
+    if store is not None:
+        merged.num_pinned_blocks, merged.copied_ranges, merged.timings = (
+            store.num_pinned_blocks,
+            store.copied_ranges,
+            store.timings,
+        )
+        store._finalizer = None  # the merged store unpins the arena
+    merged.pageable = tuple(on_host[i] for i in (store.pageable if store is not None else ()))
+    merged.device_arena, merged.device_blocks = arena, frozenset(device_blocks)
+    return merged

@@ -116,7 +116,7 @@ class Offloaded:
         if self.executor is None:
             return self.spec.total_bytes
         kept = sum(self.spec.blocks[b].nbytes for b in self.resident_blocks)
-        return self.executor.device_weight_bytes + self.spec.resident_bytes + kept
+        return self.executor.device_weight_bytes + self.spec.resident_bytes + kept + self.store.device_bytes
 
     @property
     def pinned_host_bytes(self) -> int:
@@ -146,6 +146,8 @@ class Offloaded:
             f"{self.ctx.platform.device}"
         )
         text += f"; {len(self.resident_blocks)} blocks resident (hbm_budget)" if self.resident_blocks else ""
+        stored = len(self.store.device_blocks)
+        text += f"; {stored} blocks' stored shards on the device (hbm_budget)" if stored else ""
         text += f", predicted pass {self.budget.pass_s:.4g} s" if getattr(self.budget, "pass_s", None) else ""
         how = f"auto: {self.auto.why()}" if self.auto is not None else "set by the caller (no auto field)"
         return f"{text}\n{how}"
@@ -259,6 +261,12 @@ def offload(
     return _build(model, paths, spec, ctx, options, mesh, t0, choice, placement, slots)
 
 
+def _streamed_indices(spec: ModelSpec, resident: tuple[int, ...], blocks: tuple[int, ...]) -> frozenset[int]:
+    """Blocks ``blocks`` of ``spec`` numbered among its streamed ones (those not in ``resident``)."""
+    streamed = [b for b in range(spec.num_blocks) if b not in set(resident)]
+    return frozenset(streamed.index(b) for b in blocks)
+
+
 class _Laps:
     """Seconds between marks, by name (``Offloaded.timings``)."""
 
@@ -370,11 +378,12 @@ def _build(
     entries = [e for b, e in enumerate(_block_lists(model, paths)) if b not in resident]
     states = [block_state(lst[i]) for lst, i in entries]
     source = options.rank_local_source if options.mode == "rank-local" else "pinned"
-    pinned = None
+    pinned, on_device = None, _streamed_indices(full, resident, getattr(chosen, "device_stored", ()))
     if options.pinned_budget_bytes is not None and source == "pinned":
         from dlo_fn.cost.host_budget import pinned_prefix  # the host-budget model, only when a budget is set
 
-        pinned = pinned_prefix(tuple(sh.shard_bytes for sh in layout.shards), options.pinned_budget_bytes)
+        host = tuple(sh.shard_bytes for b, sh in enumerate(layout.shards) if b not in on_device)
+        pinned = pinned_prefix(host, options.pinned_budget_bytes)
     tensors = [t for t, _ in states]
     if stored is not None:  # the pieces are read from the stored weights (FP8 and scales), this rank's only
         rank = shards.rank if num_shards > 1 else 0
@@ -388,6 +397,7 @@ def _build(
         progress=options.progress and ctx.is_main,
         pinned_blocks=pinned,
         fill=_filler(options, ctx),
+        device_blocks=on_device,
     )
     lap("store_s")
     aliases = [a for _, a in states]
@@ -417,7 +427,7 @@ def _build(
         budget.quantize_resident(model, full, resident, exclude, options)
     lap("to_device_s")
     # The store holds its copies now; a mapping still open would keep every page this rank read charged to it.
-    streams = store.num_pinned_blocks < layout.num_blocks
+    streams = bool(store.pageable)
     release = None if source == "mmap" else release_mapped_tensors(model, files, warn=not streams)
     if release is not None and streams:
         # Partly pinned: the mapping stays for the streamed blocks; drop the pages already copied out.

@@ -14,7 +14,7 @@ import torch
 from dlo_fn.cost.auto import LinkRates
 from dlo_fn.runtime.dist import DistContext, all_gather_bytes
 
-__all__ = ["best_s", "flat_block", "probe_links"]
+__all__ = ["best_s", "flat_block", "probe_links", "device_copy_rate", "busy_h2d_rate"]
 
 A2A_CAP_BYTES = 64 << 20  # per rank: bounds the probe's all-to-all on a long video
 
@@ -33,6 +33,39 @@ def best_s(fn, platform, reps: int) -> float:
 
 def flat_block(block: torch.nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).view(torch.uint8).cpu() for t in block.state_dict().values()])
+
+
+def device_copy_rate(flat: torch.Tensor, platform, reps: int = 3) -> float:
+    """Bytes/s of copying ``flat``'s bytes within the device (each byte counted once: it is read and written)."""
+    src = flat.to(platform.device)
+    dst = torch.empty_like(src)
+    return src.numel() / best_s(lambda: dst.copy_(src), platform, reps)
+
+
+def busy_h2d_rate(flat: torch.Tensor, platform, reps: int = 3) -> float:
+    """Bytes/s of the pinned H2D of ``flat`` while the device computes (square matmuls queued on another stream
+    for about twice the copy): the link a streamed load gets beside a block's compute, which a plan balancing
+    the two runs at. Off accelerators (no copy beside compute): the copy alone."""
+    dev = platform.device
+    staged = flat.pin_memory() if platform.supports_pinned else flat
+    dst = torch.empty_like(flat, device=dev)
+    copy_s = best_s(lambda: dst.copy_(staged, non_blocking=True), platform, reps)
+    if not platform.is_accelerator:
+        return flat.numel() / copy_s
+    a = torch.ones(4096, 4096, dtype=torch.bfloat16, device=dev)
+    matmuls = int(2 * copy_s / best_s(lambda: a @ a, platform, reps)) + 1
+    side, best = platform.new_stream("probe"), float("inf")
+    for _ in range(reps):
+        with platform.use_stream(side):
+            for _ in range(matmuls):
+                a @ a
+        start, end = platform.new_event(timing=True), platform.new_event(timing=True)
+        start.record()
+        dst.copy_(staged, non_blocking=True)
+        end.record()
+        platform.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return flat.numel() / best
 
 
 def probe_links(
