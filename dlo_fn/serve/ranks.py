@@ -22,8 +22,9 @@ from dlo_fn.runtime.platform import platform_for
 __all__ = ["START_METHODS", "rank_context", "run_ranks"]
 
 START_METHODS = ("spawn", "forkserver")
-# What every rank imports before it runs anything: a fork server imports it once for all the ranks it forks.
-_FORKSERVER_PRELOAD = ("dlo_fn.serve.ranks", "dlo_fn.serve.local", "dlo_fn.serve.engine", "dlo_fn.runtime.mesh")
+# Most of what a rank imports before it runs anything (torch with them): a fork server imports it once for all
+# the ranks it forks. The rank entries themselves (this module, serve.local) import little more.
+_FORKSERVER_PRELOAD = ("dlo_fn.runtime.dist", "dlo_fn.runtime.mesh", "dlo_fn.serve.engine")
 
 
 def rank_context(start_method: str = "spawn") -> Any:
