@@ -18,10 +18,13 @@ $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	@touch $@
 
 # The tests and the notebooks in one run over $(WORKERS) processes (pytest-xdist): a file's tests stay together,
-# so its module fixtures are shared; each worker starts the multi-rank spawns of its own files.
+# so its module fixtures are shared; each multi-rank spawn that files share runs once, on one worker
+# (tests/conftest.py), and the others read its results. One OpenMP thread for every process that sets no count
+# of its own (the notebooks' kernels, commands the tests run): the models are tiny, and on a loaded machine a
+# second thread mostly spins waiting for a core.
 WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile -p no:cacheprovider --nbval --nbval-sanitize-with $(NB_SANITIZE) tests notebooks
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(WORKERS) --dist loadfile -p no:cacheprovider --nbval --nbval-sanitize-with $(NB_SANITIZE) tests notebooks
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

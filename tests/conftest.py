@@ -200,6 +200,7 @@ SCENARIOS = {  # world size -> name -> (module, function(ctx, *args), args)
         "lora": ("test_lora", "lora_rank", ()),
         "models_lora": ("test_models_lora", "lora_rank", (FixtureArg("tiny_checkpoint"),)),
         "serve_lora": ("test_serve_lora", "serve_rank", (FixtureArg("tiny_checkpoint"),)),
+        "policy_api": ("test_policy_api", "_rank", ()),
     },
     3: {
         "models_sp": ("test_models_sp", "_rank", ()),
@@ -223,9 +224,11 @@ def run_scenarios(ctx, scenarios: dict) -> dict:
     scenario left behind (its models, the mappings they hold) is collected before the next one starts."""
     import gc
     import importlib
+    import os
     import pickle
     import traceback
 
+    os.nice(19)  # yield to the tests' own processes (a forked rank has its fork server's niceness)
     out = {}
     for name, (module, function, args) in scenarios.items():
         try:
@@ -236,51 +239,129 @@ def run_scenarios(ctx, scenarios: dict) -> dict:
     return out
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_spawns(request):
-    """world size -> a future of every rank's results (``run_scenarios``). The spawns start with the session, one
-    after the other in a thread of their own that is niced (Linux: per thread, inherited by the ranks it
-    starts), so they use the core that the single-process tests leave idle and yield to everything else; a test
-    that needs one waits for it."""
-    import concurrent.futures
-    import multiprocessing.resource_tracker
-    import os
+class SharedSpawns:
+    """The shared spawns of one pytest process. Under pytest-xdist every worker collects every test, so each
+    would start every spawn; instead each world size belongs to one worker (round robin over the worker ids),
+    which runs it and writes every rank's results to a file in the run's temporary folder; a test on another
+    worker reads that file. A world that no worker started (a worker that got no tests) is run by the first
+    test that needs it. One pytest process without xdist owns every world."""
 
-    from dlo_fn.serve.ranks import run_ranks
+    def __init__(self, request, tmp_path_factory) -> None:
+        import concurrent.futures
+        import multiprocessing.forkserver
+        import os
 
-    # (notebook cells, collected in the same run by nbval, have no module)
-    selected = {getattr(getattr(item, "module", None), "__name__", None) for item in request.session.items}
-    jobs = {
-        world: {
-            name: (
-                module,
-                function,
-                tuple(request.getfixturevalue(a.name) if isinstance(a, FixtureArg) else a for a in args),
-            )
-            for name, (module, function, args) in scenarios.items()
-            if module in selected
+        from dlo_fn.serve.ranks import rank_context
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        # Every worker's base folder lies in the run's own folder, made fresh for each run.
+        self.folder = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
+        # (notebook cells, collected in the same run by nbval, have no module)
+        selected = {getattr(getattr(item, "module", None), "__name__", None) for item in request.session.items}
+        self.scenarios = {
+            world: {name: job for name, job in scenarios.items() if job[0] in selected}
+            for world, scenarios in SCENARIOS.items()
         }
-        for world, scenarios in SCENARIOS.items()
-    }
+        worlds = sorted(w for w, jobs in self.scenarios.items() if jobs)
+        index, count = (int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])) if worker else (0, 1)
+        # The ranks are forked from a fork server (they skip importing torch), started here in pytest's thread
+        # so that it, and the ranks of the tests that use it too, are not niced (run_scenarios nices its own).
+        rank_context("forkserver")
+        multiprocessing.forkserver.ensure_running()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
+        self.owned = {}
+        for world in worlds[index::count]:
+            if self._claim(world):
+                jobs = self._jobs(request, world)  # fixtures are set up here, in pytest's thread
+                self.owned[world] = self.pool.submit(self._run, world, jobs)
+
+    def _path(self, world: int, suffix: str):
+        return self.folder / f"shared-spawn-{world}.{suffix}"
+
+    def _claim(self, world: int) -> bool:
+        import os
+
+        try:
+            os.close(os.open(self._path(world, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+    def _jobs(self, request, world: int) -> dict:
+        def value(a):
+            return request.getfixturevalue(a.name) if isinstance(a, FixtureArg) else a
+
+        return {name: (m, f, tuple(map(value, args))) for name, (m, f, args) in self.scenarios[world].items()}
+
+    def _run(self, world: int, jobs: dict) -> None:
+        """Run the spawn and publish what it gave (every rank's results, or why it failed), atomically."""
+        import os
+        import pickle
+
+        from dlo_fn.serve.ranks import run_ranks
+
+        try:
+            ranks = run_ranks(run_scenarios, world, jobs, timeout_s=SHARED_TIMEOUT_S, start_method="forkserver")
+            answer = (True, ranks)
+        except BaseException as exc:  # noqa: BLE001 - every test of this world reports it
+            answer = (False, f"the shared spawn of {world} ranks failed: {type(exc).__name__}: {exc}")
+        part = self._path(world, "part")
+        part.write_bytes(pickle.dumps(answer))
+        os.replace(part, self._path(world, "pickle"))
+
+    def results(self, request, world: int) -> list:
+        """Every rank's results of the spawn of ``world`` ranks, waiting for it if it runs elsewhere."""
+        import pickle
+        import time
+
+        if world in self.owned:
+            self.owned[world].result()
+        path, deadline = self._path(world, "pickle"), time.monotonic() + 3 * SHARED_TIMEOUT_S
+        while not path.exists():
+            if self._claim(world):  # nobody started it, or its owner ended before it started (see close)
+                self._run(world, self._jobs(request, world))
+            elif time.monotonic() > deadline:
+                pytest.fail(f"the shared spawn of {world} ranks (another worker's) gave no results", pytrace=False)
+            time.sleep(0.2)
+        ok, value = pickle.loads(path.read_bytes())
+        if not ok:
+            pytest.fail(value, pytrace=False)
+        return value
+
+    def close(self) -> None:
+        """At the end of this process's tests: a spawn not started yet is given up (its claim too, so that a
+        worker still waiting for it runs it); one in progress ends, or times out and kills its ranks."""
+        for world, future in self.owned.items():
+            if future.cancel():
+                self._path(world, "claim").unlink()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_spawns(request, tmp_path_factory):
+    """The :class:`SharedSpawns` of this process. Its spawns start with the session, one after the other in a
+    thread of their own, on niced ranks, so they use the core that the single-process tests leave idle and
+    yield to everything else; a test that needs one waits for it."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
     # The semaphore tracker that every spawn shares starts here, under pytest's capture as it did when the
     # first spawn came from a test (a thread could start it between tests, and its exit-time warning about
     # serve_local's ranks' semaphores would then reach the terminal).
     multiprocessing.resource_tracker.ensure_running()
-    pool = concurrent.futures.ThreadPoolExecutor(1, "shared-spawns", initializer=os.nice, initargs=(19,))
-    futures = {
-        world: pool.submit(run_ranks, run_scenarios, world, jobs[world], timeout_s=SHARED_TIMEOUT_S)
-        for world in sorted(jobs)
-        if jobs[world]
-    }
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)  # a run in progress ends (or times out) and kills its ranks
+    spawns = SharedSpawns(request, tmp_path_factory)
+    yield spawns
+    spawns.close()
+    # The fork server (and with it the CPU time of the ranks it forked) is reaped here rather than left to exit
+    # on its own after this process: the time it took is then counted for whoever waits on pytest.
+    multiprocessing.forkserver._forkserver._stop()
 
 
 def scenario(request, world: int, name: str) -> list:
     """Every rank's result of scenario ``name`` on ``world`` ranks (the shared spawn runs when first asked)."""
     import pickle
 
-    results = [rank_out[name] for rank_out in request.getfixturevalue("shared_spawns")[world].result()]
+    results = [rank_out[name] for rank_out in request.getfixturevalue("shared_spawns").results(request, world)]
     failed = [f"--- rank {r} ---\n{text}" for r, (ok, text) in enumerate(results) if not ok]
     if failed:
         pytest.fail(f"scenario {name!r} on {world} ranks failed:\n" + "\n".join(failed), pytrace=False)

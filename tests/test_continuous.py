@@ -83,7 +83,7 @@ def whole(checkpoint):
         # Ring step 1: rank 1 holds the bird (5 steps); rank 0 the fox.
         Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="raise", step=1))),
     ]
-    return serve_local(checkpoint, phases, 2, join_timeout_s=200, grace_s=30)
+    return serve_local(checkpoint, phases, 2, start_method="forkserver", join_timeout_s=200, grace_s=30)
 
 
 @pytest.mark.slow
@@ -128,7 +128,7 @@ def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, mixed_expected
         _options(fault=Fault(rank=1, wave=0, kind="exit", step=4)),
         stream_gaps_s=(0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0),
     )
-    run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=30)
+    run = serve_local(checkpoint, [phase], 2, start_method="forkserver", join_timeout_s=90, grace_s=30)
     (report,) = run.reports
     bird = report.by_id()["req0001"]
     assert not bird.ok and bird.error.startswith("ring step 4 failed closed: rank 1 dead")
@@ -143,7 +143,7 @@ def test_dead_follower_leaves_rank_zero_serving_alone(checkpoint, mixed_expected
 @pytest.mark.timeout(120)
 def test_without_a_checkpoint_a_dead_follower_fails_the_step_closed(checkpoint, mixed_expected):
     phase = Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="exit", step=4)), recovery=False)
-    run = serve_local(checkpoint, [phase], 2, join_timeout_s=90, grace_s=5)
+    run = serve_local(checkpoint, [phase], 2, start_method="forkserver", join_timeout_s=90, grace_s=5)
     (report,) = run.reports
     res = report.by_id()
     assert res["req0000"].ok and res["req0000"].sha256 == mixed_expected["req0000"].sha256  # ended at step 2

@@ -59,7 +59,7 @@ def run(checkpoint):
         # Last (rank 3 dies): at ring step 1 replica 0 holds the fox, replica 1 (ranks 2, 3) the bird.
         Phase("allgather", SUBS, engine_options(**opts, fault=Fault(rank=3, wave=0, kind="exit", step=1))),
     ]
-    return serve_local(checkpoint, phases, 2, sp_size=2, join_timeout_s=200, grace_s=10)
+    return serve_local(checkpoint, phases, 2, sp_size=2, start_method="forkserver", join_timeout_s=200, grace_s=10)
 
 
 def _check(report, expected, skip=(), subs=SUBS):
@@ -160,7 +160,7 @@ def test_stall_on_an_sp_rank_names_it_and_not_its_partner(checkpoint):
         subs,
         engine_options(timeout_s=6.0, serving="continuous", fault=Fault(rank=3, wave=0, kind="stall", step=1)),
     )
-    run = serve_local(checkpoint, [phase], 2, sp_size=2, join_timeout_s=200, grace_s=5)
+    run = serve_local(checkpoint, [phase], 2, sp_size=2, start_method="forkserver", join_timeout_s=200, grace_s=5)
     report = run.reports[0]
     reason = report.by_id()["req0001"].error  # replica 1 (ranks 2, 3) held it
     assert reason.startswith("ring step 1 failed closed: rank 3 stalled"), reason

@@ -71,7 +71,7 @@ def test_raise_then_exit_on_three_ranks(checkpoint, mixed_expected):
         Phase("allgather", SUBS, engine_options(fault=Fault(rank=2, wave=0, kind="raise", step=1))),
         Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="exit", step=3))),
     ]
-    run = serve_local(checkpoint, phases, 3, join_timeout_s=200, grace_s=30)
+    run = serve_local(checkpoint, phases, 3, start_method="forkserver", join_timeout_s=200, grace_s=30)
     raised, died = run.reports
     _check(raised, mixed_expected, {"req0002": "rank 2: InjectedFault"})
     assert raised.degraded is None
@@ -96,6 +96,7 @@ def test_stalled_follower_on_three_ranks(checkpoint, mixed_expected):
         checkpoint,
         [Phase("allgather", SUBS, engine_options(fault=Fault(rank=1, wave=0, kind="stall", step=2)))],
         3,
+        start_method="forkserver",
         join_timeout_s=120,
         grace_s=4,
     )

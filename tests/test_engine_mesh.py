@@ -264,7 +264,13 @@ def test_a_rank_failing_between_all_to_alls_fails_the_wave_closed(six_heads, kin
     options = EngineOptions(timeout_s=timeout_s, grace_s=1.0, progress=False, fault=fault, serving="strict")
     t0 = time.perf_counter()
     run = serve_local(
-        six_heads, [Phase("allgather", SUBS[:2], options)], 1, sp_size=2, join_timeout_s=90, grace_s=1
+        six_heads,
+        [Phase("allgather", SUBS[:2], options)],
+        1,
+        sp_size=2,
+        start_method="forkserver",
+        join_timeout_s=90,
+        grace_s=1,
     )  # after rank 0's answer only a stalled rank 1 is left, to be killed
     wall_s = time.perf_counter() - t0
     (report,) = run.reports

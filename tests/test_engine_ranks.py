@@ -77,7 +77,7 @@ def whole(checkpoint):
         Phase("allgather", SUBS, _options(fault=Fault(rank=1, wave=0, kind="raise", step=1))),
     ]
     return serve_local(
-        checkpoint, phases, 2, join_timeout_s=200, grace_s=30
+        checkpoint, phases, 2, start_method="forkserver", join_timeout_s=200, grace_s=30
     )  # a clean exit may take long on a loaded 2-core machine
 
 
@@ -126,7 +126,7 @@ def _serve_with_fault(checkpoint, mode, fault):
     # grace_s: how long a rank still running after rank 0's answer may take to leave; only a stalled rank is
     # still there (the dead one is gone, rank 0's exit code is not checked), and it is to be killed anyway.
     phases = [Phase(mode, SUBS, _options(fault=fault))]
-    return serve_local(checkpoint, phases, 2, join_timeout_s=90, grace_s=1)
+    return serve_local(checkpoint, phases, 2, start_method="forkserver", join_timeout_s=90, grace_s=1)
 
 
 @pytest.mark.timeout(240)
@@ -180,3 +180,12 @@ def test_stream_keeps_idle_followers_alive_past_the_timeout(whole, expected):
     assert run.exitcodes == (0, 0)
     assert [w.rank_indices for w in report.waves] == [((0,), ()), ((1,), (2,))]
     assert all(r.ok and r.sha256 == expected[r.request_id].sha256 for r in report.results)
+
+
+def test_an_unknown_start_method_is_one_line(checkpoint):
+    from dlo_fn.serve.ranks import run_ranks
+
+    with pytest.raises(ValueError, match="start_method='fork': must be one of spawn, forkserver"):
+        serve_local(checkpoint, [], 1, start_method="fork")
+    with pytest.raises(ValueError, match="start_method='fork': must be one of spawn, forkserver"):
+        run_ranks(print, 2, start_method="fork")

@@ -93,7 +93,7 @@ def test_dp2_strict_and_continuous_allgather_and_rank_local(checkpoint, expected
         Phase("allgather", SUBS, engine_options(serving="strict", **cap)),
         Phase("rank-local", SUBS, engine_options(**cap)),
     ]
-    run = serve_local(checkpoint, phases, 2, join_timeout_s=200)
+    run = serve_local(checkpoint, phases, 2, start_method="forkserver", join_timeout_s=200)
     for report in run.reports:
         _check(report, expected)
     assert [r.serving for r in run.reports] == ["continuous", "strict", "strict"]
@@ -106,6 +106,7 @@ def test_sp2_replica_admits_on_its_per_rank_terms(checkpoint, expected):
         [Phase("allgather", SUBS, engine_options(memory_budget_bytes=CAP))],
         1,
         sp_size=2,
+        start_method="forkserver",
         join_timeout_s=200,
     )
     (report,) = run.reports

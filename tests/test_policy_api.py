@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+from conftest import scenario
 
 from dlo_fn.cost.auto import AUTO_FIELDS
 from dlo_fn.cost.topology import BlockCompute, PolicyModel, Topology
@@ -19,7 +20,6 @@ from dlo_fn.plan.workload import Workload
 from dlo_fn.runtime.dist import DistContext
 from dlo_fn.runtime.offload import offload
 from dlo_fn.runtime.platform import platform_for
-from dlo_fn.serve.ranks import run_ranks
 
 diffusers = pytest.importorskip("diffusers")
 from test_third_party import CASES  # noqa: E402  (needs diffusers)
@@ -172,8 +172,8 @@ def _disagreeing_inputs(ctx) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-def test_auto_on_two_gloo_ranks_agrees_and_is_bit_exact():
-    ranks = run_ranks(_rank, 2, timeout_s=600)
+def test_auto_on_two_gloo_ranks_agrees_and_is_bit_exact(request):
+    ranks = scenario(request, 2, "policy_api")  # the shared spawn of 2 ranks (conftest.SCENARIOS)
     for key in ranks[0]:
         if key == "agree":
             continue

@@ -18,7 +18,7 @@ def test_offload_and_run_on_two_ranks(tmp_path):
 
     ckpt = ensure_checkpoint(tmp_path)
     shape = dict(height=32, width=32, num_frames=5, num_inference_steps=1)
-    per_rank = run_ranks(offload_and_run, 2, str(ckpt), ["a", "b"], shape)
+    per_rank = run_ranks(offload_and_run, 2, str(ckpt), ["a", "b"], shape, start_method="forkserver")
     for rank, runs in enumerate(per_rank):
         assert [r.mode for r in runs] == ["allgather", "rank-local"]
         resident = generate(load_model(ckpt), Request(["a", "b"][rank], seed=rank, **shape)).video

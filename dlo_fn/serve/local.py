@@ -1,10 +1,11 @@
 """Serve requests on W local CPU ranks (gloo) that this call spawns: the demo's, the tests' and the bench's way in.
 
-:func:`serve_local` starts W = dp x sp fresh processes (``spawn``; ``torch.set_num_threads(threads_per_rank)``
-in each; with ``sp_size`` > 1 they form a (dp, sp) mesh, :func:`dlo_fn.runtime.mesh.build_mesh`, and the sp
-ranks of each replica run its requests together) joined by a ``file://`` rendezvous whose process-group timeout
-is the engine's ``timeout_s``. Each rank runs one or more :class:`Phase` in order; per phase it maps the
-checkpoint (mmap, zero-copy), wraps the model for the phase's mode (and shard group), builds an
+:func:`serve_local` starts W = dp x sp fresh processes (``spawn`` unless ``start_method`` says otherwise,
+:func:`dlo_fn.serve.ranks.rank_context`; ``torch.set_num_threads(threads_per_rank)`` in each; with
+``sp_size > 1`` they form a (dp, sp) mesh, :func:`dlo_fn.runtime.mesh.build_mesh`, and the sp ranks of each
+replica run its requests together) joined by a ``file://`` rendezvous whose process-group timeout is the
+engine's ``timeout_s``. Each rank runs one or more :class:`Phase` in order; per phase it maps the checkpoint
+(mmap, zero-copy), wraps the model for the phase's mode (and shard group), builds an
 :class:`~dlo_fn.serve.engine.Engine` and serves (rank 0) or follows. Rank 0 sends the reports back pickled;
 then the followers get ``grace_s`` to exit and anything still running (a stalled rank) is killed. Every rank's
 exit code is returned, so a test can see the rank that died.
@@ -225,16 +226,17 @@ def serve_local(
     join_timeout_s: float = 300.0,
     grace_s: float = 10.0,
     log_level: int = logging.WARNING,
+    start_method: str = "spawn",
 ) -> LocalRun:
     """Run ``phases`` on ``dp_size x sp_size`` spawned CPU ranks; see the module docstring. Raises
     ``RuntimeError`` with rank 0's traceback if it failed outside the engine, ``TimeoutError`` if it gave no
     answer within ``join_timeout_s`` (every process is then killed)."""
-    import multiprocessing as mp
+    from dlo_fn.serve.ranks import rank_context
 
     if dp_size < 1 or sp_size < 1:
         raise ValueError(f"dp_size and sp_size must be >= 1, got {dp_size} and {sp_size}")
     world = dp_size * sp_size
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(start_method)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # pipes, not queues: no semaphores to leak
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_serve_") as tmp:

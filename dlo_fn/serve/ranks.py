@@ -1,6 +1,7 @@
 """Local ranks: run a function in W fresh processes joined by a real process group (gloo on CPU; a device
 backend on GPUs), for tests, notebooks, benchmarks and ``demo``. :func:`run_ranks` kills its processes and raises
-``TimeoutError`` when they do not finish, and gathers every rank's result or traceback.
+``TimeoutError`` when they do not finish, and gathers every rank's result or traceback. :func:`rank_context`
+says how a rank process starts (for :func:`run_ranks` and :func:`dlo_fn.serve.local.serve_local`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,29 @@ import torch.distributed as dist
 from dlo_fn.runtime.dist import init_distributed
 from dlo_fn.runtime.platform import platform_for
 
-__all__ = ["run_ranks"]
+__all__ = ["START_METHODS", "rank_context", "run_ranks"]
+
+START_METHODS = ("spawn", "forkserver")
+# Most of what a rank imports before it runs anything (torch with them): a fork server imports it once for all
+# the ranks it forks. The rank entries themselves (this module, serve.local) import little more.
+_FORKSERVER_PRELOAD = ("dlo_fn.runtime.dist", "dlo_fn.runtime.mesh", "dlo_fn.serve.engine")
+
+
+def rank_context(start_method: str = "spawn") -> Any:
+    """The multiprocessing context that starts local ranks. ``"spawn"``: each rank is a fresh interpreter that
+    imports torch and dlo_fn itself. ``"forkserver"``: each rank is forked from one server process (per calling
+    process, started on first use) that imported them once, so a rank starts without that import. A forked
+    rank has the environment, working directory and niceness the caller had when the server started, and
+    shares the server's imported pages (so a rank's private memory counts less than under spawn: measure
+    memory under spawn). Raises ``ValueError`` for another method."""
+    import torch.multiprocessing as mp
+
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r}: must be one of {', '.join(START_METHODS)}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(_FORKSERVER_PRELOAD))  # no effect once the server runs
+    return ctx
 
 
 def _rank_main(
@@ -59,14 +82,14 @@ def run_ranks(
     timeout_s: float = 120.0,
     platform: str = "cpu",
     threads_per_rank: int = 1,
+    start_method: str = "spawn",
 ) -> list[Any]:
-    """Run ``fn(ctx: DistContext, *args)`` in ``world_size`` fresh processes (spawn) joined by a file://
-    rendezvous; return the results in rank order. ``fn`` must be importable (module level) and its result
-    picklable. Raises ``RuntimeError`` with the failing ranks' tracebacks, or ``TimeoutError`` after
-    ``timeout_s`` (the processes, which this call started, are then killed)."""
-    import torch.multiprocessing as mp
-
-    mpctx = mp.get_context("spawn")
+    """Run ``fn(ctx: DistContext, *args)`` in ``world_size`` fresh processes (started by ``start_method``, see
+    :func:`rank_context`) joined by a file:// rendezvous; return the results in rank order. ``fn`` must be
+    importable (module level) and its result picklable. Raises ``RuntimeError`` with the failing ranks'
+    tracebacks, or ``TimeoutError`` after ``timeout_s`` (the processes, which this call started, are then
+    killed)."""
+    mpctx = rank_context(start_method)
     results = mpctx.Queue()
     with tempfile.TemporaryDirectory(prefix="dlo_fn_ranks_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
