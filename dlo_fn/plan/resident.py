@@ -398,7 +398,7 @@ class _Pricer:
                 room -= shard[i]
         sets = {spread(weights if sum(weights) else None), spread(None), tuple(sorted(greedy))} - {()}
         plans = [self(plan.resident, plan.num_slots, exact=True, stored=tuple(streamed[i] for i in k)) for k in sets]
-        return _robust([plan, *plans])  # kept only where it streams less within a tie
+        return min([plan, *plans], key=_fastest)  # kept only where it is predicted faster
 
 
 def _spread_sets(spec: ModelSpec, weights: tuple[int, ...] | None) -> list[tuple[int, ...]]:
@@ -480,25 +480,12 @@ def frontier(
     budgets = sorted(
         {p.device_weight_bytes for p in plans} | {lo + (hi - lo) * i // TIER_POINTS for i in range(TIER_POINTS)}
     )
-    best = [_robust(_within(plans, price, b, num_slots)) for b in budgets]
+    best = [min(_within(plans, price, b, num_slots), key=_fastest) for b in budgets]
     return tuple(_fastest_for_bytes(list(dict.fromkeys(best)), plans[-1])) + (plans[-1],)
 
 
 def _fastest(p: ResidentChoice) -> tuple:
     return (p.pass_s, p.device_weight_bytes)
-
-
-# Predicted passes within this fraction of the fastest are taken as ties, and a tie goes to the plan that streams the
-# least: the pass model misses plans whose link and compute balance by a few percent (docs/measurements.md, the
-# HBM budget rows), plans with link to spare it predicts well.
-TIE = 0.02
-
-
-def _robust(plans: list[ResidentChoice]) -> ResidentChoice:
-    """Of ``plans`` (priced), the one that streams the least among those within :data:`TIE` of the fastest."""
-    best = min(plans, key=_fastest)
-    near = [p for p in plans if p.pass_s <= (1 + TIE) * best.pass_s]
-    return min(near, key=lambda p: (p.h2d_bytes_per_pass, p.pass_s, p.device_weight_bytes))
 
 
 def _fastest_for_bytes(plans: list[ResidentChoice], full: ResidentChoice) -> list[ResidentChoice]:
@@ -564,7 +551,7 @@ def choose_resident(
         )
     if compute is None:
         return min(fits, key=lambda p: p.h2d_bytes_per_pass)
-    return _robust(fits)
+    return min(fits, key=_fastest)
 
 
 def price_plan(
