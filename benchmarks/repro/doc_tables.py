@@ -223,6 +223,7 @@ def results_table() -> str:
     )
 
     hbm = {v["variant"]: v for v in _json(HBM_FILE)["model"]["variants"]}
+    fp8 = {v["variant"]: v for v in _json(HBM_FP8_FILE)["model"]["variants"]}
 
     def x(report: dict, variant: str) -> str:
         return " / ".join(_x(r) for w in report["workloads"] for r in w["variants"] if r["variant"] == variant)
@@ -263,8 +264,8 @@ def results_table() -> str:
                 f"{hbm[v]['ratio_to_resident']:.3f}x ({hbm[v]['weight_device_bytes'] / 1e9:.1f} GB)"
                 for v in ("ours-hbm-20GB", "ours-hbm-16GB", "ours-rank-local")
             )
-            + f"; {hbm['ours-fp8-hbm-8GB']['ratio_to_resident']:.3f}x "
-            f"({hbm['ours-fp8-hbm-8GB']['weight_device_bytes'] / 1e9:.1f} GB)"
+            + f"; {fp8['ours-fp8-hbm-8GB']['ratio_to_resident']:.3f}x "
+            f"({fp8['ours-fp8-hbm-8GB']['weight_device_bytes'] / 1e9:.1f} GB)"
             + f"; {hbm['accelerate-16GiB']['ratio_to_resident']:.2f}x",
             "measurements.md#resident-blocks-under-an-hbm-budget",
         ),
@@ -323,58 +324,81 @@ HBM_ORDER = (
     "ours-hbm-20GB",
     "ours-hbm-24GB",
     "ours-fp8",
-    "ours-fp8-hbm-fastest",
+    "ours-fp8-hbm-6GB",
     "ours-fp8-hbm-8GB",
     "ours-fp8-hbm-10GB",
+    "ours-fp8-hbm-fastest",
     "accelerate-12GiB",
     "accelerate-16GiB",
 )
 HBM_WAN_FILE = "hbm_bench_real_wan480_nvidia-h200.json"
+HBM_TIER_FILE = "hbm_tier_bench_real_flux_nvidia-h200.json"  # the device-stored tier against none, one run
+HBM_FP8_FILE = "hbm_fp8_bench_real_flux_nvidia-h200.json"  # FP8 budgets as the plan places them
+HBM_STORED_FILE = "hbm_bench_real_flux_most_stored_nvidia-h200.json"  # plans that store the most shards
 
 
-def hbm_budget_table() -> str:
-    """FLUX.1-dev and Wan2.1-14B under HBM budgets: device weights, resident blocks and slots, bytes streamed, the
-    plan's predicted pass over the blocks' compute, time against resident and the row's own bound, byte-identical or
-    not (measurements.md, "Resident blocks under an HBM budget")."""
+def _hbm_rows(model: str, file: str, order) -> list[dict]:
+    """One run's budget rows (``order``: the variants, in table order, those the run has)."""
 
     def cell(v: dict, key: str, fmt: str) -> str:
         return "-" if v.get(key) is None else format(v[key], fmt)
 
+    report = _json(file)
+    rows = {v["variant"]: v for v in report["model"]["variants"]}
+    blocks = report["model"]["num_blocks"]
     out = []
-    for model, file, order in (
-        ("FLUX.1-dev 1024²", HBM_FILE, HBM_ORDER),
-        ("Wan2.1-14B 480p", HBM_WAN_FILE, ("resident", "ours-rank-local", "ours-hbm-16GB", "ours-hbm-24GB")),
-    ):
-        report = _json(file)
-        rows = {v["variant"]: v for v in report["model"]["variants"]}
-        blocks = report["model"]["num_blocks"]
-        for name in (n for n in order if n in rows):
-            v = rows[name]
-            kept = blocks if name == "resident" else v.get("resident_blocks")
-            out.append(
-                {
-                    "model": model,
-                    "variant": f"`{name}`",
-                    "device weights GB": f"{v['weight_device_bytes'] / 1e9:.2f}",
-                    "resident blocks": "-" if kept is None else f"{kept} of {blocks}",
-                    "slots": "-" if kept == blocks else cell(v, "plan_num_slots", "d"),
-                    "H2D GB per forward": "-"
-                    if v.get("h2d_bytes_per_forward") is None
-                    else f"{v['h2d_bytes_per_forward'] / 1e9:.2f}",
-                    "predicted / compute": cell(v, "predicted_to_compute", ".3f"),
-                    "forward ms": f"{v['forward_s'] * 1e3:.1f}",
-                    "/ resident": cell(v, "ratio_to_resident", ".3f"),
-                    "/ own bound": cell(v, "ratio_to_own_bound", ".3f"),
-                    "equal": "-" if v.get("equal_to_resident") is None else str(v["equal_to_resident"]),
-                }
-            )
+    for name in (n for n in (order or rows) if n in rows):
+        v = rows[name]
+        kept = blocks if name == "resident" else v.get("resident_blocks")
+        stored = v.get("device_stored_block_ids")
+        out.append(
+            {
+                "model": model,
+                "variant": f"`{name}`",
+                "device weights GB": f"{v['weight_device_bytes'] / 1e9:.2f}",
+                "resident blocks": "-" if kept is None else f"{kept} of {blocks}",
+                "device-stored": "-" if stored is None else str(len(stored)),
+                "slots": "-" if kept == blocks else cell(v, "plan_num_slots", "d"),
+                "H2D GB per forward": "-"
+                if v.get("h2d_bytes_per_forward") is None
+                else f"{v['h2d_bytes_per_forward'] / 1e9:.2f}",
+                "predicted / compute": cell(v, "predicted_to_compute", ".3f"),
+                "forward ms": f"{v['forward_s'] * 1e3:.1f}",
+                "/ resident": cell(v, "ratio_to_resident", ".3f"),
+                "/ own bound": cell(v, "ratio_to_own_bound", ".3f"),
+                "equal": "-" if v.get("equal_to_resident") is None else str(v["equal_to_resident"]),
+            }
+        )
+    return out
+
+
+def hbm_budget_table() -> str:
+    """FLUX.1-dev and Wan2.1-14B under HBM budgets: device weights, resident and device-stored blocks and slots,
+    bytes streamed, the plan's predicted pass over the blocks' compute, time against resident and the row's own
+    bound, byte-identical or not (measurements.md, "Resident blocks under an HBM budget")."""
+    wan = ("resident", "ours-rank-local", "ours-hbm-16GB", "ours-hbm-24GB")
+    out = _hbm_rows("FLUX.1-dev 1024²", HBM_FILE, HBM_ORDER) + _hbm_rows("Wan2.1-14B 480p", HBM_WAN_FILE, wan)
     return _rows(out, [HBM_FILE, HBM_WAN_FILE])
+
+
+def hbm_tier_table() -> str:
+    """FP8 budgets with and without the device-stored tier side by side, the plans that store the most shards, and
+    the FP8 budgets as the plan places them (measurements.md, "Device-stored shards")."""
+    out = (
+        _hbm_rows("tier / host only", HBM_TIER_FILE, None)
+        + _hbm_rows(
+            "most stored", HBM_STORED_FILE, ("resident", "ours-fp8-hbm-6GB", "ours-fp8-hbm-8GB", "ours-fp8-hbm-10GB")
+        )
+        + _hbm_rows("as placed", HBM_FP8_FILE, None)
+    )
+    return _rows(out, [HBM_TIER_FILE, HBM_STORED_FILE, HBM_FP8_FILE])
 
 
 TABLES: dict[str, Callable[[], str]] = {
     "headline": lambda: headline.headline(headline.find_real_reports()),  # README's figure, alt text and caption
     "results": results_table,
     "hbm-budget": hbm_budget_table,
+    "hbm-tier": hbm_tier_table,
     "lora": lambda: _rows(lora_tables.lora_rows(), [lora_tables.LORA_FILE]),
     "lora-blocks": lambda: _rows(lora_tables.lora_block_rows(), [lora_tables.LORA_BLOCKS_FILE]),
     # the FP8 and gloo-rank rows of the Flux comparison are an earlier kernel's and set-up's: their own runs below

@@ -443,14 +443,20 @@ def _slot_counts(num_slots: int | str) -> tuple[int, ...]:
     return (2, 3, 4) if num_slots == "auto" else (num_slots,)
 
 
-def _within(plans, price, budget_bytes: int, num_slots) -> list[ResidentChoice]:
-    """The plans that fit ``budget_bytes``; with a device tier, each with what the budget leaves spent on it."""
+FILLED = 8  # the frontier's tier: the plans holding the most that a budget's leftover is spent on
+
+
+def _within(plans, price, budget_bytes: int, num_slots, most: int | None = None) -> list[ResidentChoice]:
+    """The plans that fit ``budget_bytes``; with a device tier also each of them (``most``: only that many, those
+    holding the most) and the ring alone (which leaves the most to the tier) with what the budget leaves spent on
+    device-stored shards."""
     fits = [p for p in plans if p.device_weight_bytes <= budget_bytes]
     if price is None or not price.tiered:
         return fits
-    rings = [price((), s) for s in _slot_counts(num_slots)]  # the ring alone leaves the most to the tier
-    fits += [r for r in rings if r.device_weight_bytes <= budget_bytes and r not in fits]
-    return [price.filled(p, budget_bytes) for p in fits]
+    rings = [price((), s) for s in _slot_counts(num_slots)]
+    fill = fits[-most:] if most else fits  # fits: by device bytes
+    fill += [r for r in rings if r.device_weight_bytes <= budget_bytes]
+    return fits + [price.filled(p, budget_bytes) for p in dict.fromkeys(fill)]
 
 
 TIER_POINTS = 48  # budgets between the ring alone and the whole model the tiered frontier is priced at
@@ -472,16 +478,14 @@ def frontier(
     order) and ``link`` (bytes/s): the sets spread by compute and by bytes, priced by :func:`pass_seconds`, each
     predicted faster than the one before; ``num_slots="auto"``: for S in 2..4. With ``device_link`` (bytes/s of a
     device copy): dequantising priced, and where stored shards are smaller than resident blocks, the device-stored
-    tier's plans at :data:`TIER_POINTS` budgets."""
+    tier's plans at :data:`TIER_POINTS` budgets (each filling the :data:`FILLED` plans that hold the most)."""
     plans, price = _priced(spec, layout_of, num_slots, num_landing, compute, link, device_link)
     if price is None or not price.tiered:
         return plans
     lo, hi = plans[0].device_weight_bytes, plans[-1].device_weight_bytes
-    budgets = sorted(
-        {p.device_weight_bytes for p in plans} | {lo + (hi - lo) * i // TIER_POINTS for i in range(TIER_POINTS)}
-    )
-    best = [min(_within(plans, price, b, num_slots), key=_fastest) for b in budgets]
-    return tuple(_fastest_for_bytes(list(dict.fromkeys(best)), plans[-1])) + (plans[-1],)
+    budgets = [lo + (hi - lo) * i // TIER_POINTS for i in range(TIER_POINTS)]
+    best = [min(_within(plans, price, b, num_slots, FILLED), key=_fastest) for b in budgets]
+    return tuple(_fastest_for_bytes(list(dict.fromkeys([*plans[:-1], *best])), plans[-1])) + (plans[-1],)
 
 
 def _fastest(p: ResidentChoice) -> tuple:
