@@ -353,8 +353,11 @@ def shared_spawns(request, tmp_path_factory):
     yield spawns
     spawns.close()
     # The fork server (and with it the CPU time of the ranks it forked) is reaped here rather than left to exit
-    # on its own after this process: the time it took is then counted for whoever waits on pytest.
-    multiprocessing.forkserver._forkserver._stop()
+    # on its own after this process: the time it took is then counted for whoever waits on pytest. (A private
+    # hook of CPython's fork server; where it is missing the server exits with this process as before.)
+    stop = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def scenario(request, world: int, name: str) -> list:
