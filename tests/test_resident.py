@@ -406,3 +406,35 @@ def test_device_stored_fp8_shards_equal_fake_quantize(mode, platform):
     assert o.store.arena_bytes + o.store.device_bytes == o.layout.shard_bytes_per_rank  # each shard held once
     assert o.device_weight_bytes == o.budget.device_weight_bytes <= o.options.hbm_budget
     assert f"{len(stored)} blocks' stored shards on the device" in o.describe()
+
+
+@torch.no_grad()
+def test_device_stored_shards_beside_a_host_budget():
+    """A host budget pins the first of the blocks left on the host; the later ones are read from the tensors
+    (pageable) and the device-stored ones from the device buffer: each shard in one place, outputs exact."""
+    from dlo_fn.runtime.budget import Placement
+
+    ref = toy(6, d=32)
+    want = fake_quantize(copy.deepcopy(ref), "blocks")
+    minimum = _budgets(ref, "rank-local", "fp8")[0]
+    placement = Placement((1e-3,) * 6, 1e6, "given", 1e9)
+    o = offload(
+        copy.deepcopy(ref),
+        "blocks",
+        CTX,
+        mode="rank-local",
+        quantization="fp8",
+        hbm_budget=minimum + 15_000,
+        placement=placement,
+        pinned_budget_bytes=8_000,
+    )
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(o.model(x), want(x))
+    store, shards = o.store, [s.shard_bytes for s in o.layout.shards]
+    assert store.device_blocks and store.pageable and not set(store.pageable) & store.device_blocks
+    assert store.arena_bytes == sum(
+        shards[b] for b in range(len(shards)) if b not in store.device_blocks | set(store.pageable)
+    )
+    pieces = [sum(p.nbytes for p in s.pieces[0]) for s in o.layout.shards]  # read as they are, no gaps
+    assert store.streamed_bytes == sum(pieces[b] for b in store.pageable)
+    assert store.device_bytes == sum(shards[b] for b in store.device_blocks)
