@@ -112,7 +112,7 @@ class Offloaded:
     @property
     def device_weight_bytes(self) -> int:
         """Device bytes held for weights (``hbm_budget`` bounds them): the ring's buffers, the non-block tensors,
-        the resident blocks; the whole model when resident."""
+        the resident blocks, the device-stored shards; the whole model when resident."""
         if self.executor is None:
             return self.spec.total_bytes
         kept = sum(self.spec.blocks[b].nbytes for b in self.resident_blocks)
@@ -206,7 +206,8 @@ def offload(
     ones) timed through a plain probe (:func:`dlo_fn.runtime.auto.resolve`); ``offload`` then builds from the
     concrete options, and ``Offloaded.auto`` holds the choice and the runner-up. With ``hbm_budget=``, ``example=``
     or ``workload=`` give the plan each block's compute: it places the resident blocks by compute and predicts the
-    pass (``Offloaded.budget``), and ``num_slots="auto"`` lets it choose the slots (:mod:`dlo_fn.runtime.budget`);
+    pass (``Offloaded.budget``; with FP8 or ``1/W`` shards it may also keep streamed blocks' shards on the device),
+    and ``num_slots="auto"`` lets it choose the slots (:mod:`dlo_fn.runtime.budget`);
     ``placement=`` (a :class:`~dlo_fn.runtime.budget.Placement`) gives that compute directly, as ``generate --mode
     auto`` does with the policy's row.
     """
