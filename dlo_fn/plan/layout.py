@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -79,6 +79,7 @@ __all__ = [
     "grouped_layout_problem",
     "layout_load_group",
     "block_layout",
+    "cut_layout",
     "shard_layout",
     "grouped_shard_layouts",
     "model_layout",
@@ -447,6 +448,16 @@ class ModelLayout:
                 [[p.name, list(p.shape), str(p.dtype), p.offset_bytes] for p in c.placements] for c in self.compute
             ]
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
+
+def cut_layout(layout: ModelLayout, keep) -> ModelLayout:
+    """The layout of blocks ``keep`` (indices, in order) alone: the same as laying them out afresh wherever blocks
+    are laid out one by one (load group 1)."""
+    return replace(
+        layout,
+        shards=tuple(layout.shards[b] for b in keep),
+        compute=tuple(layout.compute[b] for b in keep) if layout.compute else (),
+    )
 
 
 def model_layout(

@@ -74,7 +74,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, layout_load_group, model_layout
+from dlo_fn.plan.layout import DEFAULT_ALIGNMENT_BYTES, ModelLayout, cut_layout, layout_load_group, model_layout
 from dlo_fn.plan.lowering import default_num_landing, lowered_mode
 from dlo_fn.plan.spec import ModelSpec, TensorSpec
 
@@ -322,12 +322,7 @@ class _Pricer:
                 self.layouts[resident, exact] = self.layout_of(streamed), streamed.resident_bytes
             else:
                 keep = [b for b in range(self.spec.num_blocks) if b not in set(resident)]
-                w = self.whole
-                cut = replace(
-                    w,
-                    shards=tuple(w.shards[b] for b in keep),
-                    compute=tuple(w.compute[b] for b in keep) if w.compute else (),
-                )
+                cut = cut_layout(self.whole, keep)
                 kept = sum(self.block_bytes[b] for b in resident)
                 self.layouts[resident, exact] = cut, self.spec.resident_bytes + kept
         return self.layouts[resident, exact]

@@ -39,12 +39,12 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from dlo_fn.plan.layout import ModelLayout
+from dlo_fn.plan.layout import ModelLayout, cut_layout
 from dlo_fn.runtime.platform import Platform
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
     "register_cuda",
     "build_host_store",
     "with_device_blocks",
-    "cut_layout",
     "plain_fill",
     "tensor_bytes",
     "SOURCES",
@@ -368,15 +367,6 @@ def build_host_store(
     store.num_pinned_blocks, store.copied_ranges, store.timings = k, filled.copied, timings
     store.pageable = tuple(range(k, layout.num_blocks))
     return store
-
-
-def cut_layout(layout: ModelLayout, keep: Sequence[int]) -> ModelLayout:
-    """The layout of blocks ``keep`` alone (blocks laid out one by one: load group 1)."""
-    return replace(
-        layout,
-        shards=tuple(layout.shards[b] for b in keep),
-        compute=tuple(layout.compute[b] for b in keep) if layout.compute else (),
-    )
 
 
 def with_device_blocks(
