@@ -65,12 +65,16 @@ only (the ring is shorter; lowering never sees a resident block's load), and ``t
 with ``S_q = S`` for quantised shards (else 0); every block resident is ``total_bytes`` and no ring at all.
 :func:`frontier` lists the plans worth having, device bytes against streamed bytes (with ``compute=`` and ``link=``:
 against predicted pass seconds, spread by compute and by bytes, for one or several ``S``); :func:`choose_resident`
-takes the one that streams the least (predicted fastest; ties: fewer device bytes) within the budget; the ring
-alone with nothing resident is the least a budget may be.
+takes the one that streams the least (predicted fastest; ties: fewer device bytes) within the budget and, placed
+by compute, improves its resident set by local moves while the pass model predicts a faster pass
+(:meth:`_Pricer.refined`: the spread places by a smooth credit, and a move can trade one large resident block for
+two small ones, or shift a resident block to where a load needs it); the ring alone with nothing resident is the
+least a budget may be.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -288,7 +292,8 @@ class ResidentChoice:
 class _Pricer:
     """Prices plans (device bytes, streamed bytes, pass time). ``layout_of`` of every streamed spec is the exact
     price; searching hundreds of sets uses the layout of every block cut to the streamed ones, which is the same
-    wherever blocks are laid out one by one (load group 1), and the plans kept are priced again exactly.
+    wherever blocks are laid out one by one (load group 1; with load groups every set is laid out afresh), and the
+    plan :func:`choose_resident` returns is priced again exactly.
     ``device_link`` (bytes/s of a device copy) prices dequantising and, where the layout allows it
     (:meth:`tiered`), the device-stored tier."""
 
@@ -358,8 +363,8 @@ class _Pricer:
         dev = buffer_bytes(layout, num_slots, self.num_landing) + resident_bytes + on_device
         return ResidentChoice(resident, dev, layout.shard_bytes_per_rank - on_device, num_slots, pass_s, stored)
 
-    def exactly(self, plans: list[ResidentChoice]) -> list[ResidentChoice]:
-        return [self(p.resident, p.num_slots, exact=True, stored=p.device_stored) for p in plans]
+    def exactly(self, plan: ResidentChoice) -> ResidentChoice:
+        return self(plan.resident, plan.num_slots, exact=True, stored=plan.device_stored)
 
     def filled(self, plan: ResidentChoice, budget_bytes: int) -> ResidentChoice:
         """``plan`` with the budget it leaves spent on device-stored shards, as many of its streamed blocks as fit,
@@ -392,8 +397,45 @@ class _Pricer:
                 greedy.append(i)
                 room -= shard[i]
         sets = {spread(weights if sum(weights) else None), spread(None), tuple(sorted(greedy))} - {()}
-        plans = [self(plan.resident, plan.num_slots, exact=True, stored=tuple(streamed[i] for i in k)) for k in sets]
+        plans = [self(plan.resident, plan.num_slots, stored=tuple(streamed[i] for i in k)) for k in sets]
         return min([plan, *plans], key=_fastest)  # kept only where it is predicted faster
+
+    def refined(self, plan: ResidentChoice, budget_bytes: int) -> ResidentChoice:
+        """``plan`` improved by local moves of its resident set while the pass model predicts a faster pass within
+        ``budget_bytes``: keep one more streamed block resident, swap a resident block for a streamed one, or trade
+        a resident block for two streamed ones whose bytes fit in its bytes and what the budget leaves. Moves are
+        tried in that order (blocks in forward order) and the first faster one is taken, until none is faster or
+        :data:`REFINE_PRICINGS` plans are priced; device-stored blocks stay streamed. The same plan on every rank:
+        the moves' order is fixed and the pass model is deterministic."""
+        best, priced, n = plan, 0, self.spec.block_bytes
+        while priced < REFINE_PRICINGS:
+            keep = set(best.resident)
+            resident = sorted(keep)
+            streamed = [b for b in range(self.spec.num_blocks) if b not in keep and b not in best.device_stored]
+            left = budget_bytes - best.device_weight_bytes
+            moves = itertools.chain(
+                ((s,) for s in streamed),
+                ((r, s) for r in resident for s in streamed),
+                (
+                    (r, s, t)
+                    for r in resident
+                    for i, s in enumerate(streamed)
+                    for t in streamed[i + 1 :]
+                    if n[s] + n[t] <= n[r] + left
+                ),
+            )
+            for move in moves:
+                if priced >= REFINE_PRICINGS:
+                    break
+                taken = keep - {move[0]} | set(move[1:]) if len(move) > 1 else keep | set(move)
+                p = self(tuple(sorted(taken)), best.num_slots, stored=best.device_stored)
+                priced += 1
+                if p.device_weight_bytes <= budget_bytes and p.pass_s < best.pass_s:
+                    best = p
+                    break
+            else:
+                break
+        return best
 
 
 def _spread_sets(spec: ModelSpec, weights: tuple[int, ...] | None) -> list[tuple[int, ...]]:
@@ -431,13 +473,14 @@ def _priced(spec, layout_of, num_slots, num_landing, compute, link, device_link)
     price = _Pricer(spec, layout_of, num_landing, compute, link, device_link)
     plans = [price(r, s) for s in _slot_counts(num_slots) for r in dict.fromkeys(sets)]
     full = price(tuple(range(spec.num_blocks)), _slot_counts(num_slots)[0])
-    return tuple(_fastest_for_bytes(price.exactly(_fastest_for_bytes(plans, full)), full)) + (full,), price
+    return tuple(_fastest_for_bytes(plans, full)) + (full,), price
 
 
 def _slot_counts(num_slots: int | str) -> tuple[int, ...]:
     return (2, 3, 4) if num_slots == "auto" else (num_slots,)
 
 
+REFINE_PRICINGS = 4_000  # at most this many plans priced by :meth:`_Pricer.refined` for one budget
 FILLED = 8  # the frontier's tier: the plans holding the most that a budget's leftover is spent on
 
 
@@ -500,7 +543,7 @@ def _frontier_by_bytes(spec, layout_of, num_slots, num_landing) -> tuple[Residen
     price = _Pricer(spec, layout_of, num_landing, None, None)
     full = ResidentChoice(tuple(range(spec.num_blocks)), spec.total_bytes, 0, num_slots)
     plans = [price(r, num_slots) for r in [()] + _spread_sets(spec, None)]
-    return tuple(_least_streamed_for_bytes(price.exactly(_least_streamed_for_bytes(plans, full)), full)) + (full,)
+    return tuple(_least_streamed_for_bytes(plans, full)) + (full,)
 
 
 def _least_streamed_for_bytes(plans: list[ResidentChoice], full: ResidentChoice) -> list[ResidentChoice]:
@@ -531,9 +574,10 @@ def choose_resident(
 ) -> ResidentChoice:
     """The plan of the :func:`frontier` within ``budget_bytes`` of device weight bytes (``layout_of`` lays out a
     streamed spec as the runtime will) that streams the least, or with ``compute`` and ``link`` is predicted
-    fastest (ties: fewer device bytes); with ``device_link``, the budget a plan leaves goes to device-stored shards
-    where they are smaller than resident blocks. Everything resident where the whole model fits;
-    :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
+    fastest (ties: fewer device bytes), then improved by local moves (:meth:`_Pricer.refined`); with
+    ``device_link``, the budget a plan leaves goes to device-stored shards where they are smaller than resident
+    blocks. Everything resident where the whole model fits; :class:`BudgetError` naming the minimum (nothing
+    resident, the ring alone) below it."""
     _check_compute(spec, compute, link, num_slots, device_link)
     slots = 2 if num_slots == "auto" else num_slots
     if budget_bytes >= spec.total_bytes:
@@ -549,8 +593,13 @@ def choose_resident(
             f"slots needs with every block streamed (and the non-block weights resident): pass at least {need}"
         )
     if compute is None:
-        return min(fits, key=lambda p: p.h2d_bytes_per_pass)
-    return min(fits, key=_fastest)
+        best = min(fits, key=lambda p: p.h2d_bytes_per_pass)
+        price = _Pricer(spec, layout_of, num_landing, None, None)
+    else:
+        best = min(fits, key=_fastest)
+        if len(best.resident) < spec.num_blocks and best.pass_s > sum(compute) * (1 + 1e-9):  # else nothing to gain
+            best = min(best, price.refined(best, budget_bytes), key=_fastest)
+    return best if len(best.resident) == spec.num_blocks else price.exactly(best)
 
 
 def price_plan(
