@@ -60,9 +60,11 @@ def test_block_times_add_up_to_the_resident_forward():
     computes for longer than the host takes to enqueue it, so a forward runs at the device's pace. Timed from an
     empty queue each block would also pay its launches; timed as the forward runs it, the blocks add up to the
     blocks' span in a plain resident forward (device events at the first block's start and the last one's end),
-    and stay below the whole forward (which also embeds the inputs and projects the output)."""
+    and stay below the whole forward (which also embeds the inputs and projects the output). Timed from an empty
+    queue the probe would read high, so above the span the bound is tight; below it the blocks alone may run a
+    little faster than inside a forward, whose span also holds the glue between blocks."""
     probe_s, span_s, forward_s = probe_vs_forward()
-    assert abs(probe_s / span_s - 1) <= 0.05 and probe_s < forward_s, (probe_s, span_s, forward_s)
+    assert 0.9 <= probe_s / span_s <= 1.05 and probe_s < forward_s, (probe_s, span_s, forward_s)
 
 
 @torch.no_grad()

@@ -223,7 +223,6 @@ def results_table() -> str:
     )
 
     hbm = {v["variant"]: v for v in _json(HBM_FILE)["model"]["variants"]}
-    fp8 = {v["variant"]: v for v in _json(HBM_FP8_FILE)["model"]["variants"]}
 
     def x(report: dict, variant: str) -> str:
         return " / ".join(_x(r) for w in report["workloads"] for r in w["variants"] if r["variant"] == variant)
@@ -264,8 +263,8 @@ def results_table() -> str:
                 f"{hbm[v]['ratio_to_resident']:.3f}x ({hbm[v]['weight_device_bytes'] / 1e9:.1f} GB)"
                 for v in ("ours-hbm-20GB", "ours-hbm-16GB", "ours-rank-local")
             )
-            + f"; {fp8['ours-fp8-hbm-8GB']['ratio_to_resident']:.3f}x "
-            f"({fp8['ours-fp8-hbm-8GB']['weight_device_bytes'] / 1e9:.1f} GB)"
+            + f"; {hbm['ours-fp8-hbm-8GB']['ratio_to_resident']:.3f}x "
+            f"({hbm['ours-fp8-hbm-8GB']['weight_device_bytes'] / 1e9:.1f} GB)"
             + f"; {hbm['accelerate-16GiB']['ratio_to_resident']:.2f}x",
             "measurements.md#resident-blocks-under-an-hbm-budget",
         ),
@@ -333,7 +332,6 @@ HBM_ORDER = (
 )
 HBM_WAN_FILE = "hbm_bench_real_wan480_nvidia-h200.json"
 HBM_TIER_FILE = "hbm_tier_bench_real_flux_nvidia-h200.json"  # the device-stored tier against none, one run
-HBM_FP8_FILE = "hbm_fp8_bench_real_flux_nvidia-h200.json"  # FP8 budgets as the plan places them
 HBM_STORED_FILE = "hbm_bench_real_flux_most_stored_nvidia-h200.json"  # plans that store the most shards
 
 
@@ -382,16 +380,12 @@ def hbm_budget_table() -> str:
 
 
 def hbm_tier_table() -> str:
-    """FP8 budgets with and without the device-stored tier side by side, the plans that store the most shards, and
-    the FP8 budgets as the plan places them (measurements.md, "Device-stored shards")."""
-    out = (
-        _hbm_rows("tier / host only", HBM_TIER_FILE, None)
-        + _hbm_rows(
-            "most stored", HBM_STORED_FILE, ("resident", "ours-fp8-hbm-6GB", "ours-fp8-hbm-8GB", "ours-fp8-hbm-10GB")
-        )
-        + _hbm_rows("as placed", HBM_FP8_FILE, None)
+    """FP8 budgets with and without the device-stored tier side by side, and the plans that store the most shards
+    (measurements.md, "Device-stored shards")."""
+    out = _hbm_rows("tier / host only", HBM_TIER_FILE, None) + _hbm_rows(
+        "most stored", HBM_STORED_FILE, ("resident", "ours-fp8-hbm-6GB", "ours-fp8-hbm-8GB", "ours-fp8-hbm-10GB")
     )
-    return _rows(out, [HBM_TIER_FILE, HBM_STORED_FILE, HBM_FP8_FILE])
+    return _rows(out, [HBM_TIER_FILE, HBM_STORED_FILE])
 
 
 TABLES: dict[str, Callable[[], str]] = {

@@ -15,11 +15,10 @@ import json
 
 from benchmarks.repro.data import DATA_DIR
 
-__all__ = ["HBM_FILE", "TIER_FILE", "PLACED_FILE", "load", "frontier_rows", "measured_rows", "row_plan"]
+__all__ = ["HBM_FILE", "TIER_FILE", "load", "frontier_rows", "measured_rows", "row_plan"]
 
 HBM_FILE = "hbm_bench_real_flux_nvidia-h200.json"
 TIER_FILE = "hbm_tier_bench_real_flux_nvidia-h200.json"  # FP8 budgets with and without device-stored shards
-PLACED_FILE = "hbm_fp8_bench_real_flux_nvidia-h200.json"  # FP8 budgets as the plan places them
 
 
 def load(file: str = HBM_FILE) -> dict:
