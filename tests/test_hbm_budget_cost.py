@@ -134,3 +134,31 @@ def test_resident_compute_joins_the_streamed_block_before_it():
 
     assert _fold((1.0, 2.0, 4.0, 8.0, 16.0), (0, 2)) == (6.0, 8.0, 17.0)
     assert _fold((1.0, 2.0, 4.0), ()) == (1.0, 2.0, 4.0)
+
+
+@pytest.mark.parametrize("mode", ["rank-local", "allgather"])
+def test_the_policys_device_stored_shards_are_what_offload_holds(tiny_checkpoint, mode):
+    """FP8 shards on a link-bound machine: the policy spends what its plan leaves of the budget on device-stored
+    shards (loaded at the device's copy rate), and ``offload`` placed by the policy's row keeps the same blocks
+    resident and the same shards on the device: the row's device weights and pinned bytes are what it holds."""
+    from dlo_fn.runtime.budget import Placement
+
+    ctx = init_distributed()
+
+    def build(**kw):
+        return offload(load_reference(tiny_checkpoint), BLOCK_PATHS, ctx, mode=mode, quantization="fp8", **kw)
+
+    streamed = build()
+    sizes = ModelSizes.from_spec(streamed.spec, quantization="fp8")
+    top = dataclasses.replace(topology_file.topology("1xH200"), h2d_bytes_per_s=1e3)
+    model = PolicyModel(sizes, 64, tensor_block_bytes=streamed.spec.block_bytes)
+    cand = Candidate(1, 1, mode, "mesh" if mode == "allgather" else "-", 2, 1, 0)
+    work = topology_file.workload("image 1024^2 CFG, 24 steps")
+    budget = streamed.device_weight_bytes + max(sizes.shard_bytes(1))  # the ring and room for one shard, not a block
+    row = predict(model, top, work, cand, hbm_budget=budget)
+    without = dataclasses.replace(top, d2d_copy_bytes_per_s=top.h2d_bytes_per_s)  # a device no faster than the link
+    assert row.step_s < predict(model, without, work, cand, hbm_budget=budget).step_s
+    o = build(hbm_budget=budget, placement=Placement.from_policy(row.placed_by))
+    assert o.budget.device_stored and o.resident_blocks == row.resident
+    assert row.hbm_bytes == o.device_weight_bytes <= budget
+    assert row.host_bytes - top.framework_host_bytes == o.store.arena_bytes

@@ -158,7 +158,7 @@ def load_offloaded(checkpoint: str, ctx, options, auto=None, mesh=None, sp_auto:
         if row.placed_by is not None:  # under --hbm-budget: the resident set of the row the policy chose
             from dlo_fn.runtime.budget import Placement
 
-            kw["placement"] = Placement(*row.placed_by, "the policy's compute (auto)")
+            kw["placement"] = Placement.from_policy(row.placed_by)
         chosen = row.candidate
         options = dataclasses.replace(
             options, mode=chosen.mode, num_slots=chosen.num_slots, load_group=chosen.load_group

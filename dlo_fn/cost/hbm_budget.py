@@ -13,7 +13,12 @@ With resident set ``K`` (whole on every rank, in the compute dtype, in allgather
 
     streamed sizes   the blocks not in K, whose resident bytes are R + sum_{b in K} t_b
     HBM weights      the ring of the streamed sizes (S slots, L landing, with FP8 S staging) + R + sum_{b in K} t_b
-    pinned host      the streamed blocks' shards only (FP8: as stored)
+                     + the device-stored shards
+    pinned host      the streamed blocks' shards only (FP8: as stored), less the device-stored ones
+
+Device-stored shards (``device_link``, the device's copy rate: the plan's third tier, where a streamed block's stored
+shard holds less than the block resident) are streamed blocks whose shards this rank keeps on the device; their
+loads copy from there (:attr:`ResidentPlan.stored`, numbered among the streamed blocks).
 
 Where the budget holds the whole model every block is resident: no ring, nothing pinned, HBM = the model.
 """
@@ -50,7 +55,8 @@ def format_size(nbytes: int) -> str:
 @dataclass(frozen=True, slots=True)
 class ResidentPlan:
     """The resident blocks for a budget (``choice``), the sizes the ring streams (None: every block resident), the
-    bytes the resident blocks hold, and the plans of the frontier that hold more (what a larger budget buys)."""
+    bytes the resident blocks hold, the plans of the frontier that hold more (what a larger budget buys), and the
+    device-stored blocks with their bytes (module docstring)."""
 
     budget_bytes: int
     choice: ResidentChoice
@@ -58,6 +64,8 @@ class ResidentPlan:
     streamed: ModelSizes | None
     resident_block_bytes: int
     larger: tuple[ResidentChoice, ...]
+    stored: frozenset[int] = frozenset()  # device-stored blocks, numbered among the streamed ones (the ring's)
+    stored_bytes: int = 0  # their shards' bytes on each rank: device bytes, not pinned
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -142,13 +150,16 @@ def resident_plan(
     larger: bool = True,
     compute: tuple[float, ...] | None = None,
     link: float | None = None,
+    device_link: float | None = None,
 ) -> ResidentPlan:
     """What ``offload(..., hbm_budget=budget_bytes)`` keeps resident for a model of these sizes on a shard group of
     ``num_shards`` ranks in ``mode`` with ``num_slots`` slots (``num_landing`` None: the ring's default), and
     (``larger``) the plans a larger budget buys. ``compute`` (seconds per block, in block order) and ``link``
     (bytes/s of a load): placed by compute, the predicted fastest plan (:func:`~dlo_fn.plan.resident.frontier`);
-    without them, by bytes. :class:`~dlo_fn.plan.resident.BudgetError` (one line naming the minimum) below the ring
-    of every block streamed. Cached (sequences as tuples): a policy asks for the same plan for many rows."""
+    without them, by bytes; ``device_link`` (bytes/s of a device copy): the dequantise priced and, where stored shards
+    hold less than resident blocks, device-stored shards. :class:`~dlo_fn.plan.resident.BudgetError` (one line
+    naming the minimum) below the ring of every block streamed. Cached (sequences as tuples): a policy asks for the
+    same plan for many rows."""
     spec = sizes_spec(sizes, tensor_block_bytes)
     index = {b.name: int(b.name) for b in spec.blocks}
     ring = (num_slots, ring_num_landing(mode, num_shards, num_landing, load_group))
@@ -162,7 +173,7 @@ def resident_plan(
         left = {index[b.name] for b in streamed.blocks}
         return layout(tuple(b for b in range(sizes.num_blocks) if b not in left))
 
-    by = {"compute": compute, "link": link}
+    by = {"compute": compute, "link": link} | ({"device_link": device_link} if device_link else {})
     choice = choose_resident(spec, budget_bytes, layout_of, *ring, owner=owner, **by)
     more = ()
     if larger and choice.h2d_bytes_per_pass:  # the frontier holds more at each plan, and streams less or runs faster
@@ -170,6 +181,9 @@ def resident_plan(
             p for p in frontier(spec, layout_of, *ring, **by) if p.device_weight_bytes > choice.device_weight_bytes
         )
     held = tensor_block_bytes or sizes.block_bytes
+    streamed = [b for b in range(sizes.num_blocks) if b not in set(choice.resident)]
+    stored = frozenset(streamed.index(b) for b in choice.device_stored)
+    shards = layout(choice.resident).shards if stored else ()
     return ResidentPlan(
         budget_bytes,
         choice,
@@ -177,4 +191,6 @@ def resident_plan(
         streamed_sizes(sizes, choice.resident, tensor_block_bytes),
         sum(held[b] for b in choice.resident),
         more,
+        stored,
+        sum(shards[j].shard_bytes for j in stored),
     )

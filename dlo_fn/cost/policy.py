@@ -51,7 +51,11 @@ limiting memory is the one nearer its capacity.
 the weights (activations are the caller's). Each candidate keeps the resident blocks of its ring
 (:func:`~dlo_fn.cost.hbm_budget.resident_plan`, which is :func:`~dlo_fn.plan.resident.choose_resident` placing by
 its blocks' compute ``R c_b`` against the H2D link: the predicted fastest plan within the budget), whole on every
-rank; the ring, its loads, the all-gathers and the pinned host bytes are the streamed blocks' only.
+rank; the ring, its loads, the all-gathers and the pinned host bytes are the streamed blocks' only. The plan is
+priced with the topology's device copy rate too (``d2d_copy_bytes_per_s``): the dequantise, and where a stored shard
+holds less than its block resident (FP8, ``1/W`` shards) the device-stored shards its leftover budget keeps, whose
+loads copy at that rate and whose bytes count on the device, not pinned. ``PlanRow.placed_by`` is what it placed by,
+so ``offload`` keeps the same blocks and shards (:meth:`~dlo_fn.runtime.budget.Placement.from_policy`).
 A resident block's compute stays: it is added to the ring op of the streamed block it follows (the pass's leading
 resident blocks to the last streamed block, where the ring wraps), since the next load waits on that slot only::
 
@@ -143,8 +147,9 @@ class PlanRow:
     hbm_capacity_bytes: int  # under an HBM budget: the budget (and hbm_bytes the device weight bytes)
     host_capacity_bytes: int
     resident: tuple[int, ...] = ()  # blocks kept on the device under an HBM budget
-    # what they were placed by: (R c_b per block, H2D bytes/s), for offload to keep the same ones (runtime.budget)
-    placed_by: tuple[tuple[float, ...], float] | None = None
+    # what they were placed by: (R c_b per block, H2D bytes/s, device copy bytes/s), for offload to keep the same
+    # ones (runtime.budget.Placement.from_policy)
+    placed_by: tuple[tuple[float, ...], float, float] | None = None
     note: str = ""  # why a row does not fit, where the memory alone does not say it
 
     @property
@@ -283,8 +288,10 @@ def _durations(
     step_overhead_s: float,
     sizes: ModelSizes,
     resident: tuple[int, ...] = (),
+    stored: frozenset[int] = frozenset(),
 ):
-    """Per-op durations of the ring over ``sizes`` (the streamed blocks), ``resident`` folded into the computes."""
+    """Per-op durations of the ring over ``sizes`` (the streamed blocks), ``resident`` folded into the computes;
+    ``stored`` (ring blocks whose shards are on the device) load at the device's copy rate."""
     w = cand.num_shards
     mode = op_mode(cand)
     if mode == "rank-local":
@@ -293,7 +300,8 @@ def _durations(
     else:
         h2d = sizes.shard_bytes(w)
         ag = tuple((w - 1) * s / topology.allgather_bus_bytes_per_s for s in h2d)
-    h2d_s = tuple(n / topology.h2d_bytes_per_s for n in h2d)
+    rate = (topology.h2d_bytes_per_s, topology.d2d_copy_bytes_per_s)
+    h2d_s = tuple(n / rate[j in stored] for j, n in enumerate(h2d))
     device = _fold(_device_s(model, topology, workload, cand), resident)
     host = topology.host_s(mode) * host_scale(sizes.num_blocks, cand.num_slots, cand.load_group, mode)
     comp = tuple(d + host if topology.host_serial else max(d, host) for d in device)
@@ -319,10 +327,11 @@ def _memory(
     cand: Candidate,
     sizes: ModelSizes | None,
     budgeted: bool = False,
+    stored_bytes: int = 0,
 ) -> tuple[int, int]:
     """HBM and host bytes per rank of the ring over ``sizes`` (None: every block resident, nothing pinned): the
     peak of :func:`~dlo_fn.cost.hbm.hbm_per_card` (``budgeted``: the device weight bytes only) and the pinned
-    shards plus the framework."""
+    shards plus the framework; ``stored_bytes`` of the shards are on the device, not pinned."""
     if sizes is None:
         held = sum(model.tensor_block_bytes or model.sizes.block_bytes) + model.sizes.resident_bytes
         return held, topology.framework_host_bytes
@@ -340,9 +349,10 @@ def _memory(
     )
     host = (
         pinned_host_bytes_per_rank(sizes, cand.num_shards, op_mode(cand), load_group=cand.load_group)
+        - stored_bytes
         + topology.framework_host_bytes
     )
-    return (hbm.weight_bytes + hbm.resident_bytes if budgeted else hbm.peak_bytes), host
+    return (hbm.weight_bytes + hbm.resident_bytes if budgeted else hbm.peak_bytes) + stored_bytes, host
 
 
 def _kept(
@@ -354,8 +364,9 @@ def _kept(
     larger: bool = False,
 ) -> ResidentPlan:
     """The resident blocks of this candidate within ``hbm_budget``, placed by its blocks' compute (``R c_b``: the
-    requests through each load) against the H2D link (:class:`~dlo_fn.plan.resident.BudgetError` where its ring
-    does not fit with every block streamed)."""
+    requests through each load) against the H2D link and the device's copy rate (which prices the dequantise and
+    device-stored shards; :class:`~dlo_fn.plan.resident.BudgetError` where its ring does not fit with every block
+    streamed)."""
     return resident_plan(
         model.sizes,
         hbm_budget,
@@ -368,6 +379,7 @@ def _kept(
         larger=larger,
         compute=_placement(model, topology, workload, cand),
         link=topology.h2d_bytes_per_s,
+        device_link=topology.d2d_copy_bytes_per_s,
     )
 
 
@@ -393,23 +405,29 @@ def predict(
     overhead = (
         topology.step_overhead_s(workload.tokens, workload.cfg_branches) if step_overhead_s is None else step_overhead_s
     )
-    sizes, resident, note, placed_by = model.sizes, (), "", None
+    sizes, resident, note, placed_by, stored, stored_bytes = model.sizes, (), "", None, frozenset(), 0
     if hbm_budget is not None:
-        placed_by = (_placement(model, topology, workload, cand), topology.h2d_bytes_per_s)
+        placed_by = (
+            _placement(model, topology, workload, cand),
+            topology.h2d_bytes_per_s,
+            topology.d2d_copy_bytes_per_s,
+        )
         try:
             kept = _kept(model, topology, workload, cand, hbm_budget)
-            sizes, resident = kept.streamed, kept.resident
+            sizes, resident, stored, stored_bytes = kept.streamed, kept.resident, kept.stored, kept.stored_bytes
         except BudgetError as exc:  # priced with every block streamed, and dropped: its memory exceeds the budget
             note = str(exc)
     r = cand.requests_per_rank
-    hbm, host_bytes = _memory(model, topology, workload, cand, sizes, hbm_budget is not None)
+    hbm, host_bytes = _memory(model, topology, workload, cand, sizes, hbm_budget is not None, stored_bytes)
     capacity = topology.hbm_bytes_per_rank if hbm_budget is None else hbm_budget
     if sizes is None:  # the budget holds the model: it runs resident, compute only
         step = r * sum(_device_s(model, topology, workload, cand)) + r * overhead
         wave = workload.num_steps * step + r * topology.request_overhead_s(workload.tokens)
         row = (step, wave, cand.dp * r, "compute", 0.0, hbm, host_bytes, capacity, topology.host_bytes_per_rank)
         return PlanRow(cand, *row, resident=resident, placed_by=placed_by)
-    duration, h2d_s, ag, device, host, comp = _durations(model, topology, workload, cand, overhead, sizes, resident)
+    duration, h2d_s, ag, device, host, comp = _durations(
+        model, topology, workload, cand, overhead, sizes, resident, stored
+    )
     b, mode = sizes.num_blocks, op_mode(cand)
     steps = min(workload.num_steps, 3)
     schedule = build_schedule(
@@ -430,6 +448,10 @@ def predict(
         step = (ends[-1] - first) / (steps - 1)
     links = link_busy_s(sizes, topology, mode, cand.num_shards)  # shared links: at least their busy time
     link, link_s = links[0] if links else ("", 0.0)
+    if stored:  # the host links carry the shards that are not on the device
+        link_s *= sum(n for j, n in enumerate(sizes.shard_bytes(cand.num_shards)) if j not in stored) / sum(
+            sizes.shard_bytes(cand.num_shards)
+        )
     step, first = max(step, link_s), max(first, link_s)
     wave = first + (workload.num_steps - 1) * step + r * topology.request_overhead_s(workload.tokens)
     busy = {"h2d": sum(h2d_s), "allgather": sum(ag), "compute": r * sum(comp) + r * overhead}

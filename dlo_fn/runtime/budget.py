@@ -51,6 +51,13 @@ class Placement:
     source: str
     device_bytes_per_s: float | None = None
 
+    @classmethod
+    def from_policy(cls, placed_by: tuple) -> "Placement":
+        """What a policy row placed its resident blocks by (``PlanRow.placed_by``: compute, H2D link, device copy
+        rate), for ``offload`` to keep the same ones."""
+        compute, link, device = placed_by
+        return cls(tuple(compute), link, "the policy's compute (auto)", device)
+
     def plan_inputs(self) -> dict:
         """The keywords :func:`~dlo_fn.plan.resident.choose_resident` takes from it."""
         by = {"compute": self.compute_s, "link": self.link_bytes_per_s}

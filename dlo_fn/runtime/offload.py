@@ -253,7 +253,7 @@ def offload(
     elif placed is not None:  # the policy chose under the budget: its compute places the blocks, its row's set
         from dlo_fn.runtime.budget import Placement
 
-        placement = Placement(*placed, "the policy's compute (auto)")
+        placement = Placement.from_policy(placed)
     elif options.hbm_budget is not None and told:  # each block's compute, for the budget's plan (runtime.budget)
         from dlo_fn.runtime.budget import block_compute
 
