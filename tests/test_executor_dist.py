@@ -188,7 +188,42 @@ def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
         out["device_stored_kept"] = o.store is not None and len(o.store.device_blocks) == 2 and o.resident_blocks == ()
         out["device_stored_once"] = o.store.arena_bytes + o.store.device_bytes == o.layout.shard_bytes_per_rank
         out["device_stored_within"] = o.device_weight_bytes == o.budget.device_weight_bytes <= budget
+        # the policy prices the same tier: placed by its row, offload keeps its shards, to the byte
+        out.update(_policy_tier(ctx, ckpt, ring, budget))
     return out
+
+
+def _policy_tier(ctx: DistContext, ckpt: str, ring, budget: int) -> dict:
+    """The policy's allgather row under ``budget`` on a link-bound machine keeps ``1/W`` shards on the device, and
+    ``offload`` placed by that row holds its device weights and pinned bytes."""
+    import dataclasses
+
+    from dlo_fn.cost import topology_file
+    from dlo_fn.cost.policy import Candidate, predict
+    from dlo_fn.cost.topology import PolicyModel
+    from dlo_fn.models import BLOCK_PATHS
+    from dlo_fn.plan.sizes import ModelSizes
+    from dlo_fn.runtime.budget import Placement
+
+    w = ctx.world_size
+    top = dataclasses.replace(topology_file.topology("1xH200"), num_ranks=w, h2d_bytes_per_s=1e3)
+    model = PolicyModel(ModelSizes.from_spec(ring.spec), 64, tensor_block_bytes=ring.spec.block_bytes)
+    cand = Candidate(w, 1, "allgather", "mesh", 2, 1, 1)
+    row = predict(model, top, topology_file.workload("image 1024^2 CFG, 24 steps"), cand, hbm_budget=budget)
+    o = offload(
+        load_reference(ckpt),
+        BLOCK_PATHS,
+        ctx,
+        mode="allgather",
+        num_landing=1,
+        hbm_budget=budget,
+        placement=Placement.from_policy(row.placed_by),
+    )
+    return {
+        "policy_tier_stored": bool(o.budget.device_stored) and o.resident_blocks == row.resident,
+        "policy_tier_device_weights": row.hbm_bytes == o.device_weight_bytes <= budget,
+        "policy_tier_pinned": row.host_bytes - top.framework_host_bytes == o.store.arena_bytes,
+    }
 
 
 def _stream_ops_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:

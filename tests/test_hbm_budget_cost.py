@@ -44,8 +44,11 @@ def runtime_matches_cost(o, budget: int, quantization: str | None, num_shards: i
     value = {(r.section, r.item): r.value_bytes for r in rows}
     pinned = o.store.arena_bytes if o.store is not None else 0
     # A link-bound machine: the policy's placement by compute then keeps the most within the budget, as offload's
-    # placement by bytes does (the same resident set, so the same buffers to compare).
-    top = dataclasses.replace(topology_file.topology("1xH200"), num_ranks=num_shards, h2d_bytes_per_s=1e3)
+    # placement by bytes does (the same resident set, so the same buffers to compare); its device copies no faster
+    # than the link, so no shard is worth keeping on the device (placed by bytes, offload keeps none).
+    top = dataclasses.replace(
+        topology_file.topology("1xH200"), num_ranks=num_shards, h2d_bytes_per_s=1e3, d2d_copy_bytes_per_s=1e3
+    )
     model = PolicyModel(sizes, 64, tensor_block_bytes=o.spec.block_bytes)
     w = num_shards if mode == "allgather" else 1
     group = "mesh" if mode == "allgather" else "-"
