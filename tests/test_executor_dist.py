@@ -173,16 +173,7 @@ def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
 
         ring = offload(load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather", num_landing=1)
         budget = ring.device_weight_bytes + 2 * ring.layout.max_shard_bytes
-        placement = Placement((1e-3,) * ring.spec.num_blocks, 1e3, "given", 1e9)
-        o = offload(
-            load_reference(ckpt),
-            BLOCK_PATHS,
-            ctx,
-            mode="allgather",
-            num_landing=1,
-            hbm_budget=budget,
-            placement=placement,
-        )
+        o = _allgather_budget(ctx, ckpt, budget, Placement((1e-3,) * ring.spec.num_blocks, 1e3, "given", 1e9))
         got = [generate(o.model, r) for r in reqs]
         out["device_stored_exact"] = all(torch.equal(g.latents, e.latents) for g, e in zip(got, expected))
         out["device_stored_kept"] = o.store is not None and len(o.store.device_blocks) == 2 and o.resident_blocks == ()
@@ -193,6 +184,16 @@ def _budget_path(ctx: DistContext, ckpt: str, reqs, expected) -> dict:
     return out
 
 
+def _allgather_budget(ctx: DistContext, ckpt: str, budget: int, placement):
+    """The tiny checkpoint offloaded in allgather mode (one landing buffer) under ``budget``, placed by
+    ``placement``."""
+    from dlo_fn.models import BLOCK_PATHS
+
+    return offload(
+        load_reference(ckpt), BLOCK_PATHS, ctx, mode="allgather", num_landing=1, hbm_budget=budget, placement=placement
+    )
+
+
 def _policy_tier(ctx: DistContext, ckpt: str, ring, budget: int) -> dict:
     """The policy's allgather row under ``budget`` on a link-bound machine keeps ``1/W`` shards on the device, and
     ``offload`` placed by that row holds its device weights and pinned bytes."""
@@ -201,7 +202,6 @@ def _policy_tier(ctx: DistContext, ckpt: str, ring, budget: int) -> dict:
     from dlo_fn.cost import topology_file
     from dlo_fn.cost.policy import Candidate, predict
     from dlo_fn.cost.topology import PolicyModel
-    from dlo_fn.models import BLOCK_PATHS
     from dlo_fn.plan.sizes import ModelSizes
     from dlo_fn.runtime.budget import Placement
 
@@ -210,15 +210,7 @@ def _policy_tier(ctx: DistContext, ckpt: str, ring, budget: int) -> dict:
     model = PolicyModel(ModelSizes.from_spec(ring.spec), 64, tensor_block_bytes=ring.spec.block_bytes)
     cand = Candidate(w, 1, "allgather", "mesh", 2, 1, 1)
     row = predict(model, top, topology_file.workload("image 1024^2 CFG, 24 steps"), cand, hbm_budget=budget)
-    o = offload(
-        load_reference(ckpt),
-        BLOCK_PATHS,
-        ctx,
-        mode="allgather",
-        num_landing=1,
-        hbm_budget=budget,
-        placement=Placement.from_policy(row.placed_by),
-    )
+    o = _allgather_budget(ctx, ckpt, budget, Placement.from_policy(row.placed_by))
     return {
         "policy_tier_stored": bool(o.budget.device_stored) and o.resident_blocks == row.resident,
         "policy_tier_device_weights": row.hbm_bytes == o.device_weight_bytes <= budget,
