@@ -404,9 +404,9 @@ class _Pricer:
         """``plan`` improved by local moves of its resident set while the pass model predicts a faster pass within
         ``budget_bytes``: keep one more streamed block resident, swap a resident block for a streamed one, or trade
         a resident block for two streamed ones whose bytes fit in its bytes and what the budget leaves. Moves are
-        tried in that order (blocks in forward order) and the first faster one is taken, until none is faster or
-        :data:`REFINE_PRICINGS` plans are priced; device-stored blocks stay streamed. The same plan on every rank:
-        the moves' order is fixed and the pass model is deterministic."""
+        tried in that order (blocks in forward order) and the first faster one (by :data:`REFINE_GAIN`) is taken,
+        until none is or :data:`REFINE_PRICINGS` plans are priced; device-stored blocks stay streamed. The same plan
+        on every rank: the moves' order is fixed and the pass model is deterministic."""
         best, priced, n = plan, 0, self.spec.block_bytes
         while priced < REFINE_PRICINGS:
             keep = set(best.resident)
@@ -430,7 +430,7 @@ class _Pricer:
                 taken = keep - {move[0]} | set(move[1:]) if len(move) > 1 else keep | set(move)
                 p = self(tuple(sorted(taken)), best.num_slots, stored=best.device_stored)
                 priced += 1
-                if p.device_weight_bytes <= budget_bytes and p.pass_s < best.pass_s:
+                if p.device_weight_bytes <= budget_bytes and p.pass_s < best.pass_s * (1 - REFINE_GAIN):
                     best = p
                     break
             else:
@@ -481,6 +481,9 @@ def _slot_counts(num_slots: int | str) -> tuple[int, ...]:
 
 
 REFINE_PRICINGS = 4_000  # at most this many plans priced by :meth:`_Pricer.refined` for one budget
+# a move is taken where it predicts a pass at least this fraction faster: not for the rounding of a few bytes (the
+# planners' sizes and the runtime's tensors may differ by alignment padding) but for what a move really gains
+REFINE_GAIN = 1e-4
 FILLED = 8  # the frontier's tier: the plans holding the most that a budget's leftover is spent on
 
 
@@ -597,7 +600,7 @@ def choose_resident(
         price = _Pricer(spec, layout_of, num_landing, None, None)
     else:
         best = min(fits, key=_fastest)
-        if len(best.resident) < spec.num_blocks and best.pass_s > sum(compute) * (1 + 1e-9):  # else nothing to gain
+        if len(best.resident) < spec.num_blocks and best.pass_s > sum(compute) * (1 + REFINE_GAIN):  # else at compute
             best = min(best, price.refined(best, budget_bytes), key=_fastest)
     return best if len(best.resident) == spec.num_blocks else price.exactly(best)
 
