@@ -448,10 +448,8 @@ def predict(
         step = (ends[-1] - first) / (steps - 1)
     links = link_busy_s(sizes, topology, mode, cand.num_shards)  # shared links: at least their busy time
     link, link_s = links[0] if links else ("", 0.0)
-    if stored:  # the host links carry the shards that are not on the device
-        link_s *= sum(n for j, n in enumerate(sizes.shard_bytes(cand.num_shards)) if j not in stored) / sum(
-            sizes.shard_bytes(cand.num_shards)
-        )
+    if stored_bytes:  # the host links carry the shards that are not on the device: the plan's H2D bytes
+        link_s *= kept.choice.h2d_bytes_per_pass / (kept.choice.h2d_bytes_per_pass + stored_bytes)
     step, first = max(step, link_s), max(first, link_s)
     wave = first + (workload.num_steps - 1) * step + r * topology.request_overhead_s(workload.tokens)
     busy = {"h2d": sum(h2d_s), "allgather": sum(ag), "compute": r * sum(comp) + r * overhead}
