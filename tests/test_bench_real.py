@@ -339,9 +339,9 @@ def test_budget_variants_equal_resident(tmp_path):
 
 
 def test_a_profiled_forward_is_summarised_per_stream_and_block(tmp_path):
-    """benchmarks.bench.real_lora.summarize_trace on a Chrome trace as torch.profiler writes it: two blocks on the
+    """benchmarks.bench.trace.summarize_trace on a Chrome trace as torch.profiler writes it: two blocks on the
     compute stream (each from its attention kernel), two H2D copies on a copy stream, one dequantise kernel."""
-    from benchmarks.bench.real_lora import summarize_trace
+    from benchmarks.bench.trace import summarize_trace
 
     def ev(cat, name, stream, ts, dur):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}

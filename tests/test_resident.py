@@ -5,6 +5,7 @@ device weight bytes as planned and within the budget."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from dlo_fn.plan.layout import model_layout
 from dlo_fn.plan.resident import (
+    REFINE_GAIN,
     BudgetError,
     at_speed,
     choose_resident,
@@ -20,6 +22,7 @@ from dlo_fn.plan.resident import (
     frontier,
     pass_ends,
     pass_seconds,
+    price_plan,
     spread_resident,
     with_resident,
 )
@@ -161,6 +164,17 @@ def test_local_moves_refine_the_spreads_plan_golden():
     assert refined.pass_s == pytest.approx(13.184e-3) and spread.pass_s == pytest.approx(14.136e-3)
 
 
+def test_what_the_budget_leaves_keeps_more_blocks_resident_golden():
+    """Past the model's fastest point the pass is at the compute; the rest of a budget still goes to resident
+    blocks (their loads' slack is what a slower link or a late host eats first)."""
+    spec, compute, link = _flux_like(), (1e-3,) * 12, 4e6
+    fastest = at_speed(frontier(spec, _layout_of, 2, 0, compute=compute, link=link), within=1e-9)
+    assert _string(fastest.resident, 12) == "R R R R S S R S R S R S" and fastest.device_weight_bytes == 68_592
+    choice = choose_resident(spec, 79_000, _layout_of, 2, 0, compute=compute, link=link)
+    assert _string(choice.resident, 12) == "R R R R R R S R S R R S" and choice.device_weight_bytes == 76_592
+    assert choice.pass_s == fastest.pass_s == pytest.approx(sum(compute))
+
+
 @settings(deadline=None, max_examples=25)
 @given(
     st.lists(st.tuples(st.integers(1, 4), st.integers(0, 6)), min_size=2, max_size=10),
@@ -183,10 +197,16 @@ def test_priced_plans_fit_and_never_beat_the_bound(blocks, num_slots, where):
     assert plans[-1].h2d_bytes_per_pass == 0 and at_speed(plans) in plans
     budget = round(plans[0].device_weight_bytes + where * (spec.total_bytes - plans[0].device_weight_bytes))
     choice = choose_resident(spec, budget, _layout_of, num_slots, 0, compute=compute, link=link)
+    priced = dict(layout_of=_layout_of, num_landing=0, compute=compute, link=link)
     assert choice.device_weight_bytes <= budget
     assert choice.pass_s >= max(sum(compute), choice.h2d_bytes_per_pass / link) * (1 - 1e-9)
     # the frontier's fastest within the budget, or a plan its local moves found faster
     assert choice.pass_s <= min(p.pass_s for p in plans if p.device_weight_bytes <= budget)
+    # what the budget leaves is spent: every block left streamed would not fit, or would slow the pass
+    for b in set(range(spec.num_blocks)) - set(choice.resident):
+        if len(choice.resident) + 1 < spec.num_blocks:
+            more = price_plan(spec, replace(choice, resident=tuple(sorted({*choice.resident, b}))), **priced)
+            assert more.device_weight_bytes > budget or more.pass_s > choice.pass_s * (1 + REFINE_GAIN)
     if choice.h2d_bytes_per_pass:  # the pass of the streamed blocks' own layout
         shards = iter(s.shard_bytes for s in _layout_of(with_resident(spec, choice.resident)).shards)
         h2d = tuple(0 if b in choice.resident else next(shards) for b in range(spec.num_blocks))

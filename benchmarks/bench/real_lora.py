@@ -10,8 +10,8 @@
 
 Each adapter row first times the same offloaded model without an adapter (``forward_s_without_adapter``), so the
 adapter's cost is read within one model, and profiles one forward without and one with the adapter
-(``torch.profiler`` on CUDA, :func:`profile_forward`: each stream's busy time and its heaviest kernels), which
-says whether the forward waits on the link or on compute.
+(``torch.profiler`` on CUDA, :func:`benchmarks.bench.trace.profile_forward`: each stream's busy time and its
+heaviest kernels), which says whether the forward waits on the link or on compute.
 
 The adapters are random (:func:`dlo_fn.models.lora.write_adapter`), rank :data:`RANK` (4 with ``--quick``), in the
 model's dtype, written once per run beside the checkpoint.
@@ -19,15 +19,14 @@ model's dtype, written once per run beside the checkpoint.
 
 from __future__ import annotations
 
-import bisect
-import json
 import os
 import pathlib
 import statistics
-import tempfile
 import time
 
-__all__ = ["RANK", "TARGETS", "VARIANTS", "write_adapters", "load", "adapter_work", "profile_forward"]
+from benchmarks.bench.trace import profile_forward
+
+__all__ = ["RANK", "TARGETS", "VARIANTS", "write_adapters", "load", "adapter_work"]
 
 RANK = 64
 VARIANTS = ("ours-lora", "ours-lora-fp8", "ours-lora-fp8-3-slots")
@@ -76,14 +75,14 @@ def adapter_work(o, files: tuple[str, str], platform, forward, time_forwards, la
         return time.perf_counter() - t
 
     without = time_forwards()
-    profiles = {"without_adapter": profile_forward(platform, forward, f"{label}-without")}
+    profiles = {"without_adapter": profile_forward(platform, forward, f"{label}-without", os.environ.get(TRACE_DIR))}
     pinned, device = o.pinned_host_bytes, platform.memory_allocated()
     a, b = NAMES
     loads = [timed(lambda p=p, n=n: load(o.model, p, n)) for p, n in zip(files, NAMES)]
     adapters_device = platform.memory_allocated() - device
     switches = [timed(lambda n=n: o.model.set_adapters(n)) for n in (b, a, b, a)]
     unload = timed(lambda: o.model.delete_adapters(b))
-    profiles["with_adapter"] = profile_forward(platform, forward, f"{label}-with")
+    profiles["with_adapter"] = profile_forward(platform, forward, f"{label}-with", os.environ.get(TRACE_DIR))
     return {
         "forward_s_without_adapter": statistics.median(without),
         "forward_s_all_without_adapter": without,
@@ -106,109 +105,3 @@ def open_rank(path: str) -> str:
 
     with safe_open(path, "pt") as f:
         return (f.metadata() or {}).get("rank", "0")
-
-
-def profile_forward(platform, forward, label: str) -> dict | None:
-    """One forward under ``torch.profiler`` (CUDA only; None elsewhere): its span on the device (first kernel or
-    copy to last) and, per stream, the union of its kernels and copies (busy), their sum, and the five kernels
-    with the most time. The stream that runs the blocks' matmuls is the compute stream; the copy and dequantise
-    streams show whether compute waited on them."""
-    if platform.kind != "cuda":
-        return None
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    platform.synchronize()
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        forward()
-        platform.synchronize()
-    keep = os.environ.get(TRACE_DIR)
-    folder = pathlib.Path(keep) if keep else pathlib.Path(tempfile.mkdtemp())
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"trace_{label}.json"
-    prof.export_chrome_trace(str(path))
-    del prof
-    torch.cuda.synchronize()
-    try:
-        return summarize_trace(path)
-    finally:
-        if not keep:
-            path.unlink()
-
-
-def summarize_trace(path: pathlib.Path) -> dict:
-    """A Chrome trace of one forward (:func:`profile_forward`) summarised: the span, each stream's busy time, the
-    compute stream's idle time split by what else ran, and per block (in forward order, the block marked by its
-    attention kernel) the compute stream's kernel time and each H2D copy's time."""
-    events = [
-        e
-        for e in json.loads(pathlib.Path(path).read_text()).get("traceEvents", [])
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
-    ]
-    if not events:
-        return {"span_s": 0.0, "streams": {}}
-    t0 = min(e["ts"] for e in events)
-    t1 = max(e["ts"] + e["dur"] for e in events)
-    streams: dict[str, dict] = {}
-    for e in events:
-        streams.setdefault(str(e.get("args", {}).get("stream", e.get("tid"))), []).append(e)
-    out = {}
-    for sid, evs in streams.items():
-        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs)
-        busy, end = 0.0, None
-        for a, b in spans:  # union of the intervals
-            if end is None or a > end:
-                busy, end = busy + (b - a), b
-            elif b > end:
-                busy, end = busy + (b - end), b
-        by_name: dict[str, float] = {}
-        for e in evs:
-            by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"]
-        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
-        out[sid] = {
-            "busy_s": busy / 1e6,
-            "sum_s": sum(e["dur"] for e in evs) / 1e6,
-            "num_events": len(evs),
-            "copy_s": sum(e["dur"] for e in evs if e["cat"] == "gpu_memcpy") / 1e6,
-            "top_kernels_s": {k: v / 1e6 for k, v in top},
-        }
-    # The three streams as the Timeline names them: compute (the most kernel time), h2d (mostly copies), the
-    # rest allgather (the dequantise kernels): compute's idle time, and how much of it a transfer stream was busy.
-    from dlo_fn.plan.timeline import Timeline
-
-    compute = max(out, key=lambda k: out[k]["sum_s"] - out[k]["copy_s"])
-    role = {
-        k: "compute" if k == compute else "h2d" if v["copy_s"] > v["sum_s"] / 2 else "allgather" for k, v in out.items()
-    }
-    for k, v in out.items():
-        v["role"] = role[k]
-    timeline = Timeline.from_records(
-        (e["name"][:40], role[sid], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-        for sid, evs in streams.items()
-        for e in evs
-    )
-    idle, exposed = timeline.compute_idle_s(), timeline.exposed_transfer_s()
-    # per block: compute-stream kernel time from one attention kernel's start to the next's
-    marks = sorted(e["ts"] for e in streams[compute] if any(k in e["name"] for k in ("sdpa", "flash", "attention")))
-    per_block = [0.0] * len(marks)
-    for e in streams[compute]:
-        i = bisect.bisect_right(marks, e["ts"]) - 1
-        if i >= 0:
-            per_block[i] += e["dur"] / 1e6
-    loads = [e["dur"] / 1e6 for e in sorted(events, key=lambda e: e["ts"]) if e["cat"] == "gpu_memcpy"]
-    return {
-        "span_s": (t1 - t0) / 1e6,
-        "compute_busy_s": timeline.busy_s("compute"),
-        "compute_idle_s": idle,
-        "compute_idle_transfer_busy_s": exposed,  # waiting on a copy or a dequantise
-        "compute_idle_nothing_busy_s": idle - exposed,  # no stream ran: the host was late
-        "streams": out,
-        "block_compute_s": per_block,
-        "h2d_s": loads,  # in issue order: the first is the load ahead of the forward's first block
-    }
-
-
-if __name__ == "__main__":  # summaries of kept traces (BENCH_LORA_TRACE_DIR): python -m benchmarks.bench.real_lora T..
-    import sys
-
-    print(json.dumps({pathlib.Path(t).name: summarize_trace(pathlib.Path(t)) for t in sys.argv[1:]}, indent=1))

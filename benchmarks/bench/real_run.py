@@ -113,6 +113,7 @@ class ModelRun:
             warmup=args.warmup,
             repeats=args.repeats,
             base_device_bytes=0,
+            profile=self._profiler("resident"),
         )
         row.update(ready_s=None, weight_device_bytes=weights, wall_s=time.perf_counter() - t0)
         self.want = row.pop("output").clone()
@@ -215,6 +216,15 @@ class ModelRun:
     def _skip(self, variant: str, reason: str) -> None:
         self._add(variant, {"status": "skipped", "reason": reason})
 
+    def _profiler(self, variant: str):
+        """With ``--profile DIR``: one forward of the row profiled, its trace kept in DIR (CUDA only)."""
+        if not getattr(self.args, "profile", None):
+            return None
+        from benchmarks.bench.trace import profile_forward
+
+        label = f"{self.case.name}-{variant}"
+        return lambda forward: profile_forward(self.platform, forward, label, self.args.profile)
+
     def _run(self, variant: str) -> dict:
         args, p, folder = self.args, self.platform, str(self.folder)
         if variant in rv.OURS:
@@ -247,6 +257,7 @@ class ModelRun:
                 want=want,
                 warmup=warmup,
                 repeats=args.repeats,
+                profile=self._profiler(variant),
             )
             if row.get("arena_h2d_peak_bytes_per_s"):
                 self.entry["h2d_peaks_bytes_per_s"]["arena"] = row["arena_h2d_peak_bytes_per_s"]
@@ -269,6 +280,7 @@ class ModelRun:
                 want=self.want,
                 warmup=args.warmup,
                 repeats=args.repeats,
+                profile=self._profiler(variant),
             )
         if variant == "model-offload":
             self._needs("accelerate")

@@ -152,11 +152,13 @@ def measure(
     warmup: int,
     repeats: int,
     base_device_bytes: int | None = None,
+    profile: Callable[[Callable[[], torch.Tensor]], dict | None] | None = None,
 ) -> dict:
     """Set up a variant (``setup()`` returns ``(forward, facts, teardown)``), time it to ready, sample memory,
     time the forwards, compare the output with ``want``; the variant is torn down and released before returning.
     A ``facts["after_ready"]`` callable runs once the clock has stopped (a probe; its dict joins the row). Peak
-    device bytes are counted above ``base_device_bytes`` (default: what was allocated before the set-up)."""
+    device bytes are counted above ``base_device_bytes`` (default: what was allocated before the set-up).
+    ``profile(forward)``: once timed, one more forward profiled (``forward_profile``; see ``bench real --profile``)."""
     release(platform)
     before = process_memory()
     base_dev = platform.memory_allocated() if base_device_bytes is None else base_device_bytes
@@ -190,6 +192,8 @@ def measure(
                 equal_to_resident=None if want is None else bool(torch.equal(out, want)),
             )
             row["output"] = out  # taken out by the caller (the resident reference), never written
+            if profile is not None:
+                row["forward_profile"] = profile(forward)
         row["peak_device_bytes"] = platform.max_memory_allocated() - base_dev
     finally:
         teardown()

@@ -68,8 +68,10 @@ against predicted pass seconds, spread by compute and by bytes, for one or sever
 takes the one that streams the least (predicted fastest; ties: fewer device bytes) within the budget and, placed
 by compute, improves its resident set by local moves while the pass model predicts a faster pass
 (:meth:`_Pricer.refined`: the spread places by a smooth credit, and a move can trade one large resident block for
-two small ones, or shift a resident block to where a load needs it); the ring alone with nothing resident is the
-least a budget may be.
+two small ones, or shift a resident block to where a load needs it); then what the budget leaves goes to more
+resident blocks that do not slow the pass (:meth:`_Pricer.topped_up`): a plan predicted at the compute hides its
+loads with little slack, and the host work and copies the model leaves out eat that slack first. The ring alone
+with nothing resident is the least a budget may be.
 """
 
 from __future__ import annotations
@@ -437,6 +439,35 @@ class _Pricer:
                 break
         return best
 
+    def topped_up(self, plan: ResidentChoice, budget_bytes: int) -> ResidentChoice:
+        """``plan`` with what ``budget_bytes`` leaves spent on more resident blocks, one at a time, while one fits and
+        the pass is not predicted slower (by :data:`REFINE_GAIN`): a plan at the compute keeps its loads' slack,
+        which a load slower than the measured link, or a late host, then eats before the compute waits. Each step
+        takes the block (streamed, or device-stored) whose plan is fastest with the link :data:`FILL_MARGIN` slower,
+        then streams the fewest bytes, then comes first; without compute, the one streaming the fewest bytes."""
+        best, slow = plan, None
+        if self.compute is not None:
+            slow = _Pricer(self.spec, self.layout_of, self.num_landing, self.compute, self.link / (1 + FILL_MARGIN))
+            slow.device_link, slow.layouts = self.device_link, self.layouts
+        while len(best.resident) < self.spec.num_blocks - 1:
+            keep = set(best.resident)
+            options = []
+            for b in range(self.spec.num_blocks):
+                if b in keep:
+                    continue
+                resident, stored = tuple(sorted(keep | {b})), tuple(s for s in best.device_stored if s != b)
+                p = self(resident, best.num_slots, stored=stored)
+                if p.device_weight_bytes > budget_bytes:
+                    continue
+                if slow is None:
+                    options.append(((p.h2d_bytes_per_pass, b), p))
+                elif p.pass_s <= best.pass_s * (1 + REFINE_GAIN):
+                    options.append(((slow(resident, best.num_slots, stored=stored).pass_s, p.h2d_bytes_per_pass, b), p))
+            if not options:
+                break
+            best = min(options, key=lambda o: o[0])[1]
+        return best
+
 
 def _spread_sets(spec: ModelSpec, weights: tuple[int, ...] | None) -> list[tuple[int, ...]]:
     """The distinct resident sets of the spread, from every block streamed to one block streamed."""
@@ -484,6 +515,9 @@ REFINE_PRICINGS = 4_000  # at most this many plans priced by :meth:`_Pricer.refi
 # a move is taken where it predicts a pass at least this fraction faster: not for the rounding of a few bytes (the
 # planners' sizes and the runtime's tensors may differ by alignment padding) but for what a move really gains
 REFINE_GAIN = 1e-4
+# :meth:`_Pricer.topped_up` ranks the blocks a budget's leftover keeps resident by the pass with the link this much
+# slower: the load hardest to hide goes first
+FILL_MARGIN = 0.1
 FILLED = 8  # the frontier's tier: the plans holding the most that a budget's leftover is spent on
 
 
@@ -579,7 +613,7 @@ def choose_resident(
     streamed spec as the runtime will) that streams the least, or with ``compute`` and ``link`` is predicted
     fastest (ties: fewer device bytes), then improved by local moves (:meth:`_Pricer.refined`); with
     ``device_link``, the budget a plan leaves goes to device-stored shards where they are smaller than resident
-    blocks. Everything resident where the whole model fits; :class:`BudgetError` naming the minimum (nothing
+    blocks; what is still left, to more resident blocks (:meth:`_Pricer.topped_up`). Everything resident where the whole model fits; :class:`BudgetError` naming the minimum (nothing
     resident, the ring alone) below it."""
     _check_compute(spec, compute, link, num_slots, device_link)
     slots = 2 if num_slots == "auto" else num_slots
@@ -602,6 +636,7 @@ def choose_resident(
         best = min(fits, key=_fastest)
         if len(best.resident) < spec.num_blocks and best.pass_s > sum(compute) * (1 + REFINE_GAIN):  # else at compute
             best = min(best, price.refined(best, budget_bytes), key=_fastest)
+    best = price.topped_up(price.exactly(best), budget_bytes)
     return best if len(best.resident) == spec.num_blocks else price.exactly(best)
 
 
