@@ -84,12 +84,19 @@ def register(subparsers) -> None:
         "memory at first use (a Firecracker microVM), so no variant pays the hypervisor's faults",
     )
     p.add_argument(
+        "--block-spans",
+        action="store_true",
+        help="after timing, each resident, ours and accelerate row's blocks timed unprofiled (events at each "
+        "block's entry over back-to-back forwards): forward_profile.spans, each block's span and how far the host "
+        "ran ahead there (CUDA only)",
+    )
+    p.add_argument(
         "--profile",
         default=None,
         metavar="DIR",
         help="after timing, one more forward of the resident, ours and accelerate rows under torch.profiler: its "
-        "summary in the row (forward_profile: where the compute stream waited, per block) and its Chrome trace "
-        "(opens in Perfetto) in DIR (CUDA only)",
+        "summary in the row (forward_profile.trace: where the compute stream waited, per block) and its Chrome trace "
+        "(opens in Perfetto) in DIR (CUDA only; the profiler slows the host)",
     )
     p.add_argument("--quick", action="store_true", help="tiny configs of the same classes (CPU test)")
     p.add_argument("--platform", choices=("cuda", "cpu"), default=None, help="default: detect (cpu with --quick)")
@@ -134,6 +141,7 @@ def _argv(args: argparse.Namespace, models: list[str], variants: list[str]) -> l
     argv += ["--pipeline", "--pipeline-repeats", str(args.pipeline_repeats)] if "pipeline" in variants else []
     argv += ["--budget-s", f"{args.budget_s:g}"] if args.budget_s is not None else []
     argv += ["--touch-host-gb", f"{args.touch_host_gb:g}"] if args.touch_host_gb else []
+    argv += ["--block-spans"] if args.block_spans else []
     argv += ["--profile", args.profile] if args.profile else []
     argv += ["--quick"] if args.quick else []
     return argv + (["--platform", args.platform] if args.platform else [])

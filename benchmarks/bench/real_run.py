@@ -108,7 +108,7 @@ class ModelRun:
         weights = self.platform.memory_allocated()
         row = rv.measure(
             self.platform,
-            lambda: ((lambda: model(**self.inputs)[0]), {}, lambda: None),  # noqa: F821 (a closure; the name is deleted after its last call)
+            lambda: ((lambda: model(**self.inputs)[0]), {"model": model}, lambda: None),  # noqa: F821 (a closure; the name is deleted after its last call)
             want=None,
             warmup=args.warmup,
             repeats=args.repeats,
@@ -217,13 +217,22 @@ class ModelRun:
         self._add(variant, {"status": "skipped", "reason": reason})
 
     def _profiler(self, variant: str):
-        """With ``--profile DIR``: one forward of the row profiled, its trace kept in DIR (CUDA only)."""
-        if not getattr(self.args, "profile", None):
+        """With ``--block-spans``: the row's per-block spans and the host's lead, unprofiled; with ``--profile
+        DIR``: one forward profiled, its trace kept in DIR (CUDA only; benchmarks.bench.trace)."""
+        spans, keep = getattr(self.args, "block_spans", False), getattr(self.args, "profile", None)
+        if not spans and not keep:
             return None
-        from benchmarks.bench.trace import profile_forward
+        from benchmarks.bench.trace import block_spans, profile_forward
 
-        label = f"{self.case.name}-{variant}"
-        return lambda forward: profile_forward(self.platform, forward, label, self.args.profile)
+        def profile(forward, model) -> dict | None:
+            out = {}
+            if spans and model is not None:
+                out["spans"] = block_spans(self.platform, model, forward)
+            if keep:
+                out["trace"] = profile_forward(self.platform, forward, f"{self.case.name}-{variant}", keep)
+            return out
+
+        return profile
 
     def _run(self, variant: str) -> dict:
         args, p, folder = self.args, self.platform, str(self.folder)

@@ -152,13 +152,14 @@ def measure(
     warmup: int,
     repeats: int,
     base_device_bytes: int | None = None,
-    profile: Callable[[Callable[[], torch.Tensor]], dict | None] | None = None,
+    profile: Callable[[Callable[[], torch.Tensor], Any], dict | None] | None = None,
 ) -> dict:
     """Set up a variant (``setup()`` returns ``(forward, facts, teardown)``), time it to ready, sample memory,
     time the forwards, compare the output with ``want``; the variant is torn down and released before returning.
     A ``facts["after_ready"]`` callable runs once the clock has stopped (a probe; its dict joins the row). Peak
     device bytes are counted above ``base_device_bytes`` (default: what was allocated before the set-up).
-    ``profile(forward)``: once timed, one more forward profiled (``forward_profile``; see ``bench real --profile``)."""
+    ``profile(forward, model)``: once timed, where the forward's time goes (``forward_profile``; ``bench real
+    --block-spans`` and ``--profile``); the set-up's ``facts["model"]`` is the model it runs (never written)."""
     release(platform)
     before = process_memory()
     base_dev = platform.memory_allocated() if base_device_bytes is None else base_device_bytes
@@ -171,6 +172,7 @@ def measure(
         ready_s = time.perf_counter() - t0
         after = process_memory()
         probe = facts.pop("after_ready", None)
+        model = facts.pop("model", None)
         facts.update(probe() if probe is not None else {})
         row: dict[str, Any] = {
             "status": "ok",
@@ -193,7 +195,7 @@ def measure(
             )
             row["output"] = out  # taken out by the caller (the resident reference), never written
             if profile is not None:
-                row["forward_profile"] = profile(forward)
+                row["forward_profile"] = profile(forward, model)
         row["peak_device_bytes"] = platform.max_memory_allocated() - base_dev
     finally:
         teardown()
@@ -253,6 +255,7 @@ def ours_setup(
             "options": {k: str(v) for k, v in kwargs.items()},
             "chosen": str(getattr(o, "auto", None)) if kwargs.get("mode") == "auto" else None,
             **budget_facts(o),
+            "model": o.model,
         }
         if probe_peak and ctx.platform.kind == "cuda" and store and store.pinned:
             from benchmarks.bench.step_variants import pinned_peak_bytes_per_s
@@ -425,6 +428,7 @@ def device_map_setup(platform, folder: str, cls_name: str, max_memory: str, inpu
             "offload_s": 0.0,
             "weight_device_bytes": on_device,
             "options": {"device_map": "auto", "max_memory": str(budget)},
+            "model": model,
         }
         return (lambda: model(**inputs)[0]), facts, (lambda: None)
 

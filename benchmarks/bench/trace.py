@@ -1,6 +1,12 @@
-"""One forward under ``torch.profiler``, summarised: where the compute stream ran, waited on a transfer, or waited
-on the host; per block its kernel time and span; each H2D copy's time. Used by `bench real --profile` and its
-adapter rows; ``python -m benchmarks.bench.trace TRACE...`` summarises kept traces."""
+"""Where a forward's time goes, per block.
+
+:func:`block_spans` (unprofiled): device events recorded as each block is entered, over back-to-back forwards, give
+each block's span on the compute stream and how far the host ran ahead of the device there (a lead near zero: the
+host was late). :func:`profile_forward`: one forward under ``torch.profiler``, summarised (where the compute stream
+ran, waited on a transfer, or on the host; per block its kernel time and span; each H2D copy's time); the
+profiler's own host work slows the host, so its "host late" share is an upper bound, which the unprofiled lead
+settles. Used by `bench real --profile` and its adapter rows; ``python -m benchmarks.bench.trace TRACE...``
+summarises kept traces."""
 
 from __future__ import annotations
 
@@ -8,8 +14,53 @@ import bisect
 import json
 import pathlib
 import tempfile
+import time
 
-__all__ = ["profile_forward", "summarize_trace"]
+__all__ = ["block_spans", "profile_forward", "summarize_trace"]
+
+SPAN_FORWARDS = 4  # back-to-back forwards block_spans records; the last one's blocks are reported
+
+
+def block_spans(platform, model, forward) -> dict | None:
+    """Per block of the last of :data:`SPAN_FORWARDS` back-to-back forwards (after one untimed), unprofiled (CUDA
+    only; None elsewhere): ``block_span_s`` from one block's entry to the next's on the compute stream (one fewer
+    than the blocks) and ``host_lead_s``, at each block's entry how far the device was behind the host. The blocks
+    are the entries of ``model``'s top-level module lists, in attribute order (diffusers' DiTs: forward order)."""
+    if platform.kind != "cuda":
+        return None
+    import torch
+    from torch import nn
+
+    entries = [e for child in model.children() if isinstance(child, nn.ModuleList) for e in child]
+    marks: list = []
+
+    def enter(module, args, kwargs) -> None:
+        event = platform.new_event(timing=True)
+        event.record(platform.current_stream())
+        marks.append((time.perf_counter(), event))
+
+    hooks = [e.register_forward_pre_hook(enter, with_kwargs=True) for e in entries]
+    try:
+        with torch.no_grad():
+            forward()
+            platform.synchronize()
+            marks.clear()
+            start = platform.new_event(timing=True)
+            start.record(platform.current_stream())
+            t0 = time.perf_counter()
+            for _ in range(SPAN_FORWARDS):
+                forward()
+            platform.synchronize()
+    finally:
+        for h in hooks:
+            h.remove()
+    n = len(entries)
+    last = marks[-n:] if n and len(marks) == n * SPAN_FORWARDS else []
+    device = [start.elapsed_time(e) / 1e3 for _, e in last]
+    return {
+        "block_span_s": [b - a for a, b in zip(device, device[1:])],
+        "host_lead_s": [d - (t - t0) for d, (t, _) in zip(device, last)],
+    }
 
 
 def profile_forward(platform, forward, label: str, keep: str | None = None) -> dict | None:
