@@ -28,3 +28,31 @@ def test_allgather_host_bench_runs_two_ranks_and_splits_the_collective_off():
         assert all(out["nccl_calls"]["gathered_equal"].values())
     with pytest.raises(SystemExit):
         allgather_host.main(["--load-groups", "1,x"])
+
+
+@pytest.mark.cuda
+def test_block_spans_time_each_block_entry_with_the_host_ahead():
+    # Three blocks of unequal work in one module list: a span per block boundary, the longer block's span the
+    # longer, and a lead per block (the host enqueues ahead of the device here: the blocks are kernel-bound)
+    from torch import nn
+
+    from benchmarks.bench.trace import SPAN_FORWARDS, block_spans
+    from dlo_fn.runtime.platform import detect_platform
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(2048, 2048) for _ in range(3)).cuda()
+
+        def forward(self, x):
+            for i, block in enumerate(self.blocks):
+                for _ in range(1 + 8 * (i == 1)):  # block 1 runs 9 matmuls, the others one
+                    x = block(x)
+            return x
+
+    platform, model = detect_platform(prefer="cuda"), Model()
+    x = torch.randn(4096, 2048, device="cuda")
+    out = block_spans(platform, model, lambda: model(x))
+    assert SPAN_FORWARDS >= 2 and len(out["block_span_s"]) == 2 and len(out["host_lead_s"]) == 3
+    assert out["block_span_s"][1] > 4 * out["block_span_s"][0] > 0
+    assert block_spans(detect_platform(prefer="cpu"), model, lambda: model(x)) is None
