@@ -613,8 +613,8 @@ def choose_resident(
     streamed spec as the runtime will) that streams the least, or with ``compute`` and ``link`` is predicted
     fastest (ties: fewer device bytes), then improved by local moves (:meth:`_Pricer.refined`); with
     ``device_link``, the budget a plan leaves goes to device-stored shards where they are smaller than resident
-    blocks; what is still left, to more resident blocks (:meth:`_Pricer.topped_up`). Everything resident where the whole model fits; :class:`BudgetError` naming the minimum (nothing
-    resident, the ring alone) below it."""
+    blocks; what is still left, to more resident blocks (:meth:`_Pricer.topped_up`). Everything resident where
+    the whole model fits; :class:`BudgetError` naming the minimum (nothing resident, the ring alone) below it."""
     _check_compute(spec, compute, link, num_slots, device_link)
     slots = 2 if num_slots == "auto" else num_slots
     if budget_bytes >= spec.total_bytes:
