@@ -47,7 +47,9 @@ def _args(tmp, *extra: str):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
-    args = _args(tmp, "--models", "flux", "--variants", VARIANTS, "--pipeline", "--touch-host-gb", "0.05")
+    args = _args(
+        tmp, "--models", "flux", "--variants", VARIANTS, "--pipeline", "--touch-host-gb", "0.05", "--block-spans"
+    )
     assert args.func(args) == 0
     assert not (tmp / "ckpt" / "flux1-dev-quick").exists()  # deleted when done (no --keep)
     return json.loads((tmp / "real_flux.json").read_text())
@@ -59,6 +61,14 @@ def test_report_structure(report):
     assert report["machine"]["platform"] == "cpu" and report["machine"]["diffusers"] == diffusers.__version__
     assert "--touch-host-gb 0.05" in report["command"] and report["touch_host"]["bytes"] == 50_000_000
     assert report["touch_host"]["s"] > 0
+    # --block-spans: the resident row and every timed row of ours is asked for its spans (none on the CPU)
+    assert "--block-spans" in report["command"]
+    timed = [
+        v
+        for v in report["model"]["variants"]
+        if "forward_s" in v and (v["variant"] == "resident" or v["variant"].startswith("ours-"))
+    ]
+    assert timed and all(v["forward_profile"] == {"spans": None} for v in timed)
     m = report["model"]
     assert m["name"] == "flux" and m["class"] == "FluxTransformer2DModel" and m["source"].startswith("https://")
     assert m["num_blocks"] == 5 and m["block_bytes"] > 0 and m["checkpoint"]["reused"] is False
