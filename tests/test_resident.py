@@ -200,13 +200,14 @@ def test_priced_plans_fit_and_never_beat_the_bound(blocks, num_slots, where):
     priced = dict(layout_of=_layout_of, num_landing=0, compute=compute, link=link)
     assert choice.device_weight_bytes <= budget
     assert choice.pass_s >= max(sum(compute), choice.h2d_bytes_per_pass / link) * (1 - 1e-9)
-    # the frontier's fastest within the budget, or a plan its local moves found faster
-    assert choice.pass_s <= min(p.pass_s for p in plans if p.device_weight_bytes <= budget)
+    # the frontier's fastest within the budget, or a plan its local moves found faster (topped up: as fast, to the
+    # pass model's resolution)
+    assert choice.pass_s <= min(p.pass_s for p in plans if p.device_weight_bytes <= budget) * (1 + REFINE_GAIN)
     # what the budget leaves is spent: every block left streamed would not fit, or would slow the pass
     for b in set(range(spec.num_blocks)) - set(choice.resident):
         if len(choice.resident) + 1 < spec.num_blocks:
             more = price_plan(spec, replace(choice, resident=tuple(sorted({*choice.resident, b}))), **priced)
-            assert more.device_weight_bytes > budget or more.pass_s > choice.pass_s * (1 + REFINE_GAIN)
+            assert more.device_weight_bytes > budget or more.pass_s > choice.pass_s
     if choice.h2d_bytes_per_pass:  # the pass of the streamed blocks' own layout
         shards = iter(s.shard_bytes for s in _layout_of(with_resident(spec, choice.resident)).shards)
         h2d = tuple(0 if b in choice.resident else next(shards) for b in range(spec.num_blocks))

@@ -441,8 +441,9 @@ class _Pricer:
 
     def topped_up(self, plan: ResidentChoice, budget_bytes: int) -> ResidentChoice:
         """``plan`` with what ``budget_bytes`` leaves spent on more resident blocks, one at a time, while one fits and
-        the pass is not predicted slower (by :data:`REFINE_GAIN`): a plan at the compute keeps its loads' slack,
-        which a load slower than the measured link, or a late host, then eats before the compute waits. Each step
+        the pass is not predicted slower than ``plan``'s (by :data:`REFINE_GAIN`): a plan at the compute keeps its
+        loads' slack, which copies slower than the measured link, or compute slowed beside them, then eat before the
+        compute waits. Each step
         takes the block (streamed, or device-stored) whose plan is fastest with the link :data:`FILL_MARGIN` slower,
         then streams the fewest bytes, then comes first; without compute, the one streaming the fewest bytes."""
         best, slow = plan, None
@@ -461,7 +462,7 @@ class _Pricer:
                     continue
                 if slow is None:
                     options.append(((p.h2d_bytes_per_pass, b), p))
-                elif p.pass_s <= best.pass_s * (1 + REFINE_GAIN):
+                elif p.pass_s <= plan.pass_s * (1 + REFINE_GAIN):  # never more than that slower than ``plan``
                     options.append(((slow(resident, best.num_slots, stored=stored).pass_s, p.h2d_bytes_per_pass, b), p))
             if not options:
                 break
