@@ -70,8 +70,8 @@ by compute, improves its resident set by local moves while the pass model predic
 (:meth:`_Pricer.refined`: the spread places by a smooth credit, and a move can trade one large resident block for
 two small ones, or shift a resident block to where a load needs it); then what the budget leaves goes to more
 resident blocks that do not slow the pass (:meth:`_Pricer.topped_up`): a plan predicted at the compute hides its
-loads with little slack, and the host work and copies the model leaves out eat that slack first. The ring alone
-with nothing resident is the least a budget may be.
+loads with little slack, and what the model leaves out (compute runs slower while a load streams) eats that slack
+first. The ring alone with nothing resident is the least a budget may be.
 """
 
 from __future__ import annotations
