@@ -443,9 +443,9 @@ class _Pricer:
         """``plan`` with what ``budget_bytes`` leaves spent on more resident blocks, one at a time, while one fits and
         the pass is not predicted slower than ``plan``'s (by :data:`REFINE_GAIN`): a plan at the compute keeps its
         loads' slack, which copies slower than the measured link, or compute slowed beside them, then eat before the
-        compute waits. Each step
-        takes the block (streamed, or device-stored) whose plan is fastest with the link :data:`FILL_MARGIN` slower,
-        then streams the fewest bytes, then comes first; without compute, the one streaming the fewest bytes."""
+        compute waits. Each step takes the block (streamed, or device-stored) whose plan is fastest with the link
+        :data:`FILL_MARGIN` slower, then streams the fewest bytes, then comes first; without compute, the one
+        streaming the fewest bytes."""
         best, slow = plan, None
         if self.compute is not None:
             slow = _Pricer(self.spec, self.layout_of, self.num_landing, self.compute, self.link / (1 + FILL_MARGIN))
